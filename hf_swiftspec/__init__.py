@@ -1,0 +1,35 @@
+"""hf_swiftspec: lossless tree speculative decoding for Hugging Face transformers.
+
+    model = SwiftSpecForCausalLM.from_models(target, draft)
+    out = model.generate(input_ids, max_new_tokens=64, swiftspec=True)
+"""
+
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from .cache import TreeCache
+from .config import SwiftSpecConfig
+from .modeling import SwiftSpecForCausalLM
+from .stats import SwiftSpecStats
+from .tree import Subtree, TokenTree
+
+
+def register_auto_classes() -> None:
+    """Make AutoConfig / AutoModelForCausalLM (and so pipeline()) resolve model_type "swiftspec"."""
+    AutoConfig.register("swiftspec", SwiftSpecConfig, exist_ok=True)
+    AutoModelForCausalLM.register(SwiftSpecConfig, SwiftSpecForCausalLM, exist_ok=True)
+
+
+# The one import-time effect, as with any transformers model library: Auto* must know the type
+# before a user calls AutoModelForCausalLM.from_pretrained on a pair repo.
+register_auto_classes()
+
+__all__ = [
+    "SwiftSpecConfig",
+    "SwiftSpecForCausalLM",
+    "SwiftSpecStats",
+    "Subtree",
+    "TokenTree",
+    "TreeCache",
+    "register_auto_classes",
+]
+__version__ = "0.1.0"

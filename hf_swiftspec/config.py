@@ -1,0 +1,76 @@
+"""SwiftSpecConfig: what a pair repo's config.json holds."""
+
+from __future__ import annotations
+
+from transformers import PreTrainedConfig
+
+
+class SwiftSpecConfig(PreTrainedConfig):
+    """A target/draft pair and how to speculate with it.
+
+    Args:
+        target, draft: repo ids or local folders of the two causal LMs.
+        target_revision, draft_revision: pinned revisions (commit shas or tags) of those repos.
+        tree_budget: nodes the target verifies per step, root included. 8 is the smallest
+            tensor-core M; 16 accepts more per step but costs more per verify (SwiftSpec §5).
+        draft_width: unexpanded leaves the draft expands per forward (w in the paper).
+        draft_depth: draft expansions per round; None picks it from measured step times.
+        tree_capacity: node capacity of the draft's token tree and of its KV tree region.
+        placement: device placement of the two models; filled by the placement issue.
+        swiftspec_default: whether `generate()` speculates when `swiftspec=` is not passed.
+    """
+
+    model_type = "swiftspec"
+
+    def __init__(
+        self,
+        target: str | None = None,
+        draft: str | None = None,
+        target_revision: str | None = None,
+        draft_revision: str | None = None,
+        tree_budget: int = 8,
+        draft_width: int = 8,
+        draft_depth: int | None = None,
+        tree_capacity: int = 1024,
+        placement: str | dict | None = None,
+        swiftspec_default: bool = True,
+        **kwargs,
+    ):
+        self.target = target
+        self.draft = draft
+        self.target_revision = target_revision
+        self.draft_revision = draft_revision
+        self.tree_budget = tree_budget
+        self.draft_width = draft_width
+        self.draft_depth = draft_depth
+        self.tree_capacity = tree_capacity
+        self.placement = placement
+        self.swiftspec_default = swiftspec_default
+        super().__init__(**kwargs)
+        self.validate_tree_settings()
+
+    def validate_tree_settings(self) -> None:
+        """Raise ValueError naming the first bad tree setting and what would be valid."""
+        for name in ("tree_budget", "draft_width", "tree_capacity"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"SwiftSpecConfig.{name} must be a positive int, got {value!r}.")
+        if self.tree_budget < 2:
+            raise ValueError(
+                f"SwiftSpecConfig.tree_budget={self.tree_budget}: the target must verify the root and at "
+                "least one draft node; use tree_budget >= 2 (default 8)."
+            )
+        if self.draft_depth is not None and (
+            isinstance(self.draft_depth, bool) or not isinstance(self.draft_depth, int) or self.draft_depth < 1
+        ):
+            raise ValueError(
+                f"SwiftSpecConfig.draft_depth must be None (chosen from measured step times) or a positive "
+                f"int, got {self.draft_depth!r}."
+            )
+        # One round adds draft_width * draft_width children; the tree must also hold the subtree it sends.
+        needed = self.tree_budget + 2 * self.draft_width * self.draft_width
+        if self.tree_capacity < needed:
+            raise ValueError(
+                f"SwiftSpecConfig.tree_capacity={self.tree_capacity} is too small for tree_budget="
+                f"{self.tree_budget} and draft_width={self.draft_width}; use at least {needed}."
+            )

@@ -1,0 +1,172 @@
+"""The two workers of tree speculation. Engines differ only in how they schedule these calls.
+
+DraftWorker owns the draft model, its TreeCache and the TokenTree; TargetWorker owns the
+target model and its TreeCache. Both caches hold the same committed prefix: every verified
+token except the current root, which is tree node 0 on both sides.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel, StoppingCriteriaList
+
+from ..cache import TreeCache
+from ..tree import (
+    Subtree,
+    TokenTree,
+    add_children,
+    expansion_inputs,
+    locate_child,
+    new_tree,
+    reroot,
+    reset_tree,
+    room_for_expansion,
+    select_leaves,
+    select_subtree,
+    subtree_mask,
+)
+from ..verify import Sampler, Verified, verify_tree
+
+
+def tree_attention_mask(prefix_len: int, tree_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive 4D mask (1, 1, Q, prefix_len + S) from a tree-region mask (Q, S) bool.
+
+    Additive (0 / dtype min) rather than bool because eager attention adds whatever it is given.
+    """
+    Q = tree_mask.shape[0]
+    allowed = torch.cat([tree_mask.new_ones(Q, prefix_len), tree_mask], dim=1)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=tree_mask.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+def model_step(model: PreTrainedModel, cache: TreeCache, input_ids, position_ids, attention_mask=None, keep: int = 0):
+    """One forward writing into `cache`; returns float32 logits (Q, V) (only the last `keep` if keep > 0)."""
+    out = model(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        attention_mask=attention_mask,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=keep,
+    )
+    return out.logits[0].float()
+
+
+class TargetWorker:
+    """Runs the target: prefill, then one tree forward + verification walk + commit per step."""
+
+    def __init__(self, model: PreTrainedModel, capacity: int):
+        self.model = model
+        self.device = model.device
+        self.cache = TreeCache(model.config.get_text_config().num_hidden_layers, capacity)
+        self.forwards = 0
+
+    def prefill(self, ids: torch.Tensor) -> None:
+        """Commit the KV of ids (1, n): the prompt without its last token (the first root)."""
+        if ids.shape[1]:
+            positions = torch.arange(ids.shape[1], device=self.device)[None]
+            model_step(self.model, self.cache, ids.to(self.device), positions, keep=1)
+            self.forwards += 1
+        self.cache.seal_prefix()
+
+    def verify(
+        self,
+        subtree: Subtree,
+        context: torch.Tensor,
+        sampler: Sampler,
+        stopping_criteria: StoppingCriteriaList,
+        max_tokens: int,
+    ) -> Verified:
+        """Forward the subtree (T nodes) over the prefix, walk it, commit the accepted path.
+
+        context: (1, L) the whole sequence so far, ending with the root token.
+        """
+        mask, depths = subtree_mask(subtree.parents, self.device)
+        prefix = self.cache.prefix_len
+        input_ids = torch.tensor([subtree.tokens], device=self.device)
+        attn = tree_attention_mask(prefix, mask, self.model.dtype)
+        logits = model_step(self.model, self.cache, input_ids, (prefix + depths)[None], attn)  # (T, V)
+        self.forwards += 1
+        verified = verify_tree(logits, subtree, context.to(self.device), sampler, stopping_criteria, max_tokens)
+        self.cache.commit(torch.tensor(verified.path, device=self.device))
+        return verified
+
+
+class DraftWorker:
+    """Grows the token tree best-first and re-roots it on verified tokens, reusing its KV.
+
+    pending: committed tokens whose draft KV is not computed yet (the prompt at the start, or the
+    last accepted node when it was an unexpanded leaf). They ride along in the next root expansion.
+    """
+
+    def __init__(self, model: PreTrainedModel, capacity: int, tree_capacity: int, width: int, vocab_limit: int):
+        self.model = model
+        self.device = model.device
+        self.cache = TreeCache(model.config.get_text_config().num_hidden_layers, capacity)
+        self.width = width
+        self.vocab_limit = vocab_limit  # the draft never proposes ids the target cannot embed
+        self.tree: TokenTree = new_tree(0, tree_capacity, self.device)
+        self.pending: list[int] = []
+        self.forwards = 0
+
+    def start(self, prompt: torch.Tensor) -> None:
+        """Begin a generation: the prompt (1, L) minus its last token is pending, the last is the root."""
+        ids = prompt[0].tolist()
+        self.pending = ids[:-1]
+        reset_tree(self.tree, ids[-1])
+
+    def expand(self) -> int:
+        """One draft forward over the best `width` unexpanded leaves; returns how many (0 if full)."""
+        tree, cache = self.tree, self.cache
+        leaves = select_leaves(tree, self.width)
+        if not room_for_expansion(tree, leaves.shape[0], self.width):
+            return 0
+        prefix = cache.prefix_len
+        input_ids, positions, mask = expansion_inputs(tree, leaves, prefix)
+        if self.pending:
+            # Only a fresh tree has pending tokens: run them and the root as one causal chain.
+            chain = torch.tensor([self.pending], device=self.device)
+            input_ids = torch.cat([chain, input_ids], dim=1)
+            positions = torch.arange(prefix, prefix + input_ids.shape[1], device=self.device)[None]
+            logits = model_step(self.model, cache, input_ids, positions, keep=1)
+            cache.prefix_len += len(self.pending)
+            self.pending = []
+        else:
+            attn = tree_attention_mask(prefix, mask, self.model.dtype)
+            logits = model_step(self.model, cache, input_ids, positions, attn)
+        self.forwards += 1
+        logprobs = torch.log_softmax(logits[:, : self.vocab_limit], dim=-1)  # (w, V)
+        child_logprobs, child_tokens = logprobs.topk(self.width, dim=-1)
+        add_children(tree, leaves, child_logprobs, child_tokens)
+        return leaves.shape[0]
+
+    def grow(self, expansions: int, budget: int) -> int:
+        """Expand `expansions` times, then until the tree holds `budget` nodes; returns forwards run."""
+        done = 0
+        while done < expansions or self.tree.size < budget:
+            if not self.expand():
+                break
+            done += 1
+        return done
+
+    def propose(self, budget: int) -> Subtree:
+        """The best `budget`-node subtree for the target to verify."""
+        return select_subtree(self.tree, budget)
+
+    def reroot(self, subtree: Subtree, verified: Verified) -> bool:
+        """Follow the verified tokens, commit their KV, keep the subtree under the new root.
+
+        Returns True when the new root was already in the tree (a re-root hit).
+        """
+        tree = self.tree
+        path = [subtree.node_ids[i] for i in verified.path]  # draft-tree nodes: root + accepted
+        child, last_expanded = locate_child(tree, path[-1], verified.tokens[-1])
+        with_kv = path if last_expanded else path[:-1]  # an unexpanded last node has no draft KV yet
+        path_slots = tree.kv_slot[torch.tensor(with_kv, dtype=torch.long, device=self.device)]
+        if child is not None:
+            self.cache.commit(path_slots, reroot(tree, child))
+            return True
+        self.cache.commit(path_slots)
+        self.pending = [] if last_expanded else [subtree.tokens[verified.path[-1]]]
+        reset_tree(tree, verified.tokens[-1])
+        return False

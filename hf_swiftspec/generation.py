@@ -1,0 +1,168 @@
+"""The transformers side of the decode loop: generate()'s arguments in, generate()'s outputs out.
+
+`GenerationMixin.generate` runs on the target with `custom_generate=swiftspec_generate`, so its
+own argument handling (generation config merging, max_length, logits processors, stopping
+criteria with EOS) is exactly the one `target.generate` uses. transformers hands a callable
+neither the streamer nor the tokenizer, so they travel as `swiftspec_*` arguments.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import GenerationConfig, StoppingCriteriaList
+from transformers.generation import GenerateDecoderOnlyOutput, StopStringCriteria
+
+from .config import SwiftSpecConfig
+from .engine import DecodeRequest, DraftWorker, TargetWorker, run_serial
+from .policy import DepthPolicy
+from .stats import SwiftSpecStats
+from .verify import Sampler
+
+UNSUPPORTED_OPTIONS = {
+    "num_beams": 1,
+    "num_return_sequences": 1,
+    "output_attentions": False,
+    "output_hidden_states": False,
+}
+
+
+def swiftspec_generate(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    swiftspec_draft=None,
+    swiftspec_config: SwiftSpecConfig | None = None,
+    swiftspec_streamer=None,
+    swiftspec_generator: torch.Generator | None = None,
+    **model_kwargs,
+) -> tuple[torch.LongTensor | GenerateDecoderOnlyOutput, SwiftSpecStats]:
+    """`custom_generate` callable; `model` is the target. Returns (generate's output, stats)."""
+    try:
+        check_supported_options(generation_config, input_ids)
+        prompt = strip_left_padding(input_ids, model_kwargs.get("attention_mask"))
+        max_new = generation_config.max_length - input_ids.shape[1]
+        config = swiftspec_config
+        check_sliding_windows(model, swiftspec_draft, prompt.shape[1] + max_new + config.tree_capacity)
+        request = DecodeRequest(
+            prompt=prompt,
+            sampler=Sampler(logits_processor, bool(generation_config.do_sample), swiftspec_generator),
+            stopping_criteria=stopping_criteria,
+            max_new_tokens=max(max_new, 0),
+            tree_budget=config.tree_budget,
+            depth=DepthPolicy(fixed=config.draft_depth),
+            on_tokens=(lambda tokens: swiftspec_streamer.put(torch.tensor(tokens))) if swiftspec_streamer else None,
+        )
+        if request.sampler.do_sample and request.sampler.generator is None:
+            request.sampler.generator = generator_from_global_seed(model.device)
+        length = prompt.shape[1] + request.max_new_tokens
+        target = TargetWorker(model, capacity=length + config.tree_budget)
+        draft = DraftWorker(
+            swiftspec_draft,
+            capacity=length + config.tree_capacity,
+            tree_capacity=config.tree_capacity,
+            width=config.draft_width,
+            vocab_limit=model.config.get_text_config().vocab_size,
+        )
+        result = run_serial(target, draft, request) if request.max_new_tokens > 0 else None
+    finally:
+        if swiftspec_streamer is not None:
+            swiftspec_streamer.end()
+    tokens = result.tokens if result else []
+    new = torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)
+    sequences = torch.cat([input_ids, new], dim=1)
+    stats = result.stats if result else SwiftSpecStats()
+    if not generation_config.return_dict_in_generate:
+        return sequences, stats
+    output = GenerateDecoderOnlyOutput(
+        sequences=sequences,
+        scores=tuple(result.scores) if result and generation_config.output_scores else None,
+        logits=tuple(result.logits) if result and generation_config.output_logits else None,
+    )
+    return output, stats
+
+
+def check_supported_options(generation_config: GenerationConfig, input_ids: torch.Tensor) -> None:
+    """Raise ValueError for what speculative decoding does not do yet, naming the value and the way out."""
+    if input_ids.shape[0] != 1:
+        raise ValueError(
+            f"swiftspec=True decodes one sequence at a time (batch size 1); got batch size {input_ids.shape[0]}. "
+            "Call generate() per prompt, or pass swiftspec=False for batched decoding."
+        )
+    for name, allowed in UNSUPPORTED_OPTIONS.items():
+        value = getattr(generation_config, name, allowed)
+        if value not in (allowed, None):
+            raise ValueError(
+                f"{name}={value!r} is not supported with swiftspec=True (only {allowed!r}); pass swiftspec=False."
+            )
+
+
+def strip_left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """The prompt (1, L') without its left padding; any other masked position is an error."""
+    if attention_mask is None:
+        return input_ids
+    keep = attention_mask[0].bool()
+    start = int(keep.long().argmax()) if keep.any() else input_ids.shape[1]
+    if start == input_ids.shape[1] or not bool(keep[start:].all()):
+        raise ValueError(
+            "swiftspec=True accepts an attention_mask that only masks left padding; got "
+            f"{attention_mask[0].tolist()}. Remove the padding or use swiftspec=False."
+        )
+    return input_ids[:, start:]
+
+
+def sliding_window_of(config) -> int | None:
+    """The sliding window a model's attention applies, or None if all layers attend everything."""
+    config = config.get_text_config()
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return window
+
+
+def check_sliding_windows(target, draft, length: int) -> None:
+    """Tree masks replace the model's own mask, so a window shorter than the sequence would be ignored."""
+    for role, model in (("target", target), ("draft", draft)):
+        window = sliding_window_of(model.config)
+        if window is not None and length > window:
+            raise ValueError(
+                f"The {role} ({model.config.model_type}) uses sliding-window attention of {window} tokens, and this "
+                f"generation needs up to {length} positions (prompt + max_new_tokens + tree). Shorten the request "
+                "to fit the window or use swiftspec=False."
+            )
+
+
+def generator_from_global_seed(device: torch.device) -> torch.Generator:
+    """A generator seeded from torch's global RNG, so torch.manual_seed makes sampling reproducible."""
+    seed = int(torch.randint(0, 2**62, (1,)))
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def split_stop_strings(kwargs: dict, generation_config: GenerationConfig | None, default: GenerationConfig):
+    """Take stop_strings out of the arguments (transformers drops the tokenizer for a custom loop).
+
+    Returns (generation_config without stop_strings or None, stop_strings or None).
+    """
+    stop_strings = kwargs.pop("stop_strings", None)
+    for source in (generation_config, default):
+        if stop_strings is None and source is not None and source.stop_strings is not None:
+            stop_strings = source.stop_strings
+    if stop_strings is not None:
+        generation_config = copy.deepcopy(generation_config if generation_config is not None else default)
+        generation_config.stop_strings = None
+    return generation_config, stop_strings
+
+
+def stop_string_criteria(stop_strings, tokenizer, stopping_criteria) -> StoppingCriteriaList:
+    """The user's stopping criteria plus a StopStringCriteria, as generate() would build it."""
+    if tokenizer is None:
+        raise ValueError(
+            f"stop_strings={stop_strings!r} needs the tokenizer: pass tokenizer=... to generate(), as with transformers."
+        )
+    criteria = StoppingCriteriaList(stopping_criteria or [])
+    criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
+    return criteria

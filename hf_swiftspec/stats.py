@@ -1,0 +1,45 @@
+"""What one `generate(swiftspec=True)` call did, kept on `model.swiftspec_stats` afterwards."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class SwiftSpecStats:
+    """Counters and timings of one speculative generation.
+
+    target_forwards counts every target forward (prefill included); verify_steps counts the tree
+    verifications alone, so tau = new_tokens / verify_steps is the mean number of tokens each
+    verification produced (accepted draft tokens plus the target's own next token).
+    """
+
+    engine: str = "serial"
+    attention: str = "sdpa"
+    new_tokens: int = 0
+    target_forwards: int = 0
+    draft_forwards: int = 0
+    verify_steps: int = 0
+    draft_time_s: float = 0.0
+    target_time_s: float = 0.0
+    wall_time_s: float = 0.0
+    draft_depth: float = 0.0  # mean draft expansions per round
+    reroot_hits: int = 0
+    reroot_misses: int = 0
+
+    @property
+    def tau(self) -> float:
+        return self.new_tokens / self.verify_steps if self.verify_steps else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.wall_time_s if self.wall_time_s else 0.0
+
+    def summary(self) -> str:
+        """One line for logs and the command line."""
+        return (
+            f"{self.new_tokens} tokens in {self.wall_time_s:.2f}s ({self.tokens_per_second:.1f} tok/s), "
+            f"tau={self.tau:.2f}, target forwards={self.target_forwards}, draft forwards={self.draft_forwards}, "
+            f"draft {self.draft_time_s:.2f}s / target {self.target_time_s:.2f}s, engine={self.engine}, "
+            f"attention={self.attention}"
+        )

@@ -1,0 +1,82 @@
+"""Tiny models and a character tokenizer for tests, examples and benchmarks; no download needed.
+
+Random weights with a sharpened output head behave like small real LMs for speculation: peaked
+next-token distributions, and a draft cut from the target's own layers agrees with it often.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+ARCH_KWARGS = {
+    "llama": {},
+    "qwen2": {},
+    "mistral": {"sliding_window": None},
+    "qwen3": {"head_dim": 16},
+    "gemma": {"head_dim": 16},
+}
+
+
+def tiny_config(model_type: str = "llama", vocab_size: int = 98, layers: int = 3, hidden: int = 64, **overrides):
+    kwargs = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    kwargs.update(ARCH_KWARGS[model_type])
+    kwargs.update(overrides)
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def tiny_model(model_type: str = "llama", seed: int = 0, attn: str = "sdpa", **overrides):
+    """A randomly initialised causal LM in eval mode, float32, with a plain generation config."""
+    torch.manual_seed(seed)
+    config = tiny_config(model_type, **overrides)
+    config._attn_implementation = attn
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    sharpen(model)
+    return model
+
+
+def sharpen(model, scale: float = 4.0) -> None:
+    """Scale the output head so random models have peaked next-token distributions (like real LMs)."""
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(scale)
+
+
+def truncated_draft(target, keep_layers: int = 1):
+    """A draft made of the target's own embedding, first layers, final norm and head: agrees often."""
+    draft = copy.deepcopy(target)
+    draft.model.layers = draft.model.layers[:keep_layers]
+    draft.config.num_hidden_layers = keep_layers
+    if getattr(draft.config, "layer_types", None) is not None:
+        draft.config.layer_types = draft.config.layer_types[:keep_layers]
+    return draft
+
+
+CHAR_SPECIALS = ["<pad>", "<s>", "</s>"]
+
+
+def char_tokenizer():
+    """A character-level fast tokenizer over printable ASCII: 3 specials + 95 characters = 98 ids."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(CHAR_SPECIALS + [chr(c) for c in range(32, 127)])}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>", padding_side="left"
+    )

@@ -1,0 +1,221 @@
+"""The draft's token tree in fixed-capacity tensors, and the operations on it.
+
+Node 0 is the root: the last verified token, whose KV no model holds yet. Every other node is
+a draft proposal; its score is the sum of draft log-probs from the root, so scores never rise
+along a path and the top-k nodes by score (ties broken towards lower index, and a parent always
+has a lower index than its child) form a connected subtree containing the root.
+
+A node is *expanded* once the draft has run on it: its draft KV then sits at `kv_slot` in the
+draft cache's tree region and its children (the draft's top-k next tokens) are in the tree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TokenTree:
+    """Fixed-capacity token tree (N = capacity). Only the first `size` nodes are live.
+
+    tokens:    (N,) long   token id of each node
+    parents:   (N,) long   parent index, -1 for the root
+    depths:    (N,) long   distance from the root
+    scores:    (N,) float32 cumulative draft log-prob from the root
+    expanded:  (N,) bool   whether the draft has run on the node
+    kv_slot:   (N,) long   index of the node's draft KV in the tree region, -1 if none
+    ancestors: (N, N) bool ancestors[i, j]: j is i or an ancestor of i
+    slot_nodes:(N,) long   node held by each tree-region KV slot
+    size:      live nodes (host int)
+    num_slots: expanded nodes = used KV slots (host int)
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    scores: torch.Tensor
+    expanded: torch.Tensor
+    kv_slot: torch.Tensor
+    ancestors: torch.Tensor
+    slot_nodes: torch.Tensor
+    size: int = 1
+    num_slots: int = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.tokens.shape[0]
+
+
+@dataclass
+class Subtree:
+    """The nodes one target step verifies, in topological order (T nodes, local index 0 = root).
+
+    node_ids: list[int]  indices of the nodes in the draft's tree
+    tokens:   list[int]  token of each node
+    parents:  list[int]  local index of each node's parent, -1 for the root
+    """
+
+    node_ids: list[int]
+    tokens: list[int]
+    parents: list[int]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def new_tree(root_token: int, capacity: int, device: torch.device | str) -> TokenTree:
+    """A tree holding only the root, with room for `capacity` nodes."""
+    long = dict(dtype=torch.long, device=device)
+    tree = TokenTree(
+        tokens=torch.zeros(capacity, **long),
+        parents=torch.full((capacity,), -1, **long),
+        depths=torch.zeros(capacity, **long),
+        scores=torch.full((capacity,), float("-inf"), dtype=torch.float32, device=device),
+        expanded=torch.zeros(capacity, dtype=torch.bool, device=device),
+        kv_slot=torch.full((capacity,), -1, **long),
+        ancestors=torch.zeros(capacity, capacity, dtype=torch.bool, device=device),
+        slot_nodes=torch.zeros(capacity, **long),
+    )
+    reset_tree(tree, root_token)
+    return tree
+
+
+def reset_tree(tree: TokenTree, root_token: int) -> None:
+    """Empty the tree in place, leaving a single unexpanded root carrying `root_token`."""
+    tree.tokens[0] = root_token
+    tree.parents[0] = -1
+    tree.depths[0] = 0
+    tree.scores.fill_(float("-inf"))
+    tree.scores[0] = 0.0
+    tree.expanded.zero_()
+    tree.kv_slot.fill_(-1)
+    tree.ancestors.zero_()
+    tree.ancestors[0, 0] = True
+    tree.size, tree.num_slots = 1, 0
+
+
+def select_leaves(tree: TokenTree, width: int) -> torch.Tensor:
+    """Indices (w,) of the `width` best unexpanded nodes, best first; w = min(width, leaves)."""
+    num_leaves = tree.size - tree.num_slots
+    live = tree.scores[: tree.size].masked_fill(tree.expanded[: tree.size], float("-inf"))
+    # Unexpanded nodes with -inf score still count: take them by index after the finite ones.
+    order = torch.sort(live, descending=True, stable=True).indices
+    unexpanded = ~tree.expanded[: tree.size][order]
+    return order[unexpanded][: min(width, num_leaves)]
+
+
+def room_for_expansion(tree: TokenTree, num_leaves: int, children_per_leaf: int) -> bool:
+    """Whether expanding `num_leaves` leaves fits in the tree's capacity."""
+    return tree.size + num_leaves * children_per_leaf <= tree.capacity
+
+
+def expansion_inputs(tree: TokenTree, leaves: torch.Tensor, prefix_len: int):
+    """Assign KV slots to `leaves` and build the draft forward's inputs.
+
+    Returns input_ids (1, w), position_ids (1, w) and the tree-region mask (w, S) over the
+    S = num_slots + w KV slots after this step: leaf q sees slot s iff the node in s is q or
+    one of its ancestors.
+    """
+    w = leaves.shape[0]
+    slots = torch.arange(tree.num_slots, tree.num_slots + w, device=leaves.device)
+    tree.kv_slot[leaves] = slots
+    tree.slot_nodes[slots] = leaves
+    tree.expanded[leaves] = True
+    tree.num_slots += w
+    mask = tree.ancestors[leaves][:, tree.slot_nodes[: tree.num_slots]]  # (w, S)
+    position_ids = (prefix_len + tree.depths[leaves]).unsqueeze(0)
+    return tree.tokens[leaves].unsqueeze(0), position_ids, mask
+
+
+def add_children(tree: TokenTree, leaves: torch.Tensor, child_logprobs: torch.Tensor, child_tokens: torch.Tensor) -> None:
+    """Append k children under each of the w `leaves`.
+
+    child_logprobs: (w, k) draft log-probs of the children given their leaf
+    child_tokens:   (w, k) their token ids
+    """
+    w, k = child_tokens.shape
+    start, end = tree.size, tree.size + w * k
+    if end > tree.capacity:
+        raise RuntimeError(f"token tree overflow: {end} nodes > capacity {tree.capacity}")
+    new = torch.arange(start, end, device=leaves.device)
+    parents = leaves.repeat_interleave(k)
+    tree.tokens[start:end] = child_tokens.reshape(-1)
+    tree.parents[start:end] = parents
+    tree.depths[start:end] = tree.depths[parents] + 1
+    tree.scores[start:end] = (tree.scores[leaves].unsqueeze(1) + child_logprobs.float()).reshape(-1)
+    tree.ancestors[start:end] = tree.ancestors[parents]
+    tree.ancestors[new, new] = True
+    tree.size = end
+
+
+def select_subtree(tree: TokenTree, budget: int) -> Subtree:
+    """The best `budget` nodes by score (a connected subtree containing the root), in index order.
+
+    One host sync: the target's verification walk needs tokens and parents on the host.
+    """
+    order = torch.sort(tree.scores[: tree.size], descending=True, stable=True).indices
+    node_ids = order[:budget].sort().values  # (T,) topological: parents precede children
+    local = torch.full((tree.size,), -1, dtype=torch.long, device=node_ids.device)
+    local[node_ids] = torch.arange(node_ids.shape[0], device=node_ids.device)
+    parent_ids = tree.parents[node_ids]
+    parents_local = torch.where(parent_ids >= 0, local[parent_ids.clamp(min=0)], -1)
+    ids, tokens, parents = torch.stack([node_ids, tree.tokens[node_ids], parents_local]).tolist()
+    return Subtree(node_ids=ids, tokens=tokens, parents=parents)
+
+
+def subtree_mask(parents: list[int], device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ancestor-or-self mask (T, T) bool and depths (T,) long of a subtree given local parents."""
+    T = len(parents)
+    depths = [0] * T
+    rows = [[False] * T for _ in range(T)]
+    for i, p in enumerate(parents):
+        if p >= 0:
+            rows[i] = list(rows[p])
+            depths[i] = depths[p] + 1
+        rows[i][i] = True
+    return torch.tensor(rows, device=device), torch.tensor(depths, device=device)
+
+
+def locate_child(tree: TokenTree, node: int, token: int) -> tuple[int | None, bool]:
+    """(index of `node`'s child carrying `token` or None, whether `node` is expanded); one host sync."""
+    hit = (tree.parents[: tree.size] == node) & (tree.tokens[: tree.size] == token)
+    first = torch.where(hit.any(), hit.int().argmax(), -1)
+    child, expanded = torch.stack([first, tree.expanded[node].long()]).tolist()
+    return (child if child >= 0 else None), bool(expanded)
+
+
+def reroot(tree: TokenTree, new_root: int) -> torch.Tensor:
+    """Keep only the subtree under `new_root` (which must be a live node), in place.
+
+    Returns the old KV slots (K,) of the surviving expanded nodes, in their new slot order, so the
+    draft cache can move their KV behind the new prefix in the same gather as the verified path.
+    """
+    keep = tree.ancestors[: tree.size, new_root].nonzero().flatten()  # (n,) increasing, root first
+    n = keep.shape[0]
+    remap = torch.full((tree.size,), -1, dtype=torch.long, device=keep.device)
+    remap[keep] = torch.arange(n, device=keep.device)
+    old_slots = tree.kv_slot[keep]
+    kept_slots = old_slots[old_slots >= 0].sort().values  # (K,)
+    slot_remap = torch.full((max(tree.num_slots, 1),), -1, dtype=torch.long, device=keep.device)
+    slot_remap[kept_slots] = torch.arange(kept_slots.shape[0], device=keep.device)
+
+    parents = tree.parents[keep]
+    tree.parents[:n] = torch.where(parents >= 0, remap[parents.clamp(min=0)], -1)
+    tree.parents[0] = -1
+    tree.tokens[:n] = tree.tokens[keep]
+    tree.depths[:n] = tree.depths[keep] - tree.depths[new_root]
+    tree.scores[:n] = tree.scores[keep] - tree.scores[new_root]
+    tree.scores[n:] = float("-inf")
+    tree.expanded[:n] = tree.expanded[keep]
+    tree.expanded[n:] = False
+    tree.kv_slot[:n] = torch.where(old_slots >= 0, slot_remap[old_slots.clamp(min=0)], -1)
+    tree.kv_slot[n:] = -1
+    tree.ancestors[:n, :n] = tree.ancestors[keep][:, keep]
+    tree.ancestors[n:] = False
+    tree.ancestors[:, n:] = False
+    num_kept = kept_slots.shape[0]
+    tree.slot_nodes[:num_kept] = remap[tree.slot_nodes[kept_slots]]
+    tree.size, tree.num_slots = n, num_kept
+    return kept_slots
