@@ -3,7 +3,8 @@
 `GenerationMixin.generate` runs on the target with `custom_generate=swiftspec_generate`, so its
 own argument handling (generation config merging, max_length, logits processors, stopping
 criteria with EOS) is exactly the one `target.generate` uses. transformers hands a callable
-neither the streamer nor the tokenizer, so they travel as `swiftspec_*` arguments.
+neither the streamer nor the tokenizer, so they travel as `swiftspec_*` arguments (the
+wrapper's generate() ends the streamer, also when anything fails).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from transformers import GenerationConfig, StoppingCriteriaList
 from transformers.generation import GenerateDecoderOnlyOutput, StopStringCriteria
 
 from .config import SwiftSpecConfig
-from .engine import DecodeRequest, DraftWorker, TargetWorker, run_serial
+from .engine import DecodeRequest, DecodeResult, DraftWorker, TargetWorker, run_serial
 from .policy import DepthPolicy
 from .stats import SwiftSpecStats
 from .verify import Sampler
@@ -41,63 +42,62 @@ def swiftspec_generate(
     **model_kwargs,
 ) -> tuple[torch.LongTensor | GenerateDecoderOnlyOutput, SwiftSpecStats]:
     """`custom_generate` callable; `model` is the target. Returns (generate's output, stats)."""
-    try:
-        check_supported_options(generation_config, input_ids)
-        prompt = strip_left_padding(input_ids, model_kwargs.get("attention_mask"))
-        max_new = generation_config.max_length - input_ids.shape[1]
-        config = swiftspec_config
-        check_sliding_windows(model, swiftspec_draft, prompt.shape[1] + max_new + config.tree_capacity)
-        request = DecodeRequest(
-            prompt=prompt,
-            sampler=Sampler(logits_processor, bool(generation_config.do_sample), swiftspec_generator),
-            stopping_criteria=stopping_criteria,
-            max_new_tokens=max(max_new, 0),
-            tree_budget=config.tree_budget,
-            depth=DepthPolicy(fixed=config.draft_depth),
-            on_tokens=(lambda tokens: swiftspec_streamer.put(torch.tensor(tokens))) if swiftspec_streamer else None,
-        )
-        if request.sampler.do_sample and request.sampler.generator is None:
-            request.sampler.generator = generator_from_global_seed(model.device)
-        length = prompt.shape[1] + request.max_new_tokens
-        target = TargetWorker(model, capacity=length + config.tree_budget)
-        draft = DraftWorker(
-            swiftspec_draft,
-            capacity=length + config.tree_capacity,
-            tree_capacity=config.tree_capacity,
-            width=config.draft_width,
-            vocab_limit=model.config.get_text_config().vocab_size,
-        )
-        result = run_serial(target, draft, request) if request.max_new_tokens > 0 else None
-    finally:
-        if swiftspec_streamer is not None:
-            swiftspec_streamer.end()
-    tokens = result.tokens if result else []
-    new = torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)
-    sequences = torch.cat([input_ids, new], dim=1)
-    stats = result.stats if result else SwiftSpecStats()
-    if not generation_config.return_dict_in_generate:
-        return sequences, stats
-    output = GenerateDecoderOnlyOutput(
-        sequences=sequences,
-        scores=tuple(result.scores) if result and generation_config.output_scores else None,
-        logits=tuple(result.logits) if result and generation_config.output_logits else None,
+    check_supported_options(generation_config, input_ids)
+    prompt = strip_left_padding(input_ids, model_kwargs.get("attention_mask"))
+    max_new = max(generation_config.max_length - input_ids.shape[1], 0)
+    config = swiftspec_config
+    check_sliding_windows(model, swiftspec_draft, prompt.shape[1] + max_new + config.tree_capacity)
+    sampler = Sampler(logits_processor, bool(generation_config.do_sample), swiftspec_generator)
+    if sampler.do_sample and sampler.generator is None:
+        sampler.generator = generator_from_global_seed(model.device)
+    request = DecodeRequest(
+        prompt=prompt,
+        sampler=sampler,
+        stopping_criteria=stopping_criteria,
+        max_new_tokens=max_new,
+        tree_budget=config.tree_budget,
+        depth=DepthPolicy(fixed=config.draft_depth),
+        on_tokens=(lambda tokens: swiftspec_streamer.put(torch.tensor(tokens))) if swiftspec_streamer else None,
     )
-    return output, stats
+    length = prompt.shape[1] + max_new
+    target = TargetWorker(model, capacity=length + config.tree_budget)
+    draft = DraftWorker(
+        swiftspec_draft,
+        capacity=length + config.tree_capacity,
+        tree_capacity=config.tree_capacity,
+        width=config.draft_width,
+        vocab_limit=model.config.get_text_config().vocab_size,
+    )
+    result = run_serial(target, draft, request) if max_new > 0 else DecodeResult()
+    return generate_output(input_ids, result, generation_config), result.stats
+
+
+def generate_output(input_ids: torch.Tensor, result: DecodeResult, generation_config: GenerationConfig):
+    """What target.generate would return: sequences (1, L + n), or a GenerateDecoderOnlyOutput."""
+    new = torch.tensor([result.tokens], dtype=input_ids.dtype, device=input_ids.device)
+    sequences = torch.cat([input_ids, new], dim=1)
+    if not generation_config.return_dict_in_generate:
+        return sequences
+    return GenerateDecoderOnlyOutput(
+        sequences=sequences,
+        scores=tuple(result.scores) if generation_config.output_scores else None,
+        logits=tuple(result.logits) if generation_config.output_logits else None,
+    )
 
 
 def check_supported_options(generation_config: GenerationConfig, input_ids: torch.Tensor) -> None:
     """Raise ValueError for what speculative decoding does not do yet, naming the value and the way out."""
-    if input_ids.shape[0] != 1:
-        raise ValueError(
-            f"swiftspec=True decodes one sequence at a time (batch size 1); got batch size {input_ids.shape[0]}. "
-            "Call generate() per prompt, or pass swiftspec=False for batched decoding."
-        )
     for name, allowed in UNSUPPORTED_OPTIONS.items():
         value = getattr(generation_config, name, allowed)
         if value not in (allowed, None):
             raise ValueError(
                 f"{name}={value!r} is not supported with swiftspec=True (only {allowed!r}); pass swiftspec=False."
             )
+    if input_ids.shape[0] != 1:
+        raise ValueError(
+            f"swiftspec=True decodes one sequence at a time (batch size 1); got batch size {input_ids.shape[0]}. "
+            "Call generate() per prompt, or pass swiftspec=False for batched decoding."
+        )
 
 
 def strip_left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:

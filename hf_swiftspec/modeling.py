@@ -15,6 +15,7 @@ from .stats import SwiftSpecStats
 # one (B, H, L, D) tensor per layer; each is exercised by tests/test_lossless.py.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 TREE_MASK_ATTENTION = ("sdpa", "eager")
+HUB_KWARGS = ("cache_dir", "token", "local_files_only", "force_download", "proxies")
 
 
 def check_model_supported(model: PreTrainedModel, role: str) -> None:
@@ -85,8 +86,10 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
         go to both models' `from_pretrained`. Weights load as safetensors only.
         """
         kwargs.pop("config", None)
+        revision = kwargs.pop("revision", None)  # the pair repo's; each member has its own pinned one
+        hub = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
         settings = {k: kwargs.pop(k) for k in list(kwargs) if k in SwiftSpecConfig().to_dict() and k != "model_type"}
-        config = SwiftSpecConfig.from_pretrained(pretrained_model_name_or_path, **settings)
+        config = SwiftSpecConfig.from_pretrained(pretrained_model_name_or_path, revision=revision, **hub, **settings)
         for role in ("target", "draft"):
             if not getattr(config, role):
                 raise ValueError(f"Pair config at {pretrained_model_name_or_path!r} has no {role!r} entry.")
@@ -149,20 +152,24 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
         generation_config, stop_strings = split_stop_strings(kwargs, generation_config, self.generation_config)
         if stop_strings is not None:
             stopping_criteria = stop_string_criteria(stop_strings, tokenizer, stopping_criteria)
-        output, self.swiftspec_stats = GenerationMixin.generate(
-            self.target,
-            inputs,
-            generation_config=generation_config,
-            logits_processor=logits_processor,
-            stopping_criteria=stopping_criteria,
-            streamer=streamer,
-            custom_generate=swiftspec_generate,
-            swiftspec_draft=self.draft,
-            swiftspec_config=self.config,
-            swiftspec_streamer=streamer,
-            swiftspec_generator=generator,
-            **kwargs,
-        )
+        try:
+            output, self.swiftspec_stats = GenerationMixin.generate(
+                self.target,
+                inputs,
+                generation_config=generation_config,
+                logits_processor=logits_processor,
+                stopping_criteria=stopping_criteria,
+                streamer=streamer,
+                custom_generate=swiftspec_generate,
+                swiftspec_draft=self.draft,
+                swiftspec_config=self.config,
+                swiftspec_streamer=streamer,
+                swiftspec_generator=generator,
+                **kwargs,
+            )
+        finally:
+            if streamer is not None:  # a consumer iterating a TextIteratorStreamer must never hang
+                streamer.end()
         return output
 
 

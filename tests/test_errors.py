@@ -1,0 +1,96 @@
+"""Bad input gets a clear error that names the value and the fix."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config
+
+from hf_swiftspec import SwiftSpecConfig, SwiftSpecForCausalLM
+from hf_swiftspec.testing import tiny_model, truncated_draft
+
+
+@pytest.fixture(scope="module")
+def model():
+    target = tiny_model("llama", seed=0)
+    return SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 1))
+
+
+def test_vocabulary_mismatch_names_both_sizes():
+    with pytest.raises(ValueError, match=r"target vocab_size=98, draft vocab_size=50"):
+        SwiftSpecForCausalLM.from_models(tiny_model("llama"), tiny_model("llama", vocab_size=50))
+
+
+@pytest.mark.parametrize(
+    "settings, match",
+    [
+        (dict(tree_budget=1), "tree_budget=1"),
+        (dict(tree_budget=0), "tree_budget must be a positive int, got 0"),
+        (dict(draft_width="8"), "draft_width must be a positive int, got '8'"),
+        (dict(draft_depth=0), "draft_depth must be None"),
+        (dict(draft_depth=True), "draft_depth must be None"),
+        (dict(tree_capacity=20), "tree_capacity=20 is too small"),
+    ],
+)
+def test_invalid_tree_settings(settings, match):
+    with pytest.raises(ValueError, match=match):
+        SwiftSpecConfig(**settings)
+
+
+def test_settings_changed_after_loading_are_validated(model):
+    model.config.tree_budget = -3
+    try:
+        with pytest.raises(ValueError, match="tree_budget must be a positive int, got -3"):
+            model.generate(torch.tensor([[4, 5]]), max_new_tokens=3)
+    finally:
+        model.config.tree_budget = 8
+
+
+def test_batch_larger_than_one(model):
+    with pytest.raises(ValueError, match="batch size 1\\); got batch size 3"):
+        model.generate(torch.ones(3, 4, dtype=torch.long), max_new_tokens=3)
+    # the plain path still does batches
+    assert model.generate(torch.ones(3, 4, dtype=torch.long), max_new_tokens=3, swiftspec=False).shape == (3, 7)
+
+
+@pytest.mark.parametrize("option", [dict(num_beams=2), dict(num_return_sequences=2, do_sample=True)])
+def test_unsupported_generation_options(model, option):
+    name = next(iter(option))
+    with pytest.raises(ValueError, match=f"{name}=2 is not supported with swiftspec=True"):
+        model.generate(torch.tensor([[4, 5]]), max_new_tokens=3, **option)
+
+
+def test_assistant_model_is_refused(model):
+    with pytest.raises(ValueError, match="brings its own draft"):
+        model.generate(torch.tensor([[4, 5]]), max_new_tokens=3, assistant_model=model.draft)
+
+
+def test_unsupported_architecture_named():
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=98, n_layer=1, n_embd=32, n_head=2))
+    with pytest.raises(ValueError, match="target model type 'gpt2' is not supported"):
+        SwiftSpecForCausalLM.from_models(gpt2, tiny_model("llama"))
+    with pytest.raises(ValueError, match="draft model type 'gpt2' is not supported"):
+        SwiftSpecForCausalLM.from_models(tiny_model("llama"), gpt2)
+
+
+def test_attention_that_cannot_take_a_tree_mask():
+    target = tiny_model("llama")
+    target.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="attn_implementation='flash_attention_2'"):
+        SwiftSpecForCausalLM.from_models(target, tiny_model("llama"))
+
+
+def test_sliding_window_shorter_than_the_request():
+    target = tiny_model("mistral", sliding_window=64)
+    model = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 1), tree_capacity=200)
+    with pytest.raises(ValueError, match="sliding-window attention of 64 tokens"):
+        model.generate(torch.tensor([[4, 5, 6]]), max_new_tokens=10)
+
+
+def test_right_padding_is_refused(model):
+    ids = torch.tensor([[4, 5, 6, 0]])
+    with pytest.raises(ValueError, match="only masks left padding"):
+        model.generate(ids, attention_mask=torch.tensor([[1, 1, 1, 0]]), max_new_tokens=3)
+
+
+def test_wrapper_without_models():
+    with pytest.raises(ValueError, match="from_models"):
+        SwiftSpecForCausalLM(SwiftSpecConfig())

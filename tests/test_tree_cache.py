@@ -1,0 +1,156 @@
+"""Tree masks and the tree cache against independent references: plain causal forwards."""
+
+import pytest
+import torch
+from transformers import LogitsProcessorList, StoppingCriteriaList
+
+from hf_swiftspec.cache import TreeCache
+from hf_swiftspec.engine.workers import DraftWorker, TargetWorker, model_step, tree_attention_mask
+from hf_swiftspec.tree import Subtree, subtree_mask
+from hf_swiftspec.verify import Sampler
+
+ATOL = 2e-5
+
+
+def causal_logits(model, ids):
+    """Logits (L, V) of a fresh forward over ids (list of ints), no cache."""
+    return model(torch.tensor([ids])).logits[0].float()
+
+
+def random_parents(n, gen, shape):
+    if shape == "chain":
+        return [-1] + list(range(n - 1))
+    if shape == "star":
+        return [-1] + [0] * (n - 1)
+    return [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+
+
+def path_to(parents, tokens, i):
+    path = []
+    while i >= 0:
+        path.append(tokens[i])
+        i = parents[i]
+    return path[::-1]
+
+
+def tree_forward(model, cache, tokens, parents):
+    mask, depths = subtree_mask(parents, "cpu")
+    attn = tree_attention_mask(cache.prefix_len, mask, model.dtype)
+    ids = torch.tensor([tokens])
+    return model_step(model, cache, ids, (cache.prefix_len + depths)[None], attn)
+
+
+@pytest.mark.parametrize("shape", ["chain", "star", "random"])
+@pytest.mark.parametrize("prefix_len", [0, 1, 9])
+def test_tree_masked_logits_equal_per_branch_causal_logits(llama_pair, shape, prefix_len):
+    target = llama_pair[0]
+    gen = torch.Generator().manual_seed(prefix_len)
+    prefix = torch.randint(3, 98, (prefix_len,), generator=gen).tolist()
+    tokens = torch.randint(3, 98, (13,), generator=gen).tolist()
+    parents = random_parents(13, gen, shape)
+    cache = TreeCache(target.config.num_hidden_layers, 64)
+    if prefix:
+        model_step(target, cache, torch.tensor([prefix]), torch.arange(prefix_len)[None], keep=1)
+        cache.seal_prefix()
+    logits = tree_forward(target, cache, tokens, parents)
+    for i in range(13):
+        expected = causal_logits(target, prefix + path_to(parents, tokens, i))[-1]
+        torch.testing.assert_close(logits[i], expected, atol=ATOL, rtol=0)
+
+
+def test_chain_tree_equals_causal_decoding(llama_pair):
+    target = llama_pair[0]
+    ids = torch.randint(3, 98, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    cache = TreeCache(target.config.num_hidden_layers, 64)
+    model_step(target, cache, torch.tensor([ids[:8]]), torch.arange(8)[None], keep=1)
+    cache.seal_prefix()
+    logits = tree_forward(target, cache, ids[8:], [-1] + list(range(11)))
+    torch.testing.assert_close(logits, causal_logits(target, ids)[8:], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_commit_then_next_step_equals_fresh_forward(llama_pair, seed):
+    target = llama_pair[0]
+    gen = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(3, 98, (6,), generator=gen).tolist()
+    cache = TreeCache(target.config.num_hidden_layers, 64)
+    model_step(target, cache, torch.tensor([prefix]), torch.arange(6)[None], keep=1)
+    cache.seal_prefix()
+    committed = list(prefix)
+    for _ in range(3):  # several rounds: commits stack up behind the prefix
+        tokens = torch.randint(3, 98, (10,), generator=gen).tolist()
+        parents = random_parents(10, gen, "random")
+        tree_forward(target, cache, tokens, parents)
+        node = int(torch.randint(0, 10, (1,), generator=gen))
+        path_nodes = []
+        while node >= 0:
+            path_nodes.append(node)
+            node = parents[node]
+        path_nodes.reverse()
+        cache.commit(torch.tensor(path_nodes))
+        committed += [tokens[i] for i in path_nodes]
+        assert cache.prefix_len == cache.length == len(committed)
+    nxt = [5, 6, 7]
+    logits = tree_forward(target, cache, nxt, [-1, 0, 1])
+    torch.testing.assert_close(logits, causal_logits(target, committed + nxt)[-3:], atol=ATOL, rtol=0)
+
+
+def test_draft_keeps_surviving_kv_across_reroots(llama_pair):
+    """Every draft expansion, before and after re-roots, matches a fresh causal forward."""
+    target, draft_model, _ = llama_pair
+    prompt = torch.randint(3, 98, (1, 9), generator=torch.Generator().manual_seed(3))
+    target_w = TargetWorker(target, capacity=128)
+    draft = DraftWorker(draft_model, capacity=512, tree_capacity=400, width=4, vocab_limit=98)
+    target_w.prefill(prompt[:, :-1])
+    draft.start(prompt)
+    sequence = prompt
+    sampler = Sampler(LogitsProcessorList(), do_sample=False)
+    hits = 0
+    for _ in range(8):
+        for _ in range(3):
+            tree = draft.tree
+            before = tree.size
+            assert draft.expand() > 0
+            new = torch.arange(before, tree.size)
+            leaves = tree.parents[new].unique()
+            committed = sequence[0, :-1].tolist()
+            for leaf in leaves.tolist():
+                path = []
+                node = leaf
+                while node >= 0:
+                    path.append(int(tree.tokens[node]))
+                    node = int(tree.parents[node])
+                fresh = torch.log_softmax(causal_logits(draft_model, committed + path[::-1])[-1], -1)
+                children = new[tree.parents[new] == leaf]
+                got = tree.scores[children] - tree.scores[leaf]
+                torch.testing.assert_close(got, fresh[tree.tokens[children]], atol=ATOL, rtol=0)
+        subtree = draft.propose(8)
+        verified = target_w.verify(subtree, sequence, sampler, StoppingCriteriaList(), 100)
+        sequence = torch.cat([sequence, torch.tensor([verified.tokens])], dim=1)
+        hits += draft.reroot(subtree, verified)
+        assert draft.cache.prefix_len == target_w.cache.prefix_len == sequence.shape[1] - 1 - len(draft.pending)
+    assert hits > 0  # the surviving-subtree path was exercised
+
+
+def test_subtree_mask_is_ancestor_or_self():
+    mask, depths = subtree_mask([-1, 0, 0, 1, 3, 2], "cpu")
+    assert depths.tolist() == [0, 1, 1, 2, 3, 2]
+    assert mask[4].tolist() == [True, True, False, True, True, False]
+    assert mask[5].tolist() == [True, False, True, False, False, True]
+
+
+def test_subtree_from_select_is_connected(llama_pair):
+    _, draft_model, _ = llama_pair
+    draft = DraftWorker(draft_model, capacity=256, tree_capacity=300, width=8, vocab_limit=98)
+    draft.start(torch.tensor([[5, 6, 7]]))
+    for _ in range(4):
+        draft.expand()
+    tree = draft.tree
+    for budget in (2, 8, 16, 33):
+        sub: Subtree = draft.propose(budget)
+        assert len(sub) == budget and sub.parents[0] == -1
+        assert all(0 <= p < i for i, p in enumerate(sub.parents) if i)
+        chosen = tree.scores[torch.tensor(sub.node_ids)]
+        rest = torch.ones(tree.size, dtype=torch.bool)
+        rest[torch.tensor(sub.node_ids)] = False
+        assert chosen.min() >= tree.scores[: tree.size][rest].max()  # the best nodes by score
