@@ -39,14 +39,14 @@ def tiny_config(model_type: str = "llama", vocab_size: int = 98, layers: int = 3
     return AutoConfig.for_model(model_type, **kwargs)
 
 
-def tiny_model(model_type: str = "llama", seed: int = 0, attn: str = "sdpa", **overrides):
+def tiny_model(model_type: str = "llama", seed: int = 0, attn: str = "sdpa", sharpness: float = 4.0, **overrides):
     """A randomly initialised causal LM in eval mode, float32, with a plain generation config."""
     torch.manual_seed(seed)
     config = tiny_config(model_type, **overrides)
     config._attn_implementation = attn
     model = AutoModelForCausalLM.from_config(config).eval()
     model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    sharpen(model)
+    sharpen(model, sharpness)
     return model
 
 

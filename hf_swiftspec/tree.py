@@ -96,14 +96,17 @@ def reset_tree(tree: TokenTree, root_token: int) -> None:
     tree.size, tree.num_slots = 1, 0
 
 
-def select_leaves(tree: TokenTree, width: int) -> torch.Tensor:
-    """Indices (w,) of the `width` best unexpanded nodes, best first; w = min(width, leaves)."""
-    num_leaves = tree.size - tree.num_slots
-    live = tree.scores[: tree.size].masked_fill(tree.expanded[: tree.size], float("-inf"))
-    # Unexpanded nodes with -inf score still count: take them by index after the finite ones.
-    order = torch.sort(live, descending=True, stable=True).indices
-    unexpanded = ~tree.expanded[: tree.size][order]
-    return order[unexpanded][: min(width, num_leaves)]
+def select_leaves(tree: TokenTree, width: int, within: int | None = None) -> torch.Tensor:
+    """Indices (w,) of the best unexpanded nodes, best first, w <= width.
+
+    within: only consider the best `within` nodes of the tree. With within = tree_budget this
+    picks exactly the leaves whose children could still enter the subtree the target will
+    verify; none left means that subtree is final.
+    """
+    order = torch.sort(tree.scores[: tree.size], descending=True, stable=True).indices
+    if within is not None:
+        order = order[:within]
+    return order[~tree.expanded[order]][:width]
 
 
 def room_for_expansion(tree: TokenTree, num_leaves: int, children_per_leaf: int) -> bool:

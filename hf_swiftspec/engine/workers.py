@@ -115,11 +115,12 @@ class DraftWorker:
         self.pending = ids[:-1]
         reset_tree(self.tree, ids[-1])
 
-    def expand(self) -> int:
-        """One draft forward over the best `width` unexpanded leaves; returns how many (0 if full)."""
+    def expand(self, within: int | None = None) -> int:
+        """One draft forward over the best `width` unexpanded leaves (among the best `within`
+        nodes if given); returns how many were expanded (0: none left, or the tree is full)."""
         tree, cache = self.tree, self.cache
-        leaves = select_leaves(tree, self.width)
-        if not room_for_expansion(tree, leaves.shape[0], self.width):
+        leaves = select_leaves(tree, self.width, within)
+        if not leaves.shape[0] or not room_for_expansion(tree, leaves.shape[0], self.width):
             return 0
         prefix = cache.prefix_len
         input_ids, positions, mask = expansion_inputs(tree, leaves, prefix)
@@ -140,12 +141,13 @@ class DraftWorker:
         add_children(tree, leaves, child_logprobs, child_tokens)
         return leaves.shape[0]
 
-    def grow(self, expansions: int, budget: int) -> int:
-        """Expand `expansions` times, then until the tree holds `budget` nodes; returns forwards run."""
+    def grow(self, max_expansions: int, budget: int) -> int:
+        """Expand leaves that could still enter the best `budget`-node subtree, until it is final
+        or after `max_expansions`; then top up to `budget` nodes. Returns forwards run."""
         done = 0
-        while done < expansions or self.tree.size < budget:
-            if not self.expand():
-                break
+        while done < max_expansions and self.expand(within=budget):
+            done += 1
+        while self.tree.size < budget and self.expand():
             done += 1
         return done
 
