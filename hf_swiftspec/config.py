@@ -18,6 +18,8 @@ class SwiftSpecConfig(PreTrainedConfig):
         tree_capacity: node capacity of the draft's token tree and of its KV tree region.
         placement: device placement of the two models; filled by the placement issue.
         swiftspec_default: whether `generate()` speculates when `swiftspec=` is not passed.
+        worker_timeout_s: longest wait for the other worker of the asynchronous engine before
+            generate() raises (a dead or stuck worker never hangs a call).
     """
 
     model_type = "swiftspec"
@@ -34,6 +36,7 @@ class SwiftSpecConfig(PreTrainedConfig):
         tree_capacity: int = 1024,
         placement: str | dict | None = None,
         swiftspec_default: bool = True,
+        worker_timeout_s: float = 60.0,
         **kwargs,
     ):
         self.target = target
@@ -46,6 +49,7 @@ class SwiftSpecConfig(PreTrainedConfig):
         self.tree_capacity = tree_capacity
         self.placement = placement
         self.swiftspec_default = swiftspec_default
+        self.worker_timeout_s = worker_timeout_s
         super().__init__(**kwargs)
         self.validate_tree_settings()
 
@@ -67,6 +71,10 @@ class SwiftSpecConfig(PreTrainedConfig):
                 f"SwiftSpecConfig.draft_depth must be None (chosen from measured step times) or a positive "
                 f"int, got {self.draft_depth!r}."
             )
+        if isinstance(self.worker_timeout_s, bool) or not isinstance(self.worker_timeout_s, (int, float)) or not (
+            self.worker_timeout_s > 0
+        ):
+            raise ValueError(f"SwiftSpecConfig.worker_timeout_s must be a positive number of seconds, got {self.worker_timeout_s!r}.")
         # One round adds draft_width * draft_width children; the tree must also hold the subtree it sends.
         needed = self.tree_budget + 2 * self.draft_width * self.draft_width
         if self.tree_capacity < needed:

@@ -16,7 +16,8 @@ from transformers import GenerationConfig, StoppingCriteriaList
 from transformers.generation import GenerateDecoderOnlyOutput, StopStringCriteria
 
 from .config import SwiftSpecConfig
-from .engine import DecodeRequest, DecodeResult, DraftWorker, TargetWorker, run_serial
+from .engine import DecodeRequest, DecodeResult, DraftWorker, TargetWorker, run_serial, run_threads
+from .placement import Placement
 from .policy import DepthPolicy
 from .stats import SwiftSpecStats
 from .verify import Sampler
@@ -37,6 +38,7 @@ def swiftspec_generate(
     generation_config: GenerationConfig,
     swiftspec_draft=None,
     swiftspec_config: SwiftSpecConfig | None = None,
+    swiftspec_placement: Placement | None = None,
     swiftspec_streamer=None,
     swiftspec_generator: torch.Generator | None = None,
     **model_kwargs,
@@ -68,8 +70,17 @@ def swiftspec_generate(
         width=config.draft_width,
         vocab_limit=model.config.get_text_config().vocab_size,
     )
-    result = run_serial(target, draft, request) if max_new > 0 else DecodeResult()
+    result = run_engine(swiftspec_placement, target, draft, request, config) if max_new > 0 else DecodeResult()
     return generate_output(input_ids, result, generation_config), result.stats
+
+
+def run_engine(placement: Placement | None, target, draft, request: DecodeRequest, config) -> DecodeResult:
+    """The serial loop on one device; the asynchronous one when the draft has its own device."""
+    if placement is None or placement.mode == "serial":
+        return run_serial(target, draft, request)
+    if placement.mode == "threads":
+        return run_threads(target, draft, request, timeout_s=config.worker_timeout_s)
+    raise NotImplementedError(f"placement mode {placement.mode!r}")
 
 
 def generate_output(input_ids: torch.Tensor, result: DecodeResult, generation_config: GenerationConfig):

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 
 from .config import SwiftSpecConfig
 from .generation import split_stop_strings, stop_string_criteria, swiftspec_generate
+from .placement import place_models, resolve_placement
 from .stats import SwiftSpecStats
 
 # Architectures whose attention takes a 4D tree mask with explicit position ids and whose KV is
@@ -66,8 +67,12 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
         check_model_supported(target, "target")
         check_model_supported(draft, "draft")
         check_vocabularies(target, draft)
+        self.placement = resolve_placement(config.placement, target.config)
         self.target = target
         self.draft = draft
+        place_models(self.placement, target, draft)
+        if self.placement.device_map is not None:
+            self.hf_device_map = self.placement.device_map  # pipeline() then leaves the devices alone
         self.generation_config = target.generation_config  # one object: both paths use the same defaults
         self.swiftspec_stats: SwiftSpecStats | None = None
 
@@ -163,6 +168,7 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
                 custom_generate=swiftspec_generate,
                 swiftspec_draft=self.draft,
                 swiftspec_config=self.config,
+                swiftspec_placement=self.placement,
                 swiftspec_streamer=streamer,
                 swiftspec_generator=generator,
                 **kwargs,

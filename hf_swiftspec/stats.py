@@ -26,10 +26,16 @@ class SwiftSpecStats:
     draft_depth: float = 0.0  # mean draft expansions per round
     reroot_hits: int = 0
     reroot_misses: int = 0
+    target_idle_s: float = 0.0  # target waiting for a subtree (async engines)
+    in_flight_expansions: int = 0  # draft expansions run while a verification was in flight
 
     @property
     def tau(self) -> float:
         return self.new_tokens / self.verify_steps if self.verify_steps else 0.0
+
+    @property
+    def target_idle_fraction(self) -> float:
+        return self.target_idle_s / self.wall_time_s if self.wall_time_s else 0.0
 
     @property
     def tokens_per_second(self) -> float:
@@ -40,6 +46,7 @@ class SwiftSpecStats:
         return (
             f"{self.new_tokens} tokens in {self.wall_time_s:.2f}s ({self.tokens_per_second:.1f} tok/s), "
             f"tau={self.tau:.2f}, target forwards={self.target_forwards}, draft forwards={self.draft_forwards}, "
-            f"draft {self.draft_time_s:.2f}s / target {self.target_time_s:.2f}s, engine={self.engine}, "
+            f"draft {self.draft_time_s:.2f}s / target {self.target_time_s:.2f}s, "
+            f"target idle {100 * self.target_idle_fraction:.0f}%, engine={self.engine}, "
             f"attention={self.attention}"
         )

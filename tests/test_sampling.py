@@ -3,7 +3,7 @@
 Each case draws N two-token continuations with swiftspec=True (one seed per draw) and runs a
 chi-square goodness-of-fit test against the exact joint distribution P(t1) P(t2 | t1) computed
 from the target with transformers' own warpers. Bins expected below 5 are pooled. Each case fails
-at p < 1e-3, so the false-alarm rate of the whole file (4 cases) is below 0.4%.
+at p < 1e-3, so the false-alarm rate of the whole file (5 cases) is below 0.5%.
 """
 
 import pytest
@@ -60,16 +60,18 @@ def pooled_chisquare(counts, expected):
         dict(temperature=0.7, top_k=5),
         dict(temperature=1.3, top_p=0.8),
         dict(temperature=0.7, top_k=0, top_p=1.0, draft="random"),
+        dict(temperature=0.9, top_k=6, placement={"target": ["cpu"], "draft": ["cpu"]}),
     ],
-    ids=["t1", "t0.7-topk5", "t1.3-topp0.8", "random-draft"],
+    ids=["t1", "t0.7-topk5", "t1.3-topp0.8", "random-draft", "async-threads"],
 )
 def test_first_tokens_follow_target_distribution(kwargs):
     kwargs = dict(kwargs)
     draft_kind = kwargs.pop("draft", "agreeing")
+    placement = kwargs.pop("placement", None)
     target = tiny_model("llama", seed=3, vocab_size=VOCAB)
     target.generation_config.eos_token_id = None  # every draw has two tokens
     draft = truncated_draft(target, 2) if draft_kind == "agreeing" else tiny_model("llama", seed=4, vocab_size=VOCAB, layers=1)
-    model = SwiftSpecForCausalLM.from_models(target, draft, tree_budget=6, draft_width=3)
+    model = SwiftSpecForCausalLM.from_models(target, draft, tree_budget=6, draft_width=3, placement=placement)
     prompt = torch.tensor([[3, 7, 5, 9]])
     expected = exact_joint(target, prompt, warpers(kwargs.get("temperature", 1.0), kwargs.get("top_k"), kwargs.get("top_p")))
     counts = torch.zeros(VOCAB * VOCAB, dtype=torch.float64)

@@ -1,7 +1,17 @@
-"""Decode engines: the serial loop here; the asynchronous one reuses the same workers."""
+"""Decode engines: serial and asynchronous loops over the same two workers."""
 
+from .asynchronous import run_threads
+from .links import SwiftSpecWorkerError
 from .request import DecodeRequest, DecodeResult
 from .serial import run_serial
 from .workers import DraftWorker, TargetWorker
 
-__all__ = ["DecodeRequest", "DecodeResult", "DraftWorker", "TargetWorker", "run_serial"]
+__all__ = [
+    "DecodeRequest",
+    "DecodeResult",
+    "DraftWorker",
+    "SwiftSpecWorkerError",
+    "TargetWorker",
+    "run_serial",
+    "run_threads",
+]

@@ -1,0 +1,97 @@
+"""How the two workers of the asynchronous engine talk: one protocol, two transports.
+
+The draft side sends a `Subtree` (or a failure); the target side answers with a `Verdict`
+(or a failure). Both are small host-side lists. `ThreadLink` carries them between two threads
+of one process; `engine/distributed.py` carries the same messages between process groups.
+Every wait has a timeout, so a dead or stuck worker becomes an exception, never a hang.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from ..tree import Subtree
+
+
+class SwiftSpecWorkerError(RuntimeError):
+    """A worker of the asynchronous engine failed or went silent; the message names which."""
+
+
+@dataclass
+class Verdict:
+    """The target's answer to one subtree: emitted tokens, the accepted path (local subtree
+    indices, root first) and whether generation is over."""
+
+    tokens: list[int]
+    path: list[int]
+    finished: bool
+
+
+@dataclass
+class Failure:
+    """Sent instead of a message when a worker raised, so its peer stops waiting at once."""
+
+    worker: str
+    error: BaseException
+
+
+class LinkClosed(Exception):
+    """The peer asked this worker to stop (generation is over or failed elsewhere)."""
+
+
+class ThreadLink:
+    """Two queues between the target (main thread) and the draft (a worker thread).
+
+    timeout_s bounds every wait; poll_s is how often a wait looks at the stop flag.
+    """
+
+    def __init__(self, timeout_s: float, poll_s: float = 0.05):
+        self.timeout_s, self.poll_s = timeout_s, poll_s
+        self.proposals: queue.Queue = queue.Queue()
+        self.verdicts: queue.Queue = queue.Queue()
+        self.stopped = threading.Event()
+
+    # draft side
+    def send_subtree(self, subtree: Subtree) -> None:
+        self.proposals.put(subtree)
+
+    def verdict_ready(self) -> bool:
+        return not self.verdicts.empty()
+
+    def receive_verdict(self) -> Verdict:
+        return self._get(self.verdicts, "target")
+
+    def report_failure(self, worker: str, error: BaseException) -> None:
+        self.proposals.put(Failure(worker, error))
+
+    # target side
+    def receive_subtree(self) -> Subtree:
+        return self._get(self.proposals, "draft")
+
+    def send_verdict(self, verdict: Verdict) -> None:
+        self.verdicts.put(verdict)
+
+    def close(self) -> None:
+        """Tell the draft to stop at its next wait or step."""
+        self.stopped.set()
+
+    def _get(self, q: queue.Queue, peer: str):
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                item = q.get(timeout=self.poll_s)
+            except queue.Empty:
+                if self.stopped.is_set() and peer == "target":
+                    raise LinkClosed() from None
+                if time.monotonic() > deadline:
+                    raise SwiftSpecWorkerError(
+                        f"the {peer} worker sent nothing for {self.timeout_s:.0f}s (SwiftSpecConfig.worker_timeout_s); "
+                        "it is stuck or died. Both workers were stopped."
+                    ) from None
+                continue
+            if isinstance(item, Failure):
+                raise SwiftSpecWorkerError(f"the {item.worker} worker failed: {item.error!r}") from item.error
+            return item

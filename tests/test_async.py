@@ -1,0 +1,122 @@
+"""The asynchronous engine (threads in one process): lossless, really overlapped, fails loudly."""
+
+import time
+
+import pytest
+import torch
+
+from hf_swiftspec import SwiftSpecForCausalLM
+from hf_swiftspec.engine import SwiftSpecWorkerError
+from hf_swiftspec.placement import resolve_placement
+from hf_swiftspec.testing import tiny_model, truncated_draft
+
+CPU_THREADS = {"target": ["cpu"], "draft": ["cpu"]}
+
+
+def prompts(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 98, (1, L), generator=g) for L in [1, 3, 8, 21, 40, 2, 5, 13][:n]]
+
+
+@pytest.mark.parametrize("draft_kind", ["agreeing", "random"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_async_threads_greedy_equals_target(arch, draft_kind):
+    target = tiny_model(arch, seed=2)
+    draft = truncated_draft(target, 2) if draft_kind == "agreeing" else tiny_model(arch, seed=9, layers=1)
+    model = SwiftSpecForCausalLM.from_models(target, draft, placement=CPU_THREADS, tree_budget=6, draft_width=4)
+    for p in prompts(8, seed=len(arch)):
+        expected = target.generate(p, do_sample=False, max_new_tokens=40, repetition_penalty=1.1)
+        out = model.generate(p, do_sample=False, max_new_tokens=40, repetition_penalty=1.1)
+        assert out.tolist() == expected.tolist()
+        assert model.swiftspec_stats.engine == "async-threads"
+
+
+def slow_down(model, seconds):
+    return model.register_forward_hook(lambda *args: time.sleep(seconds))
+
+
+def test_draft_expands_while_the_target_verifies(llama_pair):
+    target, draft, _ = llama_pair
+    model = SwiftSpecForCausalLM.from_models(target, draft, placement=CPU_THREADS)
+    hook = slow_down(target, 0.02)
+    try:
+        p = prompts(4)[3]
+        out = model.generate(p, do_sample=False, max_new_tokens=30)
+    finally:
+        hook.remove()
+    assert out.tolist() == target.generate(p, do_sample=False, max_new_tokens=30).tolist()
+    stats = model.swiftspec_stats
+    assert stats.in_flight_expansions > 0
+    assert stats.reroot_hits + stats.reroot_misses == stats.verify_steps - 1
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def fail_after(model, calls):
+    count = {"n": 0}
+
+    def hook(*args):
+        count["n"] += 1
+        if count["n"] > calls:
+            raise Boom(f"injected failure after {calls} forwards")
+
+    return model.register_forward_hook(hook)
+
+
+@pytest.mark.parametrize("worker", ["draft", "target"])
+def test_worker_failure_surfaces_and_the_next_call_works(llama_pair, worker):
+    target, draft, _ = llama_pair
+    model = SwiftSpecForCausalLM.from_models(target, draft, placement=CPU_THREADS, worker_timeout_s=20)
+    p = prompts(5)[4]
+    hook = fail_after(target if worker == "target" else draft, 3)
+    start = time.monotonic()
+    try:
+        with pytest.raises(SwiftSpecWorkerError, match=f"the {worker} worker failed: Boom") as info:
+            model.generate(p, do_sample=False, max_new_tokens=40)
+    finally:
+        hook.remove()
+    assert time.monotonic() - start < 10
+    assert isinstance(info.value.__cause__, Boom)
+    assert model.generate(p, do_sample=False, max_new_tokens=20).tolist() == target.generate(
+        p, do_sample=False, max_new_tokens=20
+    ).tolist()
+
+
+def test_silent_draft_times_out(llama_pair):
+    target, draft, _ = llama_pair
+    model = SwiftSpecForCausalLM.from_models(target, draft, placement=CPU_THREADS, worker_timeout_s=1)
+    hook = slow_down(draft, 3)  # the first subtree arrives after the timeout
+    try:
+        with pytest.raises(SwiftSpecWorkerError, match="draft worker sent nothing for 1s"):
+            model.generate(prompts(1)[0], do_sample=False, max_new_tokens=5)
+    finally:
+        hook.remove()
+
+
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        ("everywhere", "placement='everywhere' is not understood"),
+        ({"target": [0]}, "is not understood"),
+        ({"target": [], "draft": ["cpu"]}, "placement\\['target'\\] is empty"),
+        ({"target": [0], "draft": [1]}, "names cuda:0, but this machine has 0 CUDA device"),
+        ({"target": ["cpu", "cpu"], "draft": ["cpu"]}, "several devices per group need one process per device"),
+    ],
+)
+def test_bad_placements(spec, match):
+    if torch.cuda.device_count():
+        pytest.skip("expectations written for a machine without GPUs")
+    with pytest.raises(ValueError, match=match):
+        resolve_placement(spec)
+
+
+def test_auto_placement_without_gpus_is_serial(llama_pair):
+    target, draft, _ = llama_pair
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has GPUs")
+    model = SwiftSpecForCausalLM.from_models(target, draft, placement="auto")
+    model.generate(prompts(2)[1], max_new_tokens=5, do_sample=False)
+    assert model.swiftspec_stats.engine == "serial"
+    assert not hasattr(model, "hf_device_map") or model.hf_device_map is None
