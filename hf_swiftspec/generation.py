@@ -17,6 +17,7 @@ from transformers.generation import GenerateDecoderOnlyOutput, StopStringCriteri
 
 from .config import SwiftSpecConfig
 from .engine import DecodeRequest, DecodeResult, DraftWorker, TargetWorker, run_serial, run_threads
+from .engine.distributed import Groups, run_distributed
 from .placement import Placement
 from .policy import DepthPolicy
 from .stats import SwiftSpecStats
@@ -39,6 +40,7 @@ def swiftspec_generate(
     swiftspec_draft=None,
     swiftspec_config: SwiftSpecConfig | None = None,
     swiftspec_placement: Placement | None = None,
+    swiftspec_groups: Groups | None = None,
     swiftspec_streamer=None,
     swiftspec_generator: torch.Generator | None = None,
     **model_kwargs,
@@ -61,26 +63,35 @@ def swiftspec_generate(
         depth=DepthPolicy(fixed=config.draft_depth),
         on_tokens=(lambda tokens: swiftspec_streamer.put(torch.tensor(tokens))) if swiftspec_streamer else None,
     )
-    length = prompt.shape[1] + max_new
-    target = TargetWorker(model, capacity=length + config.tree_budget)
-    draft = DraftWorker(
-        swiftspec_draft,
-        capacity=length + config.tree_capacity,
-        tree_capacity=config.tree_capacity,
-        width=config.draft_width,
-        vocab_limit=model.config.get_text_config().vocab_size,
-    )
-    result = run_engine(swiftspec_placement, target, draft, request, config) if max_new > 0 else DecodeResult()
+    workers = build_workers(model, swiftspec_draft, config, prompt.shape[1] + max_new, swiftspec_groups)
+    result = run_engine(swiftspec_placement, swiftspec_groups, *workers, request, config) if max_new else DecodeResult()
     return generate_output(input_ids, result, generation_config), result.stats
 
 
-def run_engine(placement: Placement | None, target, draft, request: DecodeRequest, config) -> DecodeResult:
-    """The serial loop on one device; the asynchronous one when the draft has its own device."""
+def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: Groups | None):
+    """(TargetWorker, DraftWorker) with caches for `length` tokens; under torchrun only this rank's."""
+    role = groups.role if groups is not None else None
+    target_worker = draft_worker = None
+    if role in (None, "target"):
+        target_worker = TargetWorker(target, capacity=length + config.tree_budget)
+    if role in (None, "draft"):
+        draft_worker = DraftWorker(
+            draft,
+            capacity=length + config.tree_capacity,
+            tree_capacity=config.tree_capacity,
+            width=config.draft_width,
+            vocab_limit=target.config.get_text_config().vocab_size,
+        )
+    return target_worker, draft_worker
+
+
+def run_engine(placement, groups, target, draft, request: DecodeRequest, config) -> DecodeResult:
+    """Serial on one device; asynchronous when the draft has its own device, thread or process."""
     if placement is None or placement.mode == "serial":
         return run_serial(target, draft, request)
     if placement.mode == "threads":
         return run_threads(target, draft, request, timeout_s=config.worker_timeout_s)
-    raise NotImplementedError(f"placement mode {placement.mode!r}")
+    return run_distributed(groups, target, draft, request, timeout_s=config.worker_timeout_s)
 
 
 def generate_output(input_ids: torch.Tensor, result: DecodeResult, generation_config: GenerationConfig):

@@ -70,7 +70,7 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
         self.placement = resolve_placement(config.placement, target.config)
         self.target = target
         self.draft = draft
-        place_models(self.placement, target, draft)
+        self.process_groups = place_models(self.placement, target, draft, config.worker_timeout_s)
         if self.placement.device_map is not None:
             self.hf_device_map = self.placement.device_map  # pipeline() then leaves the devices alone
         self.generation_config = target.generation_config  # one object: both paths use the same defaults
@@ -169,6 +169,7 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
                 swiftspec_draft=self.draft,
                 swiftspec_config=self.config,
                 swiftspec_placement=self.placement,
+                swiftspec_groups=self.process_groups,
                 swiftspec_streamer=streamer,
                 swiftspec_generator=generator,
                 **kwargs,

@@ -13,10 +13,17 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from transformers.distributed import DistributedConfig
+from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+from .engine.distributed import Groups
 
 
 @dataclass(frozen=True)
@@ -127,8 +134,35 @@ def check_tensor_parallel(config, degree: int, role: str) -> None:
         )
 
 
-def place_models(placement: Placement, target, draft) -> None:
-    """Move each model onto its group's device (in-process placements)."""
+def place_models(placement: Placement, target, draft, timeout_s: float) -> Groups | None:
+    """Move each model onto its group's device; under torchrun also build the process groups and
+    shard each group's model over its ranks. Collective: every rank must call it in step."""
     if placement.mode == "threads":
         target.to(placement.target[0])
         draft.to(placement.draft[0])
+    if placement.mode != "distributed":
+        return None
+    rank, backend = dist.get_rank(), dist.get_backend()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if backend == "nccl" else torch.device("cpu")
+    groups = Groups(rank, list(placement.target), list(placement.draft), device, device)
+    for role, model in (("target", target), ("draft", draft)):
+        ranks = list(getattr(placement, role))
+        group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s)) if len(ranks) > 1 else None
+        setattr(groups, f"{role}_group", group)
+        if rank in ranks:
+            model.to(device)
+            if group is not None:
+                shard(model, DeviceMesh.from_group(group, device.type), len(ranks))
+    return groups
+
+
+def shard(model, mesh: DeviceMesh, degree: int) -> None:
+    """Apply the model's own tensor-parallel plan over `mesh` (a sub-mesh of the world).
+
+    from_pretrained(tp_plan=...) always shards over the whole world, so a disjoint group's
+    model is sharded here, after loading (checked against the unsharded logits in the tests).
+    """
+    plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=degree))
+    if not plan:
+        raise ValueError(f"{type(model).__name__} has no tensor-parallel plan; give its group a single rank.")
+    apply_tensor_parallelism(model, mesh, plan)

@@ -47,8 +47,8 @@ def run_draft(draft: DraftWorker, prompt: torch.Tensor, budget: int, depth: Dept
         link.send_subtree(subtree)
         sent = time.perf_counter()
         report.busy_s += sent - start
-        expansions = 0
-        while expansions < depth.depth() and not link.verdict_ready():
+        expansions, planned = 0, link.agree_depth(depth.depth())
+        while expansions < planned and not link.verdict_ready():
             if not draft.expand():
                 break
             expansions += 1
@@ -79,8 +79,9 @@ def run_target(target: TargetWorker, request: DecodeRequest, link, result: Decod
         waiting = time.perf_counter()
         subtree = link.receive_subtree()
         verifying = time.perf_counter()
+        remaining = request.max_new_tokens - len(result.tokens)
         verified = target.verify(
-            subtree, sequence, request.sampler, request.stopping_criteria, request.max_new_tokens - len(result.tokens)
+            subtree, sequence, request.sampler, request.stopping_criteria, remaining, walk=link.walk
         )
         link.send_verdict(Verdict(verified.tokens, verified.path, verified.finished))
         stats.target_idle_s += verifying - waiting
@@ -134,7 +135,7 @@ def run_threads(target: TargetWorker, draft: DraftWorker, request: DecodeRequest
 def fill_stats(result: DecodeResult, target: TargetWorker, report: DraftReport) -> None:
     stats = result.stats
     stats.new_tokens = len(result.tokens)
-    stats.target_forwards = target.forwards
+    stats.target_forwards = target.forwards if target is not None else 0
     stats.draft_forwards = report.forwards
     stats.draft_time_s = report.busy_s
     stats.draft_depth = report.in_flight_expansions / max(report.rounds, 1)

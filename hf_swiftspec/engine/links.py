@@ -14,10 +14,15 @@ import time
 from dataclasses import dataclass
 
 from ..tree import Subtree
+from ..verify import verify_tree
 
 
 class SwiftSpecWorkerError(RuntimeError):
     """A worker of the asynchronous engine failed or went silent; the message names which."""
+
+
+class PeerFailed(SwiftSpecWorkerError):
+    """The other worker reported its own failure (so it needs no notice back)."""
 
 
 @dataclass
@@ -48,6 +53,8 @@ class ThreadLink:
     timeout_s bounds every wait; poll_s is how often a wait looks at the stop flag.
     """
 
+    walk = staticmethod(verify_tree)  # the target walks its own tree in-process
+
     def __init__(self, timeout_s: float, poll_s: float = 0.05):
         self.timeout_s, self.poll_s = timeout_s, poll_s
         self.proposals: queue.Queue = queue.Queue()
@@ -57,6 +64,9 @@ class ThreadLink:
     # draft side
     def send_subtree(self, subtree: Subtree) -> None:
         self.proposals.put(subtree)
+
+    def agree_depth(self, depth: int) -> int:
+        return depth
 
     def verdict_ready(self) -> bool:
         return not self.verdicts.empty()
@@ -93,5 +103,5 @@ class ThreadLink:
                     ) from None
                 continue
             if isinstance(item, Failure):
-                raise SwiftSpecWorkerError(f"the {item.worker} worker failed: {item.error!r}") from item.error
+                raise PeerFailed(f"the {item.worker} worker failed: {item.error!r}") from item.error
             return item

@@ -76,10 +76,13 @@ class TargetWorker:
         sampler: Sampler,
         stopping_criteria: StoppingCriteriaList,
         max_tokens: int,
+        walk=verify_tree,
     ) -> Verified:
         """Forward the subtree (T nodes) over the prefix, walk it, commit the accepted path.
 
         context: (1, L) the whole sequence so far, ending with the root token.
+        walk: verify_tree, or (on a tensor-parallel rank that is not the leader) a function
+            with its signature that returns the leader's walk.
         """
         mask, depths = subtree_mask(subtree.parents, self.device)
         prefix = self.cache.prefix_len
@@ -87,7 +90,7 @@ class TargetWorker:
         attn = tree_attention_mask(prefix, mask, self.model.dtype)
         logits = model_step(self.model, self.cache, input_ids, (prefix + depths)[None], attn)  # (T, V)
         self.forwards += 1
-        verified = verify_tree(logits, subtree, context.to(self.device), sampler, stopping_criteria, max_tokens)
+        verified = walk(logits, subtree, context.to(self.device), sampler, stopping_criteria, max_tokens)
         self.cache.commit(torch.tensor(verified.path, device=self.device))
         return verified
 

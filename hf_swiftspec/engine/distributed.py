@@ -1,0 +1,296 @@
+"""The asynchronous engine across torch.distributed process groups (torchrun; gloo or NCCL).
+
+The world splits into a target group and a draft group, each tensor-parallel over its ranks.
+Only the two leaders (first rank of each group) talk across groups, point to point, in small
+int64 messages; each leader then broadcasts within its group. Every wait polls with a deadline
+(SwiftSpecConfig.worker_timeout_s): a failed worker sends a failure message, a dead one is
+noticed when its deadline passes, and either way every rank raises instead of hanging.
+
+    subtree message  [status, T, 0, tokens (B), parents (B)]          draft leader -> target leader
+    verdict message  [status, m, 0, tokens (B), path (B)]             target leader -> draft leader
+    report message   [forwards, rounds, in flight, hits, misses, busy us]   draft -> target, at the end
+    status: 0 go on, 1 finished, -1 the sender failed (a UTF-8 error text of ERROR_BYTES follows)
+
+Subtree and verdict messages have the same size, so a failure notice matches whatever
+broadcast a rank happens to be waiting in.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..tree import Subtree
+from ..verify import Verified, verify_tree
+from .asynchronous import DraftReport, fill_stats, run_draft, run_target
+from .links import PeerFailed, SwiftSpecWorkerError, Verdict
+from .request import DecodeResult
+
+GO, FINISHED, FAILED = 0, 1, -1
+ERROR_BYTES = 512
+
+
+@dataclass
+class Groups:
+    """This rank's view of the split world; built once per model (creating groups is collective)."""
+
+    rank: int
+    target_ranks: list[int]
+    draft_ranks: list[int]
+    device: torch.device  # where this rank's model runs
+    comm_device: torch.device  # where messages live (cuda for NCCL, cpu for gloo)
+    target_group: object = None  # ProcessGroup of the target ranks (None for a single rank)
+    draft_group: object = None
+    broken: str | None = None  # set after a failure: the process group may hold stale messages
+
+    @property
+    def role(self) -> str:
+        return "target" if self.rank in self.target_ranks else "draft"
+
+    @property
+    def my_ranks(self) -> list[int]:
+        return self.target_ranks if self.role == "target" else self.draft_ranks
+
+    @property
+    def my_group(self):
+        return self.target_group if self.role == "target" else self.draft_group
+
+    @property
+    def leader(self) -> int:
+        return self.my_ranks[0]
+
+    @property
+    def peer_leader(self) -> int:
+        return (self.draft_ranks if self.role == "target" else self.target_ranks)[0]
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == self.leader
+
+
+def wait(work, timeout_s: float, what: str) -> None:
+    """Wait for an async send/recv/broadcast, raising SwiftSpecWorkerError past the deadline."""
+    try:
+        work.wait(timeout=timedelta(seconds=timeout_s))
+    except Exception as error:  # a timeout, or gloo noticing the peer's socket closed
+        raise SwiftSpecWorkerError(
+            f"no {what} within {timeout_s:.0f}s (SwiftSpecConfig.worker_timeout_s): that worker is stuck or its "
+            f"process died ({error})."
+        ) from error
+
+
+class Arrival:
+    """A posted receive whose completion can be polled (gloo's Work cannot be polled itself)."""
+
+    def __init__(self, work, timeout_s: float, what: str):
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._wait, args=(work, timeout_s, what), daemon=True)
+        self.thread.start()
+
+    def _wait(self, work, timeout_s, what) -> None:
+        try:
+            wait(work, timeout_s, what)
+        except BaseException as error:
+            self.error = error
+        self.done.set()
+
+    def result(self) -> None:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+
+
+@dataclass
+class DistLink:
+    """The ThreadLink protocol over process groups, for one rank and one generation."""
+
+    groups: Groups
+    budget: int
+    timeout_s: float
+    tokens: list[int] = field(default_factory=list)  # every verified token, seen on every rank
+    _verdict_buf: torch.Tensor | None = None
+    _verdict_work: object = None
+    _depth: int = 0
+
+    @property
+    def size(self) -> int:
+        return 3 + 2 * self.budget
+
+    def _tensor(self, n: int) -> torch.Tensor:
+        return torch.zeros(n, dtype=torch.long, device=self.groups.comm_device)
+
+    def _recv(self, n: int, src: int, what: str) -> torch.Tensor:
+        buf = self._tensor(n)
+        wait(dist.irecv(buf, src), self.timeout_s, what)
+        return buf
+
+    def _send(self, msg: torch.Tensor, dst: int, what: str) -> None:
+        wait(dist.isend(msg, dst), self.timeout_s, f"delivery of the {what}")
+
+    def _share(self, msg: torch.Tensor, what: str) -> torch.Tensor:
+        """Broadcast `msg` from this group's leader to the rest of the group (in place)."""
+        g = self.groups
+        if len(g.my_ranks) > 1:
+            wait(dist.broadcast(msg, g.leader, group=g.my_group, async_op=True), self.timeout_s, what)
+        return msg
+
+    def _raise_if_failed(self, msg: torch.Tensor, src: int, worker: str) -> None:
+        if int(msg[0]) != FAILED:
+            return
+        text = self._tensor(ERROR_BYTES)
+        if self.groups.is_leader and src != self.groups.leader:
+            wait(dist.irecv(text, src), self.timeout_s, f"error text from the {worker} leader")
+        text = self._share(text, "error text")
+        reason = bytes(text.cpu().to(torch.uint8).tolist()).rstrip(b"\0").decode(errors="replace")
+        raise PeerFailed(f"the {worker} worker failed: {reason}")
+
+    # ---- draft side -------------------------------------------------------------------------
+    def send_subtree(self, subtree: Subtree) -> None:
+        B, T = self.budget, len(subtree)
+        if self.groups.is_leader:
+            msg = self._encode(GO, subtree.tokens, subtree.parents)
+            self._send(msg, self.groups.peer_leader, "subtree")
+            self._verdict_buf = self._tensor(self.size)
+            work = dist.irecv(self._verdict_buf, self.groups.peer_leader)
+            self._verdict_work = Arrival(work, self.timeout_s, "verdict from the target leader")
+
+    def agree_depth(self, depth: int) -> int:
+        """Every draft rank must run the same number of expansions: the leader's choice."""
+        if len(self.groups.draft_ranks) == 1:
+            return depth
+        return int(self._share(torch.full((1,), depth, dtype=torch.long, device=self.groups.comm_device), "depth"))
+
+    def verdict_ready(self) -> bool:
+        # Only a lone draft rank may stop early: TP ranks must all expand the same number of times.
+        return len(self.groups.draft_ranks) == 1 and self._verdict_work.done.is_set()
+
+    def receive_verdict(self) -> Verdict:
+        if self.groups.is_leader:
+            self._verdict_work.result()
+            msg = self._verdict_buf
+        else:
+            msg = self._tensor(self.size)
+        msg = self._share(msg, "verdict")
+        self._raise_if_failed(msg, self.groups.peer_leader, "target")
+        return self._decode_verdict(msg)
+
+    def _encode(self, status: int, first: list[int], second: list[int]) -> torch.Tensor:
+        B, n = self.budget, len(first)
+        msg = self._tensor(self.size)
+        msg[0], msg[1] = status, n
+        msg[3 : 3 + n] = torch.tensor(first, dtype=torch.long)
+        msg[3 + B : 3 + B + n] = torch.tensor(second, dtype=torch.long)
+        return msg
+
+    def _decode(self, msg: torch.Tensor) -> tuple[int, list[int], list[int]]:
+        B = self.budget
+        values = msg.tolist()
+        n = values[1]
+        return values[0], values[3 : 3 + n], values[3 + B : 3 + B + n]
+
+    def _decode_verdict(self, msg: torch.Tensor) -> Verdict:
+        status, tokens, path = self._decode(msg)
+        self.tokens += tokens
+        return Verdict(tokens, path, status == FINISHED)
+
+    def send_report(self, report) -> None:
+        if self.groups.is_leader:
+            msg = self._tensor(6)
+            msg[:] = torch.tensor(
+                [report.forwards, report.rounds, report.in_flight_expansions, report.reroot_hits,
+                 report.reroot_misses, int(report.busy_s * 1e6)]
+            )
+            self._send(msg, self.groups.peer_leader, "draft report")
+
+    # ---- target side ------------------------------------------------------------------------
+    def receive_subtree(self) -> Subtree:
+        if self.groups.is_leader:
+            msg = self._recv(self.size, self.groups.peer_leader, "subtree from the draft leader")
+        else:
+            msg = self._tensor(self.size)
+        msg = self._share(msg, "subtree")
+        self._raise_if_failed(msg, self.groups.peer_leader, "draft")
+        _, tokens, parents = self._decode(msg)
+        return Subtree(node_ids=list(range(len(tokens))), tokens=tokens, parents=parents)
+
+    def walk(self, logits, subtree, context, sampler, stopping_criteria, max_tokens) -> Verified:
+        """The leader walks the tree; the other target ranks take its verdict."""
+        if self.groups.is_leader:
+            return verify_tree(logits, subtree, context, sampler, stopping_criteria, max_tokens)
+        msg = self._share(self._tensor(self.size), "verdict")
+        self._raise_if_failed(msg, self.groups.leader, "target")
+        verdict = self._decode_verdict(msg)
+        return Verified(tokens=verdict.tokens, path=verdict.path, finished=verdict.finished)
+
+    def send_verdict(self, verdict: Verdict) -> None:
+        if not self.groups.is_leader:
+            return
+        msg = self._encode(FINISHED if verdict.finished else GO, verdict.tokens, verdict.path)
+        self._share(msg, "verdict")
+        self.tokens += verdict.tokens
+        self._send(msg, self.groups.peer_leader, "verdict")
+
+    def receive_report(self) -> list[int]:
+        if not self.groups.is_leader:
+            return [0] * 6
+        return self._recv(6, self.groups.peer_leader, "report from the draft leader").tolist()
+
+    # ---- failures ---------------------------------------------------------------------------
+    def fail(self, error: BaseException) -> None:
+        """Tell everyone who may be waiting on this rank that it failed (best effort, bounded)."""
+        self.groups.broken = f"{type(error).__name__}: {error}"
+        if not self.groups.is_leader:
+            return
+        text = self._tensor(ERROR_BYTES)
+        raw = f"{type(error).__name__}: {error}".encode()[:ERROR_BYTES]
+        text[: len(raw)] = torch.tensor(list(raw))
+        msg = self._encode(FAILED, [], [])
+        try:
+            self._share(msg, "failure notice")
+            self._share(text, "error text")
+            self._send(msg, self.groups.peer_leader, "failure notice")
+            self._send(text, self.groups.peer_leader, "error text")
+        except Exception:
+            pass  # the peer is gone too; our own exception is already on its way up
+
+
+def run_distributed(groups: Groups, target, draft, request, timeout_s: float):
+    """Run this rank's worker for one generation; every rank returns the same tokens.
+
+    target / draft: this rank's TargetWorker or DraftWorker (the other is None).
+    """
+    if groups.broken:
+        raise SwiftSpecWorkerError(
+            f"an earlier generate() failed on this job ({groups.broken}); its process groups may hold stale "
+            "messages. Restart the torchrun job (reload the model) to generate again."
+        )
+    link = DistLink(groups, request.tree_budget, timeout_s)
+    result = DecodeResult()
+    result.stats.engine = "async-distributed"
+    start = time.perf_counter()
+    try:
+        if groups.role == "target":
+            run_target(target, request, link, result)
+            forwards, rounds, in_flight, hits, misses, busy_us = link.receive_report()
+            report = DraftReport(forwards, rounds, in_flight, hits, misses, busy_us / 1e6)
+        else:
+            report = run_draft(draft, request.prompt, request.tree_budget, request.depth, link)
+            link.send_report(report)
+            result.tokens = list(link.tokens)
+    except PeerFailed as error:
+        groups.broken = str(error)
+        raise
+    except Exception as error:
+        link.fail(error)
+        if isinstance(error, SwiftSpecWorkerError):
+            raise
+        raise SwiftSpecWorkerError(f"the {groups.role} worker failed on rank {groups.rank}: {error!r}") from error
+    result.stats.wall_time_s = time.perf_counter() - start
+    fill_stats(result, target, report)
+    return result

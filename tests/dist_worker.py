@@ -1,0 +1,96 @@
+"""One rank of a multi-process test (launched by tests/test_distributed.py, env:// rendezvous).
+
+Prints one JSON line per check to stdout, prefixed with RESULT.
+"""
+
+import argparse
+import copy
+import json
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from hf_swiftspec import SwiftSpecForCausalLM
+from hf_swiftspec.engine import SwiftSpecWorkerError
+from hf_swiftspec.testing import tiny_model, truncated_draft
+
+
+def report(**fields):
+    print("RESULT " + json.dumps({"rank": dist.get_rank(), **fields}), flush=True)
+
+
+def prompts(n):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 98, (1, L), generator=g) for L in [1, 4, 9, 23, 2, 15, 31, 6][:n]]
+
+
+def pair(placement, draft_kind="agreeing", **settings):
+    target = tiny_model("llama", seed=0)
+    reference = copy.deepcopy(target)  # the target gets sharded in place
+    draft = truncated_draft(target, 2) if draft_kind == "agreeing" else tiny_model("llama", seed=5, layers=1)
+    model = SwiftSpecForCausalLM.from_models(target, draft, placement=placement, **settings)
+    return model, reference
+
+
+def greedy(placement, args):
+    for kind in ("agreeing", "random"):
+        model, reference = pair(placement, kind, worker_timeout_s=60)
+        for p in prompts(args.prompts):
+            out = model.generate(p, do_sample=False, max_new_tokens=30, repetition_penalty=1.1)
+            expected = reference.generate(p, do_sample=False, max_new_tokens=30, repetition_penalty=1.1)
+            s = model.swiftspec_stats
+            report(case="greedy", kind=kind, same=out.tolist() == expected.tolist(), tau=s.tau, engine=s.engine,
+                   in_flight=s.in_flight_expansions, idle=s.target_idle_fraction)
+
+
+def fault(placement, args):
+    model, _ = pair(placement, worker_timeout_s=args.timeout)
+    victim = model.draft if args.case.endswith("draft") else model.target
+    role = "draft" if args.case.endswith("draft") else "target"
+    calls = {"n": 0}
+
+    def hook(*_):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            if args.case == "kill-draft":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError(f"injected failure in the {role}")
+
+    if dist.get_rank() in getattr(model.placement, role):
+        victim.register_forward_hook(hook)
+    start = time.monotonic()
+    try:
+        model.generate(prompts(4)[3], do_sample=False, max_new_tokens=40)
+        report(case=args.case, raised=None)
+    except SwiftSpecWorkerError as error:
+        report(case=args.case, raised=str(error), seconds=time.monotonic() - start)
+    try:
+        model.generate(prompts(2)[1], do_sample=False, max_new_tokens=5)
+        report(case=args.case + "-again", raised=None)
+    except SwiftSpecWorkerError as error:
+        report(case=args.case + "-again", raised=str(error))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--case", required=True)
+    parser.add_argument("--target", default="0,1")
+    parser.add_argument("--draft", default="2")
+    parser.add_argument("--prompts", type=int, default=6)
+    parser.add_argument("--timeout", type=float, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    placement = {"target": [int(r) for r in args.target.split(",")], "draft": [int(r) for r in args.draft.split(",")]}
+    (greedy if args.case == "greedy" else fault)(placement, args)
+    sys.stdout.flush()
+    os._exit(0)  # skip process-group teardown: after a fault a peer may be gone
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""The asynchronous engine across processes: gloo on CPU, tensor-parallel groups, faults."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).with_name("dist_worker.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(world: int, *args: str, timeout: float = 240):
+    """Start `world` ranks of dist_worker.py; returns (results by rank, return codes, seconds)."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
+               OMP_NUM_THREADS="1")
+    procs = [
+        subprocess.Popen([sys.executable, str(WORKER), *args], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in range(world)
+    ]
+    start = time.monotonic()
+    outputs, codes = [], []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(1, timeout - (time.monotonic() - start)))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"rank {procs.index(p)} hung past {timeout}s: {p.communicate()[0][-3000:]}")
+        outputs.append(out)
+        codes.append(p.returncode)
+    results = [json.loads(line[7:]) for out in outputs for line in out.splitlines() if line.startswith("RESULT ")]
+    return results, codes, outputs
+
+
+@pytest.mark.parametrize("target, draft", [("0,1", "2"), ("0,1", "2,3")], ids=["tp2+1", "tp2+tp2"])
+def test_greedy_across_processes_equals_target(target, draft):
+    world = len(target.split(",")) + len(draft.split(","))
+    results, codes, outputs = launch(world, "--case", "greedy", "--target", target, "--draft", draft, "--prompts", "5")
+    assert codes == [0] * world, outputs
+    mine = [r for r in results if r["rank"] == 0]
+    assert len(mine) == 10 and all(r["same"] for r in mine), mine
+    assert all(r["engine"] == "async-distributed" for r in mine)
+    agreeing = [r["tau"] for r in mine if r["kind"] == "agreeing"]
+    assert sum(agreeing) / len(agreeing) > 1.5
+    # every rank, draft ranks included, returned the same tokens as the target leader
+    assert all(r["same"] for r in results), [r for r in results if not r["same"]]
+
+
+@pytest.mark.parametrize("case", ["fault-draft", "fault-target", "kill-draft"])
+def test_worker_failures_surface_on_every_live_rank(case):
+    results, codes, outputs = launch(3, "--case", case, "--target", "0,1", "--draft", "2", "--timeout", "5")
+    live = [0, 1] if case == "kill-draft" else [0, 1, 2]
+    first = {r["rank"]: r for r in results if r["case"] == case}
+    again = {r["rank"]: r for r in results if r["case"] == case + "-again"}
+    for rank in live:
+        assert first[rank]["raised"], (rank, outputs[rank][-2000:])
+        assert first[rank]["seconds"] < 15
+        assert "restart the torchrun job" in (again[rank]["raised"] or "").lower(), again
+    role = "draft" if case.endswith("draft") else "target"
+    assert role in first[0]["raised"]
