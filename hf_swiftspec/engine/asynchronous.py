@@ -42,11 +42,14 @@ def run_draft(draft: DraftWorker, prompt: torch.Tensor, budget: int, depth: Dept
     draft.start(prompt)
     start = time.perf_counter()
     draft.grow(0, budget)
+    last_sent, last_tokens = None, 0
     while True:
         subtree = draft.propose(budget)
         link.send_subtree(subtree)
         sent = time.perf_counter()
         report.busy_s += sent - start
+        if last_sent is not None:  # one full period of the previous round, for its depth
+            depth.observe_round(last_tokens, sent - last_sent)
         expansions, planned = 0, link.agree_depth(depth.depth())
         while expansions < planned and not link.verdict_ready():
             if not draft.expand():
@@ -57,6 +60,7 @@ def run_draft(draft: DraftWorker, prompt: torch.Tensor, budget: int, depth: Dept
         start = time.perf_counter()
         report.busy_s += drafted - sent
         depth.observe(drafted - sent, expansions, start - sent)
+        last_sent, last_tokens = sent, len(verdict.tokens)
         report.rounds += 1
         report.in_flight_expansions += expansions
         if verdict.finished:

@@ -41,6 +41,7 @@ def run_serial(target: TargetWorker, draft: DraftWorker, request: DecodeRequest)
         verify_end = time.perf_counter()
 
         request.depth.observe(verify_start - round_start, expansions, verify_end - verify_start)
+        request.depth.observe_round(len(verified.tokens), verify_end - round_start)
         stats.draft_time_s += verify_start - round_start
         stats.target_time_s += verify_end - verify_start
         stats.verify_steps += 1
