@@ -2,9 +2,10 @@
 
     python examples/bench_serial.py [--prompts 6] [--max-new-tokens 128]
 
-Builds a pair in memory (no download): a random Llama target whose layers after the first are
-damped (`--damp`), and a draft made of the target's first layer and head, so the draft agrees
-with the target often, as a small model of the same family does. All three methods run greedy
+Builds a pair in memory (no download, `hf_swiftspec.testing.agreeing_pair`): a random Llama
+target whose layers after the first are damped (`--damp`), and a draft made of the target's
+first layer and head, so the draft agrees with the target often, as a small model of the same
+family does. All three methods run greedy
 on the same prompts, interleaved, after a warm-up; outputs must be identical or the run fails.
 This is a CPU-scale stand-in until the benchmark harness and the demo pair exist.
 """
@@ -16,22 +17,13 @@ import time
 import torch
 
 from hf_swiftspec import SwiftSpecForCausalLM
-from hf_swiftspec.testing import damp_late_layers, tiny_model, truncated_draft
+from hf_swiftspec.testing import agreeing_pair
 
 
 def build_pair(args):
-    target = tiny_model(
-        "llama",
-        seed=0,
-        layers=args.layers,
-        hidden=args.hidden,
-        vocab_size=args.vocab,
-        sharpness=args.sharpness,
-        max_position_embeddings=2048,
-    )
-    damp_late_layers(target, keep=1, scale=args.damp)
+    target, draft = agreeing_pair(args.layers, args.hidden, args.vocab, args.damp, args.sharpness)
     target.generation_config.eos_token_id = None  # every run generates exactly max_new_tokens
-    return target, truncated_draft(target, keep_layers=1)
+    return target, draft
 
 
 def timed(fn):

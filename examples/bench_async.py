@@ -1,0 +1,82 @@
+"""Async vs serial tree speculation vs target alone, side by side, one CPU core per group.
+
+    torchrun --nproc_per_node=2 examples/bench_async.py [--prompts 6] [--max-new-tokens 128]
+
+Rank 0 holds the target group, rank 1 the draft group (torchrun gives each process one
+thread). Per prompt, interleaved: target.generate on rank 0; serial tree speculation on rank 0
+(the draft on the target's core); asynchronous tree speculation with the draft on rank 1.
+Greedy outputs must be identical or the run fails. The pair is hf_swiftspec.testing.agreeing_pair.
+"""
+
+import argparse
+import statistics
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from hf_swiftspec import SwiftSpecForCausalLM
+from hf_swiftspec.testing import agreeing_pair
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=6)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    args = parser.parse_args()
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    rank = dist.get_rank()
+    if dist.get_world_size() != 2:
+        raise SystemExit("run with torchrun --nproc_per_node=2")
+
+    target, draft = agreeing_pair()
+    target.generation_config.eos_token_id = None  # every run generates exactly max_new_tokens
+    serial = SwiftSpecForCausalLM.from_models(target, draft)
+    asynchronous = SwiftSpecForCausalLM.from_models(target, draft, placement={"target": [0], "draft": [1]})
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 4096, (1, args.prompt_len), generator=gen) for _ in range(args.prompts + 1)]
+    kwargs = dict(do_sample=False, max_new_tokens=args.max_new_tokens)
+
+    methods = {
+        "target.generate": (lambda p: target.generate(p, **kwargs), False),
+        "swiftspec serial (1 core)": (lambda p: serial.generate(p, **kwargs), False),
+        "swiftspec async (2 processes)": (lambda p: asynchronous.generate(p, **kwargs), True),
+    }
+    times = {name: [] for name in methods}
+    taus = {name: [] for name in methods}
+    idle = []
+    for i, p in enumerate(prompts):
+        outputs = {}
+        for name, (fn, both_ranks) in methods.items():
+            dist.barrier()
+            if rank == 0 or both_ranks:
+                start = time.perf_counter()
+                outputs[name] = fn(p)
+                if i and rank == 0:  # prompt 0 is the warm-up
+                    times[name].append(time.perf_counter() - start)
+                    model = {"swiftspec serial (1 core)": serial, "swiftspec async (2 processes)": asynchronous}.get(name)
+                    if model is not None:
+                        taus[name].append(model.swiftspec_stats.tau)
+                        if model is asynchronous:
+                            idle.append(model.swiftspec_stats.target_idle_fraction)
+        if rank == 0 and any(o.tolist() != outputs["target.generate"].tolist() for o in outputs.values()):
+            raise SystemExit("outputs differ from target.generate: the run is invalid")
+    if rank == 0:
+        base = statistics.mean(times["target.generate"])
+        print(f"{args.prompts} prompts x {args.max_new_tokens} new tokens, greedy, one thread per process; outputs identical")
+        print("| method | s/prompt (mean ± sd) | tok/s | speed-up vs target | tau | target idle |")
+        print("|---|---|---|---|---|---|")
+        for name, ts in times.items():
+            mean, sd = statistics.mean(ts), statistics.stdev(ts) if len(ts) > 1 else 0.0
+            tau = f"{statistics.mean(taus[name]):.2f}" if taus[name] else "-"
+            idle_s = f"{100 * statistics.mean(idle):.0f}%" if "async" in name else "-"
+            print(f"| {name} | {mean:.3f} ± {sd:.3f} | {args.max_new_tokens / mean:.1f} | {base / mean:.2f}x | {tau} | {idle_s} |")
+        serial_mean = statistics.mean(times["swiftspec serial (1 core)"])
+        print(f"async / serial speed-up: {serial_mean / statistics.mean(times['swiftspec async (2 processes)']):.2f}x")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
