@@ -48,6 +48,26 @@ def greedy(placement, args):
                    in_flight=s.in_flight_expansions, idle=s.target_idle_fraction)
 
 
+def sample(placement, args):
+    """Chi-square of the first two sampled tokens against the target's exact joint distribution."""
+    from test_sampling import VOCAB, exact_joint, pooled_chisquare, warpers
+
+    target = tiny_model("llama", seed=3, vocab_size=VOCAB)
+    target.generation_config.eos_token_id = None
+    reference = copy.deepcopy(target)
+    model = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), placement=placement, tree_budget=6,
+                                             draft_width=3)
+    prompt = torch.tensor([[3, 7, 5, 9]])
+    counts = torch.zeros(VOCAB * VOCAB, dtype=torch.float64)
+    for seed in range(args.draws):
+        out = model.generate(prompt, do_sample=True, max_new_tokens=2, temperature=0.8, top_k=6,
+                             generator=torch.Generator().manual_seed(seed))
+        t1, t2 = out[0, -2:].tolist()
+        counts[t1 * VOCAB + t2] += 1
+    expected = exact_joint(reference, prompt, warpers(0.8, 6)).flatten() * args.draws
+    report(case="sample", pvalue=float(pooled_chisquare(counts, expected)))
+
+
 def fault(placement, args):
     model, _ = pair(placement, worker_timeout_s=args.timeout)
     victim = model.draft if args.case.endswith("draft") else model.target
@@ -83,11 +103,12 @@ def main():
     parser.add_argument("--draft", default="2")
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--timeout", type=float, default=5)
+    parser.add_argument("--draws", type=int, default=1500)
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     placement = {"target": [int(r) for r in args.target.split(",")], "draft": [int(r) for r in args.draft.split(",")]}
-    (greedy if args.case == "greedy" else fault)(placement, args)
+    {"greedy": greedy, "sample": sample}.get(args.case, fault)(placement, args)
     sys.stdout.flush()
     os._exit(0)  # skip process-group teardown: after a fault a peer may be gone
 

@@ -69,3 +69,11 @@ def test_worker_failures_surface_on_every_live_rank(case):
         assert "restart the torchrun job" in (again[rank]["raised"] or "").lower(), again
     role = "draft" if case.endswith("draft") else "target"
     assert role in first[0]["raised"]
+
+
+def test_sampling_across_processes_follows_the_target_distribution():
+    """Same chi-square test as tests/test_sampling.py (fails at p < 1e-3: false alarm rate 0.1%)."""
+    results, codes, outputs = launch(2, "--case", "sample", "--target", "0", "--draft", "1", "--draws", "1500")
+    assert codes == [0, 0], outputs
+    pvalue = next(r["pvalue"] for r in results if r["rank"] == 0)
+    assert pvalue > 1e-3, f"p={pvalue:.2e}: samples do not follow the target's distribution"
