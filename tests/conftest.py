@@ -1,7 +1,15 @@
-import pytest
+import os
+
 import torch
 
-from hf_swiftspec.testing import tiny_model, truncated_draft
+if not torch.cuda.is_available():
+    # Triton reads this once, at its first import (transformers imports it through torch._dynamo),
+    # so it must be set before anything else: the kernels then run in Triton's CPU interpreter.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from hf_swiftspec.testing import tiny_model, truncated_draft  # noqa: E402
 
 # Tiny models run fastest on one thread; with two, OpenMP spin-waits cost milliseconds per matmul
 # whenever the other core is busy.
