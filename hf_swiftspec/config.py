@@ -18,6 +18,9 @@ class SwiftSpecConfig(PreTrainedConfig):
         tree_capacity: node capacity of the draft's token tree and of its KV tree region.
         placement: device placement of the two models; filled by the placement issue.
         swiftspec_default: whether `generate()` speculates when `swiftspec=` is not passed.
+        attention: tree-step attention: "auto" (the Triton kernel on CUDA, else the model's own
+            attention with a dense mask), "kernel" (Triton wherever it runs, else its torch
+            reference) or "model".
         worker_timeout_s: longest wait for the other worker of the asynchronous engine before
             generate() raises (a dead or stuck worker never hangs a call).
     """
@@ -37,6 +40,7 @@ class SwiftSpecConfig(PreTrainedConfig):
         placement: str | dict | None = None,
         swiftspec_default: bool = True,
         worker_timeout_s: float = 60.0,
+        attention: str = "auto",
         **kwargs,
     ):
         self.target = target
@@ -50,6 +54,7 @@ class SwiftSpecConfig(PreTrainedConfig):
         self.placement = placement
         self.swiftspec_default = swiftspec_default
         self.worker_timeout_s = worker_timeout_s
+        self.attention = attention
         super().__init__(**kwargs)
         self.validate_tree_settings()
 
@@ -75,6 +80,8 @@ class SwiftSpecConfig(PreTrainedConfig):
             self.worker_timeout_s > 0
         ):
             raise ValueError(f"SwiftSpecConfig.worker_timeout_s must be a positive number of seconds, got {self.worker_timeout_s!r}.")
+        if self.attention not in ("auto", "kernel", "model"):
+            raise ValueError(f"SwiftSpecConfig.attention={self.attention!r}; use 'auto', 'kernel' or 'model'.")
         # One round adds draft_width * draft_width children; the tree must also hold the subtree it sends.
         needed = self.tree_budget + 2 * self.draft_width * self.draft_width
         if self.tree_capacity < needed:

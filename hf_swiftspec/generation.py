@@ -15,6 +15,7 @@ import torch
 from transformers import GenerationConfig, StoppingCriteriaList
 from transformers.generation import GenerateDecoderOnlyOutput, StopStringCriteria
 
+from .attention import resolve_attention, use_tree_attention
 from .config import SwiftSpecConfig
 from .engine import DecodeRequest, DecodeResult, DraftWorker, TargetWorker, run_serial, run_threads
 from .engine.distributed import Groups, run_distributed
@@ -65,6 +66,9 @@ def swiftspec_generate(
     )
     workers = build_workers(model, swiftspec_draft, config, prompt.shape[1] + max_new, swiftspec_groups)
     result = run_engine(swiftspec_placement, swiftspec_groups, *workers, request, config) if max_new else DecodeResult()
+    result.stats.attention = ", ".join(
+        f"{role}={w.attention}" for role, w in zip(("target", "draft"), workers) if w
+    )
     return generate_output(input_ids, result, generation_config), result.stats
 
 
@@ -73,7 +77,7 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
     role = groups.role if groups is not None else None
     target_worker = draft_worker = None
     if role in (None, "target"):
-        target_worker = TargetWorker(target, capacity=length + config.tree_budget)
+        target_worker = TargetWorker(target, length + config.tree_budget, attention_backend(config, target))
     if role in (None, "draft"):
         draft_worker = DraftWorker(
             draft,
@@ -81,8 +85,16 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
             tree_capacity=config.tree_capacity,
             width=config.draft_width,
             vocab_limit=target.config.get_text_config().vocab_size,
+            attention=attention_backend(config, draft),
         )
     return target_worker, draft_worker
+
+
+def attention_backend(config: SwiftSpecConfig, model) -> str:
+    """Resolve config.attention for this model and route its attention accordingly."""
+    backend = resolve_attention(config.attention, model)
+    use_tree_attention(model, backend)
+    return backend
 
 
 def run_engine(placement, groups, target, draft, request: DecodeRequest, config) -> DecodeResult:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel, StoppingCriteriaList
 
+from ..attention import KERNEL_BACKENDS, tree_step
 from ..cache import TreeCache
 from ..tree import (
     Subtree,
@@ -39,7 +40,8 @@ def tree_attention_mask(prefix_len: int, tree_mask: torch.Tensor, dtype: torch.d
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
 
 
-def model_step(model: PreTrainedModel, cache: TreeCache, input_ids, position_ids, attention_mask=None, keep: int = 0):
+def model_step(model: PreTrainedModel, cache: TreeCache, input_ids, position_ids, attention_mask=None, keep: int = 0,
+               **kwargs):
     """One forward writing into `cache`; returns float32 logits (Q, V) (only the last `keep` if keep > 0)."""
     out = model(
         input_ids=input_ids,
@@ -48,15 +50,31 @@ def model_step(model: PreTrainedModel, cache: TreeCache, input_ids, position_ids
         past_key_values=cache,
         use_cache=True,
         logits_to_keep=keep,
+        **kwargs,
     )
     return out.logits[0].float()
+
+
+def tree_step_forward(model, cache: TreeCache, input_ids, position_ids, tree_mask: torch.Tensor, attention: str):
+    """A forward over tree nodes: each query sees the prefix and the tree slots `tree_mask` (Q, S) allows.
+
+    attention: "triton" / "torch-reference" pass the packed mask to the fused tree attention
+    (built once here, read by every layer); anything else builds the dense additive mask.
+    """
+    prefix = cache.prefix_len
+    if attention in KERNEL_BACKENDS:
+        step = tree_step(prefix, tree_mask, reference=attention == "torch-reference")
+        placeholder = torch.zeros(1, 1, 1, 1, dtype=model.dtype, device=tree_mask.device)  # 4D: passed through
+        return model_step(model, cache, input_ids, position_ids, placeholder, swiftspec_tree=step)
+    return model_step(model, cache, input_ids, position_ids, tree_attention_mask(prefix, tree_mask, model.dtype))
 
 
 class TargetWorker:
     """Runs the target: prefill, then one tree forward + verification walk + commit per step."""
 
-    def __init__(self, model: PreTrainedModel, capacity: int):
+    def __init__(self, model: PreTrainedModel, capacity: int, attention: str = "sdpa"):
         self.model = model
+        self.attention = attention
         self.device = model.device
         self.cache = TreeCache(model.config.get_text_config().num_hidden_layers, capacity)
         self.forwards = 0
@@ -85,10 +103,9 @@ class TargetWorker:
             with its signature that returns the leader's walk.
         """
         mask, depths = subtree_mask(subtree.parents, self.device)
-        prefix = self.cache.prefix_len
         input_ids = torch.tensor([subtree.tokens], device=self.device)
-        attn = tree_attention_mask(prefix, mask, self.model.dtype)
-        logits = model_step(self.model, self.cache, input_ids, (prefix + depths)[None], attn)  # (T, V)
+        positions = (self.cache.prefix_len + depths)[None]
+        logits = tree_step_forward(self.model, self.cache, input_ids, positions, mask, self.attention)  # (T, V)
         self.forwards += 1
         verified = walk(logits, subtree, context.to(self.device), sampler, stopping_criteria, max_tokens)
         self.cache.commit(torch.tensor(verified.path, device=self.device))
@@ -102,8 +119,12 @@ class DraftWorker:
     last accepted node when it was an unexpanded leaf). They ride along in the next root expansion.
     """
 
-    def __init__(self, model: PreTrainedModel, capacity: int, tree_capacity: int, width: int, vocab_limit: int):
+    def __init__(
+        self, model: PreTrainedModel, capacity: int, tree_capacity: int, width: int, vocab_limit: int,
+        attention: str = "sdpa",
+    ):
         self.model = model
+        self.attention = attention
         self.device = model.device
         self.cache = TreeCache(model.config.get_text_config().num_hidden_layers, capacity)
         self.width = width
@@ -136,8 +157,7 @@ class DraftWorker:
             cache.prefix_len += len(self.pending)
             self.pending = []
         else:
-            attn = tree_attention_mask(prefix, mask, self.model.dtype)
-            logits = model_step(self.model, cache, input_ids, positions, attn)
+            logits = tree_step_forward(self.model, cache, input_ids, positions, mask, self.attention)
         self.forwards += 1
         logprobs = torch.log_softmax(logits[:, : self.vocab_limit], dim=-1)  # (w, V)
         child_logprobs, child_tokens = logprobs.topk(self.width, dim=-1)
