@@ -1,0 +1,287 @@
+"""The benchmark harness: end to end on a tiny pair, its documented JSON schema, the identical-output
+check, prompt loading, and the memory budget (no cache growth). No timing assertions."""
+
+import json
+from dataclasses import fields
+from importlib.util import find_spec
+
+import pytest
+import torch
+
+from hf_swiftspec import bench
+from hf_swiftspec.bench import (
+    BenchConfig,
+    BenchModels,
+    Method,
+    OutputMismatchError,
+    bench_config,
+    build_parser,
+    load_prompts,
+    memory_budget,
+    run_bench,
+)
+from hf_swiftspec.testing import tiny_model, truncated_draft
+
+FAST = dict(num_prompts=2, max_new_tokens=8, assistant_tokens=(2, 4), growth_check_tokens=24, progress=False, peak_gbps=10.0)
+
+# The results.json keys, as documented in the README's bench section. Changing any of them is a
+# schema change: bump bench.SCHEMA_VERSION and the README with it.
+REPORT_KEYS = {"schema_version", "environment", "pair", "config", "sets", "memory", "notes"}
+ENVIRONMENT_KEYS = {
+    "created", "hf_swiftspec", "transformers", "torch", "python", "platform", "device", "threads", "cpu_count",
+    "memory_source",
+}
+PAIR_KEYS = {
+    "name", "target", "draft", "target_params_m", "draft_params_m", "dtype", "target_device", "draft_device",
+    "tokenizer", "settings",
+}
+CONFIG_KEYS = {
+    "pair", "prompts", "num_prompts", "max_new_tokens", "max_prompt_tokens", "methods", "seed", "warmup", "output_dir",
+    "assistant_tokens", "prompt_lookup_tokens", "swiftspec", "device", "dtype", "threads", "chat_template",
+    "ignore_eos", "peak_gbps", "growth_check_tokens", "progress",
+}
+SET_KEYS = {"name", "source", "warmup_prompt", "prompts", "methods", "limit"}
+PROMPT_KEYS = {"index", "id", "category", "prompt_tokens", "truncated"}
+METHOD_KEYS = {
+    "name", "label", "status", "note", "settings", "tuning", "tokens_per_s", "speedup", "tau",
+    "target_forwards_per_token", "target_idle_fraction", "verify_step_ms", "peak_memory_mib", "run_memory_mib", "runs",
+}
+SPREAD_KEYS = {"mean", "sd", "min", "max"}
+RUN_KEYS = {
+    "prompt", "seconds", "new_tokens", "tokens_per_s", "speedup", "tau", "target_forwards",
+    "target_forwards_per_token", "target_idle_fraction", "verify_step_ms", "peak_memory_mib", "run_memory_mib",
+}
+LIMIT_KEYS = {
+    "method", "device", "peak_gbps", "peak_source", "weight_mb", "kv_mb", "context_tokens", "floor_ms",
+    "verify_step_ms", "verify_over_floor", "target_step_ms", "target_step_over_floor", "tau", "ceiling_tokens_per_s",
+    "tokens_per_s",
+}
+MEMORY_KEYS = {
+    "context_tokens", "target_weights_mib", "draft_weights_mib", "target_kv_mib", "target_tree_cache_mib",
+    "draft_tree_cache_mib", "token_tree_mib", "extra_mib", "target_extra_slots", "tree_budget", "draft_extra_slots",
+    "tree_capacity", "within_tree_region", "no_growth", "traces",
+}
+TRACE_KEYS = {"role", "forwards", "caches", "buffers", "shape", "capacity", "max_length", "max_tree_slots", "mib"}
+
+
+@pytest.fixture(scope="module")
+def tiny_models():
+    target = tiny_model("llama", seed=0)
+    return BenchModels(target, truncated_draft(target, 2), settings={"tree_budget": 6, "draft_width": 4})
+
+
+@pytest.fixture(scope="module")
+def finished(tiny_models, tmp_path_factory):
+    """(report, output folder) of one full run: every method, both bundled sets."""
+    out = tmp_path_factory.mktemp("bench")
+    report = run_bench(BenchConfig(models=tiny_models, output_dir=str(out), **FAST))
+    return report, out
+
+
+def test_runs_every_method_on_every_set_and_writes_the_results(finished):
+    report, out = finished
+    assert [s.name for s in report.sets] == ["humaneval", "spec_bench"]
+    for result in report.sets:
+        assert [m.name for m in result.methods] == list(bench.METHOD_NAMES)
+        assert all(m.status == "ok" and len(m.runs) == 2 for m in result.methods)
+        by_name = {m.name: m for m in result.methods}
+        assert by_name["target"].tau.mean == 1.0 and by_name["target"].target_forwards_per_token.mean == 1.0
+        assert by_name["target"].speedup.mean == 1.0
+        assert by_name["swiftspec_async"].target_idle_fraction is not None
+        assert by_name["swiftspec_serial"].target_idle_fraction is None
+        assert by_name["assisted"].settings["num_assistant_tokens"] in (2, 4)
+        assert set(by_name["assisted"].tuning) == {"2", "4"}
+        assert result.limit is not None and result.limit.peak_source == "given"
+    markdown = (out / "results.md").read_text()
+    assert markdown.count("| swiftspec serial |") == 2 and "**Limit**" in markdown and "## Memory budget" in markdown
+    assert (out / "results.png").exists() == (find_spec("matplotlib") is not None)
+    if find_spec("matplotlib") is None:
+        assert any("matplotlib" in note for note in report.notes)
+
+
+def test_results_json_has_exactly_the_documented_keys(finished):
+    _, out = finished
+    data = json.loads((out / "results.json").read_text())
+    assert set(data) == REPORT_KEYS and data["schema_version"] == bench.SCHEMA_VERSION == 1
+    assert set(data["environment"]) == ENVIRONMENT_KEYS
+    assert set(data["pair"]) == PAIR_KEYS
+    assert set(data["config"]) == CONFIG_KEYS
+    assert set(data["memory"]) == MEMORY_KEYS
+    assert all(set(trace) == TRACE_KEYS for trace in data["memory"]["traces"])
+    for result in data["sets"]:
+        assert set(result) == SET_KEYS and set(result["limit"]) == LIMIT_KEYS
+        assert all(set(p) == PROMPT_KEYS for p in result["prompts"])
+        for method in result["methods"]:
+            assert set(method) == METHOD_KEYS
+            assert set(method["tokens_per_s"]) == SPREAD_KEYS
+            assert all(set(run) == RUN_KEYS for run in method["runs"])
+
+
+def test_the_documented_keys_are_the_dataclass_fields():
+    """The schema lives in bench's dataclasses; this keeps the test's (and README's) lists in step."""
+    for cls, keys in [
+        (bench.BenchReport, REPORT_KEYS), (bench.Environment, ENVIRONMENT_KEYS), (bench.PairInfo, PAIR_KEYS),
+        (bench.SetResult, SET_KEYS), (bench.PromptInfo, PROMPT_KEYS), (bench.MethodResult, METHOD_KEYS),
+        (bench.Spread, SPREAD_KEYS), (bench.PromptRun, RUN_KEYS), (bench.LimitReport, LIMIT_KEYS),
+        (bench.MemoryBudget, MEMORY_KEYS), (bench.CacheTrace, TRACE_KEYS),
+    ]:
+        assert {f.name for f in fields(cls)} == keys, cls.__name__
+    assert {f.name for f in fields(BenchConfig)} - {"models", "extra_methods"} == CONFIG_KEYS
+
+
+def flipped_method(target) -> Method:
+    """target.generate with its last new token changed: what a lossy method looks like."""
+
+    def generate(ids, **kwargs):
+        out = target.generate(ids, **kwargs).clone()
+        out[0, -1] = (out[0, -1] + 1) % target.config.vocab_size
+        return out
+
+    return Method("flipped", "flipped last token", generate)
+
+
+def test_a_method_with_different_tokens_fails_the_run_loudly(tiny_models, tmp_path):
+    config = BenchConfig(
+        models=tiny_models, methods=("target", "swiftspec_serial"), extra_methods=(flipped_method(tiny_models.target),),
+        prompts=("humaneval",), output_dir=str(tmp_path / "out"), ignore_eos=True, **FAST,
+    )
+    with pytest.raises(OutputMismatchError, match=r"method 'flipped' .* prompt 0 of set 'humaneval' .*new token 7"):
+        run_bench(config)
+    assert not (tmp_path / "out").exists()  # an invalid run leaves no results behind
+
+
+def test_async_is_skipped_with_a_note_when_the_placement_does_not_allow_it(tiny_models, monkeypatch):
+    monkeypatch.setattr(bench, "async_placement", lambda target: (None, "skipped: no second GPU for the draft"))
+    report = run_bench(BenchConfig(
+        models=tiny_models, methods=("target", "swiftspec_async"), prompts=("spec_bench",), output_dir=None,
+        **{**FAST, "growth_check_tokens": 0},
+    ))
+    skipped = report.sets[0].methods[1]
+    assert (skipped.name, skipped.status, skipped.runs, skipped.tokens_per_s) == ("swiftspec_async", "skipped", [], None)
+    assert "no second GPU" in skipped.note and any("no second GPU" in note for note in report.notes)
+    assert report.memory is None and report.sets[0].limit is None
+    assert "no second GPU" in bench.markdown_report(report)
+
+
+def test_caches_keep_one_buffer_over_a_long_generation(tiny_models):
+    """No per-step reallocation: each model's TreeCache kv keeps its data pointer and shape."""
+    ids = torch.randint(3, 98, (1, 9), generator=torch.Generator().manual_seed(0))
+    budget = memory_budget(tiny_models, {"tree_budget": 6, "draft_width": 4}, ids, 300)
+    assert budget.no_growth and budget.within_tree_region
+    target, draft = budget.traces
+    assert target.forwards > 20 and draft.forwards > 20  # many rounds were watched
+    assert (target.caches, target.buffers, draft.caches, draft.buffers) == (1, 1, 1, 1)
+    assert budget.target_extra_slots == budget.tree_budget == 6
+    assert target.capacity == 9 + 300 + 6 and target.max_length <= target.capacity
+    assert 0 < draft.max_tree_slots <= budget.tree_capacity
+    assert budget.extra_mib > budget.draft_weights_mib > 0
+
+
+def test_memory_check_notices_a_reallocated_buffer(tiny_models, monkeypatch):
+    """The check itself works: a cache that reallocates every commit is caught."""
+    commit = bench.TreeCache.commit
+
+    def reallocating_commit(self, *args, **kwargs):
+        commit(self, *args, **kwargs)
+        if self.kv is not None:
+            self.kv = self.kv.clone()
+            for layer in self.layers:
+                layer.keys, layer.values = self.kv[layer.layer_idx, 0], self.kv[layer.layer_idx, 1]
+
+    monkeypatch.setattr(bench.TreeCache, "commit", reallocating_commit)
+    ids = torch.tensor([[5, 6, 7]])
+    budget = memory_budget(tiny_models, {"tree_budget": 6, "draft_width": 4}, ids, 40)
+    assert not budget.no_growth and budget.traces[0].buffers > 1
+
+
+def test_prompt_loading_reads_the_bundled_sets_and_user_files(tmp_path):
+    humaneval = load_prompts("humaneval")
+    assert len(humaneval) == 20 and humaneval[0].text.startswith("Complete the code") and humaneval[0].category == "code"
+    spec = load_prompts("spec_bench", limit=13)
+    assert len({p.category for p in spec}) == 13  # the copy is ordered round-robin over categories
+    assert (bench.PROMPTS_DIR / "LICENSE-EAGLE").is_file() and (bench.PROMPTS_DIR / "LICENSE-Spec-Bench").is_file()
+
+    mixed = tmp_path / "mine.jsonl"
+    mixed.write_text(
+        '{"turns": ["first turn", "second turn"], "question_id": 7, "category": "x"}\n\n'
+        '{"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]}\n'
+        '{"prompt": "def f():"}\n'
+    )
+    assert [(p.text, p.id) for p in load_prompts(str(mixed))] == [("first turn", "7"), ("hello", "3"), ("def f():", "4")]
+    text = tmp_path / "mine.txt"
+    text.write_text("one\n\ntwo\n")
+    assert [p.text for p in load_prompts(str(text))] == ["one", "two"]
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"answer": "no prompt here"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: no prompt .*'turns'"):
+        load_prompts(str(bad))
+    with pytest.raises(ValueError, match="neither a file nor a bundled set"):
+        load_prompts("mt_bench_typo")
+
+
+def test_long_prompts_are_cut_before_the_template(tiny_models):
+    from hf_swiftspec.testing import char_tokenizer
+
+    ids, truncated = bench.encode_prompt(char_tokenizer(), "x" * 50, max_tokens=16, chat_template=True)
+    assert truncated and ids.shape == (1, 16)
+    ids, truncated = bench.encode_prompt(char_tokenizer(), "short", max_tokens=16, chat_template=True)
+    assert not truncated and ids.shape == (1, 5)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(methods=("assisted",)), "must include 'target'"),
+        (dict(methods=("target", "beam_search")), "Unknown methods \\['beam_search'\\]"),
+        (dict(num_prompts=0), "num_prompts must be at least 1"),
+        (dict(assistant_tokens=()), "assistant_tokens must be positive"),
+        (dict(swiftspec={"tree_budget": 1}), "tree_budget"),
+    ],
+)
+def test_bad_settings_are_refused_naming_the_value(tiny_models, change, message):
+    with pytest.raises(ValueError, match=message):
+        run_bench(BenchConfig(models=tiny_models, output_dir=None, **{**FAST, **change}))
+
+
+def test_command_line_defaults_are_bench_config_defaults():
+    assert bench_config(build_parser().parse_args([])) == BenchConfig()
+    args = build_parser().parse_args(
+        ["--prompts", "humaneval", "--prompts", "x.jsonl", "--methods", "target,swiftspec_serial", "--tree-budget", "6",
+         "--assistant-tokens", "3,5", "--max-prompt-tokens", "0", "--quiet", "--no-chat-template"]
+    )
+    config = bench_config(args)
+    assert config.prompts == ("humaneval", "x.jsonl") and config.methods == ("target", "swiftspec_serial")
+    assert config.swiftspec == {"tree_budget": 6} and config.assistant_tokens == (3, 5)
+    assert config.max_prompt_tokens is None and not config.progress and not config.chat_template
+
+
+def test_bench_main_reports_bad_input_with_exit_status_1(capsys):
+    assert bench.bench_main(build_parser().parse_args(["--methods", "assisted"])) == 1
+    assert "must include 'target'" in capsys.readouterr().err
+
+
+def test_command_runs_a_pair_folder_end_to_end(tmp_path, capsys):
+    from pair_helpers import local_pair
+
+    pair = local_pair(tmp_path, tree_budget=6, draft_width=4)
+    out = tmp_path / "results"
+    argv = [
+        "--pair", str(pair), "--prompts", "humaneval", "--num-prompts", "1", "--max-new-tokens", "6",
+        "--assistant-tokens", "2", "--growth-check-tokens", "16", "--peak-gbps", "10", "--out", str(out), "--quiet",
+    ]
+    assert bench.bench_main(build_parser().parse_args(argv)) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("# SwiftSpec benchmark") and "| swiftspec async |" in printed
+    data = json.loads((out / "results.json").read_text())
+    assert data["pair"]["settings"]["tree_budget"] == 6 and data["pair"]["name"] == str(pair)
+    assert printed == (out / "results.md").read_text() + "\n"  # the table printed is the table saved
+
+
+def test_without_the_demo_pair_an_in_memory_pair_runs_with_a_note(tiny_models, monkeypatch):
+    import hf_swiftspec.testing
+
+    monkeypatch.setattr(bench, "bundled_pair", lambda name: None)
+    monkeypatch.setattr(hf_swiftspec.testing, "agreeing_pair", lambda: (tiny_models.target, tiny_models.draft))
+    report = run_bench(BenchConfig(methods=("target",), prompts=("humaneval",), output_dir=None, **FAST))
+    assert report.pair.name.startswith("agreeing_pair") and any("demo pair" in note for note in report.notes)
