@@ -65,12 +65,10 @@ def run_draft(draft: DraftWorker, prompt: torch.Tensor, budget: int, depth: Dept
         report.in_flight_expansions += expansions
         if verdict.finished:
             break
-        if draft.reroot(subtree, verdict):
-            report.reroot_hits += 1
-        else:
-            report.reroot_misses += 1
+        draft.reroot(subtree, verdict)
         draft.grow(0, budget)
     report.forwards = draft.forwards
+    report.reroot_hits, report.reroot_misses = draft.reroot_hits, draft.reroot_misses
     return report
 
 
@@ -92,11 +90,7 @@ def run_target(target: TargetWorker, request: DecodeRequest, link, result: Decod
         stats.target_time_s += time.perf_counter() - verifying
         stats.verify_steps += 1
         sequence = torch.cat([sequence, torch.tensor([verified.tokens], device=sequence.device)], dim=1)
-        result.tokens += verified.tokens
-        result.scores += verified.scores
-        result.logits += verified.logits
-        if request.on_tokens is not None:
-            request.on_tokens(verified.tokens)
+        result.emit(verified, request)
         if verified.finished:
             return
 

@@ -38,3 +38,11 @@ class DecodeResult:
     scores: list[torch.Tensor] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
     stats: SwiftSpecStats = field(default_factory=SwiftSpecStats)
+
+    def emit(self, verified, request: DecodeRequest) -> None:
+        """Record one verification's tokens (with their scores and logits) and stream them."""
+        self.tokens += verified.tokens
+        self.scores += verified.scores
+        self.logits += verified.logits
+        if request.on_tokens is not None:
+            request.on_tokens(verified.tokens)

@@ -46,23 +46,16 @@ def run_serial(target: TargetWorker, draft: DraftWorker, request: DecodeRequest)
         stats.target_time_s += verify_end - verify_start
         stats.verify_steps += 1
         expansions_total += expansions
-        new = torch.tensor([verified.tokens], device=sequence.device)
-        sequence = torch.cat([sequence, new], dim=1)
-        result.tokens += verified.tokens
-        result.scores += verified.scores
-        result.logits += verified.logits
-        if request.on_tokens is not None:
-            request.on_tokens(verified.tokens)
+        sequence = torch.cat([sequence, torch.tensor([verified.tokens], device=sequence.device)], dim=1)
+        result.emit(verified, request)
         if verified.finished:
             break
-        if draft.reroot(subtree, verified):
-            stats.reroot_hits += 1
-        else:
-            stats.reroot_misses += 1
+        draft.reroot(subtree, verified)
 
     stats.new_tokens = len(result.tokens)
     stats.target_forwards = target.forwards
     stats.draft_forwards = draft.forwards
+    stats.reroot_hits, stats.reroot_misses = draft.reroot_hits, draft.reroot_misses
     stats.draft_depth = expansions_total / max(stats.verify_steps, 1)
     stats.wall_time_s = time.perf_counter() - start
     return result

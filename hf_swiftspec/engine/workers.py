@@ -132,6 +132,7 @@ class DraftWorker:
         self.tree: TokenTree = new_tree(0, tree_capacity, self.device)
         self.pending: list[int] = []
         self.forwards = 0
+        self.reroot_hits = self.reroot_misses = 0  # new root already in the tree / fresh tree
 
     def start(self, prompt: torch.Tensor) -> None:
         """Begin a generation: the prompt (1, L) minus its last token is pending, the last is the root."""
@@ -190,7 +191,9 @@ class DraftWorker:
         path_slots = tree.kv_slot[torch.tensor(with_kv, dtype=torch.long, device=self.device)]
         if child is not None:
             self.cache.commit(path_slots, reroot(tree, child))
+            self.reroot_hits += 1
             return True
+        self.reroot_misses += 1
         self.cache.commit(path_slots)
         self.pending = [] if last_expanded else [subtree.tokens[verified.path[-1]]]
         reset_tree(tree, verified.tokens[-1])
