@@ -3,30 +3,44 @@
 from __future__ import annotations
 
 import os
+import tempfile
+from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel
+from huggingface_hub import HfApi
+from transformers import AutoModelForCausalLM, GenerationConfig, GenerationMixin, PreTrainedModel
 
 from .config import SwiftSpecConfig
 from .generation import split_stop_strings, stop_string_criteria, swiftspec_generate
-from .placement import place_models, resolve_placement
+from .pair import (
+    SUPPORTED_MODEL_TYPES,
+    HubOptions,
+    PairCard,
+    PairConfigError,
+    check_architecture,
+    check_compatibility,
+    check_vocabularies,
+    pair_members,
+    pinned,
+    pop_pair_settings,
+    relocated,
+    resolve_pair,
+    write_pair_repo,
+)
+from .placement import Placement, place_models, resolve_placement
 from .stats import SwiftSpecStats
 
-# Architectures whose attention takes a 4D tree mask with explicit position ids and whose KV is
-# one (B, H, L, D) tensor per layer; each is exercised by tests/test_lossless.py.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
-TREE_MASK_ATTENTION = ("sdpa", "eager")
-HUB_KWARGS = ("cache_dir", "token", "local_files_only", "force_download", "proxies")
+TREE_MASK_ATTENTION = ("sdpa", "eager", "swiftspec")  # "swiftspec": set by attention.use_tree_attention
+# Arguments the Auto classes and pipeline() add that mean something for the pair repo itself, or nothing here.
+PAIR_ONLY_KWARGS = ("config", "proxies", "adapter_kwargs", "_commit_hash", "code_revision")
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "SwiftSpecForCausalLM", "check_model_supported", "check_vocabularies"]
 
 
 def check_model_supported(model: PreTrainedModel, role: str) -> None:
     """Raise ValueError if `model` cannot run tree steps, naming its model type and the fix."""
+    check_architecture(model.config, role)
     config = model.config.get_text_config()
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"The {role} model type {config.model_type!r} is not supported by hf_swiftspec (supported: "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}). It needs attention that takes a 4D tree mask and a plain KV cache."
-        )
     attn = getattr(model.config, "_attn_implementation", None) or "sdpa"
     if attn not in TREE_MASK_ATTENTION:
         raise ValueError(
@@ -35,29 +49,26 @@ def check_model_supported(model: PreTrainedModel, role: str) -> None:
         )
 
 
-def check_vocabularies(target: PreTrainedModel, draft: PreTrainedModel) -> None:
-    """The draft's token ids must mean the target's: same vocabulary size (same tokenizer)."""
-    t_vocab = target.config.get_text_config().vocab_size
-    d_vocab = draft.config.get_text_config().vocab_size
-    if t_vocab != d_vocab:
-        raise ValueError(
-            f"Vocabulary mismatch: target vocab_size={t_vocab}, draft vocab_size={d_vocab}. The draft must share "
-            "the target's tokenizer; pick a draft from the target's model family."
-        )
-
-
 class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
     """A target and a draft model; `generate(swiftspec=True)` speculates with a token tree, losslessly.
 
     Everything not about speculation (forward, generation_config, device) is the target's.
-    After each speculative `generate()`, `swiftspec_stats` describes the call.
+    After each speculative `generate()`, `swiftspec_stats` describes the call. `tokenizer` is the
+    pair's (what save_pretrained writes beside the config), or None when built without one.
     """
 
     config_class = SwiftSpecConfig
     base_model_prefix = "swiftspec"
     main_input_name = "input_ids"
 
-    def __init__(self, config: SwiftSpecConfig, target: PreTrainedModel | None = None, draft=None):
+    def __init__(
+        self,
+        config: SwiftSpecConfig,
+        target: PreTrainedModel | None = None,
+        draft: PreTrainedModel | None = None,
+        tokenizer=None,
+        draft_tokenizer=None,
+    ):
         super().__init__(config)
         if target is None or draft is None:
             raise ValueError(
@@ -66,55 +77,136 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
             )
         check_model_supported(target, "target")
         check_model_supported(draft, "draft")
-        check_vocabularies(target, draft)
-        self.placement = resolve_placement(config.placement, target.config)
+        check_compatibility(target.config, draft.config, tokenizer, draft_tokenizer)
         self.target = target
         self.draft = draft
+        self.placement: Placement = resolve_placement(config.placement, target.config)
         self.process_groups = place_models(self.placement, target, draft, config.worker_timeout_s)
         if self.placement.device_map is not None:
-            self.hf_device_map = self.placement.device_map  # pipeline() then leaves the devices alone
+            self.hf_device_map = self.placement.device_map  # pipeline() must not move models placed apart
+        self.tokenizer = tokenizer
+        self.pair_folder: Path | None = None  # where from_pretrained found the pair; relative members live there
         self.generation_config = target.generation_config  # one object: both paths use the same defaults
         self.swiftspec_stats: SwiftSpecStats | None = None
 
     @classmethod
-    def from_models(cls, target: PreTrainedModel, draft: PreTrainedModel, **settings) -> "SwiftSpecForCausalLM":
-        """Wrap two models already in memory; `settings` are SwiftSpecConfig fields (tree_budget, ...)."""
+    def from_models(
+        cls, target: PreTrainedModel, draft: PreTrainedModel, tokenizer=None, draft_tokenizer=None, **settings
+    ) -> "SwiftSpecForCausalLM":
+        """Wrap two models already in memory; `settings` are SwiftSpecConfig fields (tree_budget, ...).
+
+        tokenizer: the target's (and the draft's, unless draft_tokenizer is given). With tokenizers the
+        vocabularies are compared token by token, so padded embeddings of different sizes are fine.
+        """
         config = SwiftSpecConfig(target=target.name_or_path or None, draft=draft.name_or_path or None, **settings)
-        return cls(config, target, draft)
+        return cls(config, target, draft, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs) -> "SwiftSpecForCausalLM":
-        """Load a pair folder: config.json with model_type "swiftspec" naming the target and draft.
+        """Load a pair: a Hub id (from the cache when offline), a local pair folder, or a bundled pair.
 
-        Relative target/draft paths resolve against the pair folder. `revision` arguments in the
-        config pin each model; other keyword arguments (dtype, device_map, trust_remote_code, ...)
-        go to both models' `from_pretrained`. Weights load as safetensors only.
+        The pair's config.json names the target and draft (Hub ids pinned by target_revision /
+        draft_revision, or folders relative to the pair). `revision` and `subfolder` select the pair
+        repo; cache_dir, token, local_files_only and force_download apply to the pair and both
+        members; SwiftSpecConfig fields (tree_budget=..., draft_revision=...) override the pair's;
+        everything else (dtype, device_map, attn_implementation, trust_remote_code, ...) goes to both
+        members' from_pretrained. Members load as safetensors only, and run remote code only with
+        trust_remote_code=True. Compatibility is checked before any weights load.
         """
-        kwargs.pop("config", None)
-        revision = kwargs.pop("revision", None)  # the pair repo's; each member has its own pinned one
-        hub = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
-        settings = {k: kwargs.pop(k) for k in list(kwargs) if k in SwiftSpecConfig().to_dict() and k != "model_type"}
-        config = SwiftSpecConfig.from_pretrained(pretrained_model_name_or_path, revision=revision, **hub, **settings)
-        for role in ("target", "draft"):
-            if not getattr(config, role):
-                raise ValueError(f"Pair config at {pretrained_model_name_or_path!r} has no {role!r} entry.")
-        kwargs.setdefault("use_safetensors", True)
+        if model_args:
+            raise TypeError(f"SwiftSpecForCausalLM.from_pretrained takes no positional model arguments, got {model_args!r}.")
+        for name in PAIR_ONLY_KWARGS:
+            kwargs.pop(name, None)
+        hub = HubOptions.pop_from(kwargs)
+        revision = kwargs.pop("revision", None)
+        subfolder = kwargs.pop("subfolder", "") or ""
+        overrides = pop_pair_settings(kwargs)
+        if kwargs.setdefault("use_safetensors", True) is not True:
+            raise ValueError("Pair members load as safetensors only (pickle files can run code); drop use_safetensors.")
         kwargs.setdefault("trust_remote_code", False)
+        pair = resolve_pair(
+            pretrained_model_name_or_path, revision, hub, overrides, kwargs["trust_remote_code"], subfolder
+        )
         models = {
-            role: AutoModelForCausalLM.from_pretrained(
-                resolve_member(pretrained_model_name_or_path, getattr(config, role)),
-                revision=getattr(config, f"{role}_revision"),
-                **kwargs,
-            )
-            for role in ("target", "draft")
+            role: AutoModelForCausalLM.from_pretrained(member.location, revision=member.revision, **hub.as_kwargs(), **kwargs)
+            for role, member in pair.members.items()
         }
-        return cls(config, models["target"], models["draft"])
+        generation_file = pair.folder / "generation_config.json"
+        if generation_file.is_file():  # the pair's generation defaults replace the target's, on both paths
+            models["target"].generation_config = GenerationConfig.from_pretrained(pair.folder)
+        model = cls(
+            pair.config, models["target"], models["draft"], pair.tokenizer, pair.member_tokenizers["draft"]
+        )
+        model.config.name_or_path = os.fspath(pretrained_model_name_or_path)
+        model.pair_folder = pair.folder
+        return model
 
-    def save_pretrained(self, save_directory, **kwargs) -> None:
-        """Write the pair config and generation config (no weights: the models load from their own repos)."""
-        os.makedirs(save_directory, exist_ok=True)
-        self.config.save_pretrained(save_directory)
-        self.generation_config.save_pretrained(save_directory)
+    def save_pretrained(
+        self,
+        save_directory,
+        card: PairCard | None = None,
+        save_members: bool = False,
+        pin_revisions: bool = True,
+        load_id: str | None = None,
+        **kwargs,
+    ) -> None:
+        """Write a pair repo: config.json, generation config, tokenizer, README.md model card.
+
+        No weights unless save_members=True, which writes both models under target/ and draft/ and
+        points the config at them. pin_revisions fills a missing target/draft revision of a Hub
+        member with the commit its default branch points to now. `card` adds the title, licence and
+        sections (measured acceptance, placement) to the generated card; load_id is the repo id the
+        card's usage example loads (default: the folder). Other kwargs are accepted for
+        PreTrainedModel compatibility and ignored.
+        """
+        folder = Path(save_directory)
+        config = SwiftSpecConfig.from_dict(self.config.to_dict())
+        for role in ("target", "draft"):
+            if save_members:
+                getattr(self, role).save_pretrained(folder / role)
+                setattr(config, role, role)
+                setattr(config, f"{role}_revision", None)
+            elif not getattr(config, role):
+                raise PairConfigError(
+                    f"Cannot save the pair: config.{role} is not set (the {role} was built in memory). Set "
+                    f"model.config.{role} to its Hub id, or pass save_members=True to store its weights in the pair."
+                )
+        config = relocated(config, self.pair_folder or folder, folder)
+        if pin_revisions:
+            config = pinned(config, folder)
+        write_pair_repo(folder, config, card, self.tokenizer, self.generation_config, load_id)
+
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        card: PairCard | None = None,
+        save_members: bool = False,
+        commit_message: str = "Upload SwiftSpec pair",
+        private: bool | None = None,
+        token: str | bool | None = None,
+        revision: str | None = None,
+        create_pr: bool = False,
+    ):
+        """Publish the pair repo (as save_pretrained writes it) to the Hub; returns the commit info.
+
+        Members must be Hub repos, or travel inside the pair with save_members=True: a pair naming
+        a folder on this machine would load nowhere else.
+        """
+        if not save_members:
+            for member in pair_members(self.config, self.pair_folder).values():
+                if member.is_local:
+                    raise PairConfigError(
+                        f"The {member.role} is the local folder {member.location!r}, which does not exist on the Hub. "
+                        f"Push it first and set model.config.{member.role} to its repo id, or pass save_members=True."
+                    )
+        api = HfApi(token=token)
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            self.save_pretrained(tmp, card=card, save_members=save_members, load_id=repo_id)
+            return api.upload_folder(
+                repo_id=repo_id, folder_path=tmp, commit_message=commit_message, revision=revision, create_pr=create_pr
+            )
 
     def forward(self, *args, **kwargs):
         """The target's forward."""
@@ -178,12 +270,3 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
             if streamer is not None:  # a consumer iterating a TextIteratorStreamer must never hang
                 streamer.end()
         return output
-
-
-def resolve_member(pair_path: str, member: str) -> str:
-    """A target/draft entry: a path relative to a local pair folder, or a repo id / absolute path."""
-    if os.path.isdir(pair_path) and not os.path.isabs(member):
-        candidate = os.path.join(pair_path, member)
-        if os.path.isdir(candidate):
-            return candidate
-    return member

@@ -1,0 +1,318 @@
+"""Pair repos: offline Hub resolution, round trips, model cards, and clear errors for bad pairs."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from tokenizers import Tokenizer, decoders, models
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+from hf_swiftspec import SwiftSpecForCausalLM
+from hf_swiftspec.pair import (
+    PairCard,
+    PairConfigError,
+    bundled_pairs_dir,
+    check_pair_files,
+    read_card_metadata,
+    resolve_pair,
+)
+from hf_swiftspec.testing import CHAR_SPECIALS, char_tokenizer, tiny_model, truncated_draft
+from pair_helpers import local_pair, tiny_members, write_cached_repo
+
+TARGET_SHA = "1" * 40
+DRAFT_SHA = "2" * 40
+PAIR_SHA = "3" * 40
+
+
+def greedy(model, ids, n=16, **kwargs):
+    return model.generate(ids, max_new_tokens=n, do_sample=False, **kwargs).tolist()
+
+
+def edit_config(folder: Path, **changes) -> Path:
+    path = folder / "config.json"
+    data = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is ...:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    path.write_text(json.dumps(data))
+    return folder
+
+
+# ---------------------------------------------------------------- offline Hub resolution
+
+
+@pytest.fixture(scope="module")
+def hub_home(tmp_path_factory):
+    """HF_HOME with org/tiny-target, org/tiny-draft and the pair org/tiny-pair in its cache, all pinned."""
+    root = tmp_path_factory.mktemp("hub")
+    target_dir, draft_dir = tiny_members(root / "src")
+    pair_dir = root / "src" / "pair"
+    model = SwiftSpecForCausalLM.from_models(
+        AutoModelForCausalLM.from_pretrained(target_dir), AutoModelForCausalLM.from_pretrained(draft_dir), tokenizer=char_tokenizer()
+    )
+    model.config.update(dict(target="org/tiny-target", target_revision=TARGET_SHA, draft="org/tiny-draft", draft_revision=DRAFT_SHA))
+    model.save_pretrained(pair_dir, pin_revisions=False, load_id="org/tiny-pair")
+    cache = root / "home" / "hub"
+    write_cached_repo(cache, "org/tiny-target", target_dir, TARGET_SHA)
+    write_cached_repo(cache, "org/tiny-draft", draft_dir, DRAFT_SHA)
+    write_cached_repo(cache, "org/tiny-pair", pair_dir, PAIR_SHA)
+    bad = edit_config(pair_dir, draft_revision="f" * 40)
+    write_cached_repo(cache, "org/pair-bad-revision", bad, PAIR_SHA)
+    return root / "home"
+
+
+OFFLINE_SCRIPT = textwrap.dedent(
+    """
+    import json, torch
+    torch.set_num_threads(1)
+    from transformers import AutoModelForCausalLM, pipeline
+    from hf_swiftspec import SwiftSpecForCausalLM
+    from hf_swiftspec.pair import PairConfigError
+
+    ids = torch.tensor([[10, 20, 30, 40]])
+    kw = dict(max_new_tokens=16, do_sample=False)
+    target = AutoModelForCausalLM.from_pretrained("org/tiny-target", revision="%(target_sha)s")
+    expected = target.generate(ids, **kw).tolist()
+    result = {}
+    ours = SwiftSpecForCausalLM.from_pretrained("org/tiny-pair")
+    result["from_pretrained"] = ours.generate(ids, swiftspec=True, **kw).tolist() == expected
+    result["tau"] = ours.swiftspec_stats.tau
+    pinned = SwiftSpecForCausalLM.from_pretrained("org/tiny-pair", revision="%(pair_sha)s")
+    result["pair_revision"] = pinned.generate(ids, **kw).tolist() == expected
+    auto = AutoModelForCausalLM.from_pretrained("org/tiny-pair")
+    result["auto_class"] = type(auto).__name__
+    result["auto"] = auto.generate(ids, **kw).tolist() == expected
+    pipe = pipeline("text-generation", model="org/tiny-pair")
+    text = pipe("def f(x):", max_new_tokens=16, do_sample=False)[0]["generated_text"]
+    ref = pipeline("text-generation", model=target, tokenizer=pipe.tokenizer)("def f(x):", max_new_tokens=16, do_sample=False)
+    result["pipeline"] = text == ref[0]["generated_text"]
+    result["pipeline_speculated"] = pipe.model.swiftspec_stats is not None
+    for name in ("org/pair-bad-revision", "org/not-cached"):
+        try:
+            SwiftSpecForCausalLM.from_pretrained(name)
+            result[name] = "loaded"
+        except PairConfigError as err:
+            result[name] = str(err)
+    print("RESULT " + json.dumps(result))
+    """
+)
+
+
+def test_pair_loads_by_hub_id_offline(hub_home):
+    env = {**os.environ, "HF_HOME": str(hub_home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    env.pop("HF_HUB_CACHE", None)
+    script = OFFLINE_SCRIPT % dict(target_sha=TARGET_SHA, pair_sha=PAIR_SHA)
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    assert result["from_pretrained"] and result["pair_revision"] and result["auto"] and result["pipeline"]
+    assert result["auto_class"] == "SwiftSpecForCausalLM" and result["pipeline_speculated"]
+    assert result["tau"] > 1.0
+    assert "draft_revision" in result["org/pair-bad-revision"] and "f" * 40 in result["org/pair-bad-revision"]
+    assert "org/not-cached" in result["org/not-cached"] and "Hugging Face cache" in result["org/not-cached"]
+
+
+def test_hub_arguments_reach_the_pair_and_both_members(hub_home):
+    """cache_dir + local_files_only instead of environment variables, in this process."""
+    model = SwiftSpecForCausalLM.from_pretrained("org/tiny-pair", cache_dir=hub_home / "hub", local_files_only=True)
+    assert model.config.draft_revision == DRAFT_SHA and model.target.config.num_hidden_layers == 3
+    with pytest.raises(PairConfigError, match="org/tiny-pair"):
+        SwiftSpecForCausalLM.from_pretrained("org/tiny-pair", cache_dir=hub_home / "elsewhere", local_files_only=True)
+
+
+def test_missing_member_names_the_field(tmp_path):
+    pair = edit_config(local_pair(tmp_path), draft="org/absent-draft")
+    with pytest.raises(PairConfigError, match="field 'draft'='org/absent-draft'"):
+        SwiftSpecForCausalLM.from_pretrained(pair, local_files_only=True)
+
+
+# ---------------------------------------------------------------- round trip and model card
+
+
+def test_save_then_load_reproduces_the_pair(tmp_path):
+    pair = local_pair(tmp_path, tree_budget=6, draft_width=4, draft_depth=3)
+    loaded = SwiftSpecForCausalLM.from_pretrained(pair)
+    again = tmp_path / "elsewhere" / "pair"
+    loaded.save_pretrained(again, card=PairCard(title="Tiny pair", license="apache-2.0", tags=("test",)))
+    reloaded = SwiftSpecForCausalLM.from_pretrained(again)
+    for name in ("tree_budget", "draft_width", "draft_depth", "tree_capacity", "swiftspec_default", "placement"):
+        assert getattr(reloaded.config, name) == getattr(loaded.config, name)
+    for role in ("target", "draft"):  # relative entries were rewritten, so both name the same folders
+        assert (again / getattr(reloaded.config, role)).resolve() == (tmp_path / role).resolve()
+    ids = torch.tensor([[7, 8, 9, 10]])
+    assert greedy(reloaded, ids) == greedy(loaded.target, ids) == greedy(loaded, ids)
+    meta = yaml.safe_load((again / "README.md").read_text().split("---\n")[1])
+    assert meta["library_name"] == "hf_swiftspec" and meta["pipeline_tag"] == "text-generation"
+    assert meta["license"] == "apache-2.0" and {"swiftspec", "test"} <= set(meta["tags"])
+    assert "base_model" not in meta  # local members are no Hub models
+    check_pair_files(again)
+    assert reloaded.tokenizer is not None and reloaded.tokenizer.get_vocab() == char_tokenizer().get_vocab()
+
+
+def test_card_lists_hub_members_as_base_model(tmp_path):
+    target = tiny_model("llama")
+    draft = truncated_draft(target, 1)
+    model = SwiftSpecForCausalLM.from_models(target, draft)
+    model.config.update(dict(target="org/big", target_revision="a" * 40, draft="org/small", draft_revision="b" * 40))
+    model.save_pretrained(tmp_path, card=PairCard(title="t", license="other", license_name="custom", license_link="LICENSE"))
+    meta = read_card_metadata(tmp_path)
+    assert meta["base_model"] == ["org/big", "org/small"] and meta["license_name"] == "custom"
+    assert json.loads((tmp_path / "config.json").read_text())["draft_revision"] == "b" * 40
+
+
+def test_save_without_member_names_is_refused(tmp_path):
+    target = tiny_model("llama")
+    model = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 1))
+    with pytest.raises(PairConfigError, match="config.target is not set"):
+        model.save_pretrained(tmp_path)
+    model.save_pretrained(tmp_path, save_members=True)  # the weights travel inside the pair instead
+    loaded = SwiftSpecForCausalLM.from_pretrained(tmp_path)
+    assert loaded.config.target == "target" and (tmp_path / "draft" / "model.safetensors").is_file()
+
+
+def test_push_to_hub_uploads_the_pair_repo(tmp_path, monkeypatch):
+    uploaded = {}
+
+    def upload_folder(self, repo_id, folder_path, **kwargs):
+        uploaded.update(repo=repo_id, files=sorted(p.name for p in Path(folder_path).rglob("*") if p.is_file()))
+        uploaded["readme"] = (Path(folder_path) / "README.md").read_text()
+        return "commit"
+
+    monkeypatch.setattr("huggingface_hub.HfApi.create_repo", lambda self, repo_id, **kw: repo_id)
+    monkeypatch.setattr("huggingface_hub.HfApi.upload_folder", upload_folder)
+    loaded = SwiftSpecForCausalLM.from_pretrained(local_pair(tmp_path))
+    with pytest.raises(PairConfigError, match="local folder"):
+        loaded.push_to_hub("me/pair")
+    assert loaded.push_to_hub("me/pair", save_members=True) == "commit"
+    assert uploaded["repo"] == "me/pair" and "model.safetensors" in uploaded["files"]
+    assert {"config.json", "README.md", "tokenizer.json", "generation_config.json"} <= set(uploaded["files"])
+    assert 'from_pretrained("me/pair")' in uploaded["readme"]
+
+
+# ---------------------------------------------------------------- compatibility
+
+
+def swapped_char_tokenizer(a: str, b: str):
+    """The test char tokenizer with the ids of two tokens exchanged."""
+    tokens = CHAR_SPECIALS + [chr(c) for c in range(32, 127)]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def test_padded_draft_vocabulary_with_the_same_tokenizer(tmp_path):
+    """Like Qwen2.5 0.5B (151936 rows) drafting for 72B (152064): same tokenizer, different padding."""
+    target = tiny_model("llama", seed=0, vocab_size=128)
+    draft = truncated_draft(target, 2)
+    draft.resize_token_embeddings(98 + 14)  # the draft's own padding, still covering the tokenizer's 98 ids
+    model = SwiftSpecForCausalLM.from_models(target, draft, tokenizer=char_tokenizer())
+    ids = torch.tensor([[11, 12, 13]])
+    assert greedy(model, ids) == greedy(target, ids)
+    with pytest.raises(PairConfigError, match="target vocab_size=128, draft vocab_size=112"):
+        SwiftSpecForCausalLM.from_models(target, draft)  # without a tokenizer only equal sizes can be trusted
+
+
+def with_draft_tokenizer(root: Path, tokenizer) -> Path:
+    pair = local_pair(root)
+    tokenizer.save_pretrained(root / "draft")
+    return pair
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda p: edit_config(p, draft=...), "field 'draft' is missing"),
+        (lambda p: edit_config(p, target=""), "field 'target' is missing"),
+        (lambda p: edit_config(p, model_type=...), "field 'model_type' is missing"),
+        (lambda p: edit_config(p, model_type="llama"), "model_type='llama', so this is a model repo"),
+        (lambda p: edit_config(p, tree_budget="8"), "field 'tree_budget' must be int, got str '8'"),
+        (lambda p: edit_config(p, draft_revision=5), "field 'draft_revision' must be str or null, got int 5"),
+        (lambda p: edit_config(p, swiftspec_default="yes"), "field 'swiftspec_default' must be bool"),
+        (lambda p: edit_config(p, draft_width=0), "draft_width must be a positive int, got 0"),
+        (lambda p: edit_config(p.parent / "target", model_type="gpt2", n_embd=64, n_layer=1, n_head=4, vocab_size=98) and p,
+         "target model type 'gpt2' is not supported"),
+        (lambda p: edit_config(p.parent / "draft", model_type="not-an-architecture") and p,
+         "Cannot load the draft from field 'draft'='../draft'"),
+        (lambda p: edit_config(p.parent / "draft", max_position_embeddings=256) and p,
+         "draft's max_position_embeddings=256 is shorter than the target's 512"),
+        (lambda p: (swapped_char_tokenizer("a", "b").save_pretrained(p.parent / "draft"), p)[1],
+         r"2 token ids differ \(id 68: draft 'b' / target 'a', id 69: draft 'a' / target 'b'\)"),
+        (lambda p: (swapped_char_tokenizer("<pad>", "</s>").save_pretrained(p.parent / "draft"), p)[1],
+         "disagree on special tokens: '</s>' is id 2 in the target, 0 in the draft"),
+        (lambda p: p / "nothing-here", "has no config.json"),
+    ],
+    ids=["no-draft", "empty-target", "no-model-type", "model-repo", "str-budget", "int-revision", "str-bool",
+         "zero-width", "gpt2-target", "unknown-arch", "short-context", "token-ids", "special-tokens", "no-config"],
+)
+def test_bad_pair_configs_name_the_field(tmp_path, make, match):
+    pair = make(local_pair(tmp_path))
+    if not pair.exists():
+        pair.mkdir()
+    with pytest.raises(PairConfigError, match=match):
+        SwiftSpecForCausalLM.from_pretrained(pair)
+
+
+def test_renamed_added_tokens_only_warn(tmp_path, caplog):
+    """Reserved tokens renamed between releases (Llama 3 -> 3.1) cannot break losslessness: warn, load."""
+    target_tok, draft_tok = char_tokenizer(), char_tokenizer()
+    target_tok.add_tokens(["<|reserved_0|>"], special_tokens=False)
+    draft_tok.add_tokens(["<|python_tag|>"], special_tokens=False)
+    target = tiny_model("llama", vocab_size=99)
+    with caplog.at_level(logging.WARNING, logger="hf_swiftspec.pair"):
+        SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 1), tokenizer=target_tok, draft_tokenizer=draft_tok)
+    assert "name 1 added tokens differently (id 98: draft '<|python_tag|>' / target '<|reserved_0|>')" in caplog.text
+
+
+def test_resolve_pair_checks_without_loading_weights(tmp_path):
+    pair = local_pair(tmp_path)
+    for weights in tmp_path.rglob("*.safetensors"):
+        weights.unlink()  # nothing below may need them
+    resolved = resolve_pair(pair)
+    assert resolved.member_configs["target"].num_hidden_layers == 3 and resolved.tokenizer is not None
+
+
+# ---------------------------------------------------------------- the shipped pair repos
+
+
+def test_model_cards_folder_exists():
+    assert bundled_pairs_dir() is not None
+
+
+@pytest.mark.parametrize("folder", sorted(p for p in (bundled_pairs_dir() or Path()).iterdir() if p.is_dir() and not p.name.startswith(("_", "."))), ids=lambda p: p.name)
+def test_every_shipped_pair_validates_offline(folder):
+    config = check_pair_files(folder)
+    meta = read_card_metadata(folder)
+    text = (folder / "README.md").read_text()
+    assert config.target and config.draft and meta["license"]
+    assert "## How to use" in text and "## Pair" in text
+    for role in ("target", "draft"):
+        revision = getattr(config, f"{role}_revision")
+        assert revision is None or len(revision) == 40, f"{role}_revision must be a full commit sha or null"
+        if revision is None and "/" in getattr(config, role):
+            assert "not pinned" in text  # the card says so
+
+
+def test_shipped_cards_match_their_generator(tmp_path):
+    """model_cards/build_cards.py writes the real-pair folders; what is committed is what it writes."""
+    script = bundled_pairs_dir() / "build_cards.py"
+    subprocess.run([sys.executable, str(script), "--out", str(tmp_path)], check=True, capture_output=True, timeout=120)
+    written = sorted(p for p in tmp_path.iterdir() if p.is_dir())
+    assert written, "build_cards.py wrote nothing"
+    for folder in written:
+        shipped = bundled_pairs_dir() / folder.name
+        assert (shipped / "README.md").read_text() == (folder / "README.md").read_text(), f"{shipped} is stale: run {script}"
+        committed, fresh = (json.loads((f / "config.json").read_text()) for f in (shipped, folder))
+        committed.pop("transformers_version")  # follows the installed library
+        # Fields added to SwiftSpecConfig later are absent from older files and load with their defaults.
+        assert committed == {k: fresh[k] for k in committed}, f"{shipped}/config.json is stale: run {script}"
