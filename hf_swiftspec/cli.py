@@ -1,0 +1,347 @@
+"""The `swiftspec` command.
+
+    swiftspec generate [--pair ID] [PROMPT]        stream a completion, then one statistics line
+    swiftspec generate --compare                   also time the target alone and print the speed-up
+    swiftspec pair create --target T --draft D DIR write a pair repo (config, tokenizer, model card)
+    swiftspec pair check ID_OR_DIR                 check a pair without loading any weights
+    swiftspec bench [--pair ID] [--prompts FILE]   time swiftspec against the peers, side by side
+
+Without --pair, `generate` uses the demo pair that ships with hf_swiftspec (a tiny Python
+code-completion pair), so it works offline on any machine. Progress and errors go to stderr,
+the completion and the statistics to stdout; failures exit with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig, TextStreamer
+
+from .bench import add_bench_arguments, bench_main
+from .config import SwiftSpecConfig
+from .modeling import SwiftSpecForCausalLM
+from .pair import (
+    DEMO_PAIR_NAME,
+    HubOptions,
+    PairConfigError,
+    bundled_pair,
+    check_pair_files,
+    context_length,
+    default_card,
+    pinned,
+    resolve_pair,
+    resolve_pair_folder,
+    write_pair_repo,
+)
+
+DEFAULT_PROMPT = "def read_config(path):\n"
+TREE_OPTIONS = ("tree_budget", "draft_width", "draft_depth")
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    """What `swiftspec generate` does; argparse takes its defaults from here (None: the pair's own)."""
+
+    pair: str = DEMO_PAIR_NAME
+    prompt: str = DEFAULT_PROMPT
+    max_new_tokens: int = 128
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+    compare: bool = False
+    device: str | None = None  # None: cuda:0 when there is a GPU, else cpu
+    dtype: str | None = None  # None: float32 on CPU (exact and fast there), the checkpoint's own on GPU
+    threads: int | None = None
+    placement: str | None = None  # None: the pair's; "serial", "auto", or JSON like {"target": [0], "draft": [1]}
+    tree_budget: int | None = None
+    draft_width: int | None = None
+    draft_depth: int | None = None
+
+
+@dataclass(frozen=True)
+class RunStats:
+    """One timed generation."""
+
+    new_tokens: int
+    seconds: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+
+def progress(message: str) -> None:
+    print(f"swiftspec: {message}", file=sys.stderr, flush=True)
+
+
+def pair_location(name: str) -> str:
+    """A bundled pair's folder (the demo) by its name, else the id or path as given."""
+    folder = bundled_pair(name)
+    return str(folder) if folder is not None else name
+
+
+def default_device() -> str:
+    return "cuda:0" if torch.cuda.is_available() else "cpu"
+
+
+def load_dtype(options: GenerateOptions, device: str):
+    if options.dtype is None:
+        return torch.float32 if device == "cpu" else "auto"
+    if options.dtype == "auto":
+        return "auto"
+    dtype = getattr(torch, options.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise PairConfigError(f"--dtype {options.dtype!r} is not a torch dtype; use float32, bfloat16, float16 or auto.")
+    return dtype
+
+
+def parse_placement(text: str):
+    """"serial" / "auto" as they are; anything starting with "{" as JSON (device indices or names per role)."""
+    if not text.lstrip().startswith("{"):
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise PairConfigError(f"--placement {text!r} is not valid JSON ({err}); e.g. '{{\"target\": [0], \"draft\": [1]}}'.") from err
+
+
+def load_pair(options: GenerateOptions) -> SwiftSpecForCausalLM:
+    device = options.device or default_device()
+    settings = {name: getattr(options, name) for name in TREE_OPTIONS if getattr(options, name) is not None}
+    if options.placement is not None:
+        settings["placement"] = parse_placement(options.placement)
+    progress(f"loading pair {options.pair!r} on {device}")
+    model = SwiftSpecForCausalLM.from_pretrained(
+        pair_location(options.pair), dtype=load_dtype(options, device), device_map=device, **settings
+    )
+    if model.tokenizer is None:
+        raise PairConfigError(f"The pair {options.pair!r} ships no tokenizer (neither its repo nor its target has one).")
+    return model
+
+
+def check_length(prompt_tokens: int, max_new_tokens: int, context: int | None) -> None:
+    if context is not None and prompt_tokens + max_new_tokens > context:
+        raise PairConfigError(
+            f"The prompt ({prompt_tokens} tokens) plus --max-new-tokens {max_new_tokens} exceeds the target's context "
+            f"of {context} tokens; shorten the prompt or lower --max-new-tokens."
+        )
+
+
+def generation_kwargs(options: GenerateOptions, input_ids: torch.Tensor) -> dict:
+    kwargs = dict(max_new_tokens=options.max_new_tokens, do_sample=options.do_sample, attention_mask=torch.ones_like(input_ids))
+    if options.do_sample:
+        kwargs.update(temperature=options.temperature, top_p=options.top_p)
+    return kwargs
+
+
+def timed_generate(model, input_ids, options: GenerateOptions, swiftspec: bool, streamer=None) -> tuple[torch.Tensor, RunStats]:
+    generator = torch.Generator(device=model.target.device).manual_seed(options.seed)
+    torch.manual_seed(options.seed)  # the target-alone path samples from the global RNG
+    start = time.perf_counter()
+    out = model.generate(input_ids, swiftspec=swiftspec, streamer=streamer, generator=generator, **generation_kwargs(options, input_ids))
+    seconds = time.perf_counter() - start
+    return out, RunStats(out.shape[1] - input_ids.shape[1], seconds)
+
+
+def statistics_line(model, run: RunStats, baseline: RunStats | None, identical: bool | None) -> str:
+    """The one line `generate` ends with: tokens/s, tau, target forwards (and the speed-up with --compare)."""
+    stats = model.swiftspec_stats
+    line = (
+        f"[swiftspec] {run.new_tokens} tokens in {run.seconds:.2f}s = {run.tokens_per_second:.1f} tokens/s | "
+        f"tau {stats.tau:.2f} tokens per verification | {stats.target_forwards} target forwards, "
+        f"{stats.draft_forwards} draft forwards | engine {stats.engine}"
+    )
+    if baseline is not None:
+        same = "" if identical is None else f", same output: {'yes' if identical else 'NO'}"
+        line += (
+            f" | target alone {baseline.tokens_per_second:.1f} tokens/s -> speed-up "
+            f"{run.tokens_per_second / baseline.tokens_per_second:.2f}x{same}"
+        )
+    return line
+
+
+def run_generate(options: GenerateOptions) -> int:
+    if options.threads is not None:
+        torch.set_num_threads(options.threads)
+    model = load_pair(options)
+    tokenizer = model.tokenizer
+    input_ids = tokenizer(options.prompt, return_tensors="pt").input_ids.to(model.target.device)
+    check_length(input_ids.shape[1], options.max_new_tokens, context_length(model.target.config))
+    baseline = identical = None
+    if options.compare:
+        progress("warming up, then timing the target alone")
+        warm = replace(options, max_new_tokens=4)  # first calls pay one-time costs; keep them out of both timings
+        timed_generate(model, input_ids, warm, swiftspec=True)
+        timed_generate(model, input_ids, warm, swiftspec=False)
+        expected, baseline = timed_generate(model, input_ids, options, swiftspec=False)
+    print(options.prompt, end="", flush=True)
+    out, run = timed_generate(model, input_ids, options, swiftspec=True, streamer=TextStreamer(tokenizer, skip_prompt=True))
+    if options.compare and not options.do_sample:
+        identical = out.tolist() == expected.tolist()
+    print()
+    print(statistics_line(model, run, baseline, identical), flush=True)
+    return 0 if identical in (None, True) else 1
+
+
+# ---------------------------------------------------------------- pair create / check
+
+
+def member_entry(value: str, folder: Path) -> str:
+    """A local member folder is stored relative to the pair folder, so the two can move together."""
+    return os.path.relpath(Path(value).resolve(), folder.resolve()) if Path(value).is_dir() else value
+
+
+def run_pair_create(args) -> int:
+    folder = Path(args.dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    hub = HubOptions(local_files_only=args.offline)
+    settings = {name: getattr(args, name) for name in TREE_OPTIONS if getattr(args, name) is not None}
+    config = SwiftSpecConfig(
+        target=member_entry(args.target, folder),
+        draft=member_entry(args.draft, folder),
+        target_revision=args.target_revision,
+        draft_revision=args.draft_revision,
+        **settings,
+    )
+    config = pinned(config, folder, hub)
+    progress(f"checking {config.target} + {config.draft}")
+    config.save_pretrained(folder)  # resolve_pair reads it back, exactly as a user will
+    pair = resolve_pair(folder, hub=hub)
+    target = pair.members["target"]
+    generation_config = GenerationConfig.from_pretrained(target.location, revision=target.revision, **hub.as_kwargs())
+    card = replace(default_card(pair.config), license=args.license, license_name=args.license_name, license_link=args.license_link)
+    if args.title:
+        card = replace(card, title=args.title)
+    write_pair_repo(folder, pair.config, card, pair.tokenizer, generation_config)
+    print(f"wrote pair repo {folder} (target {config.target}@{config.target_revision}, draft {config.draft}@{config.draft_revision})")
+    return 0
+
+
+def run_pair_check(args) -> int:
+    hub = HubOptions(local_files_only=args.offline)
+    folder = resolve_pair_folder(pair_location(args.pair), args.revision, hub)
+    check_pair_files(folder)
+    print(f"{args.pair}: config.json and README.md model card are valid")
+    if args.config_only:
+        return 0
+    pair = resolve_pair(folder, hub=hub)
+    for role, member in pair.members.items():
+        config = pair.member_configs[role].get_text_config()
+        tokenizer = pair.member_tokenizers[role]
+        print(
+            f"{role}: {member.location} @ {member.revision or 'default branch'}: {config.model_type}, vocab_size "
+            f"{config.vocab_size}, context {getattr(config, 'max_position_embeddings', '?')}, tokenizer "
+            f"{'yes' if tokenizer is not None else 'none (checked by size)'}"
+        )
+    print(f"{args.pair}: compatible (architecture, vocabulary, special tokens, context length)")
+    return 0
+
+
+# ---------------------------------------------------------------- argument parsing
+
+
+def add_tree_options(parser: argparse.ArgumentParser) -> None:
+    defaults = SwiftSpecConfig()
+    for name in TREE_OPTIONS:
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=int,
+            default=None,
+            help=f"override the pair's {name} (SwiftSpecConfig default: {getattr(defaults, name)})",
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = GenerateOptions()
+    parser = argparse.ArgumentParser(prog="swiftspec", description="Lossless tree speculative decoding (SwiftSpec).")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="stream a completion and print its statistics")
+    gen.add_argument("prompt", nargs="?", default=defaults.prompt, help="text to complete (default: %(default)r)")
+    gen.add_argument("--pair", default=defaults.pair, help="pair repo id, folder or bundled name (default: %(default)s)")
+    gen.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens, help="(default: %(default)s)")
+    mode = gen.add_mutually_exclusive_group()
+    mode.add_argument("--greedy", dest="do_sample", action="store_false", help="greedy decoding (the default)")
+    mode.add_argument("--sample", dest="do_sample", action="store_true", help="sample from the target's distribution")
+    gen.set_defaults(do_sample=defaults.do_sample)
+    gen.add_argument("--temperature", type=float, default=defaults.temperature, help="with --sample (default: %(default)s)")
+    gen.add_argument("--top-p", type=float, default=defaults.top_p, help="with --sample (default: %(default)s)")
+    gen.add_argument("--seed", type=int, default=defaults.seed, help="sampling seed (default: %(default)s)")
+    gen.add_argument("--compare", action="store_true", help="also time the target alone and print the speed-up")
+    gen.add_argument("--device", default=defaults.device, help="device for both models (default: cuda:0 if present, else cpu)")
+    gen.add_argument("--dtype", default=defaults.dtype, help="float32 | bfloat16 | float16 | auto (default: float32 on CPU, auto on GPU)")
+    gen.add_argument("--threads", type=int, default=defaults.threads, help="torch CPU threads (default: torch's choice)")
+    gen.add_argument(
+        "--placement",
+        default=defaults.placement,
+        help='where the two models run: serial | auto | JSON such as \'{"target": [0], "draft": [1]}\' (default: the pair\'s)',
+    )
+    add_tree_options(gen)
+
+    pair = commands.add_parser("pair", help="create or check pair repos").add_subparsers(dest="pair_command", required=True)
+    create = pair.add_parser("create", help="write a pair repo for a target and a draft")
+    create.add_argument("dir", help="folder to write")
+    create.add_argument("--target", required=True, help="target Hub id or folder")
+    create.add_argument("--draft", required=True, help="draft Hub id or folder")
+    create.add_argument("--target-revision", default=None, help="pin (default: the current commit of its default branch)")
+    create.add_argument("--draft-revision", default=None, help="pin (default: the current commit of its default branch)")
+    create.add_argument("--license", default="unknown", help="Hub licence id of the pair repo (default: %(default)s)")
+    create.add_argument("--license-name", default=None, help="with --license other")
+    create.add_argument("--license-link", default=None, help="with --license other")
+    create.add_argument("--title", default=None, help="model card title")
+    create.add_argument("--offline", action="store_true", help="use only the Hugging Face cache")
+    add_tree_options(create)
+
+    check = pair.add_parser("check", help="check a pair repo without loading weights")
+    check.add_argument("pair", help="pair repo id, folder or bundled name")
+    check.add_argument("--revision", default=None, help="revision of the pair repo")
+    check.add_argument("--config-only", action="store_true", help="check only the pair's own files, not its members")
+    check.add_argument("--offline", action="store_true", help="use only the Hugging Face cache")
+    add_bench_arguments(
+        commands.add_parser("bench", help="time swiftspec against target.generate, assisted generation and prompt lookup")
+    )
+    return parser
+
+
+def generate_options(args: argparse.Namespace) -> GenerateOptions:
+    return GenerateOptions(**{f.name: getattr(args, f.name) for f in fields(GenerateOptions)})
+
+
+def quiet_progress_bars() -> None:
+    """Loading bars would interleave with the streamed completion; our own progress lines say enough."""
+    from huggingface_hub.utils import disable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    disable_progress_bars()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    quiet_progress_bars()
+    try:
+        if args.command == "generate":
+            return run_generate(generate_options(args))
+        if args.command == "bench":
+            return bench_main(args)
+        if args.pair_command == "create":
+            return run_pair_create(args)
+        return run_pair_check(args)
+    except (PairConfigError, ValueError, OSError) as err:
+        print(f"swiftspec: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nswiftspec: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

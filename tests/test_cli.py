@@ -1,0 +1,98 @@
+"""The `swiftspec` command: generate on the demo pair, pair create / check, errors and exit codes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hf_swiftspec import SwiftSpecForCausalLM
+from hf_swiftspec.cli import DEFAULT_PROMPT, GenerateOptions, build_parser, generate_options, main
+from hf_swiftspec.pair import bundled_pairs_dir
+from pair_helpers import tiny_members
+
+FAST = ["--max-new-tokens", "24", "--threads", "1"]
+
+
+def statistics(out: str) -> str:
+    return out.strip().splitlines()[-1]
+
+
+def test_generate_streams_then_prints_one_statistics_line(capsys):
+    assert main(["generate", *FAST]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(DEFAULT_PROMPT) and len(out) > len(DEFAULT_PROMPT) + 10
+    line = statistics(out)
+    assert line.startswith("[swiftspec] 24 tokens in ") and "tokens/s" in line
+    assert " tau " in line and "target forwards" in line and "speed-up" not in line
+
+
+def test_compare_times_the_target_alone_and_prints_the_speed_up(capsys):
+    assert main(["generate", "--compare", "--tree-budget", "6", *FAST, "import os\n"]) == 0
+    line = statistics(capsys.readouterr().out)
+    assert "target alone" in line and "speed-up" in line and "same output: yes" in line
+
+
+def test_sampling_runs(capsys):
+    assert main(["generate", "--sample", "--temperature", "0.8", "--seed", "3", *FAST]) == 0
+    assert statistics(capsys.readouterr().out).startswith("[swiftspec]")
+
+
+def test_module_entry_point_runs_in_a_fresh_process():
+    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "hf_swiftspec.cli", "generate", "--max-new-tokens", "12", "--threads", "1", "class Config:\n"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert statistics(proc.stdout).startswith("[swiftspec] 12 tokens in ")
+    assert "loading pair 'swiftspec-demo-pystdlib'" in proc.stderr
+
+
+def test_argparse_defaults_are_the_function_defaults():
+    assert generate_options(build_parser().parse_args(["generate"])) == GenerateOptions()
+
+
+def test_errors_are_readable_with_a_nonzero_exit(tmp_path, capsys):
+    assert main(["generate", "--pair", str(tmp_path / "missing")]) == 1
+    err = capsys.readouterr().err
+    assert "swiftspec: error: No pair folder at" in err and "Traceback" not in err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--greedy", "--sample"])
+    assert exit_info.value.code == 2
+
+
+def test_pair_create_then_check_then_load(tmp_path, capsys):
+    target, draft = tiny_members(tmp_path)
+    pair = tmp_path / "pair"
+    args = ["pair", "create", "--target", str(target), "--draft", str(draft), "--license", "apache-2.0"]
+    assert main([*args, "--tree-budget", "6", str(pair)]) == 0
+    assert main(["pair", "check", str(pair)]) == 0
+    out = capsys.readouterr().out
+    assert "config.json and README.md model card are valid" in out and "compatible" in out
+    assert json.loads((pair / "config.json").read_text())["target"] == "../target"
+    model = SwiftSpecForCausalLM.from_pretrained(pair)
+    ids = torch.tensor([[30, 31, 32]])
+    kwargs = dict(max_new_tokens=12, do_sample=False)
+    assert model.config.tree_budget == 6 and model.tokenizer is not None
+    assert model.generate(ids, **kwargs).tolist() == model.target.generate(ids, **kwargs).tolist()
+
+
+def test_pair_check_names_the_bad_field(tmp_path, capsys):
+    target, draft = tiny_members(tmp_path)
+    pair = tmp_path / "pair"
+    assert main(["pair", "create", "--target", str(target), "--draft", str(draft), str(pair)]) == 0
+    config = json.loads((pair / "config.json").read_text())
+    (pair / "config.json").write_text(json.dumps({**config, "draft_width": "wide"}))
+    assert main(["pair", "check", str(pair)]) == 1
+    assert "field 'draft_width' must be int, got str 'wide'" in capsys.readouterr().err
+
+
+def test_pair_check_of_a_shipped_card_offline(capsys):
+    folder = bundled_pairs_dir() / "qwen2-72b-instruct--qwen2-1.5b-instruct"
+    assert main(["pair", "check", str(folder), "--config-only"]) == 0
+    assert main(["pair", "check", str(folder), "--offline"]) == 1  # the 72B is not in this machine's cache
+    err = capsys.readouterr().err
+    assert "Qwen/Qwen2-72B-Instruct" in err and "Hugging Face cache" in err
