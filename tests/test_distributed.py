@@ -65,7 +65,7 @@ def test_worker_failures_surface_on_every_live_rank(case):
     again = {r["rank"]: r for r in results if r["case"] == case + "-again"}
     for rank in live:
         assert first[rank]["raised"], (rank, outputs[rank][-2000:])
-        assert first[rank]["seconds"] < 15
+        assert first[rank]["seconds"] < 30  # worker_timeout_s is 5: bounded, with room for a loaded CI machine
         assert "restart the torchrun job" in (again[rank]["raised"] or "").lower(), again
     role = "draft" if case.endswith("draft") else "target"
     assert role in first[0]["raised"]
