@@ -437,7 +437,8 @@ def prepare_prompt_set(source: str, tokenizer, config: BenchConfig, device, cont
     prompts = load_prompts(source, config.num_prompts + 1)
     warmup = prompts[0]
     timed = prompts[1:] if len(prompts) > config.num_prompts else prompts
-    encoded = [encode_prompt(tokenizer, p.text, config.max_prompt_tokens, config.chat_template) for p in [warmup, *timed]]
+    limit = prompt_token_limit(config, context)
+    encoded = [encode_prompt(tokenizer, p.text, limit, config.chat_template) for p in [warmup, *timed]]
     for prompt, (ids, _) in zip([warmup, *timed], encoded):
         check_prompt_fits(ids.shape[1], config.max_new_tokens, context, f"{source} #{prompt.id}")
     infos = [
@@ -448,6 +449,19 @@ def prepare_prompt_set(source: str, tokenizer, config: BenchConfig, device, cont
     return PromptSet(
         name, prompt_set_path(source), warmup, encoded[0][0].to(device), infos, [ids.to(device) for ids, _ in encoded[1:]]
     )
+
+
+def prompt_token_limit(config: BenchConfig, context: int | None) -> int | None:
+    """Where prompts are cut: max_prompt_tokens, and never so long that the generation overflows the
+    target's context (the demo pair's is 256 tokens)."""
+    room = None if context is None else context - config.max_new_tokens
+    if room is not None and room < 8:
+        raise ValueError(
+            f"max_new_tokens={config.max_new_tokens} leaves {room} tokens of the target's {context}-token context "
+            "for the prompt; lower max_new_tokens."
+        )
+    limits = [x for x in (config.max_prompt_tokens, room) if x]
+    return min(limits) if limits else None
 
 
 def check_prompt_fits(prompt_tokens: int, max_new_tokens: int, context: int | None, where: str) -> None:
@@ -1249,7 +1263,11 @@ def markdown_report(report: BenchReport) -> str:
     """results.md: a header saying what ran where, one table per prompt set, the limit and the memory budget."""
     pair, env, config = report.pair, report.environment, report.config
     tree = ", ".join(f"{k}={'auto' if v is None else v}" for k, v in pair.settings.items() if k in TREE_OPTIONS)
-    cut = f"prompts cut to {config['max_prompt_tokens']} tokens" if config["max_prompt_tokens"] else "prompts uncut"
+    cut = (
+        f"prompts cut to at most {config['max_prompt_tokens']} tokens and to fit the context"
+        if config["max_prompt_tokens"]
+        else "prompts cut only to fit the context"
+    )
     lines = [
         "# SwiftSpec benchmark",
         "",
@@ -1383,7 +1401,7 @@ def run_bench(config: BenchConfig) -> BenchReport:
     device = models.target.device
     context = context_length(models.target.config)
     prompt_sets = [prepare_prompt_set(source, tokenizer, config, device, context) for source in config.prompts]
-    notes += truncation_notes(prompt_sets, config.max_prompt_tokens)
+    notes += truncation_notes(prompt_sets, prompt_token_limit(config, context))
     probe = MemoryProbe.create(device)
     order = [*config.methods, *(m.name for m in config.extra_methods)]
     with eos_ignored(models.target, config.ignore_eos):
