@@ -144,7 +144,7 @@ def place_models(placement: Placement, target, draft, timeout_s: float) -> Group
         return None
     rank, backend = dist.get_rank(), dist.get_backend()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if backend == "nccl" else torch.device("cpu")
-    groups = Groups(rank, list(placement.target), list(placement.draft), device, device)
+    groups = Groups(rank, list(placement.target), list(placement.draft), device)
     for role, model in (("target", target), ("draft", draft)):
         ranks = list(getattr(placement, role))
         group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s)) if len(ranks) > 1 else None

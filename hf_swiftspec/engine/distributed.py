@@ -42,8 +42,7 @@ class Groups:
     rank: int
     target_ranks: list[int]
     draft_ranks: list[int]
-    device: torch.device  # where this rank's model runs
-    comm_device: torch.device  # where messages live (cuda for NCCL, cpu for gloo)
+    device: torch.device  # where this rank's model runs and its messages live (cuda for NCCL, cpu for gloo)
     target_group: object = None  # ProcessGroup of the target ranks (None for a single rank)
     draft_group: object = None
     broken: str | None = None  # set after a failure: the process group may hold stale messages
@@ -123,7 +122,7 @@ class DistLink:
         return 3 + 2 * self.budget
 
     def _tensor(self, n: int) -> torch.Tensor:
-        return torch.zeros(n, dtype=torch.long, device=self.groups.comm_device)
+        return torch.zeros(n, dtype=torch.long, device=self.groups.device)
 
     def _recv(self, n: int, src: int, what: str) -> torch.Tensor:
         buf = self._tensor(n)
@@ -143,16 +142,16 @@ class DistLink:
     def _raise_if_failed(self, msg: torch.Tensor, src: int, worker: str) -> None:
         if int(msg[0]) != FAILED:
             return
-        text = self._tensor(ERROR_BYTES)
         if self.groups.is_leader and src != self.groups.leader:
-            wait(dist.irecv(text, src), self.timeout_s, f"error text from the {worker} leader")
+            text = self._recv(ERROR_BYTES, src, f"error text from the {worker} leader")
+        else:
+            text = self._tensor(ERROR_BYTES)
         text = self._share(text, "error text")
         reason = bytes(text.cpu().to(torch.uint8).tolist()).rstrip(b"\0").decode(errors="replace")
         raise PeerFailed(f"the {worker} worker failed: {reason}")
 
     # ---- draft side -------------------------------------------------------------------------
     def send_subtree(self, subtree: Subtree) -> None:
-        B, T = self.budget, len(subtree)
         if self.groups.is_leader:
             msg = self._encode(GO, subtree.tokens, subtree.parents)
             self._send(msg, self.groups.peer_leader, "subtree")
@@ -164,7 +163,7 @@ class DistLink:
         """Every draft rank must run the same number of expansions: the leader's choice."""
         if len(self.groups.draft_ranks) == 1:
             return depth
-        return int(self._share(torch.full((1,), depth, dtype=torch.long, device=self.groups.comm_device), "depth"))
+        return int(self._share(torch.full((1,), depth, dtype=torch.long, device=self.groups.device), "depth"))
 
     def verdict_ready(self) -> bool:
         # Only a lone draft rank may stop early: TP ranks must all expand the same number of times.
