@@ -6,11 +6,10 @@
 
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from .cache import TreeCache
 from .config import SwiftSpecConfig
+from .engine import SwiftSpecWorkerError
 from .modeling import SwiftSpecForCausalLM
 from .stats import SwiftSpecStats
-from .tree import Subtree, TokenTree
 
 
 def register_auto_classes() -> None:
@@ -23,13 +22,5 @@ def register_auto_classes() -> None:
 # before a user calls AutoModelForCausalLM.from_pretrained on a pair repo.
 register_auto_classes()
 
-__all__ = [
-    "SwiftSpecConfig",
-    "SwiftSpecForCausalLM",
-    "SwiftSpecStats",
-    "Subtree",
-    "TokenTree",
-    "TreeCache",
-    "register_auto_classes",
-]
+__all__ = ["SwiftSpecConfig", "SwiftSpecForCausalLM", "SwiftSpecStats", "SwiftSpecWorkerError", "register_auto_classes"]
 __version__ = "0.1.0"

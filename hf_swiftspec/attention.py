@@ -1,10 +1,18 @@
-"""Tree-attention dispatch: the fused Triton kernel, its torch reference, or the model's own.
+"""Tree attention routing: the one place that decides how a model's tree steps attend.
 
-With the kernel, a model runs with attn_implementation="swiftspec": tree steps pass a
-`TreeStep` (prefix length + the tree mask packed to bits, built once per step) as a forward
-kwarg, which transformers hands to every layer's attention; any other forward (prefill, or
-plain `target.generate`) falls through to sdpa with the mask transformers builds.
+A tree step's queries see the committed prefix plus their own ancestors in the tree region.
+Each model's backend is resolved once per generation (`resolve_attention`), the model is
+routed for the length of that generation only (`routed_attention`, which restores the user's
+`attn_implementation` afterwards), and every tree forward takes its attention arguments from
+`tree_step_kwargs`:
 
+    "triton" / "torch-reference"  the model runs with attn_implementation="swiftspec": the forward
+        carries a `TreeStep` (prefix length + the tree mask packed to bits, built once per step and
+        read by every layer); any other forward (prefill, plain `target.generate`) falls through to
+        sdpa with the mask transformers builds.
+    "sdpa" / "eager"              the model's own attention with a dense additive 4D mask.
+
+    SwiftSpecConfig.attention:
     "auto"   the Triton kernel on CUDA devices, else the model's own attention + dense mask
     "kernel" the Triton kernel wherever Triton runs (CUDA, or the CPU interpreter under
              TRITON_INTERPRET=1), else its plain-torch reference
@@ -13,6 +21,7 @@ plain `target.generate`) falls through to sdpa with the mask transformers builds
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -38,11 +47,6 @@ class TreeStep:
     prefix_len: int
     bits: torch.Tensor
     reference: bool = False
-
-
-def tree_step(prefix_len: int, tree_mask: torch.Tensor, reference: bool) -> TreeStep:
-    """Pack a (Q, S) bool tree-region mask once for all layers."""
-    return TreeStep(prefix_len, pack_tree_mask(tree_mask[None]), reference)
 
 
 def swiftspec_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -72,8 +76,39 @@ def resolve_attention(choice: str, model) -> str:
     return "sdpa" if own == NAME else own  # swiftspec_attention without a TreeStep is sdpa
 
 
-def use_tree_attention(model, backend: str) -> None:
-    """Route the model's attention through swiftspec_attention when a kernel backend is chosen."""
+@contextlib.contextmanager
+def routed_attention(model, backend: str):
+    """Route `model`'s attention through swiftspec_attention for a kernel backend, for the duration
+    of the block only: the user's attn_implementation is restored afterwards, also on failure."""
+    if backend not in KERNEL_BACKENDS:
+        yield
+        return
+    own = model.config._attn_implementation
+    register_tree_attention()
+    model.set_attn_implementation(NAME)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(own or "sdpa")
+
+
+def dense_tree_mask(prefix_len: int, tree_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive 4D mask (1, 1, Q, prefix_len + S) from a tree-region mask (Q, S) bool.
+
+    Additive (0 / dtype min) rather than bool because eager attention adds whatever it is given.
+    """
+    Q = tree_mask.shape[0]
+    allowed = torch.cat([tree_mask.new_ones(Q, prefix_len), tree_mask], dim=1)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=tree_mask.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+def tree_step_kwargs(backend: str, prefix_len: int, tree_mask: torch.Tensor, dtype: torch.dtype) -> dict:
+    """Forward kwargs that make every layer attend the prefix plus the tree slots `tree_mask` (Q, S) allows."""
     if backend in KERNEL_BACKENDS:
-        register_tree_attention()
-        model.set_attn_implementation(NAME)
+        step = TreeStep(prefix_len, pack_tree_mask(tree_mask[None]), reference=backend == "torch-reference")
+        # Any 4D mask passes through transformers' masking unchanged and the kernel reads the TreeStep
+        # instead, so a one-element stand-in spares building the dense (Q, prefix + S) mask.
+        stand_in = torch.zeros(1, 1, 1, 1, dtype=dtype, device=tree_mask.device)
+        return {"attention_mask": stand_in, "swiftspec_tree": step}
+    return {"attention_mask": dense_tree_mask(prefix_len, tree_mask, dtype)}

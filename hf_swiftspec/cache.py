@@ -83,10 +83,6 @@ class TreeCache(Cache):
             (self.num_layers, 2, B, H, self.capacity, D), dtype=key_states.dtype, device=key_states.device
         )
 
-    @property
-    def tree_len(self) -> int:
-        return self.length - self.prefix_len
-
     def commit(self, path_slots: torch.Tensor, keep_slots: torch.Tensor | None = None) -> None:
         """Move verified tree slots into the prefix and compact surviving slots behind them.
 
@@ -107,7 +103,3 @@ class TreeCache(Cache):
     def seal_prefix(self) -> None:
         """Make everything written so far (a prefill) part of the committed prefix."""
         self.prefix_len = self.length
-
-    def drop_tree(self) -> None:
-        """Forget the tree region (its slots are overwritten by the next update)."""
-        self.length = self.prefix_len

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
+import inspect
+
 from transformers import PreTrainedConfig
 
 
@@ -89,3 +92,19 @@ class SwiftSpecConfig(PreTrainedConfig):
                 f"SwiftSpecConfig.tree_capacity={self.tree_capacity} is too small for tree_budget="
                 f"{self.tree_budget} and draft_width={self.draft_width}; use at least {needed}."
             )
+
+
+def setting_names() -> tuple[str, ...]:
+    """The SwiftSpecConfig fields a user sets (tree_budget, draft_width, ...)."""
+    parameters = inspect.signature(SwiftSpecConfig.__init__).parameters
+    return tuple(name for name, p in parameters.items() if name != "self" and p.kind is p.POSITIONAL_OR_KEYWORD)
+
+
+def check_setting_names(names, where: str) -> None:
+    """Raise ValueError naming any of `names` that is not a SwiftSpecConfig field, with the closest one."""
+    known = setting_names()
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ValueError(f"{where} got an unknown setting {name!r}; {hint}SwiftSpecConfig's settings are: {', '.join(known)}.")

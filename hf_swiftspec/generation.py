@@ -9,13 +9,14 @@ wrapper's generate() ends the streamer, also when anything fails).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
 from transformers import GenerationConfig, StoppingCriteriaList
 from transformers.generation import GenerateDecoderOnlyOutput, StopStringCriteria
 
-from .attention import resolve_attention, use_tree_attention
+from .attention import resolve_attention, routed_attention
 from .config import SwiftSpecConfig
 from .engine import DecodeRequest, DecodeResult, DraftWorker, TargetWorker, run_serial, run_threads
 from .engine.distributed import Groups, run_distributed
@@ -65,7 +66,11 @@ def swiftspec_generate(
         on_tokens=(lambda tokens: swiftspec_streamer.put(torch.tensor(tokens))) if swiftspec_streamer else None,
     )
     workers = build_workers(model, swiftspec_draft, config, prompt.shape[1] + max_new, swiftspec_groups)
-    result = run_engine(swiftspec_placement, swiftspec_groups, *workers, request, config) if max_new else DecodeResult()
+    with contextlib.ExitStack() as routes:  # each model attends the tree its way for this call only
+        for worker in workers:
+            if worker is not None:
+                routes.enter_context(routed_attention(worker.model, worker.attention))
+        result = run_engine(swiftspec_placement, swiftspec_groups, *workers, request, config) if max_new else DecodeResult()
     result.stats.attention = ", ".join(
         f"{role}={w.attention}" for role, w in zip(("target", "draft"), workers) if w
     )
@@ -77,7 +82,7 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
     role = groups.role if groups is not None else None
     target_worker = draft_worker = None
     if role in (None, "target"):
-        target_worker = TargetWorker(target, length + config.tree_budget, attention_backend(config, target))
+        target_worker = TargetWorker(target, length + config.tree_budget, resolve_attention(config.attention, target))
     if role in (None, "draft"):
         draft_worker = DraftWorker(
             draft,
@@ -85,16 +90,9 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
             tree_capacity=config.tree_capacity,
             width=config.draft_width,
             vocab_limit=target.config.get_text_config().vocab_size,
-            attention=attention_backend(config, draft),
+            attention=resolve_attention(config.attention, draft),
         )
     return target_worker, draft_worker
-
-
-def attention_backend(config: SwiftSpecConfig, model) -> str:
-    """Resolve config.attention for this model and route its attention accordingly."""
-    backend = resolve_attention(config.attention, model)
-    use_tree_attention(model, backend)
-    return backend
 
 
 def run_engine(placement, groups, target, draft, request: DecodeRequest, config) -> DecodeResult:
@@ -131,6 +129,11 @@ def check_supported_options(generation_config: GenerationConfig, input_ids: torc
         raise ValueError(
             f"swiftspec=True decodes one sequence at a time (batch size 1); got batch size {input_ids.shape[0]}. "
             "Call generate() per prompt, or pass swiftspec=False for batched decoding."
+        )
+    if input_ids.shape[1] == 0:
+        raise ValueError(
+            "swiftspec=True needs at least one prompt token; got an empty input (shape (1, 0)). Pass a prompt, "
+            "e.g. the tokenizer's BOS token, or call generate() without inputs to start from the model's BOS."
         )
 
 

@@ -10,7 +10,7 @@ import torch
 from huggingface_hub import HfApi
 from transformers import AutoModelForCausalLM, GenerationConfig, GenerationMixin, PreTrainedModel
 
-from .config import SwiftSpecConfig
+from .config import SwiftSpecConfig, check_setting_names
 from .generation import split_stop_strings, stop_string_criteria, swiftspec_generate
 from .pair import (
     SUPPORTED_MODEL_TYPES,
@@ -30,11 +30,11 @@ from .pair import (
 from .placement import Placement, place_models, resolve_placement
 from .stats import SwiftSpecStats
 
-TREE_MASK_ATTENTION = ("sdpa", "eager", "swiftspec")  # "swiftspec": set by attention.use_tree_attention
+TREE_MASK_ATTENTION = ("sdpa", "eager", "swiftspec")  # "swiftspec": the tree kernel's, sdpa outside tree steps
 # Arguments the Auto classes and pipeline() add that mean something for the pair repo itself, or nothing here.
 PAIR_ONLY_KWARGS = ("config", "proxies", "adapter_kwargs", "_commit_hash", "code_revision")
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "SwiftSpecForCausalLM", "check_model_supported", "check_vocabularies"]
+__all__ = ["SwiftSpecForCausalLM"]
 
 
 def check_model_supported(model: PreTrainedModel, role: str) -> None:
@@ -98,6 +98,7 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
         tokenizer: the target's (and the draft's, unless draft_tokenizer is given). With tokenizers the
         vocabularies are compared token by token, so padded embeddings of different sizes are fine.
         """
+        check_setting_names(settings, "SwiftSpecForCausalLM.from_models")
         config = SwiftSpecConfig(target=target.name_or_path or None, draft=draft.name_or_path or None, **settings)
         return cls(config, target, draft, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)
 

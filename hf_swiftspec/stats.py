@@ -1,8 +1,35 @@
-"""What one `generate(swiftspec=True)` call did, kept on `model.swiftspec_stats` afterwards."""
+"""What one `generate(swiftspec=True)` call did, kept on `model.swiftspec_stats` afterwards.
+
+Each worker keeps its own counters (`TargetCounters`, `DraftCounters`) whatever the engine;
+`SwiftSpecStats.collect` is the one place they become the call's statistics.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+
+@dataclass
+class TargetCounters:
+    """What the target worker did in one generation."""
+
+    forwards: int = 0  # every target forward, prefill included
+    verify_steps: int = 0  # tree verifications
+    busy_s: float = 0.0  # forward + walk + commit
+    idle_s: float = 0.0  # waiting for a subtree (asynchronous engines)
+
+
+@dataclass
+class DraftCounters:
+    """What the draft worker did in one generation (crosses process groups as one message)."""
+
+    forwards: int = 0
+    rounds: int = 0  # subtrees proposed
+    expansions: int = 0  # tree expansions (draft forwards over tree leaves)
+    in_flight_expansions: int = 0  # expansions run while a verification was in flight
+    reroot_hits: int = 0  # the new root was already in the tree
+    reroot_misses: int = 0  # a fresh tree was started
+    busy_s: float = 0.0
 
 
 @dataclass
@@ -23,11 +50,32 @@ class SwiftSpecStats:
     draft_time_s: float = 0.0
     target_time_s: float = 0.0
     wall_time_s: float = 0.0
-    draft_depth: float = 0.0  # mean draft expansions per round
+    draft_depth: float = 0.0  # mean draft expansions per round, whatever the schedule
     reroot_hits: int = 0
     reroot_misses: int = 0
     target_idle_s: float = 0.0  # target waiting for a subtree (async engines)
     in_flight_expansions: int = 0  # draft expansions run while a verification was in flight
+
+    @classmethod
+    def collect(
+        cls, engine: str, new_tokens: int, wall_time_s: float, target: TargetCounters, draft: DraftCounters
+    ) -> "SwiftSpecStats":
+        """The statistics of one generation from its workers' counters."""
+        return cls(
+            engine=engine,
+            new_tokens=new_tokens,
+            wall_time_s=wall_time_s,
+            target_forwards=target.forwards,
+            verify_steps=target.verify_steps,
+            target_time_s=target.busy_s,
+            target_idle_s=target.idle_s,
+            draft_forwards=draft.forwards,
+            draft_time_s=draft.busy_s,
+            draft_depth=draft.expansions / max(draft.rounds, 1),
+            in_flight_expansions=draft.in_flight_expansions,
+            reroot_hits=draft.reroot_hits,
+            reroot_misses=draft.reroot_misses,
+        )
 
     @property
     def tau(self) -> float:

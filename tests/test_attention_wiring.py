@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_swiftspec import SwiftSpecConfig, SwiftSpecForCausalLM
-from hf_swiftspec.attention import resolve_attention, use_tree_attention
+from hf_swiftspec.attention import resolve_attention, routed_attention
 from hf_swiftspec.cache import TreeCache
 from hf_swiftspec.engine.workers import model_step, tree_step_forward
 from hf_swiftspec.testing import tiny_model, truncated_draft
@@ -28,14 +28,15 @@ def tree_logits(model, backend, prefix, tokens, parents):
 def test_forward_with_tree_kernel_equals_sdpa_with_dense_mask(backend, arch):
     dense_model = tiny_model(arch, seed=1)
     kernel_model = copy.deepcopy(dense_model)
-    use_tree_attention(kernel_model, backend)
     g = torch.Generator().manual_seed(0)
     prefix = torch.randint(3, 98, (37,), generator=g).tolist()
     tokens = torch.randint(3, 98, (11,), generator=g).tolist()
     parents = [-1, 0, 0, 1, 1, 2, 5, 6, 3, 0, 9]
     expected = tree_logits(dense_model, "sdpa", prefix, tokens, parents)
-    got = tree_logits(kernel_model, backend, prefix, tokens, parents)
+    with routed_attention(kernel_model, backend):
+        got = tree_logits(kernel_model, backend, prefix, tokens, parents)
     torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)
+    assert kernel_model.config._attn_implementation == "sdpa"  # the user's setting is back
 
 
 @needs_triton
@@ -50,6 +51,24 @@ def test_generate_with_the_kernel_is_lossless():
         assert model.generate(prompt, do_sample=False, max_new_tokens=12).tolist() == expected.tolist()
         assert model.swiftspec_stats.attention == "target=triton, draft=triton"
         assert model.swiftspec_stats.draft_forwards > 3  # the draft's tree steps ran through the kernel too
+        assert model.target.config._attn_implementation == model.draft.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("own", ["sdpa", "eager"])
+def test_generate_restores_the_users_attention_implementation(own):
+    """Routing through the tree kernel lasts for one generate() call, also when it fails."""
+    target = tiny_model("llama", seed=0, attn=own)
+    model = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 1), attention="kernel")
+    prompt = torch.randint(3, 98, (1, 5), generator=torch.Generator().manual_seed(0))
+    model.generate(prompt, do_sample=False, max_new_tokens=4)
+    assert target.config._attn_implementation == model.draft.config._attn_implementation == own
+    hook = target.register_forward_hook(lambda *args: (_ for _ in ()).throw(RuntimeError("boom")))
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            model.generate(prompt, do_sample=False, max_new_tokens=4)
+    finally:
+        hook.remove()
+    assert target.config._attn_implementation == own
 
 
 def test_attention_choice_resolution():

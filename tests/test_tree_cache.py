@@ -5,7 +5,8 @@ import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from hf_swiftspec.cache import TreeCache
-from hf_swiftspec.engine.workers import DraftWorker, TargetWorker, model_step, tree_attention_mask
+from hf_swiftspec.attention import dense_tree_mask
+from hf_swiftspec.engine.workers import DraftWorker, TargetWorker, model_step
 from hf_swiftspec.tree import Subtree, subtree_mask
 from hf_swiftspec.verify import Sampler
 
@@ -35,7 +36,7 @@ def path_to(parents, tokens, i):
 
 def tree_forward(model, cache, tokens, parents):
     mask, depths = subtree_mask(parents, "cpu")
-    attn = tree_attention_mask(cache.prefix_len, mask, model.dtype)
+    attn = dense_tree_mask(cache.prefix_len, mask, model.dtype)
     ids = torch.tensor([tokens])
     return model_step(model, cache, ids, (cache.prefix_len + depths)[None], attn)
 
@@ -101,9 +102,8 @@ def test_draft_keeps_surviving_kv_across_reroots(llama_pair):
     prompt = torch.randint(3, 98, (1, 9), generator=torch.Generator().manual_seed(3))
     target_w = TargetWorker(target, capacity=128)
     draft = DraftWorker(draft_model, capacity=512, tree_capacity=400, width=4, vocab_limit=98)
-    target_w.prefill(prompt[:, :-1])
+    target_w.prefill(prompt)
     draft.start(prompt)
-    sequence = prompt
     sampler = Sampler(LogitsProcessorList(), do_sample=False)
     hits = 0
     for _ in range(8):
@@ -113,7 +113,7 @@ def test_draft_keeps_surviving_kv_across_reroots(llama_pair):
             assert draft.expand() > 0
             new = torch.arange(before, tree.size)
             leaves = tree.parents[new].unique()
-            committed = sequence[0, :-1].tolist()
+            committed = target_w.sequence[0, :-1].tolist()
             for leaf in leaves.tolist():
                 path = []
                 node = leaf
@@ -125,8 +125,8 @@ def test_draft_keeps_surviving_kv_across_reroots(llama_pair):
                 got = tree.scores[children] - tree.scores[leaf]
                 torch.testing.assert_close(got, fresh[tree.tokens[children]], atol=ATOL, rtol=0)
         subtree = draft.propose(8)
-        verified = target_w.verify(subtree, sequence, sampler, StoppingCriteriaList(), 100)
-        sequence = torch.cat([sequence, torch.tensor([verified.tokens])], dim=1)
+        verified = target_w.verify(subtree, sampler, StoppingCriteriaList(), 100)
+        sequence = target_w.sequence
         hits += draft.reroot(subtree, verified)
         assert draft.cache.prefix_len == target_w.cache.prefix_len == sequence.shape[1] - 1 - len(draft.pending)
     assert hits > 0  # the surviving-subtree path was exercised

@@ -6,9 +6,9 @@ int64 messages; each leader then broadcasts within its group. Every wait polls w
 (SwiftSpecConfig.worker_timeout_s): a failed worker sends a failure message, a dead one is
 noticed when its deadline passes, and either way every rank raises instead of hanging.
 
-    subtree message  [status, T, 0, tokens (B), parents (B)]          draft leader -> target leader
-    verdict message  [status, m, 0, tokens (B), path (B)]             target leader -> draft leader
-    report message   [forwards, rounds, in flight, hits, misses, busy us]   draft -> target, at the end
+    subtree message   [status, T, tokens (B), parents (B)]    draft leader -> target leader
+    verdict message   [status, m, tokens (B), path (B)]       target leader -> draft leader
+    counters message  DraftCounters' fields, in field order   draft leader -> target leader, at the end
     status: 0 go on, 1 finished, -1 the sender failed (a UTF-8 error text of ERROR_BYTES follows)
 
 Subtree and verdict messages have the same size, so a failure notice matches whatever
@@ -19,16 +19,17 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from ..stats import DraftCounters, SwiftSpecStats, TargetCounters
 from ..tree import Subtree
 from ..verify import Verified, verify_tree
-from .asynchronous import DraftReport, fill_stats, run_draft, run_target
-from .links import PeerFailed, SwiftSpecWorkerError, Verdict
+from .asynchronous import run_draft, run_target
+from .links import PeerFailed, SwiftSpecWorkerError
 from .request import DecodeResult
 
 GO, FINISHED, FAILED = 0, 1, -1
@@ -119,7 +120,7 @@ class DistLink:
 
     @property
     def size(self) -> int:
-        return 3 + 2 * self.budget
+        return 2 + 2 * self.budget
 
     def _tensor(self, n: int) -> torch.Tensor:
         return torch.zeros(n, dtype=torch.long, device=self.groups.device)
@@ -169,7 +170,7 @@ class DistLink:
         # Only a lone draft rank may stop early: TP ranks must all expand the same number of times.
         return len(self.groups.draft_ranks) == 1 and self._verdict_work.done.is_set()
 
-    def receive_verdict(self) -> Verdict:
+    def receive_verdict(self) -> Verified:
         if self.groups.is_leader:
             self._verdict_work.result()
             msg = self._verdict_buf
@@ -183,29 +184,25 @@ class DistLink:
         B, n = self.budget, len(first)
         msg = self._tensor(self.size)
         msg[0], msg[1] = status, n
-        msg[3 : 3 + n] = torch.tensor(first, dtype=torch.long)
-        msg[3 + B : 3 + B + n] = torch.tensor(second, dtype=torch.long)
+        msg[2 : 2 + n] = torch.tensor(first, dtype=torch.long)
+        msg[2 + B : 2 + B + n] = torch.tensor(second, dtype=torch.long)
         return msg
 
     def _decode(self, msg: torch.Tensor) -> tuple[int, list[int], list[int]]:
         B = self.budget
         values = msg.tolist()
         n = values[1]
-        return values[0], values[3 : 3 + n], values[3 + B : 3 + B + n]
+        return values[0], values[2 : 2 + n], values[2 + B : 2 + B + n]
 
-    def _decode_verdict(self, msg: torch.Tensor) -> Verdict:
+    def _decode_verdict(self, msg: torch.Tensor) -> Verified:
         status, tokens, path = self._decode(msg)
         self.tokens += tokens
-        return Verdict(tokens, path, status == FINISHED)
+        return Verified(tokens=tokens, path=path, finished=status == FINISHED)
 
-    def send_report(self, report) -> None:
+    def send_counters(self, counters: DraftCounters) -> None:
         if self.groups.is_leader:
-            msg = self._tensor(6)
-            msg[:] = torch.tensor(
-                [report.forwards, report.rounds, report.in_flight_expansions, report.reroot_hits,
-                 report.reroot_misses, int(report.busy_s * 1e6)]
-            )
-            self._send(msg, self.groups.peer_leader, "draft report")
+            msg = torch.tensor(astuple(counters), dtype=torch.float64, device=self.groups.device)
+            wait(dist.isend(msg, self.groups.peer_leader), self.timeout_s, "delivery of the draft counters")
 
     # ---- target side ------------------------------------------------------------------------
     def receive_subtree(self) -> Subtree:
@@ -224,21 +221,24 @@ class DistLink:
             return verify_tree(logits, subtree, context, sampler, stopping_criteria, max_tokens)
         msg = self._share(self._tensor(self.size), "verdict")
         self._raise_if_failed(msg, self.groups.leader, "target")
-        verdict = self._decode_verdict(msg)
-        return Verified(tokens=verdict.tokens, path=verdict.path, finished=verdict.finished)
+        return self._decode_verdict(msg)
 
-    def send_verdict(self, verdict: Verdict) -> None:
+    def send_verdict(self, verified: Verified) -> None:
         if not self.groups.is_leader:
             return
-        msg = self._encode(FINISHED if verdict.finished else GO, verdict.tokens, verdict.path)
+        msg = self._encode(FINISHED if verified.finished else GO, verified.tokens, verified.path)
         self._share(msg, "verdict")
-        self.tokens += verdict.tokens
+        self.tokens += verified.tokens
         self._send(msg, self.groups.peer_leader, "verdict")
 
-    def receive_report(self) -> list[int]:
+    def receive_counters(self) -> DraftCounters:
+        """The draft leader's counters (zeros on the other target ranks)."""
         if not self.groups.is_leader:
-            return [0] * 6
-        return self._recv(6, self.groups.peer_leader, "report from the draft leader").tolist()
+            return DraftCounters()
+        buf = torch.zeros(len(astuple(DraftCounters())), dtype=torch.float64, device=self.groups.device)
+        wait(dist.irecv(buf, self.groups.peer_leader), self.timeout_s, "counters from the draft leader")
+        kinds = astuple(DraftCounters())
+        return DraftCounters(*(type(kind)(value) for kind, value in zip(kinds, buf.tolist())))
 
     # ---- failures ---------------------------------------------------------------------------
     def fail(self, error: BaseException) -> None:
@@ -271,17 +271,16 @@ def run_distributed(groups: Groups, target, draft, request, timeout_s: float):
         )
     link = DistLink(groups, request.tree_budget, timeout_s)
     result = DecodeResult()
-    result.stats.engine = "async-distributed"
     start = time.perf_counter()
     try:
         if groups.role == "target":
             run_target(target, request, link, result)
-            forwards, rounds, in_flight, hits, misses, busy_us = link.receive_report()
-            report = DraftReport(forwards, rounds, in_flight, hits, misses, busy_us / 1e6)
+            target_counters, draft_counters = target.counters, link.receive_counters()
         else:
-            report = run_draft(draft, request.prompt, request.tree_budget, request.depth, link)
-            link.send_report(report)
+            run_draft(draft, request.prompt, request.tree_budget, request.depth, link)
+            link.send_counters(draft.counters)
             result.tokens = list(link.tokens)
+            target_counters, draft_counters = TargetCounters(), draft.counters
     except PeerFailed as error:
         groups.broken = str(error)
         raise
@@ -290,6 +289,7 @@ def run_distributed(groups: Groups, target, draft, request, timeout_s: float):
         if isinstance(error, SwiftSpecWorkerError):
             raise
         raise SwiftSpecWorkerError(f"the {groups.role} worker failed on rank {groups.rank}: {error!r}") from error
-    result.stats.wall_time_s = time.perf_counter() - start
-    fill_stats(result, target, report)
+    result.stats = SwiftSpecStats.collect(
+        "async-distributed", len(result.tokens), time.perf_counter() - start, target_counters, draft_counters
+    )
     return result

@@ -1,7 +1,7 @@
 """How the two workers of the asynchronous engine talk: one protocol, two transports.
 
-The draft side sends a `Subtree` (or a failure); the target side answers with a `Verdict`
-(or a failure). Both are small host-side lists. `ThreadLink` carries them between two threads
+The draft side sends a `Subtree` (or a failure); the target side answers with the `Verified`
+outcome of its walk (or a failure); the draft reads its tokens, path and `finished`. `ThreadLink` carries them between two threads
 of one process; `engine/distributed.py` carries the same messages between process groups.
 Every wait has a timeout, so a dead or stuck worker becomes an exception, never a hang.
 """
@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from ..tree import Subtree
-from ..verify import verify_tree
+from ..verify import Verified, verify_tree
 
 
 class SwiftSpecWorkerError(RuntimeError):
@@ -23,16 +23,6 @@ class SwiftSpecWorkerError(RuntimeError):
 
 class PeerFailed(SwiftSpecWorkerError):
     """The other worker reported its own failure (so it needs no notice back)."""
-
-
-@dataclass
-class Verdict:
-    """The target's answer to one subtree: emitted tokens, the accepted path (local subtree
-    indices, root first) and whether generation is over."""
-
-    tokens: list[int]
-    path: list[int]
-    finished: bool
 
 
 @dataclass
@@ -71,7 +61,7 @@ class ThreadLink:
     def verdict_ready(self) -> bool:
         return not self.verdicts.empty()
 
-    def receive_verdict(self) -> Verdict:
+    def receive_verdict(self) -> Verified:
         return self._get(self.verdicts, "target")
 
     def report_failure(self, worker: str, error: BaseException) -> None:
@@ -81,8 +71,8 @@ class ThreadLink:
     def receive_subtree(self) -> Subtree:
         return self._get(self.proposals, "draft")
 
-    def send_verdict(self, verdict: Verdict) -> None:
-        self.verdicts.put(verdict)
+    def send_verdict(self, verified: Verified) -> None:
+        self.verdicts.put(verified)
 
     def close(self) -> None:
         """Tell the draft to stop at its next wait or step."""

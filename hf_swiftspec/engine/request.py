@@ -10,7 +10,7 @@ from transformers import StoppingCriteriaList
 
 from ..policy import DepthPolicy
 from ..stats import SwiftSpecStats
-from ..verify import Sampler
+from ..verify import Sampler, Verified
 
 
 @dataclass
@@ -39,7 +39,7 @@ class DecodeResult:
     logits: list[torch.Tensor] = field(default_factory=list)
     stats: SwiftSpecStats = field(default_factory=SwiftSpecStats)
 
-    def emit(self, verified, request: DecodeRequest) -> None:
+    def emit(self, verified: Verified, request: DecodeRequest) -> None:
         """Record one verification's tokens (with their scores and logits) and stream them."""
         self.tokens += verified.tokens
         self.scores += verified.scores

@@ -7,11 +7,14 @@ token except the current root, which is tree node 0 on both sides.
 
 from __future__ import annotations
 
+import time
+
 import torch
 from transformers import PreTrainedModel, StoppingCriteriaList
 
-from ..attention import KERNEL_BACKENDS, tree_step
+from ..attention import tree_step_kwargs
 from ..cache import TreeCache
+from ..stats import DraftCounters, TargetCounters
 from ..tree import (
     Subtree,
     TokenTree,
@@ -27,17 +30,6 @@ from ..tree import (
     subtree_mask,
 )
 from ..verify import Sampler, Verified, verify_tree
-
-
-def tree_attention_mask(prefix_len: int, tree_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Additive 4D mask (1, 1, Q, prefix_len + S) from a tree-region mask (Q, S) bool.
-
-    Additive (0 / dtype min) rather than bool because eager attention adds whatever it is given.
-    """
-    Q = tree_mask.shape[0]
-    allowed = torch.cat([tree_mask.new_ones(Q, prefix_len), tree_mask], dim=1)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=tree_mask.device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
 
 
 def model_step(model: PreTrainedModel, cache: TreeCache, input_ids, position_ids, attention_mask=None, keep: int = 0,
@@ -56,41 +48,37 @@ def model_step(model: PreTrainedModel, cache: TreeCache, input_ids, position_ids
 
 
 def tree_step_forward(model, cache: TreeCache, input_ids, position_ids, tree_mask: torch.Tensor, attention: str):
-    """A forward over tree nodes: each query sees the prefix and the tree slots `tree_mask` (Q, S) allows.
-
-    attention: "triton" / "torch-reference" pass the packed mask to the fused tree attention
-    (built once here, read by every layer); anything else builds the dense additive mask.
-    """
-    prefix = cache.prefix_len
-    if attention in KERNEL_BACKENDS:
-        step = tree_step(prefix, tree_mask, reference=attention == "torch-reference")
-        placeholder = torch.zeros(1, 1, 1, 1, dtype=model.dtype, device=tree_mask.device)  # 4D: passed through
-        return model_step(model, cache, input_ids, position_ids, placeholder, swiftspec_tree=step)
-    return model_step(model, cache, input_ids, position_ids, tree_attention_mask(prefix, tree_mask, model.dtype))
+    """A forward over tree nodes (1, Q): each sees the prefix and the tree slots `tree_mask` (Q, S) allows."""
+    return model_step(model, cache, input_ids, position_ids, **tree_step_kwargs(attention, cache.prefix_len, tree_mask, model.dtype))
 
 
 class TargetWorker:
-    """Runs the target: prefill, then one tree forward + verification walk + commit per step."""
+    """Runs the target: prefill, then one tree forward + verification walk + commit per step.
+
+    It owns the committed sequence (1, L): every verified token, ending with the current root.
+    """
 
     def __init__(self, model: PreTrainedModel, capacity: int, attention: str = "sdpa"):
         self.model = model
         self.attention = attention
         self.device = model.device
         self.cache = TreeCache(model.config.get_text_config().num_hidden_layers, capacity)
-        self.forwards = 0
+        self.sequence: torch.Tensor | None = None
+        self.counters = TargetCounters()
 
-    def prefill(self, ids: torch.Tensor) -> None:
-        """Commit the KV of ids (1, n): the prompt without its last token (the first root)."""
+    def prefill(self, prompt: torch.Tensor) -> None:
+        """Start from prompt (1, L), L >= 1: commit the KV of all but its last token (the first root)."""
+        self.sequence = prompt.to(self.device)
+        ids = self.sequence[:, :-1]
         if ids.shape[1]:
             positions = torch.arange(ids.shape[1], device=self.device)[None]
-            model_step(self.model, self.cache, ids.to(self.device), positions, keep=1)
-            self.forwards += 1
+            model_step(self.model, self.cache, ids, positions, keep=1)
+            self.counters.forwards += 1
         self.cache.seal_prefix()
 
     def verify(
         self,
         subtree: Subtree,
-        context: torch.Tensor,
         sampler: Sampler,
         stopping_criteria: StoppingCriteriaList,
         max_tokens: int,
@@ -98,17 +86,22 @@ class TargetWorker:
     ) -> Verified:
         """Forward the subtree (T nodes) over the prefix, walk it, commit the accepted path.
 
-        context: (1, L) the whole sequence so far, ending with the root token.
         walk: verify_tree, or (on a tensor-parallel rank that is not the leader) a function
             with its signature that returns the leader's walk.
         """
+        start = time.perf_counter()
         mask, depths = subtree_mask(subtree.parents, self.device)
         input_ids = torch.tensor([subtree.tokens], device=self.device)
         positions = (self.cache.prefix_len + depths)[None]
         logits = tree_step_forward(self.model, self.cache, input_ids, positions, mask, self.attention)  # (T, V)
-        self.forwards += 1
-        verified = walk(logits, subtree, context.to(self.device), sampler, stopping_criteria, max_tokens)
+        verified = walk(logits, subtree, self.sequence, sampler, stopping_criteria, max_tokens)
         self.cache.commit(torch.tensor(verified.path, device=self.device))
+        new = torch.tensor([verified.tokens], dtype=self.sequence.dtype, device=self.device)
+        self.sequence = torch.cat([self.sequence, new], dim=1)
+        device_sync(self.device)
+        self.counters.forwards += 1
+        self.counters.verify_steps += 1
+        self.counters.busy_s += time.perf_counter() - start
         return verified
 
 
@@ -131,8 +124,7 @@ class DraftWorker:
         self.vocab_limit = vocab_limit  # the draft never proposes ids the target cannot embed
         self.tree: TokenTree = new_tree(0, tree_capacity, self.device)
         self.pending: list[int] = []
-        self.forwards = 0
-        self.reroot_hits = self.reroot_misses = 0  # new root already in the tree / fresh tree
+        self.counters = DraftCounters()
 
     def start(self, prompt: torch.Tensor) -> None:
         """Begin a generation: the prompt (1, L) minus its last token is pending, the last is the root."""
@@ -159,24 +151,31 @@ class DraftWorker:
             self.pending = []
         else:
             logits = tree_step_forward(self.model, cache, input_ids, positions, mask, self.attention)
-        self.forwards += 1
+        self.counters.forwards += 1
+        self.counters.expansions += 1
         logprobs = torch.log_softmax(logits[:, : self.vocab_limit], dim=-1)  # (w, V)
         child_logprobs, child_tokens = logprobs.topk(self.width, dim=-1)
         add_children(tree, leaves, child_logprobs, child_tokens)
         return leaves.shape[0]
 
-    def grow(self, max_expansions: int, budget: int) -> int:
-        """Expand leaves that could still enter the best `budget`-node subtree, until it is final
-        or after `max_expansions`; then top up to `budget` nodes. Returns forwards run."""
+    def grow(self, max_expansions: int, within: int | None = None, stop=None) -> int:
+        """Expand up to `max_expansions` times (only leaves among the best `within` nodes if given),
+        until nothing is left to expand or `stop()` says so. Returns the expansions run."""
         done = 0
-        while done < max_expansions and self.expand(within=budget):
+        while done < max_expansions and not (stop is not None and stop()) and self.expand(within):
             done += 1
+        return done
+
+    def top_up(self, budget: int) -> int:
+        """Expand until the tree holds at least `budget` nodes (or cannot grow). Returns the expansions run."""
+        done = 0
         while self.tree.size < budget and self.expand():
             done += 1
         return done
 
     def propose(self, budget: int) -> Subtree:
         """The best `budget`-node subtree for the target to verify."""
+        self.counters.rounds += 1
         return select_subtree(self.tree, budget)
 
     def reroot(self, subtree: Subtree, verified: Verified) -> bool:
@@ -191,10 +190,16 @@ class DraftWorker:
         path_slots = tree.kv_slot[torch.tensor(with_kv, dtype=torch.long, device=self.device)]
         if child is not None:
             self.cache.commit(path_slots, reroot(tree, child))
-            self.reroot_hits += 1
+            self.counters.reroot_hits += 1
             return True
-        self.reroot_misses += 1
+        self.counters.reroot_misses += 1
         self.cache.commit(path_slots)
         self.pending = [] if last_expanded else [subtree.tokens[verified.path[-1]]]
         reset_tree(tree, verified.tokens[-1])
         return False
+
+
+def device_sync(device: torch.device) -> None:
+    """Wait for queued kernels so phase timings are real (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
