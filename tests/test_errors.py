@@ -94,3 +94,19 @@ def test_right_padding_is_refused(model):
 def test_wrapper_without_models():
     with pytest.raises(ValueError, match="from_models"):
         SwiftSpecForCausalLM(SwiftSpecConfig())
+
+
+def test_empty_prompt_is_refused_before_any_worker_runs(model):
+    with pytest.raises(ValueError, match=r"at least one prompt token; got an empty input"):
+        model.generate(torch.zeros(1, 0, dtype=torch.long), max_new_tokens=3)
+    # fully masked prompt: nothing left after stripping the padding
+    with pytest.raises(ValueError, match="only masks left padding"):
+        model.generate(torch.tensor([[0, 0]]), attention_mask=torch.tensor([[0, 0]]), max_new_tokens=3)
+
+
+def test_misspelt_setting_is_named_with_the_closest_field():
+    target = tiny_model("llama")
+    with pytest.raises(ValueError, match=r"unknown setting 'tree_budgt'; did you mean 'tree_budget'\?"):
+        SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 1), tree_budgt=4)
+    with pytest.raises(ValueError, match=r"unknown setting 'colour'; SwiftSpecConfig's settings are: target, draft"):
+        SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 1), colour="red")
