@@ -13,8 +13,29 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
+from transformers.generation import logits_process
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from .tree import Subtree
+
+# Processors whose output for a row depends on that row's logits alone, never on the tokens before
+# it (input_ids) or their count: with only these, every tree node can be processed at once.
+PATH_FREE_PROCESSORS = tuple(
+    getattr(logits_process, name)
+    for name in (
+        "TemperatureLogitsWarper",
+        "TopKLogitsWarper",
+        "TopPLogitsWarper",
+        "MinPLogitsWarper",
+        "TypicalLogitsWarper",
+        "EpsilonLogitsWarper",
+        "EtaLogitsWarper",
+        "TopHLogitsWarper",
+        "SuppressTokensLogitsProcessor",
+        "LogitNormalization",
+    )
+    if hasattr(logits_process, name)
+)
 
 
 @dataclass
@@ -27,6 +48,23 @@ class Sampler:
     logits_processor: LogitsProcessorList
     do_sample: bool
     generator: torch.Generator | None = None
+
+    @property
+    def path_free(self) -> bool:
+        """Whether the processors ignore the path, so all nodes can be processed in one call."""
+        return all(isinstance(p, PATH_FREE_PROCESSORS) for p in self.logits_processor)
+
+    def choose_rows(self, context: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For path-free processors: next token (T,) and processed scores (T, V) of every row at once.
+
+        Each row's token is an independent draw from that row's distribution (or its argmax), so
+        the ones the walk visits are distributed exactly as node-by-node draws would be.
+        """
+        scores = self.logits_processor(context, logits)
+        if self.do_sample:
+            tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1, generator=self.generator)
+            return tokens.squeeze(1), scores
+        return torch.argmax(scores, dim=-1), scores
 
     def choose(self, context: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Next token (1,) and processed scores (1, V) given context (1, L) and raw logits (1, V)."""
@@ -72,7 +110,58 @@ def verify_tree(
     context: (1, L) committed sequence ending with the root token
     max_tokens: tokens still allowed by max_new_tokens / max_length
     """
-    children = {(p, tok): i for i, (p, tok) in enumerate(zip(subtree.parents, subtree.tokens)) if p >= 0}
+    children = {}
+    for i, (p, tok) in enumerate(zip(subtree.parents, subtree.tokens)):
+        if p >= 0:
+            children.setdefault((p, tok), i)
+    if sampler.path_free:
+        return walk_rows(logits, children, context, sampler, stopping_criteria, max_tokens)
+    return walk_nodes(logits, children, context, sampler, stopping_criteria, max_tokens)
+
+
+def walk_rows(logits, children: dict, context, sampler: Sampler, stopping_criteria, max_tokens: int) -> Verified:
+    """The walk when no processor depends on the path: every row processed and chosen at once
+    (one host sync), then the walk itself on the host, then the stopping criteria on its prefixes."""
+    tokens, scores = sampler.choose_rows(context, logits.clone())  # (T,), (T, V)
+    choice = tokens.tolist()
+    out = Verified()
+    node = 0
+    while node is not None and len(out.path) < max_tokens:
+        out.path.append(node)
+        out.tokens.append(choice[node])
+        node = children.get((node, choice[node]))
+    eos, others = split_criteria(stopping_criteria)
+    if others:
+        new = torch.tensor([out.tokens], dtype=context.dtype, device=context.device)
+        full = torch.cat([context, new], dim=-1)
+    for j, node in enumerate(out.path):
+        if out.tokens[j] in eos or (
+            others and bool(others(full[:, : context.shape[1] + j + 1], scores[node : node + 1]).any())
+        ):
+            del out.path[j + 1 :], out.tokens[j + 1 :]
+            out.finished = True
+            break
+    out.scores = [scores[i : i + 1] for i in out.path]
+    out.logits = [logits[i : i + 1] for i in out.path]
+    out.finished = out.finished or len(out.tokens) >= max_tokens
+    return out
+
+
+def split_criteria(stopping_criteria: StoppingCriteriaList) -> tuple[set[int], StoppingCriteriaList]:
+    """(EOS token ids, the criteria left to call). EOS is a set lookup; the max-length criterion is
+    dropped because the walk already stops at `max_tokens`, counted from the unpadded prompt."""
+    eos: set[int] = set()
+    others = StoppingCriteriaList()
+    for criterion in stopping_criteria:
+        if isinstance(criterion, EosTokenCriteria):
+            eos.update(criterion.eos_token_id.flatten().tolist())
+        elif not isinstance(criterion, MaxLengthCriteria):
+            others.append(criterion)
+    return eos, others
+
+
+def walk_nodes(logits, children: dict, context, sampler: Sampler, stopping_criteria, max_tokens: int) -> Verified:
+    """The walk node by node, each node's processors fed the exact path that leads to it."""
     out = Verified()
     node = 0
     while len(out.tokens) < max_tokens:
