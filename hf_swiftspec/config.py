@@ -7,6 +7,8 @@ import inspect
 
 from transformers import PreTrainedConfig
 
+from .policy import MAX_BUDGET
+
 
 class SwiftSpecConfig(PreTrainedConfig):
     """A target/draft pair and how to speculate with it.
@@ -14,10 +16,14 @@ class SwiftSpecConfig(PreTrainedConfig):
     Args:
         target, draft: repo ids or local folders of the two causal LMs.
         target_revision, draft_revision: pinned revisions (commit shas or tags) of those repos.
-        tree_budget: nodes the target verifies per step, root included. 8 is the smallest
-            tensor-core M; 16 accepts more per step but costs more per verify (SwiftSpec §5).
+        tree_budget: nodes the target verifies per step, root included; None (default): the goodput
+            policy picks it each round, from 1 (plain decoding) to 32, from calibrated acceptance
+            and step times measured on this device. SwiftSpec fixes it at 8 (the smallest tensor-core M).
         draft_width: unexpanded leaves the draft expands per forward (w in the paper).
-        draft_depth: draft expansions per round; None picks it from measured step times.
+        draft_depth: draft expansions per round; None: the policy expands while one more
+            expansion is expected to raise tokens per second.
+        ngram_size: longest suffix of the context matched to propose an n-gram chain (copied
+            from earlier in the prompt and output) beside the draft's branches; 0 turns it off.
         tree_capacity: node capacity of the draft's token tree and of its KV tree region.
         placement: device placement of the two models; filled by the placement issue.
         swiftspec_default: whether `generate()` speculates when `swiftspec=` is not passed.
@@ -36,10 +42,11 @@ class SwiftSpecConfig(PreTrainedConfig):
         draft: str | None = None,
         target_revision: str | None = None,
         draft_revision: str | None = None,
-        tree_budget: int = 8,
+        tree_budget: int | None = None,
         draft_width: int = 8,
         draft_depth: int | None = None,
         tree_capacity: int = 1024,
+        ngram_size: int = 3,
         placement: str | dict | None = None,
         swiftspec_default: bool = True,
         worker_timeout_s: float = 60.0,
@@ -54,6 +61,7 @@ class SwiftSpecConfig(PreTrainedConfig):
         self.draft_width = draft_width
         self.draft_depth = draft_depth
         self.tree_capacity = tree_capacity
+        self.ngram_size = ngram_size
         self.placement = placement
         self.swiftspec_default = swiftspec_default
         self.worker_timeout_s = worker_timeout_s
@@ -63,11 +71,18 @@ class SwiftSpecConfig(PreTrainedConfig):
 
     def validate_tree_settings(self) -> None:
         """Raise ValueError naming the first bad tree setting and what would be valid."""
-        for name in ("tree_budget", "draft_width", "tree_capacity"):
+        for name in ("draft_width", "tree_capacity"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"SwiftSpecConfig.{name} must be a positive int, got {value!r}.")
-        if self.tree_budget < 2:
+        budget = self.tree_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise ValueError(
+                f"SwiftSpecConfig.tree_budget must be None (chosen per round) or a positive int, got {budget!r}."
+            )
+        if isinstance(self.ngram_size, bool) or not isinstance(self.ngram_size, int) or self.ngram_size < 0:
+            raise ValueError(f"SwiftSpecConfig.ngram_size must be an int >= 0 (0: no n-gram chain), got {self.ngram_size!r}.")
+        if budget is not None and budget < 2:
             raise ValueError(
                 f"SwiftSpecConfig.tree_budget={self.tree_budget}: the target must verify the root and at "
                 "least one draft node; use tree_budget >= 2 (default 8)."
@@ -86,11 +101,11 @@ class SwiftSpecConfig(PreTrainedConfig):
         if self.attention not in ("auto", "kernel", "model"):
             raise ValueError(f"SwiftSpecConfig.attention={self.attention!r}; use 'auto', 'kernel' or 'model'.")
         # One round adds draft_width * draft_width children; the tree must also hold the subtree it sends.
-        needed = self.tree_budget + 2 * self.draft_width * self.draft_width
+        needed = (budget or MAX_BUDGET) + 2 * self.draft_width * self.draft_width
         if self.tree_capacity < needed:
             raise ValueError(
                 f"SwiftSpecConfig.tree_capacity={self.tree_capacity} is too small for tree_budget="
-                f"{self.tree_budget} and draft_width={self.draft_width}; use at least {needed}."
+                f"{budget or MAX_BUDGET} and draft_width={self.draft_width}; use at least {needed}."
             )
 
 

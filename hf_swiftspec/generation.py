@@ -21,7 +21,7 @@ from .config import SwiftSpecConfig
 from .engine import DecodeRequest, DecodeResult, DraftWorker, TargetWorker, run_serial, run_threads
 from .engine.distributed import Groups, run_distributed
 from .placement import Placement
-from .policy import DepthPolicy
+from .policy import MAX_BUDGET, GoodputPolicy
 from .stats import SwiftSpecStats
 from .verify import Sampler
 
@@ -45,6 +45,7 @@ def swiftspec_generate(
     swiftspec_groups: Groups | None = None,
     swiftspec_streamer=None,
     swiftspec_generator: torch.Generator | None = None,
+    swiftspec_corpus: list[list[int]] | None = None,
     **model_kwargs,
 ) -> tuple[torch.LongTensor | GenerateDecoderOnlyOutput, SwiftSpecStats]:
     """`custom_generate` callable; `model` is the target. Returns (generate's output, stats)."""
@@ -61,8 +62,8 @@ def swiftspec_generate(
         sampler=sampler,
         stopping_criteria=stopping_criteria,
         max_new_tokens=max_new,
-        tree_budget=config.tree_budget,
-        depth=DepthPolicy(fixed=config.draft_depth),
+        policy=GoodputPolicy(tree_budget=config.tree_budget, draft_depth=config.draft_depth),
+        corpus=swiftspec_corpus or [],
         on_tokens=(lambda tokens: swiftspec_streamer.put(torch.tensor(tokens))) if swiftspec_streamer else None,
     )
     workers = build_workers(model, swiftspec_draft, config, prompt.shape[1] + max_new, swiftspec_groups)
@@ -82,7 +83,8 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
     role = groups.role if groups is not None else None
     target_worker = draft_worker = None
     if role in (None, "target"):
-        target_worker = TargetWorker(target, length + config.tree_budget, resolve_attention(config.attention, target))
+        budget = config.tree_budget or MAX_BUDGET
+        target_worker = TargetWorker(target, length + budget, resolve_attention(config.attention, target))
     if role in (None, "draft"):
         draft_worker = DraftWorker(
             draft,
@@ -91,6 +93,7 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
             width=config.draft_width,
             vocab_limit=target.config.get_text_config().vocab_size,
             attention=resolve_attention(config.attention, draft),
+            ngram_size=config.ngram_size,
         )
     return target_worker, draft_worker
 

@@ -49,6 +49,27 @@ def check_model_supported(model: PreTrainedModel, role: str) -> None:
         )
 
 
+def corpus_tokens(corpus, tokenizer) -> list[list[int]]:
+    """`ngram_corpus` as token id lists: strings (encoded with the tokenizer), id lists or 1D tensors."""
+    if corpus is None:
+        return []
+    if isinstance(corpus, (str, torch.Tensor)) or not isinstance(corpus, (list, tuple)):
+        raise ValueError(f"ngram_corpus must be a list of strings or token id lists, got {type(corpus).__name__}.")
+    out = []
+    for document in corpus:
+        if isinstance(document, str):
+            if tokenizer is None:
+                raise ValueError("ngram_corpus holds strings but the pair has no tokenizer: pass tokenizer=... or token ids.")
+            out.append(tokenizer(document, add_special_tokens=False)["input_ids"])
+        elif isinstance(document, torch.Tensor) and document.dim() == 1:
+            out.append(document.tolist())
+        elif isinstance(document, (list, tuple)) and all(isinstance(t, int) for t in document):
+            out.append(list(document))
+        else:
+            raise ValueError(f"ngram_corpus entries must be strings, lists of ints or 1D tensors; got {document!r:.80}.")
+    return out
+
+
 class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
     """A target and a draft model; `generate(swiftspec=True)` speculates with a token tree, losslessly.
 
@@ -247,6 +268,7 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
         if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens"):
             raise ValueError("swiftspec=True brings its own draft; drop assistant_model / prompt_lookup_num_tokens.")
         tokenizer = kwargs.pop("tokenizer", None)
+        corpus = corpus_tokens(kwargs.pop("ngram_corpus", None), tokenizer or self.tokenizer)
         generation_config, stop_strings = split_stop_strings(kwargs, generation_config, self.generation_config)
         if stop_strings is not None:
             stopping_criteria = stop_string_criteria(stop_strings, tokenizer, stopping_criteria)
@@ -265,6 +287,7 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
                 swiftspec_groups=self.process_groups,
                 swiftspec_streamer=streamer,
                 swiftspec_generator=generator,
+                swiftspec_corpus=corpus,
                 **kwargs,
             )
         finally:

@@ -1,58 +1,248 @@
-"""How many draft expansions to run per round, from measured step times."""
+"""How much to speculate each round: the tree that maximises expected tokens per second.
+
+SmartSpec's goodput idea on a token tree. Each round the policy estimates, for every tree size
+T it could verify, the expected number of tokens the verification yields,
+
+    E(T) = sum over the T likeliest nodes of P(node is accepted)   (the root counts 1),
+
+from the draft's scores and the n-gram chain's positions, calibrated online against what the
+target actually accepted, and divides it by the round's time from a cost model fitted online
+on this device (draft expansions + a T-node verification, serially). It grows the draft's tree
+while one more expansion is expected to raise that ratio, then verifies the best T. T = 1 is
+plain decoding by the target: when speculation does not pay, that is what the policy picks,
+re-probing every `probe_every` rounds (a few expansions and the largest tree) in case it pays again.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
+from .tree import Proposal
+from .verify import Verified
+
+MAX_BUDGET = 32  # largest tree the adaptive policy verifies
+BUCKET = 0.5  # width of a draft-score bucket (nats of cumulative log-prob)
+BUCKETS = 24  # scores below -BUCKET * BUCKETS share the last bucket
+
 
 @dataclass
-class DepthPolicy:
-    """Draft depth d per round: fixed, or SwiftSpec's rule from running averages of step times.
+class Calibration:
+    """P(accepted) per bucket, as decayed counts plus a prior worth `prior_weight` observations.
 
-    d = floor(t_target / t_draft) expansions fill one verification; SwiftSpec then profiles d
-    and d + 1 and keeps the faster. Here both are tried during the run and the one with the
-    higher measured goodput (verified tokens per second of round time) is used, re-trying the
-    other every `explore_every` rounds so the choice follows the run (longer prefixes, etc.).
-    Call `depth()` once per round, then `observe(...)` and `observe_round(...)` with its outcome.
+    prior: (N,) prior probability of each bucket.
     """
 
-    fixed: int | None = None
-    initial: int = 4  # used until both step times have been measured once
-    max_depth: int = 16
-    smoothing: float = 0.3  # weight of the newest measurement in the running averages
-    explore_every: int = 8
-    t_draft: float | None = None  # seconds per draft expansion
-    t_target: float | None = None  # seconds per round on the target's side
-    goodput: dict[int, float] = field(default_factory=dict)  # offset (0 or 1) -> tokens per second
-    rounds: int = 0
-    offset: int = 0  # offset used by the current round
+    prior: torch.Tensor
+    prior_weight: float = 2.0
+    decay: float = 0.995  # older rounds count less, so the estimate follows the text
+    accepted: torch.Tensor = field(init=False)
+    seen: torch.Tensor = field(init=False)
 
-    def depth(self) -> int:
-        if self.fixed is not None:
-            return self.fixed
-        if not self.t_draft or self.t_target is None:
-            return self.initial
-        self.rounds += 1
-        self.offset = self._pick_offset()
-        return max(1, min(self.max_depth, int(self.t_target / self.t_draft) + self.offset))
+    def __post_init__(self):
+        self.accepted = torch.zeros_like(self.prior, dtype=torch.float64)
+        self.seen = torch.zeros_like(self.prior, dtype=torch.float64)
 
-    def _pick_offset(self) -> int:
-        for offset in (0, 1):
-            if offset not in self.goodput:
-                return offset
-        best = max(self.goodput, key=self.goodput.get)
-        return 1 - best if self.rounds % self.explore_every == 0 else best
+    @property
+    def rates(self) -> torch.Tensor:
+        """(N,) float64 estimated P(accepted) of each bucket."""
+        return (self.accepted + self.prior_weight * self.prior) / (self.seen + self.prior_weight)
 
-    def observe(self, draft_seconds: float, expansions: int, target_seconds: float) -> None:
-        """Fold in one round's step times: `expansions` draft forwards took `draft_seconds`."""
-        if expansions:
-            self.t_draft = self._average(self.t_draft, draft_seconds / expansions)
-        self.t_target = self._average(self.t_target, target_seconds)
+    def observe(self, buckets: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Fold in outcomes: buckets (n,) long, accepted (n,) bool."""
+        self.accepted.mul_(self.decay)
+        self.seen.mul_(self.decay)
+        self.accepted.index_add_(0, buckets, accepted.double())
+        self.seen.index_add_(0, buckets, torch.ones_like(buckets, dtype=torch.float64))
 
-    def observe_round(self, tokens: int, seconds: float) -> None:
-        """Fold in one round's outcome for the offset it used."""
-        if self.fixed is None and self.rounds and seconds > 0:
-            self.goodput[self.offset] = self._average(self.goodput.get(self.offset), tokens / seconds)
+
+def score_buckets(scores: torch.Tensor) -> torch.Tensor:
+    """Bucket (n,) long of draft scores (n,) (cumulative log-probs, <= 0)."""
+    return (-scores / BUCKET).clamp(0, BUCKETS - 1).long()
+
+
+@dataclass
+class CostModel:
+    """Seconds per draft expansion, and per round outside the draft (a T-node verification plus the
+    round's bookkeeping) as running averages per size, fitted by a line a + b * T with b >= 0."""
+
+    smoothing: float = 0.2
+    expand_s: float | None = None
+    verify_s: dict[int, float] = field(default_factory=dict)
+    verify_n: dict[int, int] = field(default_factory=dict)
+    _times: list[float] | None = None
 
     def _average(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
+
+    def observe_expansions(self, seconds: float, count: int) -> None:
+        if count:
+            self.expand_s = self._average(self.expand_s, seconds / count)
+
+    def observe_verify(self, budget: int, seconds: float) -> None:
+        self.verify_s[budget] = self._average(self.verify_s.get(budget), seconds)
+        self.verify_n[budget] = self.verify_n.get(budget, 0) + 1
+        self._times = None
+
+    def verify_times(self, max_budget: int) -> list[float]:
+        """Predicted seconds for T = 1..max_budget (index T - 1); relative units until measured."""
+        if self._times is None or len(self._times) < max_budget:
+            a, b = self.line()
+            self._times = [a + b * t for t in range(1, max(max_budget, MAX_BUDGET) + 1)]
+        return self._times[:max_budget]
+
+    def line(self) -> tuple[float, float]:
+        """(a, b) of the weighted least-squares line through the per-size averages; with a single
+        size measured, a guessed slope of 3% per node."""
+        if not self.verify_s:
+            return 1.0, 0.03
+        sizes = list(self.verify_s)
+        w = [min(self.verify_n[t], 8) for t in sizes]
+        y = [self.verify_s[t] for t in sizes]
+        total = sum(w)
+        t_mean = sum(wi * t for wi, t in zip(w, sizes)) / total
+        y_mean = sum(wi * yi for wi, yi in zip(w, y)) / total
+        spread = sum(wi * (t - t_mean) ** 2 for wi, t in zip(w, sizes))
+        if spread == 0:
+            b = 0.03 * y_mean
+        else:
+            b = max(sum(wi * (t - t_mean) * (yi - y_mean) for wi, t, yi in zip(w, sizes, y)) / spread, 0.0)
+        return max(y_mean - b * t_mean, 0.1 * y_mean), b
+
+
+@dataclass
+class GoodputPolicy:
+    """Chooses draft expansions and the verified tree size each round; see the module docstring.
+
+    tree_budget / draft_depth: fixed values the user set (None: chosen here).
+    """
+
+    tree_budget: int | None = None
+    draft_depth: int | None = None
+    max_budget: int = MAX_BUDGET
+    max_depth: int = 16
+    probe_every: int = 16  # rounds between probes (forced expansions, the largest tree)
+    probe_depth: int = 3
+    costs: CostModel = field(default_factory=CostModel)
+    draft: Calibration = field(init=False)  # P(node on the accepted path) by draft score bucket
+    chain: Calibration = field(init=False)  # P(chain token j accepted | tokens before it were)
+    gains: list[float] = field(init=False)  # expected tokens the k-th expansion of a round adds
+    gains_seen: list[int] = field(init=False)
+    rounds: int = 0
+    probing: bool = False
+    last_budget: int = 1
+
+    def __post_init__(self):
+        if self.tree_budget is not None:
+            self.max_budget = self.tree_budget
+        mids = -BUCKET * (torch.arange(BUCKETS, dtype=torch.float64) + 0.5)
+        self.draft = Calibration(prior=mids.exp())  # a perfectly calibrated draft, until observed
+        self.chain = Calibration(prior=torch.full((self.max_budget,), 0.7, dtype=torch.float64))
+        self.gains = [1.0] * (self.max_depth + 1)  # optimistic: try the draft before judging it
+        self.gains_seen = [0] * (self.max_depth + 1)
+        self.refresh()
+
+    @property
+    def fixed(self) -> bool:
+        """Both the tree size and the expansions per round were set by the user."""
+        return self.tree_budget is not None and self.draft_depth is not None
+
+    def refresh(self) -> None:
+        """Recompute the lookup tables from the calibrations (once per round)."""
+        # Non-increasing along buckets / positions: a less likely node never gets a higher estimate
+        # than a likelier one, so the T best nodes always form a connected tree.
+        self.draft_table = torch.cummin(self.draft.rates, dim=0).values.float()
+        self.chain_table = torch.cumprod(self.chain.rates, dim=0).tolist()
+
+    # ---- per round ----------------------------------------------------------------------------
+    def start_round(self) -> bool:
+        """Begin a round; returns whether it probes (forced expansions, the largest tree)."""
+        self.rounds += 1
+        self.probing = self.rounds == 2 or self.rounds % self.probe_every == 0
+        return self.probing
+
+    def draft_probs(self, scores: torch.Tensor) -> torch.Tensor:
+        """Calibrated P(accepted) (n,) of draft nodes from their scores (n,); the root (score 0) gets 1."""
+        probs = self.draft_table.to(scores.device)[score_buckets(scores)]
+        return torch.where(scores >= 0, torch.ones_like(probs), probs)
+
+    def chain_probs(self, length: int) -> list[float]:
+        """Calibrated P(first j chain tokens accepted), j = 1..length."""
+        return self.chain_table[: min(length, self.max_budget)]
+
+    def expected_tokens(self, probs: list[float]) -> list[float]:
+        """E(T) for T = 1..len(probs) from node probabilities sorted best first (root first)."""
+        out, total = [], 0.0
+        for p in probs[: self.max_budget]:
+            total += p
+            out.append(total)
+        return out
+
+    def best_budget(self, probs: list[float], spent_s: float) -> tuple[int, float]:
+        """(T, expected tokens per second) maximising goodput, for sorted node probabilities."""
+        expected = self.expected_tokens(probs)
+        times = self.costs.verify_times(len(expected))
+        if self.tree_budget is not None or self.probing:
+            T = len(expected)
+            return T, expected[T - 1] / (spent_s + times[T - 1])
+        rates = [e / (spent_s + t) for e, t in zip(expected, times)]
+        best = max(range(len(rates)), key=rates.__getitem__)
+        return best + 1, rates[best]
+
+    def keep_expanding(self, done: int, spent_s: float, probs: list[float], probing: bool) -> bool:
+        """Whether to run expansion number done + 1 of this round, given the current candidates."""
+        if self.draft_depth is not None:
+            return done < self.draft_depth
+        if done >= self.max_depth:
+            return False
+        if probing or self.costs.expand_s is None:
+            return done < self.probe_depth
+        T, now = self.best_budget(probs, spent_s)
+        expected = self.expected_tokens(probs)[T - 1] + self.gains[done]
+        then = expected / (spent_s + self.costs.expand_s + self.costs.verify_times(T)[T - 1])
+        return then > now
+
+    def overlap_depth(self) -> int:
+        """Expansions that fit in one verification (asynchronous engines, where drafting is hidden)."""
+        if self.draft_depth is not None:
+            return self.draft_depth
+        if self.costs.expand_s is None or not self.costs.verify_s:
+            return 4
+        verify = self.costs.verify_times(self.last_budget)[-1]
+        return max(1, min(self.max_depth, round(verify / self.costs.expand_s)))
+
+    # ---- after the round ----------------------------------------------------------------------
+    def observe_gain(self, done: int, before: list[float], after: list[float], spent_s: float) -> None:
+        """Fold in how much expansion number done + 1 raised the expected tokens at the best T."""
+        probing, self.probing = self.probing, False  # compare at the best T, not the probe's
+        t_before, _ = self.best_budget(before, spent_s)
+        t_after, _ = self.best_budget(after, spent_s)
+        self.probing = probing
+        gain = max(self.expected_tokens(after)[t_after - 1] - self.expected_tokens(before)[t_before - 1], 0.0)
+        seen = self.gains_seen[done]
+        self.gains[done] = gain if seen == 0 else 0.7 * self.gains[done] + 0.3 * gain
+        self.gains_seen[done] = seen + 1
+        for k in range(done + 1, len(self.gains)):  # deeper expansions, never seen: no better than this
+            if self.gains_seen[k] == 0:
+                self.gains[k] = min(self.gains[k], self.gains[done])
+
+    def observe_round(self, expansions: int, draft_s: float, budget: int, verify_s: float) -> None:
+        """Fold in one round's costs: `expansions` draft forwards in draft_s, a `budget`-node verification."""
+        self.costs.observe_expansions(draft_s, expansions)
+        self.costs.observe_verify(budget, verify_s)
+        self.last_budget = budget
+
+    def observe_outcome(self, proposal: Proposal, verified: Verified) -> None:
+        """Fold in which verified nodes were accepted: draft nodes by score, the chain by position."""
+        accepted = set(verified.path)
+        draft = [i for i, score in enumerate(proposal.scores) if i and score is not None]
+        if draft:
+            scores = torch.tensor([proposal.scores[i] for i in draft], dtype=torch.float64)
+            self.draft.observe(score_buckets(scores), torch.tensor([i in accepted for i in draft]))
+        proposed = min(max(proposal.chain), self.max_budget)
+        if proposed:
+            reached = max((proposal.chain[i] for i in verified.path), default=0)
+            tried = torch.arange(min(reached + 1, proposed))  # position j is tried when all before it passed
+            self.chain.observe(tried, tried < reached)
+        self.refresh()

@@ -6,7 +6,7 @@ Each worker keeps its own counters (`TargetCounters`, `DraftCounters`) whatever 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -32,6 +32,16 @@ class DraftCounters:
     busy_s: float = 0.0
 
 
+@dataclass(frozen=True)
+class RoundRecord:
+    """One round: the tree the policy chose and what the target accepted of it."""
+
+    budget: int  # T: nodes verified, root included (1: plain decoding)
+    expansions: int  # draft forwards run for this round
+    accepted: int  # proposed tokens accepted (the target adds one of its own)
+    ngram_accepted: int  # of those, proposed by the n-gram chain
+
+
 @dataclass
 class SwiftSpecStats:
     """Counters and timings of one speculative generation.
@@ -55,6 +65,7 @@ class SwiftSpecStats:
     reroot_misses: int = 0
     target_idle_s: float = 0.0  # target waiting for a subtree (async engines)
     in_flight_expansions: int = 0  # draft expansions run while a verification was in flight
+    rounds: list[RoundRecord] = field(default_factory=list)  # the policy's choice per round
 
     @classmethod
     def collect(
@@ -77,6 +88,24 @@ class SwiftSpecStats:
             reroot_misses=draft.reroot_misses,
         )
 
+    def add_rounds(self, rounds: list[RoundRecord]) -> None:
+        self.rounds = list(rounds)
+
+    @property
+    def plain_rounds(self) -> int:
+        """Rounds the policy decoded plainly (T = 1: the target alone, nothing proposed)."""
+        return sum(r.budget == 1 for r in self.rounds)
+
+    @property
+    def mean_tree_budget(self) -> float:
+        return sum(r.budget for r in self.rounds) / len(self.rounds) if self.rounds else 0.0
+
+    @property
+    def ngram_share(self) -> float:
+        """Fraction of accepted proposed tokens that the n-gram chain proposed."""
+        accepted = sum(r.accepted for r in self.rounds)
+        return sum(r.ngram_accepted for r in self.rounds) / accepted if accepted else 0.0
+
     @property
     def tau(self) -> float:
         return self.new_tokens / self.verify_steps if self.verify_steps else 0.0
@@ -96,5 +125,6 @@ class SwiftSpecStats:
             f"tau={self.tau:.2f}, target forwards={self.target_forwards}, draft forwards={self.draft_forwards}, "
             f"draft {self.draft_time_s:.2f}s / target {self.target_time_s:.2f}s, "
             f"target idle {100 * self.target_idle_fraction:.0f}%, engine={self.engine}, "
-            f"attention={self.attention}"
+            f"attention={self.attention}, mean tree {self.mean_tree_budget:.1f} nodes, "
+            f"{self.plain_rounds} plain rounds, n-gram share {100 * self.ngram_share:.0f}%"
         )

@@ -91,7 +91,7 @@ def reset_tree(tree: TokenTree, root_token: int) -> None:
     tree.scores[0] = 0.0
     tree.expanded.zero_()
     tree.kv_slot.fill_(-1)
-    tree.ancestors.zero_()
+    tree.ancestors[: tree.size, : tree.size] = False  # only live nodes ever set a bit
     tree.ancestors[0, 0] = True
     tree.size, tree.num_slots = 1, 0
 
@@ -153,8 +153,9 @@ def add_children(tree: TokenTree, leaves: torch.Tensor, child_logprobs: torch.Te
     tree.size = end
 
 
-def select_subtree(tree: TokenTree, budget: int) -> Subtree:
-    """The best `budget` nodes by score (a connected subtree containing the root), in index order.
+def select_subtree(tree: TokenTree, budget: int) -> tuple[Subtree, list[float]]:
+    """The best `budget` nodes by score (a connected subtree containing the root), in index order,
+    with their scores.
 
     One host sync: the target's verification walk needs tokens and parents on the host.
     """
@@ -164,8 +165,81 @@ def select_subtree(tree: TokenTree, budget: int) -> Subtree:
     local[node_ids] = torch.arange(node_ids.shape[0], device=node_ids.device)
     parent_ids = tree.parents[node_ids]
     parents_local = torch.where(parent_ids >= 0, local[parent_ids.clamp(min=0)], -1)
-    ids, tokens, parents = torch.stack([node_ids, tree.tokens[node_ids], parents_local]).tolist()
-    return Subtree(node_ids=ids, tokens=tokens, parents=parents)
+    rows = torch.stack([node_ids, tree.tokens[node_ids], parents_local, tree.scores[node_ids].double()])
+    ids, tokens, parents, scores = rows.tolist()
+    return Subtree(node_ids=[int(i) for i in ids], tokens=[int(t) for t in tokens], parents=[int(p) for p in parents]), scores
+
+
+@dataclass
+class Proposal:
+    """A subtree for the target with what the policy knew of each node (T nodes, root first).
+
+    probs:  calibrated P(node accepted) the policy used
+    scores: draft score of each node, None for a node only the n-gram chain proposed
+    chain:  1-based position of each node on the n-gram chain, 0 if it is not on it
+    """
+
+    subtree: Subtree
+    probs: list[float]
+    scores: list[float | None]
+    chain: list[int]
+
+    @property
+    def ranked_probs(self) -> list[float]:
+        """The probabilities best first."""
+        return sorted(self.probs, reverse=True)
+
+
+def merge_chain(draft: Subtree, scores: list[float], probs: list[float], chain: list[int],
+                chain_probs: list[float]) -> Proposal:
+    """The union of the draft's candidates and an n-gram chain hanging from the root.
+
+    Where the chain follows a draft node it reuses it (and the node takes the higher of the two
+    probabilities); where it leaves the draft's tree it continues as new nodes (node id -1).
+    Probabilities stay non-increasing along every path.
+    """
+    node_ids, tokens, parents = list(draft.node_ids), list(draft.tokens), list(draft.parents)
+    probs, scores = list(probs), list(scores)
+    on_chain = [0] * len(tokens)
+    children = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if p >= 0}
+    node = 0
+    for j, (token, p) in enumerate(zip(chain, chain_probs), start=1):
+        child = children.get((node, token))
+        if child is None:
+            child = len(tokens)
+            node_ids.append(-1)
+            tokens.append(token)
+            parents.append(node)
+            probs.append(0.0)
+            scores.append(None)
+            on_chain.append(0)
+        probs[child] = min(max(probs[child], p), probs[node])
+        on_chain[child] = j
+        node = child
+    return Proposal(Subtree(node_ids, tokens, parents), probs, scores, on_chain)
+
+
+def ranked(proposal: Proposal) -> list[int]:
+    """Node indices best first: by probability, ties towards the lower index (parents first),
+    so every prefix of the ranking is a connected subtree containing the root."""
+    return sorted(range(len(proposal.probs)), key=lambda i: (-proposal.probs[i], i))
+
+
+def best_subtree(proposal: Proposal, order: list[int], budget: int) -> Proposal:
+    """The proposal cut to its `budget` best nodes (`order` from `ranked`), in topological order."""
+    keep = sorted(order[:budget])
+    local = {old: new for new, old in enumerate(keep)}
+    sub = proposal.subtree
+    return Proposal(
+        Subtree(
+            node_ids=[sub.node_ids[i] for i in keep],
+            tokens=[sub.tokens[i] for i in keep],
+            parents=[local[sub.parents[i]] if sub.parents[i] >= 0 else -1 for i in keep],
+        ),
+        probs=[proposal.probs[i] for i in keep],
+        scores=[proposal.scores[i] for i in keep],
+        chain=[proposal.chain[i] for i in keep],
+    )
 
 
 def subtree_mask(parents: list[int], device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,7 +23,8 @@ def test_vocabulary_mismatch_names_both_sizes():
     "settings, match",
     [
         (dict(tree_budget=1), "tree_budget=1"),
-        (dict(tree_budget=0), "tree_budget must be a positive int, got 0"),
+        (dict(tree_budget=0), "tree_budget must be None \\(chosen per round\\) or a positive int, got 0"),
+        (dict(ngram_size=-1), "ngram_size must be an int >= 0"),
         (dict(draft_width="8"), "draft_width must be a positive int, got '8'"),
         (dict(draft_depth=0), "draft_depth must be None"),
         (dict(draft_depth=True), "draft_depth must be None"),
@@ -38,10 +39,10 @@ def test_invalid_tree_settings(settings, match):
 def test_settings_changed_after_loading_are_validated(model):
     model.config.tree_budget = -3
     try:
-        with pytest.raises(ValueError, match="tree_budget must be a positive int, got -3"):
+        with pytest.raises(ValueError, match="or a positive int, got -3"):
             model.generate(torch.tensor([[4, 5]]), max_new_tokens=3)
     finally:
-        model.config.tree_budget = 8
+        model.config.tree_budget = None
 
 
 def test_batch_larger_than_one(model):

@@ -3,7 +3,8 @@
 Each case draws N two-token continuations with swiftspec=True (one seed per draw) and runs a
 chi-square goodness-of-fit test against the exact joint distribution P(t1) P(t2 | t1) computed
 from the target with transformers' own warpers. Bins expected below 5 are pooled. Each case fails
-at p < 1e-3, so the false-alarm rate of the whole file (5 cases) is below 0.5%.
+at p < 1e-3, so the false-alarm rate of the whole file (7 cases) is below 0.7%. The last two run
+the adaptive policy with an n-gram chain from a prompt that repeats itself.
 """
 
 import pytest
@@ -61,21 +62,24 @@ def pooled_chisquare(counts, expected):
         dict(temperature=1.3, top_p=0.8),
         dict(temperature=0.7, top_k=0, top_p=1.0, draft="random"),
         dict(temperature=0.9, top_k=6, placement={"target": ["cpu"], "draft": ["cpu"]}),
+        dict(temperature=0.8, tree_budget=None, prompt=[3, 7, 5, 9, 3, 7, 5]),
+        dict(temperature=1.0, tree_budget=None, prompt=[3, 7, 5, 9, 3, 7, 5], draft="random"),
     ],
-    ids=["t1", "t0.7-topk5", "t1.3-topp0.8", "random-draft", "async-threads"],
+    ids=["t1", "t0.7-topk5", "t1.3-topp0.8", "random-draft", "async-threads", "adaptive-ngram", "adaptive-ngram-random"],
 )
 def test_first_tokens_follow_target_distribution(kwargs):
     kwargs = dict(kwargs)
     draft_kind = kwargs.pop("draft", "agreeing")
     placement = kwargs.pop("placement", None)
+    budget = kwargs.pop("tree_budget", 6)
+    prompt = torch.tensor([kwargs.pop("prompt", [3, 7, 5, 9])])  # a repeat gives the n-gram chain a match
     target = tiny_model("llama", seed=3, vocab_size=VOCAB)
     target.generation_config.eos_token_id = None  # every draw has two tokens
     draft = truncated_draft(target, 2) if draft_kind == "agreeing" else tiny_model("llama", seed=4, vocab_size=VOCAB, layers=1)
-    model = SwiftSpecForCausalLM.from_models(target, draft, tree_budget=6, draft_width=3, placement=placement)
-    prompt = torch.tensor([[3, 7, 5, 9]])
+    model = SwiftSpecForCausalLM.from_models(target, draft, tree_budget=budget, draft_width=3, placement=placement)
     expected = exact_joint(target, prompt, warpers(kwargs.get("temperature", 1.0), kwargs.get("top_k"), kwargs.get("top_p")))
     counts = torch.zeros(VOCAB * VOCAB, dtype=torch.float64)
-    accepted = 0
+    accepted = from_chain = 0
     for seed in range(DRAWS):
         out = model.generate(
             prompt, do_sample=True, max_new_tokens=2, generator=torch.Generator().manual_seed(seed), **kwargs
@@ -83,7 +87,10 @@ def test_first_tokens_follow_target_distribution(kwargs):
         t1, t2 = out[0, -2:].tolist()
         counts[t1 * VOCAB + t2] += 1
         accepted += model.swiftspec_stats.verify_steps == 1  # both tokens from one verification
+        from_chain += sum(r.ngram_accepted for r in model.swiftspec_stats.rounds)
     if draft_kind == "agreeing":
         assert accepted > DRAWS // 4  # the tree path (a sampled token matching a draft child) was exercised
+    if prompt.shape[1] > 4:
+        assert from_chain > DRAWS // 20  # the n-gram chain's tokens were accepted in many draws
     pvalue = pooled_chisquare(counts, expected.flatten() * DRAWS)
     assert pvalue > ALPHA, f"p={pvalue:.2e}: samples do not follow the target's distribution"

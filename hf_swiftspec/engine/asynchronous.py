@@ -17,41 +17,42 @@ import time
 
 import torch
 
-from ..policy import DepthPolicy
 from ..stats import SwiftSpecStats
 from .links import LinkClosed, SwiftSpecWorkerError, ThreadLink
 from .request import DecodeRequest, DecodeResult
 from .workers import DraftWorker, TargetWorker
 
+FIRST_TREE = 8  # nodes the draft grows before proposing when its tree is fresh
 
-def run_draft(draft: DraftWorker, prompt: torch.Tensor, budget: int, depth: DepthPolicy, link) -> None:
+
+def run_draft(draft: DraftWorker, request: DecodeRequest, link) -> None:
     """The draft worker's loop; returns when the target says generation is finished."""
-    counters = draft.counters
-    draft.start(prompt)
+    policy, counters = request.policy, draft.counters
+    draft.start(request.prompt, request.corpus)
     start = time.perf_counter()
-    draft.top_up(budget)
-    last_sent, last_tokens = None, 0
+    draft.top_up(min(policy.max_budget, FIRST_TREE))
     while True:
-        subtree = draft.propose(budget)
-        link.send_subtree(subtree)
+        # Drafting is off the critical path here: the tree size is chosen by verification time alone.
+        candidates = draft.candidates(policy, draft.chain(policy.max_budget))
+        proposal = draft.proposal(policy, candidates, spent_s=0.0, agree=link.agree)
+        link.send_subtree(proposal.subtree)
         sent = time.perf_counter()
+        counters.rounds += 1
         counters.busy_s += sent - start
-        if last_sent is not None:  # one full period of the previous round, for its depth
-            depth.observe_round(last_tokens, sent - last_sent)
         # While the target verifies, keep growing the whole tree: after the re-root, whatever
         # grew under the verified path is already there.
-        expansions = draft.grow(link.agree_depth(depth.depth()), stop=link.verdict_ready)
+        expansions = draft.grow(link.agree(policy.overlap_depth()), stop=link.verdict_ready)
         drafted = time.perf_counter()
         verified = link.receive_verdict()
         start = time.perf_counter()
         counters.busy_s += drafted - sent
         counters.in_flight_expansions += expansions
-        depth.observe(drafted - sent, expansions, start - sent)
-        last_sent, last_tokens = sent, len(verified.tokens)
+        policy.observe_round(expansions, drafted - sent, len(proposal.subtree), start - sent)
+        policy.observe_outcome(proposal, verified)
         if verified.finished:
             return
-        draft.reroot(subtree, verified)
-        draft.top_up(budget)
+        draft.reroot(proposal.subtree, verified)
+        draft.top_up(min(policy.max_budget, FIRST_TREE))
 
 
 def run_target(target: TargetWorker, request: DecodeRequest, link, result: DecodeResult) -> None:
@@ -77,7 +78,7 @@ def run_threads(target: TargetWorker, draft: DraftWorker, request: DecodeRequest
     def draft_main() -> None:
         try:
             with stream_for(draft.device):
-                run_draft(draft, request.prompt, request.tree_budget, request.depth, link)
+                run_draft(draft, request, link)
         except LinkClosed:
             pass
         except BaseException as error:  # surfaces in generate() through the link

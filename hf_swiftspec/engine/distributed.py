@@ -160,11 +160,12 @@ class DistLink:
             work = dist.irecv(self._verdict_buf, self.groups.peer_leader)
             self._verdict_work = Arrival(work, self.timeout_s, "verdict from the target leader")
 
-    def agree_depth(self, depth: int) -> int:
-        """Every draft rank must run the same number of expansions: the leader's choice."""
+    def agree(self, value: int) -> int:
+        """A choice every draft rank must share (expansions, tree size), so their trees stay
+        identical under tensor parallelism: the leader's, measured on its own clock."""
         if len(self.groups.draft_ranks) == 1:
-            return depth
-        return int(self._share(torch.full((1,), depth, dtype=torch.long, device=self.groups.device), "depth"))
+            return value
+        return int(self._share(torch.full((1,), value, dtype=torch.long, device=self.groups.device), "choice"))
 
     def verdict_ready(self) -> bool:
         # Only a lone draft rank may stop early: TP ranks must all expand the same number of times.
@@ -269,7 +270,7 @@ def run_distributed(groups: Groups, target, draft, request, timeout_s: float):
             f"an earlier generate() failed on this job ({groups.broken}); its process groups may hold stale "
             "messages. Restart the torchrun job (reload the model) to generate again."
         )
-    link = DistLink(groups, request.tree_budget, timeout_s)
+    link = DistLink(groups, request.policy.max_budget, timeout_s)
     result = DecodeResult()
     start = time.perf_counter()
     try:
@@ -277,7 +278,7 @@ def run_distributed(groups: Groups, target, draft, request, timeout_s: float):
             run_target(target, request, link, result)
             target_counters, draft_counters = target.counters, link.receive_counters()
         else:
-            run_draft(draft, request.prompt, request.tree_budget, request.depth, link)
+            run_draft(draft, request, link)
             link.send_counters(draft.counters)
             result.tokens = list(link.tokens)
             target_counters, draft_counters = TargetCounters(), draft.counters

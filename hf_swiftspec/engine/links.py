@@ -55,8 +55,9 @@ class ThreadLink:
     def send_subtree(self, subtree: Subtree) -> None:
         self.proposals.put(subtree)
 
-    def agree_depth(self, depth: int) -> int:
-        return depth
+    def agree(self, value: int) -> int:
+        """A choice every draft rank must share (one draft thread here: its own)."""
+        return value
 
     def verdict_ready(self) -> bool:
         return not self.verdicts.empty()

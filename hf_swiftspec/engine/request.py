@@ -8,8 +8,9 @@ from typing import Callable
 import torch
 from transformers import StoppingCriteriaList
 
-from ..policy import DepthPolicy
-from ..stats import SwiftSpecStats
+from ..policy import GoodputPolicy
+from ..stats import RoundRecord, SwiftSpecStats
+from ..tree import Proposal
 from ..verify import Sampler, Verified
 
 
@@ -18,6 +19,8 @@ class DecodeRequest:
     """One batch-1 speculative generation.
 
     prompt:     (1, L) token ids, L >= 1
+    policy:     chooses each round's draft expansions and tree size
+    corpus:     token sequences the n-gram chain may copy from, besides the context
     on_tokens:  called with each round's new token ids (a list) as soon as they are verified
     """
 
@@ -25,8 +28,8 @@ class DecodeRequest:
     sampler: Sampler
     stopping_criteria: StoppingCriteriaList
     max_new_tokens: int
-    tree_budget: int
-    depth: DepthPolicy
+    policy: GoodputPolicy
+    corpus: list[list[int]] = field(default_factory=list)
     on_tokens: Callable[[list[int]], None] | None = None
 
 
@@ -38,6 +41,19 @@ class DecodeResult:
     scores: list[torch.Tensor] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
     stats: SwiftSpecStats = field(default_factory=SwiftSpecStats)
+    rounds: list[RoundRecord] = field(default_factory=list)
+
+    def record_round(self, proposal: Proposal, verified: Verified, expansions: int) -> None:
+        """Keep what the policy chose this round and where the accepted tokens came from."""
+        accepted = verified.path[1:]  # the root's token is the target's own, not a proposal
+        self.rounds.append(
+            RoundRecord(
+                budget=len(proposal.subtree),
+                expansions=expansions,
+                accepted=len(accepted),
+                ngram_accepted=sum(1 for i in accepted if proposal.chain[i]),
+            )
+        )
 
     def emit(self, verified: Verified, request: DecodeRequest) -> None:
         """Record one verification's tokens (with their scores and logits) and stream them."""

@@ -1,4 +1,4 @@
-"""Serial tree speculation on one device: draft d expansions, then verify, then re-root."""
+"""Serial tree speculation on one device: draft, then verify, then re-root, as the policy says."""
 
 from __future__ import annotations
 
@@ -11,31 +11,46 @@ from .workers import DraftWorker, TargetWorker
 
 def run_serial(target: TargetWorker, draft: DraftWorker, request: DecodeRequest) -> DecodeResult:
     """The whole decode loop. Lossless: every emitted token is the target's own choice."""
-    result = DecodeResult()
+    policy, result = request.policy, DecodeResult()
     start = time.perf_counter()
     target.prefill(request.prompt)
-    draft.start(request.prompt)
+    draft.start(request.prompt, request.corpus)
     while len(result.tokens) < request.max_new_tokens:
-        # 1. draft: grow the part of the tree the target may verify, then top it up to the budget
+        # 1. draft: expand while one more expansion is expected to raise tokens per second
         round_start = time.perf_counter()
-        expansions = draft.grow(request.depth.depth(), within=request.tree_budget)
-        expansions += draft.top_up(request.tree_budget)
-        subtree = draft.propose(request.tree_budget)  # syncs the draft device
-        verify_start = time.perf_counter()
-        draft.counters.busy_s += verify_start - round_start
+        probing = policy.start_round()
+        chain = draft.chain(policy.max_budget)
+        candidates = draft.candidates(policy, chain)
+        expansions, expanding_s = 0, 0.0
+        while policy.keep_expanding(expansions, time.perf_counter() - round_start, candidates.ranked_probs, probing):
+            before = time.perf_counter()
+            if not draft.expand(within=policy.max_budget):
+                break
+            expanding_s += time.perf_counter() - before
+            grown = draft.candidates(policy, chain)
+            policy.observe_gain(expansions, candidates.ranked_probs, grown.ranked_probs, before - round_start)
+            candidates, expansions = grown, expansions + 1
+        if policy.fixed:  # both tree settings given: the subtree always has tree_budget nodes
+            expansions += draft.top_up(policy.max_budget)
+            candidates = draft.candidates(policy, chain)
+        proposal = draft.proposal(policy, candidates, time.perf_counter() - round_start)
+        draft.counters.rounds += 1
+        draft.counters.busy_s += time.perf_counter() - round_start
         # 2. target: one forward over the subtree, walk it with its own choices, commit the path
         verified = target.verify(
-            subtree, request.sampler, request.stopping_criteria, request.max_new_tokens - len(result.tokens)
+            proposal.subtree, request.sampler, request.stopping_criteria, request.max_new_tokens - len(result.tokens)
         )
-        verify_end = time.perf_counter()
-        request.depth.observe(verify_start - round_start, expansions, verify_end - verify_start)
-        request.depth.observe_round(len(verified.tokens), verify_end - round_start)
         result.emit(verified, request)
+        if not verified.finished:  # 3. draft: keep the subtree under the last verified token, KV included
+            draft.reroot(proposal.subtree, verified)
+        round_s = time.perf_counter() - round_start
+        policy.observe_round(expansions, expanding_s, len(proposal.subtree), round_s - expanding_s)
+        policy.observe_outcome(proposal, verified)
+        result.record_round(proposal, verified, expansions)
         if verified.finished:
             break
-        # 3. draft: keep the subtree under the last verified token, KV included
-        draft.reroot(subtree, verified)
     result.stats = SwiftSpecStats.collect(
         "serial", len(result.tokens), time.perf_counter() - start, target.counters, draft.counters
     )
+    result.stats.add_rounds(result.rounds)
     return result

@@ -16,7 +16,11 @@ from ..attention import tree_step_kwargs
 from ..cache import TreeCache
 from ..stats import DraftCounters, TargetCounters
 from ..tree import (
+    Proposal,
     Subtree,
+    best_subtree,
+    merge_chain,
+    ranked,
     TokenTree,
     add_children,
     expansion_inputs,
@@ -29,6 +33,8 @@ from ..tree import (
     select_subtree,
     subtree_mask,
 )
+from ..ngram import NgramIndex
+from ..policy import GoodputPolicy
 from ..verify import Sampler, Verified, verify_tree
 
 
@@ -114,7 +120,7 @@ class DraftWorker:
 
     def __init__(
         self, model: PreTrainedModel, capacity: int, tree_capacity: int, width: int, vocab_limit: int,
-        attention: str = "sdpa",
+        attention: str = "sdpa", ngram_size: int = 3,
     ):
         self.model = model
         self.attention = attention
@@ -124,13 +130,22 @@ class DraftWorker:
         self.vocab_limit = vocab_limit  # the draft never proposes ids the target cannot embed
         self.tree: TokenTree = new_tree(0, tree_capacity, self.device)
         self.pending: list[int] = []
+        self.ngram_size = ngram_size  # longest suffix the n-gram chain matches; 0: no chain
+        self.use_ngrams = ngram_size > 0
+        self.ngrams = NgramIndex(max_n=max(ngram_size, 1))
         self.counters = DraftCounters()
 
-    def start(self, prompt: torch.Tensor) -> None:
-        """Begin a generation: the prompt (1, L) minus its last token is pending, the last is the root."""
+    def start(self, prompt: torch.Tensor, corpus: list[list[int]] | None = None) -> None:
+        """Begin a generation: the prompt (1, L) minus its last token is pending, the last is the root.
+
+        corpus: token sequences the n-gram chain may also copy from.
+        """
         ids = prompt[0].tolist()
         self.pending = ids[:-1]
         reset_tree(self.tree, ids[-1])
+        self.ngrams = NgramIndex(max_n=max(self.ngram_size, 1))
+        self.ngrams.add_corpus(corpus or [])
+        self.ngrams.extend(ids)
 
     def expand(self, within: int | None = None) -> int:
         """One draft forward over the best `width` unexpanded leaves (among the best `within`
@@ -174,29 +189,59 @@ class DraftWorker:
         return done
 
     def propose(self, budget: int) -> Subtree:
-        """The best `budget`-node subtree for the target to verify."""
+        """The best `budget`-node subtree of the draft's own tree, by score."""
         self.counters.rounds += 1
-        return select_subtree(self.tree, budget)
+        return select_subtree(self.tree, budget)[0]
 
     def reroot(self, subtree: Subtree, verified: Verified) -> bool:
         """Follow the verified tokens, commit their KV, keep the subtree under the new root.
 
-        Returns True when the new root was already in the tree (a re-root hit).
+        The accepted path starts with the nodes the draft has run on (its KV is committed) and may
+        end with nodes it has not: draft leaves, or n-gram nodes outside its tree (node id -1).
+        Their tokens become pending. Returns True when the new root was already in the tree.
         """
         tree = self.tree
+        self.ngrams.extend(verified.tokens)
         path = [subtree.node_ids[i] for i in verified.path]  # draft-tree nodes: root + accepted
-        child, last_expanded = locate_child(tree, path[-1], verified.tokens[-1])
-        with_kv = path if last_expanded else path[:-1]  # an unexpanded last node has no draft KV yet
-        path_slots = tree.kv_slot[torch.tensor(with_kv, dtype=torch.long, device=self.device)]
-        if child is not None:
-            self.cache.commit(path_slots, reroot(tree, child))
-            self.counters.reroot_hits += 1
-            return True
+        in_tree = path[: next((j for j, node in enumerate(path) if node < 0), len(path))]
+        ids = torch.tensor(in_tree, dtype=torch.long, device=self.device)
+        expanded = tree.expanded[ids].tolist()
+        k = next((j for j, e in enumerate(expanded) if not e), len(expanded))  # nodes with draft KV
+        path_slots = tree.kv_slot[ids[:k]]
+        if k == len(path):  # the whole path was run on: the new root may already be in the tree
+            child, _ = locate_child(tree, path[-1], verified.tokens[-1])
+            if child is not None:
+                self.cache.commit(path_slots, reroot(tree, child))
+                self.counters.reroot_hits += 1
+                return True
         self.counters.reroot_misses += 1
         self.cache.commit(path_slots)
-        self.pending = [] if last_expanded else [subtree.tokens[verified.path[-1]]]
+        unrun = [subtree.tokens[i] for i in verified.path[k:]]
+        self.pending = (self.pending if k == 0 else []) + unrun  # the root's expansion consumes pending
         reset_tree(tree, verified.tokens[-1])
         return False
+
+    # ---- the adaptive round: candidates for the policy, the proposal it picks -------------------
+    def candidates(self, policy: GoodputPolicy, chain: list[int]) -> Proposal:
+        """The draft's best nodes merged with the n-gram chain, each with its calibrated P(accepted)
+        (one host sync)."""
+        draft, scores = select_subtree(self.tree, policy.max_budget)
+        probs = policy.draft_probs(torch.tensor(scores, dtype=torch.float64)).tolist()
+        chain_probs = policy.chain_probs(len(chain))
+        return merge_chain(draft, scores, probs, chain[: len(chain_probs)], chain_probs)
+
+    def proposal(self, policy: GoodputPolicy, candidates: Proposal, spent_s: float, agree=int) -> Proposal:
+        """The best T candidates for the T the policy expects the most tokens per second from.
+
+        agree: makes every draft rank use the same tree size (identity on a lone draft worker).
+        """
+        order = ranked(candidates)
+        budget, _ = policy.best_budget([candidates.probs[i] for i in order], spent_s)
+        return best_subtree(candidates, order, agree(budget))
+
+    def chain(self, length: int) -> list[int]:
+        """The n-gram continuation of the committed sequence and root ([] when n-grams are off)."""
+        return self.ngrams.propose(length) if self.use_ngrams else []
 
 
 def device_sync(device: torch.device) -> None:

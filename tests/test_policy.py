@@ -1,0 +1,149 @@
+"""The goodput policy, the n-gram chain and the vectorised walk, each against an independent check."""
+
+import pytest
+import torch
+from transformers import LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.stopping_criteria import EosTokenCriteria
+
+from hf_swiftspec import SwiftSpecForCausalLM
+from hf_swiftspec.ngram import NgramIndex
+from hf_swiftspec.policy import GoodputPolicy
+from hf_swiftspec.testing import tiny_model, truncated_draft
+from hf_swiftspec.tree import Proposal, Subtree, best_subtree, merge_chain, ranked
+from hf_swiftspec.verify import Sampler, Verified, walk_nodes, walk_rows
+
+
+def measured_policy(expand_ms, verify_ms, per_node_ms, acceptance, rounds=60, **kwargs):
+    """A policy after `rounds` rounds of a draft whose best child is accepted with `acceptance`."""
+    policy = GoodputPolicy(**kwargs)
+    for budget in (1, 4, 8, 16):
+        for _ in range(3):
+            policy.costs.observe_verify(budget, (verify_ms + per_node_ms * budget) / 1000)
+    policy.costs.observe_expansions(expand_ms / 1000, 1)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(rounds):  # a chain of draft nodes with scores -0.1, -0.2, ...: accepted up to a coin flip
+        scores = [0.0] + [-0.1 * (i + 1) for i in range(8)]
+        reached = next((i for i in range(1, 9) if torch.rand(1, generator=g).item() > acceptance), 9)
+        proposal = Proposal(Subtree(list(range(9)), [0] * 9, [-1, 0, 1, 2, 3, 4, 5, 6, 7]), [1.0] * 9, scores, [0] * 9)
+        policy.observe_outcome(proposal, Verified(tokens=[0] * reached, path=list(range(reached))))
+    return policy
+
+
+def test_useless_draft_means_plain_decoding():
+    policy = measured_policy(expand_ms=2, verify_ms=10, per_node_ms=0.5, acceptance=0.0)
+    probs = policy.draft_probs(torch.tensor([0.0, -0.1, -0.2, -0.3])).tolist()
+    assert probs[0] == 1.0 and max(probs[1:]) < 0.1
+    policy.rounds = 5  # not a probing round
+    policy.start_round()
+    assert policy.best_budget(sorted(probs, reverse=True), spent_s=0.0)[0] == 1
+    policy.gains[0] = 0.05  # what expanding was seen to add
+    assert not policy.keep_expanding(0, 0.0, [1.0], probing=False)
+
+
+def test_agreeing_draft_grows_trees():
+    policy = measured_policy(expand_ms=1, verify_ms=10, per_node_ms=0.1, acceptance=0.9)
+    probs = policy.draft_probs(torch.tensor([0.0] + [-0.1 * (i + 1) for i in range(8)])).tolist()
+    assert min(probs) > 0.3
+    policy.rounds = 5
+    policy.start_round()
+    budget, rate = policy.best_budget(sorted(probs, reverse=True), spent_s=0.002)
+    assert budget >= 6 and rate > 1 / 0.010  # beats plain decoding: one token per 10 ms
+    policy.gains[0] = 1.0
+    assert policy.keep_expanding(0, 0.0, [1.0], probing=False)
+
+
+def test_fixed_settings_are_honoured():
+    policy = measured_policy(expand_ms=2, verify_ms=10, per_node_ms=0.5, acceptance=0.0, tree_budget=6, draft_depth=2)
+    assert policy.fixed and policy.max_budget == 6
+    assert policy.best_budget([1.0] * 10, 0.0)[0] == 6
+    assert [policy.keep_expanding(k, 0.0, [1.0], False) for k in range(3)] == [True, True, False]
+
+
+def test_cost_model_fits_a_line():
+    policy = GoodputPolicy()
+    for budget, seconds in ((1, 0.010), (8, 0.017), (16, 0.025)):
+        policy.costs.observe_verify(budget, seconds)
+    a, b = policy.costs.line()
+    assert a == pytest.approx(0.009, abs=2e-4) and b == pytest.approx(0.001, abs=1e-4)
+
+
+def test_ngram_chain_follows_the_latest_earlier_occurrence():
+    index = NgramIndex(max_n=3)
+    index.extend([5, 6, 7, 8, 1, 5, 6, 7, 9, 2, 5, 6, 7])
+    assert index.propose(3) == [9, 2, 5]  # (5, 6, 7) last seen before 9, not before 8
+    index.extend([9])
+    assert index.propose(2) == [2, 5]
+    assert NgramIndex().propose(4) == []
+    corpus = NgramIndex(max_n=2)
+    corpus.add_corpus([[40, 41, 42, 43]])
+    corpus.extend([3, 40, 41])
+    assert corpus.propose(5) == [42, 43]
+
+
+def test_chain_merges_into_the_draft_candidates():
+    draft = Subtree(node_ids=[0, 1, 2, 3], tokens=[10, 11, 12, 13], parents=[-1, 0, 0, 1])
+    merged = merge_chain(draft, [0.0, -0.5, -1.0, -1.5], [1.0, 0.6, 0.3, 0.2], [11, 13, 14], [0.9, 0.8, 0.7])
+    assert merged.subtree.tokens == [10, 11, 12, 13, 14] and merged.subtree.parents == [-1, 0, 0, 1, 3]
+    assert merged.subtree.node_ids == [0, 1, 2, 3, -1] and merged.chain == [0, 1, 0, 2, 3]
+    assert merged.probs == [1.0, 0.9, 0.3, 0.8, 0.7]
+    best = best_subtree(merged, ranked(merged), 4)
+    assert best.subtree.tokens == [10, 11, 13, 14] and best.subtree.parents == [-1, 0, 1, 2]
+
+
+def random_tree(n, g):
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+    return Subtree(list(range(n)), torch.randint(0, 6, (n,), generator=g).tolist(), parents)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_vectorised_walk_equals_the_node_by_node_walk(seed):
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 14, (1,), generator=g))
+    subtree = random_tree(n, g)
+    logits = torch.randn(n, 6, generator=g) * 3
+    logits[:, : int(torch.randint(0, 6, (1,), generator=g))] += 2  # tokens that match children more often
+    context = torch.randint(0, 6, (1, 5), generator=g)
+    criteria = StoppingCriteriaList([EosTokenCriteria(eos_token_id=int(torch.randint(0, 6, (1,), generator=g)))])
+    sampler = Sampler(LogitsProcessorList(), do_sample=False)
+    assert sampler.path_free
+    max_tokens = int(torch.randint(1, 8, (1,), generator=g))
+    children = {(p, t): i for i, (p, t) in reversed(list(enumerate(zip(subtree.parents, subtree.tokens)))) if p >= 0}
+    fast = walk_rows(logits, children, context, sampler, criteria, max_tokens)
+    slow = walk_nodes(logits, children, context, sampler, criteria, max_tokens)
+    assert (fast.tokens, fast.path, fast.finished) == (slow.tokens, slow.path, slow.finished)
+    for a, b in zip(fast.scores + fast.logits, slow.scores + slow.logits):
+        torch.testing.assert_close(a, b)
+
+
+def test_ngram_chain_is_lossless_and_used():
+    """A target whose greedy output cycles (seed 7): the chain proposes the cycle, which the
+    target accepts; tokens equal target.generate with the chain on and off."""
+    target = tiny_model("llama", seed=7)
+    target.generation_config.eos_token_id = None
+    draft = tiny_model("llama", seed=11, layers=1)  # random: what it proposes is rarely accepted
+    prompt = torch.randint(3, 98, (1, 9), generator=torch.Generator().manual_seed(1))
+    for kwargs in (dict(), dict(repetition_penalty=1.2)):
+        expected = target.generate(prompt, do_sample=False, max_new_tokens=60, **kwargs).tolist()
+        for ngram_size in (3, 0):
+            model = SwiftSpecForCausalLM.from_models(target, draft, ngram_size=ngram_size)
+            assert model.generate(prompt, do_sample=False, max_new_tokens=60, **kwargs).tolist() == expected
+            from_chain = sum(r.ngram_accepted for r in model.swiftspec_stats.rounds)
+            assert from_chain > 10 if ngram_size else from_chain == 0
+
+
+def test_user_corpus_feeds_the_chain():
+    """A corpus holding the continuation: still exactly target.generate, with more chain tokens accepted."""
+    target = tiny_model("llama", seed=7)
+    target.generation_config.eos_token_id = None
+    model = SwiftSpecForCausalLM.from_models(target, tiny_model("llama", seed=11, layers=1))
+    prompt = torch.randint(3, 98, (1, 9), generator=torch.Generator().manual_seed(1))
+    expected = target.generate(prompt, do_sample=False, max_new_tokens=60)
+    accepted = {}
+    for name, corpus in (("none", None), ("continuation", [expected[0, 9:]])):
+        assert model.generate(prompt, do_sample=False, max_new_tokens=60, ngram_corpus=corpus).tolist() == expected.tolist()
+        accepted[name] = sum(r.ngram_accepted for r in model.swiftspec_stats.rounds)
+    assert accepted["continuation"] > accepted["none"]
+    with pytest.raises(ValueError, match="ngram_corpus must be a list"):
+        model.generate(prompt, max_new_tokens=3, ngram_corpus="def f(): pass")
+    with pytest.raises(ValueError, match="has no tokenizer"):
+        model.generate(prompt, max_new_tokens=3, ngram_corpus=["def f(): pass"])
