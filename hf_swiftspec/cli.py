@@ -25,6 +25,14 @@ import torch
 from transformers import GenerationConfig, TextStreamer
 
 from .bench import add_bench_arguments, bench_main
+from .commandline import (
+    TREE_OPTIONS,
+    add_tree_options,
+    default_device,
+    load_pair,
+    progress,
+    tree_overrides,
+)
 from .config import SwiftSpecConfig
 from .modeling import SwiftSpecForCausalLM
 from .pair import (
@@ -42,7 +50,6 @@ from .pair import (
 )
 
 DEFAULT_PROMPT = "def read_config(path):\n"
-TREE_OPTIONS = ("tree_budget", "draft_width", "draft_depth")
 
 
 @dataclass(frozen=True)
@@ -78,29 +85,10 @@ class RunStats:
         return self.new_tokens / self.seconds if self.seconds else 0.0
 
 
-def progress(message: str) -> None:
-    print(f"swiftspec: {message}", file=sys.stderr, flush=True)
-
-
 def pair_location(name: str) -> str:
     """A bundled pair's folder (the demo) by its name, else the id or path as given."""
     folder = bundled_pair(name)
     return str(folder) if folder is not None else name
-
-
-def default_device() -> str:
-    return "cuda:0" if torch.cuda.is_available() else "cpu"
-
-
-def load_dtype(options: GenerateOptions, device: str):
-    if options.dtype is None:
-        return torch.float32 if device == "cpu" else "auto"
-    if options.dtype == "auto":
-        return "auto"
-    dtype = getattr(torch, options.dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        raise PairConfigError(f"--dtype {options.dtype!r} is not a torch dtype; use float32, bfloat16, float16 or auto.")
-    return dtype
 
 
 def parse_placement(text: str):
@@ -113,18 +101,13 @@ def parse_placement(text: str):
         raise PairConfigError(f"--placement {text!r} is not valid JSON ({err}); e.g. '{{\"target\": [0], \"draft\": [1]}}'.") from err
 
 
-def load_pair(options: GenerateOptions) -> SwiftSpecForCausalLM:
+def load_generate_pair(options: GenerateOptions) -> SwiftSpecForCausalLM:
     device = options.device or default_device()
-    settings = {name: getattr(options, name) for name in TREE_OPTIONS if getattr(options, name) is not None}
+    settings = tree_overrides(options)
     if options.placement is not None:
         settings["placement"] = parse_placement(options.placement)
     progress(f"loading pair {options.pair!r} on {device}")
-    model = SwiftSpecForCausalLM.from_pretrained(
-        pair_location(options.pair), dtype=load_dtype(options, device), device_map=device, **settings
-    )
-    if model.tokenizer is None:
-        raise PairConfigError(f"The pair {options.pair!r} ships no tokenizer (neither its repo nor its target has one).")
-    return model
+    return load_pair(pair_location(options.pair), options.pair, device, options.dtype, **settings)
 
 
 def check_length(prompt_tokens: int, max_new_tokens: int, context: int | None) -> None:
@@ -171,7 +154,7 @@ def statistics_line(model, run: RunStats, baseline: RunStats | None, identical: 
 def run_generate(options: GenerateOptions) -> int:
     if options.threads is not None:
         torch.set_num_threads(options.threads)
-    model = load_pair(options)
+    model = load_generate_pair(options)
     tokenizer = model.tokenizer
     input_ids = tokenizer(options.prompt, return_tensors="pt").input_ids.to(model.target.device)
     check_length(input_ids.shape[1], options.max_new_tokens, context_length(model.target.config))
@@ -246,17 +229,6 @@ def run_pair_check(args) -> int:
 
 
 # ---------------------------------------------------------------- argument parsing
-
-
-def add_tree_options(parser: argparse.ArgumentParser) -> None:
-    defaults = SwiftSpecConfig()
-    for name in TREE_OPTIONS:
-        parser.add_argument(
-            f"--{name.replace('_', '-')}",
-            type=int,
-            default=None,
-            help=f"override the pair's {name} (SwiftSpecConfig default: {getattr(defaults, name)})",
-        )
 
 
 def build_parser() -> argparse.ArgumentParser:

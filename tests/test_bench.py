@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from hf_swiftspec import bench
+from hf_swiftspec.bench import methods, prompts
+from hf_swiftspec.cache import TreeCache
 from hf_swiftspec.bench import (
     BenchConfig,
     BenchModels,
@@ -151,7 +153,7 @@ def test_a_method_with_different_tokens_fails_the_run_loudly(tiny_models, tmp_pa
 
 
 def test_async_is_skipped_with_a_note_when_the_placement_does_not_allow_it(tiny_models, monkeypatch):
-    monkeypatch.setattr(bench, "async_placement", lambda target: (None, "skipped: no second GPU for the draft"))
+    monkeypatch.setattr(methods, "async_placement", lambda target: (None, "skipped: no second GPU for the draft"))
     report = run_bench(BenchConfig(
         models=tiny_models, methods=("target", "swiftspec_async"), prompts=("spec_bench",), output_dir=None,
         **{**FAST, "growth_check_tokens": 0},
@@ -179,7 +181,7 @@ def test_caches_keep_one_buffer_over_a_long_generation(tiny_models):
 
 def test_memory_check_notices_a_reallocated_buffer(tiny_models, monkeypatch):
     """The check itself works: a cache that reallocates every commit is caught."""
-    commit = bench.TreeCache.commit
+    commit = TreeCache.commit
 
     def reallocating_commit(self, *args, **kwargs):
         commit(self, *args, **kwargs)
@@ -188,7 +190,7 @@ def test_memory_check_notices_a_reallocated_buffer(tiny_models, monkeypatch):
             for layer in self.layers:
                 layer.keys, layer.values = self.kv[layer.layer_idx, 0], self.kv[layer.layer_idx, 1]
 
-    monkeypatch.setattr(bench.TreeCache, "commit", reallocating_commit)
+    monkeypatch.setattr(TreeCache, "commit", reallocating_commit)
     ids = torch.tensor([[5, 6, 7]])
     budget = memory_budget(tiny_models, {"tree_budget": 6, "draft_width": 4}, ids, 40)
     assert not budget.no_growth and budget.traces[0].buffers > 1
@@ -199,7 +201,7 @@ def test_prompt_loading_reads_the_bundled_sets_and_user_files(tmp_path):
     assert len(humaneval) == 20 and humaneval[0].text.startswith("Complete the code") and humaneval[0].category == "code"
     spec = load_prompts("spec_bench", limit=13)
     assert len({p.category for p in spec}) == 13  # the copy is ordered round-robin over categories
-    assert (bench.PROMPTS_DIR / "LICENSE-EAGLE").is_file() and (bench.PROMPTS_DIR / "LICENSE-Spec-Bench").is_file()
+    assert (prompts.PROMPTS_DIR / "LICENSE-EAGLE").is_file() and (prompts.PROMPTS_DIR / "LICENSE-Spec-Bench").is_file()
 
     mixed = tmp_path / "mine.jsonl"
     mixed.write_text(
@@ -281,7 +283,7 @@ def test_command_runs_a_pair_folder_end_to_end(tmp_path, capsys):
 def test_without_the_demo_pair_an_in_memory_pair_runs_with_a_note(tiny_models, monkeypatch):
     import hf_swiftspec.testing
 
-    monkeypatch.setattr(bench, "bundled_pair", lambda name: None)
+    monkeypatch.setattr(methods, "bundled_pair", lambda name: None)
     monkeypatch.setattr(hf_swiftspec.testing, "agreeing_pair", lambda: (tiny_models.target, tiny_models.draft))
     report = run_bench(BenchConfig(methods=("target",), prompts=("humaneval",), output_dir=None, **FAST))
     assert report.pair.name.startswith("agreeing_pair") and any("demo pair" in note for note in report.notes)
