@@ -60,8 +60,8 @@ class GenerateOptions:
     prompt: str = DEFAULT_PROMPT
     max_new_tokens: int = 128
     do_sample: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float | None = None  # with do_sample only; None: 1.0
+    top_p: float | None = None  # with do_sample only; None: 1.0
     seed: int = 0
     compare: bool = False
     device: str | None = None  # None: cuda:0 when there is a GPU, else cpu
@@ -101,6 +101,19 @@ def parse_placement(text: str):
         raise PairConfigError(f"--placement {text!r} is not valid JSON ({err}); e.g. '{{\"target\": [0], \"draft\": [1]}}'.") from err
 
 
+def check_options(options: GenerateOptions) -> None:
+    """Refuse what generate would otherwise ignore or crash on, before any weights load."""
+    if not options.prompt:
+        raise ValueError("the prompt is empty; give the text to complete, e.g. swiftspec generate 'def f(x):'.")
+    if not options.do_sample:
+        for flag, value in (("--temperature", options.temperature), ("--top-p", options.top_p)):
+            if value is not None:
+                raise ValueError(
+                    f"{flag} {value} only applies when sampling, and this run is greedy (the default); add --sample "
+                    f"to sample with it, or drop {flag}."
+                )
+
+
 def load_generate_pair(options: GenerateOptions) -> SwiftSpecForCausalLM:
     device = options.device or default_device()
     settings = tree_overrides(options)
@@ -121,7 +134,10 @@ def check_length(prompt_tokens: int, max_new_tokens: int, context: int | None) -
 def generation_kwargs(options: GenerateOptions, input_ids: torch.Tensor) -> dict:
     kwargs = dict(max_new_tokens=options.max_new_tokens, do_sample=options.do_sample, attention_mask=torch.ones_like(input_ids))
     if options.do_sample:
-        kwargs.update(temperature=options.temperature, top_p=options.top_p)
+        kwargs.update(
+            temperature=1.0 if options.temperature is None else options.temperature,
+            top_p=1.0 if options.top_p is None else options.top_p,
+        )
     return kwargs
 
 
@@ -152,11 +168,14 @@ def statistics_line(model, run: RunStats, baseline: RunStats | None, identical: 
 
 
 def run_generate(options: GenerateOptions) -> int:
+    check_options(options)
     if options.threads is not None:
         torch.set_num_threads(options.threads)
     model = load_generate_pair(options)
     tokenizer = model.tokenizer
     input_ids = tokenizer(options.prompt, return_tensors="pt").input_ids.to(model.target.device)
+    if input_ids.shape[1] == 0:
+        raise ValueError(f"the prompt {options.prompt!r} is empty after tokenisation; give text to complete.")
     check_length(input_ids.shape[1], options.max_new_tokens, context_length(model.target.config))
     baseline = identical = None
     if options.compare:
@@ -244,8 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--greedy", dest="do_sample", action="store_false", help="greedy decoding (the default)")
     mode.add_argument("--sample", dest="do_sample", action="store_true", help="sample from the target's distribution")
     gen.set_defaults(do_sample=defaults.do_sample)
-    gen.add_argument("--temperature", type=float, default=defaults.temperature, help="with --sample (default: %(default)s)")
-    gen.add_argument("--top-p", type=float, default=defaults.top_p, help="with --sample (default: %(default)s)")
+    gen.add_argument("--temperature", type=float, default=defaults.temperature, help="with --sample only (default: 1.0)")
+    gen.add_argument("--top-p", type=float, default=defaults.top_p, help="with --sample only (default: 1.0)")
     gen.add_argument("--seed", type=int, default=defaults.seed, help="sampling seed (default: %(default)s)")
     gen.add_argument("--compare", action="store_true", help="also time the target alone and print the speed-up")
     gen.add_argument("--device", default=defaults.device, help="device for both models (default: cuda:0 if present, else cpu)")
