@@ -26,11 +26,13 @@ from transformers import GenerationConfig, TextStreamer
 
 from .bench import add_bench_arguments, bench_main
 from .commandline import (
+    THREADS_HELP,
     TREE_OPTIONS,
     add_tree_options,
     default_device,
     load_pair,
     progress,
+    set_threads,
     tree_overrides,
 )
 from .config import SwiftSpecConfig
@@ -66,7 +68,7 @@ class GenerateOptions:
     compare: bool = False
     device: str | None = None  # None: cuda:0 when there is a GPU, else cpu
     dtype: str | None = None  # None: float32 on CPU (exact and fast there), the checkpoint's own on GPU
-    threads: int | None = None
+    threads: int | None = None  # None: 1 per worker on CPU, torch's own on GPU (commandline.THREADS_HELP says why)
     placement: str | None = None  # None: the pair's; "serial", "auto", or JSON like {"target": [0], "draft": [1]}
     tree_budget: int | None = None
     draft_width: int | None = None
@@ -114,8 +116,7 @@ def check_options(options: GenerateOptions) -> None:
                 )
 
 
-def load_generate_pair(options: GenerateOptions) -> SwiftSpecForCausalLM:
-    device = options.device or default_device()
+def load_generate_pair(options: GenerateOptions, device: str) -> SwiftSpecForCausalLM:
     settings = tree_overrides(options)
     if options.placement is not None:
         settings["placement"] = parse_placement(options.placement)
@@ -169,9 +170,9 @@ def statistics_line(model, run: RunStats, baseline: RunStats | None, identical: 
 
 def run_generate(options: GenerateOptions) -> int:
     check_options(options)
-    if options.threads is not None:
-        torch.set_num_threads(options.threads)
-    model = load_generate_pair(options)
+    device = options.device or default_device()
+    progress(set_threads(options.threads, device))
+    model = load_generate_pair(options, device)
     tokenizer = model.tokenizer
     input_ids = tokenizer(options.prompt, return_tensors="pt").input_ids.to(model.target.device)
     if input_ids.shape[1] == 0:
@@ -269,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--compare", action="store_true", help="also time the target alone and print the speed-up")
     gen.add_argument("--device", default=defaults.device, help="device for both models (default: cuda:0 if present, else cpu)")
     gen.add_argument("--dtype", default=defaults.dtype, help="float32 | bfloat16 | float16 | auto (default: float32 on CPU, auto on GPU)")
-    gen.add_argument("--threads", type=int, default=defaults.threads, help="torch CPU threads (default: torch's choice)")
+    gen.add_argument("--threads", type=int, default=defaults.threads, help=THREADS_HELP)
     gen.add_argument(
         "--placement",
         default=defaults.placement,

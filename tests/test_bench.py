@@ -165,6 +165,20 @@ def test_async_is_skipped_with_a_note_when_the_placement_does_not_allow_it(tiny_
     assert "no second GPU" in bench.markdown_report(report)
 
 
+@pytest.mark.parametrize("threads, expected", [(None, 1), (2, 2)])
+def test_the_bench_runs_one_torch_thread_per_worker_on_cpu_unless_told(tiny_models, threads, expected):
+    torch.set_num_threads(2)
+    try:
+        report = run_bench(BenchConfig(
+            models=tiny_models, methods=("target",), prompts=("humaneval",), output_dir=None, threads=threads,
+            **{**FAST, "num_prompts": 1, "growth_check_tokens": 0},
+        ))
+        assert report.environment.threads == torch.get_num_threads() == expected
+        assert f"{expected} torch thread(s) per worker" in bench.markdown_report(report)
+    finally:
+        torch.set_num_threads(1)
+
+
 def test_caches_keep_one_buffer_over_a_long_generation(tiny_models):
     """No per-step reallocation: each model's TreeCache kv keeps its data pointer and shape."""
     ids = torch.randint(3, 98, (1, 9), generator=torch.Generator().manual_seed(0))

@@ -55,6 +55,18 @@ def test_an_empty_prompt_is_refused_before_loading(capsys):
     assert "swiftspec: error: the prompt is empty" in err and "loading pair" not in err
 
 
+def test_generate_runs_one_torch_thread_per_worker_on_cpu_unless_told(capsys):
+    """torch's default (every core for each of target and draft) thrashed a 2-core machine."""
+    torch.set_num_threads(2)
+    try:
+        assert main(["generate", "--max-new-tokens", "4"]) == 0
+        assert torch.get_num_threads() == 1 and "torch threads: 1 per worker" in capsys.readouterr().err
+        assert main(["generate", "--max-new-tokens", "4", "--threads", "2"]) == 0
+        assert torch.get_num_threads() == 2 and "torch threads: 2 per worker (--threads 2)" in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(1)
+
+
 def test_module_entry_point_runs_in_a_fresh_process():
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error"}
     proc = subprocess.run(

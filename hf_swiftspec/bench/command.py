@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..commandline import add_tree_options, tree_overrides
+from ..commandline import THREADS_HELP, add_tree_options, default_device, progress, set_threads, tree_overrides
 from ..pair import context_length
 from .limits import limit_report, memory_budget, peak_bandwidth
 from .measure import Harness, MemoryProbe, check_identical, counting_forwards, generation_kwargs, method_result, timed_run
@@ -149,8 +149,10 @@ def run_bench(config: BenchConfig) -> BenchReport:
     """Run every method on every prompt set; raise OutputMismatchError if any output differs from
     target.generate's. Writes results.json / results.md / results.png when config.output_dir is set."""
     check_config(config)
-    if config.threads is not None:
-        torch.set_num_threads(config.threads)
+    where = config.models.target.device if config.models is not None else config.device or default_device()
+    threads = set_threads(config.threads, where)
+    if config.progress:
+        progress(threads, prefix="swiftspec bench")
     notes: list[str] = []
     models = load_models(config, notes)
     tokenizer = tokenizer_for(models, notes)
@@ -237,7 +239,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", default=d.dtype, help="float32 | bfloat16 | float16 | auto (default: float32 on CPU, auto on GPU)"
     )
-    parser.add_argument("--threads", type=int, default=d.threads, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--threads", type=int, default=d.threads, help=THREADS_HELP)
     parser.add_argument("--no-chat-template", dest="chat_template", action="store_false", help="feed prompts as plain text")
     parser.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens on every call")
     parser.add_argument(

@@ -99,7 +99,7 @@ def markdown_report(report: BenchReport) -> str:
         "# SwiftSpec benchmark",
         "",
         f"Pair **{pair.name}**: target {pair.target} ({pair.target_params_m:g}M parameters), draft {pair.draft} "
-        f"({pair.draft_params_m:g}M), {pair.dtype}; {env.device}, {env.threads} torch thread(s). Greedy, "
+        f"({pair.draft_params_m:g}M), {pair.dtype}; {env.device}, {env.threads} torch thread(s) per worker. Greedy, "
         f"{config['max_new_tokens']} new tokens at most, {cut}; mean ± sd over prompts; warm-up and tuning untimed; "
         f"every method's tokens identical to target.generate's on every prompt. swiftspec: {tree}.",
         "",

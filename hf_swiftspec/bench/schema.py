@@ -45,7 +45,7 @@ class BenchConfig:
     swiftspec: dict = field(default_factory=dict)  # SwiftSpecConfig overrides (tree_budget=..., draft_depth=...)
     device: str | None = None  # for --pair; None: cuda:0 when there is a GPU, else cpu
     dtype: str | None = None  # for --pair; None: float32 on CPU, the checkpoint's own on GPU
-    threads: int | None = None  # torch CPU threads; None: leave torch's setting
+    threads: int | None = None  # torch CPU threads per worker; None: 1 on CPU, torch's own on GPU
     chat_template: bool = True  # wrap prompts in the tokenizer's chat template when it has one
     ignore_eos: bool = False  # generate exactly max_new_tokens on every call
     peak_gbps: float | None = None  # memory bandwidth for the floor; None: measure with a tensor copy
@@ -222,7 +222,7 @@ class Environment:
     python: str
     platform: str
     device: str  # the target's device and what it is
-    threads: int  # torch CPU threads
+    threads: int  # torch CPU threads per worker
     cpu_count: int
     memory_source: str  # how peak memory was measured
 
