@@ -179,6 +179,19 @@ def test_the_bench_runs_one_torch_thread_per_worker_on_cpu_unless_told(tiny_mode
         torch.set_num_threads(1)
 
 
+@pytest.mark.parametrize("values", [[0.2, 0.25, 3.0], [0.0, 0.0, 5.0], [1.0], [58.1, 61.9, 60.0]])
+def test_plot_error_bars_span_min_to_max_and_never_go_below_zero(values):
+    """mean ± sd drew whiskers below zero for skewed speed-ups such as the first case."""
+    from hf_swiftspec.bench.measure import spread
+    from hf_swiftspec.bench.report import error_bar
+
+    value = spread(values)
+    height, below, above = error_bar(value)
+    assert below >= 0 and above >= 0 and height - below >= 0
+    assert height - below == pytest.approx(min(values)) and height + above == pytest.approx(max(values))
+    assert error_bar(None) == (0.0, 0.0, 0.0)  # a method missing from a set draws nothing
+
+
 def test_caches_keep_one_buffer_over_a_long_generation(tiny_models):
     """No per-step reallocation: each model's TreeCache kv keeps its data pointer and shape."""
     ids = torch.randint(3, 98, (1, 9), generator=torch.Generator().manual_seed(0))

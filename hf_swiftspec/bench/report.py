@@ -120,8 +120,18 @@ def markdown_report(report: BenchReport) -> str:
     return "\n".join(lines)
 
 
+def error_bar(value: Spread | None) -> tuple[float, float, float]:
+    """(bar height, whisker below, whisker above) for one metric: the bar at the mean, the whisker
+    spanning the prompts' min to max. Mean ± sd went below zero for skewed speed-ups; a range never
+    does (the metrics plotted are never negative), and the lower end is clamped at 0 all the same."""
+    if value is None:
+        return 0.0, 0.0, 0.0
+    low = max(value.min, 0.0)
+    return value.mean, max(value.mean - low, 0.0), max(value.max - value.mean, 0.0)
+
+
 def write_plot(report: BenchReport, path: Path) -> None:
-    """Speed-up and tokens/s per method, one bar per prompt set, sd as error bars."""
+    """Speed-up and tokens/s per method, one bar per prompt set: the mean, with the min-max range over prompts."""
     from matplotlib.figure import Figure  # no pyplot: no global figure state, no display backend
 
     names = list(dict.fromkeys(m.name for s in report.sets for m in s.methods if m.status == "ok"))
@@ -133,10 +143,9 @@ def write_plot(report: BenchReport, path: Path) -> None:
         by_name = {m.name: m for m in result.methods if m.status == "ok"}
         xs = [i + (k - (len(report.sets) - 1) / 2) * width for i in range(len(names))]
         for ax, metric in zip(axes, ("speedup", "tokens_per_s")):
-            values = [getattr(by_name[n], metric) if n in by_name else None for n in names]
-            ax.bar(xs, [v.mean if v else 0 for v in values], width, yerr=[v.sd if v else 0 for v in values],
-                   capsize=3, label=result.name)
-    for ax, title in zip(axes, ("speed-up over target.generate", "tokens/s")):
+            heights, below, above = zip(*(error_bar(getattr(by_name.get(n), metric, None)) for n in names))
+            ax.bar(xs, heights, width, yerr=[below, above], capsize=3, label=result.name)
+    for ax, title in zip(axes, ("speed-up over target.generate (min-max)", "tokens/s (min-max)")):
         ax.set_title(title)
         ax.set_xticks(range(len(names)), [labels[n] for n in names], rotation=20, ha="right")
         ax.legend(fontsize="small")
