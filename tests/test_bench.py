@@ -285,6 +285,18 @@ def test_command_line_defaults_are_bench_config_defaults():
     assert config.max_prompt_tokens is None and not config.progress and not config.chat_template
 
 
+def test_the_default_run_is_the_quick_one_and_full_the_long_one():
+    """The defaults finish in minutes on 2 CPU cores; --full restores the long run, and explicit options win."""
+    quick, full = bench_config(build_parser().parse_args([])), bench_config(build_parser().parse_args(["--full"]))
+    assert quick == BenchConfig() and full == BenchConfig.full()
+    assert (full.num_prompts, full.max_new_tokens, full.assistant_tokens) == (8, 128, (2, 4, 6, 8, 12))
+    assert 2 * quick.num_prompts * quick.max_new_tokens <= full.num_prompts * full.max_new_tokens
+    assert len(quick.assistant_tokens) < len(full.assistant_tokens)
+    assert quick.methods == full.methods == bench.METHOD_NAMES  # every method still runs, side by side
+    mixed = bench_config(build_parser().parse_args(["--full", "--num-prompts", "2", "--assistant-tokens", "3"]))
+    assert (mixed.num_prompts, mixed.max_new_tokens, mixed.assistant_tokens) == (2, 128, (3,))
+
+
 def test_bench_main_reports_bad_input_with_exit_status_1(capsys):
     assert bench.bench_main(build_parser().parse_args(["--methods", "assisted"])) == 1
     assert "must include 'target'" in capsys.readouterr().err

@@ -22,6 +22,7 @@ from .methods import Method, build_methods, eos_ignored, load_models, pair_info,
 from .prompts import BUNDLED_PROMPT_SETS, PromptSet, prepare_prompt_set, prompt_token_limit, truncation_notes
 from .report import markdown_report, write_outputs
 from .schema import (
+    FULL_RUN,
     METHOD_NAMES,
     SCHEMA_VERSION,
     BenchConfig,
@@ -216,8 +217,20 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"bundled set ({', '.join(BUNDLED_PROMPT_SETS)}) or a JSONL / text file; repeat for several "
         f"(default: {' '.join(d.prompts)})",
     )
-    parser.add_argument("--num-prompts", type=int, default=d.num_prompts, help="timed prompts per set (default: %(default)s)")
-    parser.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="(default: %(default)s)")
+    parser.add_argument(
+        "--full", action="store_true",
+        help=f"the long run: {FULL_RUN['num_prompts']} prompts per set, {FULL_RUN['max_new_tokens']} new tokens, "
+        f"num_assistant_tokens tuned over {','.join(map(str, FULL_RUN['assistant_tokens']))}; several times longer "
+        "than the default quick run (options given explicitly still win)",
+    )
+    parser.add_argument(
+        "--num-prompts", type=int, default=None,
+        help=f"timed prompts per set (default: {d.num_prompts}; --full: {FULL_RUN['num_prompts']})",
+    )
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=None,
+        help=f"(default: {d.max_new_tokens}; --full: {FULL_RUN['max_new_tokens']})",
+    )
     parser.add_argument(
         "--max-prompt-tokens", type=int, default=d.max_prompt_tokens, help="cut longer prompts; 0: never (default: %(default)s)"
     )
@@ -225,8 +238,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--methods", type=name_list, default=d.methods, help=f"comma-separated subset of {','.join(METHOD_NAMES)} (default: all)"
     )
     parser.add_argument(
-        "--assistant-tokens", type=int_list, default=d.assistant_tokens,
-        help="num_assistant_tokens values tried for assisted generation (default: %s)" % ",".join(map(str, d.assistant_tokens)),
+        "--assistant-tokens", type=int_list, default=None,
+        help=f"num_assistant_tokens values tried for assisted generation (default: {','.join(map(str, d.assistant_tokens))}; "
+        f"--full: {','.join(map(str, FULL_RUN['assistant_tokens']))})",
     )
     parser.add_argument("--prompt-lookup-tokens", type=int, default=d.prompt_lookup_tokens, help="(default: %(default)s)")
     add_tree_options(parser)
@@ -253,17 +267,18 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def bench_config(args: argparse.Namespace) -> BenchConfig:
+    """BenchConfig from parsed `bench` options: the defaults (or FULL_RUN with --full), then what was given."""
+    given = {name: getattr(args, name) for name in FULL_RUN if getattr(args, name) is not None}
+    sizes = {**(FULL_RUN if args.full else {}), **given}
     return BenchConfig(
+        **sizes,
         pair=args.pair,
         prompts=tuple(args.prompts) if args.prompts else BenchConfig().prompts,
-        num_prompts=args.num_prompts,
-        max_new_tokens=args.max_new_tokens,
         max_prompt_tokens=args.max_prompt_tokens or None,
         methods=tuple(args.methods),
         seed=args.seed,
         warmup=args.warmup,
         output_dir=args.out,
-        assistant_tokens=tuple(args.assistant_tokens),
         prompt_lookup_tokens=args.prompt_lookup_tokens,
         swiftspec=tree_overrides(args),
         device=args.device,

@@ -25,22 +25,28 @@ METHOD_LABELS = {
 }
 
 
+# `swiftspec bench --full` / BenchConfig.full(): the long run, with enough prompts and tokens for
+# stable means and a finer num_assistant_tokens search; several times the default run's work.
+FULL_RUN = {"num_prompts": 8, "max_new_tokens": 128, "assistant_tokens": (2, 4, 6, 8, 12)}
+
+
 @dataclass
 class BenchConfig:
-    """What `run_bench` measures. The command line takes its defaults from here."""
+    """What `run_bench` measures. The command line takes its defaults from here. The defaults are a
+    quick run (about two minutes for the demo pair on 2 CPU cores); BenchConfig.full() is the long one."""
 
     pair: str | None = None  # pair repo id or folder; None: the bundled demo pair, else an in-memory agreeing_pair()
     models: BenchModels | None = None  # a pair in memory; wins over `pair`
     prompts: tuple[str, ...] = ("humaneval", "spec_bench")  # bundled set names or JSONL / text files
-    num_prompts: int = 8  # timed prompts per set; the set's first prompt is the warm-up prompt
-    max_new_tokens: int = 128
+    num_prompts: int = 4  # timed prompts per set (full: 8); the set's first prompt is the warm-up prompt
+    max_new_tokens: int = 64  # (full: 128)
     max_prompt_tokens: int | None = 256  # cut longer prompts (CNN/DM, RAG articles) so runs stay comparable; None: never
     methods: tuple[str, ...] = METHOD_NAMES
     extra_methods: tuple[Method, ...] = ()  # your own methods, checked and timed like the built-in ones
     seed: int = 0
     warmup: int = 1  # untimed calls per method on the warm-up prompt before each set
     output_dir: str | None = "bench_results"  # None: return the report without writing files
-    assistant_tokens: tuple[int, ...] = (2, 4, 6, 8, 12)  # num_assistant_tokens values tried for assisted generation
+    assistant_tokens: tuple[int, ...] = (4, 8)  # num_assistant_tokens values tried for assisted generation (full: 2-12)
     prompt_lookup_tokens: int = 10  # transformers' documented example value
     swiftspec: dict = field(default_factory=dict)  # SwiftSpecConfig overrides (tree_budget=..., draft_depth=...)
     device: str | None = None  # for --pair; None: cuda:0 when there is a GPU, else cpu
@@ -51,6 +57,11 @@ class BenchConfig:
     peak_gbps: float | None = None  # memory bandwidth for the floor; None: measure with a tensor copy
     growth_check_tokens: int = 256  # length of the cache-growth check generation; 0 skips the memory budget
     progress: bool = True
+
+    @classmethod
+    def full(cls, **changes) -> BenchConfig:
+        """The long run (FULL_RUN), with `changes` on top."""
+        return cls(**{**FULL_RUN, **changes})
 
 
 @dataclass
