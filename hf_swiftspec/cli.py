@@ -25,6 +25,16 @@ import torch
 from transformers import GenerationConfig, TextStreamer
 
 from .bench import add_bench_arguments, bench_main
+from .commandline import (
+    THREADS_HELP,
+    TREE_OPTIONS,
+    add_tree_options,
+    default_device,
+    load_pair,
+    progress,
+    set_threads,
+    tree_overrides,
+)
 from .config import SwiftSpecConfig
 from .modeling import SwiftSpecForCausalLM
 from .pair import (
@@ -42,7 +52,6 @@ from .pair import (
 )
 
 DEFAULT_PROMPT = "def read_config(path):\n"
-TREE_OPTIONS = ("tree_budget", "draft_width", "draft_depth")
 
 
 @dataclass(frozen=True)
@@ -53,13 +62,13 @@ class GenerateOptions:
     prompt: str = DEFAULT_PROMPT
     max_new_tokens: int = 128
     do_sample: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float | None = None  # with do_sample only; None: 1.0
+    top_p: float | None = None  # with do_sample only; None: 1.0
     seed: int = 0
     compare: bool = False
     device: str | None = None  # None: cuda:0 when there is a GPU, else cpu
     dtype: str | None = None  # None: float32 on CPU (exact and fast there), the checkpoint's own on GPU
-    threads: int | None = None
+    threads: int | None = None  # None: 1 per worker on CPU, torch's own on GPU (commandline.THREADS_HELP says why)
     placement: str | None = None  # None: the pair's; "serial", "auto", or JSON like {"target": [0], "draft": [1]}
     tree_budget: int | None = None
     draft_width: int | None = None
@@ -78,29 +87,10 @@ class RunStats:
         return self.new_tokens / self.seconds if self.seconds else 0.0
 
 
-def progress(message: str) -> None:
-    print(f"swiftspec: {message}", file=sys.stderr, flush=True)
-
-
 def pair_location(name: str) -> str:
     """A bundled pair's folder (the demo) by its name, else the id or path as given."""
     folder = bundled_pair(name)
     return str(folder) if folder is not None else name
-
-
-def default_device() -> str:
-    return "cuda:0" if torch.cuda.is_available() else "cpu"
-
-
-def load_dtype(options: GenerateOptions, device: str):
-    if options.dtype is None:
-        return torch.float32 if device == "cpu" else "auto"
-    if options.dtype == "auto":
-        return "auto"
-    dtype = getattr(torch, options.dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        raise PairConfigError(f"--dtype {options.dtype!r} is not a torch dtype; use float32, bfloat16, float16 or auto.")
-    return dtype
 
 
 def parse_placement(text: str):
@@ -113,18 +103,25 @@ def parse_placement(text: str):
         raise PairConfigError(f"--placement {text!r} is not valid JSON ({err}); e.g. '{{\"target\": [0], \"draft\": [1]}}'.") from err
 
 
-def load_pair(options: GenerateOptions) -> SwiftSpecForCausalLM:
-    device = options.device or default_device()
-    settings = {name: getattr(options, name) for name in TREE_OPTIONS if getattr(options, name) is not None}
+def check_options(options: GenerateOptions) -> None:
+    """Refuse what generate would otherwise ignore or crash on, before any weights load."""
+    if not options.prompt:
+        raise ValueError("the prompt is empty; give the text to complete, e.g. swiftspec generate 'def f(x):'.")
+    if not options.do_sample:
+        for flag, value in (("--temperature", options.temperature), ("--top-p", options.top_p)):
+            if value is not None:
+                raise ValueError(
+                    f"{flag} {value} only applies when sampling, and this run is greedy (the default); add --sample "
+                    f"to sample with it, or drop {flag}."
+                )
+
+
+def load_generate_pair(options: GenerateOptions, device: str) -> SwiftSpecForCausalLM:
+    settings = tree_overrides(options)
     if options.placement is not None:
         settings["placement"] = parse_placement(options.placement)
     progress(f"loading pair {options.pair!r} on {device}")
-    model = SwiftSpecForCausalLM.from_pretrained(
-        pair_location(options.pair), dtype=load_dtype(options, device), device_map=device, **settings
-    )
-    if model.tokenizer is None:
-        raise PairConfigError(f"The pair {options.pair!r} ships no tokenizer (neither its repo nor its target has one).")
-    return model
+    return load_pair(pair_location(options.pair), options.pair, device, options.dtype, **settings)
 
 
 def check_length(prompt_tokens: int, max_new_tokens: int, context: int | None) -> None:
@@ -138,7 +135,10 @@ def check_length(prompt_tokens: int, max_new_tokens: int, context: int | None) -
 def generation_kwargs(options: GenerateOptions, input_ids: torch.Tensor) -> dict:
     kwargs = dict(max_new_tokens=options.max_new_tokens, do_sample=options.do_sample, attention_mask=torch.ones_like(input_ids))
     if options.do_sample:
-        kwargs.update(temperature=options.temperature, top_p=options.top_p)
+        kwargs.update(
+            temperature=1.0 if options.temperature is None else options.temperature,
+            top_p=1.0 if options.top_p is None else options.top_p,
+        )
     return kwargs
 
 
@@ -169,11 +169,14 @@ def statistics_line(model, run: RunStats, baseline: RunStats | None, identical: 
 
 
 def run_generate(options: GenerateOptions) -> int:
-    if options.threads is not None:
-        torch.set_num_threads(options.threads)
-    model = load_pair(options)
+    check_options(options)
+    device = options.device or default_device()
+    progress(set_threads(options.threads, device))
+    model = load_generate_pair(options, device)
     tokenizer = model.tokenizer
     input_ids = tokenizer(options.prompt, return_tensors="pt").input_ids.to(model.target.device)
+    if input_ids.shape[1] == 0:
+        raise ValueError(f"the prompt {options.prompt!r} is empty after tokenisation; give text to complete.")
     check_length(input_ids.shape[1], options.max_new_tokens, context_length(model.target.config))
     baseline = identical = None
     if options.compare:
@@ -248,17 +251,6 @@ def run_pair_check(args) -> int:
 # ---------------------------------------------------------------- argument parsing
 
 
-def add_tree_options(parser: argparse.ArgumentParser) -> None:
-    defaults = SwiftSpecConfig()
-    for name in TREE_OPTIONS:
-        parser.add_argument(
-            f"--{name.replace('_', '-')}",
-            type=int,
-            default=None,
-            help=f"override the pair's {name} (SwiftSpecConfig default: {getattr(defaults, name)})",
-        )
-
-
 def build_parser() -> argparse.ArgumentParser:
     defaults = GenerateOptions()
     parser = argparse.ArgumentParser(prog="swiftspec", description="Lossless tree speculative decoding (SwiftSpec).")
@@ -272,13 +264,13 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--greedy", dest="do_sample", action="store_false", help="greedy decoding (the default)")
     mode.add_argument("--sample", dest="do_sample", action="store_true", help="sample from the target's distribution")
     gen.set_defaults(do_sample=defaults.do_sample)
-    gen.add_argument("--temperature", type=float, default=defaults.temperature, help="with --sample (default: %(default)s)")
-    gen.add_argument("--top-p", type=float, default=defaults.top_p, help="with --sample (default: %(default)s)")
+    gen.add_argument("--temperature", type=float, default=defaults.temperature, help="with --sample only (default: 1.0)")
+    gen.add_argument("--top-p", type=float, default=defaults.top_p, help="with --sample only (default: 1.0)")
     gen.add_argument("--seed", type=int, default=defaults.seed, help="sampling seed (default: %(default)s)")
     gen.add_argument("--compare", action="store_true", help="also time the target alone and print the speed-up")
     gen.add_argument("--device", default=defaults.device, help="device for both models (default: cuda:0 if present, else cpu)")
     gen.add_argument("--dtype", default=defaults.dtype, help="float32 | bfloat16 | float16 | auto (default: float32 on CPU, auto on GPU)")
-    gen.add_argument("--threads", type=int, default=defaults.threads, help="torch CPU threads (default: torch's choice)")
+    gen.add_argument("--threads", type=int, default=defaults.threads, help=THREADS_HELP)
     gen.add_argument(
         "--placement",
         default=defaults.placement,

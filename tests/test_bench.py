@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from hf_swiftspec import bench
+from hf_swiftspec.bench import methods, prompts
+from hf_swiftspec.cache import TreeCache
 from hf_swiftspec.bench import (
     BenchConfig,
     BenchModels,
@@ -151,7 +153,7 @@ def test_a_method_with_different_tokens_fails_the_run_loudly(tiny_models, tmp_pa
 
 
 def test_async_is_skipped_with_a_note_when_the_placement_does_not_allow_it(tiny_models, monkeypatch):
-    monkeypatch.setattr(bench, "async_placement", lambda target: (None, "skipped: no second GPU for the draft"))
+    monkeypatch.setattr(methods, "async_placement", lambda target: (None, "skipped: no second GPU for the draft"))
     report = run_bench(BenchConfig(
         models=tiny_models, methods=("target", "swiftspec_async"), prompts=("spec_bench",), output_dir=None,
         **{**FAST, "growth_check_tokens": 0},
@@ -161,6 +163,33 @@ def test_async_is_skipped_with_a_note_when_the_placement_does_not_allow_it(tiny_
     assert "no second GPU" in skipped.note and any("no second GPU" in note for note in report.notes)
     assert report.memory is None and report.sets[0].limit is None
     assert "no second GPU" in bench.markdown_report(report)
+
+
+@pytest.mark.parametrize("threads, expected", [(None, 1), (2, 2)])
+def test_the_bench_runs_one_torch_thread_per_worker_on_cpu_unless_told(tiny_models, threads, expected):
+    torch.set_num_threads(2)
+    try:
+        report = run_bench(BenchConfig(
+            models=tiny_models, methods=("target",), prompts=("humaneval",), output_dir=None, threads=threads,
+            **{**FAST, "num_prompts": 1, "growth_check_tokens": 0},
+        ))
+        assert report.environment.threads == torch.get_num_threads() == expected
+        assert f"{expected} torch thread(s) per worker" in bench.markdown_report(report)
+    finally:
+        torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("values", [[0.2, 0.25, 3.0], [0.0, 0.0, 5.0], [1.0], [58.1, 61.9, 60.0]])
+def test_plot_error_bars_span_min_to_max_and_never_go_below_zero(values):
+    """mean ± sd drew whiskers below zero for skewed speed-ups such as the first case."""
+    from hf_swiftspec.bench.measure import spread
+    from hf_swiftspec.bench.report import error_bar
+
+    value = spread(values)
+    height, below, above = error_bar(value)
+    assert below >= 0 and above >= 0 and height - below >= 0
+    assert height - below == pytest.approx(min(values)) and height + above == pytest.approx(max(values))
+    assert error_bar(None) == (0.0, 0.0, 0.0)  # a method missing from a set draws nothing
 
 
 def test_caches_keep_one_buffer_over_a_long_generation(tiny_models):
@@ -179,7 +208,7 @@ def test_caches_keep_one_buffer_over_a_long_generation(tiny_models):
 
 def test_memory_check_notices_a_reallocated_buffer(tiny_models, monkeypatch):
     """The check itself works: a cache that reallocates every commit is caught."""
-    commit = bench.TreeCache.commit
+    commit = TreeCache.commit
 
     def reallocating_commit(self, *args, **kwargs):
         commit(self, *args, **kwargs)
@@ -188,7 +217,7 @@ def test_memory_check_notices_a_reallocated_buffer(tiny_models, monkeypatch):
             for layer in self.layers:
                 layer.keys, layer.values = self.kv[layer.layer_idx, 0], self.kv[layer.layer_idx, 1]
 
-    monkeypatch.setattr(bench.TreeCache, "commit", reallocating_commit)
+    monkeypatch.setattr(TreeCache, "commit", reallocating_commit)
     ids = torch.tensor([[5, 6, 7]])
     budget = memory_budget(tiny_models, {"tree_budget": 6, "draft_width": 4}, ids, 40)
     assert not budget.no_growth and budget.traces[0].buffers > 1
@@ -199,7 +228,7 @@ def test_prompt_loading_reads_the_bundled_sets_and_user_files(tmp_path):
     assert len(humaneval) == 20 and humaneval[0].text.startswith("Complete the code") and humaneval[0].category == "code"
     spec = load_prompts("spec_bench", limit=13)
     assert len({p.category for p in spec}) == 13  # the copy is ordered round-robin over categories
-    assert (bench.PROMPTS_DIR / "LICENSE-EAGLE").is_file() and (bench.PROMPTS_DIR / "LICENSE-Spec-Bench").is_file()
+    assert (prompts.PROMPTS_DIR / "LICENSE-EAGLE").is_file() and (prompts.PROMPTS_DIR / "LICENSE-Spec-Bench").is_file()
 
     mixed = tmp_path / "mine.jsonl"
     mixed.write_text(
@@ -256,6 +285,18 @@ def test_command_line_defaults_are_bench_config_defaults():
     assert config.max_prompt_tokens is None and not config.progress and not config.chat_template
 
 
+def test_the_default_run_is_the_quick_one_and_full_the_long_one():
+    """The defaults finish in minutes on 2 CPU cores; --full restores the long run, and explicit options win."""
+    quick, full = bench_config(build_parser().parse_args([])), bench_config(build_parser().parse_args(["--full"]))
+    assert quick == BenchConfig() and full == BenchConfig.full()
+    assert (full.num_prompts, full.max_new_tokens, full.assistant_tokens) == (8, 128, (2, 4, 6, 8, 12))
+    assert 2 * quick.num_prompts * quick.max_new_tokens <= full.num_prompts * full.max_new_tokens
+    assert len(quick.assistant_tokens) < len(full.assistant_tokens)
+    assert quick.methods == full.methods == bench.METHOD_NAMES  # every method still runs, side by side
+    mixed = bench_config(build_parser().parse_args(["--full", "--num-prompts", "2", "--assistant-tokens", "3"]))
+    assert (mixed.num_prompts, mixed.max_new_tokens, mixed.assistant_tokens) == (2, 128, (3,))
+
+
 def test_bench_main_reports_bad_input_with_exit_status_1(capsys):
     assert bench.bench_main(build_parser().parse_args(["--methods", "assisted"])) == 1
     assert "must include 'target'" in capsys.readouterr().err
@@ -281,7 +322,7 @@ def test_command_runs_a_pair_folder_end_to_end(tmp_path, capsys):
 def test_without_the_demo_pair_an_in_memory_pair_runs_with_a_note(tiny_models, monkeypatch):
     import hf_swiftspec.testing
 
-    monkeypatch.setattr(bench, "bundled_pair", lambda name: None)
+    monkeypatch.setattr(methods, "bundled_pair", lambda name: None)
     monkeypatch.setattr(hf_swiftspec.testing, "agreeing_pair", lambda: (tiny_models.target, tiny_models.draft))
     report = run_bench(BenchConfig(methods=("target",), prompts=("humaneval",), output_dir=None, **FAST))
     assert report.pair.name.startswith("agreeing_pair") and any("demo pair" in note for note in report.notes)

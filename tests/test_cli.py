@@ -40,6 +40,33 @@ def test_sampling_runs(capsys):
     assert statistics(capsys.readouterr().out).startswith("[swiftspec]")
 
 
+@pytest.mark.parametrize("flags, named", [(["--temperature", "0.8"], "--temperature 0.8"), (["--top-p", "0.9"], "--top-p 0.9")])
+def test_sampling_settings_without_sample_are_refused(flags, named, capsys):
+    """They only apply with --sample; a greedy run used to ignore them silently."""
+    assert main(["generate", *flags, *FAST]) == 1
+    captured = capsys.readouterr()
+    assert named in captured.err and "add --sample" in captured.err and captured.out == ""
+
+
+def test_an_empty_prompt_is_refused_before_loading(capsys):
+    """It used to end in an IndexError deep in the engine."""
+    assert main(["generate", "", *FAST]) == 1
+    err = capsys.readouterr().err
+    assert "swiftspec: error: the prompt is empty" in err and "loading pair" not in err
+
+
+def test_generate_runs_one_torch_thread_per_worker_on_cpu_unless_told(capsys):
+    """torch's default (every core for each of target and draft) thrashed a 2-core machine."""
+    torch.set_num_threads(2)
+    try:
+        assert main(["generate", "--max-new-tokens", "4"]) == 0
+        assert torch.get_num_threads() == 1 and "torch threads: 1 per worker" in capsys.readouterr().err
+        assert main(["generate", "--max-new-tokens", "4", "--threads", "2"]) == 0
+        assert torch.get_num_threads() == 2 and "torch threads: 2 per worker (--threads 2)" in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(1)
+
+
 def test_module_entry_point_runs_in_a_fresh_process():
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error"}
     proc = subprocess.run(

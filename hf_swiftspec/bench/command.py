@@ -1,0 +1,325 @@
+"""`run_bench` (the orchestration: every method on every prompt set, interleaved) and the
+`swiftspec bench` command around it."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import sys
+from dataclasses import fields
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from ..commandline import THREADS_HELP, add_tree_options, default_device, progress, set_threads, tree_overrides
+from ..pair import context_length
+from .limits import limit_report, memory_budget, peak_bandwidth
+from .measure import Harness, MemoryProbe, check_identical, counting_forwards, generation_kwargs, method_result, timed_run
+from .methods import Method, build_methods, eos_ignored, load_models, pair_info, swiftspec_settings, tokenizer_for
+from .prompts import BUNDLED_PROMPT_SETS, PromptSet, prepare_prompt_set, prompt_token_limit, truncation_notes
+from .report import markdown_report, write_outputs
+from .schema import (
+    FULL_RUN,
+    METHOD_NAMES,
+    SCHEMA_VERSION,
+    BenchConfig,
+    BenchReport,
+    Environment,
+    MethodResult,
+    OutputMismatchError,
+    PromptRun,
+    SetResult,
+)
+
+
+def check_config(config: BenchConfig) -> None:
+    """Raise ValueError naming the first bad setting and what would be valid."""
+    unknown = [name for name in config.methods if name not in METHOD_NAMES]
+    if unknown:
+        raise ValueError(f"Unknown methods {unknown}; choose from {list(METHOD_NAMES)}, or pass Method objects as extra_methods.")
+    if "target" not in config.methods:
+        raise ValueError(
+            "methods must include 'target': it is the reference of the identical-output check and of every speed-up."
+        )
+    names = [*config.methods, *(m.name for m in config.extra_methods)]
+    if len(set(names)) != len(names):
+        raise ValueError(f"Method names repeat in {names}; give each method once, with a unique name.")
+    for name in ("num_prompts", "max_new_tokens"):
+        if getattr(config, name) < 1:
+            raise ValueError(f"BenchConfig.{name} must be at least 1, got {getattr(config, name)!r}.")
+    for name in ("warmup", "growth_check_tokens"):
+        if getattr(config, name) < 0:
+            raise ValueError(f"BenchConfig.{name} must be 0 or more, got {getattr(config, name)!r}.")
+    if not config.prompts:
+        raise ValueError("BenchConfig.prompts is empty; name at least one bundled set or file.")
+    if not config.assistant_tokens or min(config.assistant_tokens) < 1:
+        raise ValueError(f"BenchConfig.assistant_tokens must be positive ints, got {config.assistant_tokens!r}.")
+    if config.max_prompt_tokens is not None and config.max_prompt_tokens < 1:
+        raise ValueError(f"BenchConfig.max_prompt_tokens must be None or at least 1, got {config.max_prompt_tokens!r}.")
+    if config.peak_gbps is not None and not config.peak_gbps > 0:
+        raise ValueError(f"BenchConfig.peak_gbps must be a positive GB/s figure or None (measure), got {config.peak_gbps!r}.")
+
+
+def rotated(methods: list[Method], shift: int) -> list[Method]:
+    """The methods in turn order for one prompt: each prompt starts one method later."""
+    shift %= len(methods)
+    return methods[shift:] + methods[:shift]
+
+
+def warm_up(methods: list[Method], prompt_set: PromptSet, harness: Harness, bar) -> None:
+    """Untimed calls on the warm-up prompt (first-call costs stay out of every number), then tuning."""
+    ids = prompt_set.warmup_ids
+    kwargs = generation_kwargs(ids, harness.max_new_tokens)
+    for method in methods:
+        bar.set_postfix_str(f"{prompt_set.name}: warm-up {method.name}")
+        for _ in range(harness.warmup):
+            method.generate(ids, **kwargs)
+        if method.tune is not None:
+            bar.set_postfix_str(f"{prompt_set.name}: tuning {method.name}")
+            method.tune(ids, **kwargs)
+
+
+def run_prompt_set(prompt_set: PromptSet, methods: list[Method], skipped: list[MethodResult], order: list[str],
+                   harness: Harness, bar) -> SetResult:
+    """Warm up and tune, then every method on every prompt, interleaved; outputs checked per prompt."""
+    warm_up(methods, prompt_set, harness, bar)
+    runs: dict[str, list[PromptRun]] = {m.name: [] for m in methods}
+    for info, ids in zip(prompt_set.infos, prompt_set.ids):
+        outputs = {}
+        for method in rotated(methods, info.index):
+            bar.set_postfix_str(f"{prompt_set.name} #{info.id}: {method.name}")
+            outputs[method.name], run = timed_run(method, ids, info.index, harness)
+            runs[method.name].append(run)
+            bar.update()
+        check_identical(outputs, prompt_set.name, info)
+        baseline = runs["target"][-1].tokens_per_s
+        for method_runs in runs.values():
+            method_runs[-1].speedup = method_runs[-1].tokens_per_s / baseline if baseline else 0.0
+    results = {m.name: method_result(m, runs[m.name]) for m in methods} | {r.name: r for r in skipped}
+    return SetResult(
+        prompt_set.name, str(prompt_set.source), prompt_set.warmup.id, prompt_set.infos, [results[n] for n in order], None
+    )
+
+
+def device_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    name = platform.processor()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    return f"{device} ({name})" if name else str(device)
+
+
+def environment(device: torch.device, probe: MemoryProbe) -> Environment:
+    import transformers
+
+    from .. import __version__
+
+    return Environment(
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        hf_swiftspec=__version__,
+        transformers=transformers.__version__,
+        torch=torch.__version__,
+        python=platform.python_version(),
+        platform=platform.platform(),
+        device=device_description(device),
+        threads=torch.get_num_threads(),
+        cpu_count=os.cpu_count() or 0,
+        memory_source=probe.source,
+    )
+
+
+def config_record(config: BenchConfig) -> dict:
+    """BenchConfig as results.json states it: everything but the objects (models, extra methods)."""
+    return {f.name: getattr(config, f.name) for f in fields(config) if f.name not in ("models", "extra_methods")}
+
+
+def progress_bar(total: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="swiftspec bench", unit="call", disable=not enabled, file=sys.stderr, leave=False)
+
+
+def run_bench(config: BenchConfig) -> BenchReport:
+    """Run every method on every prompt set; raise OutputMismatchError if any output differs from
+    target.generate's. Writes results.json / results.md / results.png when config.output_dir is set."""
+    check_config(config)
+    where = config.models.target.device if config.models is not None else config.device or default_device()
+    threads = set_threads(config.threads, where)
+    if config.progress:
+        progress(threads, prefix="swiftspec bench")
+    notes: list[str] = []
+    models = load_models(config, notes)
+    tokenizer = tokenizer_for(models, notes)
+    settings = swiftspec_settings(models, config)
+    device = models.target.device
+    context = context_length(models.target.config)
+    prompt_sets = [prepare_prompt_set(source, tokenizer, config, device, context) for source in config.prompts]
+    notes += truncation_notes(prompt_sets, prompt_token_limit(config, context))
+    probe = MemoryProbe.create(device)
+    order = [*config.methods, *(m.name for m in config.extra_methods)]
+    with eos_ignored(models.target, config.ignore_eos):
+        methods, skipped = build_methods(models, config, settings, notes)
+        total = len(methods) * sum(len(ps.ids) for ps in prompt_sets)
+        with counting_forwards(models.target) as forwards, progress_bar(total, config.progress) as bar:
+            harness = Harness(probe, forwards, config.seed, config.warmup, config.max_new_tokens)
+            sets = [run_prompt_set(ps, methods, skipped, order, harness, bar) for ps in prompt_sets]
+        memory = None
+        if config.growth_check_tokens:
+            ids = prompt_sets[0].warmup_ids
+            room = config.growth_check_tokens if context is None else min(config.growth_check_tokens, context - ids.shape[1])
+            memory = memory_budget(models, settings, ids, room)
+            if not memory.no_growth:
+                notes.append("The memory check saw a TreeCache kv buffer reallocated during one generation: a regression.")
+    if {"swiftspec_serial", "swiftspec_async"} & {m.name for m in methods}:
+        gbps, source = peak_bandwidth(config, device)
+        for result in sets:
+            result.limit = limit_report(result, models.target, gbps, source)
+    report = BenchReport(
+        schema_version=SCHEMA_VERSION,
+        environment=environment(device, probe),
+        pair=pair_info(models, settings, tokenizer),
+        config=config_record(config),
+        sets=sets,
+        memory=memory,
+        notes=notes,
+    )
+    if config.output_dir is not None:
+        write_outputs(report, config.output_dir)
+    return report
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of ints (e.g. 2,4,8)") from None
+
+
+def name_list(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `bench` options; defaults come from BenchConfig so the two never drift apart."""
+    d = BenchConfig()
+    parser.add_argument(
+        "--pair", default=d.pair, help="pair repo id or folder (default: the demo pair, else an in-memory test pair)"
+    )
+    parser.add_argument(
+        "--prompts", action="append", default=None, metavar="SET_OR_FILE",
+        help=f"bundled set ({', '.join(BUNDLED_PROMPT_SETS)}) or a JSONL / text file; repeat for several "
+        f"(default: {' '.join(d.prompts)})",
+    )
+    parser.add_argument(
+        "--full", action="store_true",
+        help=f"the long run: {FULL_RUN['num_prompts']} prompts per set, {FULL_RUN['max_new_tokens']} new tokens, "
+        f"num_assistant_tokens tuned over {','.join(map(str, FULL_RUN['assistant_tokens']))}; several times longer "
+        "than the default quick run (options given explicitly still win)",
+    )
+    parser.add_argument(
+        "--num-prompts", type=int, default=None,
+        help=f"timed prompts per set (default: {d.num_prompts}; --full: {FULL_RUN['num_prompts']})",
+    )
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=None,
+        help=f"(default: {d.max_new_tokens}; --full: {FULL_RUN['max_new_tokens']})",
+    )
+    parser.add_argument(
+        "--max-prompt-tokens", type=int, default=d.max_prompt_tokens, help="cut longer prompts; 0: never (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--methods", type=name_list, default=d.methods, help=f"comma-separated subset of {','.join(METHOD_NAMES)} (default: all)"
+    )
+    parser.add_argument(
+        "--assistant-tokens", type=int_list, default=None,
+        help=f"num_assistant_tokens values tried for assisted generation (default: {','.join(map(str, d.assistant_tokens))}; "
+        f"--full: {','.join(map(str, FULL_RUN['assistant_tokens']))})",
+    )
+    parser.add_argument("--prompt-lookup-tokens", type=int, default=d.prompt_lookup_tokens, help="(default: %(default)s)")
+    add_tree_options(parser)
+    parser.add_argument("--seed", type=int, default=d.seed, help="(default: %(default)s)")
+    parser.add_argument(
+        "--warmup", type=int, default=d.warmup, help="untimed calls per method before each set (default: %(default)s)"
+    )
+    parser.add_argument("--out", default=d.output_dir, help="output directory (default: %(default)s)")
+    parser.add_argument("--device", default=d.device, help="device for --pair (default: cuda:0 if present, else cpu)")
+    parser.add_argument(
+        "--dtype", default=d.dtype, help="float32 | bfloat16 | float16 | auto (default: float32 on CPU, auto on GPU)"
+    )
+    parser.add_argument("--threads", type=int, default=d.threads, help=THREADS_HELP)
+    parser.add_argument("--no-chat-template", dest="chat_template", action="store_false", help="feed prompts as plain text")
+    parser.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens on every call")
+    parser.add_argument(
+        "--peak-gbps", type=float, default=d.peak_gbps, help="peak memory bandwidth for the floor (default: measure)"
+    )
+    parser.add_argument(
+        "--growth-check-tokens", type=int, default=d.growth_check_tokens,
+        help="length of the memory-budget generation; 0 skips it (default: %(default)s)",
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def bench_config(args: argparse.Namespace) -> BenchConfig:
+    """BenchConfig from parsed `bench` options: the defaults (or FULL_RUN with --full), then what was given."""
+    given = {name: getattr(args, name) for name in FULL_RUN if getattr(args, name) is not None}
+    sizes = {**(FULL_RUN if args.full else {}), **given}
+    return BenchConfig(
+        **sizes,
+        pair=args.pair,
+        prompts=tuple(args.prompts) if args.prompts else BenchConfig().prompts,
+        max_prompt_tokens=args.max_prompt_tokens or None,
+        methods=tuple(args.methods),
+        seed=args.seed,
+        warmup=args.warmup,
+        output_dir=args.out,
+        prompt_lookup_tokens=args.prompt_lookup_tokens,
+        swiftspec=tree_overrides(args),
+        device=args.device,
+        dtype=args.dtype,
+        threads=args.threads,
+        chat_template=args.chat_template,
+        ignore_eos=args.ignore_eos,
+        peak_gbps=args.peak_gbps,
+        growth_check_tokens=args.growth_check_tokens,
+        progress=not args.quiet,
+    )
+
+
+def bench_main(args: argparse.Namespace) -> int:
+    """`swiftspec bench`: print the Markdown report; 1 on a failed run (differing outputs) or bad input."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the peers' deprecation warnings would break up the progress bar
+    try:
+        config = bench_config(args)
+        report = run_bench(config)
+    except OutputMismatchError as error:
+        print(f"swiftspec bench: FAILED: {error}", file=sys.stderr)
+        return 1
+    except (ValueError, OSError) as error:
+        print(f"swiftspec bench: error: {error}", file=sys.stderr)
+        return 1
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    print(markdown_report(report))
+    if config.output_dir is not None:
+        print(f"swiftspec bench: results in {config.output_dir}/", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __doc__ as overview  # the package's docstring: what the bench runs and writes
+
+    parser = argparse.ArgumentParser(
+        prog="python -m hf_swiftspec.bench", description=overview, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_bench_arguments(parser)
+    return parser

@@ -1,0 +1,243 @@
+"""Measuring one call: wall time, target forwards, peak memory per device (/proc probes on Linux),
+and the identical-output check; then the per-method spreads over prompts."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import resource
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from .schema import MethodResult, OutputMismatchError, PromptInfo, PromptRun, Spread
+
+if TYPE_CHECKING:
+    from .methods import Method
+
+
+MIB = 2**20
+
+
+def generation_kwargs(ids: torch.Tensor, max_new_tokens: int) -> dict:
+    """The same greedy settings for every method; ids (1, L)."""
+    return dict(do_sample=False, max_new_tokens=max_new_tokens, attention_mask=torch.ones_like(ids))
+
+
+def synchronize() -> None:
+    """Wait for queued kernels on every GPU, so a timing covers the work it started."""
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(index)
+
+
+def timed_call(generate: Callable[..., torch.Tensor], ids: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, float]:
+    synchronize()
+    start = time.perf_counter()
+    out = generate(ids, **kwargs)
+    synchronize()
+    return out, time.perf_counter() - start
+
+
+def tokens_per_second(generate: Callable[..., torch.Tensor], ids: torch.Tensor, kwargs: dict) -> float:
+    out, seconds = timed_call(generate, ids, kwargs)
+    return (out.shape[1] - ids.shape[1]) / seconds
+
+
+class ForwardCounter:
+    """Counts forward calls of the module it hooks (the target: one per prefill or verification)."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self, module, args) -> None:
+        self.count += 1
+
+
+@contextlib.contextmanager
+def counting_forwards(model):
+    counter = ForwardCounter()
+    handle = model.register_forward_pre_hook(counter)
+    try:
+        yield counter
+    finally:
+        handle.remove()
+
+
+PROC_STATUS = Path("/proc/self/status")
+CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def proc_status_mib(key: str) -> float | None:
+    """A "VmRSS:   1234 kB" line of /proc/self/status in MiB, or None off Linux."""
+    try:
+        for line in PROC_STATUS.read_text().splitlines():
+            if line.startswith(f"{key}:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def cpu_resident_mib() -> float:
+    resident = proc_status_mib("VmRSS")
+    if resident is not None:
+        return resident
+    import psutil  # accelerate depends on it
+
+    return psutil.Process().memory_info().rss / MIB
+
+
+def cpu_peak_mib() -> float:
+    """The process's RSS high-water mark (since start, or since the last reset_cpu_peak)."""
+    peak = proc_status_mib("VmHWM")
+    if peak is not None:
+        return peak
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return maxrss / MIB if sys.platform == "darwin" else maxrss / 1024  # bytes on macOS, KiB on Linux
+
+
+def reset_cpu_peak() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0: "5" > /proc/self/clear_refs); False where impossible."""
+    try:
+        CLEAR_REFS.write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+@dataclass
+class MemoryProbe:
+    """Peak memory of one call per device: "cpu" is the process RSS high-water mark, "cuda:i" what
+    torch.cuda.max_memory_allocated reports. per_call: the CPU peak is reset before each call
+    (else it is the process's peak since start, and run_memory_mib["cpu"] means little)."""
+
+    cuda_devices: tuple[int, ...]
+    per_call: bool
+
+    @classmethod
+    def create(cls, device: torch.device) -> "MemoryProbe":
+        """With the target on a GPU, every visible GPU is watched (the async draft may sit on another)."""
+        cuda = tuple(range(torch.cuda.device_count())) if device.type == "cuda" else ()
+        return cls(cuda, reset_cpu_peak())
+
+    @property
+    def source(self) -> str:
+        cpu = "process RSS high-water mark, reset before each call" if self.per_call else (
+            "process RSS high-water mark since start (ru_maxrss; cannot be reset here)"
+        )
+        return cpu + ("; torch.cuda.max_memory_allocated per device" if self.cuda_devices else "")
+
+    def start(self) -> dict[str, float]:
+        """Reset the peaks; return what is resident now, per device (MiB)."""
+        if self.per_call:
+            reset_cpu_peak()
+        for index in self.cuda_devices:
+            torch.cuda.reset_peak_memory_stats(index)
+        return {"cpu": cpu_resident_mib(), **{f"cuda:{i}": torch.cuda.memory_allocated(i) / MIB for i in self.cuda_devices}}
+
+    def stop(self, before: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+        """(peak per device, peak minus what was resident at start) in MiB."""
+        peak = {"cpu": cpu_peak_mib(), **{f"cuda:{i}": torch.cuda.max_memory_allocated(i) / MIB for i in self.cuda_devices}}
+        return {k: round(v, 1) for k, v in peak.items()}, {k: round(max(peak[k] - before[k], 0.0), 1) for k in peak}
+
+
+@dataclass
+class Harness:
+    """What every timed call of a run shares."""
+
+    probe: MemoryProbe
+    forwards: ForwardCounter
+    seed: int
+    warmup: int
+    max_new_tokens: int
+
+
+def timed_run(method: Method, ids: torch.Tensor, index: int, harness: Harness) -> tuple[list[int], PromptRun]:
+    """One timed call on prompt `index` (ids (1, L)): its new tokens and its measurements."""
+    torch.manual_seed(harness.seed)
+    before = harness.probe.start()
+    harness.forwards.count = 0
+    out, seconds = timed_call(method.generate, ids, generation_kwargs(ids, harness.max_new_tokens))
+    peak, extra = harness.probe.stop(before)
+    tokens = out[0, ids.shape[1] :].tolist()
+    stats, n, forwards = method.stats(), len(tokens), harness.forwards.count
+    return tokens, PromptRun(
+        prompt=index,
+        seconds=seconds,
+        new_tokens=n,
+        tokens_per_s=n / seconds,
+        speedup=0.0,  # known once target.generate has run on this prompt
+        tau=stats.tau if stats is not None else (n / forwards if forwards else 0.0),
+        target_forwards=forwards,
+        target_forwards_per_token=forwards / n if n else 0.0,
+        target_idle_fraction=stats.target_idle_fraction if stats is not None and stats.engine != "serial" else None,
+        verify_step_ms=1000 * stats.target_time_s / stats.verify_steps if stats is not None and stats.verify_steps else None,
+        peak_memory_mib=peak,
+        run_memory_mib=extra,
+    )
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def check_identical(outputs: dict[str, list[int]], set_name: str, info: PromptInfo) -> None:
+    """Raise OutputMismatchError when any method's greedy tokens differ from target.generate's."""
+    expected = outputs["target"]
+    for name, tokens in outputs.items():
+        if tokens == expected:
+            continue
+        at = first_difference(expected, tokens)
+        got = tokens[at] if at < len(tokens) else "end"
+        want = expected[at] if at < len(expected) else "end"
+        raise OutputMismatchError(
+            f"method {name!r} generated different tokens from target.generate on prompt {info.index} of set {set_name!r} "
+            f"(id {info.id}): first difference at new token {at} (target.generate: {want}, {name}: {got}; "
+            f"{len(expected)} vs {len(tokens)} new tokens). Greedy decoding must reproduce target.generate exactly, so "
+            f"this run is invalid and nothing was written. Reproduce it with --prompts {set_name} --methods target,{name}."
+        )
+
+
+def spread(values) -> Spread | None:
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return Spread(*(round(v, 6) for v in (statistics.mean(values), sd, min(values), max(values))))
+
+
+def largest_per_device(maps: list[dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for entry in maps:
+        for device, value in entry.items():
+            out[device] = max(out.get(device, 0.0), value)
+    return out
+
+
+def method_result(method: Method, runs: list[PromptRun]) -> MethodResult:
+    def metric(name):
+        return spread(getattr(run, name) for run in runs)
+
+    return MethodResult(
+        name=method.name,
+        label=method.label,
+        status="ok",
+        note="",
+        settings=copy.deepcopy(method.settings),
+        tuning=dict(method.tuning),
+        tokens_per_s=metric("tokens_per_s"),
+        speedup=metric("speedup"),
+        tau=metric("tau"),
+        target_forwards_per_token=metric("target_forwards_per_token"),
+        target_idle_fraction=metric("target_idle_fraction"),
+        verify_step_ms=metric("verify_step_ms"),
+        peak_memory_mib=largest_per_device([run.peak_memory_mib for run in runs]),
+        run_memory_mib=largest_per_device([run.run_memory_mib for run in runs]),
+        runs=runs,
+    )

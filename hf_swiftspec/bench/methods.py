@@ -1,0 +1,261 @@
+"""The pair under test and the ways of generating with it that the bench times side by side."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..commandline import load_pair
+from ..config import SwiftSpecConfig
+from ..modeling import SwiftSpecForCausalLM
+from ..pair import DEMO_PAIR_NAME, bundled_pair
+from ..stats import SwiftSpecStats
+from .measure import tokens_per_second
+from .schema import METHOD_LABELS, BenchConfig, MethodResult, PairInfo
+
+SWIFTSPEC_FIELDS = ("tree_budget", "draft_width", "draft_depth", "tree_capacity", "attention", "worker_timeout_s")
+
+
+@dataclass
+class BenchModels:
+    """A pair already in memory. tokenizer: the target's (None: hf_swiftspec.testing's character
+    tokenizer, fine for the random test pairs); settings: SwiftSpecConfig fields (tree_budget, ...)."""
+
+    target: Any
+    draft: Any
+    tokenizer: Any = None
+    name: str = "in-memory pair"
+    settings: dict = field(default_factory=dict)
+
+
+@dataclass
+class Method:
+    """One way of generating, timed side by side with the others.
+
+    generate(input_ids (1, L), **generation_kwargs) -> sequences (1, L + n), like target.generate.
+    stats: the SwiftSpecStats of the last call, for tree speculation (None otherwise).
+    tune(input_ids, **generation_kwargs): run once per prompt set on the warm-up prompt, before
+        timing; may change `settings` (assisted generation picks num_assistant_tokens there).
+    tuning: what tune measured, e.g. tokens/s per value tried.
+    """
+
+    name: str
+    label: str
+    generate: Callable[..., torch.Tensor]
+    stats: Callable[[], SwiftSpecStats | None] = lambda: None
+    settings: dict = field(default_factory=dict)
+    tune: Callable[..., None] | None = None
+    tuning: dict = field(default_factory=dict)
+
+
+def load_models(config: BenchConfig, notes: list[str]) -> BenchModels:
+    """The pair to measure: config.models, else config.pair, else the demo pair, else agreeing_pair()."""
+    if config.models is not None:
+        return config.models
+    location = config.pair
+    if location is None:
+        demo = bundled_pair(DEMO_PAIR_NAME)
+        if demo is None:
+            return fallback_pair(notes)
+        location = str(demo)
+    model = load_pair(location, config.pair or DEMO_PAIR_NAME, config.device, config.dtype)
+    settings = {name: getattr(model.config, name) for name in SWIFTSPEC_FIELDS}
+    return BenchModels(model.target, model.draft, model.tokenizer, config.pair or DEMO_PAIR_NAME, settings)
+
+
+def fallback_pair(notes: list[str]) -> BenchModels:
+    from ..testing import agreeing_pair, char_tokenizer
+
+    notes.append(
+        f"The demo pair {DEMO_PAIR_NAME!r} was not found in model_cards/, so this run used the in-memory "
+        "hf_swiftspec.testing.agreeing_pair() (random weights, character tokenizer): its speed-ups show the "
+        "machinery, not a real model's. Pass --pair PATH to measure a real pair."
+    )
+    target, draft = agreeing_pair()
+    return BenchModels(target, draft, char_tokenizer(), "agreeing_pair (in-memory, random weights)")
+
+
+def tokenizer_for(models: BenchModels, notes: list[str]):
+    if models.tokenizer is not None:
+        return models.tokenizer
+    from ..testing import CHAR_SPECIALS, char_tokenizer
+
+    vocab = models.target.config.get_text_config().vocab_size
+    if vocab < len(CHAR_SPECIALS) + 95:
+        raise ValueError(
+            f"The pair has no tokenizer and its vocabulary ({vocab}) is too small for the character tokenizer; "
+            "pass BenchModels(tokenizer=...)."
+        )
+    notes.append("The pair has no tokenizer; prompts were encoded with hf_swiftspec.testing.char_tokenizer().")
+    return char_tokenizer()
+
+
+def swiftspec_settings(models: BenchModels, config: BenchConfig) -> dict:
+    """The pair's own SwiftSpecConfig fields, overridden by config.swiftspec; checked by SwiftSpecConfig."""
+    settings = {**models.settings, **config.swiftspec}
+    unknown = sorted(set(settings) - set(SWIFTSPEC_FIELDS))
+    if unknown:
+        raise ValueError(f"Unknown swiftspec settings {unknown}; use {list(SWIFTSPEC_FIELDS)}.")
+    SwiftSpecConfig(**settings)  # raises, naming the bad value
+    return settings
+
+
+def pair_info(models: BenchModels, settings: dict, tokenizer) -> PairInfo:
+    target, draft = models.target, models.draft
+    return PairInfo(
+        name=models.name,
+        target=target.name_or_path or type(target).__name__,
+        draft=draft.name_or_path or type(draft).__name__,
+        target_params_m=round(sum(p.numel() for p in target.parameters()) / 1e6, 2),
+        draft_params_m=round(sum(p.numel() for p in draft.parameters()) / 1e6, 2),
+        dtype=str(target.dtype).removeprefix("torch."),
+        target_device=str(target.device),
+        draft_device=str(draft.device),
+        tokenizer=getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__,
+        settings=resolved_settings(settings),
+    )
+
+
+def resolved_settings(settings: dict) -> dict:
+    """Every SwiftSpecConfig field the methods use, defaults included, as the report states them."""
+    resolved = SwiftSpecConfig(**settings)
+    return {name: getattr(resolved, name) for name in SWIFTSPEC_FIELDS}
+
+
+@contextlib.contextmanager
+def assistant_settings(draft, num_assistant_tokens: int):
+    """Give the draft a fixed number of tokens per assisted step, then its own generation config
+    back: transformers keeps adapted values on it between calls, which would leak across methods."""
+    original = draft.generation_config
+    tuned = copy.deepcopy(original)
+    tuned.num_assistant_tokens = num_assistant_tokens
+    tuned.num_assistant_tokens_schedule = "constant"
+    draft.generation_config = tuned
+    try:
+        yield
+    finally:
+        draft.generation_config = original
+
+
+def target_method(target) -> Method:
+    return Method("target", METHOD_LABELS["target"], lambda ids, **kwargs: target.generate(ids, **kwargs))
+
+
+def assisted_method(target, draft, candidates: tuple[int, ...]) -> Method:
+    """transformers assisted generation; tune() keeps the fastest num_assistant_tokens on the warm-up prompt."""
+    settings = {"num_assistant_tokens": max(candidates), "num_assistant_tokens_schedule": "constant"}
+    tuning: dict[str, float] = {}
+
+    def generate(ids, **kwargs):
+        with assistant_settings(draft, settings["num_assistant_tokens"]):
+            return target.generate(ids, assistant_model=draft, **kwargs)
+
+    def tune(ids, **kwargs):
+        tuning.clear()
+        for n in candidates:
+            settings["num_assistant_tokens"] = n
+            tuning[str(n)] = round(tokens_per_second(generate, ids, kwargs), 3)
+        settings["num_assistant_tokens"] = int(max(tuning, key=lambda n: (tuning[n], -int(n))))
+
+    return Method("assisted", METHOD_LABELS["assisted"], generate, settings=settings, tune=tune, tuning=tuning)
+
+
+def prompt_lookup_method(target, num_tokens: int) -> Method:
+    def generate(ids, **kwargs):
+        return target.generate(ids, prompt_lookup_num_tokens=num_tokens, **kwargs)
+
+    return Method("prompt_lookup", METHOD_LABELS["prompt_lookup"], generate, settings={"prompt_lookup_num_tokens": num_tokens})
+
+
+def swiftspec_method(name: str, model: SwiftSpecForCausalLM, seed: int) -> Method:
+    def generate(ids, **kwargs):
+        model.swiftspec_stats = None  # a failed call must not leave the previous call's stats behind
+        generator = torch.Generator(device=model.target.device).manual_seed(seed)
+        return model.generate(ids, swiftspec=True, generator=generator, **kwargs)
+
+    placement = model.placement
+    where = str(model.target.device) if placement.mode == "serial" else (
+        f"{placement.mode}: target {placement.target[0]}, draft {placement.draft[0]}"
+    )
+    return Method(name, METHOD_LABELS[name], generate, stats=lambda: model.swiftspec_stats, settings={"placement": where})
+
+
+def async_placement(target) -> tuple[dict | None, str]:
+    """Where the asynchronous engine can put the draft beside the target in this process, or why it cannot."""
+    device = target.device
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return None, (
+            "skipped: under torchrun every rank would run the whole bench; time the asynchronous engine across ranks "
+            "with examples/torchrun_generate.py"
+        )
+    if device.type == "cpu":
+        return {"target": ["cpu"], "draft": ["cpu"]}, "the draft runs in a second CPU thread"
+    spare = [i for i in range(torch.cuda.device_count()) if i != (device.index or 0)] if device.type == "cuda" else []
+    if spare:
+        return {"target": [device.index or 0], "draft": [spare[-1]]}, f"the draft runs on cuda:{spare[-1]}"
+    return None, (
+        f"skipped: the target is on {device} and there is no second GPU for the draft (the asynchronous engine "
+        "needs the draft on its own device, or its own rank under torchrun)"
+    )
+
+
+def skipped_result(name: str, note: str) -> MethodResult:
+    return MethodResult(
+        name, METHOD_LABELS.get(name, name), "skipped", note, {}, {}, None, None, None, None, None, None, {}, {}, []
+    )
+
+
+def async_method(models: BenchModels, settings: dict, seed: int, notes: list[str]) -> Method | MethodResult:
+    """swiftspec_async, or a skipped result saying why the placement does not allow it."""
+    spec, note = async_placement(models.target)
+    if spec is None:
+        notes.append(f"swiftspec_async {note}.")
+        return skipped_result("swiftspec_async", note)
+    draft = models.draft
+    if torch.device(spec["draft"][0]) != draft.device:
+        draft = copy.deepcopy(draft)  # the other methods keep the draft beside the target
+    try:
+        model = SwiftSpecForCausalLM.from_models(models.target, draft, placement=spec, **settings)
+    except ValueError as error:
+        notes.append(f"swiftspec_async skipped: {error}")
+        return skipped_result("swiftspec_async", f"skipped: {error}")
+    if models.target.device.type == "cpu":
+        notes.append(
+            f"swiftspec_async: {note}, so it uses a second core while every other method computes on "
+            f"{torch.get_num_threads()} torch thread(s)."
+        )
+    method = swiftspec_method("swiftspec_async", model, seed)
+    method.settings["note"] = note
+    return method
+
+
+def build_methods(models: BenchModels, config: BenchConfig, settings: dict, notes: list[str]):
+    """(methods to run, results of methods skipped) in config.methods order, then config.extra_methods."""
+    target, draft = models.target, models.draft
+    builders = {
+        "target": lambda: target_method(target),
+        "assisted": lambda: assisted_method(target, draft, config.assistant_tokens),
+        "prompt_lookup": lambda: prompt_lookup_method(target, config.prompt_lookup_tokens),
+        "swiftspec_serial": lambda: swiftspec_method(
+            "swiftspec_serial", SwiftSpecForCausalLM.from_models(target, draft, **settings), config.seed
+        ),
+        "swiftspec_async": lambda: async_method(models, settings, config.seed, notes),
+    }
+    built = [builders[name]() for name in config.methods] + list(config.extra_methods)
+    return [m for m in built if isinstance(m, Method)], [m for m in built if isinstance(m, MethodResult)]
+
+
+@contextlib.contextmanager
+def eos_ignored(model, ignore: bool):
+    """With ignore, every call runs to max_new_tokens; the swiftspec wrappers share this generation config."""
+    saved = model.generation_config.eos_token_id
+    if ignore:
+        model.generation_config.eos_token_id = None
+    try:
+        yield
+    finally:
+        model.generation_config.eos_token_id = saved

@@ -1,0 +1,259 @@
+"""The results.json schema: `BenchReport` and the dataclasses it holds, and `BenchConfig`, the run's
+settings as results.json records them. Keys only change with SCHEMA_VERSION (and the README's list).
+
+Units are in the names: *_mib are MiB (2**20 bytes: memory); weight_mb / kv_mb are MB (10**6 bytes,
+to divide by peak_gbps in 10**9 bytes/s); *_ms milliseconds; *_s seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .methods import BenchModels, Method
+
+
+SCHEMA_VERSION = 1
+METHOD_NAMES = ("target", "assisted", "prompt_lookup", "swiftspec_serial", "swiftspec_async")
+METHOD_LABELS = {
+    "target": "target.generate",
+    "assisted": "assisted generation",
+    "prompt_lookup": "prompt lookup",
+    "swiftspec_serial": "swiftspec serial",
+    "swiftspec_async": "swiftspec async",
+}
+
+
+# `swiftspec bench --full` / BenchConfig.full(): the long run, with enough prompts and tokens for
+# stable means and a finer num_assistant_tokens search; several times the default run's work.
+FULL_RUN = {"num_prompts": 8, "max_new_tokens": 128, "assistant_tokens": (2, 4, 6, 8, 12)}
+
+
+@dataclass
+class BenchConfig:
+    """What `run_bench` measures. The command line takes its defaults from here. The defaults are a
+    quick run (about two minutes for the demo pair on 2 CPU cores); BenchConfig.full() is the long one."""
+
+    pair: str | None = None  # pair repo id or folder; None: the bundled demo pair, else an in-memory agreeing_pair()
+    models: BenchModels | None = None  # a pair in memory; wins over `pair`
+    prompts: tuple[str, ...] = ("humaneval", "spec_bench")  # bundled set names or JSONL / text files
+    num_prompts: int = 4  # timed prompts per set (full: 8); the set's first prompt is the warm-up prompt
+    max_new_tokens: int = 64  # (full: 128)
+    max_prompt_tokens: int | None = 256  # cut longer prompts (CNN/DM, RAG articles) so runs stay comparable; None: never
+    methods: tuple[str, ...] = METHOD_NAMES
+    extra_methods: tuple[Method, ...] = ()  # your own methods, checked and timed like the built-in ones
+    seed: int = 0
+    warmup: int = 1  # untimed calls per method on the warm-up prompt before each set
+    output_dir: str | None = "bench_results"  # None: return the report without writing files
+    assistant_tokens: tuple[int, ...] = (4, 8)  # num_assistant_tokens values tried for assisted generation (full: 2-12)
+    prompt_lookup_tokens: int = 10  # transformers' documented example value
+    swiftspec: dict = field(default_factory=dict)  # SwiftSpecConfig overrides (tree_budget=..., draft_depth=...)
+    device: str | None = None  # for --pair; None: cuda:0 when there is a GPU, else cpu
+    dtype: str | None = None  # for --pair; None: float32 on CPU, the checkpoint's own on GPU
+    threads: int | None = None  # torch CPU threads per worker; None: 1 on CPU, torch's own on GPU
+    chat_template: bool = True  # wrap prompts in the tokenizer's chat template when it has one
+    ignore_eos: bool = False  # generate exactly max_new_tokens on every call
+    peak_gbps: float | None = None  # memory bandwidth for the floor; None: measure with a tensor copy
+    growth_check_tokens: int = 256  # length of the cache-growth check generation; 0 skips the memory budget
+    progress: bool = True
+
+    @classmethod
+    def full(cls, **changes) -> BenchConfig:
+        """The long run (FULL_RUN), with `changes` on top."""
+        return cls(**{**FULL_RUN, **changes})
+
+
+@dataclass
+class Spread:
+    """A metric over the timed prompts: mean, sample standard deviation (0 for one prompt), min, max."""
+
+    mean: float
+    sd: float
+    min: float
+    max: float
+
+
+@dataclass
+class PromptInfo:
+    """One timed prompt of a set."""
+
+    index: int  # position among the timed prompts, as in PromptRun.prompt
+    id: str  # the record's question_id, else its line number in the file
+    category: str
+    prompt_tokens: int  # after the chat template and truncation
+    truncated: bool  # cut to max_prompt_tokens
+
+
+@dataclass
+class PromptRun:
+    """One timed call of one method on one prompt."""
+
+    prompt: int  # PromptInfo.index
+    seconds: float  # wall time of the generate() call
+    new_tokens: int
+    tokens_per_s: float
+    speedup: float  # tokens_per_s over target.generate's on the same prompt
+    tau: float  # new tokens per target verification (see MethodResult.tau)
+    target_forwards: int  # target forward calls, prefill included
+    target_forwards_per_token: float
+    target_idle_fraction: float | None  # async tree speculation only
+    verify_step_ms: float | None  # mean target verification step, tree speculation only
+    peak_memory_mib: dict[str, float]  # device -> peak during the call ("cpu": process RSS)
+    run_memory_mib: dict[str, float]  # device -> peak minus what was resident before the call
+
+
+@dataclass
+class MethodResult:
+    """One method over one prompt set. Metrics are None where they do not apply, and for a skipped method.
+
+    tau: swiftspec: SwiftSpecStats.tau (tokens per tree verification, prefill excluded); the
+        transformers methods: new tokens per target forward (their first forward prefills and
+        verifies at once); target.generate: 1.
+    peak_memory_mib / run_memory_mib: the largest PromptRun values over the prompts.
+    tuning: what was measured to pick `settings` (assisted: tokens/s per num_assistant_tokens).
+    """
+
+    name: str
+    label: str
+    status: str  # "ok" or "skipped"
+    note: str
+    settings: dict
+    tuning: dict
+    tokens_per_s: Spread | None
+    speedup: Spread | None
+    tau: Spread | None
+    target_forwards_per_token: Spread | None
+    target_idle_fraction: Spread | None
+    verify_step_ms: Spread | None
+    peak_memory_mib: dict[str, float]
+    run_memory_mib: dict[str, float]
+    runs: list[PromptRun]
+
+
+@dataclass
+class LimitReport:
+    """How close one target verification step is to the memory-bandwidth floor on this device.
+
+    floor = (weights read + KV read) / peak bandwidth: a batch-1 step streams every weight once
+    (an untied input embedding only for its few rows) and the KV of the whole context.
+    """
+
+    method: str  # the swiftspec method whose steps were measured
+    device: str
+    peak_gbps: float
+    peak_source: str  # "given" or how it was measured
+    weight_mb: float
+    kv_mb: float  # at context_tokens
+    context_tokens: float  # mean context of a step: prompt + half the new tokens
+    floor_ms: float
+    verify_step_ms: float  # measured mean tree verification step
+    verify_over_floor: float
+    target_step_ms: float  # target.generate's mean time per token, for comparison
+    target_step_over_floor: float
+    tau: float
+    ceiling_tokens_per_s: float  # tau / floor
+    tokens_per_s: float  # what the method measured
+
+
+@dataclass
+class CacheTrace:
+    """What one model's TreeCache looked like across the forwards of one generation."""
+
+    role: str  # "target" or "draft"
+    forwards: int
+    caches: int  # distinct TreeCache objects seen (1: one per generation)
+    buffers: int  # distinct kv buffers (data pointer and shape) seen (1: never reallocated)
+    shape: list[int]  # (layers, 2, batch, kv heads, capacity, head dim)
+    capacity: int
+    max_length: int  # most positions ever in use
+    max_tree_slots: int  # most tree-region positions ever in use
+    mib: float  # size of the kv buffer
+
+
+@dataclass
+class MemoryBudget:
+    """SwiftSpec's memory over target.generate alone, for one generation of context_tokens.
+
+    extra_mib = draft weights + draft TreeCache + token tree + (target TreeCache - the target's own
+    KV for the same context). The target cache may exceed its own KV by the tree budget only and
+    the draft's tree region stays within tree_capacity; no_growth: no kv buffer was reallocated
+    and each model used one cache for the whole generation.
+    """
+
+    context_tokens: int  # prompt + new tokens of the checked generation
+    target_weights_mib: float
+    draft_weights_mib: float
+    target_kv_mib: float  # the target's own KV cache for the same context (what target.generate holds)
+    target_tree_cache_mib: float
+    draft_tree_cache_mib: float
+    token_tree_mib: float
+    extra_mib: float
+    target_extra_slots: int  # target TreeCache capacity - context
+    tree_budget: int
+    draft_extra_slots: int  # draft TreeCache capacity - context
+    tree_capacity: int
+    within_tree_region: bool
+    no_growth: bool
+    traces: list[CacheTrace]
+
+
+@dataclass
+class SetResult:
+    """All methods on one prompt set."""
+
+    name: str
+    source: str  # the file the prompts came from
+    warmup_prompt: str  # id of the untimed warm-up / tuning prompt
+    prompts: list[PromptInfo]
+    methods: list[MethodResult]
+    limit: LimitReport | None
+
+
+@dataclass
+class PairInfo:
+    name: str
+    target: str
+    draft: str
+    target_params_m: float
+    draft_params_m: float
+    dtype: str
+    target_device: str
+    draft_device: str
+    tokenizer: str
+    settings: dict  # SwiftSpecConfig fields the swiftspec methods ran with
+
+
+@dataclass
+class Environment:
+    created: str  # UTC, ISO 8601
+    hf_swiftspec: str
+    transformers: str
+    torch: str
+    python: str
+    platform: str
+    device: str  # the target's device and what it is
+    threads: int  # torch CPU threads per worker
+    cpu_count: int
+    memory_source: str  # how peak memory was measured
+
+
+@dataclass
+class BenchReport:
+    """results.json. Keys only change with SCHEMA_VERSION.
+
+    Units are in the names: *_mib are MiB (2**20 bytes: memory); weight_mb / kv_mb are MB (10**6
+    bytes, to divide by peak_gbps in 10**9 bytes/s); *_ms milliseconds; *_s seconds.
+    """
+
+    schema_version: int
+    environment: Environment
+    pair: PairInfo
+    config: dict  # BenchConfig without models / extra_methods
+    sets: list[SetResult]
+    memory: MemoryBudget | None
+    notes: list[str]
+
+
+class OutputMismatchError(RuntimeError):
+    """A method's greedy tokens differ from target.generate's: the run is invalid."""
