@@ -47,11 +47,13 @@ PROMPT_KEYS = {"index", "id", "category", "prompt_tokens", "truncated"}
 METHOD_KEYS = {
     "name", "label", "status", "note", "settings", "tuning", "tokens_per_s", "speedup", "tau",
     "target_forwards_per_token", "target_idle_fraction", "verify_step_ms", "peak_memory_mib", "run_memory_mib", "runs",
+    "tree_budget", "draft_expansions", "plain_fraction", "ngram_share",
 }
 SPREAD_KEYS = {"mean", "sd", "min", "max"}
 RUN_KEYS = {
     "prompt", "seconds", "new_tokens", "tokens_per_s", "speedup", "tau", "target_forwards",
     "target_forwards_per_token", "target_idle_fraction", "verify_step_ms", "peak_memory_mib", "run_memory_mib",
+    "tree_budget", "draft_expansions", "plain_fraction", "ngram_share",
 }
 LIMIT_KEYS = {
     "method", "device", "peak_gbps", "peak_source", "weight_mb", "kv_mb", "context_tokens", "floor_ms",
@@ -91,6 +93,7 @@ def test_runs_every_method_on_every_set_and_writes_the_results(finished):
         assert by_name["target"].speedup.mean == 1.0
         assert by_name["swiftspec_async"].target_idle_fraction is not None
         assert by_name["swiftspec_serial"].target_idle_fraction is None
+        assert by_name["swiftspec_serial"].tree_budget.min >= 1 and by_name["target"].tree_budget is None  # the policy's choices
         assert by_name["assisted"].settings["num_assistant_tokens"] in (2, 4)
         assert set(by_name["assisted"].tuning) == {"2", "4"}
         assert result.limit is not None and result.limit.peak_source == "given"
@@ -104,7 +107,7 @@ def test_runs_every_method_on_every_set_and_writes_the_results(finished):
 def test_results_json_has_exactly_the_documented_keys(finished):
     _, out = finished
     data = json.loads((out / "results.json").read_text())
-    assert set(data) == REPORT_KEYS and data["schema_version"] == bench.SCHEMA_VERSION == 1
+    assert set(data) == REPORT_KEYS and data["schema_version"] == bench.SCHEMA_VERSION == 2
     assert set(data["environment"]) == ENVIRONMENT_KEYS
     assert set(data["pair"]) == PAIR_KEYS
     assert set(data["config"]) == CONFIG_KEYS

@@ -15,6 +15,7 @@ import torch
 
 from ..cache import TreeCache
 from ..modeling import SwiftSpecForCausalLM
+from ..policy import MAX_BUDGET
 from ..tree import new_tree
 from .measure import MIB, generation_kwargs, synchronize
 from .schema import BenchConfig, CacheTrace, LimitReport, MemoryBudget, SetResult
@@ -187,10 +188,10 @@ def memory_budget(models: BenchModels, settings: dict, ids: torch.Tensor, new_to
         token_tree_mib=round(tree, 3),
         extra_mib=round(draft_weights + draft.mib + tree + target.mib - target_kv, 3),
         target_extra_slots=target_extra,
-        tree_budget=config.tree_budget,
+        tree_budget=config.tree_budget or MAX_BUDGET,  # None: the policy's largest tree
         draft_extra_slots=draft_extra,
         tree_capacity=config.tree_capacity,
-        within_tree_region=target_extra <= config.tree_budget and draft.max_tree_slots <= config.tree_capacity,
+        within_tree_region=target_extra <= (config.tree_budget or MAX_BUDGET) and draft.max_tree_slots <= config.tree_capacity,
         no_growth=all(t.caches == 1 and t.buffers == 1 for t in (target, draft)),
         traces=[target, draft],
     )

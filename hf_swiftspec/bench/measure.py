@@ -178,8 +178,22 @@ def timed_run(method: Method, ids: torch.Tensor, index: int, harness: Harness) -
         target_forwards_per_token=forwards / n if n else 0.0,
         target_idle_fraction=stats.target_idle_fraction if stats is not None and stats.engine != "serial" else None,
         verify_step_ms=1000 * stats.target_time_s / stats.verify_steps if stats is not None and stats.verify_steps else None,
+        **policy_choices(stats),
         peak_memory_mib=peak,
         run_memory_mib=extra,
+    )
+
+
+def policy_choices(stats) -> dict:
+    """What the goodput policy chose in one swiftspec call (all None for the other methods)."""
+    rounds = stats.rounds if stats is not None else []
+    if not rounds:
+        return dict(tree_budget=None, draft_expansions=None, plain_fraction=None, ngram_share=None)
+    return dict(
+        tree_budget=stats.mean_tree_budget,
+        draft_expansions=sum(r.expansions for r in rounds) / len(rounds),
+        plain_fraction=stats.plain_rounds / len(rounds),
+        ngram_share=stats.ngram_share,
     )
 
 
@@ -237,6 +251,10 @@ def method_result(method: Method, runs: list[PromptRun]) -> MethodResult:
         target_forwards_per_token=metric("target_forwards_per_token"),
         target_idle_fraction=metric("target_idle_fraction"),
         verify_step_ms=metric("verify_step_ms"),
+        tree_budget=metric("tree_budget"),
+        draft_expansions=metric("draft_expansions"),
+        plain_fraction=metric("plain_fraction"),
+        ngram_share=metric("ngram_share"),
         peak_memory_mib=largest_per_device([run.peak_memory_mib for run in runs]),
         run_memory_mib=largest_per_device([run.run_memory_mib for run in runs]),
         runs=runs,

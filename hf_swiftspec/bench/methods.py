@@ -17,7 +17,9 @@ from ..stats import SwiftSpecStats
 from .measure import tokens_per_second
 from .schema import METHOD_LABELS, BenchConfig, MethodResult, PairInfo
 
-SWIFTSPEC_FIELDS = ("tree_budget", "draft_width", "draft_depth", "tree_capacity", "attention", "worker_timeout_s")
+SWIFTSPEC_FIELDS = (
+    "tree_budget", "draft_width", "draft_depth", "ngram_size", "tree_capacity", "attention", "worker_timeout_s"
+)
 
 
 @dataclass
@@ -205,7 +207,7 @@ def async_placement(target) -> tuple[dict | None, str]:
 
 def skipped_result(name: str, note: str) -> MethodResult:
     return MethodResult(
-        name, METHOD_LABELS.get(name, name), "skipped", note, {}, {}, None, None, None, None, None, None, {}, {}, []
+        name, METHOD_LABELS.get(name, name), "skipped", note, {}, {}, *([None] * 10), {}, {}, []
     )
 
 

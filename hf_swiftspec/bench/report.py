@@ -30,10 +30,20 @@ def memory_text(peak: dict[str, float], run: dict[str, float]) -> str:
     return "; ".join(f"{device} {peak[device]:.0f} (+{run.get(device, 0.0):.0f})" for device in peak) or "–"
 
 
+def policy_text(m: MethodResult) -> str:
+    """The goodput policy's mean choices for a swiftspec method ("–" for the others)."""
+    if m.tree_budget is None:
+        return "–"
+    return (
+        f"{m.tree_budget.mean:.1f} / {m.draft_expansions.mean:.1f}, {100 * m.plain_fraction.mean:.0f}%, "
+        f"{100 * m.ngram_share.mean:.0f}%"
+    )
+
+
 def method_table(methods: list[MethodResult]) -> list[str]:
     lines = [
-        "| method | settings | tokens/s | speed-up | τ | target fwd / token | target idle | peak MiB (+ during call) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| method | settings | tokens/s | speed-up | τ | target fwd / token | target idle | policy: T / draft fwd per round, plain rounds, n-gram share | peak MiB (+ during call) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for m in methods:
         idle = None if m.target_idle_fraction is None else Spread(
@@ -41,7 +51,8 @@ def method_table(methods: list[MethodResult]) -> list[str]:
         )
         lines.append(
             f"| {m.label} | {settings_text(m)} | {fmt(m.tokens_per_s, 1)} | {fmt(m.speedup, 2, '×')} | {fmt(m.tau)} | "
-            f"{fmt(m.target_forwards_per_token)} | {fmt(idle, 0, '%')} | {memory_text(m.peak_memory_mib, m.run_memory_mib)} |"
+            f"{fmt(m.target_forwards_per_token)} | {fmt(idle, 0, '%')} | {policy_text(m)} | "
+            f"{memory_text(m.peak_memory_mib, m.run_memory_mib)} |"
         )
     return lines
 

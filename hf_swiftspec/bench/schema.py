@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from .methods import BenchModels, Method
 
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 METHOD_NAMES = ("target", "assisted", "prompt_lookup", "swiftspec_serial", "swiftspec_async")
 METHOD_LABELS = {
     "target": "target.generate",
@@ -99,6 +99,10 @@ class PromptRun:
     target_forwards_per_token: float
     target_idle_fraction: float | None  # async tree speculation only
     verify_step_ms: float | None  # mean target verification step, tree speculation only
+    tree_budget: float | None  # swiftspec: mean nodes verified per round (the policy's T)
+    draft_expansions: float | None  # swiftspec: mean draft forwards per round
+    plain_fraction: float | None  # swiftspec: share of rounds decoded plainly (T = 1)
+    ngram_share: float | None  # swiftspec: share of accepted proposals from the n-gram chain
     peak_memory_mib: dict[str, float]  # device -> peak during the call ("cpu": process RSS)
     run_memory_mib: dict[str, float]  # device -> peak minus what was resident before the call
 
@@ -126,6 +130,10 @@ class MethodResult:
     target_forwards_per_token: Spread | None
     target_idle_fraction: Spread | None
     verify_step_ms: Spread | None
+    tree_budget: Spread | None
+    draft_expansions: Spread | None
+    plain_fraction: Spread | None
+    ngram_share: Spread | None
     peak_memory_mib: dict[str, float]
     run_memory_mib: dict[str, float]
     runs: list[PromptRun]
