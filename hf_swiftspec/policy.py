@@ -159,7 +159,7 @@ class GoodputPolicy:
     def start_round(self) -> bool:
         """Begin a round; returns whether it probes (forced expansions, the largest tree)."""
         self.rounds += 1
-        self.probing = self.rounds == 2 or self.rounds % self.probe_every == 0
+        self.probing = self.rounds == 3 or self.rounds % self.probe_every == 0
         return self.probing
 
     def draft_probs(self, scores: torch.Tensor) -> torch.Tensor:
@@ -196,8 +196,10 @@ class GoodputPolicy:
             return done < self.draft_depth
         if done >= self.max_depth:
             return False
-        if probing or self.costs.expand_s is None:
+        if probing:
             return done < self.probe_depth
+        if self.costs.expand_s is None or not self.costs.verify_s:
+            return done < 2  # the first round: measure
         T, now = self.best_budget(probs, spent_s)
         expected = self.expected_tokens(probs)[T - 1] + self.gains[done]
         then = expected / (spent_s + self.costs.expand_s + self.costs.verify_times(T)[T - 1])
