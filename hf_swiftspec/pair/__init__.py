@@ -1,0 +1,83 @@
+"""Pair repos: find one, check that its two models can speculate together, and write one.
+
+    locate     where a pair and its members are (folder, bundled pair, Hub id); pinning revisions
+    tokenizer  the pair's tokenizer, read from a member or pair folder
+    checks     compatibility of the two models: architecture, vocabularies, special tokens, context
+    cards      the README.md model card: rendering and validation
+    repo       the pair's config.json; reading, checking and writing a whole pair repo
+"""
+
+from .cards import LIBRARY_NAME, PairCard, default_card, read_card_metadata, render_card, validate_card
+from .checks import (
+    SUPPORTED_MODEL_TYPES,
+    check_architecture,
+    check_compatibility,
+    check_context_lengths,
+    check_special_tokens,
+    check_token_mapping,
+    check_vocabularies,
+    context_length,
+    vocab_size,
+)
+from .errors import PairConfigError
+from .locate import (
+    DEMO_PAIR_NAME,
+    ROLES,
+    HubOptions,
+    PairMember,
+    bundled_pair,
+    bundled_pairs_dir,
+    current_commit,
+    pair_members,
+    pinned,
+    relocated,
+    resolve_pair_folder,
+)
+from .repo import (
+    ResolvedPair,
+    check_pair_files,
+    load_pair_config,
+    pair_settings,
+    pop_pair_settings,
+    resolve_pair,
+    write_pair_repo,
+)
+from .tokenizer import load_tokenizer
+
+__all__ = [
+    "DEMO_PAIR_NAME",
+    "LIBRARY_NAME",
+    "ROLES",
+    "SUPPORTED_MODEL_TYPES",
+    "HubOptions",
+    "PairCard",
+    "PairConfigError",
+    "PairMember",
+    "ResolvedPair",
+    "bundled_pair",
+    "bundled_pairs_dir",
+    "check_architecture",
+    "check_compatibility",
+    "check_context_lengths",
+    "check_pair_files",
+    "check_special_tokens",
+    "check_token_mapping",
+    "check_vocabularies",
+    "context_length",
+    "current_commit",
+    "default_card",
+    "load_pair_config",
+    "load_tokenizer",
+    "pair_members",
+    "pair_settings",
+    "pinned",
+    "pop_pair_settings",
+    "read_card_metadata",
+    "relocated",
+    "render_card",
+    "resolve_pair",
+    "resolve_pair_folder",
+    "validate_card",
+    "vocab_size",
+    "write_pair_repo",
+]
