@@ -227,7 +227,7 @@ def run_pair_create(args) -> int:
 
 def run_pair_check(args) -> int:
     hub = HubOptions(local_files_only=args.offline)
-    folder = resolve_pair_folder(pair_location(args.pair), args.revision, hub)
+    folder = resolve_pair_folder(args.pair, args.revision, hub)
     check_pair_files(folder)
     print(f"{args.pair}: config.json and README.md model card are valid")
     if args.config_only:

@@ -31,6 +31,7 @@ from .locate import (
     pair_members,
     pinned,
     relocated,
+    resolve_bundled_names_in_transformers,
     resolve_pair_folder,
 )
 from .repo import (
@@ -43,6 +44,10 @@ from .repo import (
     write_pair_repo,
 )
 from .tokenizer import load_tokenizer
+
+# An import-time effect, like the Auto class registration in hf_swiftspec/__init__.py: after
+# `import hf_swiftspec`, AutoModelForCausalLM and pipeline() load bundled pairs by name too.
+resolve_bundled_names_in_transformers()
 
 __all__ = [
     "DEMO_PAIR_NAME",
@@ -75,6 +80,7 @@ __all__ = [
     "read_card_metadata",
     "relocated",
     "render_card",
+    "resolve_bundled_names_in_transformers",
     "resolve_pair",
     "resolve_pair_folder",
     "validate_card",

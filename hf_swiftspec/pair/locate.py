@@ -8,6 +8,7 @@ folder first, then as local folders or Hub ids.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -71,16 +72,53 @@ def bundled_pair(name: str) -> Path | None:
     return folder if (folder / "config.json").is_file() else None
 
 
+def bundled_or_given(name_or_path):
+    """A bundled pair's folder for its name, unless a local folder of that name exists; else as given."""
+    name = os.fspath(name_or_path) if isinstance(name_or_path, (str, os.PathLike)) else None
+    if name is None or os.path.isdir(name):
+        return name_or_path
+    bundled = bundled_pair(name)
+    return str(bundled) if bundled is not None else name_or_path
+
+
+def resolve_bundled_names_in_transformers() -> None:
+    """Let transformers' own loaders (AutoConfig, AutoTokenizer, so the Auto classes and pipeline())
+    find bundled pairs by name, as SwiftSpecForCausalLM.from_pretrained does.
+
+    Every file transformers reads for a name goes through `transformers.utils.hub.cached_files`;
+    wrapping it to swap a bundled pair's name for its folder is the one seam that covers them all.
+    Idempotent; if a future transformers moves that function, short names work only through
+    SwiftSpecForCausalLM.from_pretrained.
+    """
+    try:
+        from transformers.utils import hub
+    except ImportError:
+        return
+    original = getattr(hub, "cached_files", None)
+    if original is None or getattr(original, "_swiftspec_bundled", False):
+        return
+
+    @functools.wraps(original)
+    def cached_files(path_or_repo_id, *args, **kwargs):
+        return original(bundled_or_given(path_or_repo_id), *args, **kwargs)
+
+    cached_files._swiftspec_bundled = True
+    hub.cached_files = cached_files
+
+
 def looks_like_path(name: str) -> bool:
     """True for strings only a filesystem path can be (./x, ../x, /x, ~/x, a/b/c, C:\\x)."""
     return not HUB_ID.match(name) or name.startswith((".", "~"))
 
 
 def resolve_pair_folder(name_or_path, revision: str | None = None, hub: HubOptions = HubOptions(), subfolder: str = "") -> Path:
-    """A local pair folder as is, or the snapshot of a Hub pair repo (from the cache when offline)."""
+    """A local pair folder as is, a bundled pair by name, or the snapshot of a Hub pair repo (from the cache when offline)."""
     name = os.fspath(name_or_path)
     if os.path.isdir(name):
         return Path(name, subfolder)
+    bundled = bundled_pair(name)
+    if bundled is not None:
+        return Path(bundled, subfolder)
     if looks_like_path(name):
         raise PairConfigError(f"No pair folder at {name!r}: the path does not exist.")
     try:
