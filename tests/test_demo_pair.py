@@ -122,3 +122,17 @@ def test_a_local_folder_of_the_same_name_wins(tmp_path, monkeypatch):
     model = SwiftSpecForCausalLM.from_pretrained(DEMO_PAIR_NAME)
     assert model.config.tree_budget == 5 and model.pair_folder.resolve() == (tmp_path / DEMO_PAIR_NAME).resolve()
     assert AutoConfig.from_pretrained(DEMO_PAIR_NAME).tree_budget == 5
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"device_map": "cpu"}, {"placement": {"target": ["cpu"], "draft": ["cpu"]}}], ids=["plain", "cpu-map", "cpu-threads"])
+def test_cpu_loads_are_float32_unless_asked(kwargs):
+    """The demo's checkpoint is float16 (small to ship), which is slow on CPU: CPU loads use float32, as the CLI does."""
+    model = SwiftSpecForCausalLM.from_pretrained(DEMO_PAIR_NAME, **kwargs)
+    assert (model.target.dtype, model.draft.dtype) == (torch.float32, torch.float32)
+
+
+@pytest.mark.parametrize("kwargs", [{"dtype": torch.bfloat16}, {"dtype": "auto"}, {"torch_dtype": torch.float16}], ids=["bf16", "auto", "torch_dtype"])
+def test_an_explicit_dtype_is_honoured(kwargs):
+    model = SwiftSpecForCausalLM.from_pretrained(DEMO_PAIR_NAME, **kwargs)
+    expected = torch.bfloat16 if kwargs.get("dtype") is torch.bfloat16 else torch.float16  # "auto": the checkpoint's
+    assert (model.target.dtype, model.draft.dtype) == (expected, expected)

@@ -23,6 +23,7 @@ from hf_swiftspec.pair import (
     read_card_metadata,
     resolve_pair,
 )
+from hf_swiftspec.pair.loading import accelerator_available, device_map_on_cpu, with_cpu_dtype
 from hf_swiftspec.testing import CHAR_SPECIALS, char_tokenizer, tiny_model, truncated_draft
 from pair_helpers import local_pair, tiny_members, write_cached_repo
 
@@ -316,3 +317,20 @@ def test_shipped_cards_match_their_generator(tmp_path):
         committed.pop("transformers_version")  # follows the installed library
         # Fields added to SwiftSpecConfig later are absent from older files and load with their defaults.
         assert committed == {k: fresh[k] for k in committed}, f"{shipped}/config.json is stale: run {script}"
+
+
+# ---------------------------------------------------------------- loading arguments
+
+
+@pytest.mark.parametrize(
+    "device_map, on_cpu",
+    [(None, True), ("cpu", True), (torch.device("cpu"), True), ({"": "cpu"}, True), ({"model": "cpu", "lm_head": "disk"}, True),
+     ("cuda:0", False), (0, False), ({"": 0}, False), ({"model": "cpu", "lm_head": "cuda:1"}, False),
+     ("auto", not accelerator_available())],
+)
+def test_which_device_maps_load_float32(device_map, on_cpu):
+    """Members that land on the CPU load in float32 unless a dtype is given; anywhere else, as stored."""
+    kwargs = {} if device_map is None else {"device_map": device_map}
+    assert device_map_on_cpu(device_map) is on_cpu
+    assert with_cpu_dtype(kwargs, None).get("dtype") == (torch.float32 if on_cpu else None)
+    assert with_cpu_dtype({**kwargs, "dtype": torch.float16}, None)["dtype"] == torch.float16
