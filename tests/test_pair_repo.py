@@ -334,3 +334,13 @@ def test_which_device_maps_load_float32(device_map, on_cpu):
     assert device_map_on_cpu(device_map) is on_cpu
     assert with_cpu_dtype(kwargs, None).get("dtype") == (torch.float32 if on_cpu else None)
     assert with_cpu_dtype({**kwargs, "dtype": torch.float16}, None)["dtype"] == torch.float16
+
+
+def test_draft_tokenizer_alone_still_compares_vocabulary_sizes():
+    """Only draft_tokenizer= says nothing about the target's ids: a 4096-token target must not pass with a 98-token draft."""
+    target = tiny_model("llama", vocab_size=4096)
+    draft = tiny_model("llama", seed=1, layers=1)  # 98 ids, char_tokenizer's
+    with pytest.raises(PairConfigError, match=r"target vocab_size=4096, draft vocab_size=98.*tokenizer="):
+        SwiftSpecForCausalLM.from_models(target, draft, draft_tokenizer=char_tokenizer())
+    same = SwiftSpecForCausalLM.from_models(tiny_model("llama"), draft, draft_tokenizer=char_tokenizer())  # equal sizes: fine
+    assert same.draft is draft

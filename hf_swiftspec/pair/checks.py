@@ -123,20 +123,24 @@ def check_tokenizer_fits(tokenizer, config: PreTrainedConfig, role: str) -> None
 def check_vocabularies(target: PreTrainedConfig, draft: PreTrainedConfig, target_tokenizer=None, draft_tokenizer=None) -> None:
     """The draft's token ids must mean the target's.
 
-    With tokenizers: the same token -> id mapping over the draft's vocabulary and the same special
-    tokens; the embeddings may differ in size (padding rows, e.g. Qwen2.5 0.5B 151936 vs 72B 152064).
-    Without any tokenizer the sizes must be equal, the only evidence there is. A missing tokenizer
-    on one side means that side uses the other's.
+    With the target's tokenizer: the same token -> id mapping over the draft's vocabulary and the
+    same special tokens; the embeddings may differ in size (padding rows, e.g. Qwen2.5 0.5B 151936
+    vs 72B 152064). A missing draft tokenizer means the draft uses the target's. Without the
+    target's tokenizer nothing says what its ids mean (the draft's tokenizer alone does not), so the
+    sizes must be equal, the only evidence there is.
     """
     t_size, d_size = vocab_size(target), vocab_size(draft)
-    if target_tokenizer is None and draft_tokenizer is None:
+    if target_tokenizer is None:
         if t_size != d_size:
+            known = "no tokenizer" if draft_tokenizer is None else "only the draft's tokenizer"
             raise PairConfigError(
-                f"Vocabulary mismatch: target vocab_size={t_size}, draft vocab_size={d_size}. The draft must share the "
-                "target's tokenizer; pick a draft from the target's model family. If they do share one and only the "
-                "padding differs, pass tokenizer= so the token -> id mapping can be checked instead of the sizes."
+                f"Vocabulary mismatch: target vocab_size={t_size}, draft vocab_size={d_size}, and with {known} the "
+                "token -> id mapping cannot be checked. The draft must share the target's tokenizer; pick a draft "
+                "from the target's model family. If they do share one and only the padding differs, pass the "
+                "target's tokenizer as tokenizer= so the mapping is checked instead of the sizes."
             )
-        return
+        if draft_tokenizer is None:
+            return
     target_tokenizer = target_tokenizer or draft_tokenizer
     draft_tokenizer = draft_tokenizer or target_tokenizer
     if draft_tokenizer is not target_tokenizer:
