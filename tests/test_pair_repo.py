@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 from tokenizers import Tokenizer, decoders, models
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.pair import (
@@ -20,12 +20,14 @@ from hf_swiftspec.pair import (
     PairConfigError,
     bundled_pairs_dir,
     check_pair_files,
+    create_pair_repo,
     read_card_metadata,
     resolve_pair,
 )
+from hf_swiftspec.cli import main
 from hf_swiftspec.pair.loading import accelerator_available, device_map_on_cpu, with_cpu_dtype
 from hf_swiftspec.testing import CHAR_SPECIALS, char_tokenizer, tiny_model, truncated_draft
-from pair_helpers import local_pair, tiny_members, write_cached_repo
+from pair_helpers import local_pair, tiny_members, word_tokenizer, write_cached_repo
 
 TARGET_SHA = "1" * 40
 DRAFT_SHA = "2" * 40
@@ -344,3 +346,43 @@ def test_draft_tokenizer_alone_still_compares_vocabulary_sizes():
         SwiftSpecForCausalLM.from_models(target, draft, draft_tokenizer=char_tokenizer())
     same = SwiftSpecForCausalLM.from_models(tiny_model("llama"), draft, draft_tokenizer=char_tokenizer())  # equal sizes: fine
     assert same.draft is draft
+
+
+# ---------------------------------------------------------------- swiftspec pair create
+
+
+PROBES = ["w3 w7", "w93 w0  w12\tw5", "unknown words w4", "", "Hello, world!"]
+
+
+def test_pair_create_writes_the_targets_tokenizer_as_saved(tmp_path):
+    """A generic tokenizers-backend tokenizer must come back as itself, not as the model type's own class."""
+    tok = word_tokenizer()
+    target, draft = tiny_members(tmp_path, tokenizer=tok, model_type="qwen2")
+    pair = create_pair_repo(tmp_path / "pair", str(target), str(draft)).folder
+    written = json.loads((pair / "tokenizer_config.json").read_text())
+    declared = json.loads((target / "tokenizer_config.json").read_text())
+    assert written["tokenizer_class"] == declared["tokenizer_class"]
+    assert not {"is_local", "local_files_only", "use_fast"} & set(written), "loader arguments leaked into the file"
+    for loaded in (AutoTokenizer.from_pretrained(pair), SwiftSpecForCausalLM.from_pretrained(pair).tokenizer):
+        assert type(loaded) is type(tok)
+        assert [loaded(text).input_ids for text in PROBES] == [tok(text).input_ids for text in PROBES]
+    assert tok("w3 w7").input_ids == [7, 11]
+
+
+def test_pair_create_refuses_a_tokenizer_that_would_encode_differently(tmp_path, monkeypatch):
+    target, draft = tiny_members(tmp_path)
+    monkeypatch.setattr("hf_swiftspec.pair.tokenizer.PROBE_TEXTS", ("abc",))
+    monkeypatch.setattr(PreTrainedTokenizerFast, "save_pretrained", swapping_save(PreTrainedTokenizerFast.save_pretrained))
+    with pytest.raises(PairConfigError, match="'abc' encodes to .* with the written tokenizer but .* with the target's"):
+        create_pair_repo(tmp_path / "pair", str(target), str(draft))
+
+
+def swapping_save(save):
+    """save_pretrained, then the saved tokenizer.json with the ids of 'a' and 'b' exchanged."""
+
+    def wrapped(self, folder, *args, **kwargs):
+        files = save(self, folder, *args, **kwargs)
+        swapped_char_tokenizer("a", "b").backend_tokenizer.save(str(Path(folder) / "tokenizer.json"))
+        return files
+
+    return wrapped

@@ -1,10 +1,11 @@
 """Pair repos: find one, check that its two models can speculate together, and write one.
 
     locate     where a pair and its members are (folder, bundled pair, Hub id); pinning revisions
-    tokenizer  the pair's tokenizer, read from a member or pair folder
+    tokenizer  the pair's tokenizer: read as its files declare it, written clean, checked
     checks     compatibility of the two models: architecture, vocabularies, special tokens, context
     cards      the README.md model card: rendering and validation
-    repo       the pair's config.json; reading, checking and writing a whole pair repo
+    repo       the pair's config.json; reading, checking, writing and creating a whole pair repo
+    loading    SwiftSpecForCausalLM.from_pretrained's arguments (not imported here: it needs placement)
 """
 
 from .cards import LIBRARY_NAME, PairCard, default_card, read_card_metadata, render_card, validate_card
@@ -37,6 +38,7 @@ from .locate import (
 from .repo import (
     ResolvedPair,
     check_pair_files,
+    create_pair_repo,
     load_pair_config,
     pair_settings,
     pop_pair_settings,
@@ -65,6 +67,7 @@ __all__ = [
     "check_compatibility",
     "check_context_lengths",
     "check_pair_files",
+    "create_pair_repo",
     "check_special_tokens",
     "check_token_mapping",
     "check_vocabularies",

@@ -13,10 +13,10 @@ import json
 import logging
 import os
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from transformers import PreTrainedConfig
+from transformers import GenerationConfig, PreTrainedConfig
 
 from ..config import SwiftSpecConfig
 from .cards import PairCard, default_card, render_card, validate_card
@@ -29,9 +29,10 @@ from .locate import (
     PairMember,
     load_member_config,
     pair_members,
+    pinned,
     resolve_pair_folder,
 )
-from .tokenizer import load_tokenizer
+from .tokenizer import check_written_tokenizer, load_tokenizer, save_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -134,10 +135,18 @@ def resolve_pair(
     """Find the pair, read its config, read both members' configs and tokenizers, check they fit."""
     folder = resolve_pair_folder(name_or_path, revision, hub, subfolder)
     config = load_pair_config(folder, f"pair config {os.fspath(name_or_path)!r}", overrides)
+    return read_members(folder, config, hub, trust_remote_code)
+
+
+def read_members(folder: Path, config: SwiftSpecConfig, hub: HubOptions, trust_remote_code: bool = False, own_tokenizer: bool = True) -> ResolvedPair:
+    """Both members' configs and tokenizers (relative entries found from `folder`), checked to fit.
+
+    own_tokenizer: whether the tokenizer in `folder` (if any) is the pair's; else the target's is.
+    """
     members = pair_members(config, folder)
     configs = {role: load_member_config(m, hub, trust_remote_code) for role, m in members.items()}
     tokenizers = {role: load_tokenizer(m.location, m.revision, hub, trust_remote_code) for role, m in members.items()}
-    own = load_tokenizer(str(folder), None, HubOptions(), trust_remote_code)
+    own = load_tokenizer(str(folder), None, HubOptions(), trust_remote_code) if own_tokenizer else None
     check_compatibility(configs["target"], configs["draft"], tokenizers["target"] or own, tokenizers["draft"])
     if own is not None and tokenizers["target"] is not None:
         check_token_mapping(tokenizers["target"], own, vocab_size(configs["target"]))  # prompts go to the target
@@ -158,15 +167,77 @@ def check_pair_files(folder: Path) -> SwiftSpecConfig:
     return config
 
 
-def write_pair_repo(folder, config: SwiftSpecConfig, card: PairCard | None = None, tokenizer=None, generation_config=None, load_id: str | None = None) -> Path:
-    """Write a pair repo: config.json, README.md, and the tokenizer / generation config when given."""
+def write_pair_repo(
+    folder,
+    config: SwiftSpecConfig,
+    card: PairCard | None = None,
+    tokenizer=None,
+    generation_config=None,
+    load_id: str | None = None,
+    members_base: Path | None = None,
+) -> Path:
+    """Write a pair repo: config.json, README.md, and the tokenizer / generation config when given.
+
+    members_base: the folder relative member entries are found from, for the card (default: `folder`).
+    """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(folder)
     if tokenizer is not None:
-        tokenizer.save_pretrained(folder)
+        save_tokenizer(tokenizer, folder)
     if generation_config is not None:
         generation_config.save_pretrained(folder)
-    text = render_card(config, card or default_card(config), load_id or str(folder), folder)
+    text = render_card(config, card or default_card(config), load_id or str(folder), members_base or folder)
     (folder / "README.md").write_text(text)
     return folder
+
+
+# ---------------------------------------------------------------- creating a pair for two models
+
+
+def member_entry(value: str, folder: Path) -> str:
+    """A local member folder is stored relative to the pair folder, so the two can move together."""
+    return os.path.relpath(Path(value).resolve(), folder.resolve()) if Path(value).is_dir() else value
+
+
+def create_pair_repo(
+    folder,
+    target: str,
+    draft: str,
+    target_revision: str | None = None,
+    draft_revision: str | None = None,
+    hub: HubOptions = HubOptions(),
+    title: str | None = None,
+    license: str = "unknown",
+    license_name: str | None = None,
+    license_link: str | None = None,
+    **settings,
+) -> ResolvedPair:
+    """Write a checked pair repo for two models (Hub ids or folders) and return it as read back.
+
+    Hub members without a revision are pinned to their current commit; folders are named relative
+    to the pair. The pair gets the target's tokenizer, checked to reload as the same class and to
+    encode the same ids, and the target's generation config. settings: SwiftSpecConfig fields.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = SwiftSpecConfig(
+        target=member_entry(target, folder),
+        draft=member_entry(draft, folder),
+        target_revision=target_revision,
+        draft_revision=draft_revision,
+        **settings,
+    )
+    config = pinned(config, folder, hub)
+    config.save_pretrained(folder)
+    config = load_pair_config(folder, f"pair config {str(folder)!r}")  # read back, exactly as a user will
+    pair = read_members(folder, config, hub, own_tokenizer=False)
+    member = pair.members["target"]
+    generation_config = GenerationConfig.from_pretrained(member.location, revision=member.revision, **hub.as_kwargs())
+    card = replace(default_card(pair.config), license=license, license_name=license_name, license_link=license_link)
+    if title:
+        card = replace(card, title=title)
+    write_pair_repo(folder, pair.config, card, pair.tokenizer, generation_config)
+    if pair.tokenizer is not None:
+        check_written_tokenizer(folder, pair.tokenizer)
+    return pair
