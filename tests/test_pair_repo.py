@@ -375,6 +375,7 @@ def test_pair_create_refuses_a_tokenizer_that_would_encode_differently(tmp_path,
     monkeypatch.setattr(PreTrainedTokenizerFast, "save_pretrained", swapping_save(PreTrainedTokenizerFast.save_pretrained))
     with pytest.raises(PairConfigError, match="'abc' encodes to .* with the written tokenizer but .* with the target's"):
         create_pair_repo(tmp_path / "pair", str(target), str(draft))
+    assert not (tmp_path / "pair").exists()
 
 
 def swapping_save(save):
@@ -386,3 +387,37 @@ def swapping_save(save):
         return files
 
     return wrapped
+
+
+def test_failed_pair_create_leaves_nothing_behind(tmp_path):
+    target, draft = tiny_members(tmp_path, tokenizer=False, vocab_size=97)  # no tokenizers, sizes differ: refused
+    with pytest.raises(PairConfigError, match="Vocabulary mismatch"):
+        create_pair_repo(tmp_path / "new" / "pair", str(target), str(draft))
+    assert not (tmp_path / "new" / "pair").exists() and not list((tmp_path / "new").iterdir())
+    existing = tmp_path / "mine"
+    existing.mkdir()
+    (existing / "notes.txt").write_text("keep me")
+    with pytest.raises(PairConfigError):
+        create_pair_repo(existing, str(target), str(draft))
+    assert [p.name for p in existing.iterdir()] == ["notes.txt"] and sorted(p.name for p in tmp_path.iterdir()) == [
+        "draft", "mine", "new", "target"]
+
+
+def test_pair_create_into_an_existing_folder_keeps_its_files(tmp_path):
+    target, draft = tiny_members(tmp_path)
+    existing = tmp_path / "mine"
+    existing.mkdir()
+    (existing / "notes.txt").write_text("keep me")
+    create_pair_repo(existing, str(target), str(draft), tree_budget=6)
+    assert (existing / "notes.txt").read_text() == "keep me" and (existing / "config.json").is_file()
+    assert SwiftSpecForCausalLM.from_pretrained(existing).config.tree_budget == 6
+
+
+def test_pair_create_members_inside_the_pair_folder(tmp_path):
+    """Like the demo pair: the members' folders sit inside the pair folder, named relative to it."""
+    tiny_members(tmp_path / "pair")
+    create_pair_repo(tmp_path / "pair", str(tmp_path / "pair" / "target"), str(tmp_path / "pair" / "draft"))
+    config = json.loads((tmp_path / "pair" / "config.json").read_text())
+    assert (config["target"], config["draft"]) == ("target", "draft")
+    assert "base_model" not in read_card_metadata(tmp_path / "pair")  # folders in the repo, not Hub models
+    assert SwiftSpecForCausalLM.from_pretrained(tmp_path / "pair").target.config.num_hidden_layers == 3

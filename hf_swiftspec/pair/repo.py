@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import typing
+import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -200,6 +202,16 @@ def member_entry(value: str, folder: Path) -> str:
     return os.path.relpath(Path(value).resolve(), folder.resolve()) if Path(value).is_dir() else value
 
 
+def move_into_place(staging: Path, folder: Path) -> None:
+    """Move a complete pair from `staging` to `folder`; into an existing folder file by file, so
+    whatever else the user keeps there stays."""
+    if not folder.exists():
+        os.replace(staging, folder)
+        return
+    for item in sorted(staging.iterdir()):
+        os.replace(item, folder / item.name)
+
+
 def create_pair_repo(
     folder,
     target: str,
@@ -220,24 +232,35 @@ def create_pair_repo(
     encode the same ids, and the target's generation config. settings: SwiftSpecConfig fields.
     """
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    config = SwiftSpecConfig(
-        target=member_entry(target, folder),
-        draft=member_entry(draft, folder),
-        target_revision=target_revision,
-        draft_revision=draft_revision,
-        **settings,
-    )
-    config = pinned(config, folder, hub)
-    config.save_pretrained(folder)
-    config = load_pair_config(folder, f"pair config {str(folder)!r}")  # read back, exactly as a user will
-    pair = read_members(folder, config, hub, own_tokenizer=False)
-    member = pair.members["target"]
-    generation_config = GenerationConfig.from_pretrained(member.location, revision=member.revision, **hub.as_kwargs())
-    card = replace(default_card(pair.config), license=license, license_name=license_name, license_link=license_link)
-    if title:
-        card = replace(card, title=title)
-    write_pair_repo(folder, pair.config, card, pair.tokenizer, generation_config)
-    if pair.tokenizer is not None:
-        check_written_tokenizer(folder, pair.tokenizer)
-    return pair
+    if folder.exists() and not folder.is_dir():
+        raise PairConfigError(f"Cannot write a pair repo to {folder}: it exists and is not a folder.")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # Written beside the destination and moved into place when complete: a failure leaves no half
+    # pair behind, and relative member entries ("../target") mean the same from either folder.
+    staging = folder.parent / f".{folder.name}.{uuid.uuid4().hex[:8]}.partial"
+    staging.mkdir()  # not mkdtemp: its 0700 mode would stay with the published folder
+    members_base = folder if folder.is_dir() else staging  # members may sit inside an existing pair folder
+    try:
+        config = SwiftSpecConfig(
+            target=member_entry(target, folder),
+            draft=member_entry(draft, folder),
+            target_revision=target_revision,
+            draft_revision=draft_revision,
+            **settings,
+        )
+        config = pinned(config, members_base, hub)
+        config.save_pretrained(staging)
+        config = load_pair_config(staging, f"pair config {str(folder)!r}")  # read back, exactly as a user will
+        pair = read_members(members_base, config, hub, own_tokenizer=False)
+        member = pair.members["target"]
+        generation_config = GenerationConfig.from_pretrained(member.location, revision=member.revision, **hub.as_kwargs())
+        card = replace(default_card(pair.config), license=license, license_name=license_name, license_link=license_link)
+        if title:
+            card = replace(card, title=title)
+        write_pair_repo(staging, pair.config, card, pair.tokenizer, generation_config, members_base=members_base)
+        if pair.tokenizer is not None:
+            check_written_tokenizer(staging, pair.tokenizer)
+        move_into_place(staging, folder)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return replace(pair, folder=folder, members=pair_members(pair.config, folder))
