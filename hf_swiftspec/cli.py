@@ -35,6 +35,7 @@ from .pair import (
     check_pair_files,
     context_length,
     create_pair_repo,
+    member_description,
     resolve_pair,
     resolve_pair_folder,
 )
@@ -209,7 +210,9 @@ def run_pair_create(args) -> int:
         **settings,
     )
     config = pair.config
-    print(f"wrote pair repo {args.dir} (target {config.target}@{config.target_revision}, draft {config.draft}@{config.draft_revision})")
+    target = member_description(config.target, config.target_revision)
+    draft = member_description(config.draft, config.draft_revision)
+    print(f"wrote pair repo {args.dir} (target {target}, draft {draft})")
     return 0
 
 

@@ -21,6 +21,7 @@ from hf_swiftspec.pair import (
     bundled_pairs_dir,
     check_pair_files,
     create_pair_repo,
+    member_description,
     read_card_metadata,
     resolve_pair,
 )
@@ -421,3 +422,11 @@ def test_pair_create_members_inside_the_pair_folder(tmp_path):
     assert (config["target"], config["draft"]) == ("target", "draft")
     assert "base_model" not in read_card_metadata(tmp_path / "pair")  # folders in the repo, not Hub models
     assert SwiftSpecForCausalLM.from_pretrained(tmp_path / "pair").target.config.num_hidden_layers == 3
+
+
+def test_pair_create_prints_revisions_only_when_there_are_some(tmp_path, capsys):
+    target, draft = tiny_members(tmp_path)
+    assert main(["pair", "create", "--target", str(target), "--draft", str(draft), str(tmp_path / "pair")]) == 0
+    out = capsys.readouterr().out
+    assert "(target ../target, draft ../draft)" in out and "@None" not in out
+    assert member_description("org/big", "a" * 40) == "org/big@" + "a" * 40

@@ -197,6 +197,11 @@ def write_pair_repo(
 # ---------------------------------------------------------------- creating a pair for two models
 
 
+def member_description(entry: str, revision: str | None) -> str:
+    """entry@revision, or the entry alone when nothing is pinned (local folders, unpinned Hub ids)."""
+    return f"{entry}@{revision}" if revision else entry
+
+
 def member_entry(value: str, folder: Path) -> str:
     """A local member folder is stored relative to the pair folder, so the two can move together."""
     return os.path.relpath(Path(value).resolve(), folder.resolve()) if Path(value).is_dir() else value
