@@ -105,10 +105,11 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
         The pair's config.json names the target and draft (Hub ids pinned by target_revision /
         draft_revision, or folders relative to the pair). `revision` and `subfolder` select the pair
         repo; cache_dir, token, local_files_only and force_download apply to the pair and both
-        members; SwiftSpecConfig fields (tree_budget=..., draft_revision=...) override the pair's;
-        everything else (dtype, device_map, attn_implementation, trust_remote_code, ...) goes to both
-        members' from_pretrained. Without a dtype, members that run on the CPU load in float32 (else
-        as stored). Members load as safetensors only, and run remote code only with
+        members; SwiftSpecConfig fields (tree_budget=..., draft_revision=...) override the pair's,
+        and a near miss of one (tree_budgt=...) raises TypeError; everything else (dtype,
+        device_map, attn_implementation, trust_remote_code, ...) goes to both members'
+        from_pretrained. Without a dtype, members that run on the CPU load in float32 (else as
+        stored). Members load as safetensors only, and run remote code only with
         trust_remote_code=True. Compatibility is checked before any weights load.
         """
         if model_args:

@@ -430,3 +430,16 @@ def test_pair_create_prints_revisions_only_when_there_are_some(tmp_path, capsys)
     out = capsys.readouterr().out
     assert "(target ../target, draft ../draft)" in out and "@None" not in out
     assert member_description("org/big", "a" * 40) == "org/big@" + "a" * 40
+
+
+@pytest.mark.parametrize("typo, field", [("tree_budgt", "tree_budget"), ("draft_widht", "draft_width"), ("placment", "placement")])
+def test_a_misspelt_tree_setting_is_an_error(tmp_path, typo, field):
+    """Members' from_pretrained would take it as a config attribute and ignore it; say so instead."""
+    with pytest.raises(TypeError, match=f"'{typo}'.*did you mean '{field}'"):
+        SwiftSpecForCausalLM.from_pretrained(local_pair(tmp_path), **{typo: 4})
+
+
+def test_other_arguments_still_reach_both_members(tmp_path):
+    model = SwiftSpecForCausalLM.from_pretrained(local_pair(tmp_path), attention_dropout=0.25, tree_budget=5)
+    assert model.target.config.attention_dropout == model.draft.config.attention_dropout == 0.25
+    assert model.config.tree_budget == 5

@@ -7,14 +7,17 @@ which goes to both members' from_pretrained with hf_swiftspec's defaults filled 
 
 from __future__ import annotations
 
+import difflib
+import inspect
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from transformers import PreTrainedModel
 
 from ..placement import resolve_placement
 from .locate import HubOptions
-from .repo import pop_pair_settings
+from .repo import pair_settings, pop_pair_settings
 
 # Arguments the Auto classes and pipeline() add that mean something for the pair repo itself, or nothing here.
 PAIR_ONLY_KWARGS = ("config", "proxies", "adapter_kwargs", "_commit_hash", "code_revision")
@@ -41,10 +44,30 @@ def split_load_kwargs(kwargs: dict) -> LoadArguments:
     revision = kwargs.pop("revision", None)
     subfolder = kwargs.pop("subfolder", "") or ""
     overrides = pop_pair_settings(kwargs)
+    reject_misspelt_settings(kwargs)
     if kwargs.setdefault("use_safetensors", True) is not True:
         raise ValueError("Pair members load as safetensors only (pickle files can run code); drop use_safetensors.")
     kwargs.setdefault("trust_remote_code", False)
     return LoadArguments(hub, revision, subfolder, overrides, kwargs)
+
+
+def reject_misspelt_settings(member_kwargs: dict) -> None:
+    """Raise TypeError for an argument that reads like a SwiftSpecConfig field but is none.
+
+    Members' from_pretrained would set it on their configs and nothing would read it, so
+    `tree_budgt=4` would silently speculate with the default budget. Only names within one or two
+    typos of a field count (a 0.8 similarity ratio: no from_pretrained argument or common config
+    attribute comes that close); every other argument goes to the members as before.
+    """
+    fields = list(pair_settings())
+    loading_arguments = set(inspect.signature(PreTrainedModel.from_pretrained).parameters)
+    for name in member_kwargs:
+        close = [] if name in loading_arguments else difflib.get_close_matches(name, fields, n=1, cutoff=0.8)
+        if close:
+            raise TypeError(
+                f"SwiftSpecForCausalLM.from_pretrained got {name!r}, which is no SwiftSpecConfig field; did you mean "
+                f"{close[0]!r}? (SwiftSpecConfig fields: {', '.join(fields)}.)"
+            )
 
 
 def accelerator_available() -> bool:
