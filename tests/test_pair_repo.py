@@ -160,6 +160,8 @@ def test_save_then_load_reproduces_the_pair(tmp_path):
     assert "base_model" not in meta  # local members are no Hub models
     check_pair_files(again)
     assert reloaded.tokenizer is not None and reloaded.tokenizer.get_vocab() == char_tokenizer().get_vocab()
+    written = json.loads((again / "tokenizer_config.json").read_text())
+    assert not {"is_local", "local_files_only"} & set(written), "loader arguments leaked into the saved tokenizer"
 
 
 def test_card_lists_hub_members_as_base_model(tmp_path):
