@@ -362,6 +362,7 @@ def test_pair_create_writes_the_targets_tokenizer_as_saved(tmp_path):
     tok = word_tokenizer()
     target, draft = tiny_members(tmp_path, tokenizer=tok, model_type="qwen2")
     pair = create_pair_repo(tmp_path / "pair", str(target), str(draft)).folder
+    assert f'from_pretrained("{pair}")' in (pair / "README.md").read_text()  # the card names the pair, not its draft
     written = json.loads((pair / "tokenizer_config.json").read_text())
     declared = json.loads((target / "tokenizer_config.json").read_text())
     assert written["tokenizer_class"] == declared["tokenizer_class"]

@@ -262,7 +262,7 @@ def create_pair_repo(
         card = replace(default_card(pair.config), license=license, license_name=license_name, license_link=license_link)
         if title:
             card = replace(card, title=title)
-        write_pair_repo(staging, pair.config, card, pair.tokenizer, generation_config, members_base=members_base)
+        write_pair_repo(staging, pair.config, card, pair.tokenizer, generation_config, str(folder), members_base)
         if pair.tokenizer is not None:
             check_written_tokenizer(staging, pair.tokenizer)
         move_into_place(staging, folder)
