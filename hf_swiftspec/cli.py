@@ -44,11 +44,10 @@ from .pair import (
     bundled_pair,
     check_pair_files,
     context_length,
-    default_card,
-    pinned,
+    create_pair_repo,
+    member_description,
     resolve_pair,
     resolve_pair_folder,
-    write_pair_repo,
 )
 
 DEFAULT_PROMPT = "def read_config(path):\n"
@@ -197,40 +196,32 @@ def run_generate(options: GenerateOptions) -> int:
 # ---------------------------------------------------------------- pair create / check
 
 
-def member_entry(value: str, folder: Path) -> str:
-    """A local member folder is stored relative to the pair folder, so the two can move together."""
-    return os.path.relpath(Path(value).resolve(), folder.resolve()) if Path(value).is_dir() else value
-
-
 def run_pair_create(args) -> int:
-    folder = Path(args.dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    hub = HubOptions(local_files_only=args.offline)
     settings = {name: getattr(args, name) for name in TREE_OPTIONS if getattr(args, name) is not None}
-    config = SwiftSpecConfig(
-        target=member_entry(args.target, folder),
-        draft=member_entry(args.draft, folder),
+    progress(f"checking {args.target} + {args.draft}")
+    pair = create_pair_repo(
+        args.dir,
+        args.target,
+        args.draft,
         target_revision=args.target_revision,
         draft_revision=args.draft_revision,
+        hub=HubOptions(local_files_only=args.offline),
+        title=args.title,
+        license=args.license,
+        license_name=args.license_name,
+        license_link=args.license_link,
         **settings,
     )
-    config = pinned(config, folder, hub)
-    progress(f"checking {config.target} + {config.draft}")
-    config.save_pretrained(folder)  # resolve_pair reads it back, exactly as a user will
-    pair = resolve_pair(folder, hub=hub)
-    target = pair.members["target"]
-    generation_config = GenerationConfig.from_pretrained(target.location, revision=target.revision, **hub.as_kwargs())
-    card = replace(default_card(pair.config), license=args.license, license_name=args.license_name, license_link=args.license_link)
-    if args.title:
-        card = replace(card, title=args.title)
-    write_pair_repo(folder, pair.config, card, pair.tokenizer, generation_config)
-    print(f"wrote pair repo {folder} (target {config.target}@{config.target_revision}, draft {config.draft}@{config.draft_revision})")
+    config = pair.config
+    target = member_description(config.target, config.target_revision)
+    draft = member_description(config.draft, config.draft_revision)
+    print(f"wrote pair repo {args.dir} (target {target}, draft {draft})")
     return 0
 
 
 def run_pair_check(args) -> int:
     hub = HubOptions(local_files_only=args.offline)
-    folder = resolve_pair_folder(pair_location(args.pair), args.revision, hub)
+    folder = resolve_pair_folder(args.pair, args.revision, hub)
     check_pair_files(folder)
     print(f"{args.pair}: config.json and README.md model card are valid")
     if args.config_only:

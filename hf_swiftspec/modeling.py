@@ -14,7 +14,6 @@ from .config import SwiftSpecConfig, check_setting_names
 from .generation import split_stop_strings, stop_string_criteria, swiftspec_generate
 from .pair import (
     SUPPORTED_MODEL_TYPES,
-    HubOptions,
     PairCard,
     PairConfigError,
     check_architecture,
@@ -22,17 +21,15 @@ from .pair import (
     check_vocabularies,
     pair_members,
     pinned,
-    pop_pair_settings,
     relocated,
     resolve_pair,
     write_pair_repo,
 )
+from .pair.loading import split_load_kwargs, with_cpu_dtype
 from .placement import Placement, place_models, resolve_placement
 from .stats import SwiftSpecStats
 
 TREE_MASK_ATTENTION = ("sdpa", "eager", "swiftspec")  # "swiftspec": the tree kernel's, sdpa outside tree steps
-# Arguments the Auto classes and pipeline() add that mean something for the pair repo itself, or nothing here.
-PAIR_ONLY_KWARGS = ("config", "proxies", "adapter_kwargs", "_commit_hash", "code_revision")
 
 __all__ = ["SwiftSpecForCausalLM"]
 
@@ -130,27 +127,27 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
         The pair's config.json names the target and draft (Hub ids pinned by target_revision /
         draft_revision, or folders relative to the pair). `revision` and `subfolder` select the pair
         repo; cache_dir, token, local_files_only and force_download apply to the pair and both
-        members; SwiftSpecConfig fields (tree_budget=..., draft_revision=...) override the pair's;
-        everything else (dtype, device_map, attn_implementation, trust_remote_code, ...) goes to both
-        members' from_pretrained. Members load as safetensors only, and run remote code only with
+        members; SwiftSpecConfig fields (tree_budget=..., draft_revision=...) override the pair's,
+        and a near miss of one (tree_budgt=...) raises TypeError; everything else (dtype,
+        device_map, attn_implementation, trust_remote_code, ...) goes to both members'
+        from_pretrained. Without a dtype, members that run on the CPU load in float32 (else as
+        stored). Members load as safetensors only, and run remote code only with
         trust_remote_code=True. Compatibility is checked before any weights load.
         """
         if model_args:
             raise TypeError(f"SwiftSpecForCausalLM.from_pretrained takes no positional model arguments, got {model_args!r}.")
-        for name in PAIR_ONLY_KWARGS:
-            kwargs.pop(name, None)
-        hub = HubOptions.pop_from(kwargs)
-        revision = kwargs.pop("revision", None)
-        subfolder = kwargs.pop("subfolder", "") or ""
-        overrides = pop_pair_settings(kwargs)
-        if kwargs.setdefault("use_safetensors", True) is not True:
-            raise ValueError("Pair members load as safetensors only (pickle files can run code); drop use_safetensors.")
-        kwargs.setdefault("trust_remote_code", False)
+        load = split_load_kwargs(kwargs)
         pair = resolve_pair(
-            pretrained_model_name_or_path, revision, hub, overrides, kwargs["trust_remote_code"], subfolder
+            pretrained_model_name_or_path,
+            load.revision,
+            load.hub,
+            load.overrides,
+            load.member_kwargs["trust_remote_code"],
+            load.subfolder,
         )
+        kwargs = with_cpu_dtype(load.member_kwargs, pair.config.placement)
         models = {
-            role: AutoModelForCausalLM.from_pretrained(member.location, revision=member.revision, **hub.as_kwargs(), **kwargs)
+            role: AutoModelForCausalLM.from_pretrained(member.location, revision=member.revision, **load.hub.as_kwargs(), **kwargs)
             for role, member in pair.members.items()
         }
         generation_file = pair.folder / "generation_config.json"

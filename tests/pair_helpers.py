@@ -19,10 +19,26 @@ def save_member(model, folder: Path, tokenizer=None) -> Path:
     return folder
 
 
-def tiny_members(root: Path, tokenizer=True, **draft_overrides) -> tuple[Path, Path]:
-    """A tiny Llama target and a draft cut from its first two layers, saved under root/target and root/draft."""
-    tok = char_tokenizer() if tokenizer else None
-    target = tiny_model("llama", seed=0)
+def word_tokenizer():
+    """A word-level tokenizer ("w0".."w93" and 4 specials = 98 ids) of the generic tokenizers-backend class, as
+    tokenizers trained from scratch are saved. Its model type's own class (Qwen2Tokenizer for qwen2) would
+    rebuild it as byte-level BPE and encode "w3 w7" to nothing."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"w{i}": 4 + i for i in range(94)}}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def tiny_members(root: Path, tokenizer=True, model_type: str = "llama", **draft_overrides) -> tuple[Path, Path]:
+    """A tiny target and a draft cut from its first two layers, saved under root/target and root/draft.
+
+    tokenizer: True for char_tokenizer(), False for none, or the tokenizer to save with both.
+    """
+    tok = char_tokenizer() if tokenizer is True else tokenizer or None
+    target = tiny_model(model_type, seed=0)
     draft = truncated_draft(target, 2)
     for name, value in draft_overrides.items():
         setattr(draft.config, name, value)

@@ -1,13 +1,19 @@
 """The demo pair that ships in model_cards/: small, fp16 safetensors, lossless, with real acceptance."""
 
 import json
+import os
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoConfig
 
 from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.pair import DEMO_PAIR_NAME, bundled_pair, check_pair_files, read_card_metadata
+from pair_helpers import local_pair
 
 DEMO = bundled_pair(DEMO_PAIR_NAME)
 # Measured 3.0 on the shipped weights (float32, greedy, these prompts, 64 new tokens; 3.18 on the card's 24
@@ -69,3 +75,64 @@ def test_demo_target_is_a_better_model_than_its_draft(demo):
     ids = demo.tokenizer(text, return_tensors="pt").input_ids
     losses = {role: getattr(demo, role)(input_ids=ids, labels=ids).loss.item() for role in ("target", "draft")}
     assert losses["target"] < losses["draft"]
+
+
+SHORT_NAME_SCRIPT = """
+import json, torch
+torch.set_num_threads(1)
+import hf_swiftspec
+from transformers import AutoModelForCausalLM, pipeline
+from hf_swiftspec import SwiftSpecForCausalLM
+
+name = "swiftspec-demo-pystdlib"
+result = {}
+model = SwiftSpecForCausalLM.from_pretrained(name)
+result["folder"] = str(model.pair_folder)
+auto = AutoModelForCausalLM.from_pretrained(name)
+result["auto"] = type(auto).__name__
+pipe = pipeline("text-generation", model=name)
+prompt = "def read_config(path):\\n"
+text = pipe(prompt, max_new_tokens=8, do_sample=False)[0]["generated_text"]
+ids = pipe.tokenizer(prompt, return_tensors="pt").input_ids
+expected = pipe.tokenizer.decode(pipe.model.target.generate(ids, max_new_tokens=8, do_sample=False)[0])
+result["pipeline"] = text == expected
+result["pipeline_speculated"] = pipe.model.swiftspec_stats is not None
+print("RESULT " + json.dumps(result))
+"""
+
+
+def test_demo_pair_loads_by_its_short_name_offline(tmp_path):
+    """from_pretrained, the Auto class and pipeline() all take the bundled pair's name, as the CLI does."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_HOME": str(tmp_path / "home")}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-c", SHORT_NAME_SCRIPT], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    assert Path(result["folder"]).resolve() == DEMO.resolve()
+    assert result["auto"] == "SwiftSpecForCausalLM"
+    assert result["pipeline"] and result["pipeline_speculated"]
+
+
+def test_a_local_folder_of_the_same_name_wins(tmp_path, monkeypatch):
+    """A folder named like the bundled pair in the working directory is a path, and paths come first."""
+    (local_pair(tmp_path, tree_budget=5)).rename(tmp_path / DEMO_PAIR_NAME)  # members are ../target, ../draft
+    monkeypatch.chdir(tmp_path)
+    model = SwiftSpecForCausalLM.from_pretrained(DEMO_PAIR_NAME)
+    assert model.config.tree_budget == 5 and model.pair_folder.resolve() == (tmp_path / DEMO_PAIR_NAME).resolve()
+    assert AutoConfig.from_pretrained(DEMO_PAIR_NAME).tree_budget == 5
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"device_map": "cpu"}, {"placement": {"target": ["cpu"], "draft": ["cpu"]}}], ids=["plain", "cpu-map", "cpu-threads"])
+def test_cpu_loads_are_float32_unless_asked(kwargs):
+    """The demo's checkpoint is float16 (small to ship), which is slow on CPU: CPU loads use float32, as the CLI does."""
+    model = SwiftSpecForCausalLM.from_pretrained(DEMO_PAIR_NAME, **kwargs)
+    assert (model.target.dtype, model.draft.dtype) == (torch.float32, torch.float32)
+
+
+@pytest.mark.parametrize("kwargs", [{"dtype": torch.bfloat16}, {"dtype": "auto"}, {"torch_dtype": torch.float16}], ids=["bf16", "auto", "torch_dtype"])
+def test_an_explicit_dtype_is_honoured(kwargs):
+    model = SwiftSpecForCausalLM.from_pretrained(DEMO_PAIR_NAME, **kwargs)
+    expected = torch.bfloat16 if kwargs.get("dtype") is torch.bfloat16 else torch.float16  # "auto": the checkpoint's
+    assert (model.target.dtype, model.draft.dtype) == (expected, expected)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 from tokenizers import Tokenizer, decoders, models
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.pair import (
@@ -20,11 +20,15 @@ from hf_swiftspec.pair import (
     PairConfigError,
     bundled_pairs_dir,
     check_pair_files,
+    create_pair_repo,
+    member_description,
     read_card_metadata,
     resolve_pair,
 )
+from hf_swiftspec.cli import main
+from hf_swiftspec.pair.loading import accelerator_available, device_map_on_cpu, with_cpu_dtype
 from hf_swiftspec.testing import CHAR_SPECIALS, char_tokenizer, tiny_model, truncated_draft
-from pair_helpers import local_pair, tiny_members, write_cached_repo
+from pair_helpers import local_pair, tiny_members, word_tokenizer, write_cached_repo
 
 TARGET_SHA = "1" * 40
 DRAFT_SHA = "2" * 40
@@ -156,6 +160,8 @@ def test_save_then_load_reproduces_the_pair(tmp_path):
     assert "base_model" not in meta  # local members are no Hub models
     check_pair_files(again)
     assert reloaded.tokenizer is not None and reloaded.tokenizer.get_vocab() == char_tokenizer().get_vocab()
+    written = json.loads((again / "tokenizer_config.json").read_text())
+    assert not {"is_local", "local_files_only"} & set(written), "loader arguments leaked into the saved tokenizer"
 
 
 def test_card_lists_hub_members_as_base_model(tmp_path):
@@ -316,3 +322,127 @@ def test_shipped_cards_match_their_generator(tmp_path):
         committed.pop("transformers_version")  # follows the installed library
         # Fields added to SwiftSpecConfig later are absent from older files and load with their defaults.
         assert committed == {k: fresh[k] for k in committed}, f"{shipped}/config.json is stale: run {script}"
+
+
+# ---------------------------------------------------------------- loading arguments
+
+
+@pytest.mark.parametrize(
+    "device_map, on_cpu",
+    [(None, True), ("cpu", True), (torch.device("cpu"), True), ({"": "cpu"}, True), ({"model": "cpu", "lm_head": "disk"}, True),
+     ("cuda:0", False), (0, False), ({"": 0}, False), ({"model": "cpu", "lm_head": "cuda:1"}, False),
+     ("auto", not accelerator_available())],
+)
+def test_which_device_maps_load_float32(device_map, on_cpu):
+    """Members that land on the CPU load in float32 unless a dtype is given; anywhere else, as stored."""
+    kwargs = {} if device_map is None else {"device_map": device_map}
+    assert device_map_on_cpu(device_map) is on_cpu
+    assert with_cpu_dtype(kwargs, None).get("dtype") == (torch.float32 if on_cpu else None)
+    assert with_cpu_dtype({**kwargs, "dtype": torch.float16}, None)["dtype"] == torch.float16
+
+
+def test_draft_tokenizer_alone_still_compares_vocabulary_sizes():
+    """Only draft_tokenizer= says nothing about the target's ids: a 4096-token target must not pass with a 98-token draft."""
+    target = tiny_model("llama", vocab_size=4096)
+    draft = tiny_model("llama", seed=1, layers=1)  # 98 ids, char_tokenizer's
+    with pytest.raises(PairConfigError, match=r"target vocab_size=4096, draft vocab_size=98.*tokenizer="):
+        SwiftSpecForCausalLM.from_models(target, draft, draft_tokenizer=char_tokenizer())
+    same = SwiftSpecForCausalLM.from_models(tiny_model("llama"), draft, draft_tokenizer=char_tokenizer())  # equal sizes: fine
+    assert same.draft is draft
+
+
+# ---------------------------------------------------------------- swiftspec pair create
+
+
+PROBES = ["w3 w7", "w93 w0  w12\tw5", "unknown words w4", "", "Hello, world!"]
+
+
+def test_pair_create_writes_the_targets_tokenizer_as_saved(tmp_path):
+    """A generic tokenizers-backend tokenizer must come back as itself, not as the model type's own class."""
+    tok = word_tokenizer()
+    target, draft = tiny_members(tmp_path, tokenizer=tok, model_type="qwen2")
+    pair = create_pair_repo(tmp_path / "pair", str(target), str(draft)).folder
+    assert f'from_pretrained("{pair}")' in (pair / "README.md").read_text()  # the card names the pair, not its draft
+    written = json.loads((pair / "tokenizer_config.json").read_text())
+    declared = json.loads((target / "tokenizer_config.json").read_text())
+    assert written["tokenizer_class"] == declared["tokenizer_class"]
+    assert not {"is_local", "local_files_only", "use_fast"} & set(written), "loader arguments leaked into the file"
+    for loaded in (AutoTokenizer.from_pretrained(pair), SwiftSpecForCausalLM.from_pretrained(pair).tokenizer):
+        assert type(loaded) is type(tok)
+        assert [loaded(text).input_ids for text in PROBES] == [tok(text).input_ids for text in PROBES]
+    assert tok("w3 w7").input_ids == [7, 11]
+
+
+def test_pair_create_refuses_a_tokenizer_that_would_encode_differently(tmp_path, monkeypatch):
+    target, draft = tiny_members(tmp_path)
+    monkeypatch.setattr("hf_swiftspec.pair.tokenizer.PROBE_TEXTS", ("abc",))
+    monkeypatch.setattr(PreTrainedTokenizerFast, "save_pretrained", swapping_save(PreTrainedTokenizerFast.save_pretrained))
+    with pytest.raises(PairConfigError, match="'abc' encodes to .* with the written tokenizer but .* with the target's"):
+        create_pair_repo(tmp_path / "pair", str(target), str(draft))
+    assert not (tmp_path / "pair").exists()
+
+
+def swapping_save(save):
+    """save_pretrained, then the saved tokenizer.json with the ids of 'a' and 'b' exchanged."""
+
+    def wrapped(self, folder, *args, **kwargs):
+        files = save(self, folder, *args, **kwargs)
+        swapped_char_tokenizer("a", "b").backend_tokenizer.save(str(Path(folder) / "tokenizer.json"))
+        return files
+
+    return wrapped
+
+
+def test_failed_pair_create_leaves_nothing_behind(tmp_path):
+    target, draft = tiny_members(tmp_path, tokenizer=False, vocab_size=97)  # no tokenizers, sizes differ: refused
+    with pytest.raises(PairConfigError, match="Vocabulary mismatch"):
+        create_pair_repo(tmp_path / "new" / "pair", str(target), str(draft))
+    assert not (tmp_path / "new" / "pair").exists() and not list((tmp_path / "new").iterdir())
+    existing = tmp_path / "mine"
+    existing.mkdir()
+    (existing / "notes.txt").write_text("keep me")
+    with pytest.raises(PairConfigError):
+        create_pair_repo(existing, str(target), str(draft))
+    assert [p.name for p in existing.iterdir()] == ["notes.txt"] and sorted(p.name for p in tmp_path.iterdir()) == [
+        "draft", "mine", "new", "target"]
+
+
+def test_pair_create_into_an_existing_folder_keeps_its_files(tmp_path):
+    target, draft = tiny_members(tmp_path)
+    existing = tmp_path / "mine"
+    existing.mkdir()
+    (existing / "notes.txt").write_text("keep me")
+    create_pair_repo(existing, str(target), str(draft), tree_budget=6)
+    assert (existing / "notes.txt").read_text() == "keep me" and (existing / "config.json").is_file()
+    assert SwiftSpecForCausalLM.from_pretrained(existing).config.tree_budget == 6
+
+
+def test_pair_create_members_inside_the_pair_folder(tmp_path):
+    """Like the demo pair: the members' folders sit inside the pair folder, named relative to it."""
+    tiny_members(tmp_path / "pair")
+    create_pair_repo(tmp_path / "pair", str(tmp_path / "pair" / "target"), str(tmp_path / "pair" / "draft"))
+    config = json.loads((tmp_path / "pair" / "config.json").read_text())
+    assert (config["target"], config["draft"]) == ("target", "draft")
+    assert "base_model" not in read_card_metadata(tmp_path / "pair")  # folders in the repo, not Hub models
+    assert SwiftSpecForCausalLM.from_pretrained(tmp_path / "pair").target.config.num_hidden_layers == 3
+
+
+def test_pair_create_prints_revisions_only_when_there_are_some(tmp_path, capsys):
+    target, draft = tiny_members(tmp_path)
+    assert main(["pair", "create", "--target", str(target), "--draft", str(draft), str(tmp_path / "pair")]) == 0
+    out = capsys.readouterr().out
+    assert "(target ../target, draft ../draft)" in out and "@None" not in out
+    assert member_description("org/big", "a" * 40) == "org/big@" + "a" * 40
+
+
+@pytest.mark.parametrize("typo, field", [("tree_budgt", "tree_budget"), ("draft_widht", "draft_width"), ("placment", "placement")])
+def test_a_misspelt_tree_setting_is_an_error(tmp_path, typo, field):
+    """Members' from_pretrained would take it as a config attribute and ignore it; say so instead."""
+    with pytest.raises(TypeError, match=f"'{typo}'.*did you mean '{field}'"):
+        SwiftSpecForCausalLM.from_pretrained(local_pair(tmp_path), **{typo: 4})
+
+
+def test_other_arguments_still_reach_both_members(tmp_path):
+    model = SwiftSpecForCausalLM.from_pretrained(local_pair(tmp_path), attention_dropout=0.25, tree_budget=5)
+    assert model.target.config.attention_dropout == model.draft.config.attention_dropout == 0.25
+    assert model.config.tree_budget == 5

@@ -1,0 +1,158 @@
+"""Can these two models speculate together? Checks on their configs and tokenizers, no weights.
+
+Each check raises PairConfigError naming the value that is wrong and what to pick instead.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from transformers import PreTrainedConfig
+
+from .errors import PairConfigError
+
+logger = logging.getLogger(__name__)
+
+# Architectures whose attention takes a 4D tree mask with explicit position ids and whose KV is
+# one (B, H, L, D) tensor per layer; each is exercised by tests/test_lossless.py.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+
+
+def check_architecture(config: PreTrainedConfig, role: str) -> None:
+    model_type = config.get_text_config().model_type
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise PairConfigError(
+            f"The {role} model type {model_type!r} is not supported by hf_swiftspec (supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}). It needs attention that takes a 4D tree mask and a plain KV cache."
+        )
+
+
+def context_length(config: PreTrainedConfig) -> int | None:
+    return getattr(config.get_text_config(), "max_position_embeddings", None)
+
+
+def check_context_lengths(target: PreTrainedConfig, draft: PreTrainedConfig) -> None:
+    """The draft must follow the target as far as the target can go, or speculation dies past its window."""
+    t_len, d_len = context_length(target), context_length(draft)
+    if t_len is not None and d_len is not None and d_len < t_len:
+        raise PairConfigError(
+            f"Context length mismatch: the draft's max_position_embeddings={d_len} is shorter than the target's "
+            f"{t_len}, so the draft could not follow generations past {d_len} tokens. Pick a draft with at least the "
+            "target's context length."
+        )
+
+
+def vocab_size(config: PreTrainedConfig) -> int:
+    return config.get_text_config().vocab_size
+
+
+def special_tokens(tokenizer) -> dict[str, int]:
+    """bos/eos/pad/unk and additional special tokens: token -> id."""
+    return dict(zip(tokenizer.all_special_tokens, tokenizer.all_special_ids))
+
+
+def check_special_tokens(target_tokenizer, draft_tokenizer) -> None:
+    """Every special token either side uses must have the same id on both sides (roles may differ:
+    an instruct target may stop on a token a base draft never emits, and that is fine)."""
+    t_vocab, d_vocab = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+    clashes = sorted(
+        {
+            (token, t_vocab[token], d_vocab[token])
+            for tokenizer in (target_tokenizer, draft_tokenizer)
+            for token in special_tokens(tokenizer)
+            if token in t_vocab and token in d_vocab and t_vocab[token] != d_vocab[token]
+        }
+    )
+    if clashes:
+        listed = "; ".join(f"{tok!r} is id {t} in the target, {d} in the draft" for tok, t, d in clashes[:5])
+        raise PairConfigError(
+            f"The target and draft tokenizers disagree on special tokens: {listed}. The draft must share the target's "
+            "special tokens (same token, same id): pick a draft from the target's model family."
+        )
+
+
+def mapping_differences(target_tokenizer, draft_tokenizer, limit: int) -> list[int]:
+    """Draft token ids below `limit` that the target's tokenizer maps to another token (sorted)."""
+    t_vocab = target_tokenizer.get_vocab()
+    return sorted(i for token, i in draft_tokenizer.get_vocab().items() if i < limit and t_vocab.get(token) != i)
+
+
+def describe_ids(ids: list[int], target_tokenizer, draft_tokenizer, shown: int = 5) -> str:
+    t_tokens = target_tokenizer.convert_ids_to_tokens(ids[:shown])
+    d_tokens = draft_tokenizer.convert_ids_to_tokens(ids[:shown])
+    listed = ", ".join(f"id {i}: draft {d!r} / target {t!r}" for i, d, t in zip(ids, d_tokens, t_tokens))
+    more = f" and {len(ids) - shown} more" if len(ids) > shown else ""
+    return listed + more
+
+
+def check_token_mapping(target_tokenizer, draft_tokenizer, target_vocab_size: int) -> None:
+    """The draft's token -> id mapping must equal the target's over the ids the target can embed.
+
+    Differences among added tokens that neither side uses as a special token (renamed reserved
+    tokens, say) only warn: verification is lossless whatever the draft proposes, they merely
+    lower acceptance where those ids occur. Any other difference is an error listing the ids.
+    """
+    differ = mapping_differences(target_tokenizer, draft_tokenizer, target_vocab_size)
+    if not differ:
+        return
+    special = set(target_tokenizer.all_special_ids) | set(draft_tokenizer.all_special_ids)
+    added = set(target_tokenizer.added_tokens_decoder) | set(draft_tokenizer.added_tokens_decoder)
+    hard = [i for i in differ if i in special or i not in added]
+    if hard:
+        raise PairConfigError(
+            f"The draft's vocabulary does not map onto the target's: {len(hard)} token ids differ "
+            f"({describe_ids(hard, target_tokenizer, draft_tokenizer)}). The draft must use the target's tokenizer "
+            "(the same token -> id mapping; extra padding rows in either embedding are fine)."
+        )
+    logger.warning(
+        "The draft and target name %d added tokens differently (%s); lossless anyway, but drafts of those ids will be rejected.",
+        len(differ),
+        describe_ids(differ, target_tokenizer, draft_tokenizer),
+    )
+
+
+def check_tokenizer_fits(tokenizer, config: PreTrainedConfig, role: str) -> None:
+    """Every id the tokenizer can produce needs a row in the model's embedding."""
+    if len(tokenizer) > vocab_size(config):
+        raise PairConfigError(
+            f"The {role}'s vocab_size={vocab_size(config)} is smaller than its tokenizer ({len(tokenizer)} tokens): "
+            "prompt ids past the embedding would fail. The tokenizer does not belong to this model."
+        )
+
+
+def check_vocabularies(target: PreTrainedConfig, draft: PreTrainedConfig, target_tokenizer=None, draft_tokenizer=None) -> None:
+    """The draft's token ids must mean the target's.
+
+    With the target's tokenizer: the same token -> id mapping over the draft's vocabulary and the
+    same special tokens; the embeddings may differ in size (padding rows, e.g. Qwen2.5 0.5B 151936
+    vs 72B 152064). A missing draft tokenizer means the draft uses the target's. Without the
+    target's tokenizer nothing says what its ids mean (the draft's tokenizer alone does not), so the
+    sizes must be equal, the only evidence there is.
+    """
+    t_size, d_size = vocab_size(target), vocab_size(draft)
+    if target_tokenizer is None:
+        if t_size != d_size:
+            known = "no tokenizer" if draft_tokenizer is None else "only the draft's tokenizer"
+            raise PairConfigError(
+                f"Vocabulary mismatch: target vocab_size={t_size}, draft vocab_size={d_size}, and with {known} the "
+                "token -> id mapping cannot be checked. The draft must share the target's tokenizer; pick a draft "
+                "from the target's model family. If they do share one and only the padding differs, pass the "
+                "target's tokenizer as tokenizer= so the mapping is checked instead of the sizes."
+            )
+        if draft_tokenizer is None:
+            return
+    target_tokenizer = target_tokenizer or draft_tokenizer
+    draft_tokenizer = draft_tokenizer or target_tokenizer
+    if draft_tokenizer is not target_tokenizer:
+        check_special_tokens(target_tokenizer, draft_tokenizer)
+        check_token_mapping(target_tokenizer, draft_tokenizer, t_size)
+    check_tokenizer_fits(target_tokenizer, target, "target")
+    check_tokenizer_fits(draft_tokenizer, draft, "draft")
+
+
+def check_compatibility(target: PreTrainedConfig, draft: PreTrainedConfig, target_tokenizer=None, draft_tokenizer=None) -> None:
+    """All load-time checks on the two configs (and tokenizers, when known); no weights needed."""
+    check_architecture(target, "target")
+    check_architecture(draft, "draft")
+    check_context_lengths(target, draft)
+    check_vocabularies(target, draft, target_tokenizer, draft_tokenizer)

@@ -1,0 +1,244 @@
+"""Where a pair and its two members are: local folder, bundled pair or Hub repo; pinning revisions.
+
+A pair name is tried, in order, as a local folder (a path, or a folder of that name in the working
+directory), as a pair bundled with hf_swiftspec (model_cards/, e.g. the demo pair), and as a Hub
+repo id (from the cache when offline). Members are named by the pair's config relative to the pair
+folder first, then as local folders or Hub ids.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from huggingface_hub import HfApi, snapshot_download, try_to_load_from_cache
+from huggingface_hub.constants import HF_HUB_CACHE
+from huggingface_hub.errors import HFValidationError
+from transformers import AutoConfig, PreTrainedConfig
+
+from ..config import SwiftSpecConfig
+from .errors import PairConfigError, first_line
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("target", "draft")
+DEMO_PAIR_NAME = "swiftspec-demo-pystdlib"
+# Members load as safetensors only, so a pair snapshot never needs another weight format.
+FOREIGN_WEIGHTS = ["*.bin", "*.pt", "*.pth", "*.ckpt", "*.h5", "*.msgpack", "*.onnx", "*.gguf"]
+HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")
+
+
+@dataclass(frozen=True)
+class HubOptions:
+    """The Hub arguments of every from_pretrained; they apply to the pair repo and to both members."""
+
+    cache_dir: str | os.PathLike | None = None
+    token: str | bool | None = None
+    local_files_only: bool = False
+    force_download: bool = False
+
+    @classmethod
+    def pop_from(cls, kwargs: dict) -> "HubOptions":
+        return cls(**{f.name: kwargs.pop(f.name) for f in fields(cls) if f.name in kwargs})
+
+    def as_kwargs(self) -> dict:
+        """Only what was set, so transformers' own defaults (and HF_HUB_OFFLINE) still apply."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
+
+
+# ---------------------------------------------------------------- the pair folder
+
+
+def bundled_pairs_dir() -> Path | None:
+    """model_cards/: shipped inside the package as package data, or beside it in a source checkout."""
+    package = Path(__file__).resolve().parent.parent
+    for candidate in (package / "model_cards", package.parent / "model_cards"):
+        if candidate.is_dir():
+            return candidate
+    return None
+
+
+def bundled_pair(name: str) -> Path | None:
+    """The folder of a pair that ships with hf_swiftspec (e.g. the demo pair), or None."""
+    root = bundled_pairs_dir()
+    if root is None or not HUB_ID.match(name) or "/" in name:
+        return None
+    folder = root / name
+    return folder if (folder / "config.json").is_file() else None
+
+
+def bundled_or_given(name_or_path):
+    """A bundled pair's folder for its name, unless a local folder of that name exists; else as given."""
+    name = os.fspath(name_or_path) if isinstance(name_or_path, (str, os.PathLike)) else None
+    if name is None or os.path.isdir(name):
+        return name_or_path
+    bundled = bundled_pair(name)
+    return str(bundled) if bundled is not None else name_or_path
+
+
+def resolve_bundled_names_in_transformers() -> None:
+    """Let transformers' own loaders (AutoConfig, AutoTokenizer, so the Auto classes and pipeline())
+    find bundled pairs by name, as SwiftSpecForCausalLM.from_pretrained does.
+
+    Every file transformers reads for a name goes through `transformers.utils.hub.cached_files`;
+    wrapping it to swap a bundled pair's name for its folder is the one seam that covers them all.
+    Idempotent; if a future transformers moves that function, short names work only through
+    SwiftSpecForCausalLM.from_pretrained.
+    """
+    try:
+        from transformers.utils import hub
+    except ImportError:
+        return
+    original = getattr(hub, "cached_files", None)
+    if original is None or getattr(original, "_swiftspec_bundled", False):
+        return
+
+    @functools.wraps(original)
+    def cached_files(path_or_repo_id, *args, **kwargs):
+        return original(bundled_or_given(path_or_repo_id), *args, **kwargs)
+
+    cached_files._swiftspec_bundled = True
+    hub.cached_files = cached_files
+
+
+def looks_like_path(name: str) -> bool:
+    """True for strings only a filesystem path can be (./x, ../x, /x, ~/x, a/b/c, C:\\x)."""
+    return not HUB_ID.match(name) or name.startswith((".", "~"))
+
+
+def resolve_pair_folder(name_or_path, revision: str | None = None, hub: HubOptions = HubOptions(), subfolder: str = "") -> Path:
+    """A local pair folder as is, a bundled pair by name, or the snapshot of a Hub pair repo (from the cache when offline)."""
+    name = os.fspath(name_or_path)
+    if os.path.isdir(name):
+        return Path(name, subfolder)
+    bundled = bundled_pair(name)
+    if bundled is not None:
+        return Path(bundled, subfolder)
+    if looks_like_path(name):
+        raise PairConfigError(f"No pair folder at {name!r}: the path does not exist.")
+    try:
+        snapshot = snapshot_download(
+            repo_id=name,
+            revision=revision,
+            cache_dir=hub.cache_dir,
+            token=hub.token,
+            local_files_only=hub.local_files_only,
+            force_download=hub.force_download,
+            ignore_patterns=FOREIGN_WEIGHTS,
+        )
+    except HFValidationError as err:
+        raise PairConfigError(f"{name!r} is neither a local folder nor a valid Hub repo id ({err}).") from err
+    except (OSError, ValueError) as err:
+        at = f" at revision {revision!r}" if revision else ""
+        raise PairConfigError(
+            f"Cannot find the pair repo {name!r}{at}: it is not a local folder, and {first_line(err)}. Check the id; "
+            f"offline (HF_HUB_OFFLINE=1 or local_files_only=True) it must already be in the Hugging Face cache "
+            f"({hub.cache_dir or HF_HUB_CACHE})."
+        ) from err
+    return Path(snapshot, subfolder)
+
+
+# ---------------------------------------------------------------- its two members
+
+
+@dataclass(frozen=True)
+class PairMember:
+    """Where one of the two models lives. location: a local folder, or a Hub repo id; entry: what
+    the pair config says (errors quote it, since that is what the user can edit)."""
+
+    role: str
+    location: str
+    revision: str | None
+    is_local: bool
+    entry: str
+
+
+def pair_members(config: SwiftSpecConfig, folder: Path | None = None) -> dict[str, PairMember]:
+    """target / draft entries resolved: relative to the pair folder first, then as paths or Hub ids."""
+    members = {}
+    for role in ROLES:
+        entry = getattr(config, role)
+        revision = getattr(config, f"{role}_revision")
+        inside = folder / entry if folder is not None and not os.path.isabs(entry) else None
+        if inside is not None and inside.is_dir():
+            members[role] = PairMember(role, str(inside), revision, True, entry)
+        else:
+            members[role] = PairMember(role, entry, revision, os.path.isdir(entry) or looks_like_path(entry), entry)
+    return members
+
+
+def relocated(config: SwiftSpecConfig, source: Path, destination: Path) -> SwiftSpecConfig:
+    """A copy of `config` for a pair written to `destination`: local members (found relative to
+    `source`) are named relative to the new folder, so the written pair still finds them."""
+    config = SwiftSpecConfig.from_dict(config.to_dict())
+    for role, member in pair_members(config, source).items():
+        if member.is_local and os.path.isdir(member.location):
+            setattr(config, role, os.path.relpath(os.path.abspath(member.location), os.path.abspath(destination)))
+    return config
+
+
+def repo_in_cache(repo_id: str, hub: HubOptions) -> bool:
+    return (Path(hub.cache_dir or HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}").is_dir()
+
+
+def unreachable_member(member: PairMember, hub: HubOptions, err: BaseException) -> PairConfigError:
+    """An error that blames the revision when the repo is cached but that revision is not, else the entry."""
+    reason = first_line(err)
+    if member.revision and not member.is_local and repo_in_cache(member.location, hub):
+        return PairConfigError(
+            f"Cannot load the {member.role} {member.location!r} at field '{member.role}_revision'={member.revision!r}: "
+            f"{reason}. The repo is in the Hugging Face cache but not at that revision; download it once online, fix "
+            f"'{member.role}_revision', or set it to null for the default branch."
+        )
+    if not member.is_local:
+        hint = (
+            "it must be a folder relative to the pair, a local folder, or a Hub model id (offline: one in the Hugging "
+            f"Face cache, {hub.cache_dir or HF_HUB_CACHE})"
+        )
+    elif os.path.isdir(member.location):
+        hint = f"the folder {member.location} holds no model transformers can load"
+    else:
+        hint = f"the folder {member.location} does not exist"
+    return PairConfigError(f"Cannot load the {member.role} from field {member.role!r}={member.entry!r}: {reason}; {hint}.")
+
+
+def load_member_config(member: PairMember, hub: HubOptions, trust_remote_code: bool = False) -> PreTrainedConfig:
+    try:
+        return AutoConfig.from_pretrained(
+            member.location, revision=member.revision, trust_remote_code=trust_remote_code, **hub.as_kwargs()
+        )
+    except (OSError, ValueError, KeyError) as err:
+        raise unreachable_member(member, hub, err) from err
+
+
+# ---------------------------------------------------------------- pinning revisions
+
+
+def current_commit(repo_id: str, hub: HubOptions = HubOptions()) -> str | None:
+    """The commit a Hub repo's default branch points to: from the cache, else from the Hub; None if unknown."""
+    cached = try_to_load_from_cache(repo_id, "config.json", cache_dir=hub.cache_dir)
+    if isinstance(cached, str):
+        return Path(cached).parent.name
+    if hub.local_files_only:
+        return None
+    try:
+        return HfApi(token=hub.token).model_info(repo_id).sha
+    except (OSError, ValueError):
+        return None
+
+
+def pinned(config: SwiftSpecConfig, folder: Path | None, hub: HubOptions = HubOptions()) -> SwiftSpecConfig:
+    """A copy of `config` whose Hub members without a revision are pinned to their current commit."""
+    config = SwiftSpecConfig.from_dict(config.to_dict())
+    for role, member in pair_members(config, folder).items():
+        if not member.is_local and member.revision is None:
+            commit = current_commit(member.location, hub)
+            if commit is None:
+                logger.warning("Could not pin %s %r to a commit (offline and not cached); revision left unset.", role, member.location)
+            setattr(config, f"{role}_revision", commit)
+    return config
