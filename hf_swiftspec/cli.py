@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass, fields, replace
-from pathlib import Path
 
 import torch
-from transformers import GenerationConfig, TextStreamer
+from transformers import TextStreamer
 
 from .bench import add_bench_arguments, bench_main
 from .commandline import (
@@ -35,13 +33,11 @@ from .commandline import (
     set_threads,
     tree_overrides,
 )
-from .config import SwiftSpecConfig
 from .modeling import SwiftSpecForCausalLM
 from .pair import (
     DEMO_PAIR_NAME,
     HubOptions,
     PairConfigError,
-    bundled_pair,
     check_pair_files,
     context_length,
     create_pair_repo,
@@ -86,12 +82,6 @@ class RunStats:
         return self.new_tokens / self.seconds if self.seconds else 0.0
 
 
-def pair_location(name: str) -> str:
-    """A bundled pair's folder (the demo) by its name, else the id or path as given."""
-    folder = bundled_pair(name)
-    return str(folder) if folder is not None else name
-
-
 def parse_placement(text: str):
     """"serial" / "auto" as they are; anything starting with "{" as JSON (device indices or names per role)."""
     if not text.lstrip().startswith("{"):
@@ -120,7 +110,7 @@ def load_generate_pair(options: GenerateOptions, device: str) -> SwiftSpecForCau
     if options.placement is not None:
         settings["placement"] = parse_placement(options.placement)
     progress(f"loading pair {options.pair!r} on {device}")
-    return load_pair(pair_location(options.pair), options.pair, device, options.dtype, **settings)
+    return load_pair(options.pair, options.pair, device, options.dtype, **settings)
 
 
 def check_length(prompt_tokens: int, max_new_tokens: int, context: int | None) -> None:

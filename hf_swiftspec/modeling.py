@@ -13,12 +13,10 @@ from transformers import AutoModelForCausalLM, GenerationConfig, GenerationMixin
 from .config import SwiftSpecConfig, check_setting_names
 from .generation import split_stop_strings, stop_string_criteria, swiftspec_generate
 from .pair import (
-    SUPPORTED_MODEL_TYPES,
     PairCard,
     PairConfigError,
     check_architecture,
     check_compatibility,
-    check_vocabularies,
     pair_members,
     pinned,
     relocated,

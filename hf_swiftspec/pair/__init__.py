@@ -48,10 +48,6 @@ from .repo import (
 )
 from .tokenizer import load_tokenizer
 
-# An import-time effect, like the Auto class registration in hf_swiftspec/__init__.py: after
-# `import hf_swiftspec`, AutoModelForCausalLM and pipeline() load bundled pairs by name too.
-resolve_bundled_names_in_transformers()
-
 __all__ = [
     "DEMO_PAIR_NAME",
     "LIBRARY_NAME",
