@@ -1,11 +1,13 @@
 """Async vs serial tree speculation vs target alone, side by side, one CPU core per group.
 
-    torchrun --nproc_per_node=2 examples/bench_async.py [--prompts 6] [--max-new-tokens 128]
+    torchrun --nproc_per_node=2 examples/bench_async.py [--pair ID] [--prompts 6] [--max-new-tokens 128]
 
 Rank 0 holds the target group, rank 1 the draft group (torchrun gives each process one
-thread). Per prompt, interleaved: target.generate on rank 0; serial tree speculation on rank 0
-(the draft on the target's core); asynchronous tree speculation with the draft on rank 1.
-Greedy outputs must be identical or the run fails. The pair is hf_swiftspec.testing.agreeing_pair.
+thread). Per prompt, interleaved: target.generate on rank 0 with one thread and with two (rank 1
+idle meanwhile); serial tree speculation on rank 0 (the draft on the target's core); asynchronous
+tree speculation with the draft on rank 1. Greedy outputs must be identical or the run fails.
+The pair is the bundled demo pair (prompts: the bundled HumanEval excerpt), or with
+--pair agreeing, hf_swiftspec.testing.agreeing_pair on random prompts.
 """
 
 import argparse
@@ -17,11 +19,24 @@ import torch
 import torch.distributed as dist
 
 from hf_swiftspec import SwiftSpecForCausalLM
+from hf_swiftspec.bench import load_prompts
 from hf_swiftspec.testing import agreeing_pair
+
+
+def pair_and_prompts(name: str, count: int, prompt_len: int):
+    """(target, draft, prompts (1, L) each): the demo pair on HumanEval prompts, or the random agreeing pair."""
+    if name == "agreeing":
+        target, draft = agreeing_pair()
+        gen = torch.Generator().manual_seed(0)
+        return target, draft, [torch.randint(3, 4096, (1, prompt_len), generator=gen) for _ in range(count)]
+    pair = SwiftSpecForCausalLM.from_pretrained(name, dtype=torch.float32)
+    texts = [prompt.text for prompt in load_prompts("humaneval", count)]
+    return pair.target, pair.draft, [pair.tokenizer(t, return_tensors="pt").input_ids for t in texts]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pair", default="swiftspec-demo-pystdlib", help="pair id or folder, or 'agreeing'")
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -31,16 +46,22 @@ def main() -> None:
     if dist.get_world_size() != 2:
         raise SystemExit("run with torchrun --nproc_per_node=2")
 
-    target, draft = agreeing_pair()
+    target, draft, prompts = pair_and_prompts(args.pair, args.prompts + 1, args.prompt_len)
     target.generation_config.eos_token_id = None  # every run generates exactly max_new_tokens
     serial = SwiftSpecForCausalLM.from_models(target, draft)
     asynchronous = SwiftSpecForCausalLM.from_models(target, draft, placement={"target": [0], "draft": [1]})
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 4096, (1, args.prompt_len), generator=gen) for _ in range(args.prompts + 1)]
     kwargs = dict(do_sample=False, max_new_tokens=args.max_new_tokens)
+
+    def two_threads(p):
+        torch.set_num_threads(2)
+        try:
+            return target.generate(p, **kwargs)
+        finally:
+            torch.set_num_threads(1)
 
     methods = {
         "target.generate": (lambda p: target.generate(p, **kwargs), False),
+        "target.generate (2 threads)": (two_threads, False),
         "swiftspec serial (1 core)": (lambda p: serial.generate(p, **kwargs), False),
         "swiftspec async (2 processes)": (lambda p: asynchronous.generate(p, **kwargs), True),
     }
