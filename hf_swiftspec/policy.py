@@ -10,7 +10,7 @@ target actually accepted, and divides it by the round's time from a cost model f
 on this device (draft expansions + a T-node verification, serially). It grows the draft's tree
 while one more expansion is expected to raise that ratio, then verifies the best T. T = 1 is
 plain decoding by the target: when speculation does not pay, that is what the policy picks,
-re-probing every `probe_every` rounds (a few expansions and the largest tree) in case it pays again.
+re-probing every `probe_every` rounds (a few expansions and a larger tree) in case it pays again.
 """
 
 from __future__ import annotations
@@ -122,8 +122,9 @@ class GoodputPolicy:
     draft_depth: int | None = None
     max_budget: int = MAX_BUDGET
     max_depth: int = 16
-    probe_every: int = 16  # rounds between probes (forced expansions, the largest tree)
-    probe_depth: int = 3
+    probe_every: int = 16  # rounds between probes (forced expansions, a larger tree)
+    probe_depth: int = 2
+    probe_budget: int = 12  # a probe verifies this many nodes, to measure a larger tree's cost
     costs: CostModel = field(default_factory=CostModel)
     draft: Calibration = field(init=False)  # P(node on the accepted path) by draft score bucket
     chain: Calibration = field(init=False)  # P(chain token j accepted | tokens before it were)
@@ -184,7 +185,7 @@ class GoodputPolicy:
         expected = self.expected_tokens(probs)
         times = self.costs.verify_times(len(expected))
         if self.tree_budget is not None or self.probing:
-            T = len(expected)
+            T = len(expected) if self.tree_budget is not None else min(len(expected), self.probe_budget)
             return T, expected[T - 1] / (spent_s + times[T - 1])
         rates = [e / (spent_s + t) for e, t in zip(expected, times)]
         best = max(range(len(rates)), key=rates.__getitem__)
