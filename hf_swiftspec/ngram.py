@@ -57,9 +57,18 @@ class NgramIndex:
             key = tuple(self.tokens[size - n :])
             end = self.seen.get(key)
             if end is not None:
-                return self.tokens[end : end + max_tokens]
+                return continuation(self.tokens, end, max_tokens)
             where = self.corpus_seen.get(key)
             if where is not None:
                 doc, end = where
                 return self.corpus[doc][end : end + max_tokens]
         return []
+
+
+def continuation(tokens: list[int], start: int, length: int) -> list[int]:
+    """`length` tokens copied from tokens[start:], running on into the copy itself past the end
+    (as an LZ77 match may overlap its own output): a repeating cycle is proposed for its whole length."""
+    out: list[int] = []
+    for i in range(start, start + length):
+        out.append(tokens[i] if i < len(tokens) else out[i - len(tokens)])
+    return out

@@ -15,9 +15,10 @@ re-probing every `probe_every` rounds (a few expansions and a larger tree) in ca
 
 from __future__ import annotations
 
+import itertools
+import math
+import operator
 from dataclasses import dataclass, field
-
-import torch
 
 from .tree import Proposal
 from .verify import Verified
@@ -31,35 +32,37 @@ BUCKETS = 24  # scores below -BUCKET * BUCKETS share the last bucket
 class Calibration:
     """P(accepted) per bucket, as decayed counts plus a prior worth `prior_weight` observations.
 
-    prior: (N,) prior probability of each bucket.
+    prior: prior probability of each bucket. Plain lists: a few dozen numbers, updated once a round.
     """
 
-    prior: torch.Tensor
+    prior: list[float]
     prior_weight: float = 2.0
     decay: float = 0.995  # older rounds count less, so the estimate follows the text
-    accepted: torch.Tensor = field(init=False)
-    seen: torch.Tensor = field(init=False)
+    accepted: list[float] = field(init=False)
+    seen: list[float] = field(init=False)
 
     def __post_init__(self):
-        self.accepted = torch.zeros_like(self.prior, dtype=torch.float64)
-        self.seen = torch.zeros_like(self.prior, dtype=torch.float64)
+        self.accepted = [0.0] * len(self.prior)
+        self.seen = [0.0] * len(self.prior)
 
     @property
-    def rates(self) -> torch.Tensor:
-        """(N,) float64 estimated P(accepted) of each bucket."""
-        return (self.accepted + self.prior_weight * self.prior) / (self.seen + self.prior_weight)
+    def rates(self) -> list[float]:
+        """Estimated P(accepted) of each bucket."""
+        w = self.prior_weight
+        return [(a + w * p) / (n + w) for a, n, p in zip(self.accepted, self.seen, self.prior)]
 
-    def observe(self, buckets: torch.Tensor, accepted: torch.Tensor) -> None:
-        """Fold in outcomes: buckets (n,) long, accepted (n,) bool."""
-        self.accepted.mul_(self.decay)
-        self.seen.mul_(self.decay)
-        self.accepted.index_add_(0, buckets, accepted.double())
-        self.seen.index_add_(0, buckets, torch.ones_like(buckets, dtype=torch.float64))
+    def observe(self, buckets: list[int], accepted: list[bool]) -> None:
+        """Fold in outcomes: one bucket and one accepted flag per observed node."""
+        self.accepted = [a * self.decay for a in self.accepted]
+        self.seen = [n * self.decay for n in self.seen]
+        for b, ok in zip(buckets, accepted):
+            self.seen[b] += 1.0
+            self.accepted[b] += float(ok)
 
 
-def score_buckets(scores: torch.Tensor) -> torch.Tensor:
-    """Bucket (n,) long of draft scores (n,) (cumulative log-probs, <= 0)."""
-    return (-scores / BUCKET).clamp(0, BUCKETS - 1).long()
+def score_bucket(score: float) -> int:
+    """Bucket of a draft score (a cumulative log-prob, <= 0)."""
+    return min(int(-score / BUCKET), BUCKETS - 1)
 
 
 @dataclass
@@ -137,9 +140,9 @@ class GoodputPolicy:
     def __post_init__(self):
         if self.tree_budget is not None:
             self.max_budget = self.tree_budget
-        mids = -BUCKET * (torch.arange(BUCKETS, dtype=torch.float64) + 0.5)
-        self.draft = Calibration(prior=mids.exp())  # a perfectly calibrated draft, until observed
-        self.chain = Calibration(prior=torch.full((self.max_budget,), 0.7, dtype=torch.float64))
+        mids = [math.exp(-BUCKET * (b + 0.5)) for b in range(BUCKETS)]
+        self.draft = Calibration(prior=mids)  # a perfectly calibrated draft, until observed
+        self.chain = Calibration(prior=[0.7] * self.max_budget)
         self.gains = [1.0] * (self.max_depth + 1)  # optimistic: try the draft before judging it
         self.gains_seen = [0] * (self.max_depth + 1)
         self.refresh()
@@ -153,8 +156,8 @@ class GoodputPolicy:
         """Recompute the lookup tables from the calibrations (once per round)."""
         # Non-increasing along buckets / positions: a less likely node never gets a higher estimate
         # than a likelier one, so the T best nodes always form a connected tree.
-        self.draft_table = torch.cummin(self.draft.rates, dim=0).values.float()
-        self.chain_table = torch.cumprod(self.chain.rates, dim=0).tolist()
+        self.draft_table = list(itertools.accumulate(self.draft.rates, min))
+        self.chain_table = list(itertools.accumulate(self.chain.rates, operator.mul))
 
     # ---- per round ----------------------------------------------------------------------------
     def start_round(self) -> bool:
@@ -163,10 +166,10 @@ class GoodputPolicy:
         self.probing = self.rounds == 3 or self.rounds % self.probe_every == 0
         return self.probing
 
-    def draft_probs(self, scores: torch.Tensor) -> torch.Tensor:
-        """Calibrated P(accepted) (n,) of draft nodes from their scores (n,); the root (score 0) gets 1."""
-        probs = self.draft_table.to(scores.device)[score_buckets(scores)]
-        return torch.where(scores >= 0, torch.ones_like(probs), probs)
+    def draft_probs(self, scores: list[float]) -> list[float]:
+        """Calibrated P(accepted) of draft nodes from their scores; the root (score 0) gets 1."""
+        table = self.draft_table
+        return [1.0 if score >= 0 else table[score_bucket(score)] for score in scores]
 
     def chain_probs(self, length: int) -> list[float]:
         """Calibrated P(first j chain tokens accepted), j = 1..length."""
@@ -241,11 +244,10 @@ class GoodputPolicy:
         accepted = set(verified.path)
         draft = [i for i, score in enumerate(proposal.scores) if i and score is not None]
         if draft:
-            scores = torch.tensor([proposal.scores[i] for i in draft], dtype=torch.float64)
-            self.draft.observe(score_buckets(scores), torch.tensor([i in accepted for i in draft]))
+            self.draft.observe([score_bucket(proposal.scores[i]) for i in draft], [i in accepted for i in draft])
         proposed = min(max(proposal.chain), self.max_budget)
         if proposed:
             reached = max((proposal.chain[i] for i in verified.path), default=0)
-            tried = torch.arange(min(reached + 1, proposed))  # position j is tried when all before it passed
-            self.chain.observe(tried, tried < reached)
+            tried = range(min(reached + 1, proposed))  # position j is tried when all before it passed
+            self.chain.observe(list(tried), [j < reached for j in tried])
         self.refresh()

@@ -30,6 +30,7 @@ class TokenTree:
     slot_nodes:(N,) long   node held by each tree-region KV slot
     size:      live nodes (host int)
     num_slots: expanded nodes = used KV slots (host int)
+    root_token: token of the root (host int)
     """
 
     tokens: torch.Tensor
@@ -42,6 +43,7 @@ class TokenTree:
     slot_nodes: torch.Tensor
     size: int = 1
     num_slots: int = 0
+    root_token: int = 0
 
     @property
     def capacity(self) -> int:
@@ -93,7 +95,7 @@ def reset_tree(tree: TokenTree, root_token: int) -> None:
     tree.kv_slot.fill_(-1)
     tree.ancestors[: tree.size, : tree.size] = False  # only live nodes ever set a bit
     tree.ancestors[0, 0] = True
-    tree.size, tree.num_slots = 1, 0
+    tree.size, tree.num_slots, tree.root_token = 1, 0, root_token
 
 
 def select_leaves(tree: TokenTree, width: int, within: int | None = None) -> torch.Tensor:
@@ -157,8 +159,11 @@ def select_subtree(tree: TokenTree, budget: int) -> tuple[Subtree, list[float]]:
     """The best `budget` nodes by score (a connected subtree containing the root), in index order,
     with their scores.
 
-    One host sync: the target's verification walk needs tokens and parents on the host.
+    One host sync (none for a lone root): the target's verification walk needs tokens and parents
+    on the host.
     """
+    if tree.size == 1:
+        return Subtree(node_ids=[0], tokens=[tree.root_token], parents=[-1]), [0.0]
     order = torch.sort(tree.scores[: tree.size], descending=True, stable=True).indices
     node_ids = order[:budget].sort().values  # (T,) topological: parents precede children
     local = torch.full((tree.size,), -1, dtype=torch.long, device=node_ids.device)

@@ -54,7 +54,8 @@ def test_demo_pair_files_and_card():
 
 @pytest.fixture(scope="module")
 def demo():
-    return SwiftSpecForCausalLM.from_pretrained(DEMO, dtype=torch.float32)
+    # A fixed tree: tau then measures the draft's acceptance, not what the goodput policy chose.
+    return SwiftSpecForCausalLM.from_pretrained(DEMO, dtype=torch.float32, tree_budget=8, draft_depth=4)
 
 
 def test_demo_pair_is_lossless_with_real_acceptance(demo):

@@ -242,7 +242,7 @@ def with_draft_tokenizer(root: Path, tokenizer) -> Path:
         (lambda p: edit_config(p, target=""), "field 'target' is missing"),
         (lambda p: edit_config(p, model_type=...), "field 'model_type' is missing"),
         (lambda p: edit_config(p, model_type="llama"), "model_type='llama', so this is a model repo"),
-        (lambda p: edit_config(p, tree_budget="8"), "field 'tree_budget' must be int, got str '8'"),
+        (lambda p: edit_config(p, tree_budget="8"), "field 'tree_budget' must be int or null, got str '8'"),
         (lambda p: edit_config(p, draft_revision=5), "field 'draft_revision' must be str or null, got int 5"),
         (lambda p: edit_config(p, swiftspec_default="yes"), "field 'swiftspec_default' must be bool"),
         (lambda p: edit_config(p, draft_width=0), "draft_width must be a positive int, got 0"),

@@ -31,7 +31,7 @@ def measured_policy(expand_ms, verify_ms, per_node_ms, acceptance, rounds=60, **
 
 def test_useless_draft_means_plain_decoding():
     policy = measured_policy(expand_ms=2, verify_ms=10, per_node_ms=0.5, acceptance=0.0)
-    probs = policy.draft_probs(torch.tensor([0.0, -0.1, -0.2, -0.3])).tolist()
+    probs = policy.draft_probs([0.0, -0.1, -0.2, -0.3])
     assert probs[0] == 1.0 and max(probs[1:]) < 0.1
     policy.rounds = 5  # not a probing round
     policy.start_round()
@@ -42,7 +42,7 @@ def test_useless_draft_means_plain_decoding():
 
 def test_agreeing_draft_grows_trees():
     policy = measured_policy(expand_ms=1, verify_ms=10, per_node_ms=0.1, acceptance=0.9)
-    probs = policy.draft_probs(torch.tensor([0.0] + [-0.1 * (i + 1) for i in range(8)])).tolist()
+    probs = policy.draft_probs([0.0] + [-0.1 * (i + 1) for i in range(8)])
     assert min(probs) > 0.3
     policy.rounds = 5
     policy.start_round()

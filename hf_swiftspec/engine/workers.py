@@ -212,6 +212,7 @@ class DraftWorker:
             child, _ = locate_child(tree, path[-1], verified.tokens[-1])
             if child is not None:
                 self.cache.commit(path_slots, reroot(tree, child))
+                tree.root_token = verified.tokens[-1]
                 self.counters.reroot_hits += 1
                 return True
         self.counters.reroot_misses += 1
@@ -226,7 +227,7 @@ class DraftWorker:
         """The draft's best nodes merged with the n-gram chain, each with its calibrated P(accepted)
         (one host sync)."""
         draft, scores = select_subtree(self.tree, policy.max_budget)
-        probs = policy.draft_probs(torch.tensor(scores, dtype=torch.float64)).tolist()
+        probs = policy.draft_probs(scores)
         chain_probs = policy.chain_probs(len(chain))
         return merge_chain(draft, scores, probs, chain[: len(chain_probs)], chain_probs)
 
