@@ -82,7 +82,7 @@ def settings_section(config: SwiftSpecConfig, folder: Path | None) -> str:
             inside = not os.path.isabs(entry) and ".." not in Path(entry).parts
             where, revision = ("folder in this repo" if inside else "local folder"), "-"
         rows.append(f"| {role} | `{entry}` ({where}) | {revision} |")
-    settings = ", ".join(f"`{name}={getattr(config, name)!r}`" for name in ("tree_budget", "draft_width", "draft_depth", "tree_capacity"))
+    settings = ", ".join(f"`{name}={getattr(config, name)!r}`" for name in ("tree_budget", "draft_width", "draft_depth", "ngram_size", "tree_capacity"))
     return "| role | model | revision |\n|---|---|---|\n" + "\n".join(rows) + f"\n\nTree settings: {settings}."
 
 
