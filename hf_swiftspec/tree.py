@@ -248,16 +248,21 @@ def best_subtree(proposal: Proposal, order: list[int], budget: int) -> Proposal:
 
 
 def subtree_mask(parents: list[int], device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ancestor-or-self mask (T, T) bool and depths (T,) long of a subtree given local parents."""
+    """Ancestor-or-self mask (T, T) bool and depths (T,) long of a subtree given local parents.
+
+    Each node's ancestors are kept as the bits of one host int, so the mask is built in two
+    tensor ops whatever T (Python ints have no width limit; the bits are unpacked in 62-bit words).
+    """
     T = len(parents)
-    depths = [0] * T
-    rows = [[False] * T for _ in range(T)]
+    bits, depths = [0] * T, [0] * T
     for i, p in enumerate(parents):
-        if p >= 0:
-            rows[i] = list(rows[p])
-            depths[i] = depths[p] + 1
-        rows[i][i] = True
-    return torch.tensor(rows, device=device), torch.tensor(depths, device=device)
+        bits[i] = (bits[p] if p >= 0 else 0) | (1 << i)
+        depths[i] = depths[p] + 1 if p >= 0 else 0
+    words = [[(b >> (62 * w)) & ((1 << 62) - 1) for w in range((T + 61) // 62)] for b in bits]
+    shifts = torch.arange(62, device=device)
+    packed = torch.tensor(words, dtype=torch.long, device=device)  # (T, W)
+    mask = ((packed.unsqueeze(-1) >> shifts) & 1).bool().reshape(T, -1)[:, :T]
+    return mask, torch.tensor(depths, device=device)
 
 
 def locate_child(tree: TokenTree, node: int, token: int) -> tuple[int | None, bool]:

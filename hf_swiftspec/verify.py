@@ -141,8 +141,9 @@ def walk_rows(logits, children: dict, context, sampler: Sampler, stopping_criter
             del out.path[j + 1 :], out.tokens[j + 1 :]
             out.finished = True
             break
-    out.scores = [scores[i : i + 1] for i in out.path]
-    out.logits = [logits[i : i + 1] for i in out.path]
+    rows = torch.tensor(out.path, device=logits.device)
+    out.scores = list(scores[rows].unsqueeze(1).unbind(0))  # (1, V) each, like the node-by-node walk's
+    out.logits = list(logits[rows].unsqueeze(1).unbind(0))
     out.finished = out.finished or len(out.tokens) >= max_tokens
     return out
 

@@ -154,3 +154,17 @@ def test_subtree_from_select_is_connected(llama_pair):
         rest = torch.ones(tree.size, dtype=torch.bool)
         rest[torch.tensor(sub.node_ids)] = False
         assert chosen.min() >= tree.scores[: tree.size][rest].max()  # the best nodes by score
+
+
+@pytest.mark.parametrize("size", [1, 2, 33, 62, 63, 130])
+def test_subtree_mask_matches_walking_up_the_parents(size):
+    gen = torch.Generator().manual_seed(size)
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, size)]
+    mask, depths = subtree_mask(parents, "cpu")
+    for i in range(size):
+        ancestors, node = set(), i
+        while node >= 0:
+            ancestors.add(node)
+            node = parents[node]
+        assert set(mask[i].nonzero().flatten().tolist()) == ancestors
+        assert depths[i] == len(ancestors) - 1
