@@ -31,14 +31,14 @@ def pair_and_prompts(name: str, count: int, prompt_len: int):
         return target, draft, [torch.randint(3, 4096, (1, prompt_len), generator=gen) for _ in range(count)]
     pair = SwiftSpecForCausalLM.from_pretrained(name, dtype=torch.float32)
     texts = [prompt.text for prompt in load_prompts("humaneval", count)]
-    return pair.target, pair.draft, [pair.tokenizer(t, return_tensors="pt").input_ids for t in texts]
+    return pair.target, pair.draft, [pair.tokenizer(t, return_tensors="pt").input_ids[:, -prompt_len:] for t in texts]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pair", default="swiftspec-demo-pystdlib", help="pair id or folder, or 'agreeing'")
     parser.add_argument("--prompts", type=int, default=6)
-    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=96, help="prompt tokens kept (the last ones)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))

@@ -33,7 +33,10 @@ def run_draft(draft: DraftWorker, request: DecodeRequest, link) -> None:
     draft.top_up(min(policy.max_budget, FIRST_TREE))
     while True:
         # Drafting is off the critical path here: the tree size is chosen by verification time alone.
-        candidates = draft.candidates(policy, draft.chain(policy.max_budget))
+        chain = draft.chain(policy.max_budget)
+        if draft.tree.size == 1 and not chain:  # a fresh tree and nothing to copy: one expansion first
+            draft.top_up(2)
+        candidates = draft.candidates(policy, chain)
         proposal = draft.proposal(policy, candidates, spent_s=0.0, agree=link.agree)
         link.send_subtree(proposal.subtree)
         sent = time.perf_counter()
@@ -51,8 +54,7 @@ def run_draft(draft: DraftWorker, request: DecodeRequest, link) -> None:
         policy.observe_outcome(proposal, verified)
         if verified.finished:
             return
-        draft.reroot(proposal.subtree, verified)
-        draft.top_up(min(policy.max_budget, FIRST_TREE))
+        draft.reroot(proposal.subtree, verified)  # the target waits from here to the next send: keep it short
 
 
 def run_target(target: TargetWorker, request: DecodeRequest, link, result: DecodeResult) -> None:
