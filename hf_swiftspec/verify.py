@@ -42,39 +42,55 @@ PATH_FREE_PROCESSORS = tuple(
 class Sampler:
     """The target's next-token rule: generate()'s logits processors, then argmax or a sample.
 
-    generator: explicit RNG for sampling, on the target's device (None for greedy).
+    Sampling is Gumbel-max with noise drawn per sequence position (a generator seeded with
+    seed + position), so the token at a position depends on its context and the seed only, never on
+    the tree that was verified: every node at one depth shares that depth's noise, and the walk
+    uses one node per depth, so the emitted tokens are exact draws from the target's distribution,
+    and a seed reproduces them whatever trees the policy chose.
+
+    generator: explicit RNG for sampling, on the target's device (None for greedy); the seed is
+        drawn from it on first use.
     """
 
     logits_processor: LogitsProcessorList
     do_sample: bool
     generator: torch.Generator | None = None
+    seed: int | None = None
 
     @property
     def path_free(self) -> bool:
         """Whether the processors ignore the path, so all nodes can be processed in one call."""
         return all(isinstance(p, PATH_FREE_PROCESSORS) for p in self.logits_processor)
 
-    def choose_rows(self, context: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def gumbel(self, positions: list[int], vocab: int, device: torch.device) -> torch.Tensor:
+        """Gumbel noise (n, V) float64 for each of `positions` (absolute sequence positions)."""
+        if self.seed is None:
+            self.seed = int(torch.randint(0, 2**62, (1,), generator=self.generator, device=self.generator.device))
+        rows = {}
+        for p in set(positions):
+            g = torch.Generator(device=device).manual_seed((self.seed + p) % 2**63)
+            rows[p] = torch.rand(vocab, generator=g, dtype=torch.float64, device=device)
+        u = torch.stack([rows[p] for p in positions]).clamp_(min=1e-300)
+        return -torch.log(-torch.log(u))
+
+    def pick(self, scores: torch.Tensor, positions: list[int]) -> torch.Tensor:
+        """Tokens (n,) from processed scores (n, V): argmax, or a draw for the row's position."""
+        if not self.do_sample:
+            return torch.argmax(scores, dim=-1)
+        return torch.argmax(scores.double() + self.gumbel(positions, scores.shape[-1], scores.device), dim=-1)
+
+    def choose_rows(self, context: torch.Tensor, logits: torch.Tensor, depths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """For path-free processors: next token (T,) and processed scores (T, V) of every row at once.
 
-        Each row's token is an independent draw from that row's distribution (or its argmax), so
-        the ones the walk visits are distributed exactly as node-by-node draws would be.
+        depths: each row's depth in the tree; its token is for position context length + depth.
         """
         scores = self.logits_processor(context, logits)
-        if self.do_sample:
-            tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1, generator=self.generator)
-            return tokens.squeeze(1), scores
-        return torch.argmax(scores, dim=-1), scores
+        return self.pick(scores, [context.shape[1] + d for d in depths]), scores
 
     def choose(self, context: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Next token (1,) and processed scores (1, V) given context (1, L) and raw logits (1, V)."""
         scores = self.logits_processor(context, logits)
-        if self.do_sample:
-            probs = torch.softmax(scores, dim=-1)
-            token = torch.multinomial(probs, num_samples=1, generator=self.generator).squeeze(1)
-        else:
-            token = torch.argmax(scores, dim=-1)
-        return token, scores
+        return self.pick(scores, [context.shape[1]]), scores
 
 
 @dataclass
@@ -122,7 +138,10 @@ def verify_tree(
 def walk_rows(logits, children: dict, context, sampler: Sampler, stopping_criteria, max_tokens: int) -> Verified:
     """The walk when no processor depends on the path: every row processed and chosen at once
     (one host sync), then the walk itself on the host, then the stopping criteria on its prefixes."""
-    tokens, scores = sampler.choose_rows(context, logits.clone())  # (T,), (T, V)
+    depths = [0] * len(logits)
+    for (parent, _), child in children.items():
+        depths[child] = depths[parent] + 1  # children come after their parents
+    tokens, scores = sampler.choose_rows(context, logits.clone(), depths)  # (T,), (T, V)
     choice = tokens.tolist()
     out = Verified()
     node = 0

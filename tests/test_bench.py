@@ -198,7 +198,7 @@ def test_plot_error_bars_span_min_to_max_and_never_go_below_zero(values):
 def test_caches_keep_one_buffer_over_a_long_generation(tiny_models):
     """No per-step reallocation: each model's TreeCache kv keeps its data pointer and shape."""
     ids = torch.randint(3, 98, (1, 9), generator=torch.Generator().manual_seed(0))
-    budget = memory_budget(tiny_models, {"tree_budget": 6, "draft_width": 4}, ids, 300)
+    budget = memory_budget(tiny_models, {"tree_budget": 6, "draft_width": 4, "draft_depth": 2}, ids, 300)
     assert budget.no_growth and budget.within_tree_region
     target, draft = budget.traces
     assert target.forwards > 20 and draft.forwards > 20  # many rounds were watched

@@ -133,3 +133,15 @@ def test_pair_folder_settings_override_and_missing_member(tmp_path, pair):
     SwiftSpecConfig(target="target").save_pretrained(tmp_path / "broken")
     with pytest.raises(ValueError, match="'draft'"):
         SwiftSpecForCausalLM.from_pretrained(tmp_path / "broken")
+
+
+def test_a_seed_gives_the_same_sample_whatever_tree_is_verified():
+    """Noise is drawn per position, so the policy's choices (timing-dependent) never change a sample."""
+    target = tiny_model("llama", seed=0)
+    ids = torch.tensor([[5, 9, 11, 5, 9]])
+    outputs = set()
+    for settings in (dict(tree_budget=2, draft_depth=1), dict(tree_budget=12, draft_depth=4), dict(), dict(ngram_size=0)):
+        model = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 1), **settings)
+        out = model.generate(ids, do_sample=True, temperature=1.5, max_new_tokens=30, generator=torch.Generator().manual_seed(7))
+        outputs.add(tuple(out[0].tolist()))
+    assert len(outputs) == 1

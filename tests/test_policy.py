@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from transformers import LogitsProcessorList, StoppingCriteriaList
+from transformers import LogitsProcessorList, StoppingCriteriaList, TemperatureLogitsWarper, TopKLogitsWarper
 from transformers.generation.stopping_criteria import EosTokenCriteria
 
 from hf_swiftspec import SwiftSpecForCausalLM
@@ -95,8 +95,10 @@ def random_tree(n, g):
     return Subtree(list(range(n)), torch.randint(0, 6, (n,), generator=g).tolist(), parents)
 
 
-@pytest.mark.parametrize("seed", range(30))
-def test_vectorised_walk_equals_the_node_by_node_walk(seed):
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("seed", range(20))
+def test_vectorised_walk_equals_the_node_by_node_walk(seed, do_sample):
+    """Same tokens, path and stop either way; sampled too, since the noise is drawn per position."""
     g = torch.Generator().manual_seed(seed)
     n = int(torch.randint(1, 14, (1,), generator=g))
     subtree = random_tree(n, g)
@@ -104,12 +106,16 @@ def test_vectorised_walk_equals_the_node_by_node_walk(seed):
     logits[:, : int(torch.randint(0, 6, (1,), generator=g))] += 2  # tokens that match children more often
     context = torch.randint(0, 6, (1, 5), generator=g)
     criteria = StoppingCriteriaList([EosTokenCriteria(eos_token_id=int(torch.randint(0, 6, (1,), generator=g)))])
-    sampler = Sampler(LogitsProcessorList(), do_sample=False)
-    assert sampler.path_free
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(4)] if do_sample else [])
     max_tokens = int(torch.randint(1, 8, (1,), generator=g))
-    children = {(p, t): i for i, (p, t) in reversed(list(enumerate(zip(subtree.parents, subtree.tokens)))) if p >= 0}
-    fast = walk_rows(logits, children, context, sampler, criteria, max_tokens)
-    slow = walk_nodes(logits, children, context, sampler, criteria, max_tokens)
+    children = {}
+    for i, (p, t) in enumerate(zip(subtree.parents, subtree.tokens)):
+        if p >= 0:
+            children.setdefault((p, t), i)
+    fast_sampler, slow_sampler = (Sampler(warpers, do_sample, generator=torch.Generator().manual_seed(seed)) for _ in range(2))
+    assert fast_sampler.path_free
+    fast = walk_rows(logits, children, context, fast_sampler, criteria, max_tokens)
+    slow = walk_nodes(logits, children, context, slow_sampler, criteria, max_tokens)
     assert (fast.tokens, fast.path, fast.finished) == (slow.tokens, slow.path, slow.finished)
     for a, b in zip(fast.scores + fast.logits, slow.scores + slow.logits):
         torch.testing.assert_close(a, b)
