@@ -10,14 +10,13 @@ import torch
 from huggingface_hub import HfApi
 from transformers import AutoModelForCausalLM, GenerationConfig, GenerationMixin, PreTrainedModel
 
+from .architectures import describe
 from .config import SwiftSpecConfig, check_setting_names
 from .generation import split_stop_strings, stop_string_criteria, swiftspec_generate
 from .pair import (
-    SUPPORTED_MODEL_TYPES,
     HubOptions,
     PairCard,
     PairConfigError,
-    check_architecture,
     check_compatibility,
     check_vocabularies,
     pair_members,
@@ -30,7 +29,6 @@ from .pair import (
 from .placement import Placement, place_models, resolve_placement
 from .stats import SwiftSpecStats
 
-TREE_MASK_ATTENTION = ("sdpa", "eager", "swiftspec")  # "swiftspec": the tree kernel's, sdpa outside tree steps
 # Arguments the Auto classes and pipeline() add that mean something for the pair repo itself, or nothing here.
 PAIR_ONLY_KWARGS = ("config", "proxies", "adapter_kwargs", "_commit_hash", "code_revision")
 
@@ -38,15 +36,8 @@ __all__ = ["SwiftSpecForCausalLM"]
 
 
 def check_model_supported(model: PreTrainedModel, role: str) -> None:
-    """Raise ValueError if `model` cannot run tree steps, naming its model type and the fix."""
-    check_architecture(model.config, role)
-    config = model.config.get_text_config()
-    attn = getattr(model.config, "_attn_implementation", None) or "sdpa"
-    if attn not in TREE_MASK_ATTENTION:
-        raise ValueError(
-            f"The {role} ({config.model_type}) uses attn_implementation={attn!r}, which cannot take a tree mask; "
-            f"load it with attn_implementation='sdpa' or 'eager'."
-        )
+    """Raise ValueError if `model` cannot run exact tree (or chain) steps, naming the missing capability."""
+    describe(model, role)
 
 
 class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
