@@ -14,6 +14,7 @@ the right positions only when every step is a chain: they speculate along a chai
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 from dataclasses import dataclass
@@ -105,12 +106,17 @@ class Architecture:
         """"tree", or "chain" where positions follow cache slots."""
         return "tree" if self.chain_reason is None else "chain"
 
-    @property
+    @functools.cached_property
     def masks(self) -> dict[str, LayerMask]:
         """{layer type: its window rule} over the layers that keep KV, in layer order."""
         return {t: m for t, m in zip(self.layer_types, self.layer_masks) if t in MASKED_LAYER_TYPES}
 
-    @property
+    @functools.cached_property
+    def rules(self) -> tuple[LayerMask, ...]:
+        """The distinct window rules a tree step builds masks for (one per step, shared by layers)."""
+        return tuple(dict.fromkeys(self.masks.values())) or (FULL,)
+
+    @functools.cached_property
     def windowed(self) -> bool:
         """Whether some layer sees less than every committed position (masks then need positions)."""
         return any(m.kind != "full" for m in self.layer_masks)

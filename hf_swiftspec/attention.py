@@ -210,11 +210,11 @@ def tree_step_kwargs(
     """
     if architecture.shape == "chain":
         return {}
-    rules = tuple(dict.fromkeys(architecture.masks.values())) or (FULL,)
-    dense = functools.cache(
-        lambda rule: dense_tree_mask(prefix_len, tree_mask, dtype, rule, q_positions, kv_positions)
-    )
+    rules = architecture.rules
     if backend in KERNEL_BACKENDS:
+        dense = functools.cache(
+            lambda rule: dense_tree_mask(prefix_len, tree_mask, dtype, rule, q_positions, kv_positions)
+        )
         step = TreeStep(
             prefix_len,
             {rule: rule_masks(rule, tree_mask, q_positions, kv_positions) for rule in rules},
@@ -227,8 +227,9 @@ def tree_step_kwargs(
         stand_in = torch.zeros(1, 1, 1, 1, dtype=dtype, device=tree_mask.device)
         return {"attention_mask": stand_in, "swiftspec_tree": step}
     if len(rules) == 1:
-        return {"attention_mask": dense(rules[0])}
-    return {"attention_mask": {layer_type: dense(rule) for layer_type, rule in architecture.masks.items()}}
+        return {"attention_mask": dense_tree_mask(prefix_len, tree_mask, dtype, rules[0], q_positions, kv_positions)}
+    dense = {rule: dense_tree_mask(prefix_len, tree_mask, dtype, rule, q_positions, kv_positions) for rule in rules}
+    return {"attention_mask": {layer_type: dense[rule] for layer_type, rule in architecture.masks.items()}}
 
 
 def rule_masks(rule: LayerMask, tree_mask: torch.Tensor, q_positions, kv_positions) -> RuleMasks:

@@ -109,6 +109,11 @@ class TreeCache(Cache):
         self.length = 0
         super().__init__(layers=[TreeCacheLayer(self, i, sliding[i]) for i in range(num_layers)])
 
+    @property
+    def kv(self) -> torch.Tensor | None:
+        """The first shared buffer (every key and value when all layers look alike); None before a forward."""
+        return self.buffers[0].data if self.buffers else None
+
     def write(self, stored: torch.Tensor, new: torch.Tensor, dim: int) -> torch.Tensor:
         """`stored` with `new` written at [length, length + n) along `dim`; the tensor to keep."""
         if not self.buffers:  # the first forward: keep states as they come, `pack` places them

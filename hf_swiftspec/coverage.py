@@ -193,7 +193,7 @@ def check_type(model_type: str) -> Outcome:
     return Outcome(model_type, architecture.shape, architecture.chain_reason or "", tau)
 
 
-def first_line(error: BaseException, limit: int = 200) -> str:
+def first_line(error: BaseException, limit: int = 600) -> str:
     text = str(error).strip().splitlines()[0] if str(error).strip() else ""
     return text[:limit]
 
@@ -223,11 +223,20 @@ def markdown_table(outcomes: list[Outcome]) -> str:
     """The README's architecture table: one row per model type."""
     rows = ["| model type | speculation | why / notes |", "|---|---|---|"]
     for o in sorted(outcomes, key=lambda o: o.model_type):
-        note = o.reason.replace("|", "\\|")
+        note = short_reason(o.reason).replace("|", "\\|")
         if o.status in ("tree", "chain"):
             note = f"tau {o.tau:.2f} on the tiny sweep" + (f"; {note}" if note else "")
         rows.append(f"| `{o.model_type}` | {o.status} | {note} |")
     return "\n".join([coverage_line(outcomes) + ".", "", *rows])
+
+
+def short_reason(reason: str, limit: int = 140) -> str:
+    """The reason's first clause without the "The target (type)" it starts with, for the table."""
+    if reason.startswith("The target ("):
+        reason = reason[reason.index(") ") + 2 :]
+    for cut in (": a tree step", ", which a tree step", "; ", ", so ", ". "):
+        reason = reason.split(cut)[0]
+    return reason if len(reason) <= limit else reason[: limit - 3] + "..."
 
 
 def rewrite_readme(readme: Path, outcomes: list[Outcome]) -> None:
