@@ -1,16 +1,23 @@
 """Tree attention routing: the one place that decides how a model's tree steps attend.
 
-A tree step's queries see the committed prefix plus their own ancestors in the tree region.
-Each model's backend is resolved once per generation (`resolve_attention`), the model is
-routed for the length of that generation only (`routed_attention`, which restores the user's
+A tree step's query at position p sees the committed positions its layer's rule allows (all of
+them; a sliding window of p; p's chunk) plus its own tree ancestors that the same rule allows.
+Each model's backend is resolved once per generation (`resolve_attention`), the model is routed
+for the length of that generation only (`routed_attention`, which restores the user's
 `attn_implementation` afterwards), and every tree forward takes its attention arguments from
-`tree_step_kwargs`:
+`tree_step_kwargs`, built once per step and read by every layer:
 
-    "triton" / "torch-reference"  the model runs with attn_implementation="swiftspec": the forward
-        carries a `TreeStep` (prefix length + the tree mask packed to bits, built once per step and
-        read by every layer); any other forward (prefill, plain `target.generate`) falls through to
-        sdpa with the mask transformers builds.
-    "sdpa" / "eager"              the model's own attention with a dense additive 4D mask.
+    "triton" / "torch-reference"  the model runs with attn_implementation="swiftspec" (or
+        "swiftspec_eager" for a model whose own attention is eager): the forward carries a
+        `TreeStep` (prefix length, per window rule the tree mask packed to bits and each query's
+        first visible prefix position). A layer the kernel cannot serve (attention sinks, keys and
+        values of different widths) runs the model's own attention with a dense mask instead, and
+        the step records why (`TreeStep.fallbacks`, shown in `swiftspec_stats.attention`). Any
+        forward without a TreeStep (prefill, plain `target.generate`) runs the model's own attention.
+    "sdpa" / "eager"              the model's own attention with dense additive 4D masks: one
+        tensor, or {layer type: mask} when the model's layer types need different windows.
+    chain-shaped models (architectures.py) get no mask at all: a chain over the cache is causal,
+        and the model builds its own causal (and windowed) mask from the cache, by slot.
 
     SwiftSpecConfig.attention:
     "auto"   the Triton kernel on CUDA devices, else the model's own attention + dense mask
@@ -22,58 +29,127 @@ routed for the length of that generation only (`routed_attention`, which restore
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+import functools
+import sys
+from dataclasses import dataclass, field
 
 import torch
 from swiftspec_kernels import pack_tree_mask, tree_attention, tree_attention_reference, triton_available
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import sdpa_mask
+from transformers.masking_utils import eager_mask, sdpa_mask
+
+from .architectures import FULL, Architecture, LayerMask
 
 ATTENTION_CHOICES = ("auto", "kernel", "model")
 KERNEL_BACKENDS = ("triton", "torch-reference")
-NAME = "swiftspec"
+NAMES = {"sdpa": "swiftspec", "eager": "swiftspec_eager"}  # routed name by the model's own implementation
 
 
-@dataclass(frozen=True)
+@dataclass
+class RuleMasks:
+    """One window rule's tree mask for a step.
+
+    bits:          (1, Q, ceil(S / 32)) int32, the (Q, S) tree-region mask (rule applied) packed
+    prefix_start:  (1, Q) int32, each query's first visible committed position; None: all of them
+    """
+
+    bits: torch.Tensor
+    prefix_start: torch.Tensor | None
+
+
+@dataclass
 class TreeStep:
-    """What every layer's attention needs for one tree forward.
+    """What every layer's attention needs for one tree forward (built once per step).
 
-    prefix_len: committed positions every query attends
-    bits:       (1, Q, ceil(S / 32)) int32, the (Q, S) tree-region mask packed by pack_tree_mask
-    reference:  use the plain-torch reference instead of the Triton kernel
+    prefix_len:  committed positions
+    rules:       {window rule: RuleMasks}
+    layer_rules: per decoder layer, its window rule
+    dense:       builds the dense additive mask of a rule, for layers the kernel cannot serve
+    reference:   use the plain-torch reference instead of the Triton kernel
+    fallbacks:   why layers ran their own attention in this step (filled while the step runs)
     """
 
     prefix_len: int
-    bits: torch.Tensor
+    rules: dict[LayerMask, RuleMasks]
+    layer_rules: tuple[LayerMask, ...]
+    dense: object
     reference: bool = False
+    fallbacks: set[str] = field(default_factory=set)
+
+    def rule_of(self, module) -> LayerMask:
+        layer_idx = getattr(module, "layer_idx", None)
+        if layer_idx is None or layer_idx >= len(self.layer_rules):
+            (rule,) = set(self.layer_rules) or {FULL}  # a module without layer_idx: one rule for all
+            return rule
+        return self.layer_rules[layer_idx]
 
 
-def swiftspec_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def kernel_gap(module, key, value, kwargs) -> str | None:
+    """Why the tree kernel cannot serve this layer, or None."""
+    if kwargs.get("s_aux") is not None:
+        return "attention sinks"
+    if key.shape != value.shape:
+        return "keys and values of different widths"
+    return None
+
+
+def swiftspec_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, own="sdpa", **kwargs):
     """AttentionInterface function: q (B, H, Q, D), k/v (B, Hkv, KV, D) -> ((B, Q, H, D), None)."""
     step: TreeStep | None = kwargs.pop("swiftspec_tree", None)
+    own_attention = own_attention_of(module, own)
     if step is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        return own_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    rule = step.rule_of(module)
+    gap = kernel_gap(module, key, value, kwargs)
+    if gap is not None:
+        step.fallbacks.add(gap)
+        mask = step.dense(rule)
+        return own_attention(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
+    masks = step.rules[rule]
     attend = tree_attention_reference if step.reference else tree_attention
-    out = attend(query, key, value, step.prefix_len, step.bits, scaling if scaling is not None else query.shape[-1] ** -0.5)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = attend(
+        query, key, value, step.prefix_len, masks.bits, scale,
+        prefix_start=masks.prefix_start, softcap=kwargs.get("softcap"),
+    )  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
 
 
+def own_attention_of(module, own: str):
+    """The model's own attention function: sdpa, or the eager function of its modeling file."""
+    if own == "sdpa":
+        return sdpa_attention_forward
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if eager is None:
+        raise ValueError(
+            f"{type(module).__name__} has no eager_attention_forward in its modeling file to fall back on; use "
+            "SwiftSpecConfig.attention='model' for this model."
+        )
+    return eager
+
+
 def register_tree_attention() -> None:
-    """Make attn_implementation="swiftspec" known to transformers (idempotent)."""
-    AttentionInterface.register(NAME, swiftspec_attention)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
+    """Make attn_implementation="swiftspec" / "swiftspec_eager" known to transformers (idempotent)."""
+    for own, name in NAMES.items():
+        AttentionInterface.register(name, functools.partial(swiftspec_attention, own=own))
+        AttentionMaskInterface.register(name, sdpa_mask if own == "sdpa" else eager_mask)
 
 
-def resolve_attention(choice: str, model) -> str:
+def resolve_attention(choice: str, model, architecture: Architecture | None = None) -> str:
     """The backend a model's tree steps use: "triton", "torch-reference", or its own ("sdpa"/"eager")."""
     if choice not in ATTENTION_CHOICES:
         raise ValueError(f"SwiftSpecConfig.attention={choice!r}; use one of {ATTENTION_CHOICES}.")
-    device = model.device
-    if choice == "kernel" or (choice == "auto" and device.type == "cuda"):
-        return "triton" if triton_available(device) else "torch-reference"
+    own = own_implementation(model)
+    kernel_ok = model._can_set_attn_implementation() and (architecture is None or architecture.shape == "tree")
+    if kernel_ok and (choice == "kernel" or (choice == "auto" and model.device.type == "cuda")):
+        return "triton" if triton_available(model.device) else "torch-reference"
+    return own
+
+
+def own_implementation(model) -> str:
     own = model.config._attn_implementation or "sdpa"
-    return "sdpa" if own == NAME else own  # swiftspec_attention without a TreeStep is sdpa
+    return {name: own for own, name in NAMES.items()}.get(own, own)  # a routed model's own one
 
 
 @contextlib.contextmanager
@@ -83,32 +159,82 @@ def routed_attention(model, backend: str):
     if backend not in KERNEL_BACKENDS:
         yield
         return
-    own = model.config._attn_implementation
+    own = model.config._attn_implementation or "sdpa"
     register_tree_attention()
-    model.set_attn_implementation(NAME)
+    model.set_attn_implementation(NAMES.get(own_implementation(model), NAMES["sdpa"]))
     try:
         yield
     finally:
-        model.set_attn_implementation(own or "sdpa")
+        model.set_attn_implementation(own)
 
 
-def dense_tree_mask(prefix_len: int, tree_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dense_tree_mask(
+    prefix_len: int,
+    tree_mask: torch.Tensor,
+    dtype: torch.dtype,
+    rule: LayerMask = FULL,
+    q_positions: torch.Tensor | None = None,
+    kv_positions: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Additive 4D mask (1, 1, Q, prefix_len + S) from a tree-region mask (Q, S) bool.
 
+    rule: the layer's window; a windowed rule needs the queries' positions q_positions (Q,) and
+        the tree slots' positions kv_positions (S,).
     Additive (0 / dtype min) rather than bool because eager attention adds whatever it is given.
     """
     Q = tree_mask.shape[0]
-    allowed = torch.cat([tree_mask.new_ones(Q, prefix_len), tree_mask], dim=1)
+    if rule.kind == "full":
+        allowed = torch.cat([tree_mask.new_ones(Q, prefix_len), tree_mask], dim=1)
+    else:
+        prefix = torch.arange(prefix_len, device=tree_mask.device)
+        allowed = rule.visible(q_positions, torch.cat([prefix, kv_positions])) & torch.cat(
+            [tree_mask.new_ones(Q, prefix_len), tree_mask], dim=1
+        )
     mask = torch.zeros(allowed.shape, dtype=dtype, device=tree_mask.device)
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
 
 
-def tree_step_kwargs(backend: str, prefix_len: int, tree_mask: torch.Tensor, dtype: torch.dtype) -> dict:
-    """Forward kwargs that make every layer attend the prefix plus the tree slots `tree_mask` (Q, S) allows."""
+def tree_step_kwargs(
+    backend: str,
+    architecture: Architecture,
+    prefix_len: int,
+    tree_mask: torch.Tensor,
+    dtype: torch.dtype,
+    q_positions: torch.Tensor | None = None,
+    kv_positions: torch.Tensor | None = None,
+) -> dict:
+    """Forward kwargs that make every layer attend the prefix plus the tree slots `tree_mask` (Q, S) allows.
+
+    q_positions (Q,) and kv_positions (S,) (the tree slots' positions) are needed only when some
+    layer has a window (`architecture.windowed`).
+    """
+    if architecture.shape == "chain":
+        return {}
+    rules = architecture.rules
     if backend in KERNEL_BACKENDS:
-        step = TreeStep(prefix_len, pack_tree_mask(tree_mask[None]), reference=backend == "torch-reference")
+        dense = functools.cache(
+            lambda rule: dense_tree_mask(prefix_len, tree_mask, dtype, rule, q_positions, kv_positions)
+        )
+        step = TreeStep(
+            prefix_len,
+            {rule: rule_masks(rule, tree_mask, q_positions, kv_positions) for rule in rules},
+            architecture.layer_masks,
+            dense,
+            reference=backend == "torch-reference",
+        )
         # Any 4D mask passes through transformers' masking unchanged and the kernel reads the TreeStep
         # instead, so a one-element stand-in spares building the dense (Q, prefix + S) mask.
         stand_in = torch.zeros(1, 1, 1, 1, dtype=dtype, device=tree_mask.device)
         return {"attention_mask": stand_in, "swiftspec_tree": step}
-    return {"attention_mask": dense_tree_mask(prefix_len, tree_mask, dtype)}
+    if len(rules) == 1:
+        return {"attention_mask": dense_tree_mask(prefix_len, tree_mask, dtype, rules[0], q_positions, kv_positions)}
+    dense = {rule: dense_tree_mask(prefix_len, tree_mask, dtype, rule, q_positions, kv_positions) for rule in rules}
+    return {"attention_mask": {layer_type: dense[rule] for layer_type, rule in architecture.masks.items()}}
+
+
+def rule_masks(rule: LayerMask, tree_mask: torch.Tensor, q_positions, kv_positions) -> RuleMasks:
+    """The kernel's view of one rule: the tree mask with the rule applied, packed, and prefix bounds."""
+    if rule.kind == "full":
+        return RuleMasks(pack_tree_mask(tree_mask[None]), None)
+    allowed = tree_mask & rule.visible(q_positions, kv_positions)
+    return RuleMasks(pack_tree_mask(allowed[None]), rule.first_visible(q_positions).to(torch.int32)[None])

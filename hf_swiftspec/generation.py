@@ -16,6 +16,7 @@ import torch
 from transformers import GenerationConfig, StoppingCriteriaList
 from transformers.generation import GenerateDecoderOnlyOutput, StopStringCriteria
 
+from .architectures import describe
 from .attention import resolve_attention, routed_attention
 from .config import SwiftSpecConfig
 from .engine import DecodeRequest, DecodeResult, DraftWorker, TargetWorker, run_serial, run_threads
@@ -53,7 +54,6 @@ def swiftspec_generate(
     prompt = strip_left_padding(input_ids, model_kwargs.get("attention_mask"))
     max_new = max(generation_config.max_length - input_ids.shape[1], 0)
     config = swiftspec_config
-    check_sliding_windows(model, swiftspec_draft, prompt.shape[1] + max_new + config.tree_capacity)
     sampler = Sampler(logits_processor, bool(generation_config.do_sample), swiftspec_generator)
     if sampler.do_sample and sampler.generator is None:
         sampler.generator = generator_from_global_seed(model.device)
@@ -72,30 +72,51 @@ def swiftspec_generate(
             if worker is not None:
                 routes.enter_context(routed_attention(worker.model, worker.attention))
         result = run_engine(swiftspec_placement, swiftspec_groups, *workers, request, config) if max_new else DecodeResult()
-    result.stats.attention = ", ".join(
-        f"{role}={w.attention}" for role, w in zip(("target", "draft"), workers) if w
-    )
+    result.stats.attention = attention_summary(workers)
     return generate_output(input_ids, result, generation_config), result.stats
 
 
 def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: Groups | None):
-    """(TargetWorker, DraftWorker) with caches for `length` tokens; under torchrun only this rank's."""
+    """(TargetWorker, DraftWorker) with caches for `length` tokens; under torchrun only this rank's.
+
+    Trees shrink to chains (draft width 1, no n-gram branch beside the draft's chain) when either
+    model places tokens by cache slot.
+    """
     role = groups.role if groups is not None else None
+    target_arch, draft_arch = describe(target, "target"), describe(draft, "draft")
+    chain = "chain" in (target_arch.shape, draft_arch.shape)
     target_worker = draft_worker = None
     if role in (None, "target"):
         budget = config.tree_budget or MAX_BUDGET
-        target_worker = TargetWorker(target, length + budget, resolve_attention(config.attention, target))
+        attention = resolve_attention(config.attention, target, target_arch)
+        target_worker = TargetWorker(target, length + budget, attention, target_arch)
     if role in (None, "draft"):
         draft_worker = DraftWorker(
             draft,
             capacity=length + config.tree_capacity,
             tree_capacity=config.tree_capacity,
-            width=config.draft_width,
+            width=1 if chain else config.draft_width,
             vocab_limit=target.config.get_text_config().vocab_size,
-            attention=resolve_attention(config.attention, draft),
-            ngram_size=config.ngram_size,
+            attention=resolve_attention(config.attention, draft, draft_arch),
+            ngram_size=0 if chain else config.ngram_size,
+            architecture=draft_arch,
         )
     return target_worker, draft_worker
+
+
+def attention_summary(workers) -> str:
+    """How each model attended: its backend, the layers that fell back, and chains where trees could not be."""
+    parts = []
+    for role, worker in zip(("target", "draft"), workers):
+        if worker is None:
+            continue
+        part = f"{role}={worker.attention}"
+        if worker.attention_fallbacks:
+            part += f" (own attention for {', '.join(sorted(worker.attention_fallbacks))})"
+        if worker.architecture.shape == "chain":
+            part += f" (chain: {worker.architecture.chain_reason})"
+        parts.append(part)
+    return ", ".join(parts)
 
 
 def run_engine(placement, groups, target, draft, request: DecodeRequest, config) -> DecodeResult:
@@ -152,28 +173,6 @@ def strip_left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | N
             f"{attention_mask[0].tolist()}. Remove the padding or use swiftspec=False."
         )
     return input_ids[:, start:]
-
-
-def sliding_window_of(config) -> int | None:
-    """The sliding window a model's attention applies, or None if all layers attend everything."""
-    config = config.get_text_config()
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None
-    return window
-
-
-def check_sliding_windows(target, draft, length: int) -> None:
-    """Tree masks replace the model's own mask, so a window shorter than the sequence would be ignored."""
-    for role, model in (("target", target), ("draft", draft)):
-        window = sliding_window_of(model.config)
-        if window is not None and length > window:
-            raise ValueError(
-                f"The {role} ({model.config.model_type}) uses sliding-window attention of {window} tokens, and this "
-                f"generation needs up to {length} positions (prompt + max_new_tokens + tree). Shorten the request "
-                "to fit the window or use swiftspec=False."
-            )
 
 
 def generator_from_global_seed(device: torch.device) -> torch.Generator:

@@ -10,12 +10,12 @@ import torch
 from huggingface_hub import HfApi
 from transformers import AutoModelForCausalLM, GenerationConfig, GenerationMixin, PreTrainedModel
 
+from .architectures import describe
 from .config import SwiftSpecConfig, check_setting_names
 from .generation import split_stop_strings, stop_string_criteria, swiftspec_generate
 from .pair import (
     PairCard,
     PairConfigError,
-    check_architecture,
     check_compatibility,
     pair_members,
     pinned,
@@ -27,21 +27,13 @@ from .pair.loading import split_load_kwargs, with_cpu_dtype
 from .placement import Placement, place_models, resolve_placement
 from .stats import SwiftSpecStats
 
-TREE_MASK_ATTENTION = ("sdpa", "eager", "swiftspec")  # "swiftspec": the tree kernel's, sdpa outside tree steps
 
 __all__ = ["SwiftSpecForCausalLM"]
 
 
 def check_model_supported(model: PreTrainedModel, role: str) -> None:
-    """Raise ValueError if `model` cannot run tree steps, naming its model type and the fix."""
-    check_architecture(model.config, role)
-    config = model.config.get_text_config()
-    attn = getattr(model.config, "_attn_implementation", None) or "sdpa"
-    if attn not in TREE_MASK_ATTENTION:
-        raise ValueError(
-            f"The {role} ({config.model_type}) uses attn_implementation={attn!r}, which cannot take a tree mask; "
-            f"load it with attn_implementation='sdpa' or 'eager'."
-        )
+    """Raise ValueError if `model` cannot run exact tree (or chain) steps, naming the missing capability."""
+    describe(model, role)
 
 
 def corpus_tokens(corpus, tokenizer) -> list[list[int]]:

@@ -5,7 +5,8 @@ import copy
 import pytest
 import torch
 
-from hf_swiftspec import SwiftSpecConfig, SwiftSpecForCausalLM
+from hf_swiftspec import SwiftSpecConfig, SwiftSpecForCausalLM, coverage
+from hf_swiftspec.architectures import describe
 from hf_swiftspec.attention import resolve_attention, routed_attention
 from hf_swiftspec.cache import TreeCache
 from hf_swiftspec.engine.workers import model_step, tree_step_forward
@@ -15,12 +16,16 @@ from hf_swiftspec.tree import subtree_mask
 needs_triton = pytest.mark.skipif(resolve_attention("kernel", tiny_model()) != "triton", reason="Triton cannot run here")
 
 
-def tree_logits(model, backend, prefix, tokens, parents):
-    cache = TreeCache(model.config.num_hidden_layers, 128)
+def tree_logits(model, backend, prefix, tokens, parents, fallbacks=None):
+    architecture = describe(model)
+    cache = TreeCache(len(architecture.layer_types), 128, architecture.sliding)
     model_step(model, cache, torch.tensor([prefix]), torch.arange(len(prefix))[None], keep=1)
     cache.seal_prefix()
     mask, depths = subtree_mask(parents, "cpu")
-    return tree_step_forward(model, cache, torch.tensor([tokens]), (len(prefix) + depths)[None], mask, backend)
+    positions = (len(prefix) + depths)[None]
+    return tree_step_forward(
+        model, cache, torch.tensor([tokens]), positions, mask, backend, architecture, fallbacks=fallbacks
+    )
 
 
 @pytest.mark.parametrize("backend", [pytest.param("triton", marks=needs_triton), "torch-reference"])
@@ -37,6 +42,35 @@ def test_forward_with_tree_kernel_equals_sdpa_with_dense_mask(backend, arch):
         got = tree_logits(kernel_model, backend, prefix, tokens, parents)
     torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)
     assert kernel_model.config._attn_implementation == "sdpa"  # the user's setting is back
+
+
+KERNEL_CASES = {  # model type: (config overrides, why some layers run their own attention, or None)
+    "gemma3_text": (dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"]), None),
+    "gemma2": (dict(sliding_window=8, attn_logit_softcapping=5.0), None),  # softcap in the kernel; eager outside
+    "llama4_text": (dict(attention_chunk_size=8), None),
+    "gpt_oss": (dict(sliding_window=8), "attention sinks"),
+    "deepseek_v3": ({}, "keys and values of different widths"),
+}
+
+
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=needs_triton), "torch-reference"])
+@pytest.mark.parametrize("model_type", list(KERNEL_CASES))
+def test_kernel_serves_windows_and_softcap_and_falls_back_where_it_cannot(backend, model_type):
+    overrides, fallback = KERNEL_CASES[model_type]
+    dense_model = coverage.tiny_model(model_type, seed=1, **overrides)
+    kernel_model = copy.deepcopy(dense_model)
+    own = dense_model.config._attn_implementation
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(3, 128, (21,), generator=g).tolist()
+    tokens = torch.randint(3, 128, (11,), generator=g).tolist()
+    parents = [-1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 0]  # a branch deeper than the window, and a sibling
+    expected = tree_logits(dense_model, own, prefix, tokens, parents)
+    fallbacks = set()
+    with routed_attention(kernel_model, backend):
+        got = tree_logits(kernel_model, backend, prefix, tokens, parents, fallbacks)
+    torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)
+    assert fallbacks == ({fallback} if fallback else set())
+    assert kernel_model.config._attn_implementation == own
 
 
 @needs_triton
@@ -78,3 +112,15 @@ def test_attention_choice_resolution():
     assert resolve_attention("kernel", model) in ("triton", "torch-reference")
     with pytest.raises(ValueError, match="attention='flash'"):
         SwiftSpecConfig(attention="flash")
+
+
+def test_stats_say_which_layers_ran_their_own_attention():
+    target = coverage.tiny_model("gpt_oss", sliding_window=8)
+    model = SwiftSpecForCausalLM.from_models(target, coverage.perturbed_copy(target), attention="kernel")
+    prompt = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    expected = coverage.own_generate(target, prompt, 6)
+    assert coverage.own_generate(model, prompt, 6, swiftspec=True).tolist() == expected.tolist()
+    backend = resolve_attention("kernel", target)
+    assert model.swiftspec_stats.attention == (
+        f"target={backend} (own attention for attention sinks), draft={backend} (own attention for attention sinks)"
+    )

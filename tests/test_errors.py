@@ -2,9 +2,8 @@
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config
 
-from hf_swiftspec import SwiftSpecConfig, SwiftSpecForCausalLM
+from hf_swiftspec import SwiftSpecConfig, SwiftSpecForCausalLM, coverage
 from hf_swiftspec.testing import tiny_model, truncated_draft
 
 
@@ -64,12 +63,13 @@ def test_assistant_model_is_refused(model):
         model.generate(torch.tensor([[4, 5]]), max_new_tokens=3, assistant_model=model.draft)
 
 
-def test_unsupported_architecture_named():
-    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=98, n_layer=1, n_embd=32, n_head=2))
-    with pytest.raises(ValueError, match="target model type 'gpt2' is not supported"):
-        SwiftSpecForCausalLM.from_models(gpt2, tiny_model("llama"))
-    with pytest.raises(ValueError, match="draft model type 'gpt2' is not supported"):
-        SwiftSpecForCausalLM.from_models(tiny_model("llama"), gpt2)
+def test_refusal_names_the_capability_that_is_missing():
+    mamba = coverage.tiny_model("mamba")
+    with pytest.raises(ValueError, match=r"The target \(mamba\) has layers of type 'linear_attention', which keeps a recurrent"):
+        SwiftSpecForCausalLM.from_models(mamba, mamba)
+    bert = coverage.tiny_model("bert", is_decoder=False)
+    with pytest.raises(ValueError, match=r"The draft \(bert\) attends bidirectionally .*is_decoder=True"):
+        SwiftSpecForCausalLM.from_models(coverage.tiny_model("llama"), bert)
 
 
 def test_attention_that_cannot_take_a_tree_mask():
@@ -77,13 +77,6 @@ def test_attention_that_cannot_take_a_tree_mask():
     target.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="attn_implementation='flash_attention_2'"):
         SwiftSpecForCausalLM.from_models(target, tiny_model("llama"))
-
-
-def test_sliding_window_shorter_than_the_request():
-    target = tiny_model("mistral", sliding_window=64)
-    model = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 1), tree_capacity=200)
-    with pytest.raises(ValueError, match="sliding-window attention of 64 tokens"):
-        model.generate(torch.tensor([[4, 5, 6]]), max_new_tokens=10)
 
 
 def test_right_padding_is_refused(model):

@@ -3,8 +3,8 @@
 Each case draws N two-token continuations with swiftspec=True (one seed per draw) and runs a
 chi-square goodness-of-fit test against the exact joint distribution P(t1) P(t2 | t1) computed
 from the target with transformers' own warpers. Bins expected below 5 are pooled. Each case fails
-at p < 1e-3, so the false-alarm rate of the whole file (7 cases) is below 0.7%. The last two run
-the adaptive policy with an n-gram chain from a prompt that repeats itself.
+at p < 1e-3, so the false-alarm rate of the whole file (10 cases) is below 1%. Two run the adaptive
+policy with an n-gram chain from a prompt that repeats itself; three run other architectures.
 """
 
 import pytest
@@ -12,7 +12,7 @@ import torch
 from scipy.stats import chisquare
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from hf_swiftspec import SwiftSpecForCausalLM
+from hf_swiftspec import SwiftSpecForCausalLM, coverage
 from hf_swiftspec.testing import tiny_model, truncated_draft
 
 VOCAB = 12
@@ -95,3 +95,34 @@ def test_first_tokens_follow_target_distribution(kwargs):
         assert from_chain > draws // 50  # the n-gram chain's tokens were accepted in many draws
     pvalue = pooled_chisquare(counts, expected.flatten() * draws)
     assert pvalue > ALPHA, f"p={pvalue:.2e}: samples do not follow the target's distribution"
+
+
+@pytest.mark.parametrize(
+    "model_type, overrides",
+    [
+        ("gpt2", {}),  # learned absolute positions
+        ("mistral", dict(sliding_window=4)),  # the 6-token prompt and the draws reach past the window
+        ("mixtral", {}),  # mixture-of-experts layers
+    ],
+)
+def test_first_tokens_follow_target_distribution_across_architectures(model_type, overrides):
+    target = coverage.tiny_model(model_type, seed=3, vocab_size=VOCAB, **overrides)
+    target.generation_config.eos_token_id = None
+    model = SwiftSpecForCausalLM.from_models(
+        target, coverage.perturbed_copy(target), tree_budget=6, draft_width=3, draft_depth=1
+    )
+    prompt = torch.tensor([[3, 7, 5, 9, 4, 8]])
+    expected = exact_joint(target, prompt, warpers(0.8))
+    counts = torch.zeros(VOCAB * VOCAB, dtype=torch.float64)
+    accepted = 0
+    draws = 1500  # fewer than above: three more architectures in every CI run
+    for seed in range(draws):
+        out = model.generate(
+            prompt, do_sample=True, temperature=0.8, max_new_tokens=2, generator=torch.Generator().manual_seed(seed)
+        )
+        t1, t2 = out[0, -2:].tolist()
+        counts[t1 * VOCAB + t2] += 1
+        accepted += model.swiftspec_stats.verify_steps == 1
+    assert accepted > draws // 4
+    pvalue = pooled_chisquare(counts, expected.flatten() * draws)
+    assert pvalue > ALPHA, f"p={pvalue:.2e}: {model_type} samples do not follow the target's distribution"

@@ -223,6 +223,48 @@ def test_kv_views_are_read_in_place():
 # ---------------------------------------------------------------------------------------------
 
 
+WINDOW_CASES = [  # T, prefix_len, window, num_splits, dtype, softcap
+    (5, 40, 8, 1, F32, None),
+    (17, 300, 16, 3, F32, None),  # the first splits lie outside every window: they must weigh 0
+    (17, 300, 128, 3, BF16, None),
+    (9, 97, 40, None, F16, 30.0),
+    (37, 200, 1024, 2, F32, 5.0),  # a window wider than everything: only the softcap acts
+]
+
+
+@needs_kernel
+@pytest.mark.parametrize("T,prefix_len,window,num_splits,dtype,softcap", WINDOW_CASES, ids=_case_id)
+def test_window_and_softcap_match_reference(T, prefix_len, window, num_splits, dtype, softcap):
+    """Per-query prefix starts (a sliding window of each node's position) and a score cap."""
+    gen = torch.Generator().manual_seed(T + prefix_len + window)
+    q, k, v = make_inputs(1, 8, 2, T, 32, prefix_len, T, dtype, gen)
+    depths = torch.randint(0, T, (1, T), generator=gen)
+    start = (prefix_len + depths - window + 1).clamp(min=0).to(torch.int32).to(DEVICE)  # (1, T)
+    bits = tree_bits_for(1, T, "deep", gen)
+    scale = 32**-0.5
+    out = tree_attention(q, k, v, prefix_len, bits, scale, prefix_start=start, softcap=softcap, num_splits=num_splits)
+    expected = tree_attention_reference(q, k, v, prefix_len, bits, scale, prefix_start=start, softcap=softcap)
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [1, 6, 50])
+def test_sliding_chain_equals_sliding_window_causal_attention(window):
+    """A chain whose queries start their prefix at position - window + 1 is sliding-window attention."""
+    gen = torch.Generator().manual_seed(window)
+    B, Hq, Hkv, T, D, prefix_len = 1, 4, 2, 17, 32, 45
+    q, k, v = make_inputs(B, Hq, Hkv, T, D, prefix_len, T, F32, gen)
+    positions = torch.arange(prefix_len, prefix_len + T)
+    chain = torch.ones(T, T, dtype=torch.bool).tril() & (positions[None, :] > positions[:, None] - window)
+    start = (positions - window + 1).clamp(min=0).to(torch.int32)[None].to(DEVICE)
+    out = tree_attention(q, k, v, prefix_len, pack_tree_mask(chain[None]).to(DEVICE), prefix_start=start)
+    kv_positions = torch.arange(prefix_len + T)
+    sliding = (kv_positions[None, :] <= positions[:, None]) & (kv_positions[None, :] > positions[:, None] - window)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=sliding.to(DEVICE), enable_gqa=True)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+
 @needs_kernel
 @pytest.mark.parametrize("prefix_len", [0, 45])
 def test_chain_tree_equals_causal_attention(prefix_len):

@@ -12,6 +12,7 @@ import time
 import torch
 from transformers import PreTrainedModel, StoppingCriteriaList
 
+from ..architectures import Architecture, describe
 from ..attention import tree_step_kwargs
 from ..cache import TreeCache
 from ..stats import DraftCounters, TargetCounters
@@ -50,12 +51,34 @@ def model_step(model: PreTrainedModel, cache: TreeCache, input_ids, position_ids
         logits_to_keep=keep,
         **kwargs,
     )
+    cache.advance(input_ids.shape[1])
     return out.logits[0].float()
 
 
-def tree_step_forward(model, cache: TreeCache, input_ids, position_ids, tree_mask: torch.Tensor, attention: str):
-    """A forward over tree nodes (1, Q): each sees the prefix and the tree slots `tree_mask` (Q, S) allows."""
-    return model_step(model, cache, input_ids, position_ids, **tree_step_kwargs(attention, cache.prefix_len, tree_mask, model.dtype))
+def tree_step_forward(
+    model, cache: TreeCache, input_ids, position_ids, tree_mask: torch.Tensor, attention: str,
+    architecture: Architecture | None = None, kv_positions: torch.Tensor | None = None,
+    fallbacks: set[str] | None = None,
+):
+    """A forward over tree nodes (1, Q): each sees the prefix and the tree slots `tree_mask` (Q, S) allows.
+
+    kv_positions: (S,) positions of the tree slots, needed when a layer has a window (default:
+        the queries' own, as when the step's nodes are the whole tree region).
+    fallbacks: collects why kernel-routed layers ran the model's own attention instead.
+    """
+    q_positions = position_ids[0]
+    kwargs = tree_step_kwargs(
+        attention, architecture or describe(model), cache.prefix_len, tree_mask, model.dtype, q_positions,
+        q_positions if kv_positions is None else kv_positions,
+    )
+    logits = model_step(model, cache, input_ids, position_ids, **kwargs)
+    if fallbacks is not None and "swiftspec_tree" in kwargs:
+        fallbacks |= kwargs["swiftspec_tree"].fallbacks
+    return logits
+
+
+def new_cache(architecture: Architecture, capacity: int) -> TreeCache:
+    return TreeCache(len(architecture.layer_types), capacity, architecture.sliding)
 
 
 class TargetWorker:
@@ -64,11 +87,15 @@ class TargetWorker:
     It owns the committed sequence (1, L): every verified token, ending with the current root.
     """
 
-    def __init__(self, model: PreTrainedModel, capacity: int, attention: str = "sdpa"):
+    def __init__(
+        self, model: PreTrainedModel, capacity: int, attention: str = "sdpa", architecture: Architecture | None = None
+    ):
         self.model = model
         self.attention = attention
+        self.architecture = architecture or describe(model, "target")
         self.device = model.device
-        self.cache = TreeCache(model.config.get_text_config().num_hidden_layers, capacity)
+        self.cache = new_cache(self.architecture, capacity)
+        self.attention_fallbacks: set[str] = set()  # why kernel-routed layers ran their own attention
         self.sequence: torch.Tensor | None = None
         self.counters = TargetCounters()
 
@@ -99,7 +126,10 @@ class TargetWorker:
         mask, depths = subtree_mask(subtree.parents, self.device)
         input_ids = torch.tensor([subtree.tokens], device=self.device)
         positions = (self.cache.prefix_len + depths)[None]
-        logits = tree_step_forward(self.model, self.cache, input_ids, positions, mask, self.attention)  # (T, V)
+        logits = tree_step_forward(
+            self.model, self.cache, input_ids, positions, mask, self.attention, self.architecture,
+            fallbacks=self.attention_fallbacks,
+        )  # (T, V)
         verified = walk(logits, subtree, self.sequence, sampler, stopping_criteria, max_tokens)
         self.cache.commit(torch.tensor(verified.path, device=self.device))
         new = torch.tensor([verified.tokens], dtype=self.sequence.dtype, device=self.device)
@@ -120,12 +150,14 @@ class DraftWorker:
 
     def __init__(
         self, model: PreTrainedModel, capacity: int, tree_capacity: int, width: int, vocab_limit: int,
-        attention: str = "sdpa", ngram_size: int = 3,
+        attention: str = "sdpa", ngram_size: int = 3, architecture: Architecture | None = None,
     ):
         self.model = model
         self.attention = attention
+        self.architecture = architecture or describe(model, "draft")
         self.device = model.device
-        self.cache = TreeCache(model.config.get_text_config().num_hidden_layers, capacity)
+        self.cache = new_cache(self.architecture, capacity)
+        self.attention_fallbacks: set[str] = set()  # why kernel-routed layers ran their own attention
         self.width = width
         self.vocab_limit = vocab_limit  # the draft never proposes ids the target cannot embed
         self.tree: TokenTree = new_tree(0, tree_capacity, self.device)
@@ -165,7 +197,11 @@ class DraftWorker:
             cache.prefix_len += len(self.pending)
             self.pending = []
         else:
-            logits = tree_step_forward(self.model, cache, input_ids, positions, mask, self.attention)
+            slot_positions = prefix + tree.depths[tree.slot_nodes[: tree.num_slots]] if self.architecture.windowed else None
+            logits = tree_step_forward(
+                self.model, cache, input_ids, positions, mask, self.attention, self.architecture, slot_positions,
+                self.attention_fallbacks,
+            )
         self.counters.forwards += 1
         self.counters.expansions += 1
         logprobs = torch.log_softmax(logits[:, : self.vocab_limit], dim=-1)  # (w, V)

@@ -10,7 +10,6 @@
 
 from .cards import LIBRARY_NAME, PairCard, default_card, read_card_metadata, render_card, validate_card
 from .checks import (
-    SUPPORTED_MODEL_TYPES,
     check_architecture,
     check_compatibility,
     check_context_lengths,
@@ -52,7 +51,6 @@ __all__ = [
     "DEMO_PAIR_NAME",
     "LIBRARY_NAME",
     "ROLES",
-    "SUPPORTED_MODEL_TYPES",
     "HubOptions",
     "PairCard",
     "PairConfigError",

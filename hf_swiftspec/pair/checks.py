@@ -9,22 +9,18 @@ import logging
 
 from transformers import PreTrainedConfig
 
+from ..architectures import UnsupportedArchitecture, check_config
 from .errors import PairConfigError
 
 logger = logging.getLogger(__name__)
 
-# Architectures whose attention takes a 4D tree mask with explicit position ids and whose KV is
-# one (B, H, L, D) tensor per layer; each is exercised by tests/test_lossless.py.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
-
 
 def check_architecture(config: PreTrainedConfig, role: str) -> None:
-    model_type = config.get_text_config().model_type
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise PairConfigError(
-            f"The {role} model type {model_type!r} is not supported by hf_swiftspec (supported: "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}). It needs attention that takes a 4D tree mask and a plain KV cache."
-        )
+    """Refuse an architecture whose tree steps could not be exact, by capability (architectures.py)."""
+    try:
+        check_config(config, role)
+    except UnsupportedArchitecture as error:
+        raise PairConfigError(str(error)) from error
 
 
 def context_length(config: PreTrainedConfig) -> int | None:

@@ -4,7 +4,12 @@ Layout, for one batch row and one KV head::
 
     KV positions:  [0 ............ prefix_len) [prefix_len ........ L)
                     committed prefix (dense)     tree region, S = L - prefix_len columns
-    query t sees:   all of it                    column s iff bit s of tree_bits[b, t] is set
+    query t sees:   [prefix_start[b, t], prefix_len) column s iff bit s of tree_bits[b, t] is set
+
+`prefix_start` (default 0: the whole prefix) is how a layer's window reaches the kernel: with a
+sliding window W a query at position p starts at max(0, p - W + 1), with chunked attention at
+the start of p's chunk; the caller applies the same rule to the tree bits. `softcap` caps the
+scores as Gemma 2 does (softcap * tanh(scores / softcap)) before the softmax.
 
 The mask is packed 32 columns per int32 word (`pack_tree_mask`), so one (T, S) tree costs
 T * ceil(S / 32) words and is built once per step and shared by every layer.
@@ -97,6 +102,9 @@ def tree_attention_reference(
     prefix_len: int,
     tree_bits: torch.Tensor,
     scale: float,
+    *,
+    prefix_start: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Obviously-correct tree attention in fp32 (materialises the (B, Hq, T, L) scores).
 
@@ -107,18 +115,25 @@ def tree_attention_reference(
         prefix_len: number of committed prefix positions, attended by every query.
         tree_bits: int32 (B, T, W) from `pack_tree_mask`, W >= ceil((L - prefix_len) / 32).
         scale: softmax scale applied to q @ k^T.
+        prefix_start: int32 (B, T), the first prefix position each query sees (a window's start);
+            None: all of them.
+        softcap: if set, scores become softcap * tanh(scores / softcap) before the softmax.
 
     Returns:
         (B, Hq, T, D) in q.dtype. Rows that attend nothing are zeros.
     """
-    _check_shapes(q, k, v, prefix_len, tree_bits)
+    _check_shapes(q, k, v, prefix_len, tree_bits, prefix_start)
     B, Hq, T, _ = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     kf = k.float().repeat_interleave(Hq // Hkv, dim=1)  # (B, Hq, L, D)
     vf = v.float().repeat_interleave(Hq // Hkv, dim=1)  # (B, Hq, L, D)
     prefix = torch.ones(B, T, prefix_len, dtype=torch.bool, device=q.device)
+    if prefix_start is not None:
+        prefix = torch.arange(prefix_len, device=q.device) >= prefix_start[..., None]  # (B, T, prefix_len)
     allowed = torch.cat([prefix, unpack_tree_mask(tree_bits, L - prefix_len)], dim=-1)  # (B, T, L)
     scores = (q.float() @ kf.transpose(-1, -2)) * scale  # (B, Hq, T, L)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~allowed[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)  # all -inf rows give NaN here ...
     probs = torch.where(allowed.any(-1)[:, None, :, None], probs, 0.0)  # ... and zeros here
@@ -140,12 +155,13 @@ def _jit(fn=None, **kwargs):
 @_jit
 def _attend_block(
     q, k_base, v_base, stride_kl, stride_vl, n, n_ok, d, d_ok, visible,
-    m_i, l_i, acc, qk_scale,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    m_i, l_i, acc, qk_scale, softcap,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """Online-softmax update of (m_i, l_i, acc) with the KV positions n (BLOCK_N,).
 
     `visible` (BLOCK_M or 1, BLOCK_N) says which scores count; scores are in the log2 domain.
+    With SOFTCAP, qk_scale is the plain softmax scale and the cap's output is moved to log2.
     """
     kv_mask = n_ok[:, None] & d_ok[None, :]
     k = tl.load(k_base + n[:, None] * stride_kl + d[None, :], mask=kv_mask, other=0.0)
@@ -154,6 +170,8 @@ def _attend_block(
     if UPCAST_DOT:  # the interpreter multiplies bf16 tiles as raw uint16 bits; fp32 is exact
         k, v = k.to(tl.float32), v.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
+    if SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 2 sigmoid(2x) - 1; then to the log2 domain
+        s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0) * 1.4426950408889634
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row that has seen nothing yet has m_new = -inf; subtracting 0 instead keeps
@@ -169,20 +187,24 @@ def _attend_block(
 
 @_jit(do_not_specialize=["L", "prefix_len"])  # both change every step: do not recompile for them
 def _tree_attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, bits_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    q_ptr, k_ptr, v_ptr, bits_ptr, start_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_kl,
     stride_vb, stride_vh, stride_vl,
     stride_mb, stride_mt, stride_mw,
-    Hkv, T, L, prefix_len, split_len, num_splits, qk_scale,
+    stride_sb, stride_st,
+    Hkv, T, L, prefix_len, split_len, num_splits, qk_scale, softcap,
     GROUP: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     WRITE_FINAL: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    HAS_START: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """One program: all GROUP query heads x T queries of one KV head, over one split of the prefix.
 
     Rows of the tile are the flattened (group, t) pairs, so each K/V block is read once for the
     whole GQA group instead of once per query head. The last split also covers the tree region.
+    With HAS_START each row sees the prefix from its own start on (a window), and blocks before
+    the smallest start are skipped.
     """
     tl.static_assert(BLOCK_N == 64)  # a tree block spans exactly two mask words
     pid_bh, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -205,16 +227,30 @@ def _tree_attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    # Prefix: every row sees every position, so only the ragged last block needs a bound.
+    # Prefix: without a window every row sees every position, so only the ragged last block
+    # needs a bound; with one, each row also has a first position.
     lo = split * split_len
     hi = tl.minimum(lo + split_len, prefix_len)
-    for start in range(lo, hi, BLOCK_N):
-        n = start + cols
-        n_ok = n < hi
-        m_i, l_i, acc = _attend_block(
-            q, k_base, v_base, stride_kl, stride_vl, n, n_ok, d, d_ok, n_ok[None, :],
-            m_i, l_i, acc, qk_scale, DOT_PRECISION, UPCAST_DOT,
-        )  # fmt: skip
+    if HAS_START:
+        row_start = tl.load(start_ptr + b * stride_sb + t * stride_st, mask=row_ok, other=prefix_len)
+        first = tl.min(row_start, 0)
+        lo = tl.maximum(lo, lo + (first - lo) // BLOCK_N * BLOCK_N)  # skip whole blocks no row sees
+        for start in range(lo, hi, BLOCK_N):
+            n = start + cols
+            n_ok = n < hi
+            visible = n_ok[None, :] & (n[None, :] >= row_start[:, None])
+            m_i, l_i, acc = _attend_block(
+                q, k_base, v_base, stride_kl, stride_vl, n, n_ok, d, d_ok, visible,
+                m_i, l_i, acc, qk_scale, softcap, DOT_PRECISION, UPCAST_DOT, SOFTCAP,
+            )  # fmt: skip
+    else:
+        for start in range(lo, hi, BLOCK_N):
+            n = start + cols
+            n_ok = n < hi
+            m_i, l_i, acc = _attend_block(
+                q, k_base, v_base, stride_kl, stride_vl, n, n_ok, d, d_ok, n_ok[None, :],
+                m_i, l_i, acc, qk_scale, softcap, DOT_PRECISION, UPCAST_DOT, SOFTCAP,
+            )  # fmt: skip
 
     # Tree region (short): blocks start at tree column 0, 64, ..., so block j reads mask words
     # 2j and 2j + 1 of each row and picks one by column, with no per-element gather.
@@ -233,7 +269,7 @@ def _tree_attn_fwd_kernel(
             visible = (((word >> (col & 31)[None, :]) & 1) != 0) & n_ok[None, :]
             m_i, l_i, acc = _attend_block(
                 q, k_base, v_base, stride_kl, stride_vl, prefix_len + col, n_ok, d, d_ok,
-                visible, m_i, l_i, acc, qk_scale, DOT_PRECISION, UPCAST_DOT,
+                visible, m_i, l_i, acc, qk_scale, softcap, DOT_PRECISION, UPCAST_DOT, SOFTCAP,
             )  # fmt: skip
 
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # rows that saw nothing stay 0
@@ -242,7 +278,8 @@ def _tree_attn_fwd_kernel(
     if WRITE_FINAL:
         tl.store(out_ptr + r[:, None] * D + d[None, :], o.to(out_ptr.dtype.element_ty), mask=o_mask)
     else:
-        # Each split holds >= 1 prefix position, which every row sees: l_i > 0, lse is finite.
+        # A split no row sees (outside every window) leaves lse = -inf, which weighs 0 when
+        # combined; the last split always counts (each node sees itself).
         part = r * num_splits + split
         tl.store(part_o_ptr + part[:, None] * D + d[None, :], o, mask=o_mask)
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=row_ok)
@@ -305,7 +342,7 @@ def triton_available(device: torch.device | str | None = None) -> bool:
     return torch.cuda.is_available()
 
 
-def _check_shapes(q, k, v, prefix_len, tree_bits) -> None:
+def _check_shapes(q, k, v, prefix_len, tree_bits, prefix_start=None) -> None:
     """Shape checks shared by the reference and the kernel."""
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
         raise ValueError(
@@ -342,6 +379,11 @@ def _check_shapes(q, k, v, prefix_len, tree_bits) -> None:
             f"tree_bits shape {tuple(tree_bits.shape)} must be (B={B}, T={T}, W>={need_words}) to "
             f"cover S={S} tree columns (L={L} - prefix_len={prefix_len}); pack a (B, T, S) mask "
             f"with pack_tree_mask, or check prefix_len."
+        )
+    if prefix_start is not None and (prefix_start.shape != (B, T) or prefix_start.dtype != torch.int32):
+        raise ValueError(
+            f"prefix_start must be int32 (B={B}, T={T}), got dtype={prefix_start.dtype} shape="
+            f"{tuple(prefix_start.shape)}; pass each query's first visible prefix position, or None."
         )
 
 
@@ -413,6 +455,8 @@ def tree_attention(
     tree_bits: torch.Tensor,
     scale: float | None = None,
     *,
+    prefix_start: torch.Tensor | None = None,
+    softcap: float | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """Fused tree attention (Triton); same contract as `tree_attention_reference`.
@@ -425,13 +469,16 @@ def tree_attention(
         tree_bits: int32 (B, T, W) from `pack_tree_mask`, W >= ceil((L - prefix_len) / 32);
             extra words (a fixed-size buffer) are ignored.
         scale: softmax scale; defaults to D ** -0.5.
+        prefix_start: int32 (B, T), the first prefix position each query sees (a sliding window's
+            or chunk's start); None: the whole prefix.
+        softcap: if set, scores become softcap * tanh(scores / softcap) before the softmax.
         num_splits: how many programs share the prefix of one (batch, KV head) (tests,
             benchmarks); None picks it from prefix_len and the SM count.
 
     Returns:
         (B, Hq, T, D) contiguous, in q.dtype; rows that attend nothing are zeros.
     """
-    _check_shapes(q, k, v, prefix_len, tree_bits)
+    _check_shapes(q, k, v, prefix_len, tree_bits, prefix_start)
     _check_kernel_inputs(q, k, v, tree_bits)
     B, Hq, T, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
@@ -457,16 +504,21 @@ def tree_attention(
         part_lse = torch.empty(B * Hq * T, num_splits, dtype=torch.float32, device=q.device)
     else:  # the forward kernel writes `out` directly; these are never touched
         part_o = part_lse = out
+    has_start = prefix_start is not None
+    starts = prefix_start.to(q.device) if has_start else tree_bits  # never read without HAS_START
+    # With a softcap the kernel caps natural-log scores, then moves them to the log2 domain itself.
+    qk_scale = scale if softcap is not None else scale * math.log2(math.e)
 
     _tree_attn_fwd_kernel[(B * Hkv, num_splits, m_blocks)](
-        q, k, v, tree_bits, out, part_o, part_lse,
+        q, k, v, tree_bits, starts, out, part_o, part_lse,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         tree_bits.stride(0), tree_bits.stride(1), tree_bits.stride(2),
-        Hkv, T, L, prefix_len, split_len, num_splits, scale * math.log2(math.e),
+        starts.stride(0), starts.stride(1),
+        Hkv, T, L, prefix_len, split_len, num_splits, qk_scale, float(softcap or 1.0),
         GROUP=group, D=D, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_D=block_d,
-        WRITE_FINAL=num_splits == 1,
+        WRITE_FINAL=num_splits == 1, HAS_START=has_start, SOFTCAP=softcap is not None,
         # fp32 inputs would otherwise go through tf32 on tensor cores (~1e-3 relative error).
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST_DOT=_kernels_interpreted() and q.dtype == torch.bfloat16,

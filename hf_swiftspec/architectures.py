@@ -1,0 +1,293 @@
+"""What a model's tree steps need, read once from its config and classes: support by capability.
+
+`describe(model)` returns an `Architecture`, or raises `UnsupportedArchitecture` naming the
+capability that is missing. Nothing here knows a model type by name: every decision comes from
+what transformers itself uses to build the model's cache and masks (`get_layer_types_and_kwargs`,
+`config.layer_types`), the forward's signature and flags the model class declares.
+
+Tree steps pass each layer a 4D mask: a node at position p sees the committed positions its layer
+type allows (all of them, a sliding window of p, or p's chunk) and its own ancestors in the tree
+that the same rule allows. Models that place tokens by their cache slot instead of their
+`position_ids` (ALiBi biases built from the cache length, forwards without `position_ids`) see
+the right positions only when every step is a chain: they speculate along a chain (`shape`).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import get_layer_types_and_kwargs
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+# Layer types whose cache holds keys and values per position, and how a query's window is bounded.
+MASKED_LAYER_TYPES = {
+    "full_attention": "full",
+    "sliding_attention": "sliding",
+    "chunked_attention": "chunked",
+    "indexed_attention": "full",  # sparse attention picks among the keys the mask allows
+    "minimax_m3_sparse": "full",
+}
+# Layer types that keep a state other than per-position keys and values.
+RECURRENT_LAYER_TYPES = {
+    "linear_attention": "keeps a recurrent state",
+    "conv": "keeps a convolution state",
+    "hybrid": "keeps a recurrent state beside its attention",
+    "hybrid_sliding": "keeps a recurrent state beside its attention",
+}
+# The masking_utils builders a modeling file imports when its masks apply each kind of window.
+WINDOWED_MASK_BUILDERS = {
+    "sliding": ("create_sliding_window_causal_mask", "create_masks_for_generate"),
+    "chunked": ("create_chunked_causal_mask", "create_masks_for_generate"),
+}
+NO_CACHE_LAYER_TYPES = ("dummy",)  # layers without KV of their own (MLP-only, or reusing another layer's)
+TREE_MASK_ATTENTION = ("sdpa", "eager", "swiftspec", "swiftspec_eager")  # implementations that take a 4D mask
+
+
+class UnsupportedArchitecture(ValueError):
+    """A model whose tree steps could not be exact; the message names the capability and the fix.
+
+    recurrent: the model keeps a recurrent state (it is not an attention-only decoder).
+    """
+
+    def __init__(self, message: str, recurrent: bool = False):
+        super().__init__(message)
+        self.recurrent = recurrent
+
+
+@dataclass(frozen=True)
+class LayerMask:
+    """Which committed positions a query at position p sees in one kind of layer.
+
+    kind: "full" (all of them), "sliding" (p - size < j <= p), "chunked" (j // size == p // size)
+    """
+
+    kind: str = "full"
+    size: int | None = None
+
+    def first_visible(self, positions: torch.Tensor) -> torch.Tensor:
+        """(Q,) the first position each query at `positions` (Q,) sees (all later ones up to p too)."""
+        if self.kind == "sliding":
+            return (positions - self.size + 1).clamp(min=0)
+        if self.kind == "chunked":
+            return positions - positions % self.size
+        return torch.zeros_like(positions)
+
+    def visible(self, q_positions: torch.Tensor, kv_positions: torch.Tensor) -> torch.Tensor:
+        """(Q, KV) bool: whether a query at q_positions (Q,) may see a key at kv_positions (KV,)."""
+        return kv_positions[None, :] >= self.first_visible(q_positions)[:, None]
+
+
+FULL = LayerMask()
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What the tree steps of one model need.
+
+    model_type:   the (text) config's model type, for messages
+    layer_types:  per decoder layer, transformers' cache layer type ("full_attention", "dummy", ...)
+    layer_masks:  per decoder layer, its window rule (FULL for layers without KV)
+    mask_by_type: the forward takes {layer type: 4D mask} (config.layer_types) rather than one mask
+    chain_reason: why this model's steps must be chains, or None when trees are exact
+    """
+
+    model_type: str
+    layer_types: tuple[str, ...]
+    layer_masks: tuple[LayerMask, ...]
+    mask_by_type: bool = False
+    chain_reason: str | None = None
+
+    @property
+    def shape(self) -> str:
+        """"tree", or "chain" where positions follow cache slots."""
+        return "tree" if self.chain_reason is None else "chain"
+
+    @functools.cached_property
+    def masks(self) -> dict[str, LayerMask]:
+        """{layer type: its window rule} over the layers that keep KV, in layer order."""
+        return {t: m for t, m in zip(self.layer_types, self.layer_masks) if t in MASKED_LAYER_TYPES}
+
+    @functools.cached_property
+    def rules(self) -> tuple[LayerMask, ...]:
+        """The distinct window rules a tree step builds masks for (one per step, shared by layers)."""
+        return tuple(dict.fromkeys(self.masks.values())) or (FULL,)
+
+    @functools.cached_property
+    def windowed(self) -> bool:
+        """Whether some layer sees less than every committed position (masks then need positions)."""
+        return any(m.kind != "full" for m in self.layer_masks)
+
+    @property
+    def sliding(self) -> tuple[bool, ...]:
+        """Per layer, whether transformers' own cache would treat it as sliding (its mask helpers ask)."""
+        return tuple(m.kind != "full" for m in self.layer_masks)
+
+
+def describe(model, role: str = "model") -> Architecture:
+    """The tree-step needs of `model`, or UnsupportedArchitecture naming what is missing."""
+    attn = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    architecture = describe_class(model.config, type(model), attn, role)
+    who = f"The {role} ({architecture.model_type})"
+    check_causal(model, who)
+    check_incremental_inputs(model, who)
+    return architecture
+
+
+def check_causal(model, who: str) -> None:
+    """Refuse a decoder whose self-attention is bidirectional (a BERT-style model loaded without
+    is_decoder=True): its prompt tokens see the ones after them, which tree steps never show them."""
+    decoder = model.get_decoder() or model
+    bidirectional = [
+        name
+        for name, module in decoder.named_modules()
+        if getattr(module, "is_causal", True) is False and not getattr(module, "is_cross_attention", False)
+    ]
+    if bidirectional or getattr(model.config.get_text_config(decoder=True), "is_causal", True) is False:
+        raise UnsupportedArchitecture(
+            f"{who} attends bidirectionally ({', '.join(bidirectional[:2]) or 'config.is_causal=False'} set "
+            "is_causal=False), so its own generate lets prompt tokens see later ones. Load it as a decoder "
+            "(is_decoder=True in its config) or use swiftspec=False."
+        )
+
+
+def check_config(config, role: str) -> None:
+    """Load-time check on a config alone (no weights): what describe() would refuse, as far as the
+    config and the class transformers maps it to tell. Raises UnsupportedArchitecture."""
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config.get_text_config(decoder=True)), None)
+    model_class = model_class or MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    describe_class(config, model_class, getattr(config, "_attn_implementation", None) or "sdpa", role)
+
+
+def describe_class(config, model_class, attn: str, role: str) -> Architecture:
+    """describe() from a config, its model class (None: unknown, e.g. remote code) and attention."""
+    text_config = config.get_text_config(decoder=True)
+    who = f"The {role} ({text_config.model_type})"
+    if getattr(text_config, "is_encoder_decoder", False):
+        raise UnsupportedArchitecture(f"{who} is an encoder-decoder model; tree speculation needs a decoder-only model.")
+    if attn not in TREE_MASK_ATTENTION:
+        raise UnsupportedArchitecture(
+            f"{who} uses attn_implementation={attn!r}, which cannot take a tree mask; load it with "
+            "attn_implementation='sdpa' or 'eager'."
+        )
+    layer_types, layer_kwargs = layer_types_of(text_config, who)
+    for layer_type in layer_types:
+        if layer_type in RECURRENT_LAYER_TYPES:
+            raise UnsupportedArchitecture(
+                f"{who} has layers of type {layer_type!r}, which {RECURRENT_LAYER_TYPES[layer_type]}: a tree step "
+                "would advance it along every branch at once, and transformers exposes no per-token checkpoint "
+                "to roll it back to the accepted path. Use swiftspec=False for this model.",
+                recurrent=True,
+            )
+        if layer_type not in MASKED_LAYER_TYPES and layer_type not in NO_CACHE_LAYER_TYPES:
+            raise UnsupportedArchitecture(
+                f"{who} has layers of type {layer_type!r}, whose cache layer keeps more than keys and values per "
+                "position; the tree cache cannot hold it. Use swiftspec=False for this model."
+            )
+    parameters = inspect.signature(model_class.forward).parameters if model_class is not None else None
+    if getattr(model_class, "_is_stateful", False):
+        raise UnsupportedArchitecture(
+            f"{who} keeps a recurrent state outside a KV cache (its model class sets _is_stateful), which a tree "
+            "step cannot roll back to the accepted path. Use swiftspec=False for this model.",
+            recurrent=True,
+        )
+    if parameters is not None and "past_key_values" not in parameters:
+        raise UnsupportedArchitecture(
+            f"{who} keeps no KV cache (its forward takes no past_key_values), so a step cannot build on the "
+            "committed tokens. Use swiftspec=False for this model."
+        )
+    layer_masks = tuple(layer_mask(t, kw) for t, kw in zip(layer_types, layer_kwargs))
+    mask_by_type = getattr(text_config, "layer_types", None) is not None
+    check_one_mask_per_type(layer_types, layer_masks, mask_by_type, who)
+    check_windows_are_masked(layer_masks, model_class, who)
+    reason = chain_reason(text_config, parameters)
+    return Architecture(text_config.model_type, tuple(layer_types), layer_masks, mask_by_type, reason)
+
+
+def layer_types_of(config, who: str) -> tuple[list[str], list[dict]]:
+    """transformers' per-layer cache types and their arguments (window sizes), as its own cache reads them."""
+    try:
+        return get_layer_types_and_kwargs(config)
+    except Exception as error:  # a config transformers cannot build a cache from either
+        raise UnsupportedArchitecture(f"{who}: cannot tell its layer types ({error}); use swiftspec=False.") from error
+
+
+def layer_mask(layer_type: str, kwargs: dict) -> LayerMask:
+    kind = MASKED_LAYER_TYPES.get(layer_type, "full")
+    size = kwargs.get("sliding_window")
+    return FULL if kind == "full" or size is None else LayerMask(kind, int(size))
+
+
+def check_one_mask_per_type(layer_types, layer_masks, mask_by_type: bool, who: str) -> None:
+    """The forward takes one mask per layer type (or one for all): layers sharing it need one window."""
+    rules: dict[str, set[LayerMask]] = {}
+    for layer_type, mask in zip(layer_types, layer_masks):
+        if layer_type in MASKED_LAYER_TYPES:
+            rules.setdefault(layer_type if mask_by_type else "all", set()).add(mask)
+    for layer_type, masks in rules.items():
+        if len(masks) > 1:
+            raise UnsupportedArchitecture(
+                f"{who} has layers of type {layer_type!r} with different windows {sorted(m.size or 0 for m in masks)}, "
+                "but its forward takes a single mask for all of them. Use swiftspec=False for this model."
+            )
+
+
+def check_incremental_inputs(model, who: str) -> None:
+    """A step feeds the model only its new tokens; refuse a model whose own generate feeds it the
+    whole sequence every time (its forward slices the cached part off itself)."""
+    from .cache import TreeCache  # the cache module needs nothing from here; imported late to stay light
+
+    cache = TreeCache(1, 4)
+    cache.length = 2  # as if two tokens were cached: generate would pass only the third
+    try:
+        inputs = model.prepare_inputs_for_generation(
+            torch.ones(1, 3, dtype=torch.long), next_sequence_length=1, past_key_values=cache, use_cache=True
+        )
+    except Exception:  # noqa: BLE001 - a model needing other inputs here says nothing about this
+        return
+    fed = inputs.get("input_ids")
+    if isinstance(fed, torch.Tensor) and fed.shape[-1] != 1:
+        raise UnsupportedArchitecture(
+            f"{who} takes the whole sequence at every step (its generate does not feed it only the new tokens, "
+            "and its forward slices the cached part off itself), so it cannot run tree steps. Use swiftspec=False "
+            "for this model."
+        )
+
+
+def check_windows_are_masked(layer_masks, model_class, who: str) -> None:
+    """A window must come from the model's masks, not only from its cache.
+
+    transformers' cache keeps the last `window` positions of a sliding layer either way; a model
+    whose modeling code builds no windowed mask then attends everything in its prefill but only
+    the window afterwards, which no single mask rule reproduces.
+    """
+    if model_class is None:
+        return
+    module = sys.modules.get(model_class.__module__)
+    for mask in set(layer_masks):
+        builders = WINDOWED_MASK_BUILDERS.get(mask.kind, ())
+        if builders and not any(hasattr(module, name) for name in builders):
+            raise UnsupportedArchitecture(
+                f"{who} keeps a {mask.size}-token {mask.kind} window in its cache but builds no {mask.kind} mask, so "
+                "its prefill sees further back than its decoding; no tree mask reproduces both. Use swiftspec=False "
+                "for this model."
+            )
+
+
+def chain_reason(config, parameters) -> str | None:
+    """Why the model's steps must be chains (its positions follow cache slots), or None."""
+    if parameters is not None and "position_ids" not in parameters:
+        return "its forward takes no position_ids, so positions follow cache slots"
+    if uses_alibi(config):
+        return "its ALiBi bias is built from cache slots"
+    return None
+
+
+def uses_alibi(config) -> bool:
+    """Whether attention biases come from ALiBi, which transformers builds from the cache length."""
+    attn_config = getattr(config, "attn_config", None)
+    flags = (getattr(config, "alibi", False), getattr(attn_config, "alibi", False))
+    return any(flag is True for flag in flags) or getattr(config, "position_embedding_type", None) == "alibi"

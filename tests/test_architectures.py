@@ -1,0 +1,42 @@
+"""Every causal-LM type of the installed transformers: tree, chain, refused with a reason, or skipped.
+
+The sweep (hf_swiftspec.coverage) builds each type tiny, with windows of 16 that the prompts and
+trees reach past, and compares generate(swiftspec=True) with the type's own generate token for
+token. Set SWIFTSPEC_COVERAGE_JSON=path to keep the results; `python -m hf_swiftspec.coverage
+--results path --readme README.md` turns them into the README's architecture table.
+"""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from hf_swiftspec.coverage import Outcome, causal_lm_types, check_type, coverage_line, save
+
+RESULTS: dict[str, Outcome] = {}
+MIN_COVERAGE = 0.95  # of the attention-based types whose own generate runs
+
+
+@pytest.mark.parametrize("model_type", causal_lm_types())
+def test_type_decodes_like_its_own_generate_or_is_refused_with_a_reason(model_type):
+    outcome = check_type(model_type)
+    RESULTS[model_type] = outcome
+    if outcome.status == "skipped":
+        pytest.skip(f"{model_type}: {outcome.reason}")
+    assert outcome.status != "wrong", f"{model_type}: {outcome.reason}"
+    if outcome.status == "refused":
+        assert outcome.reason.startswith("The target ("), outcome.reason  # says which model and why
+    else:
+        assert outcome.tau > 1.0
+
+
+def test_coverage():
+    """At least 95% of the attention-based types that run their own generate speculate."""
+    if len(RESULTS) < 10:
+        pytest.skip("run together with the sweep above")
+    print(coverage_line(list(RESULTS.values())))
+    if os.environ.get("SWIFTSPEC_COVERAGE_JSON"):
+        save(list(RESULTS.values()), Path(os.environ["SWIFTSPEC_COVERAGE_JSON"]))
+    ran = [o for o in RESULTS.values() if o.status != "skipped" and not o.recurrent]
+    speculating = [o for o in ran if o.status in ("tree", "chain")]
+    assert len(speculating) >= MIN_COVERAGE * len(ran), [o.model_type for o in ran if o not in speculating]
