@@ -65,6 +65,10 @@ class Groups:
         return self.my_ranks[0]
 
     @property
+    def peer_role(self) -> str:
+        return "draft" if self.role == "target" else "target"
+
+    @property
     def peer_leader(self) -> int:
         return (self.draft_ranks if self.role == "target" else self.target_ranks)[0]
 
@@ -73,15 +77,33 @@ class Groups:
         return self.rank == self.leader
 
 
+def stuck_or_dead(what: str, timeout_s: float, error: BaseException) -> SwiftSpecWorkerError:
+    return SwiftSpecWorkerError(
+        f"no {what} within {timeout_s:.0f}s (SwiftSpecConfig.worker_timeout_s): that worker is stuck or its "
+        f"process died ({error})."
+    )
+
+
+def post(start, timeout_s: float, what: str):
+    """Start an async send/recv/broadcast: `start()` returns its Work. Gloo raises right here,
+    not in wait(), when the peer's socket is already closed."""
+    try:
+        return start()
+    except Exception as error:
+        raise stuck_or_dead(what, timeout_s, error) from error
+
+
 def wait(work, timeout_s: float, what: str) -> None:
     """Wait for an async send/recv/broadcast, raising SwiftSpecWorkerError past the deadline."""
     try:
         work.wait(timeout=timedelta(seconds=timeout_s))
     except Exception as error:  # a timeout, or gloo noticing the peer's socket closed
-        raise SwiftSpecWorkerError(
-            f"no {what} within {timeout_s:.0f}s (SwiftSpecConfig.worker_timeout_s): that worker is stuck or its "
-            f"process died ({error})."
-        ) from error
+        raise stuck_or_dead(what, timeout_s, error) from error
+
+
+def complete(start, timeout_s: float, what: str) -> None:
+    """post() then wait()."""
+    wait(post(start, timeout_s, what), timeout_s, what)
 
 
 class Arrival:
@@ -127,17 +149,19 @@ class DistLink:
 
     def _recv(self, n: int, src: int, what: str) -> torch.Tensor:
         buf = self._tensor(n)
-        wait(dist.irecv(buf, src), self.timeout_s, what)
+        complete(lambda: dist.irecv(buf, src), self.timeout_s, what)
         return buf
 
-    def _send(self, msg: torch.Tensor, dst: int, what: str) -> None:
-        wait(dist.isend(msg, dst), self.timeout_s, f"delivery of the {what}")
+    def _send_to_peer(self, msg: torch.Tensor, what: str) -> None:
+        g = self.groups
+        what = f"delivery of the {what} to the {g.peer_role} leader"
+        complete(lambda: dist.isend(msg, g.peer_leader), self.timeout_s, what)
 
     def _share(self, msg: torch.Tensor, what: str) -> torch.Tensor:
         """Broadcast `msg` from this group's leader to the rest of the group (in place)."""
         g = self.groups
         if len(g.my_ranks) > 1:
-            wait(dist.broadcast(msg, g.leader, group=g.my_group, async_op=True), self.timeout_s, what)
+            complete(lambda: dist.broadcast(msg, g.leader, group=g.my_group, async_op=True), self.timeout_s, what)
         return msg
 
     def _raise_if_failed(self, msg: torch.Tensor, src: int, worker: str) -> None:
@@ -155,10 +179,11 @@ class DistLink:
     def send_subtree(self, subtree: Subtree) -> None:
         if self.groups.is_leader:
             msg = self._encode(GO, subtree.tokens, subtree.parents)
-            self._send(msg, self.groups.peer_leader, "subtree")
+            self._send_to_peer(msg, "subtree")
             self._verdict_buf = self._tensor(self.size)
-            work = dist.irecv(self._verdict_buf, self.groups.peer_leader)
-            self._verdict_work = Arrival(work, self.timeout_s, "verdict from the target leader")
+            what = "verdict from the target leader"
+            work = post(lambda: dist.irecv(self._verdict_buf, self.groups.peer_leader), self.timeout_s, what)
+            self._verdict_work = Arrival(work, self.timeout_s, what)
 
     def agree(self, value: int) -> int:
         """A choice every draft rank must share (expansions, tree size), so their trees stay
@@ -203,7 +228,7 @@ class DistLink:
     def send_counters(self, counters: DraftCounters) -> None:
         if self.groups.is_leader:
             msg = torch.tensor(astuple(counters), dtype=torch.float64, device=self.groups.device)
-            wait(dist.isend(msg, self.groups.peer_leader), self.timeout_s, "delivery of the draft counters")
+            self._send_to_peer(msg, "draft counters")
 
     # ---- target side ------------------------------------------------------------------------
     def receive_subtree(self) -> Subtree:
@@ -230,14 +255,14 @@ class DistLink:
         msg = self._encode(FINISHED if verified.finished else GO, verified.tokens, verified.path)
         self._share(msg, "verdict")
         self.tokens += verified.tokens
-        self._send(msg, self.groups.peer_leader, "verdict")
+        self._send_to_peer(msg, "verdict")
 
     def receive_counters(self) -> DraftCounters:
         """The draft leader's counters (zeros on the other target ranks)."""
         if not self.groups.is_leader:
             return DraftCounters()
         buf = torch.zeros(len(astuple(DraftCounters())), dtype=torch.float64, device=self.groups.device)
-        wait(dist.irecv(buf, self.groups.peer_leader), self.timeout_s, "counters from the draft leader")
+        complete(lambda: dist.irecv(buf, self.groups.peer_leader), self.timeout_s, "counters from the draft leader")
         kinds = astuple(DraftCounters())
         return DraftCounters(*(type(kind)(value) for kind, value in zip(kinds, buf.tolist())))
 
@@ -254,8 +279,8 @@ class DistLink:
         try:
             self._share(msg, "failure notice")
             self._share(text, "error text")
-            self._send(msg, self.groups.peer_leader, "failure notice")
-            self._send(text, self.groups.peer_leader, "error text")
+            self._send_to_peer(msg, "failure notice")
+            self._send_to_peer(text, "error text")
         except Exception:
             pass  # the peer is gone too; our own exception is already on its way up
 
