@@ -3,12 +3,24 @@
 As in prompt lookup decoding: the last n tokens of the sequence (n from `max_n` down to
 `min_n`) are looked up among their earlier occurrences in the prompt and the output so far
 (and in an optional user corpus); the tokens that followed the most recent occurrence are
-proposed as a chain under the tree's root, beside the draft model's branches.
+proposed as a chain under the tree's root, beside the draft model's branches. How many tokens
+matched travels with the chain: a longer match is a much safer bet (on the demo pair's
+prompt sets, the first copied token is right ~40% of the time after a 1-token match, ~80%
+after 3), so the policy calibrates chains per match length.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+@dataclass
+class Continuation:
+    """An n-gram proposal: `tokens` followed an earlier occurrence of the last `match` tokens
+    (match 0 and no tokens: nothing matched)."""
+
+    tokens: list[int] = field(default_factory=list)
+    match: int = 0
 
 
 @dataclass
@@ -47,22 +59,22 @@ class NgramIndex:
                 self.seen[tuple(self.tokens[end - n : end])] = end
         self._indexed = len(self.tokens)
 
-    def propose(self, max_tokens: int) -> list[int]:
+    def propose(self, max_tokens: int) -> Continuation:
         """Up to `max_tokens` tokens that followed the latest earlier occurrence of the longest
-        suffix of the sequence (the sequence itself first, then the corpus); [] if none."""
+        suffix of the sequence (the sequence itself first, then the corpus)."""
         if max_tokens <= 0:
-            return []
+            return Continuation()
         size = len(self.tokens)
         for n in range(min(self.max_n, size), self.min_n - 1, -1):
             key = tuple(self.tokens[size - n :])
             end = self.seen.get(key)
             if end is not None:
-                return continuation(self.tokens, end, max_tokens)
+                return Continuation(continuation(self.tokens, end, max_tokens), n)
             where = self.corpus_seen.get(key)
             if where is not None:
                 doc, end = where
-                return self.corpus[doc][end : end + max_tokens]
-        return []
+                return Continuation(self.corpus[doc][end : end + max_tokens], n)
+        return Continuation()
 
 
 def continuation(tokens: list[int], start: int, length: int) -> list[int]:

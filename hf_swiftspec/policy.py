@@ -26,6 +26,7 @@ from .verify import Verified
 MAX_BUDGET = 32  # largest tree the adaptive policy verifies
 BUCKET = 0.5  # width of a draft-score bucket (nats of cumulative log-prob)
 BUCKETS = 24  # scores below -BUCKET * BUCKETS share the last bucket
+CHAIN_PRIORS = (0.5, 0.6, 0.7)  # P(chain token accepted) before any is seen, after a 1, 2, 3+ token match
 
 
 @dataclass
@@ -63,6 +64,11 @@ class Calibration:
 def score_bucket(score: float) -> int:
     """Bucket of a draft score (a cumulative log-prob, <= 0)."""
     return min(int(-score / BUCKET), BUCKETS - 1)
+
+
+def match_bucket(match: int) -> int:
+    """Calibration of a chain whose n-gram match spanned `match` tokens (1, 2, or 3 and more)."""
+    return min(max(match, 1), len(CHAIN_PRIORS)) - 1
 
 
 @dataclass
@@ -130,7 +136,7 @@ class GoodputPolicy:
     probe_budget: int = 12  # a probe verifies this many nodes, to measure a larger tree's cost
     costs: CostModel = field(default_factory=CostModel)
     draft: Calibration = field(init=False)  # P(node on the accepted path) by draft score bucket
-    chain: Calibration = field(init=False)  # P(chain token j accepted | tokens before it were)
+    chains: list[Calibration] = field(init=False)  # per match length: P(chain token j accepted | those before were)
     gains: list[float] = field(init=False)  # expected tokens the k-th expansion of a round adds
     gains_seen: list[int] = field(init=False)
     rounds: int = 0
@@ -142,7 +148,7 @@ class GoodputPolicy:
             self.max_budget = self.tree_budget
         mids = [math.exp(-BUCKET * (b + 0.5)) for b in range(BUCKETS)]
         self.draft = Calibration(prior=mids)  # a perfectly calibrated draft, until observed
-        self.chain = Calibration(prior=[0.7] * self.max_budget)
+        self.chains = [Calibration(prior=[p] * self.max_budget) for p in CHAIN_PRIORS]
         self.gains = [1.0] * (self.max_depth + 1)  # optimistic: try the draft before judging it
         self.gains_seen = [0] * (self.max_depth + 1)
         self.refresh()
@@ -157,7 +163,7 @@ class GoodputPolicy:
         # Non-increasing along buckets / positions: a less likely node never gets a higher estimate
         # than a likelier one, so the T best nodes always form a connected tree.
         self.draft_table = list(itertools.accumulate(self.draft.rates, min))
-        self.chain_table = list(itertools.accumulate(self.chain.rates, operator.mul))
+        self.chain_tables = [list(itertools.accumulate(chain.rates, operator.mul)) for chain in self.chains]
 
     # ---- per round ----------------------------------------------------------------------------
     def start_round(self) -> bool:
@@ -171,9 +177,12 @@ class GoodputPolicy:
         table = self.draft_table
         return [1.0 if score >= 0 else table[score_bucket(score)] for score in scores]
 
-    def chain_probs(self, length: int) -> list[float]:
-        """Calibrated P(first j chain tokens accepted), j = 1..length."""
-        return self.chain_table[: min(length, self.max_budget)]
+    def chain_probs(self, length: int, match: int) -> list[float]:
+        """Calibrated P(first j chain tokens accepted), j = 1..length, for a chain whose n-gram
+        match spanned `match` tokens."""
+        if length == 0:
+            return []
+        return self.chain_tables[match_bucket(match)][: min(length, self.max_budget)]
 
     def expected_tokens(self, probs: list[float]) -> list[float]:
         """E(T) for T = 1..len(probs) from node probabilities sorted best first (root first)."""
@@ -249,5 +258,5 @@ class GoodputPolicy:
         if proposed:
             reached = max((proposal.chain[i] for i in verified.path), default=0)
             tried = range(min(reached + 1, proposed))  # position j is tried when all before it passed
-            self.chain.observe(list(tried), [j < reached for j in tried])
+            self.chains[match_bucket(proposal.match)].observe(list(tried), [j < reached for j in tried])
         self.refresh()

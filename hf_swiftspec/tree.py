@@ -182,12 +182,14 @@ class Proposal:
     probs:  calibrated P(node accepted) the policy used
     scores: draft score of each node, None for a node only the n-gram chain proposed
     chain:  1-based position of each node on the n-gram chain, 0 if it is not on it
+    match:  how many tokens the n-gram chain's match spanned (0: no chain)
     """
 
     subtree: Subtree
     probs: list[float]
     scores: list[float | None]
     chain: list[int]
+    match: int = 0
 
     @property
     def ranked_probs(self) -> list[float]:
@@ -196,7 +198,7 @@ class Proposal:
 
 
 def merge_chain(draft: Subtree, scores: list[float], probs: list[float], chain: list[int],
-                chain_probs: list[float]) -> Proposal:
+                chain_probs: list[float], match: int = 0) -> Proposal:
     """The union of the draft's candidates and an n-gram chain hanging from the root.
 
     Where the chain follows a draft node it reuses it (and the node takes the higher of the two
@@ -221,7 +223,7 @@ def merge_chain(draft: Subtree, scores: list[float], probs: list[float], chain: 
         probs[child] = min(max(probs[child], p), probs[node])
         on_chain[child] = j
         node = child
-    return Proposal(Subtree(node_ids, tokens, parents), probs, scores, on_chain)
+    return Proposal(Subtree(node_ids, tokens, parents), probs, scores, on_chain, match if chain else 0)
 
 
 def ranked(proposal: Proposal) -> list[int]:
@@ -244,6 +246,7 @@ def best_subtree(proposal: Proposal, order: list[int], budget: int) -> Proposal:
         probs=[proposal.probs[i] for i in keep],
         scores=[proposal.scores[i] for i in keep],
         chain=[proposal.chain[i] for i in keep],
+        match=proposal.match,
     )
 
 

@@ -6,7 +6,7 @@ from transformers import LogitsProcessorList, StoppingCriteriaList, TemperatureL
 from transformers.generation.stopping_criteria import EosTokenCriteria
 
 from hf_swiftspec import SwiftSpecForCausalLM
-from hf_swiftspec.ngram import NgramIndex
+from hf_swiftspec.ngram import Continuation, NgramIndex
 from hf_swiftspec.policy import GoodputPolicy
 from hf_swiftspec.testing import tiny_model
 from hf_swiftspec.tree import Proposal, Subtree, best_subtree, merge_chain, ranked
@@ -70,14 +70,32 @@ def test_cost_model_fits_a_line():
 def test_ngram_chain_follows_the_latest_earlier_occurrence():
     index = NgramIndex(max_n=3)
     index.extend([5, 6, 7, 8, 1, 5, 6, 7, 9, 2, 5, 6, 7])
-    assert index.propose(3) == [9, 2, 5]  # (5, 6, 7) last seen before 9, not before 8
+    assert index.propose(3) == Continuation([9, 2, 5], 3)  # (5, 6, 7) last seen before 9, not before 8
     index.extend([9])
-    assert index.propose(2) == [2, 5]
-    assert NgramIndex().propose(4) == []
+    assert index.propose(2) == Continuation([2, 5], 3)  # (6, 7, 9) seen once, before 2
+    index.extend([4])
+    assert index.propose(2) == Continuation()  # 4 never seen before
+    assert NgramIndex().propose(4) == Continuation()
     corpus = NgramIndex(max_n=2)
     corpus.add_corpus([[40, 41, 42, 43]])
     corpus.extend([3, 40, 41])
-    assert corpus.propose(5) == [42, 43]
+    assert corpus.propose(5) == Continuation([42, 43], 2)
+
+
+def test_chains_are_calibrated_per_match_length():
+    """Chains after 1-token matches always fail, after 3-token matches always pass: the policy
+    learns both, and trusts the second kind with a long chain, not the first."""
+    policy = GoodputPolicy()
+    root = Subtree(node_ids=[0], tokens=[10], parents=[-1])
+    for _ in range(30):
+        for match, accepted in ((1, 0), (3, 4)):
+            proposal = merge_chain(root, [0.0], [1.0], [11, 12, 13, 14], policy.chain_probs(4, match), match)
+            verified = Verified(tokens=[0] * (accepted + 1), path=list(range(accepted + 1)))
+            policy.observe_outcome(proposal, verified)
+    weak, strong = policy.chain_probs(4, 1), policy.chain_probs(4, 3)
+    assert weak[0] < 0.1 and strong[3] > 0.9, (weak, strong)
+    assert policy.chain_probs(4, 5) == strong  # longer matches share the last calibration
+    assert policy.chain_probs(0, 3) == []
 
 
 def test_chain_merges_into_the_draft_candidates():

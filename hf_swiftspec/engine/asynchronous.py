@@ -34,7 +34,7 @@ def run_draft(draft: DraftWorker, request: DecodeRequest, link) -> None:
     while True:
         # Drafting is off the critical path here: the tree size is chosen by verification time alone.
         chain = draft.chain(policy.max_budget)
-        if draft.tree.size == 1 and not chain:  # a fresh tree and nothing to copy: one expansion first
+        if draft.tree.size == 1 and not chain.tokens:  # a fresh tree and nothing to copy: one expansion first
             draft.top_up(2)
         candidates = draft.candidates(policy, chain)
         proposal = draft.proposal(policy, candidates, spent_s=0.0, agree=link.agree)

@@ -34,7 +34,7 @@ from ..tree import (
     select_subtree,
     subtree_mask,
 )
-from ..ngram import NgramIndex
+from ..ngram import Continuation, NgramIndex
 from ..policy import GoodputPolicy
 from ..verify import Sampler, Verified, verify_tree
 
@@ -259,13 +259,13 @@ class DraftWorker:
         return False
 
     # ---- the adaptive round: candidates for the policy, the proposal it picks -------------------
-    def candidates(self, policy: GoodputPolicy, chain: list[int]) -> Proposal:
+    def candidates(self, policy: GoodputPolicy, chain: Continuation) -> Proposal:
         """The draft's best nodes merged with the n-gram chain, each with its calibrated P(accepted)
         (one host sync)."""
         draft, scores = select_subtree(self.tree, policy.max_budget)
         probs = policy.draft_probs(scores)
-        chain_probs = policy.chain_probs(len(chain))
-        return merge_chain(draft, scores, probs, chain[: len(chain_probs)], chain_probs)
+        chain_probs = policy.chain_probs(len(chain.tokens), chain.match)
+        return merge_chain(draft, scores, probs, chain.tokens[: len(chain_probs)], chain_probs, chain.match)
 
     def proposal(self, policy: GoodputPolicy, candidates: Proposal, spent_s: float, agree=int) -> Proposal:
         """The best T candidates for the T the policy expects the most tokens per second from.
@@ -276,9 +276,9 @@ class DraftWorker:
         budget, _ = policy.best_budget([candidates.probs[i] for i in order], spent_s)
         return best_subtree(candidates, order, agree(budget))
 
-    def chain(self, length: int) -> list[int]:
-        """The n-gram continuation of the committed sequence and root ([] when n-grams are off)."""
-        return self.ngrams.propose(length) if self.use_ngrams else []
+    def chain(self, length: int) -> Continuation:
+        """The n-gram continuation of the committed sequence and root (empty when n-grams are off)."""
+        return self.ngrams.propose(length) if self.use_ngrams else Continuation()
 
 
 def device_sync(device: torch.device) -> None:
