@@ -219,13 +219,14 @@ class GoodputPolicy:
         return then > now
 
     def overlap_depth(self) -> int:
-        """Expansions that fit in one verification (asynchronous engines, where drafting is hidden)."""
+        """Expansions that fit wholly in one verification (asynchronous engines, where drafting is
+        hidden): one that would overrun it delays the next subtree, and the target waits for it."""
         if self.draft_depth is not None:
             return self.draft_depth
         if self.costs.expand_s is None or not self.costs.verify_s:
             return 4
         verify = self.costs.verify_times(self.last_budget)[-1]
-        return max(1, min(self.max_depth, round(verify / self.costs.expand_s)))
+        return max(1, min(self.max_depth, int(verify / self.costs.expand_s)))
 
     # ---- after the round ----------------------------------------------------------------------
     def observe_gain(self, done: int, before: list[float], after: list[float], spent_s: float) -> None:

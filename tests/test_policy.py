@@ -171,3 +171,12 @@ def test_user_corpus_feeds_the_chain():
         model.generate(prompt, max_new_tokens=3, ngram_corpus="def f(): pass")
     with pytest.raises(ValueError, match="has no tokenizer"):
         model.generate(prompt, max_new_tokens=3, ngram_corpus=["def f(): pass"])
+
+
+def test_async_draft_only_starts_expansions_that_end_before_the_verdict():
+    """3.5 ms expansions against a 13 ms verification: 3 fit (a 4th would end at 14 ms and hold
+    up the next subtree); a user's draft_depth wins."""
+    policy = GoodputPolicy()
+    policy.observe_round(expansions=2, draft_s=0.007, budget=6, verify_s=0.013)
+    assert policy.overlap_depth() == 3
+    assert GoodputPolicy(draft_depth=5).overlap_depth() == 5
