@@ -192,11 +192,14 @@ class GoodputPolicy:
             out.append(total)
         return out
 
-    def best_budget(self, probs: list[float], spent_s: float) -> tuple[int, float]:
-        """(T, expected tokens per second) maximising goodput, for sorted node probabilities."""
+    def best_budget(self, probs: list[float], spent_s: float, probing: bool | None = None) -> tuple[int, float]:
+        """(T, expected tokens per second) maximising goodput, for sorted node probabilities.
+
+        probing: whether to take the probe's tree size instead (default: whether this round probes).
+        """
         expected = self.expected_tokens(probs)
         times = self.costs.verify_times(len(expected))
-        if self.tree_budget is not None or self.probing:
+        if self.tree_budget is not None or (self.probing if probing is None else probing):
             T = len(expected) if self.tree_budget is not None else min(len(expected), self.probe_budget)
             return T, expected[T - 1] / (spent_s + times[T - 1])
         rates = [e / (spent_s + t) for e, t in zip(expected, times)]
@@ -231,10 +234,8 @@ class GoodputPolicy:
     # ---- after the round ----------------------------------------------------------------------
     def observe_gain(self, done: int, before: list[float], after: list[float], spent_s: float) -> None:
         """Fold in how much expansion number done + 1 raised the expected tokens at the best T."""
-        probing, self.probing = self.probing, False  # compare at the best T, not the probe's
-        t_before, _ = self.best_budget(before, spent_s)
-        t_after, _ = self.best_budget(after, spent_s)
-        self.probing = probing
+        t_before, _ = self.best_budget(before, spent_s, probing=False)  # at the best T, not the probe's
+        t_after, _ = self.best_budget(after, spent_s, probing=False)
         gain = max(self.expected_tokens(after)[t_after - 1] - self.expected_tokens(before)[t_before - 1], 0.0)
         seen = self.gains_seen[done]
         self.gains[done] = gain if seen == 0 else 0.7 * self.gains[done] + 0.3 * gain
