@@ -10,7 +10,9 @@ target actually accepted, and divides it by the round's time from a cost model f
 on this device (draft expansions + a T-node verification, serially). It grows the draft's tree
 while one more expansion is expected to raise that ratio, then verifies the best T. T = 1 is
 plain decoding by the target: when speculation does not pay, that is what the policy picks,
-re-probing every `probe_every` rounds (a few expansions and a larger tree) in case it pays again.
+re-probing now and then (a few expansions and a larger tree) in case it pays again: every
+`probe_every` rounds while probes pay, twice as far apart after each one that does not (up to
+`max_probe_every`), so a useless draft costs a probe per hundred-odd rounds, not one per 16.
 """
 
 from __future__ import annotations
@@ -131,7 +133,8 @@ class GoodputPolicy:
     draft_depth: int | None = None
     max_budget: int = MAX_BUDGET
     max_depth: int = 16
-    probe_every: int = 16  # rounds between probes (forced expansions, a larger tree)
+    probe_every: int = 16  # rounds between probes (forced expansions, a larger tree) while they pay
+    max_probe_every: int = 128  # rounds between probes after many that did not pay
     probe_depth: int = 2
     probe_budget: int = 12  # a probe verifies this many nodes, to measure a larger tree's cost
     costs: CostModel = field(default_factory=CostModel)
@@ -142,6 +145,10 @@ class GoodputPolicy:
     rounds: int = 0
     probing: bool = False
     last_budget: int = 1
+    next_probe: int = 3  # the round that probes next
+    probe_interval: int = field(init=False)
+    round_rate: float | None = None  # running average of tokens per second of rounds that did not probe
+    _round_s: float = 0.0  # the last round's time (observe_round), for its rate (observe_outcome)
 
     def __post_init__(self):
         if self.tree_budget is not None:
@@ -151,6 +158,7 @@ class GoodputPolicy:
         self.chains = [Calibration(prior=[p] * self.max_budget) for p in CHAIN_PRIORS]
         self.gains = [1.0] * (self.max_depth + 1)  # optimistic: try the draft before judging it
         self.gains_seen = [0] * (self.max_depth + 1)
+        self.probe_interval = self.probe_every
         self.refresh()
 
     @property
@@ -169,7 +177,7 @@ class GoodputPolicy:
     def start_round(self) -> bool:
         """Begin a round; returns whether it probes (forced expansions, the largest tree)."""
         self.rounds += 1
-        self.probing = self.rounds == 3 or self.rounds % self.probe_every == 0
+        self.probing = self.rounds == self.next_probe
         return self.probing
 
     def draft_probs(self, scores: list[float]) -> list[float]:
@@ -244,14 +252,28 @@ class GoodputPolicy:
             if self.gains_seen[k] == 0:
                 self.gains[k] = min(self.gains[k], self.gains[done])
 
+    def observe_rate(self, rate: float) -> None:
+        """Fold in one round's tokens per second. After a probe: probe again in `probe_every`
+        rounds if it beat the rounds around it, else twice as late as last time."""
+        if not self.probing:
+            self.round_rate = rate if self.round_rate is None else 0.8 * self.round_rate + 0.2 * rate
+            return
+        paid = self.round_rate is None or rate > self.round_rate
+        self.probe_interval = self.probe_every if paid else min(2 * self.probe_interval, self.max_probe_every)
+        self.next_probe = self.rounds + self.probe_interval
+
     def observe_round(self, expansions: int, draft_s: float, budget: int, verify_s: float) -> None:
         """Fold in one round's costs: `expansions` draft forwards in draft_s, a `budget`-node verification."""
         self.costs.observe_expansions(draft_s, expansions)
         self.costs.observe_verify(budget, verify_s)
         self.last_budget = budget
+        self._round_s = draft_s + verify_s
 
     def observe_outcome(self, proposal: Proposal, verified: Verified) -> None:
-        """Fold in which verified nodes were accepted: draft nodes by score, the chain by position."""
+        """Fold in which verified nodes were accepted: draft nodes by score, the chain by position;
+        and whether a probe paid (serial engine: the round's time came through observe_round)."""
+        if self._round_s > 0:
+            self.observe_rate(len(verified.tokens) / self._round_s)
         accepted = set(verified.path)
         draft = [i for i, score in enumerate(proposal.scores) if i and score is not None]
         if draft:

@@ -180,3 +180,25 @@ def test_async_draft_only_starts_expansions_that_end_before_the_verdict():
     policy.observe_round(expansions=2, draft_s=0.007, budget=6, verify_s=0.013)
     assert policy.overlap_depth() == 3
     assert GoodputPolicy(draft_depth=5).overlap_depth() == 5
+
+
+def probe_rounds(probe_tokens: int, rounds: int = 400) -> list[int]:
+    """Rounds at which a policy probed, when plain rounds yield 1 token in 10 ms and probe rounds
+    `probe_tokens` tokens in 20 ms."""
+    policy, probed = GoodputPolicy(), []
+    root = Proposal(Subtree([0], [1], [-1]), [1.0], [0.0], [0])
+    for _ in range(rounds):
+        probing = policy.start_round()
+        tokens, seconds = (probe_tokens, 0.020) if probing else (1, 0.010)
+        policy.observe_round(expansions=2 if probing else 0, draft_s=0.0, budget=1, verify_s=seconds)
+        policy.observe_outcome(root, Verified(tokens=[0] * tokens, path=[0] * tokens))
+        if probing:
+            probed.append(policy.rounds)
+    return probed
+
+
+def test_probes_back_off_while_they_do_not_pay():
+    useless = probe_rounds(probe_tokens=1)  # a probe halves the round's rate: each one twice as late
+    assert useless == [3, 35, 99, 227, 355], useless  # 32, 64, then 128 rounds apart
+    useful = probe_rounds(probe_tokens=4)  # a probe doubles it: every 16 rounds
+    assert useful[:4] == [3, 19, 35, 51] and len(useful) == 25, useful
