@@ -148,7 +148,6 @@ class GoodputPolicy:
     next_probe: int = 3  # the round that probes next
     probe_interval: int = field(init=False)
     round_rate: float | None = None  # running average of tokens per second of rounds that did not probe
-    _round_s: float = 0.0  # the last round's time (observe_round), for its rate (observe_outcome)
 
     def __post_init__(self):
         if self.tree_budget is not None:
@@ -262,18 +261,22 @@ class GoodputPolicy:
         self.probe_interval = self.probe_every if paid else min(2 * self.probe_interval, self.max_probe_every)
         self.next_probe = self.rounds + self.probe_interval
 
-    def observe_round(self, expansions: int, draft_s: float, budget: int, verify_s: float) -> None:
-        """Fold in one round's costs: `expansions` draft forwards in draft_s, a `budget`-node verification."""
+    def observe_round(
+        self, expansions: int, draft_s: float, budget: int, verify_s: float, tokens: int | None = None
+    ) -> None:
+        """Fold in one round's costs: `expansions` draft forwards in draft_s, a `budget`-node verification.
+
+        tokens: what the round emitted, when draft_s + verify_s is the whole round (the serial
+            engine, the only one that probes): its rate tells whether a probe paid.
+        """
         self.costs.observe_expansions(draft_s, expansions)
         self.costs.observe_verify(budget, verify_s)
         self.last_budget = budget
-        self._round_s = draft_s + verify_s
+        if tokens is not None:
+            self.observe_rate(tokens / (draft_s + verify_s))
 
     def observe_outcome(self, proposal: Proposal, verified: Verified) -> None:
-        """Fold in which verified nodes were accepted: draft nodes by score, the chain by position;
-        and whether a probe paid (serial engine: the round's time came through observe_round)."""
-        if self._round_s > 0:
-            self.observe_rate(len(verified.tokens) / self._round_s)
+        """Fold in which verified nodes were accepted: draft nodes by score, the chain by position."""
         accepted = set(verified.path)
         draft = [i for i, score in enumerate(proposal.scores) if i and score is not None]
         if draft:

@@ -190,7 +190,7 @@ def probe_rounds(probe_tokens: int, rounds: int = 400) -> list[int]:
     for _ in range(rounds):
         probing = policy.start_round()
         tokens, seconds = (probe_tokens, 0.020) if probing else (1, 0.010)
-        policy.observe_round(expansions=2 if probing else 0, draft_s=0.0, budget=1, verify_s=seconds)
+        policy.observe_round(2 if probing else 0, draft_s=0.0, budget=1, verify_s=seconds, tokens=tokens)
         policy.observe_outcome(root, Verified(tokens=[0] * tokens, path=[0] * tokens))
         if probing:
             probed.append(policy.rounds)

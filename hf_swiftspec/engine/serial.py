@@ -44,7 +44,9 @@ def run_serial(target: TargetWorker, draft: DraftWorker, request: DecodeRequest)
         if not verified.finished:  # 3. draft: keep the subtree under the last verified token, KV included
             draft.reroot(proposal.subtree, verified)
         round_s = time.perf_counter() - round_start
-        policy.observe_round(expansions, expanding_s, len(proposal.subtree), round_s - expanding_s)
+        policy.observe_round(
+            expansions, expanding_s, len(proposal.subtree), round_s - expanding_s, tokens=len(verified.tokens)
+        )
         policy.observe_outcome(proposal, verified)
         result.record_round(proposal, verified, expansions)
         if verified.finished:
