@@ -47,6 +47,7 @@ def swiftspec_generate(
     swiftspec_streamer=None,
     swiftspec_generator: torch.Generator | None = None,
     swiftspec_corpus: list[list[int]] | None = None,
+    swiftspec_policy: GoodputPolicy | None = None,
     **model_kwargs,
 ) -> tuple[torch.LongTensor | GenerateDecoderOnlyOutput, SwiftSpecStats]:
     """`custom_generate` callable; `model` is the target. Returns (generate's output, stats)."""
@@ -62,7 +63,7 @@ def swiftspec_generate(
         sampler=sampler,
         stopping_criteria=stopping_criteria,
         max_new_tokens=max_new,
-        policy=GoodputPolicy(tree_budget=config.tree_budget, draft_depth=config.draft_depth),
+        policy=swiftspec_policy or GoodputPolicy(tree_budget=config.tree_budget, draft_depth=config.draft_depth),
         corpus=swiftspec_corpus or [],
         on_tokens=(lambda tokens: swiftspec_streamer.put(torch.tensor(tokens))) if swiftspec_streamer else None,
     )

@@ -97,17 +97,20 @@ class TargetWorker:
         self.cache = new_cache(self.architecture, capacity)
         self.attention_fallbacks: set[str] = set()  # why kernel-routed layers ran their own attention
         self.sequence: torch.Tensor | None = None
+        self.root_logits: torch.Tensor | None = None  # (1, V) the prefill's last row, until the first verification
         self.counters = TargetCounters()
 
     def prefill(self, prompt: torch.Tensor) -> None:
-        """Start from prompt (1, L), L >= 1: commit the KV of all but its last token (the first root)."""
+        """Run the whole prompt (1, L), L >= 1, as transformers' generate does: the KV of all but its
+        last token is committed; the last one (the first root) stays in tree slot 0, its logits kept
+        for the first verification, which then runs only the nodes below the root (none when the
+        first round is plain), so speculation costs no forward more than target.generate."""
         self.sequence = prompt.to(self.device)
-        ids = self.sequence[:, :-1]
-        if ids.shape[1]:
-            positions = torch.arange(ids.shape[1], device=self.device)[None]
-            model_step(self.model, self.cache, ids, positions, keep=1)
-            self.counters.forwards += 1
+        positions = torch.arange(prompt.shape[1], device=self.device)[None]
+        self.root_logits = model_step(self.model, self.cache, self.sequence, positions, keep=1)  # (1, V)
         self.cache.seal_prefix()
+        self.cache.prefix_len -= 1
+        self.counters.forwards += 1
 
     def verify(
         self,
@@ -123,22 +126,32 @@ class TargetWorker:
             with its signature that returns the leader's walk.
         """
         start = time.perf_counter()
-        mask, depths = subtree_mask(subtree.parents, self.device)
-        input_ids = torch.tensor([subtree.tokens], device=self.device)
-        positions = (self.cache.prefix_len + depths)[None]
-        logits = tree_step_forward(
-            self.model, self.cache, input_ids, positions, mask, self.attention, self.architecture,
-            fallbacks=self.attention_fallbacks,
-        )  # (T, V)
+        logits = self.forward_subtree(subtree)  # (T, V)
         verified = walk(logits, subtree, self.sequence, sampler, stopping_criteria, max_tokens)
         self.cache.commit(torch.tensor(verified.path, device=self.device))
         new = torch.tensor([verified.tokens], dtype=self.sequence.dtype, device=self.device)
         self.sequence = torch.cat([self.sequence, new], dim=1)
         device_sync(self.device)
-        self.counters.forwards += 1
         self.counters.verify_steps += 1
         self.counters.busy_s += time.perf_counter() - start
         return verified
+
+    def forward_subtree(self, subtree: Subtree) -> torch.Tensor:
+        """Logits (T, V) of every subtree node: one forward over the nodes the cache lacks."""
+        mask, depths = subtree_mask(subtree.parents, self.device)
+        positions = (self.cache.prefix_len + depths)[None]
+        first, root_logits = 0, self.root_logits
+        if root_logits is not None:  # the prefill ran the root: forward only the nodes below it
+            first, self.root_logits = 1, None
+            if len(subtree) == 1:
+                return root_logits
+        input_ids = torch.tensor([subtree.tokens[first:]], device=self.device)
+        logits = tree_step_forward(
+            self.model, self.cache, input_ids, positions[:, first:], mask[first:], self.attention, self.architecture,
+            positions[0], self.attention_fallbacks,
+        )  # (T - first, V)
+        self.counters.forwards += 1
+        return logits if root_logits is None else torch.cat([root_logits, logits])
 
 
 class DraftWorker:
