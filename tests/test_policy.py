@@ -8,7 +8,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria
 from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.ngram import Continuation, NgramIndex
 from hf_swiftspec.policy import GoodputPolicy
-from hf_swiftspec.testing import tiny_model
+from hf_swiftspec.testing import real_shaped_pair, tiny_model
 from hf_swiftspec.tree import Proposal, Subtree, best_subtree, merge_chain, ranked
 from hf_swiftspec.verify import Sampler, Verified, walk_nodes, walk_rows
 
@@ -223,3 +223,19 @@ def test_probes_back_off_while_they_do_not_pay():
     assert useless == [17, 49, 113, 241, 497, 753], useless  # 32, 64, 128, then 256 rounds apart
     useful = probe_rounds(probe_tokens=4)  # a probe doubles it: every 16 rounds
     assert useful[:4] == [17, 33, 49, 65] and len(useful) == 49, useful
+
+
+def test_a_real_shaped_pair_whose_draft_cannot_pay_decodes_plainly():
+    """SmolLM2-135M's shape (30 layers, 49k vocabulary) with random weights and a draft of its first
+    2 layers: the draft never agrees and the text never repeats, so after the first call has
+    measured that, a 200-token generation is plain decoding in >= 90% of its rounds, with the
+    target's own tokens."""
+    target, draft = real_shaped_pair("smollm2-135m")
+    model = SwiftSpecForCausalLM.from_models(target, draft)
+    ids = torch.randint(3, 98, (1, 24), generator=torch.Generator().manual_seed(0))
+    model.generate(ids, max_new_tokens=32, do_sample=False)  # the first call measures
+    out = model.generate(ids, max_new_tokens=200, min_new_tokens=200, do_sample=False)
+    rounds = model.swiftspec_stats.rounds
+    plain = sum(r.budget == 1 and r.expansions == 0 for r in rounds)
+    assert plain >= 0.9 * len(rounds), [(r.budget, r.expansions, r.accepted) for r in rounds]
+    assert torch.equal(out, target.generate(ids, max_new_tokens=200, min_new_tokens=200, do_sample=False))
