@@ -266,18 +266,21 @@ class GoodputPolicy:
         self.next_probe = self.rounds + self.probe_interval
 
     def observe_round(
-        self, expansions: int, draft_s: float, budget: int, verify_s: float, tokens: int | None = None
+        self, expansions: int, draft_s: float, budget: int, verify_s: float, tokens: int | None = None,
+        catch_up_s: float = 0.0,
     ) -> None:
         """Fold in one round's costs: `expansions` draft forwards in draft_s, a `budget`-node verification.
 
-        tokens: what the round emitted, when draft_s + verify_s is the whole round (the serial
-            engine, the only one that probes): its rate tells whether a probe paid.
+        tokens: what the round emitted, when draft_s + verify_s + catch_up_s is the whole round (the
+            serial engine, the only one that probes): its rate tells whether a probe paid.
+        catch_up_s: time the draft spent on committed tokens it had not run yet (the prompt, tokens
+            of plain rounds): part of the round, but not what an expansion costs.
         """
         self.costs.observe_expansions(draft_s, expansions)
         self.costs.observe_verify(budget, verify_s)
         self.last_budget = budget
         if tokens is not None:
-            self.observe_rate(tokens / (draft_s + verify_s))
+            self.observe_rate(tokens / (draft_s + verify_s + catch_up_s))
 
     def observe_outcome(self, proposal: Proposal, verified: Verified) -> None:
         """Fold in which verified nodes were accepted: draft nodes by score, the chain by position."""
