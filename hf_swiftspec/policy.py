@@ -84,9 +84,9 @@ class CostModel:
 
     Verification time is not a line in T: on a CPU a 2-row GEMM can cost half again a 1-row one
     while 4 rows cost less than 3, so a size is priced by what it was measured at. A size never
-    measured is priced pessimistically (speculation is expensive until shown otherwise): at the
-    nearest larger size measured (a larger tree costs no less), or above every measured size, at
-    the largest one plus `prior_slope` of the smallest one per extra node.
+    measured is interpolated between the nearest measured sizes around it (below the smallest: the
+    smallest's cost); above every measured size speculation is assumed expensive until shown
+    otherwise: the largest one's cost plus `prior_slope` of the smallest one's per extra node.
     """
 
     smoothing: float = 0.2
@@ -118,12 +118,20 @@ class CostModel:
             return [1.0 + self.prior_slope * (t - 1) for t in range(1, max_budget + 1)]
         sizes = sorted(self.verify_s)
         base, largest = self.verify_s[sizes[0]], sizes[-1]
-        times, above = [], None
-        for t in range(max_budget, 0, -1):  # downwards, so the nearest larger measured size is known
-            if t in self.verify_s:
-                above = self.verify_s[t]
-            times.append(above if above is not None else self.verify_s[largest] + self.prior_slope * base * (t - largest))
-        return times[::-1]
+        times = []
+        for t in range(1, max_budget + 1):
+            below = max((s for s in sizes if s <= t), default=None)
+            above = min((s for s in sizes if s >= t), default=None)
+            if below is None:
+                times.append(self.verify_s[above])
+            elif above is None:
+                times.append(self.verify_s[largest] + self.prior_slope * base * (t - largest))
+            elif below == above:
+                times.append(self.verify_s[t])
+            else:
+                share = (t - below) / (above - below)
+                times.append((1 - share) * self.verify_s[below] + share * self.verify_s[above])
+        return times
 
 
 @dataclass

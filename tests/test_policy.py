@@ -59,17 +59,17 @@ def test_fixed_settings_are_honoured():
     assert [policy.keep_expanding(k, 0.0, [1.0], False) for k in range(3)] == [True, True, False]
 
 
-def test_cost_model_prices_sizes_as_measured_and_the_rest_pessimistically():
+def test_cost_model_prices_sizes_as_measured():
     """Measured sizes cost what they were measured at (a 2-node tree may cost half again a plain
-    step on a CPU); an unmeasured size costs what the next larger measured one does; beyond the
+    step on a CPU); an unmeasured size is interpolated between its measured neighbours; beyond the
     largest, 10% of the smallest per extra node."""
     policy = GoodputPolicy()
     assert policy.costs.verify_times(3) == pytest.approx([1.0, 1.1, 1.2])  # nothing measured: relative units
     for budget, seconds in ((1, 0.040), (2, 0.062), (4, 0.066), (12, 0.085)):
         policy.costs.observe_verify(budget, seconds)
     times = policy.costs.verify_times(14)
-    assert times[:4] == pytest.approx([0.040, 0.062, 0.066, 0.066])
-    assert times[4:12] == pytest.approx([0.085] * 8)
+    assert times[:4] == pytest.approx([0.040, 0.062, 0.064, 0.066])
+    assert times[4:12] == pytest.approx([0.066 + 0.019 * k / 8 for k in range(1, 9)])
     assert times[12:] == pytest.approx([0.089, 0.093])
     policy.costs.observe_verify(2, 0.072)  # a running average: 0.8 * 0.062 + 0.2 * 0.072
     assert policy.costs.verify_times(2)[1] == pytest.approx(0.064)
