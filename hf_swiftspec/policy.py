@@ -274,19 +274,25 @@ class GoodputPolicy:
         self.next_probe = self.rounds + self.probe_interval
 
     def observe_round(
-        self, expansions: int, draft_s: float, budget: int, verify_s: float, tokens: int | None = None,
+        self, expansions: int, draft_s: float, budget: int, verify_s: float | None, tokens: int | None = None,
         catch_up_s: float = 0.0,
     ) -> None:
         """Fold in one round's costs: `expansions` draft forwards in draft_s, a `budget`-node verification.
 
+        verify_s: None when the round timed no verification (the first round of a generation gets
+            its root's logits from the prefill): nothing is learnt from it, and a probe moves on a round.
         tokens: what the round emitted, when draft_s + verify_s + catch_up_s is the whole round (the
             serial engine, the only one that probes): its rate tells whether a probe paid.
         catch_up_s: time the draft spent on committed tokens it had not run yet (the prompt, tokens
             of plain rounds): part of the round, but not what an expansion costs.
         """
+        self.last_budget = budget
+        if verify_s is None:
+            if self.probing:
+                self.next_probe = self.rounds + 1
+            return
         self.costs.observe_expansions(draft_s, expansions)
         self.costs.observe_verify(budget, verify_s)
-        self.last_budget = budget
         if tokens is not None:
             self.observe_rate(tokens / (draft_s + verify_s + catch_up_s))
 

@@ -47,8 +47,9 @@ def run_serial(target: TargetWorker, draft: DraftWorker, request: DecodeRequest)
         if not verified.finished:  # 3. draft: keep the subtree under the last verified token, KV included
             draft.reroot(proposal.subtree, verified)
         round_s = time.perf_counter() - round_start
+        verify_s = round_s - expanding_s - catch_up_s if result.rounds else None  # round 1's root came with the prefill
         policy.observe_round(
-            expansions - (catch_up_s > 0), expanding_s, len(proposal.subtree), round_s - expanding_s - catch_up_s,
+            expansions - (catch_up_s > 0), expanding_s, len(proposal.subtree), verify_s,
             tokens=len(verified.tokens), catch_up_s=catch_up_s,
         )
         policy.observe_outcome(proposal, verified)
