@@ -200,6 +200,7 @@ def run_pair_create(args) -> int:
         license=args.license,
         license_name=args.license_name,
         license_link=args.license_link,
+        force=args.force,
         **settings,
     )
     config = pair.config
@@ -207,6 +208,13 @@ def run_pair_create(args) -> int:
     draft = member_description(config.draft, config.draft_revision)
     print(f"wrote pair repo {args.dir} (target {target}, draft {draft})")
     return 0
+
+
+def member_location(member) -> str:
+    """A Hub member with its revision (or "default branch" when unpinned); a local folder has no branch."""
+    if member.is_local:
+        return f"{member.location} (local folder)"
+    return f"{member.location} @ {member.revision or 'default branch'}"
 
 
 def run_pair_check(args) -> int:
@@ -221,7 +229,7 @@ def run_pair_check(args) -> int:
         config = pair.member_configs[role].get_text_config()
         tokenizer = pair.member_tokenizers[role]
         print(
-            f"{role}: {member.location} @ {member.revision or 'default branch'}: {config.model_type}, vocab_size "
+            f"{role}: {member_location(member)}: {config.model_type}, vocab_size "
             f"{config.vocab_size}, context {getattr(config, 'max_position_embeddings', '?')}, tokenizer "
             f"{'yes' if tokenizer is not None else 'none (checked by size)'}"
         )
@@ -271,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--license-link", default=None, help="with --license other")
     create.add_argument("--title", default=None, help="model card title")
     create.add_argument("--offline", action="store_true", help="use only the Hugging Face cache")
+    create.add_argument(
+        "--force", action="store_true", help="replace the pair repo already in DIR (any other non-empty folder is refused)"
+    )
     add_tree_options(create)
 
     check = pair.add_parser("check", help="check a pair repo without loading weights")
