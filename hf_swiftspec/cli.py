@@ -27,9 +27,9 @@ from .commandline import (
     THREADS_HELP,
     TREE_OPTIONS,
     add_tree_options,
-    default_device,
     load_pair,
     progress,
+    resolve_device,
     set_threads,
     tree_overrides,
 )
@@ -159,7 +159,7 @@ def statistics_line(model, run: RunStats, baseline: RunStats | None, identical: 
 
 def run_generate(options: GenerateOptions) -> int:
     check_options(options)
-    device = options.device or default_device()
+    device = resolve_device(options.device)
     progress(set_threads(options.threads, device))
     model = load_generate_pair(options, device)
     tokenizer = model.tokenizer

@@ -123,3 +123,16 @@ def test_pair_check_of_a_shipped_card_offline(capsys):
     assert main(["pair", "check", str(folder), "--offline"]) == 1  # the 72B is not in this machine's cache
     err = capsys.readouterr().err
     assert "Qwen/Qwen2-72B-Instruct" in err and "Hugging Face cache" in err
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:7", "mps", "npu"])
+def test_a_device_this_machine_lacks_is_one_line(device, monkeypatch, capsys):
+    """`--device cuda` on a CPU-only build printed a torch traceback after a line about GPU threads."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    monkeypatch.setattr(torch.mps, "is_available", lambda: False, raising=False)
+    assert main(["generate", "--device", device, *FAST]) == 1
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"swiftspec: error: --device {device}") and "this machine has: cpu." in lines[0]
+    assert captured.out == "" and "Traceback" not in captured.err
