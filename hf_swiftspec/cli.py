@@ -47,6 +47,9 @@ from .pair import (
 )
 
 DEFAULT_PROMPT = "def read_config(path):\n"
+# --compare times whole calls, prefill included: with fewer new tokens than this (a sample that hit
+# EOS at once) the ratio measures the prefill, not decoding, so no speed-up is printed.
+MIN_TIMED_TOKENS = 8
 
 
 @dataclass(frozen=True)
@@ -150,10 +153,18 @@ def statistics_line(model, run: RunStats, baseline: RunStats | None, identical: 
     )
     if baseline is not None:
         same = "" if identical is None else f", same output: {'yes' if identical else 'NO'}"
-        line += (
-            f" | target alone {baseline.tokens_per_second:.1f} tokens/s -> speed-up "
-            f"{run.tokens_per_second / baseline.tokens_per_second:.2f}x{same}"
-        )
+        shortest = min(run.new_tokens, baseline.new_tokens)
+        if shortest < MIN_TIMED_TOKENS:
+            line += (
+                f" | no speed-up: {'a sampled' if identical is None else 'the'} completion ended after {shortest} "
+                f"token{'s' if shortest != 1 else ''}, too few to time decoding (the prompt's prefill dominates); "
+                f"try another --seed or a larger --max-new-tokens{same}"
+            )
+        else:
+            line += (
+                f" | target alone {baseline.tokens_per_second:.1f} tokens/s -> speed-up "
+                f"{run.tokens_per_second / baseline.tokens_per_second:.2f}x{same}"
+            )
     return line
 
 
