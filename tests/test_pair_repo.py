@@ -125,6 +125,45 @@ def test_pair_loads_by_hub_id_offline(hub_home):
     assert "org/not-cached" in result["org/not-cached"] and "Hugging Face cache" in result["org/not-cached"]
 
 
+BUNDLED_NO_NETWORK_SCRIPT = textwrap.dedent(
+    """
+    import json, time, torch
+    torch.set_num_threads(1)
+    from huggingface_hub.utils import get_session
+    requests = []
+    client = type(get_session())
+    send = client.send
+    def counted(self, request, *args, **kwargs):
+        requests.append(str(request.url))
+        return send(self, request, *args, **kwargs)
+    client.send = counted
+    import hf_swiftspec
+    from transformers import AutoTokenizer, pipeline
+    start = time.perf_counter()
+    pipe = pipeline("text-generation", model="swiftspec-demo-pystdlib")
+    text = pipe("import os\\n", max_new_tokens=8, do_sample=False)[0]["generated_text"]
+    AutoTokenizer.from_pretrained("swiftspec-demo-pystdlib")
+    print("RESULT " + json.dumps(dict(requests=requests, seconds=time.perf_counter() - start, text=text)))
+    """
+)
+
+
+def test_a_bundled_pair_by_name_never_touches_the_network(tmp_path):
+    """pipeline(model=<bundled name>) with no network and no HF_HUB_OFFLINE took 46 s of Hub retries."""
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on: any Hub request is refused at once
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE")}
+    env.update(HF_ENDPOINT=f"http://127.0.0.1:{port}", HF_HOME=str(tmp_path / "hf"), TRANSFORMERS_VERBOSITY="error")
+    proc = subprocess.run([sys.executable, "-c", BUNDLED_NO_NETWORK_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=40, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    assert result["requests"] == [] and result["seconds"] < 20 and result["text"].startswith("import os\n")
+
+
 def test_hub_arguments_reach_the_pair_and_both_members(hub_home):
     """cache_dir + local_files_only instead of environment variables, in this process."""
     model = SwiftSpecForCausalLM.from_pretrained("org/tiny-pair", cache_dir=hub_home / "hub", local_files_only=True)

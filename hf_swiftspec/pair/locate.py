@@ -104,6 +104,59 @@ def resolve_bundled_names_in_transformers() -> None:
 
     cached_files._swiftspec_bundled = True
     hub.cached_files = cached_files
+    keep_bundled_names_off_the_hub(hub)
+
+
+class BundledPairsOffHub:
+    """transformers' shared HfApi, except that the name of a bundled pair never reaches the Hub.
+
+    Besides the files (cached_files), pipeline() and AutoTokenizer ask the Hub about a repo id
+    directly: its revision, its file list, its chat templates. For a bundled name each of those
+    went to the network (12 retries, 46 s with no network and no HF_HUB_OFFLINE). Here they are
+    answered from the bundled folder, as transformers answers them for a local folder.
+    """
+
+    def __init__(self, api):
+        self._api = api
+        self._swiftspec_bundled = True
+
+    def __getattr__(self, name):
+        method = getattr(self._api, name)
+        if not callable(method):
+            return method
+
+        @functools.wraps(method)
+        def call(*args, **kwargs):
+            repo_id = kwargs.get("repo_id", args[0] if args else None)
+            name_or_path = bundled_or_given(repo_id) if isinstance(repo_id, str) else repo_id
+            if name_or_path is repo_id or name_or_path == repo_id:
+                return method(*args, **kwargs)
+            return self._answer_locally(name, repo_id, Path(name_or_path), kwargs)
+
+        return call
+
+    @staticmethod
+    def _answer_locally(method: str, repo_id: str, folder: Path, kwargs: dict):
+        if method == "resolve_revision":
+            return kwargs.get("revision")  # what transformers keeps for a local folder
+        if method == "snapshot_download":
+            return str(folder)
+        if method == "list_repo_files":
+            return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+        from huggingface_hub.errors import OfflineModeIsEnabled
+
+        raise OfflineModeIsEnabled(f"{repo_id!r} is a pair bundled with hf_swiftspec, read from {folder}, not from the Hub.")
+
+
+def keep_bundled_names_off_the_hub(hub) -> None:
+    """Route transformers' shared HfApi (`hub.hf_api()`, kept in `hub._hf_api`) through BundledPairsOffHub.
+    Idempotent; if a future transformers keeps it elsewhere, bundled names only cost Hub round trips."""
+    factory = getattr(hub, "hf_api", None)
+    if factory is None or not hasattr(hub, "_hf_api"):
+        return
+    api = factory()
+    if not getattr(api, "_swiftspec_bundled", False):
+        hub._hf_api = BundledPairsOffHub(api)
 
 
 def looks_like_path(name: str) -> bool:
