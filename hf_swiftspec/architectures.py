@@ -138,6 +138,14 @@ def describe(model, role: str = "model") -> Architecture:
     return architecture
 
 
+def context_limit(*models) -> int | None:
+    """The most positions every one of `models` can place a token at (max_position_embeddings; a
+    learned position embedding has no row past it), or None when none of them says."""
+    limits = [getattr(m.config.get_text_config(decoder=True), "max_position_embeddings", None) for m in models]
+    limits = [n for n in limits if isinstance(n, int) and n > 0]
+    return min(limits) if limits else None
+
+
 def check_causal(model, who: str) -> None:
     """Refuse a decoder whose self-attention is bidirectional (a BERT-style model loaded without
     is_decoder=True): its prompt tokens see the ones after them, which tree steps never show them."""
