@@ -485,8 +485,11 @@ def test_pair_create_replaces_a_previous_pair_only_with_force(tmp_path, capsys):
     argv = ["pair", "create", "--target", str(target), "--draft", str(draft), "--tree-budget", "5", str(pair)]
     assert main(argv) == 1 and "holds a pair repo already. Pass --force" in capsys.readouterr().err
     assert SwiftSpecForCausalLM.from_pretrained(pair).config.tree_budget == 6
+    (pair / "vocab.txt").write_text("the previous pair's tokenizer")  # a tokenizer file the new pair does not write
+    (pair / "notes.txt").write_text("keep me")
     assert main(argv + ["--force"]) == 0
     assert SwiftSpecForCausalLM.from_pretrained(pair).config.tree_budget == 5
+    assert not (pair / "vocab.txt").exists() and (pair / "notes.txt").read_text() == "keep me"
 
 
 def test_pair_create_without_a_generation_config(tmp_path):

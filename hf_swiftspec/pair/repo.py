@@ -207,12 +207,25 @@ def member_entry(value: str, folder: Path) -> str:
     return os.path.relpath(Path(value).resolve(), folder.resolve()) if Path(value).is_dir() else value
 
 
+# Files a pair repo's tokenizer and generation config may be saved as. Replacing a previous pair
+# removes those the new one does not write: a stale tokenizer.json beside a new tokenizer.model
+# would be loaded instead of it.
+PAIR_FILE_PATTERNS = (
+    "generation_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
+    "*.model", "chat_template*",
+)
+
+
 def move_into_place(staging: Path, folder: Path) -> None:
     """Move a complete pair from `staging` to `folder`; into an existing folder (one that
     check_destination let through) file by file, so the members' folders inside it stay."""
     if not folder.exists():
         os.replace(staging, folder)
         return
+    written = {item.name for item in staging.iterdir()}
+    for old in folder.iterdir():
+        if old.is_file() and old.name not in written and any(old.match(pattern) for pattern in PAIR_FILE_PATTERNS):
+            old.unlink()  # the previous pair's, which --force replaces
     for item in sorted(staging.iterdir()):
         os.replace(item, folder / item.name)
 
