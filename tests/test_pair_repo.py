@@ -138,11 +138,12 @@ BUNDLED_NO_NETWORK_SCRIPT = textwrap.dedent(
         return send(self, request, *args, **kwargs)
     client.send = counted
     import hf_swiftspec
-    from transformers import AutoTokenizer, pipeline
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
     start = time.perf_counter()
     pipe = pipeline("text-generation", model="swiftspec-demo-pystdlib")
     text = pipe("import os\\n", max_new_tokens=8, do_sample=False)[0]["generated_text"]
     AutoTokenizer.from_pretrained("swiftspec-demo-pystdlib")
+    AutoModelForCausalLM.from_pretrained("swiftspec-demo-pystdlib")
     print("RESULT " + json.dumps(dict(requests=requests, seconds=time.perf_counter() - start, text=text)))
     """
 )
