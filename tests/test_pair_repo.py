@@ -465,6 +465,17 @@ def test_pair_create_never_writes_into_a_members_folder(tmp_path, capsys, where)
     AutoModelForCausalLM.from_pretrained(draft)
 
 
+def test_save_pretrained_never_writes_into_a_members_folder(tmp_path):
+    model = SwiftSpecForCausalLM.from_pretrained(local_pair(tmp_path))
+    before = folder_bytes(tmp_path / "draft")
+    for where in (tmp_path / "draft", tmp_path / "draft" / "sub"):
+        with pytest.raises(PairConfigError, match="the draft's own folder"):
+            model.save_pretrained(where)
+    assert folder_bytes(tmp_path / "draft") == before
+    model.save_pretrained(tmp_path / "copy", save_members=True)  # members written inside the pair: fine
+    assert SwiftSpecForCausalLM.from_pretrained(tmp_path / "copy").config.draft == "draft"
+
+
 def test_pair_create_refuses_a_non_empty_folder_even_with_force(tmp_path, capsys):
     target, draft = tiny_members(tmp_path)
     existing = tmp_path / "mine"

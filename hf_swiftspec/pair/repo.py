@@ -183,6 +183,8 @@ def write_pair_repo(
     members_base: the folder relative member entries are found from, for the card (default: `folder`).
     """
     folder = Path(folder)
+    if members_base is None:  # save_pretrained: its members are found from where the pair is written
+        refuse_member_folders(folder, {role: os.path.join(folder, getattr(config, role)) for role in ROLES})
     folder.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(folder)
     if tokenizer is not None:
@@ -238,6 +240,22 @@ def is_pair_folder(folder: Path) -> bool:
         return False
 
 
+def refuse_member_folders(folder: Path, members: dict[str, str]) -> dict[str, Path]:
+    """Refuse to write a pair into a member's own folder or a folder inside one (its config.json
+    would replace the member's, which then no longer loads). Returns the local members' folders."""
+    where = folder.resolve()
+    resolved = {role: Path(value).resolve() for role, value in members.items()}  # "pair/sub/.." before sub exists
+    local = {role: path for role, path in resolved.items() if path.is_dir()}
+    for role, member in local.items():
+        if where == member or member in where.parents:
+            raise PairConfigError(
+                f"Cannot write the pair repo to {folder}: it is {'' if where == member else 'inside '}the {role}'s own "
+                f"folder ({member}), and the pair's config.json would replace the {role}'s. Write the pair to a "
+                f"new folder, e.g. {member.parent / 'pair'}."
+            )
+    return local
+
+
 def check_destination(folder: Path, members: dict[str, str], force: bool) -> None:
     """Refuse a destination that holds anything the user owns: a member's own folder (or a folder
     inside one, where config.json would replace the member's), or a non-empty folder. Folders of the
@@ -247,14 +265,7 @@ def check_destination(folder: Path, members: dict[str, str], force: bool) -> Non
     members: role -> the member as given (a local folder or a Hub id).
     """
     where = folder.resolve()
-    local = {role: Path(value).resolve() for role, value in members.items() if Path(value).is_dir()}
-    for role, member in local.items():
-        if where == member or member in where.parents:
-            raise PairConfigError(
-                f"Cannot write the pair repo to {folder}: it is {'' if where == member else 'inside '}the {role}'s own "
-                f"folder ({members[role]}), and the pair's config.json would replace the {role}'s. Write the pair to a "
-                f"new folder, e.g. {member.parent / 'pair'}."
-            )
+    local = refuse_member_folders(folder, members)
     if not folder.is_dir():
         return
     keep = {where / member.relative_to(where).parts[0] for member in local.values() if where in member.parents}
