@@ -16,7 +16,7 @@ import torch
 from transformers import GenerationConfig, StoppingCriteriaList
 from transformers.generation import GenerateDecoderOnlyOutput, StopStringCriteria
 
-from .architectures import describe
+from .architectures import context_limit, describe
 from .attention import resolve_attention, routed_attention
 from .config import SwiftSpecConfig
 from .engine import DecodeRequest, DecodeResult, DraftWorker, TargetWorker, run_serial, run_threads
@@ -101,6 +101,7 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
             attention=resolve_attention(config.attention, draft, draft_arch),
             ngram_size=0 if chain else config.ngram_size,
             architecture=draft_arch,
+            max_positions=context_limit(target, draft),
         )
     return target_worker, draft_worker
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..commandline import THREADS_HELP, add_tree_options, default_device, progress, set_threads, tree_overrides
+from ..commandline import THREADS_HELP, add_tree_options, progress, resolve_device, set_threads, tree_overrides
 from ..pair import context_length
 from ..testing import REAL_SHAPES
 from .limits import limit_report, memory_budget, peak_bandwidth
@@ -151,7 +151,7 @@ def run_bench(config: BenchConfig) -> BenchReport:
     """Run every method on every prompt set; raise OutputMismatchError if any output differs from
     target.generate's. Writes results.json / results.md / results.png when config.output_dir is set."""
     check_config(config)
-    where = config.models.target.device if config.models is not None else config.device or default_device()
+    where = config.models.target.device if config.models is not None else resolve_device(config.device)
     threads = set_threads(config.threads, where)
     if config.progress:
         progress(threads, prefix="swiftspec bench")

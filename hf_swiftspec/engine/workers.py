@@ -164,8 +164,10 @@ class DraftWorker:
     def __init__(
         self, model: PreTrainedModel, capacity: int, tree_capacity: int, width: int, vocab_limit: int,
         attention: str = "sdpa", ngram_size: int = 3, architecture: Architecture | None = None,
+        max_positions: int | None = None,
     ):
         self.model = model
+        self.max_positions = max_positions  # both models' context: no node is ever placed past it
         self.attention = attention
         self.architecture = architecture or describe(model, "draft")
         self.device = model.device
@@ -196,7 +198,7 @@ class DraftWorker:
         """One draft forward over the best `width` unexpanded leaves (among the best `within`
         nodes if given); returns how many were expanded (0: none left, or the tree is full)."""
         tree, cache = self.tree, self.cache
-        leaves = select_leaves(tree, self.width, within)
+        leaves = select_leaves(tree, self.width, within, self.depth_room())
         if not leaves.shape[0] or not room_for_expansion(tree, leaves.shape[0], self.width):
             return 0
         prefix = cache.prefix_len
@@ -221,6 +223,15 @@ class DraftWorker:
         child_logprobs, child_tokens = logprobs.topk(self.width, dim=-1)
         add_children(tree, leaves, child_logprobs, child_tokens)
         return leaves.shape[0]
+
+    def depth_room(self) -> int | None:
+        """How deep below the root a node may sit before its position passes the models' context (None:
+        no limit). Learned position embeddings have no row past it: the tree stops short of it, as
+        target.generate's own last step does."""
+        if self.max_positions is None:
+            return None
+        root_position = self.cache.prefix_len + len(self.pending)
+        return max(self.max_positions - 1 - root_position, 0)
 
     def grow(self, max_expansions: int, within: int | None = None, stop=None) -> int:
         """Expand up to `max_expansions` times (only leaves among the best `within` nodes if given),
@@ -291,6 +302,8 @@ class DraftWorker:
 
     def chain(self, length: int) -> Continuation:
         """The n-gram continuation of the committed sequence and root (empty when n-grams are off)."""
+        room = self.depth_room()
+        length = length if room is None else min(length, room)
         return self.ngrams.propose(length) if self.use_ngrams else Continuation()
 
 
