@@ -67,6 +67,7 @@ def swiftspec_generate(
         corpus=swiftspec_corpus or [],
         on_tokens=(lambda tokens: swiftspec_streamer.put(torch.tensor(tokens))) if swiftspec_streamer else None,
     )
+    request.policy.start_generation()
     workers = build_workers(model, swiftspec_draft, config, prompt.shape[1] + max_new, swiftspec_groups)
     with contextlib.ExitStack() as routes:  # each model attends the tree its way for this call only
         for worker in workers:

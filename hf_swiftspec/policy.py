@@ -78,6 +78,15 @@ def match_bucket(match: int) -> int:
 
 
 @dataclass
+class ChainWatch:
+    """An n-gram chain offered in an earlier round; `reached` of its tokens were emitted since."""
+
+    tokens: list[int]
+    match: int
+    reached: int = 0
+
+
+@dataclass
 class CostModel:
     """Seconds per draft expansion, and per round outside the draft (a T-node verification plus the
     round's bookkeeping) for each tree size T, as running averages of what was measured.
@@ -160,6 +169,7 @@ class GoodputPolicy:
     next_probe: int = 17  # the round that probes next (round 1 measures the draft already)
     probe_interval: int = field(init=False)
     round_rate: float | None = None  # running average of tokens per second of rounds that did not probe
+    watching: list["ChainWatch"] = field(default_factory=list)  # recent chains not yet resolved
 
     def __post_init__(self):
         if self.tree_budget is not None:
@@ -302,9 +312,41 @@ class GoodputPolicy:
         draft = [i for i, score in enumerate(proposal.scores) if i and score is not None]
         if draft:
             self.draft.observe([score_bucket(proposal.scores[i]) for i in draft], [i in accepted for i in draft])
-        proposed = min(max(proposal.chain), self.max_budget)
-        if proposed:
-            reached = max((proposal.chain[i] for i in verified.path), default=0)
-            tried = range(min(reached + 1, proposed))  # position j is tried when all before it passed
-            self.chains[match_bucket(proposal.match)].observe(list(tried), [j < reached for j in tried])
+        if proposal.chain_tokens:
+            self.watching = self.watching[-self.max_budget + 1 :] + [ChainWatch(proposal.chain_tokens, proposal.match)]
+        self.follow_chains(verified.tokens)
         self.refresh()
+
+    def follow_chains(self, tokens: list[int]) -> None:
+        """Check the chains offered in recent rounds against the tokens the target emitted next.
+
+        A chain token is accepted exactly when the target's own token at its position equals it
+        (greedy, or sampled with noise fixed per position), so every chain is calibrated, verified
+        or not: a plain round still learns that the text has started to repeat.
+        """
+        outcomes: dict[int, tuple[list[int], list[bool]]] = {}
+        still = []
+        for watch in self.watching:
+            done = False
+            for token in tokens:
+                if watch.tokens[watch.reached] != token:
+                    done = True
+                    break
+                watch.reached += 1
+                if watch.reached == len(watch.tokens):
+                    done = True
+                    break
+            if not done:
+                still.append(watch)
+                continue
+            tried = range(min(watch.reached + 1, len(watch.tokens)))  # j is tried when all before it passed
+            positions, accepted = outcomes.setdefault(match_bucket(watch.match), ([], []))
+            positions += tried
+            accepted += [j < watch.reached for j in tried]
+        for bucket, (positions, accepted) in outcomes.items():
+            self.chains[bucket].observe(positions, accepted)
+        self.watching = still
+
+    def start_generation(self) -> None:
+        """Forget the chains of an earlier generation (what was learnt from them stays)."""
+        self.watching = []

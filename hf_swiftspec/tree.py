@@ -11,7 +11,7 @@ draft cache's tree region and its children (the draft's top-k next tokens) are i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -187,6 +187,8 @@ class Proposal:
     scores: draft score of each node, None for a node only the n-gram chain proposed
     chain:  1-based position of each node on the n-gram chain, 0 if it is not on it
     match:  how many tokens the n-gram chain's match spanned (0: no chain)
+    chain_tokens: the whole n-gram chain offered this round, verified or not (the policy checks it
+            against the tokens the target goes on to emit)
     """
 
     subtree: Subtree
@@ -194,6 +196,7 @@ class Proposal:
     scores: list[float | None]
     chain: list[int]
     match: int = 0
+    chain_tokens: list[int] = field(default_factory=list)
 
     @property
     def ranked_probs(self) -> list[float]:
@@ -227,7 +230,7 @@ def merge_chain(draft: Subtree, scores: list[float], probs: list[float], chain: 
         probs[child] = min(max(probs[child], p), probs[node])
         on_chain[child] = j
         node = child
-    return Proposal(Subtree(node_ids, tokens, parents), probs, scores, on_chain, match if chain else 0)
+    return Proposal(Subtree(node_ids, tokens, parents), probs, scores, on_chain, match if chain else 0, list(chain))
 
 
 def ranked(proposal: Proposal) -> list[int]:
@@ -251,6 +254,7 @@ def best_subtree(proposal: Proposal, order: list[int], budget: int) -> Proposal:
         scores=[proposal.scores[i] for i in keep],
         chain=[proposal.chain[i] for i in keep],
         match=proposal.match,
+        chain_tokens=proposal.chain_tokens,
     )
 
 

@@ -111,12 +111,32 @@ def test_chains_are_calibrated_per_match_length():
     for _ in range(30):
         for match, accepted in ((1, 0), (3, 4)):
             proposal = merge_chain(root, [0.0], [1.0], [11, 12, 13, 14], policy.chain_probs(4, match), match)
-            verified = Verified(tokens=[0] * (accepted + 1), path=list(range(accepted + 1)))
+            emitted = [11, 12, 13, 14, 15][:accepted] + [99]
+            verified = Verified(tokens=emitted, path=list(range(accepted + 1)))
             policy.observe_outcome(proposal, verified)
     weak, strong = policy.chain_probs(4, 1), policy.chain_probs(4, 3)
     assert weak[0] < 0.1 and strong[3] > 0.9, (weak, strong)
     assert policy.chain_probs(4, 5) == strong  # longer matches share the last calibration
     assert policy.chain_probs(0, 3) == []
+
+
+def test_chains_are_calibrated_on_what_the_target_emits_verified_or_not():
+    """A chain the policy did not verify (plain rounds, one token each) is still checked against
+    the tokens the target emits in the next rounds: a text that starts to repeat is noticed."""
+    policy = GoodputPolicy()
+    plain_root = Subtree(node_ids=[0], tokens=[10], parents=[-1])
+    for _ in range(20):  # the chain is wrong at its first token: learnt as a failure
+        policy.observe_outcome(Proposal(plain_root, [1.0], [0.0], [0], 3, [50, 51]), Verified(tokens=[7], path=[0]))
+    assert policy.chain_probs(2, 3)[0] < 0.15
+    cycle = [1, 2, 3, 4]
+    for r in range(120):  # a 4-token loop; the chain (the next 4 tokens) is right, but never verified
+        chain = [cycle[(r + 1 + j) % 4] for j in range(4)]
+        proposal = Proposal(plain_root, [1.0], [0.0], [0], 3, chain)
+        policy.observe_outcome(proposal, Verified(tokens=[cycle[(r + 1) % 4]], path=[0]))
+    assert policy.chain_probs(4, 3)[3] > 0.8, policy.chain_probs(4, 3)
+    assert len(policy.watching) <= 4  # resolved once their four tokens were emitted
+    policy.start_generation()
+    assert policy.watching == []
 
 
 def test_chain_merges_into_the_draft_candidates():
