@@ -94,12 +94,12 @@ class CostModel:
     Verification time is not a line in T: on a CPU a 2-row GEMM can cost half again a 1-row one
     while 4 rows cost less than 3, so a size is priced by what it was measured at. A size never
     measured is interpolated between the nearest measured sizes around it (below the smallest: the
-    smallest's cost); above every measured size speculation is assumed expensive until shown
-    otherwise: the largest one's cost plus `prior_slope` of the smallest one's per extra node.
+    smallest's cost); above every measured size, the slope between the two largest measured sizes
+    (at least 1% of the smallest one's cost per node), or with one size measured, `prior_slope`.
     """
 
     smoothing: float = 0.2
-    prior_slope: float = 0.1  # extra cost per node beyond the largest size measured, relative to the smallest
+    prior_slope: float = 0.1  # cost per node beyond the one size measured so far, relative to it
     expand_s: float | None = None
     verify_s: dict[int, float] = field(default_factory=dict)
     _times: list[float] | None = None
@@ -127,6 +127,10 @@ class CostModel:
             return [1.0 + self.prior_slope * (t - 1) for t in range(1, max_budget + 1)]
         sizes = sorted(self.verify_s)
         base, largest = self.verify_s[sizes[0]], sizes[-1]
+        slope = self.prior_slope * base  # per node above the largest size: as measured between the two largest
+        if len(sizes) > 1:
+            previous = sizes[-2]
+            slope = max((self.verify_s[largest] - self.verify_s[previous]) / (largest - previous), 0.01 * base)
         times = []
         for t in range(1, max_budget + 1):
             below = max((s for s in sizes if s <= t), default=None)
@@ -134,7 +138,7 @@ class CostModel:
             if below is None:
                 times.append(self.verify_s[above])
             elif above is None:
-                times.append(self.verify_s[largest] + self.prior_slope * base * (t - largest))
+                times.append(self.verify_s[largest] + slope * (t - largest))
             elif below == above:
                 times.append(self.verify_s[t])
             else:
@@ -245,10 +249,15 @@ class GoodputPolicy:
             return done < self.probe_depth
         if self.costs.expand_s is None or not self.costs.verify_s:
             return done < 1  # the first round: measure one expansion
+        # Look several expansions ahead: where a 2-node tree costs much more than a plain step (CPUs)
+        # one expansion alone never pays, while three that grow a 4-node path do.
         T, now = self.best_budget(probs, spent_s)
-        expected = self.expected_tokens(probs)[T - 1] + self.gains[done]
-        then = expected / (spent_s + self.costs.expand_s + self.costs.verify_times(T)[T - 1])
-        return then > now
+        expected, times = self.expected_tokens(probs)[T - 1], self.costs.verify_times(self.max_budget)
+        for k in range(1, self.max_depth - done + 1):
+            expected += self.gains[done + k - 1]
+            if expected / (spent_s + k * self.costs.expand_s + times[min(T + k, self.max_budget) - 1]) > now:
+                return True
+        return False
 
     def overlap_depth(self) -> int:
         """Expansions that fit wholly in one verification (asynchronous engines, where drafting is
@@ -262,10 +271,11 @@ class GoodputPolicy:
 
     # ---- after the round ----------------------------------------------------------------------
     def observe_gain(self, done: int, before: list[float], after: list[float], spent_s: float) -> None:
-        """Fold in how much expansion number done + 1 raised the expected tokens at the best T."""
+        """Fold in how much expansion number done + 1 raised the expected tokens of the best tree
+        one node larger than the best one before it (what keep_expanding's look-ahead assumes)."""
         t_before, _ = self.best_budget(before, spent_s, probing=False)  # at the best T, not the probe's
-        t_after, _ = self.best_budget(after, spent_s, probing=False)
-        gain = max(self.expected_tokens(after)[t_after - 1] - self.expected_tokens(before)[t_before - 1], 0.0)
+        grown = self.expected_tokens(after)
+        gain = max(grown[min(t_before, len(grown) - 1)] - self.expected_tokens(before)[t_before - 1], 0.0)
         seen = self.gains_seen[done]
         self.gains[done] = gain if seen == 0 else 0.7 * self.gains[done] + 0.3 * gain
         self.gains_seen[done] = seen + 1

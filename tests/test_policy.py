@@ -36,7 +36,7 @@ def test_useless_draft_means_plain_decoding():
     policy.rounds = 5  # not a probing round
     policy.start_round()
     assert policy.best_budget(sorted(probs, reverse=True), spent_s=0.0)[0] == 1
-    policy.gains[0] = 0.05  # what expanding was seen to add
+    policy.gains = [0.05] * len(policy.gains)  # what expanding was seen to add, at every depth
     assert not policy.keep_expanding(0, 0.0, [1.0], probing=False)
 
 
@@ -62,7 +62,7 @@ def test_fixed_settings_are_honoured():
 def test_cost_model_prices_sizes_as_measured():
     """Measured sizes cost what they were measured at (a 2-node tree may cost half again a plain
     step on a CPU); an unmeasured size is interpolated between its measured neighbours; beyond the
-    largest, 10% of the smallest per extra node."""
+    largest, the slope between the two largest (10% per node while only one size is measured)."""
     policy = GoodputPolicy()
     assert policy.costs.verify_times(3) == pytest.approx([1.0, 1.1, 1.2])  # nothing measured: relative units
     for budget, seconds in ((1, 0.040), (2, 0.062), (4, 0.066), (12, 0.085)):
@@ -70,7 +70,10 @@ def test_cost_model_prices_sizes_as_measured():
     times = policy.costs.verify_times(14)
     assert times[:4] == pytest.approx([0.040, 0.062, 0.064, 0.066])
     assert times[4:12] == pytest.approx([0.066 + 0.019 * k / 8 for k in range(1, 9)])
-    assert times[12:] == pytest.approx([0.089, 0.093])
+    assert times[12:] == pytest.approx([0.085 + 0.019 / 8, 0.085 + 2 * 0.019 / 8])  # the slope from 4 to 12
+    alone = GoodputPolicy()
+    alone.costs.observe_verify(1, 0.040)
+    assert alone.costs.verify_times(3) == pytest.approx([0.040, 0.044, 0.048])  # 10% of it per node
     policy.costs.observe_verify(2, 0.072)  # a running average: 0.8 * 0.062 + 0.2 * 0.072
     assert policy.costs.verify_times(2)[1] == pytest.approx(0.064)
 
