@@ -16,7 +16,7 @@ def run_serial(target: TargetWorker, draft: DraftWorker, request: DecodeRequest)
     target.prefill(request.prompt)
     draft.start(request.prompt, request.corpus)
     while len(result.tokens) < request.max_new_tokens:
-        # 1. draft: expand while one more expansion is expected to raise tokens per second
+        # 1. draft: expand while more expansions are expected to raise tokens per second
         round_start = time.perf_counter()
         probing = policy.start_round()
         chain = draft.chain(policy.max_budget)
