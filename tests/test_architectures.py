@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from hf_swiftspec.coverage import Outcome, causal_lm_types, check_type, coverage_line, save
 
@@ -40,3 +41,19 @@ def test_coverage():
     ran = [o for o in RESULTS.values() if o.status != "skipped" and not o.recurrent]
     speculating = [o for o in ran if o.status in ("tree", "chain")]
     assert len(speculating) >= MIN_COVERAGE * len(ran), [o.model_type for o in ran if o not in speculating]
+
+
+def test_model_without_logits_to_keep_grows_a_chain():
+    """trocr's forward takes no logits_to_keep: the draft's first expansion (prompt + root in one
+    forward) returned a row per prompt token, each became a child of the root, and the "chain" the
+    target verified with causal attention was a tree (it differed at the second generated token)."""
+    from hf_swiftspec import SwiftSpecForCausalLM
+    from hf_swiftspec.coverage import own_generate, perturbed_copy, tiny_model
+
+    target = tiny_model("trocr", use_learned_position_embeddings=False)  # as trocr-small checkpoints
+    pair = SwiftSpecForCausalLM.from_models(target, perturbed_copy(target), tree_budget=8, draft_depth=4)
+    generator = torch.Generator().manual_seed(5)
+    for length in (10, 12, 3):
+        prompt = torch.randint(3, 128, (1, length), generator=generator)
+        assert own_generate(pair, prompt, 20, swiftspec=True).tolist() == own_generate(target, prompt, 20).tolist()
+        assert pair.swiftspec_stats.tau > 1.0

@@ -52,7 +52,8 @@ def model_step(model: PreTrainedModel, cache: TreeCache, input_ids, position_ids
         **kwargs,
     )
     cache.advance(input_ids.shape[1])
-    return out.logits[0].float()
+    # Some models (trocr) take no logits_to_keep and return every row: keep the last `keep` here.
+    return out.logits[0, -keep:].float() if keep else out.logits[0].float()
 
 
 def tree_step_forward(
