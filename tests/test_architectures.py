@@ -57,3 +57,23 @@ def test_model_without_logits_to_keep_grows_a_chain():
         prompt = torch.randint(3, 128, (1, length), generator=generator)
         assert own_generate(pair, prompt, 20, swiftspec=True).tolist() == own_generate(target, prompt, 20).tolist()
         assert pair.swiftspec_stats.tau > 1.0
+
+
+def test_left_padding_is_refused_where_positions_follow_cache_slots():
+    """trocr takes no position_ids: target.generate gives a left-padded prompt the positions after
+    the padding, and swiftspec ran the prompt alone, at other positions (a silent difference once
+    position embeddings matter; scaled up here so the tiny model shows it)."""
+    from hf_swiftspec import SwiftSpecForCausalLM
+    from hf_swiftspec.coverage import perturbed_copy, tiny_model
+
+    target = tiny_model("trocr")
+    with torch.no_grad():
+        target.model.decoder.embed_positions.weight.mul_(50)
+    pair = SwiftSpecForCausalLM.from_models(target, perturbed_copy(target))
+    prompt = torch.tensor([[0, 0, 0, 17, 35, 99, 4, 60]])
+    mask = (prompt != 0).long()
+    kwargs = dict(do_sample=False, max_new_tokens=8, pad_token_id=0)
+    assert target.generate(prompt, attention_mask=mask, **kwargs)[:, 3:].tolist() != target.generate(prompt[:, 3:], **kwargs).tolist()
+    with pytest.raises(ValueError, match=r"The target \(trocr\) takes no position_ids, so 3 left padding"):
+        pair.generate(prompt, attention_mask=mask, **kwargs)
+    assert pair.generate(prompt[:, 3:], **kwargs).tolist() == target.generate(prompt[:, 3:], **kwargs).tolist()

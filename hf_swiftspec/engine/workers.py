@@ -85,7 +85,8 @@ def new_cache(architecture: Architecture, capacity: int) -> TreeCache:
 class TargetWorker:
     """Runs the target: prefill, then one tree forward + verification walk + commit per step.
 
-    It owns the committed sequence (1, L): every verified token, ending with the current root.
+    It owns the committed sequence (1, P + L) as processors see it: the left padding, then every
+    verified token, ending with the current root.
     """
 
     def __init__(
@@ -100,10 +101,14 @@ class TargetWorker:
         self.sequence: torch.Tensor | None = None
         self.counters = TargetCounters()
 
-    def prefill(self, prompt: torch.Tensor) -> None:
-        """Start from prompt (1, L), L >= 1: commit the KV of all but its last token (the first root)."""
-        self.sequence = prompt.to(self.device)
-        ids = self.sequence[:, :-1]
+    def prefill(self, prompt: torch.Tensor, padding: torch.Tensor | None = None) -> None:
+        """Start from prompt (1, L), L >= 1: commit the KV of all but its last token (the first root).
+
+        padding: (1, P) left padding that processors and criteria see before the prompt (never run).
+        """
+        prompt = prompt.to(self.device)
+        self.sequence = prompt if padding is None else torch.cat([padding.to(self.device), prompt], dim=1)
+        ids = prompt[:, :-1]
         if ids.shape[1]:
             positions = torch.arange(ids.shape[1], device=self.device)[None]
             model_step(self.model, self.cache, ids, positions, keep=1)
