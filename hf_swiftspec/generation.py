@@ -195,12 +195,12 @@ def check_inputs(inputs, kwargs: dict, generation_config: GenerationConfig | Non
             "built from the prompt. To continue a conversation, pass the whole sequence so far (prompt and earlier "
             "output) as input_ids; or pass swiftspec=False to continue from the cache."
         )
-    if requested("cache_implementation", kwargs, generation_config, default) in ("paged", "quantized"):
-        value = requested("cache_implementation", kwargs, generation_config, default)
+    cache = requested("cache_implementation", kwargs, generation_config, default)
+    if cache in ("paged", "quantized"):
         raise ValueError(
-            f"cache_implementation={value!r} is not supported with swiftspec=True: target and draft keep their own "
-            "full-precision tree caches, so that cache would give other tokens than target.generate with it. Drop "
-            "the argument, or pass swiftspec=False."
+            f"cache_implementation={cache!r} is not supported with swiftspec=True: target and draft keep their own "
+            "full-precision tree caches (a quantized cache changes the tokens; a paged one turns generate() into "
+            "continuous batching). Drop the argument, or pass swiftspec=False."
         )
 
 
@@ -269,7 +269,10 @@ def mode_options(generation_config: GenerationConfig) -> str:
 
 def check_model_kwargs(model_kwargs: dict) -> None:
     """Refuse model inputs the tree steps would drop (they feed the models token ids and positions only)."""
-    unused = sorted(set(model_kwargs) - PREPARED_MODEL_KWARGS)
+    unused = sorted(
+        name for name, value in model_kwargs.items()
+        if name not in PREPARED_MODEL_KWARGS and value is not None and not (isinstance(value, dict) and not value)
+    )  # multimodal models get an empty mm_encoder_outputs dict when there is nothing to encode
     if unused:
         raise ValueError(
             f"swiftspec=True feeds the models token ids only and would ignore {unused}: pass only input_ids and "

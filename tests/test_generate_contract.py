@@ -545,6 +545,18 @@ def test_stop_strings_raise_no_warning_plain_generate_does_not(pairs, monkeypatc
     assert messages[len(expected):] == expected
 
 
+@pytest.mark.parametrize("row", [r for r in ROWS if r.name in ("repetition_penalty", "begin_suppress_tokens", "min_new_tokens",
+                                                         "user MaxLengthCriteria (item 2)")], ids=lambda r: r.name)
+def test_asynchronous_engine_sees_the_padding_too(row):
+    """The draft on its own thread: the target worker's context is the same padded sequence."""
+    serial = build_pair("llama", {})
+    model = SwiftSpecForCausalLM.from_models(serial.target, serial.draft, placement={"target": ["cpu"], "draft": ["cpu"]})
+    assert model.placement.mode == "threads"
+    case = cases(model, True, "prompt")
+    expected, actual = plain(model, case, row.call(case)), speculative(model, case, row.call(case))
+    assert same(expected, actual), describe_difference(expected, actual)
+
+
 def test_unknown_model_inputs_are_refused(pairs):
     """A model input the tree steps would drop (token_type_ids here) is an error, not ignored."""
     model = pairs[("gpt2", "default")]
