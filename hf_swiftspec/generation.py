@@ -280,7 +280,9 @@ def check_model_kwargs(model_kwargs: dict) -> None:
         )
 
 
-def split_left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def split_left_padding(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(left padding (1, P), prompt (1, L - P)); any other masked position is an error.
 
     The models run on the prompt alone (for a left-padded prompt with its mask, transformers'

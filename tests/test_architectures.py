@@ -73,7 +73,8 @@ def test_left_padding_is_refused_where_positions_follow_cache_slots():
     prompt = torch.tensor([[0, 0, 0, 17, 35, 99, 4, 60]])
     mask = (prompt != 0).long()
     kwargs = dict(do_sample=False, max_new_tokens=8, pad_token_id=0)
-    assert target.generate(prompt, attention_mask=mask, **kwargs)[:, 3:].tolist() != target.generate(prompt[:, 3:], **kwargs).tolist()
+    padded = target.generate(prompt, attention_mask=mask, **kwargs)
+    assert padded[:, 3:].tolist() != target.generate(prompt[:, 3:], **kwargs).tolist()
     with pytest.raises(ValueError, match=r"The target \(trocr\) takes no position_ids, so 3 left padding"):
         pair.generate(prompt, attention_mask=mask, **kwargs)
     assert pair.generate(prompt[:, 3:], **kwargs).tolist() == target.generate(prompt[:, 3:], **kwargs).tolist()

@@ -86,16 +86,6 @@ class Ban(LogitsProcessor):
         return scores.index_fill(1, torch.tensor([self.token]), float("-inf"))
 
 
-class NanAt(LogitsProcessor):
-    """Makes one logit NaN: argmax then picks it, unless remove_invalid_values cleans it up."""
-
-    def __init__(self, token: int):
-        self.token = token
-
-    def __call__(self, input_ids, scores):
-        return scores.index_fill(1, torch.tensor([self.token]), float("nan"))
-
-
 class Collect(BaseStreamer):
     def __init__(self):
         self.tokens: list[int] = []
@@ -441,7 +431,8 @@ def sampled_distributions(model, case: Case, kwargs: dict, sequence: torch.Tenso
     rows = []
     for t in range(case.length, sequence.shape[1]):
         prefix = sequence[:, :t]
-        mask = None if case.mask is None else torch.cat([case.mask, torch.ones(1, t - case.length, dtype=torch.long)], 1)
+        grown = torch.ones(1, t - case.length, dtype=torch.long)
+        mask = None if case.mask is None else torch.cat([case.mask, grown], dim=1)
         out = model.target.generate(
             prefix, attention_mask=mask, **{**kwargs, "max_new_tokens": 1}, return_dict_in_generate=True,
             output_scores=True,
@@ -545,12 +536,15 @@ def test_stop_strings_raise_no_warning_plain_generate_does_not(pairs, monkeypatc
     assert messages[len(expected):] == expected
 
 
-@pytest.mark.parametrize("row", [r for r in ROWS if r.name in ("repetition_penalty", "begin_suppress_tokens", "min_new_tokens",
-                                                         "user MaxLengthCriteria (item 2)")], ids=lambda r: r.name)
+ASYNC_ROWS = ("repetition_penalty", "begin_suppress_tokens", "min_new_tokens", "user MaxLengthCriteria (item 2)")
+
+
+@pytest.mark.parametrize("row", [r for r in ROWS if r.name in ASYNC_ROWS], ids=lambda r: r.name)
 def test_asynchronous_engine_sees_the_padding_too(row):
     """The draft on its own thread: the target worker's context is the same padded sequence."""
     serial = build_pair("llama", {})
-    model = SwiftSpecForCausalLM.from_models(serial.target, serial.draft, placement={"target": ["cpu"], "draft": ["cpu"]})
+    threads = {"target": ["cpu"], "draft": ["cpu"]}
+    model = SwiftSpecForCausalLM.from_models(serial.target, serial.draft, placement=threads)
     assert model.placement.mode == "threads"
     case = cases(model, True, "prompt")
     expected, actual = plain(model, case, row.call(case)), speculative(model, case, row.call(case))
