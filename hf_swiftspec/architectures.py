@@ -14,6 +14,7 @@ the right positions only when every step is a chain: they speculate along a chai
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import sys
@@ -137,6 +138,14 @@ def describe(model, role: str = "model") -> Architecture:
     return architecture
 
 
+def context_limit(*models) -> int | None:
+    """The most positions every one of `models` can place a token at (max_position_embeddings; a
+    learned position embedding has no row past it), or None when none of them says."""
+    limits = [getattr(m.config.get_text_config(decoder=True), "max_position_embeddings", None) for m in models]
+    limits = [n for n in limits if isinstance(n, int) and n > 0]
+    return min(limits) if limits else None
+
+
 def check_causal(model, who: str) -> None:
     """Refuse a decoder whose self-attention is bidirectional (a BERT-style model loaded without
     is_decoder=True): its prompt tokens see the ones after them, which tree steps never show them."""
@@ -159,7 +168,27 @@ def check_config(config, role: str) -> None:
     config and the class transformers maps it to tell. Raises UnsupportedArchitecture."""
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config.get_text_config(decoder=True)), None)
     model_class = model_class or MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
-    describe_class(config, model_class, getattr(config, "_attn_implementation", None) or "sdpa", role)
+    architecture = describe_class(config, model_class, getattr(config, "_attn_implementation", None) or "sdpa", role)
+    if model_class is not None:
+        check_causal_config(config, model_class, f"The {role} ({architecture.model_type})")
+
+
+def check_causal_config(config, model_class, who: str) -> None:
+    """check_causal before any weights load: the class built on the meta device (no memory, ~0.1 s
+    for a 70B config) says whether its self-attention is causal, which a config alone does not (a
+    BERT config's is_decoder=False makes an encoder; GPT-NeoX's is_decoder=False means nothing)."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # BertLMHeadModel warns that it wants is_decoder=True: the refusal below says so
+    try:
+        with torch.device("meta"):
+            model = model_class(copy.deepcopy(config))  # a model's __init__ writes into its config
+    except Exception:  # noqa: BLE001 - a class that will not build from its config alone is left to load time
+        return
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    check_causal(model, who)
 
 
 def describe_class(config, model_class, attn: str, role: str) -> Architecture:

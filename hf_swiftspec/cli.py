@@ -27,9 +27,9 @@ from .commandline import (
     THREADS_HELP,
     TREE_OPTIONS,
     add_tree_options,
-    default_device,
     load_pair,
     progress,
+    resolve_device,
     set_threads,
     tree_overrides,
 )
@@ -47,6 +47,9 @@ from .pair import (
 )
 
 DEFAULT_PROMPT = "def read_config(path):\n"
+# --compare times whole calls, prefill included: with fewer new tokens than this (a sample that hit
+# EOS at once) the ratio measures the prefill, not decoding, so no speed-up is printed.
+MIN_TIMED_TOKENS = 8
 
 
 @dataclass(frozen=True)
@@ -150,16 +153,24 @@ def statistics_line(model, run: RunStats, baseline: RunStats | None, identical: 
     )
     if baseline is not None:
         same = "" if identical is None else f", same output: {'yes' if identical else 'NO'}"
-        line += (
-            f" | target alone {baseline.tokens_per_second:.1f} tokens/s -> speed-up "
-            f"{run.tokens_per_second / baseline.tokens_per_second:.2f}x{same}"
-        )
+        shortest = min(run.new_tokens, baseline.new_tokens)
+        if shortest < MIN_TIMED_TOKENS:
+            line += (
+                f" | no speed-up: {'a sampled' if identical is None else 'the'} completion ended after {shortest} "
+                f"token{'s' if shortest != 1 else ''}, too few to time decoding (the prompt's prefill dominates); "
+                f"try another --seed or a larger --max-new-tokens{same}"
+            )
+        else:
+            line += (
+                f" | target alone {baseline.tokens_per_second:.1f} tokens/s -> speed-up "
+                f"{run.tokens_per_second / baseline.tokens_per_second:.2f}x{same}"
+            )
     return line
 
 
 def run_generate(options: GenerateOptions) -> int:
     check_options(options)
-    device = options.device or default_device()
+    device = resolve_device(options.device)
     progress(set_threads(options.threads, device))
     model = load_generate_pair(options, device)
     tokenizer = model.tokenizer
@@ -200,6 +211,7 @@ def run_pair_create(args) -> int:
         license=args.license,
         license_name=args.license_name,
         license_link=args.license_link,
+        force=args.force,
         **settings,
     )
     config = pair.config
@@ -207,6 +219,13 @@ def run_pair_create(args) -> int:
     draft = member_description(config.draft, config.draft_revision)
     print(f"wrote pair repo {args.dir} (target {target}, draft {draft})")
     return 0
+
+
+def member_location(member) -> str:
+    """A Hub member with its revision (or "default branch" when unpinned); a local folder has no branch."""
+    if member.is_local:
+        return f"{member.location} (local folder)"
+    return f"{member.location} @ {member.revision or 'default branch'}"
 
 
 def run_pair_check(args) -> int:
@@ -221,7 +240,7 @@ def run_pair_check(args) -> int:
         config = pair.member_configs[role].get_text_config()
         tokenizer = pair.member_tokenizers[role]
         print(
-            f"{role}: {member.location} @ {member.revision or 'default branch'}: {config.model_type}, vocab_size "
+            f"{role}: {member_location(member)}: {config.model_type}, vocab_size "
             f"{config.vocab_size}, context {getattr(config, 'max_position_embeddings', '?')}, tokenizer "
             f"{'yes' if tokenizer is not None else 'none (checked by size)'}"
         )
@@ -271,6 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--license-link", default=None, help="with --license other")
     create.add_argument("--title", default=None, help="model card title")
     create.add_argument("--offline", action="store_true", help="use only the Hugging Face cache")
+    create.add_argument(
+        "--force", action="store_true", help="replace the pair repo already in DIR (any other non-empty folder is refused)"
+    )
     add_tree_options(create)
 
     check = pair.add_parser("check", help="check a pair repo without loading weights")

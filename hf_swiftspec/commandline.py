@@ -47,6 +47,32 @@ def default_device() -> str:
     return "cuda:0" if torch.cuda.is_available() else "cpu"
 
 
+def available_devices() -> list[str]:
+    """The devices torch can use on this machine, as --device takes them."""
+    devices = ["cpu"]
+    for kind in ("cuda", "xpu", "mps"):
+        backend = getattr(torch, kind, None)
+        if backend is not None and backend.is_available():
+            count = backend.device_count() if hasattr(backend, "device_count") else 1
+            devices += [kind] if kind == "mps" else [f"{kind}:{i}" for i in range(count)]
+    return devices
+
+
+def resolve_device(name: str | None) -> str:
+    """--device as given, checked to exist here (a one-line error, not torch's traceback), or the default."""
+    if name is None:
+        return default_device()
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as err:
+        raise ValueError(f"--device {name}: not a device type torch knows; this machine has: {', '.join(available_devices())}.") from err
+    here = available_devices()
+    kinds = {torch.device(d).type for d in here}
+    if device.type != "cpu" and str(device) not in here and not (device.type in kinds and device.index in (None, 0)):
+        raise ValueError(f"--device {name}: no such device here (torch {torch.__version__}); this machine has: {', '.join(here)}.")
+    return name
+
+
 def load_dtype(name: str | None, device: str):
     """float32 on CPU unless asked (exact and fast there), the checkpoint's own dtype on GPU."""
     if name is None:

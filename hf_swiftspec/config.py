@@ -85,7 +85,8 @@ class SwiftSpecConfig(PreTrainedConfig):
         if budget is not None and budget < 2:
             raise ValueError(
                 f"SwiftSpecConfig.tree_budget={self.tree_budget}: the target must verify the root and at "
-                "least one draft node; use tree_budget >= 2 (default 8)."
+                "least one draft node; use tree_budget >= 2 (8 is the paper's), or None (the default) to let the "
+                "goodput policy choose each round, plain decoding included."
             )
         if self.draft_depth is not None and (
             isinstance(self.draft_depth, bool) or not isinstance(self.draft_depth, int) or self.draft_depth < 1

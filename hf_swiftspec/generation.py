@@ -19,7 +19,7 @@ from transformers import GenerationConfig, StoppingCriteriaList
 from transformers.generation import GenerateDecoderOnlyOutput, MaxLengthCriteria, StopStringCriteria
 from transformers.generation.configuration_utils import GenerationMode
 
-from .architectures import describe
+from .architectures import context_limit, describe
 from .attention import resolve_attention, routed_attention
 from .config import SwiftSpecConfig
 from .engine import DecodeRequest, DecodeResult, DraftWorker, TargetWorker, run_serial, run_threads
@@ -55,6 +55,7 @@ def swiftspec_generate(
     swiftspec_streamer=None,
     swiftspec_generator: torch.Generator | None = None,
     swiftspec_corpus: list[list[int]] | None = None,
+    swiftspec_policy: GoodputPolicy | None = None,
     **model_kwargs,
 ) -> tuple[torch.LongTensor | GenerateDecoderOnlyOutput, SwiftSpecStats]:
     """`custom_generate` callable; `model` is the target. Returns (generate's output, stats)."""
@@ -73,7 +74,7 @@ def swiftspec_generate(
         sampler=sampler,
         stopping_criteria=stopping_criteria,
         max_new_tokens=max_new,
-        policy=GoodputPolicy(tree_budget=config.tree_budget, draft_depth=config.draft_depth),
+        policy=swiftspec_policy or GoodputPolicy(tree_budget=config.tree_budget, draft_depth=config.draft_depth),
         corpus=swiftspec_corpus or [],
         on_tokens=(lambda tokens: swiftspec_streamer.put(torch.tensor(tokens))) if swiftspec_streamer else None,
         padding=padding,
@@ -119,6 +120,7 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
             attention=resolve_attention(config.attention, draft, draft_arch),
             ngram_size=0 if chain else config.ngram_size,
             architecture=draft_arch,
+            max_positions=context_limit(target, draft),
         )
     return target_worker, draft_worker
 

@@ -25,6 +25,7 @@ from .pair import (
 )
 from .pair.loading import split_load_kwargs, with_cpu_dtype
 from .placement import Placement, place_models, resolve_placement
+from .policy import GoodputPolicy
 from .stats import SwiftSpecStats
 
 
@@ -96,6 +97,19 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
         self.pair_folder: Path | None = None  # where from_pretrained found the pair; relative members live there
         self.generation_config = target.generation_config  # one object: both paths use the same defaults
         self.swiftspec_stats: SwiftSpecStats | None = None
+        self.policies: dict[tuple, GoodputPolicy] = {}  # what the goodput policy measured, per tree setting
+
+    def policy(self) -> GoodputPolicy:
+        """The goodput policy for the current tree settings; it keeps what it measured (step costs,
+        acceptance) across generate() calls, so only the first call pays for learning them."""
+        key = (self.config.tree_budget, self.config.draft_depth, self.placement.mode)
+        if key not in self.policies:
+            self.policies[key] = GoodputPolicy(tree_budget=self.config.tree_budget, draft_depth=self.config.draft_depth)
+        return self.policies[key]
+
+    def reset_policy(self) -> None:
+        """Forget what the policy measured (e.g. after moving the models or changing threads)."""
+        self.policies.clear()
 
     @classmethod
     def from_models(
@@ -276,6 +290,7 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
                 swiftspec_streamer=streamer,
                 swiftspec_generator=generator,
                 swiftspec_corpus=corpus,
+                swiftspec_policy=self.policy(),
                 **kwargs,
             )
         finally:

@@ -6,13 +6,17 @@ T it could verify, the expected number of tokens the verification yields,
     E(T) = sum over the T likeliest nodes of P(node is accepted)   (the root counts 1),
 
 from the draft's scores and the n-gram chain's positions, calibrated online against what the
-target actually accepted, and divides it by the round's time from a cost model fitted online
+target actually accepted, and divides it by the round's time from a cost model measured online
 on this device (draft expansions + a T-node verification, serially). It grows the draft's tree
 while one more expansion is expected to raise that ratio, then verifies the best T. T = 1 is
 plain decoding by the target: when speculation does not pay, that is what the policy picks,
-re-probing now and then (a few expansions and a larger tree) in case it pays again: every
+re-probing now and then (an expansion and a larger tree) in case it pays again: every
 `probe_every` rounds while probes pay, twice as far apart after each one that does not (up to
-`max_probe_every`), so a useless draft costs a probe per hundred-odd rounds, not one per 16.
+`max_probe_every`), so a useless draft costs a probe per few hundred rounds, not one per 16.
+
+One policy serves every generate() call of a model object (SwiftSpecForCausalLM keeps it), so
+what it measured carries over: only the first call pays for learning that a draft, an n-gram
+chain or a tree size does not pay on this machine.
 """
 
 from __future__ import annotations
@@ -76,12 +80,19 @@ def match_bucket(match: int) -> int:
 @dataclass
 class CostModel:
     """Seconds per draft expansion, and per round outside the draft (a T-node verification plus the
-    round's bookkeeping) as running averages per size, fitted by a line a + b * T with b >= 0."""
+    round's bookkeeping) for each tree size T, as running averages of what was measured.
+
+    Verification time is not a line in T: on a CPU a 2-row GEMM can cost half again a 1-row one
+    while 4 rows cost less than 3, so a size is priced by what it was measured at. A size never
+    measured is interpolated between the nearest measured sizes around it (below the smallest: the
+    smallest's cost); above every measured size speculation is assumed expensive until shown
+    otherwise: the largest one's cost plus `prior_slope` of the smallest one's per extra node.
+    """
 
     smoothing: float = 0.2
+    prior_slope: float = 0.1  # extra cost per node beyond the largest size measured, relative to the smallest
     expand_s: float | None = None
     verify_s: dict[int, float] = field(default_factory=dict)
-    verify_n: dict[int, int] = field(default_factory=dict)
     _times: list[float] | None = None
 
     def _average(self, old: float | None, new: float) -> float:
@@ -93,33 +104,34 @@ class CostModel:
 
     def observe_verify(self, budget: int, seconds: float) -> None:
         self.verify_s[budget] = self._average(self.verify_s.get(budget), seconds)
-        self.verify_n[budget] = self.verify_n.get(budget, 0) + 1
         self._times = None
 
     def verify_times(self, max_budget: int) -> list[float]:
         """Predicted seconds for T = 1..max_budget (index T - 1); relative units until measured."""
         if self._times is None or len(self._times) < max_budget:
-            a, b = self.line()
-            self._times = [a + b * t for t in range(1, max(max_budget, MAX_BUDGET) + 1)]
+            self._times = self.price(max(max_budget, MAX_BUDGET))
         return self._times[:max_budget]
 
-    def line(self) -> tuple[float, float]:
-        """(a, b) of the weighted least-squares line through the per-size averages; with a single
-        size measured, a guessed slope of 3% per node."""
+    def price(self, max_budget: int) -> list[float]:
+        """Seconds for T = 1..max_budget: measured sizes as measured, the others as the class says."""
         if not self.verify_s:
-            return 1.0, 0.03
-        sizes = list(self.verify_s)
-        w = [min(self.verify_n[t], 8) for t in sizes]
-        y = [self.verify_s[t] for t in sizes]
-        total = sum(w)
-        t_mean = sum(wi * t for wi, t in zip(w, sizes)) / total
-        y_mean = sum(wi * yi for wi, yi in zip(w, y)) / total
-        spread = sum(wi * (t - t_mean) ** 2 for wi, t in zip(w, sizes))
-        if spread == 0:
-            b = 0.03 * y_mean
-        else:
-            b = max(sum(wi * (t - t_mean) * (yi - y_mean) for wi, t, yi in zip(w, sizes, y)) / spread, 0.0)
-        return max(y_mean - b * t_mean, 0.1 * y_mean), b
+            return [1.0 + self.prior_slope * (t - 1) for t in range(1, max_budget + 1)]
+        sizes = sorted(self.verify_s)
+        base, largest = self.verify_s[sizes[0]], sizes[-1]
+        times = []
+        for t in range(1, max_budget + 1):
+            below = max((s for s in sizes if s <= t), default=None)
+            above = min((s for s in sizes if s >= t), default=None)
+            if below is None:
+                times.append(self.verify_s[above])
+            elif above is None:
+                times.append(self.verify_s[largest] + self.prior_slope * base * (t - largest))
+            elif below == above:
+                times.append(self.verify_s[t])
+            else:
+                share = (t - below) / (above - below)
+                times.append((1 - share) * self.verify_s[below] + share * self.verify_s[above])
+        return times
 
 
 @dataclass
@@ -134,9 +146,9 @@ class GoodputPolicy:
     max_budget: int = MAX_BUDGET
     max_depth: int = 16
     probe_every: int = 16  # rounds between probes (forced expansions, a larger tree) while they pay
-    max_probe_every: int = 128  # rounds between probes after many that did not pay
-    probe_depth: int = 2
-    probe_budget: int = 12  # a probe verifies this many nodes, to measure a larger tree's cost
+    max_probe_every: int = 256  # rounds between probes after many that did not pay
+    probe_depth: int = 1  # one expansion: with a real vocabulary head it can cost as much as a target step
+    probe_budget: int = 8  # a probe verifies this many nodes, to measure a larger tree's cost
     costs: CostModel = field(default_factory=CostModel)
     draft: Calibration = field(init=False)  # P(node on the accepted path) by draft score bucket
     chains: list[Calibration] = field(init=False)  # per match length: P(chain token j accepted | those before were)
@@ -145,7 +157,7 @@ class GoodputPolicy:
     rounds: int = 0
     probing: bool = False
     last_budget: int = 1
-    next_probe: int = 3  # the round that probes next
+    next_probe: int = 17  # the round that probes next (round 1 measures the draft already)
     probe_interval: int = field(init=False)
     round_rate: float | None = None  # running average of tokens per second of rounds that did not probe
 
@@ -222,7 +234,7 @@ class GoodputPolicy:
         if probing:
             return done < self.probe_depth
         if self.costs.expand_s is None or not self.costs.verify_s:
-            return done < 2  # the first round: measure
+            return done < 1  # the first round: measure one expansion
         T, now = self.best_budget(probs, spent_s)
         expected = self.expected_tokens(probs)[T - 1] + self.gains[done]
         then = expected / (spent_s + self.costs.expand_s + self.costs.verify_times(T)[T - 1])
@@ -262,18 +274,27 @@ class GoodputPolicy:
         self.next_probe = self.rounds + self.probe_interval
 
     def observe_round(
-        self, expansions: int, draft_s: float, budget: int, verify_s: float, tokens: int | None = None
+        self, expansions: int, draft_s: float, budget: int, verify_s: float | None, tokens: int | None = None,
+        catch_up_s: float = 0.0,
     ) -> None:
         """Fold in one round's costs: `expansions` draft forwards in draft_s, a `budget`-node verification.
 
-        tokens: what the round emitted, when draft_s + verify_s is the whole round (the serial
-            engine, the only one that probes): its rate tells whether a probe paid.
+        verify_s: None when the round timed no verification (the first round of a generation gets
+            its root's logits from the prefill): nothing is learnt from it, and a probe moves on a round.
+        tokens: what the round emitted, when draft_s + verify_s + catch_up_s is the whole round (the
+            serial engine, the only one that probes): its rate tells whether a probe paid.
+        catch_up_s: time the draft spent on committed tokens it had not run yet (the prompt, tokens
+            of plain rounds): part of the round, but not what an expansion costs.
         """
+        self.last_budget = budget
+        if verify_s is None:
+            if self.probing:
+                self.next_probe = self.rounds + 1
+            return
         self.costs.observe_expansions(draft_s, expansions)
         self.costs.observe_verify(budget, verify_s)
-        self.last_budget = budget
         if tokens is not None:
-            self.observe_rate(tokens / (draft_s + verify_s))
+            self.observe_rate(tokens / (draft_s + verify_s + catch_up_s))
 
     def observe_outcome(self, proposal: Proposal, verified: Verified) -> None:
         """Fold in which verified nodes were accepted: draft nodes by score, the chain by position."""

@@ -119,12 +119,17 @@ class SwiftSpecStats:
         return self.new_tokens / self.wall_time_s if self.wall_time_s else 0.0
 
     def summary(self) -> str:
-        """One line for logs and the command line."""
-        return (
+        """One line for logs and the command line; the policy's trees only where rounds were recorded
+        (the distributed engine does not bring them back from the draft's rank)."""
+        line = (
             f"{self.new_tokens} tokens in {self.wall_time_s:.2f}s ({self.tokens_per_second:.1f} tok/s), "
             f"tau={self.tau:.2f}, target forwards={self.target_forwards}, draft forwards={self.draft_forwards}, "
             f"draft {self.draft_time_s:.2f}s / target {self.target_time_s:.2f}s, "
-            f"target idle {100 * self.target_idle_fraction:.0f}%, engine={self.engine}, "
-            f"attention={self.attention}, mean tree {self.mean_tree_budget:.1f} nodes, "
-            f"{self.plain_rounds} plain rounds, n-gram share {100 * self.ngram_share:.0f}%"
+            f"target idle {100 * self.target_idle_fraction:.0f}%, engine={self.engine}, attention={self.attention}"
+        )
+        if not self.rounds:
+            return line
+        return (
+            f"{line}, mean tree {self.mean_tree_budget:.1f} nodes, {self.plain_rounds} plain rounds, "
+            f"n-gram share {100 * self.ngram_share:.0f}%"
         )

@@ -107,3 +107,48 @@ def agreeing_pair(layers: int = 12, hidden: int = 768, vocab_size: int = 4096, d
     )
     damp_late_layers(target, keep=1, scale=damp)
     return target, truncated_draft(target, keep_layers=1)
+
+
+# Configs shaped like real small models (layers, widths, heads, vocabulary, windows), for measuring
+# speed where a real model is out of reach: built with random weights, no download. The larger
+# initialisation makes greedy text wander instead of repeating one token, so neither the n-gram
+# chain nor a draft cut from the first layers predicts it: the case where speculation must cost nothing.
+REAL_SHAPES = {
+    "smollm2-135m": dict(
+        model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0, rms_norm_eps=1e-5,
+        tie_word_embeddings=True, max_position_embeddings=8192,
+    ),
+    "qwen2.5-0.5b": dict(
+        model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, max_position_embeddings=32768, sliding_window=None,
+    ),
+    "gemma-3-270m": dict(
+        model_type="gemma3_text", vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512, query_pre_attn_scalar=256,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=32768,
+        # Untied (the real one ties): with random weights a tied head echoes the input token, so greedy
+        # text repeats; an untied head costs the same per token.
+        tie_word_embeddings=False,
+        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)],
+    ),
+}
+SHAPE_PREFIX = "shape:"
+
+
+def real_shaped_pair(name: str, draft_layers: int = 2, seed: int = 0, initializer_range: float = 0.05):
+    """(target, draft) shaped like the real model `name` (a REAL_SHAPES key), random weights, float32,
+    eval mode; the draft is the target's embedding, first `draft_layers` layers and head."""
+    if name not in REAL_SHAPES:
+        raise ValueError(f"Unknown model shape {name!r}; choose from {sorted(REAL_SHAPES)}.")
+    kwargs = dict(REAL_SHAPES[name])
+    model_type = kwargs.pop("model_type")
+    config = AutoConfig.for_model(
+        model_type, bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=initializer_range, **kwargs
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    target = AutoModelForCausalLM.from_config(config).eval()
+    target.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return target, truncated_draft(target, keep_layers=draft_layers)

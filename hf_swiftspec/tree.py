@@ -98,17 +98,21 @@ def reset_tree(tree: TokenTree, root_token: int) -> None:
     tree.size, tree.num_slots, tree.root_token = 1, 0, root_token
 
 
-def select_leaves(tree: TokenTree, width: int, within: int | None = None) -> torch.Tensor:
+def select_leaves(tree: TokenTree, width: int, within: int | None = None, below_depth: int | None = None) -> torch.Tensor:
     """Indices (w,) of the best unexpanded nodes, best first, w <= width.
 
     within: only consider the best `within` nodes of the tree. With within = tree_budget this
     picks exactly the leaves whose children could still enter the subtree the target will
     verify; none left means that subtree is final.
+    below_depth: only leaves shallower than this (their children must still fit the context).
     """
     order = torch.sort(tree.scores[: tree.size], descending=True, stable=True).indices
     if within is not None:
         order = order[:within]
-    return order[~tree.expanded[order]][:width]
+    eligible = ~tree.expanded[order]
+    if below_depth is not None:
+        eligible &= tree.depths[order] < below_depth
+    return order[eligible][:width]
 
 
 def room_for_expansion(tree: TokenTree, num_leaves: int, children_per_leaf: int) -> bool:

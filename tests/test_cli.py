@@ -123,3 +123,34 @@ def test_pair_check_of_a_shipped_card_offline(capsys):
     assert main(["pair", "check", str(folder), "--offline"]) == 1  # the 72B is not in this machine's cache
     err = capsys.readouterr().err
     assert "Qwen/Qwen2-72B-Instruct" in err and "Hugging Face cache" in err
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:7", "mps", "npu"])
+def test_a_device_this_machine_lacks_is_one_line(device, monkeypatch, capsys):
+    """`--device cuda` on a CPU-only build printed a torch traceback after a line about GPU threads."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    monkeypatch.setattr(torch.mps, "is_available", lambda: False, raising=False)
+    assert main(["generate", "--device", device, *FAST]) == 1
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"swiftspec: error: --device {device}") and "this machine has: cpu." in lines[0]
+    assert captured.out == "" and "Traceback" not in captured.err
+
+
+def test_compare_prints_no_speed_up_for_a_completion_too_short_to_time(capsys):
+    """A sample that ended after one token printed "speed-up 0.24x": the ratio of two prefills."""
+    assert main(["generate", "--compare", "--sample", "--seed", "1", "--max-new-tokens", "1", "--threads", "1"]) == 0
+    line = statistics(capsys.readouterr().out)
+    assert "speed-up" not in line.replace("no speed-up", "") and "no speed-up: a sampled completion ended after 1 token," in line
+
+
+def test_summary_omits_the_policy_where_rounds_were_not_recorded():
+    """The distributed engine does not bring the rounds back; its summary said "mean tree 0.0 nodes, n-gram share 0%"."""
+    from hf_swiftspec.stats import RoundRecord, SwiftSpecStats
+
+    stats = SwiftSpecStats(engine="distributed", new_tokens=25, verify_steps=9, wall_time_s=1.0)
+    line = stats.summary()
+    assert "tau=2.78" in line and "mean tree" not in line and "n-gram share" not in line and "plain rounds" not in line
+    stats.add_rounds([RoundRecord(budget=8, expansions=3, accepted=2, ngram_accepted=1)])
+    assert "mean tree 8.0 nodes, 0 plain rounds, n-gram share 50%" in stats.summary()

@@ -21,7 +21,7 @@ def test_vocabulary_mismatch_names_both_sizes():
 @pytest.mark.parametrize(
     "settings, match",
     [
-        (dict(tree_budget=1), "tree_budget=1"),
+        (dict(tree_budget=1), r"tree_budget=1: .* use tree_budget >= 2 \(8 is the paper's\), or None \(the default\)"),
         (dict(tree_budget=0), "tree_budget must be None \\(chosen per round\\) or a positive int, got 0"),
         (dict(ngram_size=-1), "ngram_size must be an int >= 0"),
         (dict(draft_width="8"), "draft_width must be a positive int, got '8'"),

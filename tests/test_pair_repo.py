@@ -28,7 +28,7 @@ from hf_swiftspec.pair import (
 from hf_swiftspec.cli import main
 from hf_swiftspec.pair.loading import accelerator_available, device_map_on_cpu, with_cpu_dtype
 from hf_swiftspec.testing import CHAR_SPECIALS, char_tokenizer, tiny_model, truncated_draft
-from pair_helpers import local_pair, tiny_members, word_tokenizer, write_cached_repo
+from pair_helpers import local_pair, save_member, tiny_members, word_tokenizer, write_cached_repo
 
 TARGET_SHA = "1" * 40
 DRAFT_SHA = "2" * 40
@@ -123,6 +123,46 @@ def test_pair_loads_by_hub_id_offline(hub_home):
     assert result["tau"] > 1.0
     assert "draft_revision" in result["org/pair-bad-revision"] and "f" * 40 in result["org/pair-bad-revision"]
     assert "org/not-cached" in result["org/not-cached"] and "Hugging Face cache" in result["org/not-cached"]
+
+
+BUNDLED_NO_NETWORK_SCRIPT = textwrap.dedent(
+    """
+    import json, time, torch
+    torch.set_num_threads(1)
+    from huggingface_hub.utils import get_session
+    requests = []
+    client = type(get_session())
+    send = client.send
+    def counted(self, request, *args, **kwargs):
+        requests.append(str(request.url))
+        return send(self, request, *args, **kwargs)
+    client.send = counted
+    import hf_swiftspec
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+    start = time.perf_counter()
+    pipe = pipeline("text-generation", model="swiftspec-demo-pystdlib")
+    text = pipe("import os\\n", max_new_tokens=8, do_sample=False)[0]["generated_text"]
+    AutoTokenizer.from_pretrained("swiftspec-demo-pystdlib")
+    AutoModelForCausalLM.from_pretrained("swiftspec-demo-pystdlib")
+    print("RESULT " + json.dumps(dict(requests=requests, seconds=time.perf_counter() - start, text=text)))
+    """
+)
+
+
+def test_a_bundled_pair_by_name_never_touches_the_network(tmp_path):
+    """pipeline(model=<bundled name>) with no network and no HF_HUB_OFFLINE took 46 s of Hub retries."""
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on: any Hub request is refused at once
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE")}
+    env.update(HF_ENDPOINT=f"http://127.0.0.1:{port}", HF_HOME=str(tmp_path / "hf"), TRANSFORMERS_VERBOSITY="error")
+    proc = subprocess.run([sys.executable, "-c", BUNDLED_NO_NETWORK_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=40, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    assert result["requests"] == [] and result["seconds"] < 20 and result["text"].startswith("import os\n")
 
 
 def test_hub_arguments_reach_the_pair_and_both_members(hub_home):
@@ -407,14 +447,111 @@ def test_failed_pair_create_leaves_nothing_behind(tmp_path):
         "draft", "mine", "new", "target"]
 
 
-def test_pair_create_into_an_existing_folder_keeps_its_files(tmp_path):
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("where", ["draft", "draft/pair", "target", "target/sub/pair"])
+def test_pair_create_never_writes_into_a_members_folder(tmp_path, capsys, where):
+    """`pair create --draft D D` once replaced D's config.json with the pair's: D no longer loaded."""
+    target, draft = tiny_members(tmp_path)
+    before = {role: folder_bytes(tmp_path / role) for role in ("target", "draft")}
+    argv = ["pair", "create", "--target", str(target), "--draft", str(draft), str(tmp_path / where)]
+    assert main(argv) == 1 and main(argv + ["--force"]) == 1
+    err = capsys.readouterr().err
+    assert f"the {where.split('/')[0]}'s own folder" in err and "Traceback" not in err
+    assert {role: folder_bytes(tmp_path / role) for role in ("target", "draft")} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["draft", "target"]  # no staging folder left either
+    AutoModelForCausalLM.from_pretrained(draft)
+
+
+def test_save_pretrained_never_writes_into_a_members_folder(tmp_path):
+    model = SwiftSpecForCausalLM.from_pretrained(local_pair(tmp_path))
+    before = folder_bytes(tmp_path / "draft")
+    for where in (tmp_path / "draft", tmp_path / "draft" / "sub"):
+        with pytest.raises(PairConfigError, match="the draft's own folder"):
+            model.save_pretrained(where)
+    assert folder_bytes(tmp_path / "draft") == before
+    model.save_pretrained(tmp_path / "copy", save_members=True)  # members written inside the pair: fine
+    assert SwiftSpecForCausalLM.from_pretrained(tmp_path / "copy").config.draft == "draft"
+
+
+def test_pair_create_refuses_a_non_empty_folder_even_with_force(tmp_path, capsys):
     target, draft = tiny_members(tmp_path)
     existing = tmp_path / "mine"
     existing.mkdir()
     (existing / "notes.txt").write_text("keep me")
-    create_pair_repo(existing, str(target), str(draft), tree_budget=6)
-    assert (existing / "notes.txt").read_text() == "keep me" and (existing / "config.json").is_file()
-    assert SwiftSpecForCausalLM.from_pretrained(existing).config.tree_budget == 6
+    (existing / "config.json").write_text('{"mine": true}')
+    before = folder_bytes(existing)
+    for force in (False, True):
+        with pytest.raises(PairConfigError, match="not empty .*config.json, notes.txt.* holds no pair repo"):
+            create_pair_repo(existing, str(target), str(draft), force=force)
+    assert folder_bytes(existing) == before
+    assert main(["pair", "create", "--target", str(target), "--draft", str(draft), "--force", str(existing)]) == 1
+    assert folder_bytes(existing) == before and "not empty" in capsys.readouterr().err
+
+
+def test_pair_create_replaces_a_previous_pair_only_with_force(tmp_path, capsys):
+    target, draft = tiny_members(tmp_path)
+    pair = create_pair_repo(tmp_path / "pair", str(target), str(draft), tree_budget=6).folder
+    argv = ["pair", "create", "--target", str(target), "--draft", str(draft), "--tree-budget", "5", str(pair)]
+    assert main(argv) == 1 and "holds a pair repo already. Pass --force" in capsys.readouterr().err
+    assert SwiftSpecForCausalLM.from_pretrained(pair).config.tree_budget == 6
+    (pair / "vocab.txt").write_text("the previous pair's tokenizer")  # a tokenizer file the new pair does not write
+    (pair / "notes.txt").write_text("keep me")
+    assert main(argv + ["--force"]) == 0
+    assert SwiftSpecForCausalLM.from_pretrained(pair).config.tree_budget == 5
+    assert not (pair / "vocab.txt").exists() and (pair / "notes.txt").read_text() == "keep me"
+
+
+def test_pair_create_without_a_generation_config(tmp_path):
+    """Older repos have no generation_config.json; the pair gets the one transformers derives from config.json."""
+    target, draft = tiny_members(tmp_path)
+    (target / "generation_config.json").unlink()
+    pair = create_pair_repo(tmp_path / "pair", str(target), str(draft)).folder
+    written = json.loads((pair / "generation_config.json").read_text())
+    assert (written["bos_token_id"], written["eos_token_id"], written["pad_token_id"]) == (1, 2, 0)
+    ids = torch.tensor([[10, 20, 30]])
+    expected = AutoModelForCausalLM.from_pretrained(target).generate(ids, max_new_tokens=8, do_sample=False).tolist()
+    assert greedy(SwiftSpecForCausalLM.from_pretrained(pair), ids, n=8) == expected
+
+
+def test_license_other_needs_a_name(tmp_path, capsys):
+    target, draft = tiny_members(tmp_path)
+    argv = ["pair", "create", "--target", str(target), "--draft", str(draft), "--license", "other", str(tmp_path / "pair")]
+    assert main(argv) == 1 and "--license-name" in capsys.readouterr().err
+    assert not (tmp_path / "pair").exists()
+    assert main(argv + ["--license-name", "my-licence"]) == 0
+    assert read_card_metadata(tmp_path / "pair")["license_name"] == "my-licence"
+
+
+def bert_masked_lm(folder: Path) -> Path:
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=98, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                        pad_token_id=0)
+    return save_member(BertForMaskedLM(config), folder, char_tokenizer())
+
+
+def test_pair_create_and_check_refuse_a_masked_lm_target(tmp_path, capsys):
+    """A BertForMaskedLM attends both ways; it used to pass both commands and fail only at load time."""
+    _, draft = tiny_members(tmp_path)
+    bert = bert_masked_lm(tmp_path / "bert")
+    assert main(["pair", "create", "--target", str(bert), "--draft", str(draft), str(tmp_path / "pair")]) == 1
+    out, err = capsys.readouterr()
+    assert "The target (bert) attends bidirectionally" in err and "is_decoder=True" in err and "wrote" not in out
+    assert not (tmp_path / "pair").exists()
+    pair = edit_config(local_pair(tmp_path / "ok"), target=os.path.relpath(bert, tmp_path / "ok" / "pair"))
+    assert main(["pair", "check", str(pair)]) == 1
+    out, err = capsys.readouterr()
+    assert "compatible" not in out and "The target (bert) attends bidirectionally" in err
+
+
+def test_pair_check_names_local_members_as_folders(tmp_path, capsys):
+    assert main(["pair", "check", str(local_pair(tmp_path))]) == 0
+    out = capsys.readouterr().out
+    assert "default branch" not in out and "(local folder)" in out
 
 
 def test_pair_create_members_inside_the_pair_folder(tmp_path):

@@ -8,7 +8,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria
 from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.ngram import Continuation, NgramIndex
 from hf_swiftspec.policy import GoodputPolicy
-from hf_swiftspec.testing import tiny_model
+from hf_swiftspec.testing import real_shaped_pair, tiny_model
 from hf_swiftspec.tree import Proposal, Subtree, best_subtree, merge_chain, ranked
 from hf_swiftspec.verify import Sampler, Verified, walk_nodes, walk_rows
 
@@ -59,12 +59,33 @@ def test_fixed_settings_are_honoured():
     assert [policy.keep_expanding(k, 0.0, [1.0], False) for k in range(3)] == [True, True, False]
 
 
-def test_cost_model_fits_a_line():
+def test_cost_model_prices_sizes_as_measured():
+    """Measured sizes cost what they were measured at (a 2-node tree may cost half again a plain
+    step on a CPU); an unmeasured size is interpolated between its measured neighbours; beyond the
+    largest, 10% of the smallest per extra node."""
     policy = GoodputPolicy()
-    for budget, seconds in ((1, 0.010), (8, 0.017), (16, 0.025)):
+    assert policy.costs.verify_times(3) == pytest.approx([1.0, 1.1, 1.2])  # nothing measured: relative units
+    for budget, seconds in ((1, 0.040), (2, 0.062), (4, 0.066), (12, 0.085)):
         policy.costs.observe_verify(budget, seconds)
-    a, b = policy.costs.line()
-    assert a == pytest.approx(0.009, abs=2e-4) and b == pytest.approx(0.001, abs=1e-4)
+    times = policy.costs.verify_times(14)
+    assert times[:4] == pytest.approx([0.040, 0.062, 0.064, 0.066])
+    assert times[4:12] == pytest.approx([0.066 + 0.019 * k / 8 for k in range(1, 9)])
+    assert times[12:] == pytest.approx([0.089, 0.093])
+    policy.costs.observe_verify(2, 0.072)  # a running average: 0.8 * 0.062 + 0.2 * 0.072
+    assert policy.costs.verify_times(2)[1] == pytest.approx(0.064)
+
+
+def test_expensive_small_trees_are_not_verified_for_an_unlikely_guess():
+    """With a 2-node tree measured at 1.5x a plain step, a guess accepted 30% of the time is not
+    worth verifying, but a chain of three likely tokens in a 4-node tree is."""
+    policy = GoodputPolicy()
+    for budget, seconds in ((1, 0.040), (2, 0.060), (4, 0.064)):
+        for _ in range(3):
+            policy.costs.observe_verify(budget, seconds)
+    policy.rounds = 5
+    policy.start_round()
+    assert policy.best_budget([1.0, 0.3], spent_s=0.0)[0] == 1
+    assert policy.best_budget([1.0, 0.8, 0.7, 0.6], spent_s=0.0)[0] == 4
 
 
 def test_ngram_chain_follows_the_latest_earlier_occurrence():
@@ -182,7 +203,7 @@ def test_async_draft_only_starts_expansions_that_end_before_the_verdict():
     assert GoodputPolicy(draft_depth=5).overlap_depth() == 5
 
 
-def probe_rounds(probe_tokens: int, rounds: int = 400) -> list[int]:
+def probe_rounds(probe_tokens: int, rounds: int = 800) -> list[int]:
     """Rounds at which a policy probed, when plain rounds yield 1 token in 10 ms and probe rounds
     `probe_tokens` tokens in 20 ms."""
     policy, probed = GoodputPolicy(), []
@@ -199,6 +220,22 @@ def probe_rounds(probe_tokens: int, rounds: int = 400) -> list[int]:
 
 def test_probes_back_off_while_they_do_not_pay():
     useless = probe_rounds(probe_tokens=1)  # a probe halves the round's rate: each one twice as late
-    assert useless == [3, 35, 99, 227, 355], useless  # 32, 64, then 128 rounds apart
+    assert useless == [17, 49, 113, 241, 497, 753], useless  # 32, 64, 128, then 256 rounds apart
     useful = probe_rounds(probe_tokens=4)  # a probe doubles it: every 16 rounds
-    assert useful[:4] == [3, 19, 35, 51] and len(useful) == 25, useful
+    assert useful[:4] == [17, 33, 49, 65] and len(useful) == 49, useful
+
+
+def test_a_real_shaped_pair_whose_draft_cannot_pay_decodes_plainly():
+    """SmolLM2-135M's shape (30 layers, 49k vocabulary) with random weights and a draft of its first
+    2 layers: the draft never agrees and the text never repeats, so after the first call has
+    measured that, a 200-token generation is plain decoding in >= 90% of its rounds, with the
+    target's own tokens."""
+    target, draft = real_shaped_pair("smollm2-135m")
+    model = SwiftSpecForCausalLM.from_models(target, draft)
+    ids = torch.randint(3, 98, (1, 24), generator=torch.Generator().manual_seed(0))
+    model.generate(ids, max_new_tokens=32, do_sample=False)  # the first call measures
+    out = model.generate(ids, max_new_tokens=200, min_new_tokens=200, do_sample=False)
+    rounds = model.swiftspec_stats.rounds
+    plain = sum(r.budget == 1 and r.expansions == 0 for r in rounds)
+    assert plain >= 0.9 * len(rounds), [(r.budget, r.expansions, r.accepted) for r in rounds]
+    assert torch.equal(out, target.generate(ids, max_new_tokens=200, min_new_tokens=200, do_sample=False))

@@ -3,6 +3,7 @@
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -27,3 +28,58 @@ def test_readme_python_blocks_run(capsys):
     assert "def read_config(path):" in printed and "import os" in printed and "tau=" in printed
     assert namespace["model"].swiftspec_stats.new_tokens > 0
 
+
+
+COMMANDS = [line.split("#")[0].split() for line in README.read_text().splitlines() if line.startswith("swiftspec generate")]
+
+
+def test_readme_generate_examples_fit_the_demo_pairs_context():
+    """The README's `--max-new-tokens 256` example failed: the demo pair's context is 256 tokens, prompt included."""
+    from hf_swiftspec.cli import build_parser, check_length, generate_options
+    from hf_swiftspec.pair import context_length, resolve_pair
+
+    demo = resolve_pair("swiftspec-demo-pystdlib")
+    assert COMMANDS and any("--max-new-tokens" in words for words in COMMANDS)
+    for words in COMMANDS:
+        words = ["swiftspec-demo-pystdlib" if w == "ID" else w for w in words[1:] if w != "[PROMPT]"]
+        options = generate_options(build_parser().parse_args(words))
+        check_length(len(demo.tokenizer(options.prompt).input_ids), options.max_new_tokens,
+                     context_length(demo.member_configs["target"]))
+
+
+def test_ci_runs_exactly_the_readmes_test_command():
+    ci = (README.parent / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert ci in README.read_text() and "--index-url" not in ci  # CI finds the CPU wheel on local disk
+
+
+def test_readme_says_how_to_get_the_cpu_build_and_what_generate_does_not_do():
+    text = README.read_text()
+    assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in text
+    assert "applies no\nchat template" in text or "applies no chat template" in text
+    assert "rejects it" in text and "['swiftspec']" in text
+
+
+def test_triton_is_an_extra_and_the_package_runs_without_it():
+    """Triton installs ~1 GB; only the kernel needs it and the kernel has a torch reference."""
+    import subprocess
+    import sys
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    project = tomllib.loads((README.parent / "pyproject.toml").read_text())["project"]
+    assert not any(dep.startswith("triton") for dep in project["dependencies"])
+    assert any(dep.startswith("triton") for dep in project["optional-dependencies"]["gpu"])
+    assert any(dep.startswith("triton") for dep in project["optional-dependencies"]["dev"])
+    script = (
+        "import sys; sys.modules['triton'] = None\n"  # import triton now raises ImportError, as where it is absent
+        "import torch; torch.set_num_threads(1)\n"
+        "from hf_swiftspec import SwiftSpecForCausalLM\n"
+        "from hf_swiftspec.testing import tiny_model, truncated_draft\n"
+        "target = tiny_model(); ids = torch.tensor([[5, 6, 7]])\n"
+        "model = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), attention='kernel')\n"
+        "out = model.generate(ids, max_new_tokens=12, do_sample=False)\n"
+        "assert out.tolist() == target.generate(ids, max_new_tokens=12, do_sample=False).tolist()\n"
+        "print(model.swiftspec_stats.attention)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "torch-reference" in proc.stdout

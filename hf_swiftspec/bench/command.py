@@ -14,8 +14,9 @@ from pathlib import Path
 
 import torch
 
-from ..commandline import THREADS_HELP, add_tree_options, default_device, progress, set_threads, tree_overrides
+from ..commandline import THREADS_HELP, add_tree_options, progress, resolve_device, set_threads, tree_overrides
 from ..pair import context_length
+from ..testing import REAL_SHAPES
 from .limits import limit_report, memory_budget, peak_bandwidth
 from .measure import Harness, MemoryProbe, check_identical, counting_forwards, generation_kwargs, method_result, timed_run
 from .methods import Method, build_methods, eos_ignored, load_models, pair_info, swiftspec_settings, tokenizer_for
@@ -150,7 +151,7 @@ def run_bench(config: BenchConfig) -> BenchReport:
     """Run every method on every prompt set; raise OutputMismatchError if any output differs from
     target.generate's. Writes results.json / results.md / results.png when config.output_dir is set."""
     check_config(config)
-    where = config.models.target.device if config.models is not None else config.device or default_device()
+    where = config.models.target.device if config.models is not None else resolve_device(config.device)
     threads = set_threads(config.threads, where)
     if config.progress:
         progress(threads, prefix="swiftspec bench")
@@ -210,7 +211,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The `bench` options; defaults come from BenchConfig so the two never drift apart."""
     d = BenchConfig()
     parser.add_argument(
-        "--pair", default=d.pair, help="pair repo id or folder (default: the demo pair, else an in-memory test pair)"
+        "--pair", default=d.pair, help="pair repo id or folder, or shape:NAME for a random-weight pair shaped like a real model (NAME: "
+        + ", ".join(REAL_SHAPES) + "); default: the demo pair, else an in-memory test pair"
     )
     parser.add_argument(
         "--prompts", action="append", default=None, metavar="SET_OR_FILE",

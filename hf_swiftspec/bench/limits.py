@@ -166,7 +166,11 @@ def token_tree_bytes(capacity: int) -> int:
 
 
 def memory_budget(models: BenchModels, settings: dict, ids: torch.Tensor, new_tokens: int) -> MemoryBudget:
-    """Generate `new_tokens` from ids (1, L) with serial tree speculation, watching both caches."""
+    """Generate `new_tokens` from ids (1, L) with serial tree speculation, watching both caches.
+
+    The draft expands every round (draft_depth 2 unless set), so its tree region is exercised even
+    where the policy would decode plainly."""
+    settings = {**settings, "draft_depth": settings.get("draft_depth") or 2}
     model = SwiftSpecForCausalLM.from_models(models.target, models.draft, **settings)
     samples: dict[str, list[CacheSample]] = {"target": [], "draft": []}
     with sampling_caches(models.target, samples["target"]), sampling_caches(models.draft, samples["draft"]):

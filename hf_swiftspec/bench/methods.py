@@ -9,11 +9,12 @@ from typing import Any, Callable
 
 import torch
 
-from ..commandline import load_pair
+from ..commandline import default_device, load_pair
 from ..config import SwiftSpecConfig
 from ..modeling import SwiftSpecForCausalLM
 from ..pair import DEMO_PAIR_NAME, bundled_pair
 from ..stats import SwiftSpecStats
+from ..testing import SHAPE_PREFIX
 from .measure import tokens_per_second
 from .schema import METHOD_LABELS, BenchConfig, MethodResult, PairInfo
 
@@ -59,6 +60,8 @@ def load_models(config: BenchConfig, notes: list[str]) -> BenchModels:
     if config.models is not None:
         return config.models
     location = config.pair
+    if location is not None and location.startswith(SHAPE_PREFIX):
+        return shaped_pair(location[len(SHAPE_PREFIX):], config, notes)
     if location is None:
         demo = bundled_pair(DEMO_PAIR_NAME)
         if demo is None:
@@ -67,6 +70,22 @@ def load_models(config: BenchConfig, notes: list[str]) -> BenchModels:
     model = load_pair(location, config.pair or DEMO_PAIR_NAME, config.device, config.dtype)
     settings = {name: getattr(model.config, name) for name in SWIFTSPEC_FIELDS}
     return BenchModels(model.target, model.draft, model.tokenizer, config.pair or DEMO_PAIR_NAME, settings)
+
+
+def shaped_pair(shape: str, config: BenchConfig, notes: list[str]) -> BenchModels:
+    """`--pair shape:NAME`: a random-weight pair shaped like a real model (hf_swiftspec.testing.REAL_SHAPES)."""
+    from ..commandline import load_dtype
+    from ..testing import char_tokenizer, real_shaped_pair
+
+    device = config.device or default_device()
+    target, draft = real_shaped_pair(shape)
+    dtype = load_dtype(config.dtype, device)
+    target, draft = (m.to(device=device, dtype=dtype if isinstance(dtype, torch.dtype) else None) for m in (target, draft))
+    notes.append(
+        f"shape:{shape} has random weights in the real model's shape, and a draft of its first 2 layers: text that "
+        "neither the draft nor the n-gram chain predicts, so it measures what speculation costs when it cannot pay."
+    )
+    return BenchModels(target, draft, char_tokenizer(), f"{SHAPE_PREFIX}{shape} (random weights)")
 
 
 def fallback_pair(notes: list[str]) -> BenchModels:

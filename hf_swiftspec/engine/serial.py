@@ -21,12 +21,15 @@ def run_serial(target: TargetWorker, draft: DraftWorker, request: DecodeRequest)
         probing = policy.start_round()
         chain = draft.chain(policy.max_budget)
         candidates = draft.candidates(policy, chain)
-        expansions, expanding_s = 0, 0.0
+        expansions, expanding_s, catch_up_s = 0, 0.0, 0.0
         while policy.keep_expanding(expansions, time.perf_counter() - round_start, candidates.ranked_probs, probing):
-            before = time.perf_counter()
+            before, catching_up = time.perf_counter(), len(draft.pending) > 1
             if not draft.expand(within=policy.max_budget):
                 break
-            expanding_s += time.perf_counter() - before
+            if catching_up:  # it also ran committed tokens the draft had not seen: not an expansion's cost
+                catch_up_s += time.perf_counter() - before
+            else:
+                expanding_s += time.perf_counter() - before
             grown = draft.candidates(policy, chain)
             policy.observe_gain(expansions, candidates.ranked_probs, grown.ranked_probs, before - round_start)
             candidates, expansions = grown, expansions + 1
@@ -44,8 +47,10 @@ def run_serial(target: TargetWorker, draft: DraftWorker, request: DecodeRequest)
         if not verified.finished:  # 3. draft: keep the subtree under the last verified token, KV included
             draft.reroot(proposal.subtree, verified)
         round_s = time.perf_counter() - round_start
+        verify_s = round_s - expanding_s - catch_up_s if result.rounds else None  # round 1's root came with the prefill
         policy.observe_round(
-            expansions, expanding_s, len(proposal.subtree), round_s - expanding_s, tokens=len(verified.tokens)
+            expansions - (catch_up_s > 0), expanding_s, len(proposal.subtree), verify_s,
+            tokens=len(verified.tokens), catch_up_s=catch_up_s,
         )
         policy.observe_outcome(proposal, verified)
         result.record_round(proposal, verified, expansions)

@@ -99,21 +99,24 @@ class TargetWorker:
         self.cache = new_cache(self.architecture, capacity)
         self.attention_fallbacks: set[str] = set()  # why kernel-routed layers ran their own attention
         self.sequence: torch.Tensor | None = None
+        self.root_logits: torch.Tensor | None = None  # (1, V) the prefill's last row, until the first verification
         self.counters = TargetCounters()
 
     def prefill(self, prompt: torch.Tensor, padding: torch.Tensor | None = None) -> None:
-        """Start from prompt (1, L), L >= 1: commit the KV of all but its last token (the first root).
+        """Run the whole prompt (1, L), L >= 1, as transformers' generate does: the KV of all but its
+        last token is committed; the last one (the first root) stays in tree slot 0, its logits kept
+        for the first verification, which then runs only the nodes below the root (none when the
+        first round is plain), so speculation costs no forward more than target.generate.
 
         padding: (1, P) left padding that processors and criteria see before the prompt (never run).
         """
         prompt = prompt.to(self.device)
         self.sequence = prompt if padding is None else torch.cat([padding.to(self.device), prompt], dim=1)
-        ids = prompt[:, :-1]
-        if ids.shape[1]:
-            positions = torch.arange(ids.shape[1], device=self.device)[None]
-            model_step(self.model, self.cache, ids, positions, keep=1)
-            self.counters.forwards += 1
+        positions = torch.arange(prompt.shape[1], device=self.device)[None]
+        self.root_logits = model_step(self.model, self.cache, prompt, positions, keep=1)  # (1, V)
         self.cache.seal_prefix()
+        self.cache.prefix_len -= 1
+        self.counters.forwards += 1
 
     def verify(
         self,
@@ -129,22 +132,32 @@ class TargetWorker:
             with its signature that returns the leader's walk.
         """
         start = time.perf_counter()
-        mask, depths = subtree_mask(subtree.parents, self.device)
-        input_ids = torch.tensor([subtree.tokens], device=self.device)
-        positions = (self.cache.prefix_len + depths)[None]
-        logits = tree_step_forward(
-            self.model, self.cache, input_ids, positions, mask, self.attention, self.architecture,
-            fallbacks=self.attention_fallbacks,
-        )  # (T, V)
+        logits = self.forward_subtree(subtree)  # (T, V)
         verified = walk(logits, subtree, self.sequence, sampler, stopping_criteria, max_tokens)
         self.cache.commit(torch.tensor(verified.path, device=self.device))
         new = torch.tensor([verified.tokens], dtype=self.sequence.dtype, device=self.device)
         self.sequence = torch.cat([self.sequence, new], dim=1)
         device_sync(self.device)
-        self.counters.forwards += 1
         self.counters.verify_steps += 1
         self.counters.busy_s += time.perf_counter() - start
         return verified
+
+    def forward_subtree(self, subtree: Subtree) -> torch.Tensor:
+        """Logits (T, V) of every subtree node: one forward over the nodes the cache lacks."""
+        mask, depths = subtree_mask(subtree.parents, self.device)
+        positions = (self.cache.prefix_len + depths)[None]
+        first, root_logits = 0, self.root_logits
+        if root_logits is not None:  # the prefill ran the root: forward only the nodes below it
+            first, self.root_logits = 1, None
+            if len(subtree) == 1:
+                return root_logits
+        input_ids = torch.tensor([subtree.tokens[first:]], device=self.device)
+        logits = tree_step_forward(
+            self.model, self.cache, input_ids, positions[:, first:], mask[first:], self.attention, self.architecture,
+            positions[0], self.attention_fallbacks,
+        )  # (T - first, V)
+        self.counters.forwards += 1
+        return logits if root_logits is None else torch.cat([root_logits, logits])
 
 
 class DraftWorker:
@@ -157,8 +170,10 @@ class DraftWorker:
     def __init__(
         self, model: PreTrainedModel, capacity: int, tree_capacity: int, width: int, vocab_limit: int,
         attention: str = "sdpa", ngram_size: int = 3, architecture: Architecture | None = None,
+        max_positions: int | None = None,
     ):
         self.model = model
+        self.max_positions = max_positions  # both models' context: no node is ever placed past it
         self.attention = attention
         self.architecture = architecture or describe(model, "draft")
         self.device = model.device
@@ -189,7 +204,7 @@ class DraftWorker:
         """One draft forward over the best `width` unexpanded leaves (among the best `within`
         nodes if given); returns how many were expanded (0: none left, or the tree is full)."""
         tree, cache = self.tree, self.cache
-        leaves = select_leaves(tree, self.width, within)
+        leaves = select_leaves(tree, self.width, within, self.depth_room())
         if not leaves.shape[0] or not room_for_expansion(tree, leaves.shape[0], self.width):
             return 0
         prefix = cache.prefix_len
@@ -214,6 +229,15 @@ class DraftWorker:
         child_logprobs, child_tokens = logprobs.topk(self.width, dim=-1)
         add_children(tree, leaves, child_logprobs, child_tokens)
         return leaves.shape[0]
+
+    def depth_room(self) -> int | None:
+        """How deep below the root a node may sit before its position passes the models' context (None:
+        no limit). Learned position embeddings have no row past it: the tree stops short of it, as
+        target.generate's own last step does."""
+        if self.max_positions is None:
+            return None
+        root_position = self.cache.prefix_len + len(self.pending)
+        return max(self.max_positions - 1 - root_position, 0)
 
     def grow(self, max_expansions: int, within: int | None = None, stop=None) -> int:
         """Expand up to `max_expansions` times (only leaves among the best `within` nodes if given),
@@ -284,6 +308,8 @@ class DraftWorker:
 
     def chain(self, length: int) -> Continuation:
         """The n-gram continuation of the committed sequence and root (empty when n-grams are off)."""
+        room = self.depth_room()
+        length = length if room is None else min(length, room)
         return self.ngrams.propose(length) if self.use_ngrams else Continuation()
 
 

@@ -104,6 +104,65 @@ def resolve_bundled_names_in_transformers() -> None:
 
     cached_files._swiftspec_bundled = True
     hub.cached_files = cached_files
+    keep_bundled_names_off_the_hub(hub)
+
+
+class BundledPairsOffHub:
+    """transformers' shared HfApi, except that the name of a bundled pair never reaches the Hub.
+
+    Besides the files (cached_files), pipeline() and AutoTokenizer ask the Hub about a repo id
+    directly: its revision, its file list, its chat templates. For a bundled name each of those
+    went to the network (12 retries, 46 s with no network and no HF_HUB_OFFLINE). Here those
+    read-only questions are answered from the bundled folder, as transformers answers them for a
+    local folder; everything else (uploads, other repos) goes to the HfApi unchanged.
+    """
+
+    READS = ("resolve_revision", "snapshot_download", "list_repo_files", "list_repo_tree", "model_info", "repo_info",
+             "file_exists", "hf_hub_download", "get_paths_info", "list_repo_refs", "list_repo_commits")
+
+    def __init__(self, api):
+        self._api = api
+        self._swiftspec_bundled = True
+
+    def __getattr__(self, name):
+        method = getattr(self._api, name)
+        if name not in self.READS:
+            return method
+
+        @functools.wraps(method)
+        def read(*args, **kwargs):
+            repo_id = kwargs.get("repo_id", args[0] if args else None)  # every read takes the repo id first
+            folder = bundled_or_given(repo_id) if isinstance(repo_id, str) else repo_id
+            if folder == repo_id:
+                return method(*args, **kwargs)
+            return answer_from_folder(name, repo_id, Path(folder), kwargs)
+
+        return read
+
+
+def answer_from_folder(method: str, repo_id: str, folder: Path, kwargs: dict):
+    """An HfApi read about a bundled pair, answered from its folder (what is not known locally is
+    refused the way offline mode refuses it, which transformers' callers already handle)."""
+    if method == "resolve_revision":
+        return kwargs.get("revision")  # what transformers keeps for a local folder
+    if method == "snapshot_download":
+        return str(folder)
+    if method == "list_repo_files":
+        return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    raise OfflineModeIsEnabled(f"{repo_id!r} is a pair bundled with hf_swiftspec, read from {folder}, not from the Hub.")
+
+
+def keep_bundled_names_off_the_hub(hub) -> None:
+    """Route transformers' shared HfApi (`hub.hf_api()`, kept in `hub._hf_api`) through BundledPairsOffHub.
+    Idempotent; if a future transformers keeps it elsewhere, bundled names only cost Hub round trips."""
+    factory = getattr(hub, "hf_api", None)
+    if factory is None or not hasattr(hub, "_hf_api"):
+        return
+    api = factory()
+    if not getattr(api, "_swiftspec_bundled", False):
+        hub._hf_api = BundledPairsOffHub(api)
 
 
 def looks_like_path(name: str) -> bool:

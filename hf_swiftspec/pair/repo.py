@@ -183,6 +183,8 @@ def write_pair_repo(
     members_base: the folder relative member entries are found from, for the card (default: `folder`).
     """
     folder = Path(folder)
+    if members_base is None:  # save_pretrained: its members are found from where the pair is written
+        refuse_member_folders(folder, {role: os.path.join(folder, getattr(config, role)) for role in ROLES})
     folder.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(folder)
     if tokenizer is not None:
@@ -207,14 +209,90 @@ def member_entry(value: str, folder: Path) -> str:
     return os.path.relpath(Path(value).resolve(), folder.resolve()) if Path(value).is_dir() else value
 
 
+# Files a pair repo's tokenizer and generation config may be saved as. Replacing a previous pair
+# removes those the new one does not write: a stale tokenizer.json beside a new tokenizer.model
+# would be loaded instead of it.
+PAIR_FILE_PATTERNS = (
+    "generation_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
+    "*.model", "chat_template*",
+)
+
+
 def move_into_place(staging: Path, folder: Path) -> None:
-    """Move a complete pair from `staging` to `folder`; into an existing folder file by file, so
-    whatever else the user keeps there stays."""
+    """Move a complete pair from `staging` to `folder`; into an existing folder (one that
+    check_destination let through) file by file, so the members' folders inside it stay."""
     if not folder.exists():
         os.replace(staging, folder)
         return
+    written = {item.name for item in staging.iterdir()}
+    for old in folder.iterdir():
+        if old.is_file() and old.name not in written and any(old.match(pattern) for pattern in PAIR_FILE_PATTERNS):
+            old.unlink()  # the previous pair's, which --force replaces
     for item in sorted(staging.iterdir()):
         os.replace(item, folder / item.name)
+
+
+def is_pair_folder(folder: Path) -> bool:
+    """Whether `folder` holds a pair repo: a config.json with model_type "swiftspec"."""
+    try:
+        return json.loads((folder / "config.json").read_text()).get("model_type") == SwiftSpecConfig.model_type
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def refuse_member_folders(folder: Path, members: dict[str, str]) -> dict[str, Path]:
+    """Refuse to write a pair into a member's own folder or a folder inside one (its config.json
+    would replace the member's, which then no longer loads). Returns the local members' folders."""
+    where = folder.resolve()
+    resolved = {role: Path(value).resolve() for role, value in members.items()}  # "pair/sub/.." before sub exists
+    local = {role: path for role, path in resolved.items() if path.is_dir()}
+    for role, member in local.items():
+        if where == member or member in where.parents:
+            raise PairConfigError(
+                f"Cannot write the pair repo to {folder}: it is {'' if where == member else 'inside '}the {role}'s own "
+                f"folder ({member}), and the pair's config.json would replace the {role}'s. Write the pair to a "
+                f"new folder, e.g. {member.parent / 'pair'}."
+            )
+    return local
+
+
+def check_destination(folder: Path, members: dict[str, str], force: bool) -> None:
+    """Refuse a destination that holds anything the user owns: a member's own folder (or a folder
+    inside one, where config.json would replace the member's), or a non-empty folder. Folders of the
+    members themselves may sit inside it (the demo pair's layout), and with force=True a previous
+    pair repo may be replaced; nothing else is ever overwritten.
+
+    members: role -> the member as given (a local folder or a Hub id).
+    """
+    where = folder.resolve()
+    local = refuse_member_folders(folder, members)
+    if not folder.is_dir():
+        return
+    keep = {where / member.relative_to(where).parts[0] for member in local.values() if where in member.parents}
+    others = sorted(p.name for p in folder.iterdir() if p.resolve() not in keep)
+    if not others:
+        return
+    if not is_pair_folder(folder):
+        listed = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        raise PairConfigError(
+            f"Cannot write the pair repo to {folder}: the folder is not empty ({listed}) and holds no pair repo. "
+            "Pick a new or empty folder."
+        )
+    if not force:
+        raise PairConfigError(
+            f"Cannot write the pair repo to {folder}: it holds a pair repo already. Pass --force (force=True) to "
+            "replace that pair's files, or pick a new folder."
+        )
+
+
+def target_generation_config(member: PairMember, config: PreTrainedConfig, hub: HubOptions) -> GenerationConfig:
+    """The target's generation_config.json, or (older repos have none) the one transformers derives
+    from its config.json, as from_pretrained gives the loaded model."""
+    try:
+        return GenerationConfig.from_pretrained(member.location, revision=member.revision, **hub.as_kwargs())
+    except OSError:
+        logger.info("%s has no generation_config.json; the pair gets the one derived from its config.json.", member.entry)
+        return GenerationConfig.from_model_config(config)
 
 
 def create_pair_repo(
@@ -228,6 +306,7 @@ def create_pair_repo(
     license: str = "unknown",
     license_name: str | None = None,
     license_link: str | None = None,
+    force: bool = False,
     **settings,
 ) -> ResolvedPair:
     """Write a checked pair repo for two models (Hub ids or folders) and return it as read back.
@@ -235,10 +314,18 @@ def create_pair_repo(
     Hub members without a revision are pinned to their current commit; folders are named relative
     to the pair. The pair gets the target's tokenizer, checked to reload as the same class and to
     encode the same ids, and the target's generation config. settings: SwiftSpecConfig fields.
+    The destination must be new or empty (the members' own folders may sit inside it), or with
+    force=True hold a previous pair repo; it is never a member's folder.
     """
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise PairConfigError(f"Cannot write a pair repo to {folder}: it exists and is not a folder.")
+    check_destination(folder, {"target": target, "draft": draft}, force)
+    if license == "other" and not license_name:
+        raise PairConfigError(
+            "license 'other' needs a licence name for the model card (--license-name NAME, preferably with "
+            "--license-link URL); the Hub rejects a card that says 'other' without one."
+        )
     folder.parent.mkdir(parents=True, exist_ok=True)
     # Written beside the destination and moved into place when complete: a failure leaves no half
     # pair behind, and relative member entries ("../target") mean the same from either folder.
@@ -258,7 +345,7 @@ def create_pair_repo(
         config = load_pair_config(staging, f"pair config {str(folder)!r}")  # read back, exactly as a user will
         pair = read_members(members_base, config, hub, own_tokenizer=False)
         member = pair.members["target"]
-        generation_config = GenerationConfig.from_pretrained(member.location, revision=member.revision, **hub.as_kwargs())
+        generation_config = target_generation_config(member, pair.member_configs["target"], hub)
         card = replace(default_card(pair.config), license=license, license_name=license_name, license_link=license_link)
         if title:
             card = replace(card, title=title)
