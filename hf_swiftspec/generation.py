@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
+import warnings
 
 import torch
 from transformers import GenerationConfig, StoppingCriteriaList
-from transformers.generation import GenerateDecoderOnlyOutput, StopStringCriteria
+from transformers.generation import GenerateDecoderOnlyOutput, MaxLengthCriteria, StopStringCriteria
+from transformers.generation.configuration_utils import GenerationMode
 
 from .architectures import context_limit, describe
 from .attention import resolve_attention, routed_attention
@@ -32,6 +35,11 @@ UNSUPPORTED_OPTIONS = {
     "output_attentions": False,
     "output_hidden_states": False,
 }
+
+
+# What GenerationMixin.generate itself puts in the model kwargs of a decoder-only call; the tree steps
+# rebuild each of them (the mask from the padding, positions from the tree, their own caches).
+PREPARED_MODEL_KWARGS = frozenset({"attention_mask", "position_ids", "logits_to_keep", "past_key_values", "use_cache"})
 
 
 def swiftspec_generate(
@@ -52,8 +60,11 @@ def swiftspec_generate(
 ) -> tuple[torch.LongTensor | GenerateDecoderOnlyOutput, SwiftSpecStats]:
     """`custom_generate` callable; `model` is the target. Returns (generate's output, stats)."""
     check_supported_options(generation_config, input_ids)
-    prompt = strip_left_padding(input_ids, model_kwargs.get("attention_mask"))
-    max_new = max(generation_config.max_length - input_ids.shape[1], 0)
+    check_model_kwargs(model_kwargs)
+    warn_cache_options(generation_config)
+    padding, prompt = split_left_padding(input_ids, model_kwargs.get("attention_mask"))
+    check_padding_keeps_positions(model, padding)
+    max_new = max(stop_length(stopping_criteria, generation_config) - input_ids.shape[1], 0)
     config = swiftspec_config
     sampler = Sampler(logits_processor, bool(generation_config.do_sample), swiftspec_generator)
     if sampler.do_sample and sampler.generator is None:
@@ -66,6 +77,7 @@ def swiftspec_generate(
         policy=swiftspec_policy or GoodputPolicy(tree_budget=config.tree_budget, draft_depth=config.draft_depth),
         corpus=swiftspec_corpus or [],
         on_tokens=(lambda tokens: swiftspec_streamer.put(torch.tensor(tokens))) if swiftspec_streamer else None,
+        padding=padding,
     )
     request.policy.start_generation()
     workers = build_workers(model, swiftspec_draft, config, prompt.shape[1] + max_new, swiftspec_groups)
@@ -76,6 +88,13 @@ def swiftspec_generate(
         result = run_engine(swiftspec_placement, swiftspec_groups, *workers, request, config) if max_new else DecodeResult()
     result.stats.attention = attention_summary(workers)
     return generate_output(input_ids, result, generation_config), result.stats
+
+
+def stop_length(stopping_criteria: StoppingCriteriaList, generation_config: GenerationConfig) -> int:
+    """The sequence length generate() stops at: its MaxLengthCriteria's. A user's MaxLengthCriteria
+    replaces the one generate() builds from max_length, so it may also lie beyond it."""
+    lengths = [c.max_length for c in stopping_criteria if type(c) is MaxLengthCriteria]
+    return min(lengths) if lengths else generation_config.max_length
 
 
 def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: Groups | None):
@@ -144,6 +163,76 @@ def generate_output(input_ids: torch.Tensor, result: DecodeResult, generation_co
     )
 
 
+def check_inputs(inputs, kwargs: dict, generation_config: GenerationConfig | None, default: GenerationConfig) -> None:
+    """Refuse, before transformers acts on them, the generate() arguments swiftspec=True cannot honour.
+
+    Each error names the argument and what to pass instead.
+    """
+    if kwargs.get("inputs_embeds") is not None:
+        with_ids = inputs is not None or kwargs.get("input_ids") is not None
+        given = "input_ids together with inputs_embeds" if with_ids else "inputs_embeds"
+        raise ValueError(
+            f"{given} is not supported with swiftspec=True: the draft cannot read the target's embeddings and every "
+            "tree step feeds token ids. Pass input_ids only (the tokens the embeddings came from), or pass "
+            "swiftspec=False to prefill from inputs_embeds."
+        )
+    if kwargs.get("position_ids") is not None:
+        raise ValueError(
+            "position_ids is not supported with swiftspec=True: each tree node's position is its depth after the "
+            "prompt. Pass a left-padded prompt with its attention_mask instead, or swiftspec=False."
+        )
+    if kwargs.get("custom_generate") is not None:
+        raise ValueError(
+            "custom_generate cannot be combined with swiftspec=True, which is itself a decoding loop; pass "
+            "swiftspec=False to run your custom_generate on the target."
+        )
+    if requested("token_healing", kwargs, generation_config, default):
+        raise ValueError(
+            "token_healing=True is not supported with swiftspec=True (transformers gives a custom decoding loop no "
+            "tokenizer to heal with). Heal the prompt first (model.target.heal_tokens(input_ids, tokenizer)), or "
+            "pass swiftspec=False."
+        )
+    if kwargs.get("past_key_values") is not None:
+        raise ValueError(
+            "past_key_values is not supported with swiftspec=True: target and draft each keep their own tree cache, "
+            "built from the prompt. To continue a conversation, pass the whole sequence so far (prompt and earlier "
+            "output) as input_ids; or pass swiftspec=False to continue from the cache."
+        )
+    cache = requested("cache_implementation", kwargs, generation_config, default)
+    if cache in ("paged", "quantized"):
+        raise ValueError(
+            f"cache_implementation={cache!r} is not supported with swiftspec=True: target and draft keep their own "
+            "full-precision tree caches (a quantized cache changes the tokens; a paged one turns generate() into "
+            "continuous batching). Drop the argument, or pass swiftspec=False."
+        )
+
+
+def requested(name: str, kwargs: dict, generation_config: GenerationConfig | None, default: GenerationConfig):
+    """The value of generation option `name` that generate() will use (argument > config > model default)."""
+    if name in kwargs:
+        return kwargs[name]
+    return getattr(generation_config if generation_config is not None else default, name, None)
+
+
+def warn_cache_options(generation_config: GenerationConfig) -> None:
+    """The cache options that change no token: say that swiftspec=True does not use them."""
+    if generation_config.use_cache is False:
+        warnings.warn(
+            "use_cache=False has no effect with swiftspec=True: tree speculation needs KV caches and keeps its own; "
+            "the tokens are target.generate's all the same. Pass swiftspec=False to decode without a cache.",
+            UserWarning,
+            stacklevel=2,
+        )
+    if generation_config.cache_implementation is not None:
+        warnings.warn(
+            f"cache_implementation={generation_config.cache_implementation!r} has no effect with swiftspec=True: "
+            "target and draft each use swiftspec's own preallocated tree cache; the tokens are target.generate's "
+            "all the same. Drop the argument, or pass swiftspec=False to decode with that cache.",
+            UserWarning,
+            stacklevel=2,
+        )
+
+
 def check_supported_options(generation_config: GenerationConfig, input_ids: torch.Tensor) -> None:
     """Raise ValueError for what speculative decoding does not do yet, naming the value and the way out."""
     for name, allowed in UNSUPPORTED_OPTIONS.items():
@@ -152,6 +241,12 @@ def check_supported_options(generation_config: GenerationConfig, input_ids: torc
             raise ValueError(
                 f"{name}={value!r} is not supported with swiftspec=True (only {allowed!r}); pass swiftspec=False."
             )
+    mode = generation_config.get_generation_mode()
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        raise ValueError(
+            f"swiftspec=True decodes greedily or by sampling; these generation options ask for {mode.value}: "
+            f"{mode_options(generation_config)}. Drop them, or pass swiftspec=False."
+        )
     if input_ids.shape[0] != 1:
         raise ValueError(
             f"swiftspec=True decodes one sequence at a time (batch size 1); got batch size {input_ids.shape[0]}. "
@@ -164,10 +259,41 @@ def check_supported_options(generation_config: GenerationConfig, input_ids: torc
         )
 
 
-def strip_left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    """The prompt (1, L') without its left padding; any other masked position is an error."""
+def mode_options(generation_config: GenerationConfig) -> str:
+    """The set options that pick a decoding mode other than greedy search and sampling."""
+    names = ("penalty_alpha", "low_memory", "dola_layers", "num_beam_groups", "diversity_penalty", "constraints",
+             "force_words_ids")  # fmt: skip
+    defaults = GenerationConfig()
+    return ", ".join(
+        f"{name}={getattr(generation_config, name)!r}" for name in names
+        if getattr(generation_config, name, None) != getattr(defaults, name, None)
+    ) or "(see GenerationConfig.get_generation_mode)"
+
+
+def check_model_kwargs(model_kwargs: dict) -> None:
+    """Refuse model inputs the tree steps would drop (they feed the models token ids and positions only)."""
+    unused = sorted(
+        name for name, value in model_kwargs.items()
+        if name not in PREPARED_MODEL_KWARGS and value is not None and not (isinstance(value, dict) and not value)
+    )  # multimodal models get an empty mm_encoder_outputs dict when there is nothing to encode
+    if unused:
+        raise ValueError(
+            f"swiftspec=True feeds the models token ids only and would ignore {unused}: pass only input_ids and "
+            "attention_mask, or pass swiftspec=False to give the target these inputs."
+        )
+
+
+def split_left_padding(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(left padding (1, P), prompt (1, L - P)); any other masked position is an error.
+
+    The models run on the prompt alone (for a left-padded prompt with its mask, transformers'
+    positions and attention make that the same computation); processors and stopping criteria get
+    the padding too, as target.generate gives it to them.
+    """
     if attention_mask is None:
-        return input_ids
+        return input_ids[:, :0], input_ids
     keep = attention_mask[0].bool()
     start = int(keep.long().argmax()) if keep.any() else input_ids.shape[1]
     if start == input_ids.shape[1] or not bool(keep[start:].all()):
@@ -175,7 +301,18 @@ def strip_left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | N
             "swiftspec=True accepts an attention_mask that only masks left padding; got "
             f"{attention_mask[0].tolist()}. Remove the padding or use swiftspec=False."
         )
-    return input_ids[:, start:]
+    return input_ids[:, :start], input_ids[:, start:]
+
+
+def check_padding_keeps_positions(model, padding: torch.Tensor) -> None:
+    """Refuse left padding for a target that takes no position_ids: target.generate runs the padding
+    through it and its positions follow cache slots, so the prompt alone would sit at other positions."""
+    if padding.shape[1] and "position_ids" not in inspect.signature(type(model).forward).parameters:
+        raise ValueError(
+            f"The target ({model.config.model_type}) takes no position_ids, so {padding.shape[1]} left padding "
+            "token(s) shift the positions target.generate gives the prompt, which swiftspec=True cannot reproduce. "
+            "Pass the prompt without its padding, or swiftspec=False."
+        )
 
 
 def generator_from_global_seed(device: torch.device) -> torch.Generator:
@@ -187,15 +324,20 @@ def generator_from_global_seed(device: torch.device) -> torch.Generator:
 def split_stop_strings(kwargs: dict, generation_config: GenerationConfig | None, default: GenerationConfig):
     """Take stop_strings out of the arguments (transformers drops the tokenizer for a custom loop).
 
-    Returns (generation_config without stop_strings or None, stop_strings or None).
+    Returns (the generation_config to pass, stop_strings or None). A generation_config is only
+    built when the user passed one: passing one beside generation arguments makes transformers
+    warn that the combination is deprecated, which plain generate() would not.
     """
     stop_strings = kwargs.pop("stop_strings", None)
     for source in (generation_config, default):
         if stop_strings is None and source is not None and source.stop_strings is not None:
             stop_strings = source.stop_strings
     if stop_strings is not None:
-        generation_config = copy.deepcopy(generation_config if generation_config is not None else default)
-        generation_config.stop_strings = None
+        if generation_config is not None:
+            generation_config = copy.deepcopy(generation_config)
+            generation_config.stop_strings = None
+        else:
+            kwargs["stop_strings"] = None  # masks the model's default, which transformers would also read
     return generation_config, stop_strings
 
 

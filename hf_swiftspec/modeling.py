@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, GenerationMixin
 
 from .architectures import describe
 from .config import SwiftSpecConfig, check_setting_names
-from .generation import split_stop_strings, stop_string_criteria, swiftspec_generate
+from .generation import check_inputs, split_stop_strings, stop_string_criteria, swiftspec_generate
 from .pair import (
     PairCard,
     PairConfigError,
@@ -268,6 +268,7 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
         self.config.validate_tree_settings()
         if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens"):
             raise ValueError("swiftspec=True brings its own draft; drop assistant_model / prompt_lookup_num_tokens.")
+        check_inputs(inputs, kwargs, generation_config, self.generation_config)
         tokenizer = kwargs.pop("tokenizer", None)
         corpus = corpus_tokens(kwargs.pop("ngram_corpus", None), tokenizer or self.tokenizer)
         generation_config, stop_strings = split_stop_strings(kwargs, generation_config, self.generation_config)

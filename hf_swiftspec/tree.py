@@ -145,6 +145,8 @@ def add_children(tree: TokenTree, leaves: torch.Tensor, child_logprobs: torch.Te
     child_tokens:   (w, k) their token ids
     """
     w, k = child_tokens.shape
+    if w != leaves.shape[0]:
+        raise RuntimeError(f"add_children got children for {w} leaves but {leaves.shape[0]} leaves were expanded")
     start, end = tree.size, tree.size + w * k
     if end > tree.capacity:
         raise RuntimeError(f"token tree overflow: {end} nodes > capacity {tree.capacity}")

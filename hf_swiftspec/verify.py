@@ -19,8 +19,9 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from .tree import Subtree
 
 # Processors whose output for a row depends on that row's logits alone, never on the tokens before
-# it (input_ids) or their count: with only these, every tree node can be processed at once.
-PATH_FREE_PROCESSORS = tuple(
+# it (input_ids) or their count: with only these, every tree node can be processed at once. Matched
+# by exact type: a subclass may read input_ids, so it takes the node-by-node walk.
+PATH_FREE_PROCESSORS = frozenset(
     getattr(logits_process, name)
     for name in (
         "TemperatureLogitsWarper",
@@ -60,7 +61,7 @@ class Sampler:
     @property
     def path_free(self) -> bool:
         """Whether the processors ignore the path, so all nodes can be processed in one call."""
-        return all(isinstance(p, PATH_FREE_PROCESSORS) for p in self.logits_processor)
+        return all(type(p) in PATH_FREE_PROCESSORS for p in self.logits_processor)
 
     def gumbel(self, positions: list[int], vocab: int, device: torch.device) -> torch.Tensor:
         """Gumbel noise (n, V) float64 for each of `positions` (absolute sequence positions)."""
@@ -149,13 +150,14 @@ def walk_rows(logits, children: dict, context, sampler: Sampler, stopping_criter
         out.path.append(node)
         out.tokens.append(choice[node])
         node = children.get((node, choice[node]))
-    eos, others = split_criteria(stopping_criteria)
+    eos, max_length, others = split_criteria(stopping_criteria)
     if others:
         new = torch.tensor([out.tokens], dtype=context.dtype, device=context.device)
         full = torch.cat([context, new], dim=-1)
     for j, node in enumerate(out.path):
-        if out.tokens[j] in eos or (
-            others and bool(others(full[:, : context.shape[1] + j + 1], scores[node : node + 1]).any())
+        length = context.shape[1] + j + 1  # the sequence's length once token j is appended
+        if out.tokens[j] in eos or length >= max_length or (
+            others and bool(others(full[:, :length], scores[node : node + 1]).any())
         ):
             del out.path[j + 1 :], out.tokens[j + 1 :]
             out.finished = True
@@ -167,17 +169,24 @@ def walk_rows(logits, children: dict, context, sampler: Sampler, stopping_criter
     return out
 
 
-def split_criteria(stopping_criteria: StoppingCriteriaList) -> tuple[set[int], StoppingCriteriaList]:
-    """(EOS token ids, the criteria left to call). EOS is a set lookup; the max-length criterion is
-    dropped because the walk already stops at `max_tokens`, counted from the unpadded prompt."""
+def split_criteria(stopping_criteria: StoppingCriteriaList) -> tuple[set[int], float, StoppingCriteriaList]:
+    """(EOS token ids, the smallest max_length, the criteria left to call).
+
+    Only criteria of exactly transformers' EosTokenCriteria / MaxLengthCriteria type become a set
+    lookup / a length limit (the length counts the whole sequence, left padding included, as
+    transformers counts it); anything else, subclasses included, is called.
+    """
     eos: set[int] = set()
+    max_length = float("inf")
     others = StoppingCriteriaList()
     for criterion in stopping_criteria:
-        if isinstance(criterion, EosTokenCriteria):
+        if type(criterion) is EosTokenCriteria:
             eos.update(criterion.eos_token_id.flatten().tolist())
-        elif not isinstance(criterion, MaxLengthCriteria):
+        elif type(criterion) is MaxLengthCriteria:
+            max_length = min(max_length, criterion.max_length)
+        else:
             others.append(criterion)
-    return eos, others
+    return eos, max_length, others
 
 
 def walk_nodes(logits, children: dict, context, sampler: Sampler, stopping_criteria, max_tokens: int) -> Verified:

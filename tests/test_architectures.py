@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from hf_swiftspec.coverage import Outcome, causal_lm_types, check_type, coverage_line, save
 
@@ -40,3 +41,40 @@ def test_coverage():
     ran = [o for o in RESULTS.values() if o.status != "skipped" and not o.recurrent]
     speculating = [o for o in ran if o.status in ("tree", "chain")]
     assert len(speculating) >= MIN_COVERAGE * len(ran), [o.model_type for o in ran if o not in speculating]
+
+
+def test_model_without_logits_to_keep_grows_a_chain():
+    """trocr's forward takes no logits_to_keep: the draft's first expansion (prompt + root in one
+    forward) returned a row per prompt token, each became a child of the root, and the "chain" the
+    target verified with causal attention was a tree (it differed at the second generated token)."""
+    from hf_swiftspec import SwiftSpecForCausalLM
+    from hf_swiftspec.coverage import own_generate, perturbed_copy, tiny_model
+
+    target = tiny_model("trocr", use_learned_position_embeddings=False)  # as trocr-small checkpoints
+    pair = SwiftSpecForCausalLM.from_models(target, perturbed_copy(target), tree_budget=8, draft_depth=4)
+    generator = torch.Generator().manual_seed(5)
+    for length in (10, 12, 3):
+        prompt = torch.randint(3, 128, (1, length), generator=generator)
+        assert own_generate(pair, prompt, 20, swiftspec=True).tolist() == own_generate(target, prompt, 20).tolist()
+        assert pair.swiftspec_stats.tau > 1.0
+
+
+def test_left_padding_is_refused_where_positions_follow_cache_slots():
+    """trocr takes no position_ids: target.generate gives a left-padded prompt the positions after
+    the padding, and swiftspec ran the prompt alone, at other positions (a silent difference once
+    position embeddings matter; scaled up here so the tiny model shows it)."""
+    from hf_swiftspec import SwiftSpecForCausalLM
+    from hf_swiftspec.coverage import perturbed_copy, tiny_model
+
+    target = tiny_model("trocr")
+    with torch.no_grad():
+        target.model.decoder.embed_positions.weight.mul_(50)
+    pair = SwiftSpecForCausalLM.from_models(target, perturbed_copy(target))
+    prompt = torch.tensor([[0, 0, 0, 17, 35, 99, 4, 60]])
+    mask = (prompt != 0).long()
+    kwargs = dict(do_sample=False, max_new_tokens=8, pad_token_id=0)
+    padded = target.generate(prompt, attention_mask=mask, **kwargs)
+    assert padded[:, 3:].tolist() != target.generate(prompt[:, 3:], **kwargs).tolist()
+    with pytest.raises(ValueError, match=r"The target \(trocr\) takes no position_ids, so 3 left padding"):
+        pair.generate(prompt, attention_mask=mask, **kwargs)
+    assert pair.generate(prompt[:, 3:], **kwargs).tolist() == target.generate(prompt[:, 3:], **kwargs).tolist()

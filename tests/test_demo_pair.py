@@ -137,3 +137,25 @@ def test_an_explicit_dtype_is_honoured(kwargs):
     model = SwiftSpecForCausalLM.from_pretrained(DEMO_PAIR_NAME, **kwargs)
     expected = torch.bfloat16 if kwargs.get("dtype") is torch.bfloat16 else torch.float16  # "auto": the checkpoint's
     assert (model.target.dtype, model.draft.dtype) == (expected, expected)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(repetition_penalty=1.3),
+        dict(begin_suppress_tokens=[200]),
+        dict(forced_eos_token_id=2, max_new_tokens=16),
+        dict(eos_token_id=484, min_new_tokens=1),
+    ],
+    ids=["repetition_penalty", "begin_suppress_tokens", "forced_eos_token_id", "min_new_tokens"],
+)
+def test_left_padded_prompt_sees_its_padding_like_target_generate(demo, kwargs):
+    """Issue 19, item 1, as reported: 3 pad tokens before the demo prompt, with the attention_mask."""
+    tokenizer = demo.tokenizer
+    ids = tokenizer(PROMPTS[0], return_tensors="pt").input_ids
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    padded = torch.cat([torch.full((1, 3), pad, dtype=torch.long), ids], dim=1)
+    mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones_like(ids)], dim=1)
+    kwargs = {"do_sample": False, "max_new_tokens": 32, **kwargs}
+    expected = demo.target.generate(padded, attention_mask=mask, **kwargs)
+    assert demo.generate(padded, attention_mask=mask, swiftspec=True, **kwargs).tolist() == expected.tolist()

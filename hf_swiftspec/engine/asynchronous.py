@@ -59,7 +59,7 @@ def run_draft(draft: DraftWorker, request: DecodeRequest, link) -> None:
 
 def run_target(target: TargetWorker, request: DecodeRequest, link, result: DecodeResult) -> None:
     """The target worker's loop: verify each subtree, answer at once, then emit the tokens."""
-    target.prefill(request.prompt)
+    target.prefill(request.prompt, request.padding)
     while True:
         waiting = time.perf_counter()
         subtree = link.receive_subtree()

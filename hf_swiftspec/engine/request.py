@@ -18,7 +18,10 @@ from ..verify import Sampler, Verified
 class DecodeRequest:
     """One batch-1 speculative generation.
 
-    prompt:     (1, L) token ids, L >= 1
+    prompt:     (1, L) token ids, L >= 1: what the models run on
+    padding:    (1, P) left padding before the prompt, P >= 0: the models never see it, but logits
+                processors and stopping criteria get padding + prompt + new tokens, exactly the
+                input_ids target.generate gives them (they may count or read the padding)
     policy:     chooses each round's draft expansions and tree size
     corpus:     token sequences the n-gram chain may copy from, besides the context
     on_tokens:  called with each round's new token ids (a list) as soon as they are verified
@@ -31,6 +34,7 @@ class DecodeRequest:
     policy: GoodputPolicy
     corpus: list[list[int]] = field(default_factory=list)
     on_tokens: Callable[[list[int]], None] | None = None
+    padding: torch.Tensor | None = None
 
 
 @dataclass

@@ -13,7 +13,7 @@ def run_serial(target: TargetWorker, draft: DraftWorker, request: DecodeRequest)
     """The whole decode loop. Lossless: every emitted token is the target's own choice."""
     policy, result = request.policy, DecodeResult()
     start = time.perf_counter()
-    target.prefill(request.prompt)
+    target.prefill(request.prompt, request.padding)
     draft.start(request.prompt, request.corpus)
     while len(result.tokens) < request.max_new_tokens:
         # 1. draft: expand while more expansions are expected to raise tokens per second

@@ -52,7 +52,8 @@ def model_step(model: PreTrainedModel, cache: TreeCache, input_ids, position_ids
         **kwargs,
     )
     cache.advance(input_ids.shape[1])
-    return out.logits[0].float()
+    # Some models (trocr) take no logits_to_keep and return every row: keep the last `keep` here.
+    return out.logits[0, -keep:].float() if keep else out.logits[0].float()
 
 
 def tree_step_forward(
@@ -84,7 +85,8 @@ def new_cache(architecture: Architecture, capacity: int) -> TreeCache:
 class TargetWorker:
     """Runs the target: prefill, then one tree forward + verification walk + commit per step.
 
-    It owns the committed sequence (1, L): every verified token, ending with the current root.
+    It owns the committed sequence (1, P + L) as processors see it: the left padding, then every
+    verified token, ending with the current root.
     """
 
     def __init__(
@@ -100,14 +102,18 @@ class TargetWorker:
         self.root_logits: torch.Tensor | None = None  # (1, V) the prefill's last row, until the first verification
         self.counters = TargetCounters()
 
-    def prefill(self, prompt: torch.Tensor) -> None:
+    def prefill(self, prompt: torch.Tensor, padding: torch.Tensor | None = None) -> None:
         """Run the whole prompt (1, L), L >= 1, as transformers' generate does: the KV of all but its
         last token is committed; the last one (the first root) stays in tree slot 0, its logits kept
         for the first verification, which then runs only the nodes below the root (none when the
-        first round is plain), so speculation costs no forward more than target.generate."""
-        self.sequence = prompt.to(self.device)
+        first round is plain), so speculation costs no forward more than target.generate.
+
+        padding: (1, P) left padding that processors and criteria see before the prompt (never run).
+        """
+        prompt = prompt.to(self.device)
+        self.sequence = prompt if padding is None else torch.cat([padding.to(self.device), prompt], dim=1)
         positions = torch.arange(prompt.shape[1], device=self.device)[None]
-        self.root_logits = model_step(self.model, self.cache, self.sequence, positions, keep=1)  # (1, V)
+        self.root_logits = model_step(self.model, self.cache, prompt, positions, keep=1)  # (1, V)
         self.cache.seal_prefix()
         self.cache.prefix_len -= 1
         self.counters.forwards += 1
