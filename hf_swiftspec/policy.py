@@ -337,24 +337,21 @@ class GoodputPolicy:
         outcomes: dict[int, tuple[list[int], list[bool]]] = {}
         still = []
         for watch in self.watching:
-            done = False
-            for token in tokens:
-                if watch.tokens[watch.reached] != token:
-                    done = True
+            positions, accepted = outcomes.setdefault(match_bucket(watch.match), ([], []))
+            for token in tokens:  # each position counts as soon as the target's token there is known
+                hit = watch.tokens[watch.reached] == token
+                positions.append(watch.reached)
+                accepted.append(hit)
+                if not hit:
                     break
                 watch.reached += 1
                 if watch.reached == len(watch.tokens):
-                    done = True
                     break
-            if not done:
+            else:
                 still.append(watch)
-                continue
-            tried = range(min(watch.reached + 1, len(watch.tokens)))  # j is tried when all before it passed
-            positions, accepted = outcomes.setdefault(match_bucket(watch.match), ([], []))
-            positions += tried
-            accepted += [j < watch.reached for j in tried]
         for bucket, (positions, accepted) in outcomes.items():
-            self.chains[bucket].observe(positions, accepted)
+            if positions:
+                self.chains[bucket].observe(positions, accepted)
         self.watching = still
 
     def start_generation(self) -> None:

@@ -66,13 +66,15 @@ def pooled_chisquare(counts, expected):
         dict(temperature=0.7, top_k=0, top_p=1.0, draft="random"),
         # the slowest case (a thread per draw): fewer draws, still enough for a lossy walk to fail
         dict(temperature=0.9, top_k=6, placement={"target": ["cpu"], "draft": ["cpu"]}, draws=1200),
-        dict(temperature=0.8, tree_budget=None, prompt=[3, 7, 5, 9, 3, 7, 5], draws=1500),
+        # a fixed tree, so the n-gram chain is verified in every draw: the adaptive policy learns (exactly,
+        # from the tokens the target emits) that a copied token is rarely sampled here, and stops verifying it
+        dict(temperature=0.8, prompt=[3, 7, 5, 9, 3, 7, 5], draws=1500),
         pytest.param(
             dict(temperature=1.0, tree_budget=None, prompt=[3, 7, 5, 9, 3, 7, 5], draft="random", draws=1500),
             marks=pytest.mark.slow,
         ),
     ],
-    ids=["t1", "t0.7-topk5", "t1.3-topp0.8", "random-draft", "async-threads", "adaptive-ngram", "adaptive-ngram-random"],
+    ids=["t1", "t0.7-topk5", "t1.3-topp0.8", "random-draft", "async-threads", "ngram", "adaptive-ngram-random"],
 )
 def test_first_tokens_follow_target_distribution(kwargs):
     kwargs = dict(kwargs)
@@ -84,7 +86,11 @@ def test_first_tokens_follow_target_distribution(kwargs):
     target = tiny_model("llama", seed=3, vocab_size=VOCAB)
     target.generation_config.eos_token_id = None  # every draw has two tokens
     draft = truncated_draft(target, 2) if draft_kind == "agreeing" else tiny_model("llama", seed=4, vocab_size=VOCAB, layers=1)
-    model = SwiftSpecForCausalLM.from_models(target, draft, tree_budget=budget, draft_width=3, placement=placement)
+    # A fixed tree (tree_budget and draft_depth set) makes every draw verify draft nodes: on models this
+    # small the adaptive policy rightly finds that speculation does not pay and decodes plainly.
+    model = SwiftSpecForCausalLM.from_models(
+        target, draft, tree_budget=budget, draft_depth=1 if budget else None, draft_width=3, placement=placement
+    )
     expected = exact_joint(target, prompt, warpers(kwargs.get("temperature", 1.0), kwargs.get("top_k"), kwargs.get("top_p")))
     counts = torch.zeros(VOCAB * VOCAB, dtype=torch.float64)
     accepted = from_chain = 0

@@ -23,13 +23,14 @@ def run_serial(target: TargetWorker, draft: DraftWorker, request: DecodeRequest)
         candidates = draft.candidates(policy, chain)
         expansions, expanding_s, catch_up_s = 0, 0.0, 0.0
         while policy.keep_expanding(expansions, time.perf_counter() - round_start, candidates.ranked_probs, probing):
-            before, catching_up = time.perf_counter(), len(draft.pending) > 1
+            before = time.perf_counter()
+            if len(draft.pending) > 1:  # tokens the draft has not run (the prompt, plain rounds): no expansion's cost
+                draft.catch_up()
+                catch_up_s += time.perf_counter() - before
+                before = time.perf_counter()
             if not draft.expand(within=policy.max_budget):
                 break
-            if catching_up:  # it also ran committed tokens the draft had not seen: not an expansion's cost
-                catch_up_s += time.perf_counter() - before
-            else:
-                expanding_s += time.perf_counter() - before
+            expanding_s += time.perf_counter() - before
             grown = draft.candidates(policy, chain)
             policy.observe_gain(expansions, candidates.ranked_probs, grown.ranked_probs, before - round_start)
             candidates, expansions = grown, expansions + 1
@@ -49,7 +50,7 @@ def run_serial(target: TargetWorker, draft: DraftWorker, request: DecodeRequest)
         round_s = time.perf_counter() - round_start
         verify_s = round_s - expanding_s - catch_up_s if result.rounds else None  # round 1's root came with the prefill
         policy.observe_round(
-            expansions - (catch_up_s > 0), expanding_s, len(proposal.subtree), verify_s,
+            expansions, expanding_s, len(proposal.subtree), verify_s,
             tokens=len(verified.tokens), catch_up_s=catch_up_s,
         )
         policy.observe_outcome(proposal, verified)

@@ -239,6 +239,18 @@ class DraftWorker:
         root_position = self.cache.prefix_len + len(self.pending)
         return max(self.max_positions - 1 - root_position, 0)
 
+    def catch_up(self) -> None:
+        """Run the committed tokens the draft has not seen yet (the prompt, tokens verified in plain
+        rounds) into its prefix, as one causal chain, so that the next expansion is an ordinary one."""
+        if not self.pending:
+            return
+        cache, ids = self.cache, torch.tensor([self.pending], device=self.device)
+        positions = torch.arange(cache.prefix_len, cache.prefix_len + ids.shape[1], device=self.device)[None]
+        model_step(self.model, cache, ids, positions, keep=1)
+        cache.prefix_len += ids.shape[1]
+        self.pending = []
+        self.counters.forwards += 1
+
     def grow(self, max_expansions: int, within: int | None = None, stop=None) -> int:
         """Expand up to `max_expansions` times (only leaves among the best `within` nodes if given),
         until nothing is left to expand or `stop()` says so. Returns the expansions run."""
