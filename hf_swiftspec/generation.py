@@ -70,7 +70,7 @@ def swiftspec_generate(
     workers = build_workers(model, swiftspec_draft, config, prompt.shape[1] + max_new, swiftspec_groups)
     with contextlib.ExitStack() as routes:  # each model attends the tree its way for this call only
         for worker in workers:
-            if worker is not None:
+            if worker is not None and worker.model is not None:
                 routes.enter_context(routed_attention(worker.model, worker.attention))
         result = run_engine(swiftspec_placement, swiftspec_groups, *workers, request, config) if max_new else DecodeResult()
     result.stats.attention = attention_summary(workers)
@@ -81,11 +81,13 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
     """(TargetWorker, DraftWorker) with caches for `length` tokens; under torchrun only this rank's.
 
     Trees shrink to chains (draft width 1, no n-gram branch beside the draft's chain) when either
-    model places tokens by cache slot.
+    model places tokens by cache slot. With no draft (draft-free mode) the draft worker holds only
+    the n-gram index.
     """
     role = groups.role if groups is not None else None
-    target_arch, draft_arch = describe(target, "target"), describe(draft, "draft")
-    chain = "chain" in (target_arch.shape, draft_arch.shape)
+    target_arch = describe(target, "target")
+    draft_arch = describe(draft, "draft") if draft is not None else None
+    chain = "chain" in (target_arch.shape, draft_arch and draft_arch.shape)
     target_worker = draft_worker = None
     if role in (None, "target"):
         budget = config.tree_budget or MAX_BUDGET
@@ -98,9 +100,10 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
             tree_capacity=config.tree_capacity,
             width=1 if chain else config.draft_width,
             vocab_limit=target.config.get_text_config().vocab_size,
-            attention=resolve_attention(config.attention, draft, draft_arch),
-            ngram_size=0 if chain else config.ngram_size,
+            attention=resolve_attention(config.attention, draft, draft_arch) if draft is not None else "none",
+            ngram_size=0 if chain and draft is not None else config.ngram_size,
             architecture=draft_arch,
+            device=target.device,
         )
     return target_worker, draft_worker
 
@@ -109,7 +112,7 @@ def attention_summary(workers) -> str:
     """How each model attended: its backend, the layers that fell back, and chains where trees could not be."""
     parts = []
     for role, worker in zip(("target", "draft"), workers):
-        if worker is None:
+        if worker is None or worker.model is None:
             continue
         part = f"{role}={worker.attention}"
         if worker.attention_fallbacks:

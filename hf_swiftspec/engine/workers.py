@@ -159,17 +159,21 @@ class DraftWorker:
 
     pending: committed tokens whose draft KV is not computed yet (the prompt at the start, or the
     last accepted node when it was an unexpanded leaf). They ride along in the next root expansion.
+
+    model None: draft-free mode. The tree stays a lone root that never expands, so every proposal
+    comes from the n-gram index; the policy sees no expansion to run and prices trees alone.
     """
 
     def __init__(
-        self, model: PreTrainedModel, capacity: int, tree_capacity: int, width: int, vocab_limit: int,
+        self, model: PreTrainedModel | None, capacity: int, tree_capacity: int, width: int, vocab_limit: int,
         attention: str = "sdpa", ngram_size: int = 3, architecture: Architecture | None = None,
+        device: torch.device | str | None = None,
     ):
         self.model = model
         self.attention = attention
-        self.architecture = architecture or describe(model, "draft")
-        self.device = model.device
-        self.cache = new_cache(self.architecture, capacity)
+        self.architecture = architecture or (describe(model, "draft") if model is not None else None)
+        self.device = model.device if model is not None else torch.device(device or "cpu")
+        self.cache = new_cache(self.architecture, capacity) if model is not None else None
         self.attention_fallbacks: set[str] = set()  # why kernel-routed layers ran their own attention
         self.width = width
         self.vocab_limit = vocab_limit  # the draft never proposes ids the target cannot embed
@@ -186,7 +190,7 @@ class DraftWorker:
         corpus: token sequences the n-gram chain may also copy from.
         """
         ids = prompt[0].tolist()
-        self.pending = ids[:-1]
+        self.pending = ids[:-1] if self.model is not None else []
         reset_tree(self.tree, ids[-1])
         self.ngrams = NgramIndex(max_n=max(self.ngram_size, 1))
         self.ngrams.add_corpus(corpus or [])
@@ -195,6 +199,8 @@ class DraftWorker:
     def expand(self, within: int | None = None) -> int:
         """One draft forward over the best `width` unexpanded leaves (among the best `within`
         nodes if given); returns how many were expanded (0: none left, or the tree is full)."""
+        if self.model is None:
+            return 0
         tree, cache = self.tree, self.cache
         leaves = select_leaves(tree, self.width, within)
         if not leaves.shape[0] or not room_for_expansion(tree, leaves.shape[0], self.width):
@@ -251,6 +257,9 @@ class DraftWorker:
         """
         tree = self.tree
         self.ngrams.extend(verified.tokens)
+        if self.model is None:  # no draft KV to keep: the next tree is the new root alone
+            reset_tree(tree, verified.tokens[-1])
+            return False
         path = [subtree.node_ids[i] for i in verified.path]  # draft-tree nodes: root + accepted
         in_tree = path[: next((j for j, node in enumerate(path) if node < 0), len(path))]
         ids = torch.tensor(in_tree, dtype=torch.long, device=self.device)
