@@ -24,6 +24,7 @@ from .engine.distributed import Groups, run_distributed
 from .placement import Placement
 from .policy import MAX_BUDGET, GoodputPolicy
 from .stats import SwiftSpecStats
+from .suffix import OutputHistory
 from .verify import Sampler
 
 UNSUPPORTED_OPTIONS = {
@@ -48,6 +49,7 @@ def swiftspec_generate(
     swiftspec_generator: torch.Generator | None = None,
     swiftspec_corpus: list[list[int]] | None = None,
     swiftspec_policy: GoodputPolicy | None = None,
+    swiftspec_history: OutputHistory | None = None,
     **model_kwargs,
 ) -> tuple[torch.LongTensor | GenerateDecoderOnlyOutput, SwiftSpecStats]:
     """`custom_generate` callable; `model` is the target. Returns (generate's output, stats)."""
@@ -65,6 +67,7 @@ def swiftspec_generate(
         max_new_tokens=max_new,
         policy=swiftspec_policy or GoodputPolicy(tree_budget=config.tree_budget, draft_depth=config.draft_depth),
         corpus=swiftspec_corpus or [],
+        history=swiftspec_history,
         on_tokens=(lambda tokens: swiftspec_streamer.put(torch.tensor(tokens))) if swiftspec_streamer else None,
     )
     workers = build_workers(model, swiftspec_draft, config, prompt.shape[1] + max_new, swiftspec_groups)
@@ -73,6 +76,8 @@ def swiftspec_generate(
             if worker is not None and worker.model is not None:
                 routes.enter_context(routed_attention(worker.model, worker.attention))
         result = run_engine(swiftspec_placement, swiftspec_groups, *workers, request, config) if max_new else DecodeResult()
+    if swiftspec_history is not None and result.tokens:  # later requests may copy this output (and its lead-in)
+        swiftspec_history.add(prompt[0, -config.ngram_size :].tolist() * (config.ngram_size > 0) + result.tokens)
     result.stats.attention = attention_summary(workers)
     return generate_output(input_ids, result, generation_config), result.stats
 
@@ -104,6 +109,7 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
             ngram_size=0 if chain and draft is not None else config.ngram_size,
             architecture=draft_arch,
             device=target.device,
+            branching=not chain,
         )
     return target_worker, draft_worker
 

@@ -30,6 +30,7 @@ from .pair.tokenizer import load_tokenizer
 from .placement import Placement, place_models, resolve_placement
 from .policy import GoodputPolicy
 from .stats import SwiftSpecStats
+from .suffix import OutputHistory
 
 
 __all__ = ["SwiftSpecForCausalLM"]
@@ -112,6 +113,17 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
         self.generation_config = target.generation_config  # one object: both paths use the same defaults
         self.swiftspec_stats: SwiftSpecStats | None = None
         self.policies: dict[tuple, GoodputPolicy] = {}  # what the goodput policy measured, per tree setting
+        self._history: OutputHistory | None = None
+
+    @property
+    def output_history(self) -> OutputHistory:
+        """Earlier outputs of this model's speculative generate() calls, which later calls' suffix
+        proposals copy from (config.suffix_cache_tokens tokens at most, first in, first out);
+        `model.output_history.clear()` forgets them."""
+        limit, max_n = self.config.suffix_cache_tokens, max(self.config.ngram_size, 1)
+        if self._history is None or (self._history.max_tokens, self._history.max_n) != (limit, max_n):
+            self._history = OutputHistory(max_tokens=limit, max_n=max_n)
+        return self._history
 
     def policy(self) -> GoodputPolicy:
         """The goodput policy for the current tree settings; it keeps what it measured (step costs,
@@ -328,6 +340,7 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
                 swiftspec_generator=generator,
                 swiftspec_corpus=corpus,
                 swiftspec_policy=self.policy(),
+                swiftspec_history=self.output_history,
                 **kwargs,
             )
         finally:

@@ -5,8 +5,8 @@ T it could verify, the expected number of tokens the verification yields,
 
     E(T) = sum over the T likeliest nodes of P(node is accepted)   (the root counts 1),
 
-from the draft's scores and the n-gram chain's positions, calibrated online against what the
-target actually accepted, and divides it by the round's time from a cost model measured online
+from the draft's scores and the suffix proposals' match lengths, frequencies and depths,
+calibrated online against what the target actually accepted, and divides it by the round's time from a cost model measured online
 on this device (draft expansions + a T-node verification, serially). It grows the draft's tree
 while one more expansion is expected to raise that ratio, then verifies the best T. T = 1 is
 plain decoding by the target: when speculation does not pay, that is what the policy picks,
@@ -15,24 +15,30 @@ re-probing now and then (an expansion and a larger tree) in case it pays again: 
 `max_probe_every`), so a useless draft costs a probe per few hundred rounds, not one per 16.
 
 One policy serves every generate() call of a model object (SwiftSpecForCausalLM keeps it), so
-what it measured carries over: only the first call pays for learning that a draft, an n-gram
-chain or a tree size does not pay on this machine.
+what it measured carries over: only the first call pays for learning that a draft, the suffix
+proposals or a tree size do not pay on this machine.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-import operator
 from dataclasses import dataclass, field
 
+from .suffix import SuffixTree
 from .tree import Proposal
 from .verify import Verified
 
 MAX_BUDGET = 32  # largest tree the adaptive policy verifies
 BUCKET = 0.5  # width of a draft-score bucket (nats of cumulative log-prob)
 BUCKETS = 24  # scores below -BUCKET * BUCKETS share the last bucket
-CHAIN_PRIORS = (0.5, 0.6, 0.7)  # P(chain token accepted) before any is seen, after a 1, 2, 3+ token match
+# P(a copied token is accepted | its parent was) before any is seen, after a 1, 2, 3, 4, 5+ token match
+MATCH_PRIORS = (0.5, 0.6, 0.7, 0.75, 0.8)
+# The node's share of its parent's occurrences: < 1/3, < 2/3, < 1, all of one, all of several; and
+# how much that scales the match's prior.
+SUPPORT_BUCKETS = 5
+SUPPORT_SCALE = (0.3, 0.6, 0.85, 1.0, 1.15)
+DEPTH_BUCKETS = 4  # depth 1, 2, 3-4, 5+: once a copy is being accepted, its next token is a safer bet
 
 
 @dataclass
@@ -73,8 +79,28 @@ def score_bucket(score: float) -> int:
 
 
 def match_bucket(match: int) -> int:
-    """Calibration of a chain whose n-gram match spanned `match` tokens (1, 2, or 3 and more)."""
-    return min(max(match, 1), len(CHAIN_PRIORS)) - 1
+    """Calibration of a proposal whose suffix match spanned `match` tokens (1, 2, 3, 4, or 5 and more)."""
+    return min(max(match, 1), len(MATCH_PRIORS)) - 1
+
+
+def suffix_bucket(match: int, count: int, parent_count: int, depth: int) -> int:
+    """Calibration bucket of a suffix node: match length x share of its parent's occurrences x depth."""
+    if count >= parent_count:
+        support = 3 if parent_count == 1 else 4
+    else:
+        support = min(int(3 * count / parent_count), 2)
+    depth_b = 0 if depth <= 1 else 1 if depth == 2 else 2 if depth <= 4 else 3
+    return (match_bucket(match) * SUPPORT_BUCKETS + support) * DEPTH_BUCKETS + depth_b
+
+
+def suffix_priors() -> list[float]:
+    """Prior P(accepted | parent accepted) of every suffix bucket, in suffix_bucket's order."""
+    return [
+        min(0.95, match_prior * scale)
+        for match_prior in MATCH_PRIORS
+        for scale in SUPPORT_SCALE
+        for _ in range(DEPTH_BUCKETS)
+    ]
 
 
 @dataclass
@@ -143,7 +169,7 @@ class GoodputPolicy:
     probe_budget: int = 8  # a probe verifies this many nodes, to measure a larger tree's cost
     costs: CostModel = field(default_factory=CostModel)
     draft: Calibration = field(init=False)  # P(node on the accepted path) by draft score bucket
-    chains: list[Calibration] = field(init=False)  # per match length: P(chain token j accepted | those before were)
+    suffix: Calibration = field(init=False)  # P(suffix node accepted | its parent was) by suffix_bucket
     gains: list[float] = field(init=False)  # expected tokens the k-th expansion of a round adds
     gains_seen: list[int] = field(init=False)
     rounds: int = 0
@@ -158,7 +184,7 @@ class GoodputPolicy:
             self.max_budget = self.tree_budget
         mids = [math.exp(-BUCKET * (b + 0.5)) for b in range(BUCKETS)]
         self.draft = Calibration(prior=mids)  # a perfectly calibrated draft, until observed
-        self.chains = [Calibration(prior=[p] * self.max_budget) for p in CHAIN_PRIORS]
+        self.suffix = Calibration(prior=suffix_priors())
         self.gains = [1.0] * (self.max_depth + 1)  # optimistic: try the draft before judging it
         self.gains_seen = [0] * (self.max_depth + 1)
         self.probe_interval = self.probe_every
@@ -174,7 +200,7 @@ class GoodputPolicy:
         # Non-increasing along buckets / positions: a less likely node never gets a higher estimate
         # than a likelier one, so the T best nodes always form a connected tree.
         self.draft_table = list(itertools.accumulate(self.draft.rates, min))
-        self.chain_tables = [list(itertools.accumulate(chain.rates, operator.mul)) for chain in self.chains]
+        self.suffix_rates = self.suffix.rates
 
     # ---- per round ----------------------------------------------------------------------------
     def start_round(self) -> bool:
@@ -188,12 +214,19 @@ class GoodputPolicy:
         table = self.draft_table
         return [1.0 if score >= 0 else table[score_bucket(score)] for score in scores]
 
-    def chain_probs(self, length: int, match: int) -> list[float]:
-        """Calibrated P(first j chain tokens accepted), j = 1..length, for a chain whose n-gram
-        match spanned `match` tokens."""
-        if length == 0:
-            return []
-        return self.chain_tables[match_bucket(match)][: min(length, self.max_budget)]
+    def suffix_probs(self, tree: SuffixTree) -> tuple[list[float], list[int]]:
+        """Calibrated P(accepted) of each suffix node (the product of its path's conditional rates, so
+        never above its parent's), and its calibration bucket."""
+        probs: list[float] = []
+        buckets: list[int] = []
+        depths: list[int] = []
+        rates = self.suffix_rates
+        for i, p in enumerate(tree.parents):
+            depths.append(depths[p] + 1 if p >= 0 else 1)
+            bucket = suffix_bucket(tree.match, tree.counts[i], tree.parent_count(i), depths[i])
+            buckets.append(bucket)
+            probs.append((probs[p] if p >= 0 else 1.0) * rates[bucket])
+        return probs, buckets
 
     def expected_tokens(self, probs: list[float]) -> list[float]:
         """E(T) for T = 1..len(probs) from node probabilities sorted best first (root first)."""
@@ -283,14 +316,14 @@ class GoodputPolicy:
             self.observe_rate(tokens / (draft_s + verify_s + catch_up_s))
 
     def observe_outcome(self, proposal: Proposal, verified: Verified) -> None:
-        """Fold in which verified nodes were accepted: draft nodes by score, the chain by position."""
+        """Fold in which verified nodes were accepted: draft nodes by score; suffix nodes by bucket,
+        each one whose parent was accepted (the others were never tried)."""
         accepted = set(verified.path)
         draft = [i for i, score in enumerate(proposal.scores) if i and score is not None]
         if draft:
             self.draft.observe([score_bucket(proposal.scores[i]) for i in draft], [i in accepted for i in draft])
-        proposed = min(max(proposal.chain), self.max_budget)
-        if proposed:
-            reached = max((proposal.chain[i] for i in verified.path), default=0)
-            tried = range(min(reached + 1, proposed))  # position j is tried when all before it passed
-            self.chains[match_bucket(proposal.match)].observe(list(tried), [j < reached for j in tried])
+        parents = proposal.subtree.parents
+        tried = [i for i, bucket in enumerate(proposal.suffix) if bucket >= 0 and parents[i] in accepted]
+        if tried:
+            self.suffix.observe([proposal.suffix[i] for i in tried], [i in accepted for i in tried])
         self.refresh()

@@ -19,7 +19,8 @@ from .measure import tokens_per_second
 from .schema import METHOD_LABELS, BenchConfig, MethodResult, PairInfo
 
 SWIFTSPEC_FIELDS = (
-    "tree_budget", "draft_width", "draft_depth", "ngram_size", "tree_capacity", "attention", "worker_timeout_s"
+    "tree_budget", "draft_width", "draft_depth", "ngram_size", "suffix_cache_tokens", "tree_capacity", "attention",
+    "worker_timeout_s",
 )
 
 
