@@ -71,3 +71,11 @@ def test_bench_and_cli_take_a_plain_model(tmp_path, capsys):
     assert status["swiftspec_serial"] != "skipped" and report.pair.draft == "none (draft-free)"
     assert main(["generate", "--model", str(tmp_path / "plain"), "--max-new-tokens", "6", "def f("]) == 0
     assert "0 draft forwards" in capsys.readouterr().out
+
+
+def test_editing_prompt_set_is_bundled():
+    from hf_swiftspec.bench import load_prompts
+
+    prompts = load_prompts("editing")
+    assert len(prompts) == 18 and [p.category for p in prompts[:3]] == ["rename", "copy", "multiturn"]
+    assert all(len(p.text) < 600 for p in prompts)  # they fit small contexts beside the output
