@@ -173,7 +173,9 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
             raise TypeError(f"SwiftSpecForCausalLM.from_pretrained takes no positional model arguments, got {model_args!r}.")
         load = split_load_kwargs(kwargs)
         folder = resolve_pair_folder(pretrained_model_name_or_path, load.revision, load.hub, load.subfolder)
-        if read_pair_config(folder).get("model_type") != SwiftSpecConfig.model_type:
+        data = read_pair_config(folder)
+        # A model's own config (not a pair's, nor a broken pair's, whose errors below name the field)
+        if data.get("model_type") not in (None, SwiftSpecConfig.model_type) and not {"target", "draft"} & data.keys():
             return cls.from_plain_model(folder, os.fspath(pretrained_model_name_or_path), load)
         pair = resolve_pair(
             pretrained_model_name_or_path,
