@@ -32,8 +32,9 @@ from .verify import Verified
 MAX_BUDGET = 32  # largest tree the adaptive policy verifies
 BUCKET = 0.5  # width of a draft-score bucket (nats of cumulative log-prob)
 BUCKETS = 24  # scores below -BUCKET * BUCKETS share the last bucket
-# P(a copied token is accepted | its parent was) before any is seen, after a 1, 2, 3, 4, 5+ token match
-MATCH_PRIORS = (0.5, 0.6, 0.7, 0.75, 0.8)
+# P(a copied token is accepted | its parent was) before any is seen, after a 1, 2, 3, 4, 5-7, 8-15, 16+ token match
+MATCH_PRIORS = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9)
+MATCH_EDGES = (1, 2, 3, 4, 5, 8, 16)  # the shortest match of each bucket
 # The node's share of its parent's occurrences: < 1/3, < 2/3, < 1, all of one, all of several; and
 # how much that scales the match's prior.
 SUPPORT_BUCKETS = 5
@@ -79,8 +80,8 @@ def score_bucket(score: float) -> int:
 
 
 def match_bucket(match: int) -> int:
-    """Calibration of a proposal whose suffix match spanned `match` tokens (1, 2, 3, 4, or 5 and more)."""
-    return min(max(match, 1), len(MATCH_PRIORS)) - 1
+    """Calibration of a proposal whose suffix match spanned `match` tokens (1, 2, 3, 4, 5-7, 8-15, 16+)."""
+    return max(sum(match >= edge for edge in MATCH_EDGES) - 1, 0)
 
 
 def suffix_bucket(match: int, count: int, parent_count: int, depth: int) -> int:

@@ -5,27 +5,36 @@ import pytest
 import torch
 
 from hf_swiftspec import SwiftSpecForCausalLM
-from hf_swiftspec.suffix import OutputHistory, SuffixIndex, continuation
+from hf_swiftspec.suffix import MAX_MATCH, OutputHistory, SuffixIndex, continuation
 from hf_swiftspec.testing import tiny_model, truncated_draft
 
 from test_sampling import exact_joint, pooled_chisquare, warpers
 
 
-def brute_force(tokens, docs, max_n, k, depth):
-    """{path: count} over the continuations of the k most recent earlier occurrences of the longest
-    suffix of `tokens` (the sequence itself first, newest first, then each document, newest first)."""
+def brute_force(tokens, docs, max_n, k, scan, depth):
+    """{path: count} over the continuations of the occurrences of the longest suffix of `tokens` up to
+    max_n (of its `scan` most recent: the sequence itself first, newest first, then each document,
+    newest first) whose match reaches furthest back (up to MAX_MATCH), the k most recent of those."""
     for n in range(min(max_n, len(tokens)), 0, -1):
         suffix = tokens[len(tokens) - n :]
-        ends = [(None, e) for e in range(len(tokens) - 1, n - 1, -1) if tokens[e - n : e] == suffix]
+        ends = [(tokens, e) for e in range(len(tokens) - 1, n - 1, -1) if tokens[e - n : e] == suffix]
         for doc in docs:
             ends += [(doc, e) for e in range(len(doc) - 1, n - 1, -1) if doc[e - n : e] == suffix]
         if ends:
+            ends = ends[:scan]
+            lengths = []
+            for doc, end in ends:
+                m = n
+                while m < MAX_MATCH and m < end and doc[end - m - 1] == tokens[len(tokens) - m - 1]:
+                    m += 1
+                lengths.append(m)
+            ends = [e for e, m in zip(ends, lengths) if m == max(lengths)][:k]
             counts = {}
-            for doc, end in ends[:k]:
-                copy = continuation(tokens, end, depth) if doc is None else doc[end : end + depth]
+            for doc, end in ends:
+                copy = continuation(tokens, end, depth) if doc is tokens else doc[end : end + depth]
                 for j in range(1, len(copy) + 1):
                     counts[tuple(copy[:j])] = counts.get(tuple(copy[:j]), 0) + 1
-            return n, min(len(ends), k), counts
+            return max(lengths), len(ends), counts
     return 0, 0, {}
 
 
@@ -44,14 +53,16 @@ def test_suffix_index_counts_continuations_like_brute_force(seed):
     history = OutputHistory(max_tokens=10_000, max_n=max_n)
     for doc in docs:
         history.add(doc)
-    index = SuffixIndex(max_n=max_n, history=history, max_occurrences=k)
+    scan = 3 + seed % 7
+    index = SuffixIndex(max_n=max_n, history=history, max_occurrences=k, scan_occurrences=scan)
     stream = torch.randint(0, vocab, (80,), generator=g).tolist()
+    stream[50:70] = stream[10:30]  # a long repeat: matches reach far back
     index.extend(stream[:1])
     for t in range(1, len(stream)):
         if t % 7 == 0 or t == len(stream) - 1:
             tree = index.propose(10_000, max_depth=depth)
             kept = [d for d in reversed(docs) if len(d) >= 2]  # newest output first
-            match, occurrences, counts = brute_force(index.tokens, kept, max_n, k, depth)
+            match, occurrences, counts = brute_force(index.tokens, kept, max_n, k, scan, depth)
             assert (tree.match, tree.occurrences, paths(tree)) == (match, occurrences, counts), t
             small = index.propose(5, max_depth=depth)  # the 5 most frequent nodes form a connected tree
             assert len(small) == min(5, len(tree)) and all(p < i for i, p in enumerate(small.parents))
