@@ -57,6 +57,7 @@ class GenerateOptions:
     """What `swiftspec generate` does; argparse takes its defaults from here (None: the pair's own)."""
 
     pair: str = DEMO_PAIR_NAME
+    model: str | None = None  # a plain causal LM (id or folder) to speculate with draft-free; replaces pair
     prompt: str = DEFAULT_PROMPT
     max_new_tokens: int = 128
     do_sample: bool = False
@@ -112,8 +113,9 @@ def load_generate_pair(options: GenerateOptions, device: str) -> SwiftSpecForCau
     settings = tree_overrides(options)
     if options.placement is not None:
         settings["placement"] = parse_placement(options.placement)
-    progress(f"loading pair {options.pair!r} on {device}")
-    return load_pair(options.pair, options.pair, device, options.dtype, **settings)
+    location = options.model or options.pair
+    progress(f"loading {'model' if options.model else 'pair'} {location!r} on {device}")
+    return load_pair(location, location, device, options.dtype, **settings)
 
 
 def check_length(prompt_tokens: int, max_new_tokens: int, context: int | None) -> None:
@@ -259,6 +261,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="stream a completion and print its statistics")
     gen.add_argument("prompt", nargs="?", default=defaults.prompt, help="text to complete (default: %(default)r)")
     gen.add_argument("--pair", default=defaults.pair, help="pair repo id, folder or bundled name (default: %(default)s)")
+    gen.add_argument(
+        "--model", default=defaults.model, metavar="ID_OR_DIR",
+        help="a plain causal LM (Hub id or folder): speculate draft-free, from the text's own repetition",
+    )
     gen.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens, help="(default: %(default)s)")
     mode = gen.add_mutually_exclusive_group()
     mode.add_argument("--greedy", dest="do_sample", action="store_false", help="greedy decoding (the default)")

@@ -22,8 +22,11 @@ class SwiftSpecConfig(PreTrainedConfig):
         draft_width: unexpanded leaves the draft expands per forward (w in the paper).
         draft_depth: draft expansions per round; None: the policy expands while one more
             expansion is expected to raise tokens per second.
-        ngram_size: longest suffix of the context matched to propose an n-gram chain (copied
-            from earlier in the prompt and output) beside the draft's branches; 0 turns it off.
+        ngram_size: longest suffix of the context matched for suffix proposals: the continuations
+            of its recent earlier occurrences (in the prompt, the output, earlier outputs), merged
+            into a tree beside the draft's branches; 0 turns them off.
+        suffix_cache_tokens: how many tokens of earlier generate() calls' outputs the model keeps
+            for later calls to copy from (first in, first out by call); 0 keeps none.
         tree_capacity: node capacity of the draft's token tree and of its KV tree region.
         placement: device placement of the two models; filled by the placement issue.
         swiftspec_default: whether `generate()` speculates when `swiftspec=` is not passed.
@@ -47,6 +50,7 @@ class SwiftSpecConfig(PreTrainedConfig):
         draft_depth: int | None = None,
         tree_capacity: int = 1024,
         ngram_size: int = 3,
+        suffix_cache_tokens: int = 32768,
         placement: str | dict | None = None,
         swiftspec_default: bool = True,
         worker_timeout_s: float = 60.0,
@@ -62,6 +66,7 @@ class SwiftSpecConfig(PreTrainedConfig):
         self.draft_depth = draft_depth
         self.tree_capacity = tree_capacity
         self.ngram_size = ngram_size
+        self.suffix_cache_tokens = suffix_cache_tokens
         self.placement = placement
         self.swiftspec_default = swiftspec_default
         self.worker_timeout_s = worker_timeout_s
@@ -82,6 +87,9 @@ class SwiftSpecConfig(PreTrainedConfig):
             )
         if isinstance(self.ngram_size, bool) or not isinstance(self.ngram_size, int) or self.ngram_size < 0:
             raise ValueError(f"SwiftSpecConfig.ngram_size must be an int >= 0 (0: no n-gram chain), got {self.ngram_size!r}.")
+        cache = self.suffix_cache_tokens
+        if isinstance(cache, bool) or not isinstance(cache, int) or cache < 0:
+            raise ValueError(f"SwiftSpecConfig.suffix_cache_tokens must be an int >= 0 (0: keep no outputs), got {cache!r}.")
         if budget is not None and budget < 2:
             raise ValueError(
                 f"SwiftSpecConfig.tree_budget={self.tree_budget}: the target must verify the root and at "

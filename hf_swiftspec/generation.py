@@ -27,6 +27,7 @@ from .engine.distributed import Groups, run_distributed
 from .placement import Placement
 from .policy import MAX_BUDGET, GoodputPolicy
 from .stats import SwiftSpecStats
+from .suffix import OutputHistory
 from .verify import Sampler
 
 UNSUPPORTED_OPTIONS = {
@@ -56,6 +57,7 @@ def swiftspec_generate(
     swiftspec_generator: torch.Generator | None = None,
     swiftspec_corpus: list[list[int]] | None = None,
     swiftspec_policy: GoodputPolicy | None = None,
+    swiftspec_history: OutputHistory | None = None,
     **model_kwargs,
 ) -> tuple[torch.LongTensor | GenerateDecoderOnlyOutput, SwiftSpecStats]:
     """`custom_generate` callable; `model` is the target. Returns (generate's output, stats)."""
@@ -76,6 +78,7 @@ def swiftspec_generate(
         max_new_tokens=max_new,
         policy=swiftspec_policy or GoodputPolicy(tree_budget=config.tree_budget, draft_depth=config.draft_depth),
         corpus=swiftspec_corpus or [],
+        history=swiftspec_history,
         on_tokens=(lambda tokens: swiftspec_streamer.put(torch.tensor(tokens))) if swiftspec_streamer else None,
         padding=padding,
     )
@@ -83,9 +86,11 @@ def swiftspec_generate(
     workers = build_workers(model, swiftspec_draft, config, prompt.shape[1] + max_new, swiftspec_groups)
     with contextlib.ExitStack() as routes:  # each model attends the tree its way for this call only
         for worker in workers:
-            if worker is not None:
+            if worker is not None and worker.model is not None:
                 routes.enter_context(routed_attention(worker.model, worker.attention))
         result = run_engine(swiftspec_placement, swiftspec_groups, *workers, request, config) if max_new else DecodeResult()
+    if swiftspec_history is not None and result.tokens:  # later requests may copy this output (and its lead-in)
+        swiftspec_history.add(prompt[0, -config.ngram_size :].tolist() * (config.ngram_size > 0) + result.tokens)
     result.stats.attention = attention_summary(workers)
     return generate_output(input_ids, result, generation_config), result.stats
 
@@ -101,11 +106,13 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
     """(TargetWorker, DraftWorker) with caches for `length` tokens; under torchrun only this rank's.
 
     Trees shrink to chains (draft width 1, no n-gram branch beside the draft's chain) when either
-    model places tokens by cache slot.
+    model places tokens by cache slot. With no draft (draft-free mode) the draft worker holds only
+    the n-gram index.
     """
     role = groups.role if groups is not None else None
-    target_arch, draft_arch = describe(target, "target"), describe(draft, "draft")
-    chain = "chain" in (target_arch.shape, draft_arch.shape)
+    target_arch = describe(target, "target")
+    draft_arch = describe(draft, "draft") if draft is not None else None
+    chain = "chain" in (target_arch.shape, draft_arch and draft_arch.shape)
     target_worker = draft_worker = None
     if role in (None, "target"):
         budget = config.tree_budget or MAX_BUDGET
@@ -118,10 +125,12 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
             tree_capacity=config.tree_capacity,
             width=1 if chain else config.draft_width,
             vocab_limit=target.config.get_text_config().vocab_size,
-            attention=resolve_attention(config.attention, draft, draft_arch),
-            ngram_size=0 if chain else config.ngram_size,
+            attention=resolve_attention(config.attention, draft, draft_arch) if draft is not None else "none",
+            ngram_size=0 if chain and draft is not None else config.ngram_size,
             architecture=draft_arch,
-            max_positions=context_limit(target, draft),
+            max_positions=context_limit(*(m for m in (target, draft) if m is not None)),
+            device=target.device,
+            branching=not chain,
         )
     return target_worker, draft_worker
 
@@ -130,7 +139,7 @@ def attention_summary(workers) -> str:
     """How each model attended: its backend, the layers that fell back, and chains where trees could not be."""
     parts = []
     for role, worker in zip(("target", "draft"), workers):
-        if worker is None:
+        if worker is None or worker.model is None:
             continue
         part = f"{role}={worker.attention}"
         if worker.attention_fallbacks:

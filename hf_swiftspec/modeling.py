@@ -23,10 +23,14 @@ from .pair import (
     resolve_pair,
     write_pair_repo,
 )
-from .pair.loading import split_load_kwargs, with_cpu_dtype
+from .pair.loading import LoadArguments, split_load_kwargs, with_cpu_dtype
+from .pair.locate import HubOptions, resolve_pair_folder
+from .pair.repo import read_pair_config
+from .pair.tokenizer import load_tokenizer
 from .placement import Placement, place_models, resolve_placement
 from .policy import GoodputPolicy
 from .stats import SwiftSpecStats
+from .suffix import OutputHistory
 
 
 __all__ = ["SwiftSpecForCausalLM"]
@@ -61,6 +65,10 @@ def corpus_tokens(corpus, tokenizer) -> list[list[int]]:
 class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
     """A target and a draft model; `generate(swiftspec=True)` speculates with a token tree, losslessly.
 
+    Without a draft (`from_models(target)`, or `from_pretrained` of a plain causal-LM folder or id)
+    it speculates from the text's own repetition alone: n-gram proposals from the prompt, the output
+    and earlier calls' outputs, verified by the target on the serial engine.
+
     Everything not about speculation (forward, generation_config, device) is the target's.
     After each speculative `generate()`, `swiftspec_stats` describes the call. `tokenizer` is the
     pair's (what save_pretrained writes beside the config), or None when built without one.
@@ -79,17 +87,24 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
         draft_tokenizer=None,
     ):
         super().__init__(config)
-        if target is None or draft is None:
+        if target is None:
             raise ValueError(
-                "SwiftSpecForCausalLM needs both models: use SwiftSpecForCausalLM.from_models(target, draft) or "
-                "SwiftSpecForCausalLM.from_pretrained(pair_folder)."
+                "SwiftSpecForCausalLM needs a target model: use SwiftSpecForCausalLM.from_models(target[, draft]) or "
+                "SwiftSpecForCausalLM.from_pretrained(pair_or_model_folder)."
             )
         check_model_supported(target, "target")
-        check_model_supported(draft, "draft")
-        check_compatibility(target.config, draft.config, tokenizer, draft_tokenizer)
+        if draft is not None:
+            check_model_supported(draft, "draft")
+            check_compatibility(target.config, draft.config, tokenizer, draft_tokenizer)
         self.target = target
-        self.draft = draft
+        self.draft = draft  # None: draft-free mode, speculating from the text's own repetition
         self.placement: Placement = resolve_placement(config.placement, target.config)
+        if draft is None and self.placement.mode != "serial":
+            raise ValueError(
+                f"placement={config.placement!r} runs a draft beside the target ({self.placement.mode}), but this model "
+                "has no draft: draft-free mode speculates from the text's own repetition on the serial engine. Drop "
+                "placement, or pass a draft model."
+            )
         self.process_groups = place_models(self.placement, target, draft, config.worker_timeout_s)
         if self.placement.device_map is not None:
             self.hf_device_map = self.placement.device_map  # pipeline() must not move models placed apart
@@ -98,6 +113,17 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
         self.generation_config = target.generation_config  # one object: both paths use the same defaults
         self.swiftspec_stats: SwiftSpecStats | None = None
         self.policies: dict[tuple, GoodputPolicy] = {}  # what the goodput policy measured, per tree setting
+        self._history: OutputHistory | None = None
+
+    @property
+    def output_history(self) -> OutputHistory:
+        """Earlier outputs of this model's speculative generate() calls, which later calls' suffix
+        proposals copy from (config.suffix_cache_tokens tokens at most, first in, first out);
+        `model.output_history.clear()` forgets them."""
+        limit, max_n = self.config.suffix_cache_tokens, max(self.config.ngram_size, 1)
+        if self._history is None or (self._history.max_tokens, self._history.max_n) != (limit, max_n):
+            self._history = OutputHistory(max_tokens=limit, max_n=max_n)
+        return self._history
 
     def policy(self) -> GoodputPolicy:
         """The goodput policy for the current tree settings; it keeps what it measured (step costs,
@@ -113,20 +139,25 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
 
     @classmethod
     def from_models(
-        cls, target: PreTrainedModel, draft: PreTrainedModel, tokenizer=None, draft_tokenizer=None, **settings
+        cls, target: PreTrainedModel, draft: PreTrainedModel | None = None, tokenizer=None, draft_tokenizer=None,
+        **settings,
     ) -> "SwiftSpecForCausalLM":
-        """Wrap two models already in memory; `settings` are SwiftSpecConfig fields (tree_budget, ...).
+        """Wrap two models already in memory (or only a target: draft-free mode); `settings` are
+        SwiftSpecConfig fields (tree_budget, ...).
 
         tokenizer: the target's (and the draft's, unless draft_tokenizer is given). With tokenizers the
         vocabularies are compared token by token, so padded embeddings of different sizes are fine.
         """
         check_setting_names(settings, "SwiftSpecForCausalLM.from_models")
-        config = SwiftSpecConfig(target=target.name_or_path or None, draft=draft.name_or_path or None, **settings)
+        draft_name = (draft.name_or_path or None) if draft is not None else None
+        config = SwiftSpecConfig(target=target.name_or_path or None, draft=draft_name, **settings)
         return cls(config, target, draft, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs) -> "SwiftSpecForCausalLM":
-        """Load a pair: a Hub id (from the cache when offline), a local pair folder, or a bundled pair.
+        """Load a pair: a Hub id (from the cache when offline), a local pair folder, or a bundled pair;
+        or a plain causal LM (a folder or id whose config is not model_type "swiftspec"), which then
+        speculates draft-free.
 
         The pair's config.json names the target and draft (Hub ids pinned by target_revision /
         draft_revision, or folders relative to the pair). `revision` and `subfolder` select the pair
@@ -141,6 +172,11 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
         if model_args:
             raise TypeError(f"SwiftSpecForCausalLM.from_pretrained takes no positional model arguments, got {model_args!r}.")
         load = split_load_kwargs(kwargs)
+        folder = resolve_pair_folder(pretrained_model_name_or_path, load.revision, load.hub, load.subfolder)
+        data = read_pair_config(folder)
+        # A model's own config (not a pair's, nor a broken pair's, whose errors below name the field)
+        if data.get("model_type") not in (None, SwiftSpecConfig.model_type) and not {"target", "draft"} & data.keys():
+            return cls.from_plain_model(folder, os.fspath(pretrained_model_name_or_path), load)
         pair = resolve_pair(
             pretrained_model_name_or_path,
             load.revision,
@@ -164,6 +200,17 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
         model.pair_folder = pair.folder
         return model
 
+    @classmethod
+    def from_plain_model(cls, folder: Path, name: str, load: LoadArguments) -> "SwiftSpecForCausalLM":
+        """A plain causal-LM folder as the target of a draft-free model, with its own tokenizer."""
+        kwargs = with_cpu_dtype(load.member_kwargs, load.overrides.get("placement"))
+        target = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+        tokenizer = load_tokenizer(str(folder), None, HubOptions(), load.member_kwargs["trust_remote_code"])
+        config = SwiftSpecConfig(target=name, target_revision=load.revision, **load.overrides)
+        model = cls(config, target, None, tokenizer)
+        model.config.name_or_path = name
+        return model
+
     def save_pretrained(
         self,
         save_directory,
@@ -184,6 +231,11 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
         """
         folder = Path(save_directory)
         config = SwiftSpecConfig.from_dict(self.config.to_dict())
+        if self.draft is None:
+            raise PairConfigError(
+                "This model has no draft (draft-free mode), so there is no pair repo to write: save model.target "
+                "itself, and load it with SwiftSpecForCausalLM.from_pretrained(folder) to speculate draft-free again."
+            )
         for role in ("target", "draft"):
             if save_members:
                 getattr(self, role).save_pretrained(folder / role)
@@ -291,6 +343,7 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
                 swiftspec_generator=generator,
                 swiftspec_corpus=corpus,
                 swiftspec_policy=self.policy(),
+                swiftspec_history=self.output_history,
                 **kwargs,
             )
         finally:

@@ -5,8 +5,8 @@ T it could verify, the expected number of tokens the verification yields,
 
     E(T) = sum over the T likeliest nodes of P(node is accepted)   (the root counts 1),
 
-from the draft's scores and the n-gram chain's positions, calibrated online against what the
-target actually accepted, and divides it by the round's time from a cost model measured online
+from the draft's scores and the suffix proposals' match lengths, frequencies and depths,
+calibrated online against what the target actually accepted, and divides it by the round's time from a cost model measured online
 on this device (draft expansions + a T-node verification, serially). It grows the draft's tree
 while one more expansion is expected to raise that ratio, then verifies the best T. T = 1 is
 plain decoding by the target: when speculation does not pay, that is what the policy picks,
@@ -15,24 +15,31 @@ re-probing now and then (an expansion and a larger tree) in case it pays again: 
 `max_probe_every`), so a useless draft costs a probe per few hundred rounds, not one per 16.
 
 One policy serves every generate() call of a model object (SwiftSpecForCausalLM keeps it), so
-what it measured carries over: only the first call pays for learning that a draft, an n-gram
-chain or a tree size does not pay on this machine.
+what it measured carries over: only the first call pays for learning that a draft, the suffix
+proposals or a tree size do not pay on this machine.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-import operator
 from dataclasses import dataclass, field
 
+from .suffix import SuffixTree
 from .tree import Proposal
 from .verify import Verified
 
 MAX_BUDGET = 32  # largest tree the adaptive policy verifies
 BUCKET = 0.5  # width of a draft-score bucket (nats of cumulative log-prob)
 BUCKETS = 24  # scores below -BUCKET * BUCKETS share the last bucket
-CHAIN_PRIORS = (0.5, 0.6, 0.7)  # P(chain token accepted) before any is seen, after a 1, 2, 3+ token match
+# P(a copied token is accepted | its parent was) before any is seen, after a 1, 2, 3, 4, 5-7, 8-15, 16+ token match
+MATCH_PRIORS = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9)
+MATCH_EDGES = (1, 2, 3, 4, 5, 8, 16)  # the shortest match of each bucket
+# The node's share of its parent's occurrences: < 1/3, < 2/3, < 1, all of one, all of several; and
+# how much that scales the match's prior.
+SUPPORT_BUCKETS = 5
+SUPPORT_SCALE = (0.3, 0.6, 0.85, 1.0, 1.15)
+DEPTH_BUCKETS = 4  # depth 1, 2, 3-4, 5+: once a copy is being accepted, its next token is a safer bet
 
 
 @dataclass
@@ -73,17 +80,42 @@ def score_bucket(score: float) -> int:
 
 
 def match_bucket(match: int) -> int:
-    """Calibration of a chain whose n-gram match spanned `match` tokens (1, 2, or 3 and more)."""
-    return min(max(match, 1), len(CHAIN_PRIORS)) - 1
+    """Calibration of a proposal whose suffix match spanned `match` tokens (1, 2, 3, 4, 5-7, 8-15, 16+)."""
+    return max(sum(match >= edge for edge in MATCH_EDGES) - 1, 0)
+
+
+def suffix_bucket(match: int, count: int, parent_count: int, depth: int) -> int:
+    """Calibration bucket of a suffix node: match length x share of its parent's occurrences x depth."""
+    if count >= parent_count:
+        support = 3 if parent_count == 1 else 4
+    else:
+        support = min(int(3 * count / parent_count), 2)
+    depth_b = 0 if depth <= 1 else 1 if depth == 2 else 2 if depth <= 4 else 3
+    return (match_bucket(match) * SUPPORT_BUCKETS + support) * DEPTH_BUCKETS + depth_b
+
+
+def suffix_priors() -> list[float]:
+    """Prior P(accepted | parent accepted) of every suffix bucket, in suffix_bucket's order."""
+    return [
+        min(0.95, match_prior * scale)
+        for match_prior in MATCH_PRIORS
+        for scale in SUPPORT_SCALE
+        for _ in range(DEPTH_BUCKETS)
+    ]
 
 
 @dataclass
-class ChainWatch:
-    """An n-gram chain offered in an earlier round; `reached` of its tokens were emitted since."""
+class SuffixWatch:
+    """A suffix proposal offered in an earlier round (its nodes' tokens, parents and calibration
+    buckets), followed down the tokens the target emitted since: `node` is where it stands (-1: root)."""
 
     tokens: list[int]
-    match: int
-    reached: int = 0
+    parents: list[int]
+    buckets: list[int]
+    node: int = -1
+
+    def children(self, node: int) -> list[int]:
+        return [i for i, p in enumerate(self.parents) if p == node]
 
 
 @dataclass
@@ -164,7 +196,7 @@ class GoodputPolicy:
     probe_budget: int = 8  # a probe verifies this many nodes, to measure a larger tree's cost
     costs: CostModel = field(default_factory=CostModel)
     draft: Calibration = field(init=False)  # P(node on the accepted path) by draft score bucket
-    chains: list[Calibration] = field(init=False)  # per match length: P(chain token j accepted | those before were)
+    suffix: Calibration = field(init=False)  # P(suffix node accepted | its parent was) by suffix_bucket
     gains: list[float] = field(init=False)  # expected tokens the k-th expansion of a round adds
     gains_seen: list[int] = field(init=False)
     rounds: int = 0
@@ -173,14 +205,14 @@ class GoodputPolicy:
     next_probe: int = 17  # the round that probes next (round 1 measures the draft already)
     probe_interval: int = field(init=False)
     round_rate: float | None = None  # running average of tokens per second of rounds that did not probe
-    watching: list["ChainWatch"] = field(default_factory=list)  # recent chains not yet resolved
+    watching: list[SuffixWatch] = field(default_factory=list)  # recent suffix proposals still being followed
 
     def __post_init__(self):
         if self.tree_budget is not None:
             self.max_budget = self.tree_budget
         mids = [math.exp(-BUCKET * (b + 0.5)) for b in range(BUCKETS)]
         self.draft = Calibration(prior=mids)  # a perfectly calibrated draft, until observed
-        self.chains = [Calibration(prior=[p] * self.max_budget) for p in CHAIN_PRIORS]
+        self.suffix = Calibration(prior=suffix_priors())
         self.gains = [1.0] * (self.max_depth + 1)  # optimistic: try the draft before judging it
         self.gains_seen = [0] * (self.max_depth + 1)
         self.probe_interval = self.probe_every
@@ -196,7 +228,7 @@ class GoodputPolicy:
         # Non-increasing along buckets / positions: a less likely node never gets a higher estimate
         # than a likelier one, so the T best nodes always form a connected tree.
         self.draft_table = list(itertools.accumulate(self.draft.rates, min))
-        self.chain_tables = [list(itertools.accumulate(chain.rates, operator.mul)) for chain in self.chains]
+        self.suffix_rates = self.suffix.rates
 
     # ---- per round ----------------------------------------------------------------------------
     def start_round(self) -> bool:
@@ -210,12 +242,19 @@ class GoodputPolicy:
         table = self.draft_table
         return [1.0 if score >= 0 else table[score_bucket(score)] for score in scores]
 
-    def chain_probs(self, length: int, match: int) -> list[float]:
-        """Calibrated P(first j chain tokens accepted), j = 1..length, for a chain whose n-gram
-        match spanned `match` tokens."""
-        if length == 0:
-            return []
-        return self.chain_tables[match_bucket(match)][: min(length, self.max_budget)]
+    def suffix_probs(self, tree: SuffixTree) -> tuple[list[float], list[int]]:
+        """Calibrated P(accepted) of each suffix node (the product of its path's conditional rates, so
+        never above its parent's), and its calibration bucket."""
+        probs: list[float] = []
+        buckets: list[int] = []
+        depths: list[int] = []
+        rates = self.suffix_rates
+        for i, p in enumerate(tree.parents):
+            depths.append(depths[p] + 1 if p >= 0 else 1)
+            bucket = suffix_bucket(tree.match, tree.counts[i], tree.parent_count(i), depths[i])
+            buckets.append(bucket)
+            probs.append((probs[p] if p >= 0 else 1.0) * rates[bucket])
+        return probs, buckets
 
     def expected_tokens(self, probs: list[float]) -> list[float]:
         """E(T) for T = 1..len(probs) from node probabilities sorted best first (root first)."""
@@ -317,43 +356,44 @@ class GoodputPolicy:
             self.observe_rate(tokens / (draft_s + verify_s + catch_up_s))
 
     def observe_outcome(self, proposal: Proposal, verified: Verified) -> None:
-        """Fold in which verified nodes were accepted: draft nodes by score, the chain by position."""
+        """Fold in which verified nodes were accepted: draft nodes by score; suffix nodes by bucket,
+        each one whose parent was accepted (the others were never tried)."""
         accepted = set(verified.path)
         draft = [i for i, score in enumerate(proposal.scores) if i and score is not None]
         if draft:
             self.draft.observe([score_bucket(proposal.scores[i]) for i in draft], [i in accepted for i in draft])
-        if proposal.chain_tokens:
-            self.watching = self.watching[-self.max_budget + 1 :] + [ChainWatch(proposal.chain_tokens, proposal.match)]
-        self.follow_chains(verified.tokens)
+        if proposal.offered[0]:
+            self.watching = self.watching[-self.max_budget + 1 :] + [SuffixWatch(*proposal.offered)]
+        self.follow_suffixes(verified.tokens)
         self.refresh()
 
-    def follow_chains(self, tokens: list[int]) -> None:
-        """Check the chains offered in recent rounds against the tokens the target emitted next.
+    def follow_suffixes(self, tokens: list[int]) -> None:
+        """Check the suffix proposals of recent rounds against the tokens the target emitted since.
 
-        A chain token is accepted exactly when the target's own token at its position equals it
-        (greedy, or sampled with noise fixed per position), so every chain is calibrated, verified
-        or not: a plain round still learns that the text has started to repeat.
+        A node is accepted exactly when its parent was and the target's own token at its position is
+        its token (greedy, or sampled with noise fixed per position), so every proposal is calibrated
+        whether it was verified or not: a plain round still learns that the text has started to
+        repeat. Each node counts once its position's token is known: the children of the node a
+        proposal has reached are tried against the next token.
         """
-        outcomes: dict[int, tuple[list[int], list[bool]]] = {}
+        buckets: list[int] = []
+        accepted: list[bool] = []
         still = []
         for watch in self.watching:
-            positions, accepted = outcomes.setdefault(match_bucket(watch.match), ([], []))
-            for token in tokens:  # each position counts as soon as the target's token there is known
-                hit = watch.tokens[watch.reached] == token
-                positions.append(watch.reached)
-                accepted.append(hit)
-                if not hit:
+            for token in tokens:
+                tried = watch.children(watch.node)
+                hit = next((i for i in tried if watch.tokens[i] == token), None)
+                buckets += [watch.buckets[i] for i in tried]
+                accepted += [i == hit for i in tried]
+                if hit is None:
                     break
-                watch.reached += 1
-                if watch.reached == len(watch.tokens):
-                    break
+                watch.node = hit
             else:
                 still.append(watch)
-        for bucket, (positions, accepted) in outcomes.items():
-            if positions:
-                self.chains[bucket].observe(positions, accepted)
-        self.watching = still
+        if buckets:
+            self.suffix.observe(buckets, accepted)
+        self.watching = [w for w in still if w.children(w.node)]
 
     def start_generation(self) -> None:
-        """Forget the chains of an earlier generation (what was learnt from them stays)."""
+        """Forget the proposals of an earlier generation (what was learnt from them stays)."""
         self.watching = []

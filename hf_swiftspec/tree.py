@@ -186,19 +186,19 @@ class Proposal:
     """A subtree for the target with what the policy knew of each node (T nodes, root first).
 
     probs:  calibrated P(node accepted) the policy used
-    scores: draft score of each node, None for a node only the n-gram chain proposed
-    chain:  1-based position of each node on the n-gram chain, 0 if it is not on it
-    match:  how many tokens the n-gram chain's match spanned (0: no chain)
-    chain_tokens: the whole n-gram chain offered this round, verified or not (the policy checks it
-            against the tokens the target goes on to emit)
+    scores: draft score of each node, None for a node only the suffix proposal holds
+    suffix: calibration bucket of each node the suffix proposal holds (policy.suffix_bucket), -1 if none
+    match:  how many tokens the suffix proposal's match spanned (0: none)
+    offered: the whole suffix proposal of the round, verified or not, as (tokens, parents, buckets)
+            lists (the policy checks it against the tokens the target goes on to emit)
     """
 
     subtree: Subtree
     probs: list[float]
     scores: list[float | None]
-    chain: list[int]
+    suffix: list[int]
     match: int = 0
-    chain_tokens: list[int] = field(default_factory=list)
+    offered: tuple[list[int], list[int], list[int]] = ([], [], [])
 
     @property
     def ranked_probs(self) -> list[float]:
@@ -206,33 +206,38 @@ class Proposal:
         return sorted(self.probs, reverse=True)
 
 
-def merge_chain(draft: Subtree, scores: list[float], probs: list[float], chain: list[int],
-                chain_probs: list[float], match: int = 0) -> Proposal:
-    """The union of the draft's candidates and an n-gram chain hanging from the root.
+def merge_suffix(draft: Subtree, scores: list[float], probs: list[float], tokens: list[int], parents: list[int],
+                 suffix_probs: list[float], buckets: list[int], match: int = 0) -> Proposal:
+    """The union of the draft's candidates and a suffix proposal hanging from the root.
 
-    Where the chain follows a draft node it reuses it (and the node takes the higher of the two
-    probabilities); where it leaves the draft's tree it continues as new nodes (node id -1).
+    tokens / parents / suffix_probs / buckets: the suffix nodes, parents first (parent -1: the root).
+    Where a suffix node follows a draft node it reuses it (and the node takes the higher of the two
+    probabilities), so one verification serves both; elsewhere it becomes a new node (node id -1).
     Probabilities stay non-increasing along every path.
     """
-    node_ids, tokens, parents = list(draft.node_ids), list(draft.tokens), list(draft.parents)
+    node_ids, merged_tokens, merged_parents = list(draft.node_ids), list(draft.tokens), list(draft.parents)
     probs, scores = list(probs), list(scores)
-    on_chain = [0] * len(tokens)
-    children = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if p >= 0}
-    node = 0
-    for j, (token, p) in enumerate(zip(chain, chain_probs), start=1):
+    suffix = [-1] * len(merged_tokens)
+    children = {(p, t): i for i, (p, t) in enumerate(zip(merged_parents, merged_tokens)) if p >= 0}
+    where: list[int] = []  # merged index of each suffix node
+    for token, parent, p, bucket in zip(tokens, parents, suffix_probs, buckets):
+        node = where[parent] if parent >= 0 else 0
         child = children.get((node, token))
         if child is None:
-            child = len(tokens)
+            child = children[(node, token)] = len(merged_tokens)
             node_ids.append(-1)
-            tokens.append(token)
-            parents.append(node)
+            merged_tokens.append(token)
+            merged_parents.append(node)
             probs.append(0.0)
             scores.append(None)
-            on_chain.append(0)
+            suffix.append(-1)
         probs[child] = min(max(probs[child], p), probs[node])
-        on_chain[child] = j
-        node = child
-    return Proposal(Subtree(node_ids, tokens, parents), probs, scores, on_chain, match if chain else 0, list(chain))
+        suffix[child] = bucket
+        where.append(child)
+    return Proposal(
+        Subtree(node_ids, merged_tokens, merged_parents), probs, scores, suffix, match if tokens else 0,
+        (list(tokens), list(parents), list(buckets)),
+    )
 
 
 def ranked(proposal: Proposal) -> list[int]:
@@ -254,9 +259,9 @@ def best_subtree(proposal: Proposal, order: list[int], budget: int) -> Proposal:
         ),
         probs=[proposal.probs[i] for i in keep],
         scores=[proposal.scores[i] for i in keep],
-        chain=[proposal.chain[i] for i in keep],
+        suffix=[proposal.suffix[i] for i in keep],
         match=proposal.match,
-        chain_tokens=proposal.chain_tokens,
+        offered=proposal.offered,
     )
 
 

@@ -38,7 +38,7 @@ PAIR_KEYS = {
     "tokenizer", "settings",
 }
 CONFIG_KEYS = {
-    "pair", "prompts", "num_prompts", "max_new_tokens", "max_prompt_tokens", "methods", "seed", "warmup", "output_dir",
+    "pair", "model", "prompts", "num_prompts", "max_new_tokens", "max_prompt_tokens", "methods", "seed", "warmup", "output_dir",
     "assistant_tokens", "prompt_lookup_tokens", "swiftspec", "device", "dtype", "threads", "chat_template",
     "ignore_eos", "peak_gbps", "growth_check_tokens", "progress",
 }

@@ -6,10 +6,10 @@ from transformers import LogitsProcessorList, StoppingCriteriaList, TemperatureL
 from transformers.generation.stopping_criteria import EosTokenCriteria
 
 from hf_swiftspec import SwiftSpecForCausalLM
-from hf_swiftspec.ngram import Continuation, NgramIndex
+from hf_swiftspec.suffix import SuffixIndex, SuffixTree, chain
 from hf_swiftspec.policy import GoodputPolicy
 from hf_swiftspec.testing import real_shaped_pair, tiny_model
-from hf_swiftspec.tree import Proposal, Subtree, best_subtree, merge_chain, ranked
+from hf_swiftspec.tree import Proposal, Subtree, best_subtree, merge_suffix, ranked
 from hf_swiftspec.verify import Sampler, Verified, walk_nodes, walk_rows
 
 
@@ -24,7 +24,7 @@ def measured_policy(expand_ms, verify_ms, per_node_ms, acceptance, rounds=60, **
     for _ in range(rounds):  # a chain of draft nodes with scores -0.1, -0.2, ...: accepted up to a coin flip
         scores = [0.0] + [-0.1 * (i + 1) for i in range(8)]
         reached = next((i for i in range(1, 9) if torch.rand(1, generator=g).item() > acceptance), 9)
-        proposal = Proposal(Subtree(list(range(9)), [0] * 9, [-1, 0, 1, 2, 3, 4, 5, 6, 7]), [1.0] * 9, scores, [0] * 9)
+        proposal = Proposal(Subtree(list(range(9)), [0] * 9, [-1, 0, 1, 2, 3, 4, 5, 6, 7]), [1.0] * 9, scores, [-1] * 9)
         policy.observe_outcome(proposal, Verified(tokens=[0] * reached, path=list(range(reached))))
     return policy
 
@@ -91,65 +91,87 @@ def test_expensive_small_trees_are_not_verified_for_an_unlikely_guess():
     assert policy.best_budget([1.0, 0.8, 0.7, 0.6], spent_s=0.0)[0] == 4
 
 
-def test_ngram_chain_follows_the_latest_earlier_occurrence():
-    index = NgramIndex(max_n=3)
+def test_suffix_proposal_merges_the_recent_occurrences_of_the_longest_match():
+    index = SuffixIndex(max_n=3)
     index.extend([5, 6, 7, 8, 1, 5, 6, 7, 9, 2, 5, 6, 7])
-    assert index.propose(3) == Continuation([9, 2, 5], 3)  # (5, 6, 7) last seen before 9, not before 8
+    # (5, 6, 7) was followed by 8, 1, 5 and, later, by 9, 2, 5: two branches, the latest first
+    assert index.propose(3) == SuffixTree([9, 2, 8], [-1, 0, -1], [1, 1, 1], occurrences=2, match=3)
     index.extend([9])
-    assert index.propose(2) == Continuation([2, 5], 3)  # (6, 7, 9) seen once, before 2
+    # (6, 7, 9) seen once, and the token before it matches too: a 4-token match
+    assert index.propose(2) == SuffixTree([2, 5], [-1, 0], [1, 1], occurrences=1, match=4)
     index.extend([4])
-    assert index.propose(2) == Continuation()  # 4 never seen before
-    assert NgramIndex().propose(4) == Continuation()
-    corpus = NgramIndex(max_n=2)
+    assert index.propose(2) == SuffixTree()  # 4 never seen before
+    assert SuffixIndex().propose(4) == SuffixTree()
+    corpus = SuffixIndex(max_n=2)
     corpus.add_corpus([[40, 41, 42, 43]])
     corpus.extend([3, 40, 41])
-    assert corpus.propose(5) == Continuation([42, 43], 2)
+    assert corpus.propose(5) == SuffixTree([42, 43], [-1, 0], [1, 1], occurrences=1, match=2)
+    repeats = SuffixIndex(max_n=2)
+    repeats.extend([1, 2, 3, 1, 2, 3, 1, 2, 4, 1, 2])
+    tree = repeats.propose(8, max_depth=2)  # (1, 2) -> 3, 1 twice and 4, 1 once
+    assert (tree.tokens, tree.parents, tree.counts, tree.occurrences) == ([4, 1, 3, 1], [-1, 0, -1, 2], [1, 1, 2, 2], 3)
+    repeats.branching = False  # the most frequent path only
+    assert repeats.propose(8, max_depth=2).tokens == [3, 1]
 
 
-def test_chains_are_calibrated_per_match_length():
-    """Chains after 1-token matches always fail, after 3-token matches always pass: the policy
+def test_suffix_nodes_are_calibrated_per_match_length():
+    """Copies after 1-token matches always fail, after 3-token matches always pass: the policy
     learns both, and trusts the second kind with a long chain, not the first."""
     policy = GoodputPolicy()
     root = Subtree(node_ids=[0], tokens=[10], parents=[-1])
+
+    def probs(match):
+        return policy.suffix_probs(chain([11, 12, 13, 14], match))
+
     for _ in range(30):
         for match, accepted in ((1, 0), (3, 4)):
-            proposal = merge_chain(root, [0.0], [1.0], [11, 12, 13, 14], policy.chain_probs(4, match), match)
+            node_probs, buckets = probs(match)
+            proposal = merge_suffix(root, [0.0], [1.0], [11, 12, 13, 14], [-1, 0, 1, 2], node_probs, buckets, match)
             emitted = [11, 12, 13, 14, 15][:accepted] + [99]
             verified = Verified(tokens=emitted, path=list(range(accepted + 1)))
             policy.observe_outcome(proposal, verified)
-    weak, strong = policy.chain_probs(4, 1), policy.chain_probs(4, 3)
+    weak, strong = probs(1)[0], probs(3)[0]
     assert weak[0] < 0.1 and strong[3] > 0.9, (weak, strong)
-    assert policy.chain_probs(4, 5) == strong  # longer matches share the last calibration
-    assert policy.chain_probs(0, 3) == []
+    assert probs(40) == probs(16) and probs(6) == probs(5)  # longer matches share a calibration
+    assert policy.suffix_probs(SuffixTree()) == ([], [])
 
 
-def test_chains_are_calibrated_on_what_the_target_emits_verified_or_not():
-    """A chain the policy did not verify (plain rounds, one token each) is still checked against
+def test_suffix_proposals_are_calibrated_on_what_the_target_emits_verified_or_not():
+    """A proposal the policy did not verify (plain rounds, one token each) is still followed down
     the tokens the target emits in the next rounds: a text that starts to repeat is noticed."""
     policy = GoodputPolicy()
     plain_root = Subtree(node_ids=[0], tokens=[10], parents=[-1])
-    for _ in range(20):  # the chain is wrong at its first token: learnt as a failure
-        policy.observe_outcome(Proposal(plain_root, [1.0], [0.0], [0], 3, [50, 51]), Verified(tokens=[7], path=[0]))
-    assert policy.chain_probs(2, 3)[0] < 0.15
+
+    def offered(tokens):
+        node_probs, buckets = policy.suffix_probs(chain(tokens, 3))
+        return Proposal(plain_root, [1.0], [0.0], [-1], 3, (tokens, list(range(-1, len(tokens) - 1)), buckets))
+
+    for _ in range(20):  # wrong at its first token: learnt as a failure
+        policy.observe_outcome(offered([50, 51]), Verified(tokens=[7], path=[0]))
+    assert policy.suffix_probs(chain([50, 51], 3))[0][0] < 0.15
     cycle = [1, 2, 3, 4]
-    for r in range(120):  # a 4-token loop; the chain (the next 4 tokens) is right, but never verified
-        chain = [cycle[(r + 1 + j) % 4] for j in range(4)]
-        proposal = Proposal(plain_root, [1.0], [0.0], [0], 3, chain)
+    for r in range(120):  # a 4-token loop; the proposal (the next 4 tokens) is right, but never verified
+        proposal = offered([cycle[(r + 1 + j) % 4] for j in range(4)])
         policy.observe_outcome(proposal, Verified(tokens=[cycle[(r + 1) % 4]], path=[0]))
-    assert policy.chain_probs(4, 3)[3] > 0.8, policy.chain_probs(4, 3)
-    assert len(policy.watching) <= 4  # resolved once their four tokens were emitted
+    assert policy.suffix_probs(chain([1, 2, 3, 4], 3))[0][3] > 0.6, policy.suffix_probs(chain([1, 2, 3, 4], 3))
+    assert len(policy.watching) <= 4  # each followed until its four tokens were emitted
     policy.start_generation()
     assert policy.watching == []
 
 
-def test_chain_merges_into_the_draft_candidates():
+def test_suffix_tree_merges_into_the_draft_candidates():
     draft = Subtree(node_ids=[0, 1, 2, 3], tokens=[10, 11, 12, 13], parents=[-1, 0, 0, 1])
-    merged = merge_chain(draft, [0.0, -0.5, -1.0, -1.5], [1.0, 0.6, 0.3, 0.2], [11, 13, 14], [0.9, 0.8, 0.7])
-    assert merged.subtree.tokens == [10, 11, 12, 13, 14] and merged.subtree.parents == [-1, 0, 0, 1, 3]
-    assert merged.subtree.node_ids == [0, 1, 2, 3, -1] and merged.chain == [0, 1, 0, 2, 3]
-    assert merged.probs == [1.0, 0.9, 0.3, 0.8, 0.7]
+    # suffix nodes 11 -> 13 -> 14 and 11 -> 15: the first two reuse draft nodes
+    merged = merge_suffix(
+        draft, [0.0, -0.5, -1.0, -1.5], [1.0, 0.6, 0.3, 0.2], [11, 13, 14, 15], [-1, 0, 1, 0], [0.9, 0.8, 0.7, 0.1],
+        [5, 6, 7, 8],
+    )
+    assert merged.subtree.tokens == [10, 11, 12, 13, 14, 15] and merged.subtree.parents == [-1, 0, 0, 1, 3, 1]
+    assert merged.subtree.node_ids == [0, 1, 2, 3, -1, -1] and merged.suffix == [-1, 5, -1, 6, 7, 8]
+    assert merged.probs == [1.0, 0.9, 0.3, 0.8, 0.7, 0.1]
     best = best_subtree(merged, ranked(merged), 4)
     assert best.subtree.tokens == [10, 11, 13, 14] and best.subtree.parents == [-1, 0, 1, 2]
+    assert best.suffix == [-1, 5, 6, 7]
 
 
 def random_tree(n, g):
@@ -230,7 +252,7 @@ def probe_rounds(probe_tokens: int, rounds: int = 800) -> list[int]:
     """Rounds at which a policy probed, when plain rounds yield 1 token in 10 ms and probe rounds
     `probe_tokens` tokens in 20 ms."""
     policy, probed = GoodputPolicy(), []
-    root = Proposal(Subtree([0], [1], [-1]), [1.0], [0.0], [0])
+    root = Proposal(Subtree([0], [1], [-1]), [1.0], [0.0], [-1])
     for _ in range(rounds):
         probing = policy.start_round()
         tokens, seconds = (probe_tokens, 0.020) if probing else (1, 0.010)

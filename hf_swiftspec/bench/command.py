@@ -172,7 +172,9 @@ def run_bench(config: BenchConfig) -> BenchReport:
             harness = Harness(probe, forwards, config.seed, config.warmup, config.max_new_tokens)
             sets = [run_prompt_set(ps, methods, skipped, order, harness, bar) for ps in prompt_sets]
         memory = None
-        if config.growth_check_tokens:
+        if config.growth_check_tokens and models.draft is None:
+            notes.append("The memory check was skipped: it measures the draft's tree region, and there is no draft.")
+        elif config.growth_check_tokens:
             ids = prompt_sets[0].warmup_ids
             room = config.growth_check_tokens if context is None else min(config.growth_check_tokens, context - ids.shape[1])
             memory = memory_budget(models, settings, ids, room)
@@ -213,6 +215,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--pair", default=d.pair, help="pair repo id or folder, or shape:NAME for a random-weight pair shaped like a real model (NAME: "
         + ", ".join(REAL_SHAPES) + "); default: the demo pair, else an in-memory test pair"
+    )
+    parser.add_argument(
+        "--model", default=d.model, metavar="ID_OR_DIR",
+        help="a plain causal LM (Hub id or folder) to speculate with draft-free; replaces --pair (assisted generation "
+        "and the asynchronous engine are skipped)",
     )
     parser.add_argument(
         "--prompts", action="append", default=None, metavar="SET_OR_FILE",
@@ -275,6 +282,7 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         **sizes,
         pair=args.pair,
+        model=args.model,
         prompts=tuple(args.prompts) if args.prompts else BenchConfig().prompts,
         max_prompt_tokens=args.max_prompt_tokens or None,
         methods=tuple(args.methods),

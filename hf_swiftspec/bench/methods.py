@@ -19,7 +19,8 @@ from .measure import tokens_per_second
 from .schema import METHOD_LABELS, BenchConfig, MethodResult, PairInfo
 
 SWIFTSPEC_FIELDS = (
-    "tree_budget", "draft_width", "draft_depth", "ngram_size", "tree_capacity", "attention", "worker_timeout_s"
+    "tree_budget", "draft_width", "draft_depth", "ngram_size", "suffix_cache_tokens", "tree_capacity", "attention",
+    "worker_timeout_s",
 )
 
 
@@ -59,6 +60,10 @@ def load_models(config: BenchConfig, notes: list[str]) -> BenchModels:
     """The pair to measure: config.models, else config.pair, else the demo pair, else agreeing_pair()."""
     if config.models is not None:
         return config.models
+    if config.model is not None:  # a plain model: draft-free (a pair given here loads as a pair)
+        model = load_pair(config.model, config.model, config.device, config.dtype)
+        settings = {name: getattr(model.config, name) for name in SWIFTSPEC_FIELDS}
+        return BenchModels(model.target, model.draft, model.tokenizer, config.model, settings)
     location = config.pair
     if location is not None and location.startswith(SHAPE_PREFIX):
         return shaped_pair(location[len(SHAPE_PREFIX):], config, notes)
@@ -130,12 +135,12 @@ def pair_info(models: BenchModels, settings: dict, tokenizer) -> PairInfo:
     return PairInfo(
         name=models.name,
         target=target.name_or_path or type(target).__name__,
-        draft=draft.name_or_path or type(draft).__name__,
+        draft=(draft.name_or_path or type(draft).__name__) if draft is not None else "none (draft-free)",
         target_params_m=round(sum(p.numel() for p in target.parameters()) / 1e6, 2),
-        draft_params_m=round(sum(p.numel() for p in draft.parameters()) / 1e6, 2),
+        draft_params_m=round(sum(p.numel() for p in draft.parameters()) / 1e6, 2) if draft is not None else 0.0,
         dtype=str(target.dtype).removeprefix("torch."),
         target_device=str(target.device),
-        draft_device=str(draft.device),
+        draft_device=str(draft.device) if draft is not None else "-",
         tokenizer=getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__,
         settings=resolved_settings(settings),
     )
@@ -232,6 +237,10 @@ def skipped_result(name: str, note: str) -> MethodResult:
 
 def async_method(models: BenchModels, settings: dict, seed: int, notes: list[str]) -> Method | MethodResult:
     """swiftspec_async, or a skipped result saying why the placement does not allow it."""
+    if models.draft is None:
+        note = "skipped: no draft (draft-free mode runs on the serial engine)"
+        notes.append(f"swiftspec_async {note}.")
+        return skipped_result("swiftspec_async", note)
     spec, note = async_placement(models.target)
     if spec is None:
         notes.append(f"swiftspec_async {note}.")
@@ -259,7 +268,9 @@ def build_methods(models: BenchModels, config: BenchConfig, settings: dict, note
     target, draft = models.target, models.draft
     builders = {
         "target": lambda: target_method(target),
-        "assisted": lambda: assisted_method(target, draft, config.assistant_tokens),
+        "assisted": lambda: assisted_method(target, draft, config.assistant_tokens) if draft is not None else no_draft(
+            "assisted", notes
+        ),
         "prompt_lookup": lambda: prompt_lookup_method(target, config.prompt_lookup_tokens),
         "swiftspec_serial": lambda: swiftspec_method(
             "swiftspec_serial", SwiftSpecForCausalLM.from_models(target, draft, **settings), config.seed
@@ -268,6 +279,12 @@ def build_methods(models: BenchModels, config: BenchConfig, settings: dict, note
     }
     built = [builders[name]() for name in config.methods] + list(config.extra_methods)
     return [m for m in built if isinstance(m, Method)], [m for m in built if isinstance(m, MethodResult)]
+
+
+def no_draft(name: str, notes: list[str]) -> MethodResult:
+    note = "skipped: the model has no draft (draft-free mode)"
+    notes.append(f"{name} {note}.")
+    return skipped_result(name, note)
 
 
 @contextlib.contextmanager

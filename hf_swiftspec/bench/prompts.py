@@ -11,7 +11,11 @@ import torch
 from .schema import BenchConfig, PromptInfo
 
 PROMPTS_DIR = Path(__file__).resolve().parent.parent / "data" / "prompts"
-BUNDLED_PROMPT_SETS = {"humaneval": "eagle_humaneval.jsonl", "spec_bench": "spec_bench.jsonl"}
+BUNDLED_PROMPT_SETS = {
+    "humaneval": "eagle_humaneval.jsonl",
+    "spec_bench": "spec_bench.jsonl",
+    "editing": "editing.jsonl",  # answers that copy the prompt: renames, file copies, quoted answers (bench/editing.py)
+}
 # Fields a record may carry its prompt in, after EAGLE / Spec-Bench "turns" and chat "messages".
 TEXT_FIELDS = ("prompt", "text", "instruction", "question", "input", "content")
 
@@ -36,7 +40,7 @@ class PromptSet:
 
 
 def prompt_set_path(source: str) -> Path:
-    """A bundled set's file by name (humaneval, spec_bench), else `source` as a path."""
+    """A bundled set's file by name (humaneval, spec_bench, editing), else `source` as a path."""
     path = Path(source).expanduser()
     if path.is_file():
         return path

@@ -37,6 +37,7 @@ class BenchConfig:
 
     pair: str | None = None  # pair repo id or folder; None: the bundled demo pair, else an in-memory agreeing_pair()
     models: BenchModels | None = None  # a pair in memory; wins over `pair`
+    model: str | None = None  # a plain causal LM (id or folder): draft-free, wins over `pair`; assisted is skipped
     prompts: tuple[str, ...] = ("humaneval", "spec_bench")  # bundled set names or JSONL / text files
     num_prompts: int = 4  # timed prompts per set (full: 8); the set's first prompt is the warm-up prompt
     max_new_tokens: int = 64  # (full: 128)

@@ -28,15 +28,15 @@ FIRST_TREE = 8  # nodes the draft grows before proposing when its tree is fresh
 def run_draft(draft: DraftWorker, request: DecodeRequest, link) -> None:
     """The draft worker's loop; returns when the target says generation is finished."""
     policy, counters = request.policy, draft.counters
-    draft.start(request.prompt, request.corpus)
+    draft.start(request.prompt, request.corpus, request.history)
     start = time.perf_counter()
     draft.top_up(min(policy.max_budget, FIRST_TREE))
     while True:
         # Drafting is off the critical path here: the tree size is chosen by verification time alone.
-        chain = draft.chain(policy.max_budget)
-        if draft.tree.size == 1 and not chain.tokens:  # a fresh tree and nothing to copy: one expansion first
+        suffix = draft.suffix_tree(policy.max_budget)
+        if draft.tree.size == 1 and not suffix.tokens:  # a fresh tree and nothing to copy: one expansion first
             draft.top_up(2)
-        candidates = draft.candidates(policy, chain)
+        candidates = draft.candidates(policy, suffix)
         proposal = draft.proposal(policy, candidates, spent_s=0.0, agree=link.agree)
         link.send_subtree(proposal.subtree)
         sent = time.perf_counter()

@@ -9,6 +9,7 @@ import torch
 from transformers import StoppingCriteriaList
 
 from ..policy import GoodputPolicy
+from ..suffix import OutputHistory
 from ..stats import RoundRecord, SwiftSpecStats
 from ..tree import Proposal
 from ..verify import Sampler, Verified
@@ -23,7 +24,8 @@ class DecodeRequest:
                 processors and stopping criteria get padding + prompt + new tokens, exactly the
                 input_ids target.generate gives them (they may count or read the padding)
     policy:     chooses each round's draft expansions and tree size
-    corpus:     token sequences the n-gram chain may copy from, besides the context
+    corpus:     token sequences the suffix proposals may copy from, besides the context
+    history:    earlier outputs of the same model object, also copied from (None: none)
     on_tokens:  called with each round's new token ids (a list) as soon as they are verified
     """
 
@@ -33,6 +35,7 @@ class DecodeRequest:
     max_new_tokens: int
     policy: GoodputPolicy
     corpus: list[list[int]] = field(default_factory=list)
+    history: OutputHistory | None = None
     on_tokens: Callable[[list[int]], None] | None = None
     padding: torch.Tensor | None = None
 
@@ -55,7 +58,7 @@ class DecodeResult:
                 budget=len(proposal.subtree),
                 expansions=expansions,
                 accepted=len(accepted),
-                ngram_accepted=sum(1 for i in accepted if proposal.chain[i]),
+                ngram_accepted=sum(1 for i in accepted if proposal.suffix[i] >= 0),
             )
         )
 

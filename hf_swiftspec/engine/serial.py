@@ -14,13 +14,13 @@ def run_serial(target: TargetWorker, draft: DraftWorker, request: DecodeRequest)
     policy, result = request.policy, DecodeResult()
     start = time.perf_counter()
     target.prefill(request.prompt, request.padding)
-    draft.start(request.prompt, request.corpus)
+    draft.start(request.prompt, request.corpus, request.history)
     while len(result.tokens) < request.max_new_tokens:
         # 1. draft: expand while more expansions are expected to raise tokens per second
         round_start = time.perf_counter()
         probing = policy.start_round()
-        chain = draft.chain(policy.max_budget)
-        candidates = draft.candidates(policy, chain)
+        suffix = draft.suffix_tree(policy.max_budget)
+        candidates = draft.candidates(policy, suffix)
         expansions, expanding_s, catch_up_s = 0, 0.0, 0.0
         while policy.keep_expanding(expansions, time.perf_counter() - round_start, candidates.ranked_probs, probing):
             before = time.perf_counter()
@@ -31,12 +31,12 @@ def run_serial(target: TargetWorker, draft: DraftWorker, request: DecodeRequest)
             if not draft.expand(within=policy.max_budget):
                 break
             expanding_s += time.perf_counter() - before
-            grown = draft.candidates(policy, chain)
+            grown = draft.candidates(policy, suffix)
             policy.observe_gain(expansions, candidates.ranked_probs, grown.ranked_probs, before - round_start)
             candidates, expansions = grown, expansions + 1
         if policy.fixed:  # both tree settings given: the subtree always has tree_budget nodes
             expansions += draft.top_up(policy.max_budget)
-            candidates = draft.candidates(policy, chain)
+            candidates = draft.candidates(policy, suffix)
         proposal = draft.proposal(policy, candidates, time.perf_counter() - round_start)
         draft.counters.rounds += 1
         draft.counters.busy_s += time.perf_counter() - round_start

@@ -20,7 +20,7 @@ from ..tree import (
     Proposal,
     Subtree,
     best_subtree,
-    merge_chain,
+    merge_suffix,
     ranked,
     TokenTree,
     add_children,
@@ -34,7 +34,7 @@ from ..tree import (
     select_subtree,
     subtree_mask,
 )
-from ..ngram import Continuation, NgramIndex
+from ..suffix import OutputHistory, SuffixIndex, SuffixTree
 from ..policy import GoodputPolicy
 from ..verify import Sampler, Verified, verify_tree
 
@@ -165,44 +165,51 @@ class DraftWorker:
 
     pending: committed tokens whose draft KV is not computed yet (the prompt at the start, or the
     last accepted node when it was an unexpanded leaf). They ride along in the next root expansion.
+
+    model None: draft-free mode. The tree stays a lone root that never expands, so every proposal
+    comes from the n-gram index; the policy sees no expansion to run and prices trees alone.
     """
 
     def __init__(
-        self, model: PreTrainedModel, capacity: int, tree_capacity: int, width: int, vocab_limit: int,
+        self, model: PreTrainedModel | None, capacity: int, tree_capacity: int, width: int, vocab_limit: int,
         attention: str = "sdpa", ngram_size: int = 3, architecture: Architecture | None = None,
-        max_positions: int | None = None,
+        max_positions: int | None = None, device: torch.device | str | None = None, branching: bool = True,
     ):
         self.model = model
         self.max_positions = max_positions  # both models' context: no node is ever placed past it
         self.attention = attention
-        self.architecture = architecture or describe(model, "draft")
-        self.device = model.device
-        self.cache = new_cache(self.architecture, capacity)
+        self.architecture = architecture or (describe(model, "draft") if model is not None else None)
+        self.device = model.device if model is not None else torch.device(device or "cpu")
+        self.cache = new_cache(self.architecture, capacity) if model is not None else None
         self.attention_fallbacks: set[str] = set()  # why kernel-routed layers ran their own attention
         self.width = width
         self.vocab_limit = vocab_limit  # the draft never proposes ids the target cannot embed
         self.tree: TokenTree = new_tree(0, tree_capacity, self.device)
         self.pending: list[int] = []
-        self.ngram_size = ngram_size  # longest suffix the n-gram chain matches; 0: no chain
+        self.ngram_size = ngram_size  # longest suffix matched for suffix proposals; 0: none
         self.use_ngrams = ngram_size > 0
-        self.ngrams = NgramIndex(max_n=max(ngram_size, 1))
+        self.branching = branching  # False: suffix proposals are chains (the models' steps must be)
+        self.suffixes = SuffixIndex(max_n=max(ngram_size, 1), branching=branching)
         self.counters = DraftCounters()
 
-    def start(self, prompt: torch.Tensor, corpus: list[list[int]] | None = None) -> None:
+    def start(self, prompt: torch.Tensor, corpus: list[list[int]] | None = None,
+              history: OutputHistory | None = None) -> None:
         """Begin a generation: the prompt (1, L) minus its last token is pending, the last is the root.
 
-        corpus: token sequences the n-gram chain may also copy from.
+        corpus: token sequences the suffix proposals may also copy from; history: earlier outputs.
         """
         ids = prompt[0].tolist()
-        self.pending = ids[:-1]
+        self.pending = ids[:-1] if self.model is not None else []
         reset_tree(self.tree, ids[-1])
-        self.ngrams = NgramIndex(max_n=max(self.ngram_size, 1))
-        self.ngrams.add_corpus(corpus or [])
-        self.ngrams.extend(ids)
+        self.suffixes = SuffixIndex(max_n=max(self.ngram_size, 1), history=history, branching=self.branching)
+        self.suffixes.add_corpus(corpus or [])
+        self.suffixes.extend(ids)
 
     def expand(self, within: int | None = None) -> int:
         """One draft forward over the best `width` unexpanded leaves (among the best `within`
         nodes if given); returns how many were expanded (0: none left, or the tree is full)."""
+        if self.model is None:
+            return 0
         tree, cache = self.tree, self.cache
         leaves = select_leaves(tree, self.width, within, self.depth_room())
         if not leaves.shape[0] or not room_for_expansion(tree, leaves.shape[0], self.width):
@@ -236,7 +243,7 @@ class DraftWorker:
         target.generate's own last step does."""
         if self.max_positions is None:
             return None
-        root_position = self.cache.prefix_len + len(self.pending)
+        root_position = len(self.suffixes.tokens) - 1  # every committed token before the root
         return max(self.max_positions - 1 - root_position, 0)
 
     def catch_up(self) -> None:
@@ -279,7 +286,10 @@ class DraftWorker:
         Their tokens become pending. Returns True when the new root was already in the tree.
         """
         tree = self.tree
-        self.ngrams.extend(verified.tokens)
+        self.suffixes.extend(verified.tokens)
+        if self.model is None:  # no draft KV to keep: the next tree is the new root alone
+            reset_tree(tree, verified.tokens[-1])
+            return False
         path = [subtree.node_ids[i] for i in verified.path]  # draft-tree nodes: root + accepted
         in_tree = path[: next((j for j, node in enumerate(path) if node < 0), len(path))]
         ids = torch.tensor(in_tree, dtype=torch.long, device=self.device)
@@ -301,13 +311,13 @@ class DraftWorker:
         return False
 
     # ---- the adaptive round: candidates for the policy, the proposal it picks -------------------
-    def candidates(self, policy: GoodputPolicy, chain: Continuation) -> Proposal:
-        """The draft's best nodes merged with the n-gram chain, each with its calibrated P(accepted)
+    def candidates(self, policy: GoodputPolicy, suffix: SuffixTree) -> Proposal:
+        """The draft's best nodes merged with the suffix proposal, each with its calibrated P(accepted)
         (one host sync)."""
         draft, scores = select_subtree(self.tree, policy.max_budget)
         probs = policy.draft_probs(scores)
-        chain_probs = policy.chain_probs(len(chain.tokens), chain.match)
-        return merge_chain(draft, scores, probs, chain.tokens[: len(chain_probs)], chain_probs, chain.match)
+        suffix_probs, buckets = policy.suffix_probs(suffix)
+        return merge_suffix(draft, scores, probs, suffix.tokens, suffix.parents, suffix_probs, buckets, suffix.match)
 
     def proposal(self, policy: GoodputPolicy, candidates: Proposal, spent_s: float, agree=int) -> Proposal:
         """The best T candidates for the T the policy expects the most tokens per second from.
@@ -318,11 +328,10 @@ class DraftWorker:
         budget, _ = policy.best_budget([candidates.probs[i] for i in order], spent_s)
         return best_subtree(candidates, order, agree(budget))
 
-    def chain(self, length: int) -> Continuation:
-        """The n-gram continuation of the committed sequence and root (empty when n-grams are off)."""
-        room = self.depth_room()
-        length = length if room is None else min(length, room)
-        return self.ngrams.propose(length) if self.use_ngrams else Continuation()
+    def suffix_tree(self, max_nodes: int) -> SuffixTree:
+        """The suffix proposal for the committed sequence and root (empty when n-grams are off), no
+        deeper than the models' context allows."""
+        return self.suffixes.propose(max_nodes, self.depth_room()) if self.use_ngrams else SuffixTree()
 
 
 def device_sync(device: torch.device) -> None:
