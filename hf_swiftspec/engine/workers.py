@@ -163,8 +163,10 @@ class TargetWorker:
 class DraftWorker:
     """Grows the token tree best-first and re-roots it on verified tokens, reusing its KV.
 
-    pending: committed tokens whose draft KV is not computed yet (the prompt at the start, or the
-    last accepted node when it was an unexpanded leaf). They ride along in the next root expansion.
+    pending: committed tokens whose draft KV is not computed yet (the prompt at the start, tokens of
+    rounds that did not expand, the last accepted node when it was an unexpanded leaf). One rides
+    along in the next root expansion; more are run first by `catch_up`, so an expansion's time is
+    an expansion's.
 
     model None: draft-free mode. The tree stays a lone root that never expands, so every proposal
     comes from the n-gram index; the policy sees no expansion to run and prices trees alone.
