@@ -78,8 +78,8 @@ class LayerMask:
         return torch.zeros_like(positions)
 
     def visible(self, q_positions: torch.Tensor, kv_positions: torch.Tensor) -> torch.Tensor:
-        """(Q, KV) bool: whether a query at q_positions (Q,) may see a key at kv_positions (KV,)."""
-        return kv_positions[None, :] >= self.first_visible(q_positions)[:, None]
+        """(..., Q, KV) bool: whether a query at q_positions (..., Q) may see a key at kv_positions (..., KV)."""
+        return kv_positions[..., None, :] >= self.first_visible(q_positions)[..., :, None]
 
 
 FULL = LayerMask()
@@ -270,7 +270,7 @@ def check_incremental_inputs(model, who: str) -> None:
     from .cache import TreeCache  # the cache module needs nothing from here; imported late to stay light
 
     cache = TreeCache(1, 4)
-    cache.length = 2  # as if two tokens were cached: generate would pass only the third
+    cache.lengths = [2]  # as if two tokens were cached: generate would pass only the third
     try:
         inputs = model.prepare_inputs_for_generation(
             torch.ones(1, 3, dtype=torch.long), next_sequence_length=1, past_key_values=cache, use_cache=True

@@ -168,53 +168,77 @@ def routed_attention(model, backend: str):
         model.set_attn_implementation(own)
 
 
-def dense_tree_mask(
-    prefix_len: int,
-    tree_mask: torch.Tensor,
-    dtype: torch.dtype,
-    rule: LayerMask = FULL,
-    q_positions: torch.Tensor | None = None,
-    kv_positions: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Additive 4D mask (1, 1, Q, prefix_len + S) from a tree-region mask (Q, S) bool.
+@dataclass
+class StepLayout:
+    """Where one batched forward's queries sit in a TreeCache and what each may see (built once per step).
 
-    rule: the layer's window; a windowed rule needs the queries' positions q_positions (Q,) and
-        the tree slots' positions kv_positions (S,).
+    starts:       per row, the cache's left padding (slots before it are never attended)
+    prefix_lens:  per row, committed slots before the step; each row's region starts there
+    regions:      per row, (n_b, S_b) bool: what each of its n_b real queries sees of its S_b region
+                  slots [prefix_len, prefix_len + S_b) (tree slots already cached, then this step's)
+    q_positions:  (B, Q) long, each query's position (padding queries: 0)
+    region_positions: per row, (S_b,) long positions of its region slots (needed when a layer has a
+                  window; None otherwise)
+    width:        W, the KV length the step attends
+    """
+
+    starts: list[int]
+    prefix_lens: list[int]
+    regions: list[torch.Tensor]
+    q_positions: torch.Tensor
+    region_positions: list[torch.Tensor | None]
+    width: int
+
+    @property
+    def single(self) -> bool:
+        """One row without padding, as the kernel's TreeStep describes a step."""
+        return len(self.regions) == 1 and self.starts[0] == 0 and self.regions[0].shape[0] == self.q_positions.shape[1]
+
+
+def dense_tree_mask(layout: StepLayout, dtype: torch.dtype, rule: LayerMask = FULL) -> torch.Tensor:
+    """Additive 4D mask (B, 1, Q, W) of a step: each real query sees its row's committed slots its
+    layer's rule allows and the region slots its tree mask allows; a padding query sees only its
+    row's first slot (so softmax stays finite; its output is discarded).
+
     Additive (0 / dtype min) rather than bool because eager attention adds whatever it is given.
     """
-    Q = tree_mask.shape[0]
-    if rule.kind == "full":
-        allowed = torch.cat([tree_mask.new_ones(Q, prefix_len), tree_mask], dim=1)
-    else:
-        prefix = torch.arange(prefix_len, device=tree_mask.device)
-        allowed = rule.visible(q_positions, torch.cat([prefix, kv_positions])) & torch.cat(
-            [tree_mask.new_ones(Q, prefix_len), tree_mask], dim=1
-        )
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=tree_mask.device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+    q = layout.q_positions
+    B, Q = q.shape
+    device = q.device
+    slots = torch.arange(layout.width, device=device)
+    starts = torch.tensor(layout.starts, device=device)[:, None]
+    prefixes = torch.tensor(layout.prefix_lens, device=device)[:, None]
+    committed = (slots >= starts) & (slots < prefixes)  # (B, W)
+    allowed = committed[:, None, :].expand(B, Q, layout.width).clone()  # (B, Q, W)
+    kv_positions = slots[None, :] - starts if rule.kind != "full" else None  # committed slots' positions
+    for b, region in enumerate(layout.regions):
+        n, size = region.shape
+        prefix = layout.prefix_lens[b]
+        allowed[b, n:] = False
+        allowed[b, n:, layout.starts[b]] = True
+        allowed[b, :n, prefix : prefix + size] = region
+        if kv_positions is not None:
+            kv_positions[b, prefix : prefix + size] = layout.region_positions[b]
+    if kv_positions is not None:
+        real = torch.tensor([r.shape[0] for r in layout.regions], device=device)[:, None] > torch.arange(Q, device=device)
+        allowed &= rule.visible(q, kv_positions) | ~real[:, :, None]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
 
 
-def tree_step_kwargs(
-    backend: str,
-    architecture: Architecture,
-    prefix_len: int,
-    tree_mask: torch.Tensor,
-    dtype: torch.dtype,
-    q_positions: torch.Tensor | None = None,
-    kv_positions: torch.Tensor | None = None,
-) -> dict:
-    """Forward kwargs that make every layer attend the prefix plus the tree slots `tree_mask` (Q, S) allows.
+def tree_step_kwargs(backend: str, architecture: Architecture, layout: StepLayout, dtype: torch.dtype) -> dict:
+    """Forward kwargs that make every layer attend what `layout` says each query sees.
 
-    q_positions (Q,) and kv_positions (S,) (the tree slots' positions) are needed only when some
-    layer has a window (`architecture.windowed`).
+    The kernel serves one unpadded row (its TreeStep has one prefix length); batches take the dense
+    masks, through the model's own attention.
     """
     if architecture.shape == "chain":
         return {}
     rules = architecture.rules
-    if backend in KERNEL_BACKENDS:
-        dense = functools.cache(
-            lambda rule: dense_tree_mask(prefix_len, tree_mask, dtype, rule, q_positions, kv_positions)
-        )
+    if backend in KERNEL_BACKENDS and layout.single:
+        prefix_len, tree_mask = layout.prefix_lens[0], layout.regions[0]
+        q_positions, kv_positions = layout.q_positions[0], layout.region_positions[0]
+        dense = functools.cache(lambda rule: dense_tree_mask(layout, dtype, rule))
         step = TreeStep(
             prefix_len,
             {rule: rule_masks(rule, tree_mask, q_positions, kv_positions) for rule in rules},
@@ -227,8 +251,8 @@ def tree_step_kwargs(
         stand_in = torch.zeros(1, 1, 1, 1, dtype=dtype, device=tree_mask.device)
         return {"attention_mask": stand_in, "swiftspec_tree": step}
     if len(rules) == 1:
-        return {"attention_mask": dense_tree_mask(prefix_len, tree_mask, dtype, rules[0], q_positions, kv_positions)}
-    dense = {rule: dense_tree_mask(prefix_len, tree_mask, dtype, rule, q_positions, kv_positions) for rule in rules}
+        return {"attention_mask": dense_tree_mask(layout, dtype, rules[0])}
+    dense = {rule: dense_tree_mask(layout, dtype, rule) for rule in rules}
     return {"attention_mask": {layer_type: dense[rule] for layer_type, rule in architecture.masks.items()}}
 
 

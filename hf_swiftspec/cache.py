@@ -1,18 +1,28 @@
-"""TreeCache: a transformers Cache with a committed prefix followed by a tree region.
+"""TreeCache: a transformers Cache with, per batch row, a committed prefix followed by a tree region.
 
 Every per-position tensor of every layer (keys, values, a sparse-attention indexer's keys)
 lives in a preallocated buffer shared with the layers whose tensor has the same shape, so
-moving the verified path behind the prefix is one gather per buffer over all its layers at
-once. A model whose layers all look alike (most of them) has exactly one buffer and one gather;
+moving the verified paths behind the prefixes is one gather per buffer over all its layers and
+rows at once. A model whose layers all look alike (most of them) has exactly one buffer;
 multi-head latent attention (keys and values of different widths) has two. Nothing is
 reallocated during a generation.
 
-    positions [0, prefix_len)          committed tokens
-    positions [prefix_len, length)     tree region: KV of tree nodes, one slot each
+Rows are ragged: each row b keeps the layout a single sequence would, at its own lengths,
 
-Every layer keeps the whole history, sliding-window layers included: which positions a query
-sees is the tree mask's business (attention.py), so a window is applied exactly, also to a tree
-that reaches past it. Shapes are learnt from the first forward, whose states the layers keep as
+    slots [0, start[b])                  left padding of a batched prefill (never attended)
+    slots [start[b], prefix_len[b])      committed tokens, at positions slot - start[b]
+    slots [prefix_len[b], length[b])     tree region: KV of tree nodes, one slot each
+    slots [length[b], capacity - 1)      free (or stale: beyond the row's length, never attended)
+    slot  capacity - 1                   scratch: where padding queries of a batched step write
+
+A forward over B rows feeds every row Q queries, of which row b's first counts[b] are real (the
+rest pad the batch to a rectangle). `plan_step(counts)` decides once per forward where each row's
+queries write: at [length[b], length[b] + Q) for every row when all rows have the same length
+(one copy), else each real query at its row's next free slot and each padding query into the
+scratch slot (one scatter). Which slots a query sees is the attention mask's business
+(attention.py builds it from these lengths). Every layer keeps the whole history,
+sliding-window layers included: a window is applied by the mask, exactly, also to a tree that
+reaches past it. Shapes are learnt from the first forward, whose states the layers keep as
 they come; `advance` then packs them into the shared buffers.
 """
 
@@ -41,92 +51,161 @@ class TreeCacheLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Write (B, H, n, D) new states at [length, length + n); return views up to there."""
+        """Write (B, H, Q, D) new states where the step's plan says; return views up to the step's end."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.keys = self.owner.write(self.keys, key_states, KV_DIM)
         self.values = self.owner.write(self.values, value_states, KV_DIM)
-        end = self.owner.length + key_states.shape[KV_DIM]
+        end = self.owner.step_end(key_states.shape[KV_DIM])
         return self.keys[:, :, :end], self.values[:, :, :end]
 
     def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
-        """Sparse-attention indexer keys (B, n, D), kept like keys and values; returns (B, length + n, D)."""
+        """Sparse-attention indexer keys (B, Q, D), kept like keys and values; returns (B, end, D)."""
         if self.indexer_keys is None:
             self.indexer_keys = indexer_key_states[:, :0]
         self.indexer_keys = self.owner.write(self.indexer_keys, indexer_key_states, INDEXER_DIM)
-        return self.indexer_keys[:, : self.owner.length + indexer_key_states.shape[INDEXER_DIM]]
+        return self.indexer_keys[:, : self.owner.step_end(indexer_key_states.shape[INDEXER_DIM])]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.owner.length + query_length, 0
+        return self.owner.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
-        return self.owner.length
+        return self.owner.get_seq_length()
 
     def get_max_length(self) -> int:
         return self.owner.capacity
 
 
 class SlotBuffer:
-    """Per-layer tensors of one shape, positions along `dim`, stacked in one (n, ...) tensor.
+    """Per-layer tensors of one shape, positions along `dim`, stacked in one (n, B, ...) tensor.
 
     parts: the tensors as the first forward left them (length L along `dim`); they become views
         of the buffer (capacity along `dim`), with their first L positions copied over.
+    members: (layer, attribute) holding each part, re-pointed when rows are dropped.
     """
 
-    def __init__(self, parts: list[torch.Tensor], dim: int, capacity: int):
+    def __init__(self, parts: list[torch.Tensor], dim: int, capacity: int, members: list[tuple[object, str]]):
         shape = list(parts[0].shape)
         length, shape[dim] = shape[dim], capacity
         if length > capacity:
             raise RuntimeError(f"TreeCache overflow: {length} positions > capacity {capacity}")
         self.data = parts[0].new_zeros(len(parts), *shape)
-        self.dim = dim + 1
-        self.views = [self.data[i] for i in range(len(parts))]
+        self.dim = dim + 1  # positions; the batch is dim 1
+        self.members = members
+        self.point_members()
         for view, part in zip(self.views, parts):
             view.narrow(dim, 0, length).copy_(part)
 
-    def gather(self, src: torch.Tensor, dst_start: int) -> None:
-        """Positions `src` (n,) move to [dst_start, dst_start + n) in every tensor of the buffer."""
-        src = src.to(self.data.device)
-        # index_select copies first, so overlapping source and destination ranges are safe.
-        self.data.narrow(self.dim, dst_start, src.shape[0]).copy_(self.data.index_select(self.dim, src))
+    def point_members(self) -> None:
+        self.views = [self.data[i] for i in range(self.data.shape[0])]
+        for (layer, name), view in zip(self.members, self.views):
+            setattr(layer, name, view)
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Per row b, positions src[b] (B, K) move to dst[b] (B, K), in every tensor of the buffer.
+        The sources are read before anything is written, so overlapping ranges are safe."""
+        by_row = self.data.movedim(self.dim, 2)  # (n, B, capacity, ...): a view, written through
+        rows = torch.arange(src.shape[0], device=src.device)[:, None].expand_as(src)
+        by_row[:, rows, dst] = by_row[:, rows, src]
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the batch rows `rows` (R,) (increasing), as rows 0..R-1, in place."""
+        self.data[:, : rows.shape[0]] = self.data[:, rows]
+        self.data = self.data.narrow(1, 0, rows.shape[0])
+        self.point_members()
 
 
 class TreeCache(Cache):
-    """KV cache of one model for one generation: committed prefix + tree region.
+    """KV cache of one model for one generation of `batch_size` rows: per row, committed prefix + tree region.
 
     Args:
         num_layers: decoder layers of the model.
-        capacity: positions to preallocate (prompt + new tokens + tree region).
+        capacity: positions per row to preallocate (padded prompt + new tokens + tree region + 1 scratch slot).
         sliding: per layer, whether the model's own cache treats it as a sliding-window layer
             (transformers' mask helpers ask); the tree cache keeps their whole history either way.
+        batch_size: rows.
+
+    Per-row bookkeeping is host ints: `starts`, `prefix_lens`, `lengths` (see the module docstring).
     """
 
-    def __init__(self, num_layers: int, capacity: int, sliding: tuple[bool, ...] | None = None):
+    def __init__(self, num_layers: int, capacity: int, sliding: tuple[bool, ...] | None = None, batch_size: int = 1):
         self.num_layers, self.capacity = num_layers, capacity
         sliding = sliding or (False,) * num_layers
         self.buffers: list[SlotBuffer] = []
-        self.prefix_len = 0
-        self.length = 0
+        self.starts = [0] * batch_size
+        self.prefix_lens = [0] * batch_size
+        self.lengths = [0] * batch_size
+        self._counts: list[int] | None = None  # real queries per row of the forward in flight
+        self._index: torch.Tensor | None = None  # (B, Q) slot of each query, when rows write apart
         super().__init__(layers=[TreeCacheLayer(self, i, sliding[i]) for i in range(num_layers)])
+
+    # ---- the batch-1 view, kept for a single sequence's code and messages
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def prefix_len(self) -> int:
+        """Row 0's committed length (the only row of a single sequence)."""
+        return self.prefix_lens[0]
+
+    @property
+    def length(self) -> int:
+        return self.lengths[0]
 
     @property
     def kv(self) -> torch.Tensor | None:
         """The first shared buffer (every key and value when all layers look alike); None before a forward."""
         return self.buffers[0].data if self.buffers else None
 
+    @property
+    def scratch(self) -> int:
+        return self.capacity - 1
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return max(self.lengths)
+
+    # ---- one forward
+    def plan_step(self, counts: list[int], queries: int, device: torch.device | str) -> None:
+        """Plan where the next forward of `queries` queries per row writes; counts[b]: row b's real ones."""
+        if len(counts) != self.batch_size:
+            raise RuntimeError(f"a step planned {len(counts)} rows for a TreeCache of {self.batch_size}")
+        self._counts = list(counts)
+        ends = [n + c for n, c in zip(self.lengths, counts)]
+        if max(ends) > self.scratch or (len(set(self.lengths)) == 1 and self.lengths[0] + queries > self.capacity):
+            raise RuntimeError(f"TreeCache overflow: {max(ends)} positions > capacity {self.scratch}")
+        self._index = None
+        if len(set(self.lengths)) > 1 and self.buffers:
+            slots = [[n + j if j < c else self.scratch for j in range(queries)] for n, c in zip(self.lengths, counts)]
+            self._index = torch.tensor(slots, device=device)
+
+    def step_end(self, queries: int) -> int:
+        """The KV length the forward in flight attends: up to the furthest row's last new slot."""
+        if self._index is None:
+            return self.lengths[0] + queries if len(set(self.lengths)) == 1 else max(self.lengths) + queries
+        return max(n + c for n, c in zip(self.lengths, self._counts))
+
     def write(self, stored: torch.Tensor, new: torch.Tensor, dim: int) -> torch.Tensor:
-        """`stored` with `new` written at [length, length + n) along `dim`; the tensor to keep."""
+        """`stored` with `new` (B, ..., Q, ...) written where the plan says along `dim`; the tensor to keep."""
         if not self.buffers:  # the first forward: keep states as they come, `pack` places them
             return torch.cat([stored, new], dim=dim)
-        start, n = self.length, new.shape[dim]
-        if start + n > self.capacity:
-            raise RuntimeError(f"TreeCache overflow: {start + n} positions > capacity {self.capacity}")
-        stored.narrow(dim, start, n).copy_(new)
+        if self._index is None:  # every row at the same length: one copy
+            start, n = self.lengths[0], new.shape[dim]
+            if start + n > self.capacity:
+                raise RuntimeError(f"TreeCache overflow: {start + n} positions > capacity {self.capacity}")
+            stored.narrow(dim, start, n).copy_(new)
+            return stored
+        shape = [1] * new.dim()
+        shape[0], shape[dim] = self._index.shape
+        stored.scatter_(dim, self._index.view(shape).expand_as(new), new)
         return stored
 
-    def advance(self, n: int) -> None:
-        """Account for a forward that wrote `n` positions in every layer (the first one: pack buffers)."""
-        self.length += n
+    def advance(self, n: int | None = None) -> None:
+        """Account for the forward in flight: each row's real queries now hold its next slots (the
+        first forward also packs the buffers). `n`: queries per row, when no step was planned."""
+        counts = self._counts if self._counts is not None else [n] * self.batch_size
+        self.lengths = [length + c for length, c in zip(self.lengths, counts)]
+        self._counts, self._index = None, None
         if not self.buffers:
             self.pack()
 
@@ -140,28 +219,63 @@ class TreeCache(Cache):
                     shape = part.shape[:dim] + part.shape[dim + 1 :]
                     groups.setdefault((shape, dim, part.dtype, part.device), []).append((layer, name))
         for (_, dim, _, _), members in groups.items():
-            buffer = SlotBuffer([getattr(layer, name) for layer, name in members], dim, self.capacity)
-            for (layer, name), view in zip(members, buffer.views):
-                setattr(layer, name, view)
-            self.buffers.append(buffer)
+            parts = [getattr(layer, name) for layer, name in members]
+            self.buffers.append(SlotBuffer(parts, dim, self.capacity, members))
 
+    # ---- between forwards
     def commit(self, path_slots: torch.Tensor, keep_slots: torch.Tensor | None = None) -> None:
-        """Move verified tree slots into the prefix and compact surviving slots behind them.
+        """commit_rows for a single sequence (row 0)."""
+        self.commit_rows([path_slots], [keep_slots])
 
-        path_slots: (m,) tree-region slots (relative to prefix_len) of the newly committed tokens,
-            in sequence order; they become prefix positions [prefix_len, prefix_len + m).
-        keep_slots: (K,) tree-region slots to keep as the new tree region (the draft's surviving
-            subtree), in their new order; None or empty drops the rest of the tree.
+    def commit_rows(self, paths: list[torch.Tensor | None], keeps: list[torch.Tensor | None] | None = None) -> None:
+        """Per row, move verified tree slots into the prefix and compact surviving slots behind them.
+
+        paths[b]: (m,) tree-region slots (relative to prefix_lens[b]) of row b's newly committed tokens,
+            in sequence order; they become its prefix positions [prefix_len, prefix_len + m). None: row
+            b is left as it is.
+        keeps[b]: (K,) tree-region slots to keep as row b's new tree region (the draft's surviving
+            subtree), in their new order; None or empty drops the rest of the row's tree.
+        One move per buffer for all rows.
         """
-        src = path_slots if keep_slots is None else torch.cat([path_slots, keep_slots])
-        m, n = path_slots.shape[0], src.shape[0]
-        if n:
-            src = src + self.prefix_len
-            for buffer in self.buffers:
-                buffer.gather(src, self.prefix_len)
-        self.prefix_len += m
-        self.length = self.prefix_len + (n - m)
+        keeps = keeps or [None] * len(paths)
+        moves: list[tuple[int, torch.Tensor, int]] = []  # (row, source slots, first destination slot)
+        for b, (path, keep) in enumerate(zip(paths, keeps)):
+            if path is None:
+                continue
+            src = path if keep is None or not keep.numel() else torch.cat([path, keep])
+            m, n, prefix = path.shape[0], src.shape[0], self.prefix_lens[b]
+            if n and not torch.equal(src, torch.arange(n, device=src.device)):  # already in place: no move
+                moves.append((b, src + prefix, prefix))
+            self.prefix_lens[b] = prefix + m
+            self.lengths[b] = prefix + n
+        if moves and self.buffers:
+            self.move_slots(moves)
+
+    def move_slots(self, moves: list[tuple[int, torch.Tensor, int]]) -> None:
+        """Per (row, src, first) move slots src (n,) to [first, first + n) of the row: one move per buffer,
+        rows padded with scratch-to-scratch moves."""
+        width = max(src.shape[0] for _, src, _ in moves)
+        device = moves[0][1].device
+        src = torch.full((self.batch_size, width), self.scratch, dtype=torch.long, device=device)
+        dst = src.clone()
+        for b, slots, first in moves:
+            src[b, : slots.shape[0]] = slots
+            dst[b, : slots.shape[0]] = torch.arange(first, first + slots.shape[0], device=device)
+        for buffer in self.buffers:
+            buffer.move(src, dst)
 
     def seal_prefix(self) -> None:
-        """Make everything written so far (a prefill) part of the committed prefix."""
-        self.prefix_len = self.length
+        """Make everything written so far (a prefill) part of the committed prefix, in every row."""
+        self.prefix_lens = list(self.lengths)
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Drop every batch row not in `rows` (increasing); the kept ones become rows 0..R-1."""
+        if rows == list(range(self.batch_size)):
+            return
+        if self.buffers:
+            index = torch.tensor(rows, device=self.buffers[0].data.device)
+            for buffer in self.buffers:
+                buffer.keep_rows(index)
+        for name in ("starts", "prefix_lens", "lengths"):
+            values = getattr(self, name)
+            setattr(self, name, [values[b] for b in rows])

@@ -12,10 +12,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import time
 import warnings
 
 import torch
-from transformers import GenerationConfig, StoppingCriteriaList
+from transformers import GenerationConfig, GenerationMixin, StoppingCriteriaList
 from transformers.generation import GenerateDecoderOnlyOutput, MaxLengthCriteria, StopStringCriteria
 from transformers.generation.configuration_utils import GenerationMode
 
@@ -23,16 +24,16 @@ from .architectures import context_limit, describe
 from .attention import resolve_attention, routed_attention
 from .config import SwiftSpecConfig
 from .engine import DecodeRequest, DecodeResult, DraftWorker, TargetWorker, run_serial, run_threads
+from .engine.request import RowResult
 from .engine.distributed import Groups, run_distributed
 from .placement import Placement
 from .policy import MAX_BUDGET, GoodputPolicy
 from .stats import SwiftSpecStats
 from .suffix import OutputHistory
-from .verify import Sampler
+from .verify import Sampler, batch_dependent
 
 UNSUPPORTED_OPTIONS = {
     "num_beams": 1,
-    "num_return_sequences": 1,
     "output_attentions": False,
     "output_hidden_states": False,
 }
@@ -60,12 +61,26 @@ def swiftspec_generate(
     swiftspec_history: OutputHistory | None = None,
     **model_kwargs,
 ) -> tuple[torch.LongTensor | GenerateDecoderOnlyOutput, SwiftSpecStats]:
-    """`custom_generate` callable; `model` is the target. Returns (generate's output, stats)."""
+    """`custom_generate` callable; `model` is the target. Returns (generate's output, stats).
+
+    input_ids (B, L): B > 1 for a batch of prompts (left-padded, with their attention_mask) or
+    num_return_sequences copies of each; every row decodes as target.generate would decode it in
+    that batch.
+    """
     check_supported_options(generation_config, input_ids)
     check_model_kwargs(model_kwargs)
     warn_cache_options(generation_config)
-    padding, prompt = split_left_padding(input_ids, model_kwargs.get("attention_mask"))
-    check_padding_keeps_positions(model, padding)
+    batch = input_ids.shape[0]
+    if batch > 1:
+        check_batch_placement(swiftspec_placement, swiftspec_streamer, batch)
+        reasons = batch_exactness_gaps(model, swiftspec_draft, logits_processor, stopping_criteria)
+        if reasons:
+            return decode_with_target_loop(
+                model, input_ids, logits_processor, stopping_criteria, generation_config, swiftspec_streamer,
+                reasons, model_kwargs,
+            )
+    prompt, attention_mask = split_left_padding(input_ids, model_kwargs.get("attention_mask"))
+    check_padding_keeps_positions(model, input_ids.shape[1] - prompt.shape[1])
     max_new = max(stop_length(stopping_criteria, generation_config) - input_ids.shape[1], 0)
     config = swiftspec_config
     sampler = Sampler(logits_processor, bool(generation_config.do_sample), swiftspec_generator)
@@ -73,24 +88,32 @@ def swiftspec_generate(
         sampler.generator = generator_from_global_seed(model.device)
     request = DecodeRequest(
         prompt=prompt,
-        sampler=sampler,
+        attention_mask=attention_mask,
+        contexts=list(input_ids.split(1)),
+        samplers=sampler.for_rows(batch),
         stopping_criteria=stopping_criteria,
+        pads_finished=any(hasattr(c, "eos_token_id") for c in stopping_criteria),  # as generate's own loop
         max_new_tokens=max_new,
         policy=swiftspec_policy or GoodputPolicy(tree_budget=config.tree_budget, draft_depth=config.draft_depth),
         corpus=swiftspec_corpus or [],
         history=swiftspec_history,
         on_tokens=(lambda tokens: swiftspec_streamer.put(torch.tensor(tokens))) if swiftspec_streamer else None,
-        padding=padding,
     )
     request.policy.start_generation()
-    workers = build_workers(model, swiftspec_draft, config, prompt.shape[1] + max_new, swiftspec_groups)
+    workers = build_workers(model, swiftspec_draft, config, prompt.shape[1] + max_new, swiftspec_groups, batch)
     with contextlib.ExitStack() as routes:  # each model attends the tree its way for this call only
         for worker in workers:
             if worker is not None and worker.model is not None:
                 routes.enter_context(routed_attention(worker.model, worker.attention))
-        result = run_engine(swiftspec_placement, swiftspec_groups, *workers, request, config) if max_new else DecodeResult()
-    if swiftspec_history is not None and result.tokens:  # later requests may copy this output (and its lead-in)
-        swiftspec_history.add(prompt[0, -config.ngram_size :].tolist() * (config.ngram_size > 0) + result.tokens)
+        if max_new:
+            result = run_engine(swiftspec_placement, swiftspec_groups, *workers, request, config)
+        else:
+            result = DecodeResult(rows=[RowResult() for _ in range(batch)])
+    if swiftspec_history is not None:  # later requests may copy these outputs (and their lead-ins)
+        lead_in = config.ngram_size if config.ngram_size > 0 else 0
+        for ids, row in zip(request.prompt_ids(), result.rows):
+            if row.tokens:
+                swiftspec_history.add((ids[-lead_in:] if lead_in else []) + row.tokens[: result.end])
     result.stats.attention = attention_summary(workers)
     return generate_output(input_ids, result, generation_config), result.stats
 
@@ -102,8 +125,8 @@ def stop_length(stopping_criteria: StoppingCriteriaList, generation_config: Gene
     return min(lengths) if lengths else generation_config.max_length
 
 
-def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: Groups | None):
-    """(TargetWorker, DraftWorker) with caches for `length` tokens; under torchrun only this rank's.
+def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: Groups | None, batch_size: int = 1):
+    """(TargetWorker, DraftWorker) with caches for `length` tokens per row; under torchrun only this rank's.
 
     Trees shrink to chains (draft width 1, no n-gram branch beside the draft's chain) when either
     model places tokens by cache slot. With no draft (draft-free mode) the draft worker holds only
@@ -117,7 +140,7 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
     if role in (None, "target"):
         budget = config.tree_budget or MAX_BUDGET
         attention = resolve_attention(config.attention, target, target_arch)
-        target_worker = TargetWorker(target, length + budget, attention, target_arch)
+        target_worker = TargetWorker(target, length + budget, attention, target_arch, batch_size)
     if role in (None, "draft"):
         draft_worker = DraftWorker(
             draft,
@@ -131,6 +154,7 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
             max_positions=context_limit(*(m for m in (target, draft) if m is not None)),
             device=target.device,
             branching=not chain,
+            batch_size=batch_size,
         )
     return target_worker, draft_worker
 
@@ -160,16 +184,101 @@ def run_engine(placement, groups, target, draft, request: DecodeRequest, config)
 
 
 def generate_output(input_ids: torch.Tensor, result: DecodeResult, generation_config: GenerationConfig):
-    """What target.generate would return: sequences (1, L + n), or a GenerateDecoderOnlyOutput."""
-    new = torch.tensor([result.tokens], dtype=input_ids.dtype, device=input_ids.device)
+    """What target.generate would return: sequences (B, L + n), or a GenerateDecoderOnlyOutput.
+
+    Every row ends at the batch's length n. A row done earlier is padded with pad_token_id, as
+    generate pads it; its scores and logits at those steps say "pad, with certainty" (0 at the pad
+    id, -inf elsewhere): target.generate fills them with the model's output on the padding, which
+    a row that left the batch never computes.
+    """
+    end = result.end
+    pad = generation_config._pad_token_tensor
+    pad = int(pad) if pad is not None else 0
+    new = torch.tensor(
+        [row.tokens[:end] + [pad] * (end - len(row.tokens[:end])) for row in result.rows],
+        dtype=input_ids.dtype, device=input_ids.device,
+    ).reshape(len(result.rows), end)
     sequences = torch.cat([input_ids, new], dim=1)
     if not generation_config.return_dict_in_generate:
         return sequences
     return GenerateDecoderOnlyOutput(
         sequences=sequences,
-        scores=tuple(result.scores) if generation_config.output_scores else None,
-        logits=tuple(result.logits) if generation_config.output_logits else None,
+        scores=steps(result, "scores", end, pad) if generation_config.output_scores else None,
+        logits=steps(result, "logits", end, pad) if generation_config.output_logits else None,
     )
+
+
+def steps(result: DecodeResult, name: str, end: int, pad: int) -> tuple[torch.Tensor, ...]:
+    """Per step, the rows' (B, V) scores or logits; a finished row's are "pad, with certainty"."""
+    rows = [getattr(row, name) for row in result.rows]
+    if len(rows) == 1:
+        return tuple(rows[0][:end])
+    filler = None
+    out = []
+    for t in range(end):
+        parts = []
+        for row in rows:
+            if t < len(row):
+                parts.append(row[t])
+                continue
+            if filler is None:
+                template = next(r[0] for r in rows if r)
+                filler = torch.full_like(template, float("-inf"))
+                filler[0, pad] = 0.0
+            parts.append(filler)
+        out.append(torch.cat(parts))
+    return tuple(out)
+
+
+def check_batch_placement(placement: Placement | None, streamer, batch: int) -> None:
+    """Refuse what a batch cannot do: a streamer (transformers' rule) or an asynchronous placement."""
+    if streamer is not None:
+        raise ValueError(
+            f"A streamer works with one sequence at a time (as in transformers), but this call decodes {batch} "
+            "(a batch of prompts, or num_return_sequences > 1). Drop the streamer, or generate one prompt at a time."
+        )
+    if placement is not None and placement.mode != "serial":
+        raise ValueError(
+            f"Batches of prompts ({batch} here) decode on the serial engine only; this model's placement runs the "
+            f"draft beside the target ({placement.mode}), which speculates for one sequence. Load the pair without "
+            "placement (the serial engine batches every row into each forward), or generate one prompt at a time."
+        )
+
+
+def batch_exactness_gaps(target, draft, logits_processor, stopping_criteria) -> list[str]:
+    """Why this batch cannot be decoded row by row exactly as target.generate decodes it in one batch
+    (empty: it can): processors or criteria that may read other rows, models whose steps are chains."""
+    reasons = []
+    names = batch_dependent(logits_processor, stopping_criteria)
+    if names:
+        reasons.append(f"{', '.join(sorted(set(names)))} may read other rows of the batch")
+    for role, member in (("target", target), ("draft", draft)):
+        if member is not None and describe(member, role).shape == "chain":
+            reasons.append(f"the {role}'s steps must be chains ({describe(member, role).chain_reason})")
+    return reasons
+
+
+def decode_with_target_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
+                            reasons: list[str], model_kwargs: dict):
+    """Decode the batch with transformers' own loop (exactly target.generate), saying why."""
+    warnings.warn(
+        f"swiftspec=True decoded this batch of {input_ids.shape[0]} with the target's own decoding loop (the same "
+        f"output as target.generate, not faster): {'; '.join(reasons)}. Generate one prompt at a time to speculate.",
+        UserWarning,
+        stacklevel=3,
+    )
+    start = time.perf_counter()
+    output = GenerationMixin._sample(
+        model, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+        generation_config=generation_config, synced_gpus=False, streamer=streamer, **model_kwargs,
+    )
+    sequences = output if isinstance(output, torch.Tensor) else output.sequences
+    stats = SwiftSpecStats(
+        engine="target (batch: " + "; ".join(reasons) + ")",
+        new_tokens=int(sequences.shape[0] * (sequences.shape[1] - input_ids.shape[1])),
+        wall_time_s=time.perf_counter() - start,
+    )
+    return output, stats
 
 
 def check_inputs(inputs, kwargs: dict, generation_config: GenerationConfig | None, default: GenerationConfig) -> None:
@@ -256,14 +365,9 @@ def check_supported_options(generation_config: GenerationConfig, input_ids: torc
             f"swiftspec=True decodes greedily or by sampling; these generation options ask for {mode.value}: "
             f"{mode_options(generation_config)}. Drop them, or pass swiftspec=False."
         )
-    if input_ids.shape[0] != 1:
-        raise ValueError(
-            f"swiftspec=True decodes one sequence at a time (batch size 1); got batch size {input_ids.shape[0]}. "
-            "Call generate() per prompt, or pass swiftspec=False for batched decoding."
-        )
     if input_ids.shape[1] == 0:
         raise ValueError(
-            "swiftspec=True needs at least one prompt token; got an empty input (shape (1, 0)). Pass a prompt, "
+            f"swiftspec=True needs at least one prompt token; got an empty input (shape {tuple(input_ids.shape)}). Pass a prompt, "
             "e.g. the tokenizer's BOS token, or call generate() without inputs to start from the model's BOS."
         )
 
@@ -294,33 +398,38 @@ def check_model_kwargs(model_kwargs: dict) -> None:
 
 def split_left_padding(
     input_ids: torch.Tensor, attention_mask: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(left padding (1, P), prompt (1, L - P)); any other masked position is an error.
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(prompt (B, L'), its attention_mask (B, L') or None): the columns that are padding in every row
+    dropped, so a single prompt runs alone; a batch keeps each row's remaining left padding, masked.
+    Any masked position after a row's first prompt token is an error.
 
-    The models run on the prompt alone (for a left-padded prompt with its mask, transformers'
-    positions and attention make that the same computation); processors and stopping criteria get
-    the padding too, as target.generate gives it to them.
+    The models run on this prompt (for left-padded rows with their mask, transformers' positions and
+    attention make that the same computation); processors and stopping criteria get input_ids whole,
+    as target.generate gives them.
     """
     if attention_mask is None:
-        return input_ids[:, :0], input_ids
-    keep = attention_mask[0].bool()
-    start = int(keep.long().argmax()) if keep.any() else input_ids.shape[1]
-    if start == input_ids.shape[1] or not bool(keep[start:].all()):
-        raise ValueError(
-            "swiftspec=True accepts an attention_mask that only masks left padding; got "
-            f"{attention_mask[0].tolist()}. Remove the padding or use swiftspec=False."
-        )
-    return input_ids[:, :start], input_ids[:, start:]
+        return input_ids, None
+    keep = attention_mask.bool()
+    starts = [int(row.long().argmax()) if row.any() else input_ids.shape[1] for row in keep]
+    for row, start in zip(keep, starts):
+        if start == input_ids.shape[1] or not bool(row[start:].all()):
+            raise ValueError(
+                "swiftspec=True accepts an attention_mask that only masks left padding; got "
+                f"{row.long().tolist()}. Remove the padding or use swiftspec=False."
+            )
+    first = min(starts)
+    prompt, mask = input_ids[:, first:], attention_mask[:, first:]
+    return prompt, (mask if not bool(mask.bool().all()) else None)
 
 
-def check_padding_keeps_positions(model, padding: torch.Tensor) -> None:
+def check_padding_keeps_positions(model, padding: int) -> None:
     """Refuse left padding for a target that takes no position_ids: target.generate runs the padding
     through it and its positions follow cache slots, so the prompt alone would sit at other positions."""
-    if padding.shape[1] and "position_ids" not in inspect.signature(type(model).forward).parameters:
+    if padding and "position_ids" not in inspect.signature(type(model).forward).parameters:
         raise ValueError(
-            f"The target ({model.config.model_type}) takes no position_ids, so {padding.shape[1]} left padding "
-            "token(s) shift the positions target.generate gives the prompt, which swiftspec=True cannot reproduce. "
-            "Pass the prompt without its padding, or swiftspec=False."
+            f"The target ({model.config.model_type}) takes no position_ids, so {padding} left padding token(s) shift "
+            "the positions target.generate gives the prompt, which swiftspec=True cannot reproduce. Pass the prompt "
+            "without its padding, or swiftspec=False."
         )
 
 

@@ -14,6 +14,14 @@ re-probing now and then (an expansion and a larger tree) in case it pays again: 
 `probe_every` rounds while probes pay, twice as far apart after each one that does not (up to
 `max_probe_every`), so a useless draft costs a probe per few hundred rounds, not one per 16.
 
+For a batch of B sequences the round is the batch's: one draft forward per expansion for all
+rows, one verification of B rows x T nodes (a row with fewer candidates verifies fewer), so the
+policy picks the T that maximises the batch's goodput, sum over rows of E_row(T) over the time of
+that verification. Verification costs are measured per batch size (a row more costs more than a
+node more: each row reads its own KV), so at some batch size on a given machine a plain step
+wins, and the policy finds it there and only there; as rows finish and the batch shrinks it
+prices the smaller batch by what it measured at that size.
+
 One policy serves every generate() call of a model object (SwiftSpecForCausalLM keeps it), so
 what it measured carries over: only the first call pays for learning that a draft, the suffix
 proposals or a tree size do not pay on this machine.
@@ -134,10 +142,25 @@ class CostModel:
     prior_slope: float = 0.1  # cost per node beyond the one size measured so far, relative to it
     expand_s: float | None = None
     verify_s: dict[int, float] = field(default_factory=dict)
+    shape: "CostModel | None" = None  # another batch size's model: how cost grows past the sizes measured here
+    version: int = 0  # bumped by every verification measured, so prices cached from it are renewed
     _times: list[float] | None = None
+    _priced: tuple[int, int] = (-1, -1)  # (version, shape's version) the cached prices came from
 
     def _average(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
+
+    @property
+    def expand_cost(self) -> float | None:
+        """Seconds per expansion: measured here, else as measured at the batch size this borrows from."""
+        if self.expand_s is None and self.shape is not None:
+            return self.shape.expand_cost
+        return self.expand_s
+
+    @property
+    def measured(self) -> bool:
+        """Whether both an expansion and a verification were measured (here or where this borrows from)."""
+        return self.expand_cost is not None and bool(self.verify_s or (self.shape is not None and self.shape.measured))
 
     def observe_expansions(self, seconds: float, count: int) -> None:
         if count:
@@ -145,17 +168,20 @@ class CostModel:
 
     def observe_verify(self, budget: int, seconds: float) -> None:
         self.verify_s[budget] = self._average(self.verify_s.get(budget), seconds)
-        self._times = None
+        self.version += 1
 
     def verify_times(self, max_budget: int) -> list[float]:
         """Predicted seconds for T = 1..max_budget (index T - 1); relative units until measured."""
-        if self._times is None or len(self._times) < max_budget:
-            self._times = self.price(max(max_budget, MAX_BUDGET))
+        priced = (self.version, self.shape.version if self.shape is not None else -1)
+        if self._times is None or len(self._times) < max_budget or priced != self._priced:
+            self._times, self._priced = self.price(max(max_budget, MAX_BUDGET)), priced
         return self._times[:max_budget]
 
     def price(self, max_budget: int) -> list[float]:
         """Seconds for T = 1..max_budget: measured sizes as measured, the others as the class says."""
         if not self.verify_s:
+            if self.shape is not None and self.shape.verify_s:
+                return self.shape.price(max_budget)
             return [1.0 + self.prior_slope * (t - 1) for t in range(1, max_budget + 1)]
         sizes = sorted(self.verify_s)
         base, largest = self.verify_s[sizes[0]], sizes[-1]
@@ -163,12 +189,15 @@ class CostModel:
         if len(sizes) > 1:
             previous = sizes[-2]
             slope = max((self.verify_s[largest] - self.verify_s[previous]) / (largest - previous), 0.01 * base)
+        borrowed = self.shape.price(max_budget) if self.shape is not None and self.shape.verify_s else None
         times = []
         for t in range(1, max_budget + 1):
             below = max((s for s in sizes if s <= t), default=None)
             above = min((s for s in sizes if s >= t), default=None)
             if below is None:
                 times.append(self.verify_s[above])
+            elif above is None and borrowed is not None:  # as the other batch size's cost grows, scaled to ours
+                times.append(self.verify_s[largest] * borrowed[t - 1] / borrowed[largest - 1])
             elif above is None:
                 times.append(self.verify_s[largest] + slope * (t - largest))
             elif below == above:
@@ -177,6 +206,17 @@ class CostModel:
                 share = (t - below) / (above - below)
                 times.append((1 - share) * self.verify_s[below] + share * self.verify_s[above])
         return times
+
+
+@dataclass
+class BatchSize:
+    """What the policy measured at one batch size: its step costs and its own probe schedule."""
+
+    costs: CostModel
+    rounds: int = 0
+    next_probe: int = 17  # the round that probes next (round 1 measures the draft already)
+    probe_interval: int = 16
+    round_rate: float | None = None  # running average of tokens per second of rounds that did not probe
 
 
 @dataclass
@@ -194,18 +234,15 @@ class GoodputPolicy:
     max_probe_every: int = 256  # rounds between probes after many that did not pay
     probe_depth: int = 1  # one expansion: with a real vocabulary head it can cost as much as a target step
     probe_budget: int = 8  # a probe verifies this many nodes, to measure a larger tree's cost
-    costs: CostModel = field(default_factory=CostModel)
+    batches: dict[int, BatchSize] = field(default_factory=dict)  # per batch size (rows decoding together)
+    batch: int = 1  # the batch size of the current round
     draft: Calibration = field(init=False)  # P(node on the accepted path) by draft score bucket
     suffix: Calibration = field(init=False)  # P(suffix node accepted | its parent was) by suffix_bucket
-    gains: list[float] = field(init=False)  # expected tokens the k-th expansion of a round adds
+    gains: list[float] = field(init=False)  # expected tokens per row the k-th expansion of a round adds
     gains_seen: list[int] = field(init=False)
-    rounds: int = 0
     probing: bool = False
     last_budget: int = 1
-    next_probe: int = 17  # the round that probes next (round 1 measures the draft already)
-    probe_interval: int = field(init=False)
-    round_rate: float | None = None  # running average of tokens per second of rounds that did not probe
-    watching: list[SuffixWatch] = field(default_factory=list)  # recent suffix proposals still being followed
+    watching: dict[int, list[SuffixWatch]] = field(default_factory=dict)  # per row: suffix proposals still followed
 
     def __post_init__(self):
         if self.tree_budget is not None:
@@ -215,13 +252,26 @@ class GoodputPolicy:
         self.suffix = Calibration(prior=suffix_priors())
         self.gains = [1.0] * (self.max_depth + 1)  # optimistic: try the draft before judging it
         self.gains_seen = [0] * (self.max_depth + 1)
-        self.probe_interval = self.probe_every
         self.refresh()
 
     @property
     def fixed(self) -> bool:
         """Both the tree size and the expansions per round were set by the user."""
         return self.tree_budget is not None and self.draft_depth is not None
+
+    def at(self, batch: int) -> BatchSize:
+        """What was measured at `batch` rows; a batch size met for the first time borrows how cost grows
+        with T from the nearest one measured, until its own rounds say."""
+        if batch not in self.batches:
+            nearest = min(self.batches, key=lambda b: (abs(b - batch), b), default=None)
+            shape = self.batches[nearest].costs if nearest is not None else None
+            self.batches[batch] = BatchSize(CostModel(shape=shape), probe_interval=self.probe_every)
+        return self.batches[batch]
+
+    @property
+    def costs(self) -> CostModel:
+        """The cost model of the current batch size."""
+        return self.at(self.batch).costs
 
     def refresh(self) -> None:
         """Recompute the lookup tables from the calibrations (once per round)."""
@@ -231,10 +281,12 @@ class GoodputPolicy:
         self.suffix_rates = self.suffix.rates
 
     # ---- per round ----------------------------------------------------------------------------
-    def start_round(self) -> bool:
-        """Begin a round; returns whether it probes (forced expansions, the largest tree)."""
-        self.rounds += 1
-        self.probing = self.rounds == self.next_probe
+    def start_round(self, batch: int = 1) -> bool:
+        """Begin a round of `batch` rows; returns whether it probes (forced expansions, the largest tree)."""
+        self.batch = batch
+        state = self.at(batch)
+        state.rounds += 1
+        self.probing = state.rounds == state.next_probe
         return self.probing
 
     def draft_probs(self, scores: list[float]) -> list[float]:
@@ -264,12 +316,22 @@ class GoodputPolicy:
             out.append(total)
         return out
 
-    def best_budget(self, probs: list[float], spent_s: float, probing: bool | None = None) -> tuple[int, float]:
-        """(T, expected tokens per second) maximising goodput, for sorted node probabilities.
+    def expected_batch(self, rows: list[list[float]]) -> list[float]:
+        """The batch's E(T) for T = 1..the most candidates of a row: every row verifies its min(T, n) best
+        nodes (rows' node probabilities sorted best first)."""
+        if len(rows) == 1:
+            return self.expected_tokens(rows[0])
+        per_row = [self.expected_tokens(probs) for probs in rows]
+        longest = max(len(e) for e in per_row)
+        return [sum(e[min(t, len(e)) - 1] for e in per_row) for t in range(1, longest + 1)]
+
+    def best_budget(self, rows: list[list[float]], spent_s: float, probing: bool | None = None) -> tuple[int, float]:
+        """(T, expected tokens per second) maximising the batch's goodput, for each row's sorted node
+        probabilities.
 
         probing: whether to take the probe's tree size instead (default: whether this round probes).
         """
-        expected = self.expected_tokens(probs)
+        expected = self.expected_batch(rows)
         times = self.costs.verify_times(len(expected))
         if self.tree_budget is not None or (self.probing if probing is None else probing):
             T = len(expected) if self.tree_budget is not None else min(len(expected), self.probe_budget)
@@ -278,23 +340,24 @@ class GoodputPolicy:
         best = max(range(len(rates)), key=rates.__getitem__)
         return best + 1, rates[best]
 
-    def keep_expanding(self, done: int, spent_s: float, probs: list[float], probing: bool) -> bool:
-        """Whether to run expansion number done + 1 of this round, given the current candidates."""
+    def keep_expanding(self, done: int, spent_s: float, rows: list[list[float]], probing: bool) -> bool:
+        """Whether to run expansion number done + 1 of this round, given every row's current candidates."""
         if self.draft_depth is not None:
             return done < self.draft_depth
         if done >= self.max_depth:
             return False
         if probing:
             return done < self.probe_depth
-        if self.costs.expand_s is None or not self.costs.verify_s:
+        costs = self.costs
+        if not costs.measured:
             return done < 1  # the first round: measure one expansion
         # Look several expansions ahead: where a 2-node tree costs much more than a plain step (CPUs)
         # one expansion alone never pays, while three that grow a 4-node path do.
-        T, now = self.best_budget(probs, spent_s)
-        expected, times = self.expected_tokens(probs)[T - 1], self.costs.verify_times(self.max_budget)
+        T, now = self.best_budget(rows, spent_s)
+        expected, times = self.expected_batch(rows)[T - 1], costs.verify_times(self.max_budget)
         for k in range(1, self.max_depth - done + 1):
-            expected += self.gains[done + k - 1]
-            if expected / (spent_s + k * self.costs.expand_s + times[min(T + k, self.max_budget) - 1]) > now:
+            expected += len(rows) * self.gains[done + k - 1]
+            if expected / (spent_s + k * costs.expand_cost + times[min(T + k, self.max_budget) - 1]) > now:
                 return True
         return False
 
@@ -303,18 +366,20 @@ class GoodputPolicy:
         hidden): one that would overrun it delays the next subtree, and the target waits for it."""
         if self.draft_depth is not None:
             return self.draft_depth
-        if self.costs.expand_s is None or not self.costs.verify_s:
+        costs = self.costs
+        if not costs.measured:
             return 4
-        verify = self.costs.verify_times(self.last_budget)[-1]
-        return max(1, min(self.max_depth, int(verify / self.costs.expand_s)))
+        verify = costs.verify_times(self.last_budget)[-1]
+        return max(1, min(self.max_depth, int(verify / costs.expand_cost)))
 
     # ---- after the round ----------------------------------------------------------------------
-    def observe_gain(self, done: int, before: list[float], after: list[float], spent_s: float) -> None:
-        """Fold in how much expansion number done + 1 raised the expected tokens of the best tree
-        one node larger than the best one before it (what keep_expanding's look-ahead assumes)."""
+    def observe_gain(self, done: int, before: list[list[float]], after: list[list[float]], spent_s: float) -> None:
+        """Fold in how much expansion number done + 1 raised, per row, the expected tokens of the best
+        tree one node larger than the best one before it (what keep_expanding's look-ahead assumes)."""
         t_before, _ = self.best_budget(before, spent_s, probing=False)  # at the best T, not the probe's
-        grown = self.expected_tokens(after)
-        gain = max(grown[min(t_before, len(grown) - 1)] - self.expected_tokens(before)[t_before - 1], 0.0)
+        grown = self.expected_batch(after)
+        total = grown[min(t_before, len(grown) - 1)] - self.expected_batch(before)[t_before - 1]
+        gain = max(total / len(before), 0.0)
         seen = self.gains_seen[done]
         self.gains[done] = gain if seen == 0 else 0.7 * self.gains[done] + 0.3 * gain
         self.gains_seen[done] = seen + 1
@@ -323,52 +388,69 @@ class GoodputPolicy:
                 self.gains[k] = min(self.gains[k], self.gains[done])
 
     def observe_rate(self, rate: float) -> None:
-        """Fold in one round's tokens per second. After a probe: probe again in `probe_every`
-        rounds if it beat the rounds around it, else twice as late as last time."""
+        """Fold in one round's tokens per second at the current batch size. After a probe: probe again
+        in `probe_every` rounds if it beat the rounds around it, else twice as late as last time."""
+        state = self.at(self.batch)
         if not self.probing:
-            self.round_rate = rate if self.round_rate is None else 0.8 * self.round_rate + 0.2 * rate
+            state.round_rate = rate if state.round_rate is None else 0.8 * state.round_rate + 0.2 * rate
             return
-        paid = self.round_rate is None or rate > self.round_rate
-        self.probe_interval = self.probe_every if paid else min(2 * self.probe_interval, self.max_probe_every)
-        self.next_probe = self.rounds + self.probe_interval
+        paid = state.round_rate is None or rate > state.round_rate
+        state.probe_interval = self.probe_every if paid else min(2 * state.probe_interval, self.max_probe_every)
+        state.next_probe = state.rounds + state.probe_interval
 
     def observe_round(
         self, expansions: int, draft_s: float, budget: int, verify_s: float | None, tokens: int | None = None,
         catch_up_s: float = 0.0,
     ) -> None:
-        """Fold in one round's costs: `expansions` draft forwards in draft_s, a `budget`-node verification.
+        """Fold in one round's costs at the current batch size: `expansions` draft forwards in draft_s,
+        a verification of `budget` nodes per row.
 
         verify_s: None when the round timed no verification (the first round of a generation gets
-            its root's logits from the prefill): nothing is learnt from it, and a probe moves on a round.
-        tokens: what the round emitted, when draft_s + verify_s + catch_up_s is the whole round (the
-            serial engine, the only one that probes): its rate tells whether a probe paid.
+            its roots' logits from the prefill): nothing is learnt from it, and a probe moves on a round.
+        tokens: what the round emitted over all rows, when draft_s + verify_s + catch_up_s is the whole
+            round (the serial engine, the only one that probes): its rate tells whether a probe paid.
         catch_up_s: time the draft spent on committed tokens it had not run yet (the prompt, tokens
             of plain rounds): part of the round, but not what an expansion costs.
         """
         self.last_budget = budget
+        state = self.at(self.batch)
         if verify_s is None:
             if self.probing:
-                self.next_probe = self.rounds + 1
+                state.next_probe = state.rounds + 1
             return
-        self.costs.observe_expansions(draft_s, expansions)
-        self.costs.observe_verify(budget, verify_s)
+        state.costs.observe_expansions(draft_s, expansions)
+        state.costs.observe_verify(budget, verify_s)
         if tokens is not None:
             self.observe_rate(tokens / (draft_s + verify_s + catch_up_s))
 
-    def observe_outcome(self, proposal: Proposal, verified: Verified) -> None:
-        """Fold in which verified nodes were accepted: draft nodes by score; suffix nodes by bucket,
-        each one whose parent was accepted (the others were never tried)."""
-        accepted = set(verified.path)
-        draft = [i for i, score in enumerate(proposal.scores) if i and score is not None]
-        if draft:
-            self.draft.observe([score_bucket(proposal.scores[i]) for i in draft], [i in accepted for i in draft])
-        if proposal.offered[0]:
-            self.watching = self.watching[-self.max_budget + 1 :] + [SuffixWatch(*proposal.offered)]
-        self.follow_suffixes(verified.tokens)
+    def observe_outcomes(self, outcomes: list[tuple[int, Proposal, Verified]]) -> None:
+        """Fold in one round's (row, proposal, walk) of every row: draft nodes by score; suffix nodes by
+        bucket, each one whose parent was accepted (the others were never tried)."""
+        draft_seen: tuple[list[int], list[bool]] = ([], [])  # (bucket, accepted) of every node observed
+        suffix_seen: tuple[list[int], list[bool]] = ([], [])
+        for row, proposal, verified in outcomes:
+            on_path = set(verified.path)
+            draft = [i for i, score in enumerate(proposal.scores) if i and score is not None]
+            draft_seen[0].extend(score_bucket(proposal.scores[i]) for i in draft)
+            draft_seen[1].extend(i in on_path for i in draft)
+            watching = self.watching.get(row, [])
+            if proposal.offered[0]:
+                watching = watching[-self.max_budget + 1 :] + [SuffixWatch(*proposal.offered)]
+            self.watching[row] = self.follow_suffixes(watching, verified.tokens, suffix_seen)
+        for calibration, (buckets, accepted) in ((self.draft, draft_seen), (self.suffix, suffix_seen)):
+            if buckets:
+                calibration.observe(buckets, accepted)
         self.refresh()
 
-    def follow_suffixes(self, tokens: list[int]) -> None:
-        """Check the suffix proposals of recent rounds against the tokens the target emitted since.
+    def observe_outcome(self, proposal: Proposal, verified: Verified) -> None:
+        """observe_outcomes for a single sequence."""
+        self.observe_outcomes([(0, proposal, verified)])
+
+    def follow_suffixes(
+        self, watching: list[SuffixWatch], tokens: list[int], seen: tuple[list[int], list[bool]]
+    ) -> list[SuffixWatch]:
+        """Check one row's suffix proposals of recent rounds against the tokens the target emitted since,
+        adding each node tried to `seen` (its bucket, whether accepted); returns those still worth following.
 
         A node is accepted exactly when its parent was and the target's own token at its position is
         its token (greedy, or sampled with noise fixed per position), so every proposal is calibrated
@@ -376,10 +458,9 @@ class GoodputPolicy:
         repeat. Each node counts once its position's token is known: the children of the node a
         proposal has reached are tried against the next token.
         """
-        buckets: list[int] = []
-        accepted: list[bool] = []
+        buckets, accepted = seen
         still = []
-        for watch in self.watching:
+        for watch in watching:
             for token in tokens:
                 tried = watch.children(watch.node)
                 hit = next((i for i in tried if watch.tokens[i] == token), None)
@@ -390,10 +471,8 @@ class GoodputPolicy:
                 watch.node = hit
             else:
                 still.append(watch)
-        if buckets:
-            self.suffix.observe(buckets, accepted)
-        self.watching = [w for w in still if w.children(w.node)]
+        return [w for w in still if w.children(w.node)]
 
     def start_generation(self) -> None:
         """Forget the proposals of an earlier generation (what was learnt from them stays)."""
-        self.watching = []
+        self.watching = {}

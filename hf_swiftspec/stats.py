@@ -38,8 +38,9 @@ class RoundRecord:
 
     budget: int  # T: nodes verified, root included (1: plain decoding)
     expansions: int  # draft forwards run for this round
-    accepted: int  # proposed tokens accepted (the target adds one of its own)
+    accepted: int  # proposed tokens accepted over all rows (the target adds one of its own per row)
     ngram_accepted: int  # of those, proposed by the n-gram chain
+    rows: int = 1  # sequences verified in the round (batch rows still decoding)
 
 
 @dataclass

@@ -9,14 +9,33 @@ distribution it would have sampled from.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation import logits_process
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+from transformers.generation.stopping_criteria import (
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    MaxTimeCriteria,
+    StopStringCriteria,
+)
 
 from .tree import Subtree
+
+MASK64 = (1 << 64) - 1
+
+
+def noise_seed(seed: int, row: int, position: int) -> int:
+    """The seed of one (row, position)'s Gumbel noise: splitmix64 of the three, so every pair has a
+    stream of its own (torch's CPU generator keeps only the low 32 bits of a seed, so seeds that
+    differ by a multiple of 2**32 would share their noise)."""
+    z = (seed + (row << 40) + position + 0x9E3779B97F4A7C15) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return (z ^ (z >> 31)) >> 1  # manual_seed takes up to 63 bits
 
 # Processors whose output for a row depends on that row's logits alone, never on the tokens before
 # it (input_ids) or their count: with only these, every tree node can be processed at once. Matched
@@ -39,24 +58,89 @@ PATH_FREE_PROCESSORS = frozenset(
 )
 
 
+# Processors (exact types) whose output for a row depends on that row alone (its logits, its tokens,
+# its length), never on the other rows of the batch: with only these, each row of a batch is walked
+# on its own, its processors called with its own sequence, exactly as the batched call would treat it.
+ROW_WISE_PROCESSORS = PATH_FREE_PROCESSORS | frozenset(
+    getattr(logits_process, name)
+    for name in (
+        "RepetitionPenaltyLogitsProcessor",
+        "NoRepeatNGramLogitsProcessor",
+        "NoBadWordsLogitsProcessor",
+        "SequenceBiasLogitsProcessor",
+        "MinLengthLogitsProcessor",
+        "MinNewTokensLengthLogitsProcessor",
+        "ForcedBOSTokenLogitsProcessor",
+        "ForcedEOSTokenLogitsProcessor",
+        "ExponentialDecayLengthPenalty",
+        "SuppressTokensAtBeginLogitsProcessor",
+        "InfNanRemoveLogitsProcessor",
+        "WatermarkLogitsProcessor",
+    )
+    if hasattr(logits_process, name)
+)
+ROW_WISE_CRITERIA = (EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria, StopStringCriteria)
+# Row-wise processors that generate() builds with one value per batch row in a field (a tensor whose
+# first dimension is the batch): a row's own copy holds its own value.
+PER_ROW_FIELDS = {logits_process.RepetitionPenaltyLogitsProcessor: ("prompt_ignore_length",)}
+
+
+def batch_dependent(logits_processor, stopping_criteria) -> list[str]:
+    """The processors and criteria a per-row walk cannot be shown to call as the batched loop does
+    (they may read other rows, or keep per-batch state): their class names."""
+    names = [type(p).__name__ for p in logits_processor if type(p) not in ROW_WISE_PROCESSORS]
+    return names + [type(c).__name__ for c in stopping_criteria if type(c) not in ROW_WISE_CRITERIA]
+
+
+def processors_for_row(processors: LogitsProcessorList, row: int) -> LogitsProcessorList:
+    """The processors as row `row` of a batch sees them alone (per-row fields cut to that row)."""
+    out = LogitsProcessorList()
+    for processor in processors:
+        fields = [f for f in PER_ROW_FIELDS.get(type(processor), ()) if isinstance(getattr(processor, f), torch.Tensor)]
+        if fields:
+            processor = copy.copy(processor)
+            for name in fields:
+                setattr(processor, name, getattr(processor, name)[row : row + 1])
+        out.append(processor)
+    return out
+
+
 @dataclass
 class Sampler:
     """The target's next-token rule: generate()'s logits processors, then argmax or a sample.
 
-    Sampling is Gumbel-max with noise drawn per sequence position (a generator seeded with
-    seed + position), so the token at a position depends on its context and the seed only, never on
+    Sampling is Gumbel-max with noise drawn per sequence position (a generator seeded from the seed
+    and the position), so the token at a position depends on its context and the seed only, never on
     the tree that was verified: every node at one depth shares that depth's noise, and the walk
     uses one node per depth, so the emitted tokens are exact draws from the target's distribution,
-    and a seed reproduces them whatever trees the policy chose.
+    and a seed reproduces them whatever trees the policy chose. Each row of a batch has noise of
+    its own (`noise_seed`), so rows are independent draws.
 
     generator: explicit RNG for sampling, on the target's device (None for greedy); the seed is
         drawn from it on first use.
+    row: the batch row this sampler draws for.
     """
 
     logits_processor: LogitsProcessorList
     do_sample: bool
     generator: torch.Generator | None = None
     seed: int | None = None
+    row: int = 0
+
+    def for_rows(self, rows: int) -> list["Sampler"]:
+        """One sampler per batch row, with the processors as that row sees them and this one's seed
+        (drawn now if needed)."""
+        if self.do_sample:
+            self.draw_seed()
+        return [
+            dataclasses.replace(self, row=b, logits_processor=processors_for_row(self.logits_processor, b))
+            for b in range(rows)
+        ]
+
+    def draw_seed(self) -> int:
+        if self.seed is None:
+            self.seed = int(torch.randint(0, 2**62, (1,), generator=self.generator, device=self.generator.device))
+        return self.seed
 
     @property
     def path_free(self) -> bool:
@@ -65,11 +149,10 @@ class Sampler:
 
     def gumbel(self, positions: list[int], vocab: int, device: torch.device) -> torch.Tensor:
         """Gumbel noise (n, V) float64 for each of `positions` (absolute sequence positions)."""
-        if self.seed is None:
-            self.seed = int(torch.randint(0, 2**62, (1,), generator=self.generator, device=self.generator.device))
+        seed = self.draw_seed()
         rows = {}
         for p in set(positions):
-            g = torch.Generator(device=device).manual_seed((self.seed + p) % 2**63)
+            g = torch.Generator(device=device).manual_seed(noise_seed(seed, self.row, p))
             rows[p] = torch.rand(vocab, generator=g, dtype=torch.float64, device=device)
         u = torch.stack([rows[p] for p in positions]).clamp_(min=1e-300)
         return -torch.log(-torch.log(u))

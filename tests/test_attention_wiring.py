@@ -9,7 +9,7 @@ from hf_swiftspec import SwiftSpecConfig, SwiftSpecForCausalLM, coverage
 from hf_swiftspec.architectures import describe
 from hf_swiftspec.attention import resolve_attention, routed_attention
 from hf_swiftspec.cache import TreeCache
-from hf_swiftspec.engine.workers import model_step, tree_step_forward
+from hf_swiftspec.step import RowQueries, model_step, run_step
 from hf_swiftspec.testing import tiny_model, truncated_draft
 from hf_swiftspec.tree import subtree_mask
 
@@ -22,10 +22,11 @@ def tree_logits(model, backend, prefix, tokens, parents, fallbacks=None):
     model_step(model, cache, torch.tensor([prefix]), torch.arange(len(prefix))[None], keep=1)
     cache.seal_prefix()
     mask, depths = subtree_mask(parents, "cpu")
-    positions = (len(prefix) + depths)[None]
-    return tree_step_forward(
-        model, cache, torch.tensor([tokens]), positions, mask, backend, architecture, fallbacks=fallbacks
+    positions = len(prefix) + depths
+    (logits,) = run_step(
+        model, cache, [RowQueries(torch.tensor(tokens), positions, mask, positions)], backend, architecture, fallbacks
     )
+    return logits
 
 
 @pytest.mark.parametrize("backend", [pytest.param("triton", marks=needs_triton), "torch-reference"])

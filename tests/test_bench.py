@@ -204,14 +204,14 @@ def test_caches_keep_one_buffer_over_a_long_generation(tiny_models):
     assert target.forwards > 20 and draft.forwards > 20  # many rounds were watched
     assert (target.caches, target.buffers, draft.caches, draft.buffers) == (1, 1, 1, 1)
     assert budget.target_extra_slots == budget.tree_budget == 6
-    assert target.capacity == 9 + 300 + 6 and target.max_length <= target.capacity
+    assert target.capacity == 9 + 300 + 6 + 1 and target.max_length <= target.capacity  # + the scratch slot
     assert 0 < draft.max_tree_slots <= budget.tree_capacity
     assert budget.extra_mib > budget.draft_weights_mib > 0
 
 
 def test_memory_check_notices_a_reallocated_buffer(tiny_models, monkeypatch):
     """The check itself works: a cache that reallocates every commit is caught."""
-    commit = TreeCache.commit
+    commit = TreeCache.commit_rows
 
     def reallocating_commit(self, *args, **kwargs):
         commit(self, *args, **kwargs)
@@ -219,7 +219,7 @@ def test_memory_check_notices_a_reallocated_buffer(tiny_models, monkeypatch):
             self.buffers = []
             self.pack()
 
-    monkeypatch.setattr(TreeCache, "commit", reallocating_commit)
+    monkeypatch.setattr(TreeCache, "commit_rows", reallocating_commit)
     ids = torch.tensor([[5, 6, 7]])
     budget = memory_budget(tiny_models, {"tree_budget": 6, "draft_width": 4}, ids, 40)
     assert not budget.no_growth and budget.traces[0].buffers > 1

@@ -260,8 +260,8 @@ ROWS = [
     Row("num_beams > 1", ("num_beams", "length_penalty", "early_stopping"),
         lambda c: dict(num_beams=3, length_penalty=0.5, early_stopping=True), inert="beam search may find the greedy tokens",
         error="num_beams=3 is not supported"),
-    Row("num_return_sequences > 1", ("num_return_sequences",), lambda c: dict(num_return_sequences=2, do_sample=True),
-        inert="two samples", error="num_return_sequences=2 is not supported"),
+    Row("num_return_sequences", ("num_return_sequences",), lambda c: dict(num_return_sequences=3, do_sample=True),
+        lambda c: dict(do_sample=True), sample=True),
     Row("output_attentions=True", ("output_attentions",),
         lambda c: dict(output_attentions=True, return_dict_in_generate=True), inert="adds attentions",
         error="output_attentions=True is not supported"),
@@ -431,8 +431,9 @@ def sampled_distributions(model, case: Case, kwargs: dict, sequence: torch.Tenso
     rows = []
     for t in range(case.length, sequence.shape[1]):
         prefix = sequence[:, :t]
-        grown = torch.ones(1, t - case.length, dtype=torch.long)
-        mask = None if case.mask is None else torch.cat([case.mask, grown], dim=1)
+        # always a mask: without one, generate would take a sampled pad token for padding and mask it
+        mask = torch.cat([torch.ones(1, case.length, dtype=torch.long) if case.mask is None else case.mask,
+                          torch.ones(1, t - case.length, dtype=torch.long)], dim=1)
         out = model.target.generate(
             prefix, attention_mask=mask, **{**kwargs, "max_new_tokens": 1}, return_dict_in_generate=True,
             output_scores=True,
@@ -451,11 +452,18 @@ def check_row(model, case: Case, row: Row):
         kwargs = {**kwargs, "max_new_tokens": SAMPLED}
         torch.manual_seed(0)
         out = speculative(model, case, scored(**kwargs))
-        expected = sampled_distributions(model, case, {**COMMON, **kwargs}, out.sequences)
-        assert len(expected) == len(out.scores) >= 1
-        for t, (e, a) in enumerate(zip(expected, out.scores)):
-            torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-4, msg=f"{row.name}: distribution {t} differs")
-            assert torch.isfinite(a[0, out.sequences[0, case.length + t]]), "a token outside the target's support"
+        teacher = {k: v for k, v in {**COMMON, **kwargs}.items() if k != "num_return_sequences"}
+        eos = model.generation_config.eos_token_id
+        for r in range(out.sequences.shape[0]):  # several rows with num_return_sequences: each one its own draw
+            expected = sampled_distributions(model, case, teacher, out.sequences[r : r + 1])
+            assert len(expected) == len(out.scores) >= 1
+            new = out.sequences[r, case.length :].tolist()
+            steps = next((t + 1 for t, token in enumerate(new) if token == eos), len(new))  # then padding
+            for t, (e, a) in enumerate(zip(expected[:steps], out.scores)):
+                torch.testing.assert_close(a[r : r + 1], e, atol=1e-4, rtol=1e-4, msg=f"{row.name}: row {r}, distribution {t}")
+                assert torch.isfinite(a[r, out.sequences[r, case.length + t]]), "a token outside the target's support"
+        if out.sequences.shape[0] > 1:
+            assert len({tuple(seq) for seq in out.sequences.tolist()}) > 1, "the rows are copies, not independent draws"
         return
     expected = plain(model, case, row.call(case))
     with warnings.catch_warnings(record=True) as caught:
@@ -480,7 +488,8 @@ def check_not_vacuous(model, case: Case, row: Row):
         call, base = {**call, "max_new_tokens": 1}, {**base, "max_new_tokens": 1}
         e = plain(model, case, scored(**call)).scores[0]
         b = plain(model, case, scored(**base)).scores[0]
-        assert not torch.allclose(e, b, equal_nan=True), f"{row.name}: the argument changes nothing in plain generate"
+        changed = e.shape != b.shape or not torch.allclose(e, b, equal_nan=True)
+        assert changed, f"{row.name}: the argument changes nothing in plain generate"
         return
     try:
         with_arg = plain(model, case, call)
@@ -559,6 +568,119 @@ def test_unknown_model_inputs_are_refused(pairs):
                            model.target.generate(ids, **COMMON))  # fmt: skip
     with pytest.raises(ValueError, match=r"would ignore \['token_type_ids'\]"):
         model.generate(ids, token_type_ids=torch.full_like(ids, 9), **COMMON)
+
+
+# ---------------------------------------------------------------- batches: every row of a padded batch
+
+BATCH_LENGTHS = (9, 4, 12)
+# Rows whose processors or criteria may read other rows of a batch (user classes and subclasses,
+# prefix_allowed_tokens_fn's batch id, processors holding the batch's prompt or an unconditional
+# model of the whole batch): swiftspec decodes such a batch with generate's own loop, exactly, and
+# says so. Every other row speculates.
+TARGET_LOOP_ROWS = {
+    "stopping_criteria", "EosTokenCriteria subclass (item 3)", "encoder_repetition_penalty",
+    "prefix_allowed_tokens_fn", "logits_processor", "TemperatureLogitsWarper subclass reading input_ids (item 4)",
+    "guidance_scale", "guidance_scale with negative_prompt_ids", "encoder_no_repeat_ngram_size",
+}  # fmt: skip
+
+
+def batch_case(model) -> Case:
+    """Three prompts of different lengths, left-padded, with their attention_mask; `free` is row 0's."""
+    g = torch.Generator().manual_seed(11)
+    width = max(BATCH_LENGTHS)
+    ids = torch.zeros(len(BATCH_LENGTHS), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, n in enumerate(BATCH_LENGTHS):
+        ids[b, width - n :] = torch.randint(3, VOCAB, (n,), generator=g)
+        mask[b, width - n :] = 1
+    free = model.target.generate(ids, attention_mask=mask, **COMMON)
+    return Case(ids, mask, free[0, width:].tolist(), char_tokenizer())
+
+
+def finished_steps(sequences: torch.Tensor, length: int, eos) -> list[int]:
+    """Per row, how many steps carry its own tokens (up to its EOS; after it, the row is padding)."""
+    eos = {eos} if isinstance(eos, int) else set(eos or [])
+    return [next((t + 1 for t, tok in enumerate(row[length:]) if tok in eos), len(row) - length)
+            for row in sequences.tolist()]
+
+
+def same_rows(expected, actual, length: int, eos) -> bool:
+    """Same sequences; scores / logits equal at every step a row still decodes (after it finished,
+    generate computes them on the padding and swiftspec says "pad, with certainty")."""
+    e, a = parts(expected), parts(actual)
+    if e.keys() != a.keys() or e["sequences"].tolist() != a["sequences"].tolist():
+        return False
+    steps = finished_steps(e["sequences"], length, eos)
+    for key in e.keys() - {"sequences"}:
+        if len(e[key]) != len(a[key]):
+            return False
+        for t, (x, y) in enumerate(zip(e[key], a[key])):
+            rows = [b for b, n in enumerate(steps) if t < n]
+            if not torch.allclose(x[rows].float(), y[rows].float(), atol=1e-4, rtol=1e-4, equal_nan=True):
+                return False
+    return True
+
+
+def row_eos(model, kwargs: dict):
+    config = kwargs.get("generation_config")
+    return kwargs.get("eos_token_id", config.eos_token_id if config is not None else model.generation_config.eos_token_id)
+
+
+def check_batch_row(model, case: Case, row: Row):
+    kwargs = row.call(case)
+    if row.error:
+        with pytest.raises((ValueError, TypeError), match=row.error):
+            speculative(model, case, kwargs)
+        return
+    if row.sample:
+        kwargs = {**kwargs, "max_new_tokens": SAMPLED}
+        torch.manual_seed(0)
+        out = speculative(model, case, scored(**kwargs))
+        copies = kwargs.get("num_return_sequences", 1)
+        teacher = {k: v for k, v in {**COMMON, **kwargs}.items() if k != "num_return_sequences"}
+        steps = finished_steps(out.sequences, case.length, model.generation_config.eos_token_id)
+        for r in range(out.sequences.shape[0]):  # each row against plain generate on that row alone
+            b = r // copies
+            alone = Case(case.ids[b : b + 1], case.mask[b : b + 1], case.free, case.tokenizer)
+            expected = sampled_distributions(model, alone, teacher, out.sequences[r : r + 1])
+            for t, e in enumerate(expected[: steps[r]]):
+                torch.testing.assert_close(out.scores[t][r : r + 1], e, atol=1e-4, rtol=1e-4, msg=f"{row.name}: row {r}, step {t}")
+        return
+    expected = plain(model, case, row.call(case))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        actual = speculative(model, case, kwargs)
+    messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    if row.warns:
+        assert any(re.search(row.warns, m) for m in messages), messages
+    assert same_rows(expected, actual, case.length, row_eos(model, kwargs)), f"{row.name}\n" + describe_difference(expected, actual)
+    looped = any("with the target's own decoding loop" in m for m in messages)
+    assert looped == (row.name in TARGET_LOOP_ROWS), f"{row.name}: took generate's own loop: {looped}"
+    assert model.swiftspec_stats.engine.startswith("target") == looped
+
+
+BATCH_PARAMS = [
+    pytest.param(arch, setting, row, id=f"{arch}-{setting}-batch-{row.name}")
+    for arch in ARCHITECTURES
+    for setting in SETTINGS
+    for row in ROWS
+    if row.prompt == "prompt" and row.padded and row.name != "streamer" and (setting == "default" or not row.sample)
+]
+
+
+@pytest.mark.parametrize("arch, setting, row", BATCH_PARAMS)
+def test_batch_row(pairs, arch, setting, row):
+    """Every contract row on a left-padded batch of three prompts of different lengths: each row of the
+    output exactly as target.generate gives it for the same batch."""
+    model = pairs[(arch, setting)]
+    check_batch_row(model, batch_case(model), row)
+
+
+def test_a_streamer_is_refused_for_a_batch(pairs):
+    model = pairs[("llama", "default")]
+    case = batch_case(model)
+    with pytest.raises(ValueError, match="A streamer works with one sequence at a time"):
+        speculative(model, case, dict(streamer=Collect()))
 
 
 # ---------------------------------------------------------------- the README's list, rendered from the table

@@ -33,30 +33,30 @@ def test_useless_draft_means_plain_decoding():
     policy = measured_policy(expand_ms=2, verify_ms=10, per_node_ms=0.5, acceptance=0.0)
     probs = policy.draft_probs([0.0, -0.1, -0.2, -0.3])
     assert probs[0] == 1.0 and max(probs[1:]) < 0.1
-    policy.rounds = 5  # not a probing round
+    policy.at(1).rounds = 5  # not a probing round
     policy.start_round()
-    assert policy.best_budget(sorted(probs, reverse=True), spent_s=0.0)[0] == 1
+    assert policy.best_budget([sorted(probs, reverse=True)], spent_s=0.0)[0] == 1
     policy.gains = [0.05] * len(policy.gains)  # what expanding was seen to add, at every depth
-    assert not policy.keep_expanding(0, 0.0, [1.0], probing=False)
+    assert not policy.keep_expanding(0, 0.0, [[1.0]], probing=False)
 
 
 def test_agreeing_draft_grows_trees():
     policy = measured_policy(expand_ms=1, verify_ms=10, per_node_ms=0.1, acceptance=0.9)
     probs = policy.draft_probs([0.0] + [-0.1 * (i + 1) for i in range(8)])
     assert min(probs) > 0.3
-    policy.rounds = 5
+    policy.at(1).rounds = 5
     policy.start_round()
-    budget, rate = policy.best_budget(sorted(probs, reverse=True), spent_s=0.002)
+    budget, rate = policy.best_budget([sorted(probs, reverse=True)], spent_s=0.002)
     assert budget >= 6 and rate > 1 / 0.010  # beats plain decoding: one token per 10 ms
     policy.gains[0] = 1.0
-    assert policy.keep_expanding(0, 0.0, [1.0], probing=False)
+    assert policy.keep_expanding(0, 0.0, [[1.0]], probing=False)
 
 
 def test_fixed_settings_are_honoured():
     policy = measured_policy(expand_ms=2, verify_ms=10, per_node_ms=0.5, acceptance=0.0, tree_budget=6, draft_depth=2)
     assert policy.fixed and policy.max_budget == 6
-    assert policy.best_budget([1.0] * 10, 0.0)[0] == 6
-    assert [policy.keep_expanding(k, 0.0, [1.0], False) for k in range(3)] == [True, True, False]
+    assert policy.best_budget([[1.0] * 10], 0.0)[0] == 6
+    assert [policy.keep_expanding(k, 0.0, [[1.0]], False) for k in range(3)] == [True, True, False]
 
 
 def test_cost_model_prices_sizes_as_measured():
@@ -85,10 +85,10 @@ def test_expensive_small_trees_are_not_verified_for_an_unlikely_guess():
     for budget, seconds in ((1, 0.040), (2, 0.060), (4, 0.064)):
         for _ in range(3):
             policy.costs.observe_verify(budget, seconds)
-    policy.rounds = 5
+    policy.at(1).rounds = 5
     policy.start_round()
-    assert policy.best_budget([1.0, 0.3], spent_s=0.0)[0] == 1
-    assert policy.best_budget([1.0, 0.8, 0.7, 0.6], spent_s=0.0)[0] == 4
+    assert policy.best_budget([[1.0, 0.3]], spent_s=0.0)[0] == 1
+    assert policy.best_budget([[1.0, 0.8, 0.7, 0.6]], spent_s=0.0)[0] == 4
 
 
 def test_suffix_proposal_merges_the_recent_occurrences_of_the_longest_match():
@@ -154,9 +154,9 @@ def test_suffix_proposals_are_calibrated_on_what_the_target_emits_verified_or_no
         proposal = offered([cycle[(r + 1 + j) % 4] for j in range(4)])
         policy.observe_outcome(proposal, Verified(tokens=[cycle[(r + 1) % 4]], path=[0]))
     assert policy.suffix_probs(chain([1, 2, 3, 4], 3))[0][3] > 0.6, policy.suffix_probs(chain([1, 2, 3, 4], 3))
-    assert len(policy.watching) <= 4  # each followed until its four tokens were emitted
+    assert len(policy.watching[0]) <= 4  # each followed until its four tokens were emitted
     policy.start_generation()
-    assert policy.watching == []
+    assert policy.watching == {}
 
 
 def test_suffix_tree_merges_into_the_draft_candidates():
@@ -259,7 +259,7 @@ def probe_rounds(probe_tokens: int, rounds: int = 800) -> list[int]:
         policy.observe_round(2 if probing else 0, draft_s=0.0, budget=1, verify_s=seconds, tokens=tokens)
         policy.observe_outcome(root, Verified(tokens=[0] * tokens, path=[0] * tokens))
         if probing:
-            probed.append(policy.rounds)
+            probed.append(policy.at(1).rounds)
     return probed
 
 

@@ -12,7 +12,7 @@ from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.architectures import describe
 from hf_swiftspec.cache import TreeCache
 from hf_swiftspec.coverage import perturbed_copy, tiny_model
-from hf_swiftspec.engine.workers import model_step, tree_step_forward
+from hf_swiftspec.step import RowQueries, model_step, run_step
 from hf_swiftspec.tree import subtree_mask
 
 WINDOW = 16
@@ -57,7 +57,8 @@ def test_tree_deeper_than_the_window_equals_per_branch_causal_forwards(kind):
     model_step(model, cache, torch.tensor([prefix]), torch.arange(len(prefix))[None], keep=1)
     cache.seal_prefix()
     mask, depths = subtree_mask(parents, "cpu")
-    logits = tree_step_forward(model, cache, torch.tensor([tokens]), (len(prefix) + depths)[None], mask, "sdpa")
+    positions = len(prefix) + depths
+    (logits,) = run_step(model, cache, [RowQueries(torch.tensor(tokens), positions, mask, positions)], "sdpa", architecture)
     for i in range(len(tokens)):
         path, node = [], i
         while node >= 0:

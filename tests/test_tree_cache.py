@@ -4,10 +4,11 @@ import pytest
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
+from hf_swiftspec.architectures import describe
 from hf_swiftspec.cache import TreeCache
-from hf_swiftspec.attention import dense_tree_mask
-from hf_swiftspec.engine.workers import DraftWorker, TargetWorker, model_step
-from hf_swiftspec.tree import Subtree, subtree_mask
+from hf_swiftspec.engine.workers import DraftWorker, TargetWorker
+from hf_swiftspec.step import RowQueries, model_step, run_step
+from hf_swiftspec.tree import Subtree, select_subtree, subtree_mask
 from hf_swiftspec.verify import Sampler
 
 ATOL = 2e-5
@@ -34,11 +35,24 @@ def path_to(parents, tokens, i):
     return path[::-1]
 
 
-def tree_forward(model, cache, tokens, parents):
+def tree_queries(cache, row, tokens, parents):
+    """Row `row`'s queries for a subtree hanging after its committed tokens."""
     mask, depths = subtree_mask(parents, "cpu")
-    attn = dense_tree_mask(cache.prefix_len, mask, model.dtype)
-    ids = torch.tensor([tokens])
-    return model_step(model, cache, ids, (cache.prefix_len + depths)[None], attn)
+    positions = cache.prefix_lens[row] - cache.starts[row] + depths
+    return RowQueries(torch.tensor(tokens), positions, mask, positions)
+
+
+def tree_forward(model, cache, tokens, parents):
+    """Logits (T, V) of a single sequence's subtree."""
+    return run_step(model, cache, [tree_queries(cache, 0, tokens, parents)], "sdpa", describe(model))[0]
+
+
+def path_nodes(parents, node):
+    nodes = []
+    while node >= 0:
+        nodes.append(node)
+        node = parents[node]
+    return nodes[::-1]
 
 
 @pytest.mark.parametrize("shape", ["chain", "star", "random"])
@@ -103,7 +117,7 @@ def test_draft_keeps_surviving_kv_across_reroots(llama_pair):
     target_w = TargetWorker(target, capacity=128)
     draft = DraftWorker(draft_model, capacity=512, tree_capacity=400, width=4, vocab_limit=98)
     target_w.prefill(prompt)
-    draft.start(prompt)
+    draft.start(prompt.tolist())
     sampler = Sampler(LogitsProcessorList(), do_sample=False)
     hits = 0
     for _ in range(8):
@@ -124,11 +138,11 @@ def test_draft_keeps_surviving_kv_across_reroots(llama_pair):
                 children = new[tree.parents[new] == leaf]
                 got = tree.scores[children] - tree.scores[leaf]
                 torch.testing.assert_close(got, fresh[tree.tokens[children]], atol=ATOL, rtol=0)
-        subtree = draft.propose(8)
-        verified = target_w.verify(subtree, sampler, StoppingCriteriaList(), 100)
+        subtree = select_subtree(draft.tree, 8)[0]
+        verified = target_w.verify([subtree], [sampler], [StoppingCriteriaList()], [100])
         sequence = target_w.sequence
-        hits += draft.reroot(subtree, verified)
-        assert draft.cache.prefix_len == target_w.cache.prefix_len == sequence.shape[1] - 1 - len(draft.pending)
+        hits += draft.reroot([subtree], verified)
+        assert draft.cache.prefix_len == target_w.cache.prefix_len == sequence.shape[1] - 1 - len(draft.pending[0])
     assert hits > 0  # the surviving-subtree path was exercised
 
 
@@ -142,12 +156,12 @@ def test_subtree_mask_is_ancestor_or_self():
 def test_subtree_from_select_is_connected(llama_pair):
     _, draft_model, _ = llama_pair
     draft = DraftWorker(draft_model, capacity=256, tree_capacity=300, width=8, vocab_limit=98)
-    draft.start(torch.tensor([[5, 6, 7]]))
+    draft.start([[5, 6, 7]])
     for _ in range(4):
         draft.expand()
     tree = draft.tree
     for budget in (2, 8, 16, 33):
-        sub: Subtree = draft.propose(budget)
+        sub: Subtree = select_subtree(tree, budget)[0]
         assert len(sub) == budget and sub.parents[0] == -1
         assert all(0 <= p < i for i, p in enumerate(sub.parents) if i)
         chosen = tree.scores[torch.tensor(sub.node_ids)]
@@ -168,3 +182,80 @@ def test_subtree_mask_matches_walking_up_the_parents(size):
             node = parents[node]
         assert set(mask[i].nonzero().flatten().tolist()) == ancestors
         assert depths[i] == len(ancestors) - 1
+
+
+def left_padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids (B, L), attention_mask (B, L)) of token lists, left-padded with 0."""
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, width - len(r) :] = torch.tensor(r)
+        mask[b, width - len(r) :] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_ragged_rows_equal_per_branch_causal_forwards_round_after_round(llama_pair, seed):
+    """Rows of different lengths in one cache: every round a tree of a different size per row (a row
+    may sit a round out), commits of different paths, a row dropped midway; each row's logits equal
+    fresh causal forwards of that row alone. Rows then write at different offsets (the scatter path)."""
+    target = llama_pair[0]
+    gen = torch.Generator().manual_seed(seed)
+    committed = [torch.randint(3, 98, (n,), generator=gen).tolist() for n in (3, 11, 6)]
+    ids, mask = left_padded(committed)
+    cache = TreeCache(target.config.num_hidden_layers, 96, batch_size=3)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    model_step(target, cache, ids, positions, attention_mask=mask, keep=1)
+    cache.starts = (ids.shape[1] - mask.sum(-1)).tolist()
+    cache.seal_prefix()
+    for round_ in range(5):
+        trees = []
+        for b in range(len(committed)):
+            n = int(torch.randint(0, 9, (1,), generator=gen))  # 0: the row sits the round out
+            tokens = torch.randint(3, 98, (n,), generator=gen).tolist()
+            trees.append((tokens, random_parents(n, gen, "random") if n else []))
+        rows = [tree_queries(cache, b, t, p) if t else RowQueries.none("cpu") for b, (t, p) in enumerate(trees)]
+        logits = run_step(target, cache, rows, "sdpa", describe(target))
+        paths = []
+        for b, (tokens, parents) in enumerate(trees):
+            for i in range(len(tokens)):
+                expected = causal_logits(target, committed[b] + [tokens[j] for j in path_nodes(parents, i)])[-1]
+                torch.testing.assert_close(logits[b][i], expected, atol=ATOL, rtol=0)
+            if not tokens:
+                paths.append(None)
+                continue
+            accepted = path_nodes(parents, int(torch.randint(0, len(tokens), (1,), generator=gen)))
+            committed[b] += [tokens[j] for j in accepted]
+            paths.append(torch.tensor(accepted))
+        cache.commit_rows(paths)
+        assert [p - s for p, s in zip(cache.prefix_lens, cache.starts)] == [len(c) for c in committed]
+        if round_ == 2:  # the middle row finishes: the others go on without it
+            cache.keep_rows([0, 2])
+            del committed[1]
+
+
+def test_batched_target_verify_matches_one_row_at_a_time(llama_pair):
+    """TargetWorker over a left-padded batch: the same walks and committed sequences as each prompt alone."""
+    target = llama_pair[0]
+    prompts = [[5, 9, 12], [7, 7, 3, 44, 60, 2, 19], [33]]
+    ids, mask = left_padded(prompts)
+    batch = TargetWorker(target, capacity=64, batch_size=3)
+    batch.prefill(ids, attention_mask=mask)
+    alone = [TargetWorker(target, capacity=64) for _ in prompts]
+    for worker, prompt in zip(alone, prompts):
+        worker.prefill(torch.tensor([prompt]))
+    sampler, none = Sampler(LogitsProcessorList(), do_sample=False), StoppingCriteriaList()
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        subtrees = []
+        for _ in prompts:
+            n = int(torch.randint(1, 7, (1,), generator=gen))
+            parents = random_parents(n, gen, "random")
+            subtrees.append(Subtree(list(range(n)), torch.randint(3, 98, (n,), generator=gen).tolist(), parents))
+        got = batch.verify(subtrees, [sampler] * 3, [none] * 3, [50] * 3)
+        for b, worker in enumerate(alone):
+            (expected,) = worker.verify([subtrees[b]], [sampler], [none], [50])
+            assert (got[b].tokens, got[b].path) == (expected.tokens, expected.path)
+    for b, worker in enumerate(alone):  # the batch's rows start with their padded prompt
+        assert batch.sequences[b][0, ids.shape[1] :].tolist() == worker.sequence[0, len(prompts[b]) :].tolist()

@@ -181,7 +181,8 @@ def memory_budget(models: BenchModels, settings: dict, ids: torch.Tensor, new_to
     target_kv = kv_bytes_per_token(models.target) * context / MIB
     tree = token_tree_bytes(config.tree_capacity) / MIB
     draft_weights = parameter_bytes(models.draft) / MIB
-    target_extra, draft_extra = target.capacity - context, draft.capacity - context
+    scratch = 1  # each cache's last slot takes the writes of a batch's padding queries
+    target_extra, draft_extra = target.capacity - scratch - context, draft.capacity - scratch - context
     return MemoryBudget(
         context_tokens=context,
         target_weights_mib=round(parameter_bytes(models.target) / MIB, 3),

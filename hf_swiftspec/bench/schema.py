@@ -198,9 +198,9 @@ class MemoryBudget:
     draft_tree_cache_mib: float
     token_tree_mib: float
     extra_mib: float
-    target_extra_slots: int  # target TreeCache capacity - context
+    target_extra_slots: int  # target TreeCache capacity - its scratch slot - context
     tree_budget: int
-    draft_extra_slots: int  # draft TreeCache capacity - context
+    draft_extra_slots: int  # draft TreeCache capacity - its scratch slot - context
     tree_capacity: int
     within_tree_region: bool
     no_growth: bool

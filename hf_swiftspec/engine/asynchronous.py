@@ -6,7 +6,8 @@ differs:
             re-root (the tree keeps what it grew meanwhile) -> top up -> propose S_n+1
     target: receive S_n -> forward + walk + commit -> send verdict -> emit tokens
 
-`run_draft` and `run_target` are transport-free; `run_threads` runs them in one process.
+`run_draft` and `run_target` are transport-free; `run_threads` runs them in one process. They
+decode one sequence (a batch of prompts takes the serial engine, which batches every forward).
 """
 
 from __future__ import annotations
@@ -19,25 +20,25 @@ import torch
 
 from ..stats import SwiftSpecStats
 from .links import LinkClosed, SwiftSpecWorkerError, ThreadLink
-from .request import DecodeRequest, DecodeResult
+from .request import BatchRows, DecodeRequest, DecodeResult
 from .workers import DraftWorker, TargetWorker
 
 FIRST_TREE = 8  # nodes the draft grows before proposing when its tree is fresh
 
 
 def run_draft(draft: DraftWorker, request: DecodeRequest, link) -> None:
-    """The draft worker's loop; returns when the target says generation is finished."""
+    """The draft worker's loop; returns when the target says generation is finished (one sequence)."""
     policy, counters = request.policy, draft.counters
-    draft.start(request.prompt, request.corpus, request.history)
+    draft.start(request.prompt_ids(), request.corpus, request.history)
     start = time.perf_counter()
     draft.top_up(min(policy.max_budget, FIRST_TREE))
     while True:
         # Drafting is off the critical path here: the tree size is chosen by verification time alone.
-        suffix = draft.suffix_tree(policy.max_budget)
-        if draft.tree.size == 1 and not suffix.tokens:  # a fresh tree and nothing to copy: one expansion first
+        suffixes = draft.suffix_trees(policy.max_budget)
+        if draft.tree.size == 1 and not suffixes[0].tokens:  # a fresh tree and nothing to copy: one expansion first
             draft.top_up(2)
-        candidates = draft.candidates(policy, suffix)
-        proposal = draft.proposal(policy, candidates, spent_s=0.0, agree=link.agree)
+        candidates = draft.candidates(policy, suffixes)
+        (proposal,) = draft.proposals(policy, candidates, spent_s=0.0, agree=link.agree)
         link.send_subtree(proposal.subtree)
         sent = time.perf_counter()
         counters.rounds += 1
@@ -54,27 +55,27 @@ def run_draft(draft: DraftWorker, request: DecodeRequest, link) -> None:
         policy.observe_outcome(proposal, verified)
         if verified.finished:
             return
-        draft.reroot(proposal.subtree, verified)  # the target waits from here to the next send: keep it short
+        draft.reroot([proposal.subtree], [verified])  # the target waits from here to the next send: keep it short
 
 
-def run_target(target: TargetWorker, request: DecodeRequest, link, result: DecodeResult) -> None:
+def run_target(target: TargetWorker, request: DecodeRequest, link, rows: BatchRows) -> None:
     """The target worker's loop: verify each subtree, answer at once, then emit the tokens."""
-    target.prefill(request.prompt, request.padding)
-    while True:
+    target.prefill(request.prompt, request.contexts, request.attention_mask)
+    while rows.live:
         waiting = time.perf_counter()
         subtree = link.receive_subtree()
         target.counters.idle_s += time.perf_counter() - waiting
-        remaining = request.max_new_tokens - len(result.tokens)
-        verified = target.verify(subtree, request.sampler, request.stopping_criteria, remaining, walk=link.walk)
+        (verified,) = target.verify(
+            [subtree], request.samplers, rows.criteria(request.stopping_criteria), rows.budgets(), walk=link.walk
+        )
+        staying = rows.record([verified], request.on_tokens)
+        verified.finished = verified.finished or not staying
         link.send_verdict(verified)
-        result.emit(verified, request)
-        if verified.finished:
-            return
 
 
 def run_threads(target: TargetWorker, draft: DraftWorker, request: DecodeRequest, timeout_s: float) -> DecodeResult:
     """Target in the calling thread, draft in a worker thread (on its own CUDA stream)."""
-    result = DecodeResult()
+    rows = BatchRows.start(request)
     link = ThreadLink(timeout_s)
 
     def draft_main() -> None:
@@ -90,7 +91,7 @@ def run_threads(target: TargetWorker, draft: DraftWorker, request: DecodeRequest
     start = time.perf_counter()
     thread.start()
     try:
-        run_target(target, request, link, result)
+        run_target(target, request, link, rows)
     except SwiftSpecWorkerError:
         raise
     except Exception as error:
@@ -100,8 +101,9 @@ def run_threads(target: TargetWorker, draft: DraftWorker, request: DecodeRequest
         thread.join(timeout=timeout_s)
     if thread.is_alive():
         raise SwiftSpecWorkerError(f"the draft worker did not stop within {timeout_s:.0f}s after generation ended")
+    result = rows.result
     result.stats = SwiftSpecStats.collect(
-        "async-threads", len(result.tokens), time.perf_counter() - start, target.counters, draft.counters
+        "async-threads", result.new_tokens, time.perf_counter() - start, target.counters, draft.counters
     )
     return result
 

@@ -30,7 +30,7 @@ from ..tree import Subtree
 from ..verify import Verified, verify_tree
 from .asynchronous import run_draft, run_target
 from .links import PeerFailed, SwiftSpecWorkerError
-from .request import DecodeResult
+from .request import BatchRows
 
 GO, FINISHED, FAILED = 0, 1, -1
 ERROR_BYTES = 512
@@ -296,16 +296,17 @@ def run_distributed(groups: Groups, target, draft, request, timeout_s: float):
             "messages. Restart the torchrun job (reload the model) to generate again."
         )
     link = DistLink(groups, request.policy.max_budget, timeout_s)
-    result = DecodeResult()
+    rows = BatchRows.start(request)
     start = time.perf_counter()
     try:
         if groups.role == "target":
-            run_target(target, request, link, result)
+            run_target(target, request, link, rows)
             target_counters, draft_counters = target.counters, link.receive_counters()
         else:
             run_draft(draft, request, link)
             link.send_counters(draft.counters)
-            result.tokens = list(link.tokens)
+            rows.result.rows[0].tokens = list(link.tokens)
+            rows.result.end = len(link.tokens)
             target_counters, draft_counters = TargetCounters(), draft.counters
     except PeerFailed as error:
         groups.broken = str(error)
@@ -315,7 +316,8 @@ def run_distributed(groups: Groups, target, draft, request, timeout_s: float):
         if isinstance(error, SwiftSpecWorkerError):
             raise
         raise SwiftSpecWorkerError(f"the {groups.role} worker failed on rank {groups.rank}: {error!r}") from error
+    result = rows.result
     result.stats = SwiftSpecStats.collect(
-        "async-distributed", len(result.tokens), time.perf_counter() - start, target_counters, draft_counters
+        "async-distributed", result.new_tokens, time.perf_counter() - start, target_counters, draft_counters
     )
     return result

@@ -1,64 +1,84 @@
-"""Serial tree speculation on one device: draft, then verify, then re-root, as the policy says."""
+"""Serial tree speculation on one device: draft, then verify, then re-root, as the policy says.
+
+One round serves every row of the batch: one draft forward per expansion for all rows, one target
+forward verifying each row's subtree (one tree size for the batch, so the forward is a rectangle
+of rows x nodes), a walk per row with the target's own choices, one commit per cache. Rows that
+finish leave both caches at the end of the round (`keep_rows`: their slots are compacted away), so
+they stop costing compute.
+"""
 
 from __future__ import annotations
 
 import time
 
 from ..stats import SwiftSpecStats
-from .request import DecodeRequest, DecodeResult
+from ..tree import Proposal
+from .request import BatchRows, DecodeRequest, DecodeResult
 from .workers import DraftWorker, TargetWorker
 
 
 def run_serial(target: TargetWorker, draft: DraftWorker, request: DecodeRequest) -> DecodeResult:
     """The whole decode loop. Lossless: every emitted token is the target's own choice."""
-    policy, result = request.policy, DecodeResult()
+    policy = request.policy
+    rows = BatchRows.start(request)
+    samplers = list(request.samplers)
     start = time.perf_counter()
-    target.prefill(request.prompt, request.padding)
-    draft.start(request.prompt, request.corpus, request.history)
-    while len(result.tokens) < request.max_new_tokens:
+    target.prefill(request.prompt, request.contexts, request.attention_mask)
+    draft.start(request.prompt_ids(), request.corpus, request.history)
+    while rows.live:
         # 1. draft: expand while more expansions are expected to raise tokens per second
         round_start = time.perf_counter()
-        probing = policy.start_round()
-        suffix = draft.suffix_tree(policy.max_budget)
-        candidates = draft.candidates(policy, suffix)
+        probing = policy.start_round(len(rows.live))
+        suffixes = draft.suffix_trees(policy.max_budget)
+        candidates = draft.candidates(policy, suffixes)
         expansions, expanding_s, catch_up_s = 0, 0.0, 0.0
-        while policy.keep_expanding(expansions, time.perf_counter() - round_start, candidates.ranked_probs, probing):
+        while policy.keep_expanding(expansions, time.perf_counter() - round_start, ranked_probs(candidates), probing):
             before = time.perf_counter()
-            if len(draft.pending) > 1:  # tokens the draft has not run (the prompt, plain rounds): no expansion's cost
+            if any(len(p) > 1 for p in draft.pending):  # tokens the draft has not run: no expansion's cost
                 draft.catch_up()
                 catch_up_s += time.perf_counter() - before
                 before = time.perf_counter()
             if not draft.expand(within=policy.max_budget):
                 break
             expanding_s += time.perf_counter() - before
-            grown = draft.candidates(policy, suffix)
-            policy.observe_gain(expansions, candidates.ranked_probs, grown.ranked_probs, before - round_start)
+            grown = draft.candidates(policy, suffixes)
+            policy.observe_gain(expansions, ranked_probs(candidates), ranked_probs(grown), before - round_start)
             candidates, expansions = grown, expansions + 1
-        if policy.fixed:  # both tree settings given: the subtree always has tree_budget nodes
+        if policy.fixed:  # both tree settings given: every subtree has tree_budget nodes
             expansions += draft.top_up(policy.max_budget)
-            candidates = draft.candidates(policy, suffix)
-        proposal = draft.proposal(policy, candidates, time.perf_counter() - round_start)
+            candidates = draft.candidates(policy, suffixes)
+        proposals = draft.proposals(policy, candidates, time.perf_counter() - round_start)
         draft.counters.rounds += 1
         draft.counters.busy_s += time.perf_counter() - round_start
-        # 2. target: one forward over the subtree, walk it with its own choices, commit the path
+        # 2. target: one forward over every row's subtree, walk each with its own choices, commit the paths
+        subtrees = [p.subtree for p in proposals]
         verified = target.verify(
-            proposal.subtree, request.sampler, request.stopping_criteria, request.max_new_tokens - len(result.tokens)
+            subtrees, [samplers[i] for i in rows.live], rows.criteria(request.stopping_criteria), rows.budgets()
         )
-        result.emit(verified, request)
-        if not verified.finished:  # 3. draft: keep the subtree under the last verified token, KV included
-            draft.reroot(proposal.subtree, verified)
+        outcomes = [(i, p, v) for i, p, v in zip(rows.live, proposals, verified)]
+        keep = rows.record(verified, request.on_tokens)
+        # 3. draft: keep each row's subtree under its last verified token, KV included
+        staying = set(keep)
+        draft.reroot(subtrees, [v if b in staying else None for b, v in enumerate(verified)])
         round_s = time.perf_counter() - round_start
-        verify_s = round_s - expanding_s - catch_up_s if result.rounds else None  # round 1's root came with the prefill
+        first = not rows.result.rounds  # round 1's roots came with the prefill: it times no verification
         policy.observe_round(
-            expansions, expanding_s, len(proposal.subtree), verify_s,
-            tokens=len(verified.tokens), catch_up_s=catch_up_s,
+            expansions, expanding_s, max(len(s) for s in subtrees), None if first else round_s - expanding_s - catch_up_s,
+            tokens=sum(len(v.tokens) for v in verified), catch_up_s=catch_up_s,
         )
-        policy.observe_outcome(proposal, verified)
-        result.record_round(proposal, verified, expansions)
-        if verified.finished:
-            break
+        policy.observe_outcomes(outcomes)
+        rows.result.record_round(proposals, verified, expansions)
+        if keep and len(keep) < len(verified):  # rows that finished stop costing compute
+            target.keep_rows(keep)
+            draft.keep_rows(keep)
+    result = rows.result
     result.stats = SwiftSpecStats.collect(
-        "serial", len(result.tokens), time.perf_counter() - start, target.counters, draft.counters
+        "serial", result.new_tokens, time.perf_counter() - start, target.counters, draft.counters
     )
     result.stats.add_rounds(result.rounds)
     return result
+
+
+def ranked_probs(candidates: list[Proposal]) -> list[list[float]]:
+    """Each row's node probabilities, best first."""
+    return [c.ranked_probs for c in candidates]

@@ -1,8 +1,10 @@
 """The two workers of tree speculation. Engines differ only in how they schedule these calls.
 
-DraftWorker owns the draft model, its TreeCache and the TokenTree; TargetWorker owns the
-target model and its TreeCache. Both caches hold the same committed prefix: every verified
-token except the current root, which is tree node 0 on both sides.
+DraftWorker owns the draft model, its TreeCache and one TokenTree per batch row; TargetWorker
+owns the target model and its TreeCache. Both caches hold, per row, the same committed tokens:
+every verified token except the current root, which is tree node 0 on both sides (the draft's
+cache may lag behind by its `pending` tokens). Rows are independent sequences sharing each forward:
+`keep_rows` drops the rows that finished, on both workers alike.
 """
 
 from __future__ import annotations
@@ -13,20 +15,22 @@ import torch
 from transformers import PreTrainedModel, StoppingCriteriaList
 
 from ..architectures import Architecture, describe
-from ..attention import tree_step_kwargs
 from ..cache import TreeCache
+from ..policy import GoodputPolicy
 from ..stats import DraftCounters, TargetCounters
+from ..step import RowQueries, model_step, run_step
+from ..suffix import OutputHistory, SuffixIndex, SuffixTree
 from ..tree import (
     Proposal,
     Subtree,
-    best_subtree,
-    merge_suffix,
-    ranked,
     TokenTree,
     add_children,
+    best_subtree,
     expansion_inputs,
     locate_child,
+    merge_suffix,
     new_tree,
+    ranked,
     reroot,
     reset_tree,
     room_for_expansion,
@@ -34,230 +38,263 @@ from ..tree import (
     select_subtree,
     subtree_mask,
 )
-from ..suffix import OutputHistory, SuffixIndex, SuffixTree
-from ..policy import GoodputPolicy
 from ..verify import Sampler, Verified, verify_tree
 
 
-def model_step(model: PreTrainedModel, cache: TreeCache, input_ids, position_ids, attention_mask=None, keep: int = 0,
-               **kwargs):
-    """One forward writing into `cache`; returns float32 logits (Q, V) (only the last `keep` if keep > 0)."""
-    out = model(
-        input_ids=input_ids,
-        position_ids=position_ids,
-        attention_mask=attention_mask,
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=keep,
-        **kwargs,
-    )
-    cache.advance(input_ids.shape[1])
-    # Some models (trocr) take no logits_to_keep and return every row: keep the last `keep` here.
-    return out.logits[0, -keep:].float() if keep else out.logits[0].float()
-
-
-def tree_step_forward(
-    model, cache: TreeCache, input_ids, position_ids, tree_mask: torch.Tensor, attention: str,
-    architecture: Architecture | None = None, kv_positions: torch.Tensor | None = None,
-    fallbacks: set[str] | None = None,
-):
-    """A forward over tree nodes (1, Q): each sees the prefix and the tree slots `tree_mask` (Q, S) allows.
-
-    kv_positions: (S,) positions of the tree slots, needed when a layer has a window (default:
-        the queries' own, as when the step's nodes are the whole tree region).
-    fallbacks: collects why kernel-routed layers ran the model's own attention instead.
-    """
-    q_positions = position_ids[0]
-    kwargs = tree_step_kwargs(
-        attention, architecture or describe(model), cache.prefix_len, tree_mask, model.dtype, q_positions,
-        q_positions if kv_positions is None else kv_positions,
-    )
-    logits = model_step(model, cache, input_ids, position_ids, **kwargs)
-    if fallbacks is not None and "swiftspec_tree" in kwargs:
-        fallbacks |= kwargs["swiftspec_tree"].fallbacks
-    return logits
-
-
-def new_cache(architecture: Architecture, capacity: int) -> TreeCache:
-    return TreeCache(len(architecture.layer_types), capacity, architecture.sliding)
+def new_cache(architecture: Architecture, capacity: int, batch_size: int = 1) -> TreeCache:
+    """A tree cache for `capacity` positions per row, plus the scratch slot padding queries write into."""
+    return TreeCache(len(architecture.layer_types), capacity + 1, architecture.sliding, batch_size)
 
 
 class TargetWorker:
-    """Runs the target: prefill, then one tree forward + verification walk + commit per step.
+    """Runs the target: prefill, then one tree forward + verification walks + commit per step.
 
-    It owns the committed sequence (1, P + L) as processors see it: the left padding, then every
-    verified token, ending with the current root.
+    It owns, per row, the committed sequence (1, P + L) as processors see it: the row's left
+    padding, then every verified token, ending with the current root.
     """
 
     def __init__(
-        self, model: PreTrainedModel, capacity: int, attention: str = "sdpa", architecture: Architecture | None = None
+        self, model: PreTrainedModel, capacity: int, attention: str = "sdpa", architecture: Architecture | None = None,
+        batch_size: int = 1,
     ):
         self.model = model
         self.attention = attention
         self.architecture = architecture or describe(model, "target")
         self.device = model.device
-        self.cache = new_cache(self.architecture, capacity)
+        self.cache = new_cache(self.architecture, capacity, batch_size)
         self.attention_fallbacks: set[str] = set()  # why kernel-routed layers ran their own attention
-        self.sequence: torch.Tensor | None = None
-        self.root_logits: torch.Tensor | None = None  # (1, V) the prefill's last row, until the first verification
+        self.sequences: list[torch.Tensor] = []
+        self.root_logits: list[torch.Tensor] | None = None  # per row (1, V): the prefill's, until the first verification
         self.counters = TargetCounters()
 
-    def prefill(self, prompt: torch.Tensor, padding: torch.Tensor | None = None) -> None:
-        """Run the whole prompt (1, L), L >= 1, as transformers' generate does: the KV of all but its
-        last token is committed; the last one (the first root) stays in tree slot 0, its logits kept
-        for the first verification, which then runs only the nodes below the root (none when the
-        first round is plain), so speculation costs no forward more than target.generate.
+    @property
+    def sequence(self) -> torch.Tensor:
+        """Row 0's committed sequence (the only row of a single sequence)."""
+        return self.sequences[0]
 
-        padding: (1, P) left padding that processors and criteria see before the prompt (never run).
+    def prefill(self, prompt: torch.Tensor, contexts: list[torch.Tensor] | None = None,
+                attention_mask: torch.Tensor | None = None) -> None:
+        """Run the prompts (B, L), left-padded where `attention_mask` (B, L) says so, exactly as
+        transformers' generate does: the KV of all but the last token is committed; the last one
+        (each row's first root) stays in tree slot 0, its logits kept for the first verification,
+        which then runs only the nodes below the root (none when the first round is plain), so
+        speculation costs no forward more than target.generate.
+
+        contexts: per row, the sequence (1, P + L) processors and criteria see before any new token
+            (default: the prompt row); it may hold padding the models never see.
         """
         prompt = prompt.to(self.device)
-        self.sequence = prompt if padding is None else torch.cat([padding.to(self.device), prompt], dim=1)
-        positions = torch.arange(prompt.shape[1], device=self.device)[None]
-        self.root_logits = model_step(self.model, self.cache, prompt, positions, keep=1)  # (1, V)
+        B, L = prompt.shape
+        if attention_mask is None:
+            positions = torch.arange(L, device=self.device)[None].expand(B, L)
+            starts = [0] * B
+        else:
+            attention_mask = attention_mask.to(self.device)
+            positions = (attention_mask.long().cumsum(-1) - 1).masked_fill_(attention_mask == 0, 1)
+            starts = (L - attention_mask.long().sum(-1)).tolist()
+        self.sequences = [c.to(self.device) for c in contexts] if contexts is not None else list(prompt.split(1))
+        logits = model_step(self.model, self.cache, prompt, positions, attention_mask=attention_mask, keep=1)
+        self.root_logits = list(logits[:, -1].split(1))  # (1, V) per row
+        self.cache.starts = starts
         self.cache.seal_prefix()
-        self.cache.prefix_len -= 1
+        self.cache.prefix_lens = [n - 1 for n in self.cache.prefix_lens]
         self.counters.forwards += 1
 
     def verify(
         self,
-        subtree: Subtree,
-        sampler: Sampler,
-        stopping_criteria: StoppingCriteriaList,
-        max_tokens: int,
+        subtrees: list[Subtree | None],
+        samplers: list[Sampler],
+        stopping_criteria: list[StoppingCriteriaList],
+        max_tokens: list[int],
         walk=verify_tree,
-    ) -> Verified:
-        """Forward the subtree (T nodes) over the prefix, walk it, commit the accepted path.
+    ) -> list[Verified | None]:
+        """Forward every row's subtree (T_b nodes) over its prefix in one step, walk each, commit the
+        accepted paths. A row whose subtree is None sits the step out (and gets None).
 
         walk: verify_tree, or (on a tensor-parallel rank that is not the leader) a function
             with its signature that returns the leader's walk.
         """
         start = time.perf_counter()
-        logits = self.forward_subtree(subtree)  # (T, V)
-        verified = walk(logits, subtree, self.sequence, sampler, stopping_criteria, max_tokens)
-        self.cache.commit(torch.tensor(verified.path, device=self.device))
-        new = torch.tensor([verified.tokens], dtype=self.sequence.dtype, device=self.device)
-        self.sequence = torch.cat([self.sequence, new], dim=1)
+        logits = self.forward_subtrees(subtrees)  # per row (T_b, V)
+        verified: list[Verified | None] = []
+        for b, subtree in enumerate(subtrees):
+            if subtree is None:
+                verified.append(None)
+                continue
+            outcome = walk(logits[b], subtree, self.sequences[b], samplers[b], stopping_criteria[b], max_tokens[b])
+            new = torch.tensor([outcome.tokens], dtype=self.sequences[b].dtype, device=self.device)
+            self.sequences[b] = torch.cat([self.sequences[b], new], dim=1)
+            verified.append(outcome)
+        self.cache.commit_rows([torch.tensor(v.path, device=self.device) if v else None for v in verified])
         device_sync(self.device)
-        self.counters.verify_steps += 1
+        self.counters.verify_steps += sum(v is not None for v in verified)
         self.counters.busy_s += time.perf_counter() - start
         return verified
 
-    def forward_subtree(self, subtree: Subtree) -> torch.Tensor:
-        """Logits (T, V) of every subtree node: one forward over the nodes the cache lacks."""
-        mask, depths = subtree_mask(subtree.parents, self.device)
-        positions = (self.cache.prefix_len + depths)[None]
-        first, root_logits = 0, self.root_logits
-        if root_logits is not None:  # the prefill ran the root: forward only the nodes below it
-            first, self.root_logits = 1, None
-            if len(subtree) == 1:
-                return root_logits
-        input_ids = torch.tensor([subtree.tokens[first:]], device=self.device)
-        logits = tree_step_forward(
-            self.model, self.cache, input_ids, positions[:, first:], mask[first:], self.attention, self.architecture,
-            positions[0], self.attention_fallbacks,
-        )  # (T - first, V)
-        self.counters.forwards += 1
-        return logits if root_logits is None else torch.cat([root_logits, logits])
+    def forward_subtrees(self, subtrees: list[Subtree | None]) -> list[torch.Tensor | None]:
+        """Logits (T_b, V) of every row's subtree nodes: one forward over the nodes the cache lacks."""
+        root_logits, self.root_logits = self.root_logits, None  # the prefill ran the roots: forward only below them
+        first = 1 if root_logits is not None else 0
+        rows, known = [], []
+        for b, subtree in enumerate(subtrees):
+            if subtree is None:
+                rows.append(RowQueries.none(self.device))
+                known.append(None)
+                continue
+            mask, depths = subtree_mask(subtree.parents, self.device)
+            positions = self.cache.prefix_lens[b] - self.cache.starts[b] + depths
+            tokens = torch.tensor(subtree.tokens[first:], dtype=torch.long, device=self.device)
+            rows.append(RowQueries(tokens, positions[first:], mask[first:], positions))
+            known.append(root_logits[b] if first else None)
+        if any(len(r) for r in rows):
+            logits = run_step(self.model, self.cache, rows, self.attention, self.architecture, self.attention_fallbacks)
+            self.counters.forwards += 1
+        else:
+            logits = [None] * len(rows)
+        return [
+            None if subtrees[b] is None else logits[b] if known[b] is None
+            else known[b] if not len(rows[b]) else torch.cat([known[b], logits[b]])
+            for b in range(len(rows))
+        ]
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep only the batch rows `rows` (increasing), renumbered 0..R-1."""
+        self.cache.keep_rows(rows)
+        self.sequences = [self.sequences[b] for b in rows]
+        if self.root_logits is not None:
+            self.root_logits = [self.root_logits[b] for b in rows]
 
 
 class DraftWorker:
-    """Grows the token tree best-first and re-roots it on verified tokens, reusing its KV.
+    """Grows one token tree per row best-first and re-roots it on verified tokens, reusing its KV.
 
-    pending: committed tokens whose draft KV is not computed yet (the prompt at the start, tokens of
-    rounds that did not expand, the last accepted node when it was an unexpanded leaf). One rides
-    along in the next root expansion; more are run first by `catch_up`, so an expansion's time is
-    an expansion's.
+    pending[b]: committed tokens of row b whose draft KV is not computed yet (the prompt at the
+    start, tokens of rounds that did not expand, the last accepted node when it was an unexpanded
+    leaf). A row with pending tokens has a fresh tree; its next expansion runs them and the root as
+    one causal chain; `catch_up` runs them alone, so that an expansion's time is an expansion's.
 
-    model None: draft-free mode. The tree stays a lone root that never expands, so every proposal
-    comes from the n-gram index; the policy sees no expansion to run and prices trees alone.
+    model None: draft-free mode. Trees stay lone roots that never expand, so every proposal comes
+    from the n-gram index; the policy sees no expansion to run and prices trees alone.
     """
 
     def __init__(
         self, model: PreTrainedModel | None, capacity: int, tree_capacity: int, width: int, vocab_limit: int,
         attention: str = "sdpa", ngram_size: int = 3, architecture: Architecture | None = None,
         max_positions: int | None = None, device: torch.device | str | None = None, branching: bool = True,
+        batch_size: int = 1,
     ):
         self.model = model
         self.max_positions = max_positions  # both models' context: no node is ever placed past it
         self.attention = attention
         self.architecture = architecture or (describe(model, "draft") if model is not None else None)
         self.device = model.device if model is not None else torch.device(device or "cpu")
-        self.cache = new_cache(self.architecture, capacity) if model is not None else None
+        self.cache = new_cache(self.architecture, capacity, batch_size) if model is not None else None
         self.attention_fallbacks: set[str] = set()  # why kernel-routed layers ran their own attention
         self.width = width
         self.vocab_limit = vocab_limit  # the draft never proposes ids the target cannot embed
-        self.tree: TokenTree = new_tree(0, tree_capacity, self.device)
-        self.pending: list[int] = []
+        self.trees: list[TokenTree] = [new_tree(0, tree_capacity, self.device) for _ in range(batch_size)]
+        self.pending: list[list[int]] = [[] for _ in range(batch_size)]
         self.ngram_size = ngram_size  # longest suffix matched for suffix proposals; 0: none
         self.use_ngrams = ngram_size > 0
         self.branching = branching  # False: suffix proposals are chains (the models' steps must be)
-        self.suffixes = SuffixIndex(max_n=max(ngram_size, 1), branching=branching)
+        self.suffixes = [SuffixIndex(max_n=max(ngram_size, 1), branching=branching) for _ in range(batch_size)]
         self.counters = DraftCounters()
 
-    def start(self, prompt: torch.Tensor, corpus: list[list[int]] | None = None,
+    @property
+    def tree(self) -> TokenTree:
+        """Row 0's tree (the only row of a single sequence)."""
+        return self.trees[0]
+
+    @property
+    def rows(self) -> int:
+        return len(self.trees)
+
+    def start(self, prompts: list[list[int]], corpus: list[list[int]] | None = None,
               history: OutputHistory | None = None) -> None:
-        """Begin a generation: the prompt (1, L) minus its last token is pending, the last is the root.
+        """Begin a generation: per row, the prompt (token ids, no padding) minus its last token is
+        pending, the last is the root.
 
         corpus: token sequences the suffix proposals may also copy from; history: earlier outputs.
         """
-        ids = prompt[0].tolist()
-        self.pending = ids[:-1] if self.model is not None else []
-        reset_tree(self.tree, ids[-1])
-        self.suffixes = SuffixIndex(max_n=max(self.ngram_size, 1), history=history, branching=self.branching)
-        self.suffixes.add_corpus(corpus or [])
-        self.suffixes.extend(ids)
+        for b, ids in enumerate(prompts):
+            self.pending[b] = ids[:-1] if self.model is not None else []
+            reset_tree(self.trees[b], ids[-1])
+            self.suffixes[b] = SuffixIndex(max_n=max(self.ngram_size, 1), history=history, branching=self.branching)
+            self.suffixes[b].add_corpus(corpus or [])
+            self.suffixes[b].extend(ids)
 
-    def expand(self, within: int | None = None) -> int:
-        """One draft forward over the best `width` unexpanded leaves (among the best `within`
-        nodes if given); returns how many were expanded (0: none left, or the tree is full)."""
+    def expand(self, within: int | None = None, rows: list[bool] | None = None) -> int:
+        """One draft forward over the best `width` unexpanded leaves of every row's tree (among its best
+        `within` nodes if given; only the rows `rows` marks, if given); returns how many leaves were
+        expanded over all rows (0: none left, or the trees are full)."""
         if self.model is None:
             return 0
-        tree, cache = self.tree, self.cache
-        leaves = select_leaves(tree, self.width, within, self.depth_room())
-        if not leaves.shape[0] or not room_for_expansion(tree, leaves.shape[0], self.width):
+        queries, leaves_of, pending_of = [], [], []
+        for b, tree in enumerate(self.trees):
+            leaves = select_leaves(tree, self.width, within, self.depth_room(b))
+            if (rows is not None and not rows[b]) or not leaves.shape[0] or not room_for_expansion(
+                tree, leaves.shape[0], self.width
+            ):
+                queries.append(RowQueries.none(self.device))
+                leaves_of.append(None)
+                pending_of.append(0)
+                continue
+            queries.append(self.expansion_queries(b, leaves))
+            leaves_of.append(leaves)
+            pending_of.append(len(self.pending[b]))
+        if not any(leaves is not None for leaves in leaves_of):
             return 0
-        prefix = cache.prefix_len
-        input_ids, positions, mask = expansion_inputs(tree, leaves, prefix)
-        if self.pending:
-            # Only a fresh tree has pending tokens: run them and the root as one causal chain.
-            chain = torch.tensor([self.pending], device=self.device)
-            input_ids = torch.cat([chain, input_ids], dim=1)
-            positions = torch.arange(prefix, prefix + input_ids.shape[1], device=self.device)[None]
-            logits = model_step(self.model, cache, input_ids, positions, keep=1)
-            cache.prefix_len += len(self.pending)
-            self.pending = []
-        else:
-            slot_positions = prefix + tree.depths[tree.slot_nodes[: tree.num_slots]] if self.architecture.windowed else None
-            logits = tree_step_forward(
-                self.model, cache, input_ids, positions, mask, self.attention, self.architecture, slot_positions,
-                self.attention_fallbacks,
-            )
+        logits = run_step(self.model, self.cache, queries, self.attention, self.architecture, self.attention_fallbacks)
         self.counters.forwards += 1
         self.counters.expansions += 1
-        logprobs = torch.log_softmax(logits[:, : self.vocab_limit], dim=-1)  # (w, V)
-        child_logprobs, child_tokens = logprobs.topk(self.width, dim=-1)
-        add_children(tree, leaves, child_logprobs, child_tokens)
-        return leaves.shape[0]
+        expanded = 0
+        for b, leaves in enumerate(leaves_of):
+            if leaves is None:
+                continue
+            if pending_of[b]:  # the chain before the root is committed now
+                self.cache.prefix_lens[b] += pending_of[b]
+                self.pending[b] = []
+            logprobs = torch.log_softmax(logits[b][pending_of[b] :, : self.vocab_limit], dim=-1)  # (w, V)
+            child_logprobs, child_tokens = logprobs.topk(self.width, dim=-1)
+            add_children(self.trees[b], leaves, child_logprobs, child_tokens)
+            expanded += leaves.shape[0]
+        return expanded
 
-    def depth_room(self) -> int | None:
-        """How deep below the root a node may sit before its position passes the models' context (None:
-        no limit). Learned position embeddings have no row past it: the tree stops short of it, as
-        target.generate's own last step does."""
+    def expansion_queries(self, b: int, leaves: torch.Tensor) -> RowQueries:
+        """Row b's queries for expanding `leaves`: its pending tokens and the root as one chain when
+        its tree is fresh, else the leaves under the tree mask."""
+        tree, prefix = self.trees[b], self.cache.prefix_lens[b]
+        if self.pending[b]:
+            expansion_inputs(tree, leaves, prefix + len(self.pending[b]))  # the root takes tree slot 0
+            return RowQueries.chain(self.pending[b] + [tree.root_token], prefix, self.device)
+        input_ids, positions, mask = expansion_inputs(tree, leaves, prefix)
+        slot_positions = prefix + tree.depths[tree.slot_nodes[: tree.num_slots]] if self.architecture.windowed else None
+        return RowQueries(input_ids[0], positions[0], mask, slot_positions)
+
+    def depth_room(self, b: int = 0) -> int | None:
+        """How deep below row b's root a node may sit before its position passes the models' context
+        (None: no limit). Learned position embeddings have no row past it: the tree stops short of
+        it, as target.generate's own last step does."""
         if self.max_positions is None:
             return None
-        root_position = len(self.suffixes.tokens) - 1  # every committed token before the root
+        root_position = len(self.suffixes[b].tokens) - 1  # every committed token before the root
         return max(self.max_positions - 1 - root_position, 0)
 
     def catch_up(self) -> None:
-        """Run the committed tokens the draft has not seen yet (the prompt, tokens verified in plain
-        rounds) into its prefix, as one causal chain, so that the next expansion is an ordinary one."""
-        if not self.pending:
+        """Run every row's committed tokens the draft has not seen yet (the prompt, tokens verified in
+        plain rounds) into its prefix, as one causal chain per row, so that the next expansion is an
+        ordinary one."""
+        if self.model is None or not any(self.pending):
             return
-        cache, ids = self.cache, torch.tensor([self.pending], device=self.device)
-        positions = torch.arange(cache.prefix_len, cache.prefix_len + ids.shape[1], device=self.device)[None]
-        model_step(self.model, cache, ids, positions, keep=1)
-        cache.prefix_len += ids.shape[1]
-        self.pending = []
+        cache = self.cache
+        rows = [
+            RowQueries.chain(pending, cache.prefix_lens[b], self.device) if pending else RowQueries.none(self.device)
+            for b, pending in enumerate(self.pending)
+        ]
+        run_step(self.model, cache, rows, self.attention, self.architecture, self.attention_fallbacks)
+        for b, pending in enumerate(self.pending):
+            cache.prefix_lens[b] += len(pending)
+        self.pending = [[] for _ in self.pending]
         self.counters.forwards += 1
 
     def grow(self, max_expansions: int, within: int | None = None, stop=None) -> int:
@@ -269,29 +306,45 @@ class DraftWorker:
         return done
 
     def top_up(self, budget: int) -> int:
-        """Expand until the tree holds at least `budget` nodes (or cannot grow). Returns the expansions run."""
+        """Expand until every row's tree holds at least `budget` nodes (or cannot grow). Returns the
+        expansions run."""
         done = 0
-        while self.tree.size < budget and self.expand():
+        while min(tree.size for tree in self.trees) < budget and self.expand(rows=[t.size < budget for t in self.trees]):
             done += 1
         return done
 
-    def propose(self, budget: int) -> Subtree:
-        """The best `budget`-node subtree of the draft's own tree, by score."""
-        self.counters.rounds += 1
-        return select_subtree(self.tree, budget)[0]
+    def reroot(self, subtrees: list[Subtree | None], verified: list[Verified | None]) -> int:
+        """Per row, follow the verified tokens, commit their KV, keep the subtree under the new root
+        (rows with None are left as they are). Returns how many rows' new roots were already in
+        their trees.
 
-    def reroot(self, subtree: Subtree, verified: Verified) -> bool:
-        """Follow the verified tokens, commit their KV, keep the subtree under the new root.
-
-        The accepted path starts with the nodes the draft has run on (its KV is committed) and may
+        A row's accepted path starts with the nodes the draft has run on (its KV is committed) and may
         end with nodes it has not: draft leaves, or n-gram nodes outside its tree (node id -1).
-        Their tokens become pending. Returns True when the new root was already in the tree.
+        Their tokens become pending.
         """
-        tree = self.tree
-        self.suffixes.extend(verified.tokens)
+        paths: list[torch.Tensor | None] = []
+        keeps: list[torch.Tensor | None] = []
+        hits = 0
+        for b, (subtree, outcome) in enumerate(zip(subtrees, verified)):
+            if outcome is None:
+                paths.append(None)
+                keeps.append(None)
+                continue
+            path, keep, hit = self.reroot_row(b, subtree, outcome)
+            paths.append(path)
+            keeps.append(keep)
+            hits += hit
+        if self.model is not None:
+            self.cache.commit_rows(paths, keeps)
+        return hits
+
+    def reroot_row(self, b: int, subtree: Subtree, verified: Verified) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:
+        """reroot for row b: (its path slots to commit, the tree slots to keep, whether it was a hit)."""
+        tree = self.trees[b]
+        self.suffixes[b].extend(verified.tokens)
         if self.model is None:  # no draft KV to keep: the next tree is the new root alone
             reset_tree(tree, verified.tokens[-1])
-            return False
+            return None, None, False
         path = [subtree.node_ids[i] for i in verified.path]  # draft-tree nodes: root + accepted
         in_tree = path[: next((j for j, node in enumerate(path) if node < 0), len(path))]
         ids = torch.tensor(in_tree, dtype=torch.long, device=self.device)
@@ -301,39 +354,53 @@ class DraftWorker:
         if k == len(path):  # the whole path was run on: the new root may already be in the tree
             child, _ = locate_child(tree, path[-1], verified.tokens[-1])
             if child is not None:
-                self.cache.commit(path_slots, reroot(tree, child))
+                keep = reroot(tree, child)
                 tree.root_token = verified.tokens[-1]
                 self.counters.reroot_hits += 1
-                return True
+                return path_slots, keep, True
         self.counters.reroot_misses += 1
-        self.cache.commit(path_slots)
         unrun = [subtree.tokens[i] for i in verified.path[k:]]
-        self.pending = (self.pending if k == 0 else []) + unrun  # the root's expansion consumes pending
+        self.pending[b] = (self.pending[b] if k == 0 else []) + unrun  # the root's expansion consumes pending
         reset_tree(tree, verified.tokens[-1])
-        return False
+        return path_slots, None, False
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep only the batch rows `rows` (increasing), renumbered 0..R-1."""
+        if self.cache is not None:
+            self.cache.keep_rows(rows)
+        self.trees = [self.trees[b] for b in rows]
+        self.pending = [self.pending[b] for b in rows]
+        self.suffixes = [self.suffixes[b] for b in rows]
 
     # ---- the adaptive round: candidates for the policy, the proposal it picks -------------------
-    def candidates(self, policy: GoodputPolicy, suffix: SuffixTree) -> Proposal:
-        """The draft's best nodes merged with the suffix proposal, each with its calibrated P(accepted)
-        (one host sync)."""
-        draft, scores = select_subtree(self.tree, policy.max_budget)
-        probs = policy.draft_probs(scores)
-        suffix_probs, buckets = policy.suffix_probs(suffix)
-        return merge_suffix(draft, scores, probs, suffix.tokens, suffix.parents, suffix_probs, buckets, suffix.match)
+    def candidates(self, policy: GoodputPolicy, suffixes: list[SuffixTree]) -> list[Proposal]:
+        """Per row, the draft's best nodes merged with its suffix proposal, each node with its
+        calibrated P(accepted) (one host sync per row)."""
+        out = []
+        for tree, suffix in zip(self.trees, suffixes):
+            draft, scores = select_subtree(tree, policy.max_budget)
+            probs = policy.draft_probs(scores)
+            suffix_probs, buckets = policy.suffix_probs(suffix)
+            out.append(merge_suffix(draft, scores, probs, suffix.tokens, suffix.parents, suffix_probs, buckets, suffix.match))
+        return out
 
-    def proposal(self, policy: GoodputPolicy, candidates: Proposal, spent_s: float, agree=int) -> Proposal:
-        """The best T candidates for the T the policy expects the most tokens per second from.
+    def proposals(self, policy: GoodputPolicy, candidates: list[Proposal], spent_s: float, agree=int) -> list[Proposal]:
+        """Per row, its best candidates for the tree size the policy expects the most tokens per second
+        from (one size for the batch: row b verifies min(T, its candidates)).
 
         agree: makes every draft rank use the same tree size (identity on a lone draft worker).
         """
-        order = ranked(candidates)
-        budget, _ = policy.best_budget([candidates.probs[i] for i in order], spent_s)
-        return best_subtree(candidates, order, agree(budget))
+        orders = [ranked(c) for c in candidates]
+        budget, _ = policy.best_budget([[c.probs[i] for i in order] for c, order in zip(candidates, orders)], spent_s)
+        budget = agree(budget)
+        return [best_subtree(c, order, budget) for c, order in zip(candidates, orders)]
 
-    def suffix_tree(self, max_nodes: int) -> SuffixTree:
-        """The suffix proposal for the committed sequence and root (empty when n-grams are off), no
-        deeper than the models' context allows."""
-        return self.suffixes.propose(max_nodes, self.depth_room()) if self.use_ngrams else SuffixTree()
+    def suffix_trees(self, max_nodes: int) -> list[SuffixTree]:
+        """Per row, the suffix proposal for its committed sequence and root (empty when n-grams are
+        off), no deeper than the models' context allows."""
+        if not self.use_ngrams:
+            return [SuffixTree() for _ in self.trees]
+        return [index.propose(max_nodes, self.depth_room(b)) for b, index in enumerate(self.suffixes)]
 
 
 def device_sync(device: torch.device) -> None:

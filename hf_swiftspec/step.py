@@ -1,0 +1,114 @@
+"""One forward of a model over its TreeCache, for B rows at once: each row's queries padded to a rectangle.
+
+Every forward a worker runs after the prefill is a step: the target's verification of a subtree,
+the draft's expansion of its leaves, the draft's catch-up over tokens it has not run. Each row
+brings a `RowQueries` (its tokens, their positions, and what each sees of the row's region);
+`run_step` plans where the cache writes them, builds the attention arguments once for every
+layer, runs the model and hands each row its logits. A row with no queries (a row that is not
+expanding this time) rides along as padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from .architectures import Architecture
+from .attention import StepLayout, tree_step_kwargs
+from .cache import TreeCache
+
+
+@dataclass
+class RowQueries:
+    """One row's queries in a step (n of them).
+
+    tokens:    (n,) long
+    positions: (n,) long, each token's position in its sequence
+    region:    (n, S) bool, which of the row's S region slots each query sees: the tree slots the
+               row's cache already holds after its prefix, then this step's n new ones (the last n)
+    region_positions: (S,) long positions of those slots; needed only when a layer has a window
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    region: torch.Tensor
+    region_positions: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    @classmethod
+    def none(cls, device) -> "RowQueries":
+        """A row that sits this step out."""
+        empty = torch.zeros(0, dtype=torch.long, device=device)
+        return cls(empty, empty, torch.zeros(0, 0, dtype=torch.bool, device=device), empty)
+
+    @classmethod
+    def chain(cls, tokens: list[int], first_position: int, device) -> "RowQueries":
+        """Tokens appended after the row's prefix as one causal chain (the row's region must be empty)."""
+        n = len(tokens)
+        positions = torch.arange(first_position, first_position + n, device=device)
+        causal = torch.ones(n, n, dtype=torch.bool, device=device).tril_()
+        return cls(torch.tensor(tokens, dtype=torch.long, device=device), positions, causal, positions)
+
+
+def run_step(
+    model: PreTrainedModel,
+    cache: TreeCache,
+    rows: list[RowQueries],
+    attention: str,
+    architecture: Architecture,
+    fallbacks: set[str] | None = None,
+) -> list[torch.Tensor]:
+    """One forward over every row's queries; returns each row's float32 logits (n_b, V).
+
+    fallbacks: collects why kernel-routed layers ran the model's own attention instead.
+    """
+    device = model.device
+    counts = [len(r) for r in rows]
+    Q = max(max(counts), 1)
+    if len(rows) == 1 and counts[0] == Q:
+        input_ids, positions = rows[0].tokens[None], rows[0].positions[None]
+    else:
+        input_ids = torch.zeros(len(rows), Q, dtype=torch.long, device=device)
+        positions = torch.zeros(len(rows), Q, dtype=torch.long, device=device)
+        for b, row in enumerate(rows):
+            input_ids[b, : counts[b]] = row.tokens
+            positions[b, : counts[b]] = row.positions
+    cache.plan_step(counts, Q, device)
+    layout = StepLayout(
+        starts=cache.starts,
+        prefix_lens=cache.prefix_lens,
+        regions=[r.region for r in rows],
+        q_positions=positions,
+        region_positions=[r.region_positions for r in rows],
+        width=cache.step_end(Q),
+    )
+    kwargs = tree_step_kwargs(attention, architecture, layout, model.dtype)
+    logits = model_step(model, cache, input_ids, positions, **kwargs)  # (B, Q, V)
+    if fallbacks is not None:
+        if "swiftspec_tree" in kwargs:
+            fallbacks |= kwargs["swiftspec_tree"].fallbacks
+        elif attention in ("triton", "torch-reference") and not layout.single:
+            fallbacks.add("batches of several rows")
+    return [logits[b, : counts[b]] for b in range(len(rows))]
+
+
+def model_step(model: PreTrainedModel, cache: TreeCache, input_ids, position_ids, attention_mask=None, keep: int = 0,
+               **kwargs) -> torch.Tensor:
+    """One forward writing into `cache` (as planned, or at every row's next slots); returns float32
+    logits (B, Q, V) (only the last `keep` queries of each row if keep > 0)."""
+    out = model(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        attention_mask=attention_mask,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=keep,
+        **kwargs,
+    )
+    cache.advance(input_ids.shape[1])
+    # Some models (trocr) take no logits_to_keep and return every row: keep the last `keep` here.
+    return out.logits[:, -keep:].float() if keep else out.logits.float()
