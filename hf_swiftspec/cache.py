@@ -108,10 +108,16 @@ class SlotBuffer:
         rows = torch.arange(src.shape[0], device=src.device)[:, None].expand_as(src)
         by_row[:, rows, dst] = by_row[:, rows, src]
 
-    def keep_rows(self, rows: torch.Tensor) -> None:
-        """Keep only the batch rows `rows` (R,) (increasing), as rows 0..R-1, in place."""
-        self.data[:, : rows.shape[0]] = self.data[:, rows]
-        self.data = self.data.narrow(1, 0, rows.shape[0])
+    def keep_rows(self, order: list[int], used: int) -> None:
+        """Keep only the batch rows `order` (R of them), as rows 0..R-1, in place; only their first `used`
+        positions hold anything. Only the rows that change place are copied (keep_order moves as few
+        as there are holes)."""
+        moves = [(i, j) for i, j in enumerate(order) if i != j]
+        if moves:
+            dst, src = (torch.tensor(x, device=self.data.device) for x in zip(*moves))
+            kept = self.data.narrow(self.dim, 0, used).index_select(1, src)
+            self.data.narrow(self.dim, 0, used).index_copy_(1, dst, kept)
+        self.data = self.data.narrow(1, 0, len(order))
         self.point_members()
 
 
@@ -227,12 +233,12 @@ class TreeCache(Cache):
         """commit_rows for a single sequence (row 0)."""
         self.commit_rows([path_slots], [keep_slots])
 
-    def commit_rows(self, paths: list[torch.Tensor | None], keeps: list[torch.Tensor | None] | None = None) -> None:
+    def commit_rows(self, paths: list[torch.Tensor | list[int] | None], keeps: list[torch.Tensor | None] | None = None) -> None:
         """Per row, move verified tree slots into the prefix and compact surviving slots behind them.
 
         paths[b]: (m,) tree-region slots (relative to prefix_lens[b]) of row b's newly committed tokens,
-            in sequence order; they become its prefix positions [prefix_len, prefix_len + m). None: row
-            b is left as it is.
+            in sequence order (a tensor, or host ints); they become its prefix positions
+            [prefix_len, prefix_len + m). None: row b is left as it is.
         keeps[b]: (K,) tree-region slots to keep as row b's new tree region (the draft's surviving
             subtree), in their new order; None or empty drops the rest of the row's tree.
         One move per buffer for all rows.
@@ -242,7 +248,14 @@ class TreeCache(Cache):
         for b, (path, keep) in enumerate(zip(paths, keeps)):
             if path is None:
                 continue
-            src = path if keep is None or not keep.numel() else torch.cat([path, keep])
+            keep = keep if keep is not None and keep.numel() else None
+            if isinstance(path, list):  # host ints: a path already in place (a plain step's root) moves nothing
+                if keep is None and path == list(range(len(path))):
+                    self.prefix_lens[b] += len(path)
+                    self.lengths[b] = self.prefix_lens[b]
+                    continue
+                path = torch.tensor(path, dtype=torch.long, device=self.buffers[0].data.device if self.buffers else "cpu")
+            src = path if keep is None else torch.cat([path, keep])
             m, n, prefix = path.shape[0], src.shape[0], self.prefix_lens[b]
             if n and not torch.equal(src, torch.arange(n, device=src.device)):  # already in place: no move
                 moves.append((b, src + prefix, prefix))
@@ -269,13 +282,21 @@ class TreeCache(Cache):
         self.prefix_lens = list(self.lengths)
 
     def keep_rows(self, rows: list[int]) -> None:
-        """Drop every batch row not in `rows` (increasing); the kept ones become rows 0..R-1."""
+        """Drop every batch row not in `rows`; row rows[i] becomes row i."""
         if rows == list(range(self.batch_size)):
             return
         if self.buffers:
-            index = torch.tensor(rows, device=self.buffers[0].data.device)
+            used = max(self.lengths[b] for b in rows)
             for buffer in self.buffers:
-                buffer.keep_rows(index)
+                buffer.keep_rows(rows, used)
         for name in ("starts", "prefix_lens", "lengths"):
             values = getattr(self, name)
             setattr(self, name, [values[b] for b in rows])
+
+
+def keep_order(keep: list[int]) -> list[int]:
+    """The order to keep rows `keep` (increasing) in, moving as few as possible: each row that leaves a
+    hole below len(keep) is replaced by a kept row from beyond it; the others stay where they are."""
+    staying = set(keep)
+    movers = [b for b in keep if b >= len(keep)]
+    return [i if i in staying else movers.pop() for i in range(len(keep))]

@@ -48,6 +48,22 @@ MATCH_EDGES = (1, 2, 3, 4, 5, 8, 16)  # the shortest match of each bucket
 SUPPORT_BUCKETS = 5
 SUPPORT_SCALE = (0.3, 0.6, 0.85, 1.0, 1.15)
 DEPTH_BUCKETS = 4  # depth 1, 2, 3-4, 5+: once a copy is being accepted, its next token is a safer bet
+# A row whose suffix proposals keep missing at their first token builds one only every 2, 4, ... up to
+# this many rounds (building one costs about as much as a plain step's processing on a small model).
+MAX_SUFFIX_EVERY = 8
+# After this many plain rounds in a row at a batch size, the rounds go quiet: plain, without building
+# the proposals that were not verified anyway, except one round in LOOK_EVERY that builds them and
+# decides as usual (and the probes). On a small model, building them for 16 rows costs a fifth of a
+# plain step; a text that starts to repeat is still noticed within LOOK_EVERY tokens.
+QUIET_AFTER = 4
+LOOK_EVERY = 4
+# Per row, how much of what the calibrations expected its verified trees to yield they did yield:
+# running sums decayed by ROW_DECAY per verified tree, with ROW_PRIOR tokens of each as a prior. A row
+# of hard text is not priced by the easy rows the calibrations learnt from (SmartSpec's per-request
+# acceptance estimate).
+ROW_DECAY = 0.8
+ROW_PRIOR = 2.0
+ROW_SCALE = (0.05, 1.5)  # the scale stays in this range
 
 
 @dataclass
@@ -121,9 +137,15 @@ class SuffixWatch:
     parents: list[int]
     buckets: list[int]
     node: int = -1
+    _children: dict[int, list[int]] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        self._children = {}
+        for i, p in enumerate(self.parents):
+            self._children.setdefault(p, []).append(i)
 
     def children(self, node: int) -> list[int]:
-        return [i for i, p in enumerate(self.parents) if p == node]
+        return self._children.get(node, [])
 
 
 @dataclass
@@ -136,8 +158,15 @@ class CostModel:
     measured is interpolated between the nearest measured sizes around it (below the smallest: the
     smallest's cost); above every measured size, the slope between the two largest measured sizes
     (at least 1% of the smallest one's cost per node), or with one size measured, `prior_slope`.
+    A batch size's model borrows the curve of another batch size (`shape`): below the sizes it measured
+    itself, its cost follows that curve's shape, scaled to its own smallest measurement (so a batch
+    size that only ever verified trees still knows what a plain step would cost); above them, with
+    fewer than two sizes of its own, it grows by that curve's cost per node and row times its own
+    rows (a node more per row is `batch` more query rows: at 16 rows it costs 16 times what it does
+    at one).
     """
 
+    batch: int = 1  # rows this model's verifications carry
     smoothing: float = 0.2
     prior_slope: float = 0.1  # cost per node beyond the one size measured so far, relative to it
     expand_s: float | None = None
@@ -177,6 +206,16 @@ class CostModel:
             self._times, self._priced = self.price(max(max_budget, MAX_BUDGET)), priced
         return self._times[:max_budget]
 
+    def node_slope(self) -> float | None:
+        """Seconds per node (per row) above the largest measured size: the slope between the two largest
+        measured (at least 1% of the smallest's cost per node); None with fewer than two measured."""
+        if len(self.verify_s) < 2:
+            return None
+        sizes = sorted(self.verify_s)
+        previous, largest = sizes[-2], sizes[-1]
+        slope = (self.verify_s[largest] - self.verify_s[previous]) / (largest - previous)
+        return max(slope, 0.01 * self.verify_s[sizes[0]])
+
     def price(self, max_budget: int) -> list[float]:
         """Seconds for T = 1..max_budget: measured sizes as measured, the others as the class says."""
         if not self.verify_s:
@@ -185,19 +224,19 @@ class CostModel:
             return [1.0 + self.prior_slope * (t - 1) for t in range(1, max_budget + 1)]
         sizes = sorted(self.verify_s)
         base, largest = self.verify_s[sizes[0]], sizes[-1]
-        slope = self.prior_slope * base  # per node above the largest size: as measured between the two largest
-        if len(sizes) > 1:
-            previous = sizes[-2]
-            slope = max((self.verify_s[largest] - self.verify_s[previous]) / (largest - previous), 0.01 * base)
+        slope = self.node_slope()  # per node above the largest size
+        if slope is None:
+            shape_slope = self.shape.node_slope() if self.shape is not None else None
+            slope = self.prior_slope * base if shape_slope is None else shape_slope * self.batch / self.shape.batch
         borrowed = self.shape.price(max_budget) if self.shape is not None and self.shape.verify_s else None
         times = []
         for t in range(1, max_budget + 1):
             below = max((s for s in sizes if s <= t), default=None)
             above = min((s for s in sizes if s >= t), default=None)
-            if below is None:
+            if below is None and borrowed is not None:  # smaller than measured here: as the other batch size's
+                times.append(self.verify_s[above] * borrowed[t - 1] / borrowed[above - 1])  # curve, scaled to ours
+            elif below is None:
                 times.append(self.verify_s[above])
-            elif above is None and borrowed is not None:  # as the other batch size's cost grows, scaled to ours
-                times.append(self.verify_s[largest] * borrowed[t - 1] / borrowed[largest - 1])
             elif above is None:
                 times.append(self.verify_s[largest] + slope * (t - largest))
             elif below == above:
@@ -217,6 +256,7 @@ class BatchSize:
     next_probe: int = 17  # the round that probes next (round 1 measures the draft already)
     probe_interval: int = 16
     round_rate: float | None = None  # running average of tokens per second of rounds that did not probe
+    plain_streak: int = 0  # plain rounds in a row that were not quiet (quiet ones keep it)
 
 
 @dataclass
@@ -241,8 +281,14 @@ class GoodputPolicy:
     gains: list[float] = field(init=False)  # expected tokens per row the k-th expansion of a round adds
     gains_seen: list[int] = field(init=False)
     probing: bool = False
+    timing_plain: bool = False  # this round verifies T = 1 to time a plain step at this batch size
+    quiet: bool = False  # this round is plain without proposals (see QUIET_AFTER)
     last_budget: int = 1
     watching: dict[int, list[SuffixWatch]] = field(default_factory=dict)  # per row: suffix proposals still followed
+    suffix_every: dict[int, int] = field(default_factory=dict)  # per row: rounds between suffix proposals
+    suffix_wait: dict[int, int] = field(default_factory=dict)  # per row: rounds until its next one
+    row_yield: dict[int, tuple[float, float]] = field(default_factory=dict)  # per row: (accepted, expected), decayed
+    row_scales: list[float] = field(default_factory=list)  # this round's rows, in order: their scales
 
     def __post_init__(self):
         if self.tree_budget is not None:
@@ -265,7 +311,7 @@ class GoodputPolicy:
         if batch not in self.batches:
             nearest = min(self.batches, key=lambda b: (abs(b - batch), b), default=None)
             shape = self.batches[nearest].costs if nearest is not None else None
-            self.batches[batch] = BatchSize(CostModel(shape=shape), probe_interval=self.probe_every)
+            self.batches[batch] = BatchSize(CostModel(batch=batch, shape=shape), probe_interval=self.probe_every)
         return self.batches[batch]
 
     @property
@@ -281,13 +327,35 @@ class GoodputPolicy:
         self.suffix_rates = self.suffix.rates
 
     # ---- per round ----------------------------------------------------------------------------
-    def start_round(self, batch: int = 1) -> bool:
-        """Begin a round of `batch` rows; returns whether it probes (forced expansions, the largest tree)."""
+    def start_round(self, batch: int = 1, rows: list[int] | None = None) -> bool:
+        """Begin a round of `batch` rows (`rows`: their ids, default 0..batch-1); returns whether it probes
+        (forced expansions, the largest tree).
+
+        A batch size whose plain step (T = 1) was never timed verifies plainly in its second round (the
+        first one's roots come with the prefill), so that plain decoding is priced by what it costs here.
+        """
         self.batch = batch
+        self.row_scales = [self.row_scale(r) for r in (rows if rows is not None else range(batch))]
         state = self.at(batch)
         state.rounds += 1
         self.probing = state.rounds == state.next_probe
+        self.timing_plain = state.rounds == 2 and 1 not in state.costs.verify_s and self.tree_budget is None
+        self.quiet = (
+            state.plain_streak >= QUIET_AFTER and not self.probing and self.tree_budget is None
+            and self.draft_depth is None and state.rounds % LOOK_EVERY != 0
+        )
         return self.probing
+
+    def wants_suffix(self, rows: list[int]) -> list[bool]:
+        """Per row (original row ids), whether to build a suffix proposal this round: every round while
+        the row's proposals get their first token right, every 2, 4, ... MAX_SUFFIX_EVERY rounds while
+        they miss (a proposal is optional: skipping one changes speed, never tokens)."""
+        wanted = []
+        for row in rows:
+            wait = self.suffix_wait.get(row, 0)
+            wanted.append(wait == 0)
+            self.suffix_wait[row] = max(wait - 1, 0)
+        return wanted
 
     def draft_probs(self, scores: list[float]) -> list[float]:
         """Calibrated P(accepted) of draft nodes from their scores; the root (score 0) gets 1."""
@@ -308,22 +376,30 @@ class GoodputPolicy:
             probs.append((probs[p] if p >= 0 else 1.0) * rates[bucket])
         return probs, buckets
 
-    def expected_tokens(self, probs: list[float]) -> list[float]:
-        """E(T) for T = 1..len(probs) from node probabilities sorted best first (root first)."""
+    def expected_tokens(self, probs: list[float], scale: float = 1.0) -> list[float]:
+        """E(T) for T = 1..len(probs) from node probabilities sorted best first (root first, counted 1),
+        the others scaled by the row's `scale`."""
         out, total = [], 0.0
-        for p in probs[: self.max_budget]:
-            total += p
+        for i, p in enumerate(probs[: self.max_budget]):
+            total += p if i == 0 else min(p * scale, 1.0)
             out.append(total)
         return out
 
+    def row_scale(self, row: int) -> float:
+        """How far row `row`'s trees have yielded what the calibrations expected (1: as expected)."""
+        accepted, expected = self.row_yield.get(row, (0.0, 0.0))
+        return min(max((accepted + ROW_PRIOR) / (expected + ROW_PRIOR), ROW_SCALE[0]), ROW_SCALE[1])
+
     def expected_batch(self, rows: list[list[float]]) -> list[float]:
         """The batch's E(T) for T = 1..the most candidates of a row: every row verifies its min(T, n) best
-        nodes (rows' node probabilities sorted best first)."""
+        nodes (rows' node probabilities sorted best first, in the order start_round was given them)."""
+        scales = self.row_scales if len(self.row_scales) == len(rows) else [1.0] * len(rows)
         if len(rows) == 1:
-            return self.expected_tokens(rows[0])
-        per_row = [self.expected_tokens(probs) for probs in rows]
+            return self.expected_tokens(rows[0], scales[0])
+        per_row = [self.expected_tokens(probs, scale) for probs, scale in zip(rows, scales)]
         longest = max(len(e) for e in per_row)
-        return [sum(e[min(t, len(e)) - 1] for e in per_row) for t in range(1, longest + 1)]
+        padded = [e + [e[-1]] * (longest - len(e)) for e in per_row]  # a row verifies at most its own nodes
+        return [sum(column) for column in zip(*padded)]
 
     def best_budget(self, rows: list[list[float]], spent_s: float, probing: bool | None = None) -> tuple[int, float]:
         """(T, expected tokens per second) maximising the batch's goodput, for each row's sorted node
@@ -333,6 +409,8 @@ class GoodputPolicy:
         """
         expected = self.expected_batch(rows)
         times = self.costs.verify_times(len(expected))
+        if self.timing_plain and probing is None:
+            return 1, expected[0] / (spent_s + times[0])
         if self.tree_budget is not None or (self.probing if probing is None else probing):
             T = len(expected) if self.tree_budget is not None else min(len(expected), self.probe_budget)
             return T, expected[T - 1] / (spent_s + times[T - 1])
@@ -344,7 +422,7 @@ class GoodputPolicy:
         """Whether to run expansion number done + 1 of this round, given every row's current candidates."""
         if self.draft_depth is not None:
             return done < self.draft_depth
-        if done >= self.max_depth:
+        if done >= self.max_depth or self.timing_plain:
             return False
         if probing:
             return done < self.probe_depth
@@ -414,6 +492,8 @@ class GoodputPolicy:
         """
         self.last_budget = budget
         state = self.at(self.batch)
+        if not self.quiet:
+            state.plain_streak = state.plain_streak + 1 if budget == 1 and not self.probing else 0
         if verify_s is None:
             if self.probing:
                 state.next_probe = state.rounds + 1
@@ -429,6 +509,7 @@ class GoodputPolicy:
         draft_seen: tuple[list[int], list[bool]] = ([], [])  # (bucket, accepted) of every node observed
         suffix_seen: tuple[list[int], list[bool]] = ([], [])
         for row, proposal, verified in outcomes:
+            self.observe_row_yield(row, proposal, verified)
             on_path = set(verified.path)
             draft = [i for i, score in enumerate(proposal.scores) if i and score is not None]
             draft_seen[0].extend(score_bucket(proposal.scores[i]) for i in draft)
@@ -436,11 +517,27 @@ class GoodputPolicy:
             watching = self.watching.get(row, [])
             if proposal.offered[0]:
                 watching = watching[-self.max_budget + 1 :] + [SuffixWatch(*proposal.offered)]
-            self.watching[row] = self.follow_suffixes(watching, verified.tokens, suffix_seen)
+            self.watching[row], hit = self.follow_suffixes(watching, verified.tokens, suffix_seen)
+            if hit:  # a proposal (this round's or an earlier one) was right: propose every round
+                self.suffix_every[row], self.suffix_wait[row] = 1, 0
+            elif proposal.offered[0]:  # this round's missed at its first token: twice as rarely
+                every = min(2 * self.suffix_every.get(row, 1), MAX_SUFFIX_EVERY)
+                self.suffix_every[row], self.suffix_wait[row] = every, every - 1
         for calibration, (buckets, accepted) in ((self.draft, draft_seen), (self.suffix, suffix_seen)):
             if buckets:
                 calibration.observe(buckets, accepted)
         self.refresh()
+
+    def observe_row_yield(self, row: int, proposal: Proposal, verified: Verified) -> None:
+        """Fold in what a verified tree was expected to yield beyond its root and what it did (rounds cut
+        short by a stopping criterion or max_new_tokens say nothing about the text)."""
+        if len(proposal.subtree) == 1 or verified.finished:
+            return
+        accepted, expected = self.row_yield.get(row, (0.0, 0.0))
+        self.row_yield[row] = (
+            ROW_DECAY * accepted + len(verified.path) - 1,
+            ROW_DECAY * expected + sum(proposal.probs) - 1.0,
+        )
 
     def observe_outcome(self, proposal: Proposal, verified: Verified) -> None:
         """observe_outcomes for a single sequence."""
@@ -448,9 +545,10 @@ class GoodputPolicy:
 
     def follow_suffixes(
         self, watching: list[SuffixWatch], tokens: list[int], seen: tuple[list[int], list[bool]]
-    ) -> list[SuffixWatch]:
+    ) -> tuple[list[SuffixWatch], bool]:
         """Check one row's suffix proposals of recent rounds against the tokens the target emitted since,
-        adding each node tried to `seen` (its bucket, whether accepted); returns those still worth following.
+        adding each node tried to `seen` (its bucket, whether accepted); returns those still worth
+        following, and whether any of them had a node accepted.
 
         A node is accepted exactly when its parent was and the target's own token at its position is
         its token (greedy, or sampled with noise fixed per position), so every proposal is calibrated
@@ -460,6 +558,7 @@ class GoodputPolicy:
         """
         buckets, accepted = seen
         still = []
+        any_hit = False
         for watch in watching:
             for token in tokens:
                 tried = watch.children(watch.node)
@@ -468,11 +567,12 @@ class GoodputPolicy:
                 accepted += [i == hit for i in tried]
                 if hit is None:
                     break
-                watch.node = hit
+                watch.node, any_hit = hit, True
             else:
                 still.append(watch)
-        return [w for w in still if w.children(w.node)]
+        return [w for w in still if w.children(w.node)], any_hit
 
     def start_generation(self) -> None:
-        """Forget the proposals of an earlier generation (what was learnt from them stays)."""
-        self.watching = {}
+        """Forget the proposals of an earlier generation and what was learnt per row (how often each row
+        proposed, how its trees yielded: a new request's text is another); the calibrations stay."""
+        self.watching, self.suffix_every, self.suffix_wait, self.row_yield = {}, {}, {}, {}

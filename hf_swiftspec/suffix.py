@@ -155,6 +155,9 @@ class SuffixIndex:
     corpus: list[list[int]] = field(default_factory=list)
     corpus_table: NgramTable = field(init=False)
     _indexed: int = 0  # tokens[:_indexed] have their n-grams in `live`
+    _last: SuffixTree | None = None  # the last proposal, made when the sequence had _last_size tokens
+    _last_size: int = 0
+    _last_limits: tuple[int, int] = (0, 0)  # its (max_nodes, max_depth)
 
     def __post_init__(self):
         self.max_n = max(self.max_n, 1)
@@ -195,10 +198,39 @@ class SuffixIndex:
 
     def propose(self, max_nodes: int, max_depth: int | None = None) -> SuffixTree:
         """The `max_nodes` most frequent nodes (ties: shallower first) of the trie of continuations, up
-        to `max_depth` tokens deep (default max_nodes), of the longest suffix that occurred before."""
+        to `max_depth` tokens deep (default max_nodes), of the longest suffix that occurred before.
+
+        Where the tokens appended since the last proposal are a path of its trie, the occurrences that
+        continued that way are the longest matches now (theirs grew by those tokens, no other's could
+        catch up), so the proposal is the last one's subtree under that path, and nothing is looked up
+        (as a suffix tree's deepest node moves down the tree); it is built anew when the text left the
+        trie or the subtree holds fewer than half of max_nodes."""
         if max_nodes <= 0:
             return SuffixTree()
         depth = max_nodes if max_depth is None else max_depth
+        kept = self.follow_last(max_nodes, depth)
+        if kept is not None:
+            return self.remember(kept, max_nodes, depth)
+        return self.remember(self.look_up(max_nodes, depth), max_nodes, depth)
+
+    def remember(self, tree: SuffixTree, max_nodes: int, depth: int) -> SuffixTree:
+        self._last, self._last_size, self._last_limits = tree, len(self.tokens), (max_nodes, depth)
+        return tree
+
+    def follow_last(self, max_nodes: int, depth: int) -> SuffixTree | None:
+        """The last proposal's subtree under the tokens appended since it was made, or None."""
+        last, appended = self._last, self.tokens[self._last_size :]
+        if last is None or not last.tokens or not appended or self._last_limits != (max_nodes, depth):
+            return None
+        node = -1
+        for token in appended:
+            node = next((i for i, (p, t) in enumerate(zip(last.parents, last.tokens)) if p == node and t == token), None)
+            if node is None:
+                return None
+        return subtree_below(last, node, min(last.match + len(appended), MAX_MATCH), max_nodes // 2)
+
+    def look_up(self, max_nodes: int, depth: int) -> SuffixTree:
+        """The proposal from the index: the longest suffix's occurrences, their continuations as a trie."""
         size = len(self.tokens)
         for n in range(min(self.max_n, size), 0, -1):
             found = self.occurrences(tuple(self.tokens[size - n :]), self.scan_occurrences)
@@ -209,6 +241,22 @@ class SuffixIndex:
                 copies = [continuation(doc, end, depth) if live else doc[end : end + depth] for doc, end, live in found]
                 return build_trie(copies, longest, max_nodes, self.branching)
         return SuffixTree()
+
+
+def subtree_below(tree: SuffixTree, node: int, match: int, min_nodes: int) -> SuffixTree | None:
+    """The nodes under `node` of `tree` as a proposal of their own (match: its match length), or None
+    when they are fewer than min_nodes."""
+    local = {node: -1}
+    tokens, parents, counts = [], [], []
+    for i, (p, t) in enumerate(zip(tree.parents, tree.tokens)):
+        if p in local and i != node:
+            local[i] = len(tokens)
+            tokens.append(t)
+            parents.append(local[p])
+            counts.append(tree.counts[i])
+    if len(tokens) < max(min_nodes, 1):
+        return None
+    return SuffixTree(tokens, parents, counts, occurrences=tree.counts[node], match=match)
 
 
 def _latest(entries, limit: int):

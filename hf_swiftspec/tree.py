@@ -80,12 +80,21 @@ def new_tree(root_token: int, capacity: int, device: torch.device | str) -> Toke
         ancestors=torch.zeros(capacity, capacity, dtype=torch.bool, device=device),
         slot_nodes=torch.zeros(capacity, **long),
     )
-    reset_tree(tree, root_token)
+    clear_tree(tree, root_token)
     return tree
 
 
 def reset_tree(tree: TokenTree, root_token: int) -> None:
     """Empty the tree in place, leaving a single unexpanded root carrying `root_token`."""
+    if tree.size == 1 and tree.num_slots == 0:  # a lone unexpanded root: nothing else was set since
+        tree.tokens[0] = root_token
+        tree.root_token = root_token
+        return
+    clear_tree(tree, root_token)
+
+
+def clear_tree(tree: TokenTree, root_token: int) -> None:
+    """reset_tree by rewriting every field."""
     tree.tokens[0] = root_token
     tree.parents[0] = -1
     tree.depths[0] = 0
@@ -272,6 +281,8 @@ def subtree_mask(parents: list[int], device: torch.device | str) -> tuple[torch.
     tensor ops whatever T (Python ints have no width limit; the bits are unpacked in 62-bit words).
     """
     T = len(parents)
+    if T == 1:  # a plain step
+        return torch.ones(1, 1, dtype=torch.bool, device=device), torch.zeros(1, dtype=torch.long, device=device)
     bits, depths = [0] * T, [0] * T
     for i, p in enumerate(parents):
         bits[i] = (bits[p] if p >= 0 else 0) | (1 << i)

@@ -92,6 +92,15 @@ def batch_dependent(logits_processor, stopping_criteria) -> list[str]:
     return names + [type(c).__name__ for c in stopping_criteria if type(c) not in ROW_WISE_CRITERIA]
 
 
+def apply_processors(processors: LogitsProcessorList, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """processors(input_ids, scores), as LogitsProcessorList.__call__ without keyword arguments does it,
+    minus its inspect.signature per processor and call (that costs more than the processing here,
+    where the walk calls them once per row and node)."""
+    for processor in processors:
+        scores = processor(input_ids, scores)
+    return scores
+
+
 def processors_for_row(processors: LogitsProcessorList, row: int) -> LogitsProcessorList:
     """The processors as row `row` of a batch sees them alone (per-row fields cut to that row)."""
     out = LogitsProcessorList()
@@ -168,12 +177,12 @@ class Sampler:
 
         depths: each row's depth in the tree; its token is for position context length + depth.
         """
-        scores = self.logits_processor(context, logits)
+        scores = apply_processors(self.logits_processor, context, logits)
         return self.pick(scores, [context.shape[1] + d for d in depths]), scores
 
     def choose(self, context: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Next token (1,) and processed scores (1, V) given context (1, L) and raw logits (1, V)."""
-        scores = self.logits_processor(context, logits)
+        scores = apply_processors(self.logits_processor, context, logits)
         return self.pick(scores, [context.shape[1]]), scores
 
 

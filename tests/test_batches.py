@@ -278,7 +278,8 @@ def test_sampled_rows_are_independent_draws_from_the_target():
 def test_the_policy_stops_speculating_where_the_batch_makes_trees_dear():
     """Per-row trees that pay at batch 1 (a 4-node tree costs 1.3x a plain step) stop paying at batch
     8 (where it costs 3x): the policy prices each batch size by its own measurements; a batch size
-    never measured borrows how cost grows with T from the nearest one."""
+    never measured borrows the nearest one's curve, and past its own measured sizes grows by the
+    nearest one's cost per node and row, times its own rows."""
     policy = GoodputPolicy()
     for batch, costs in ((1, {1: 0.010, 4: 0.013, 8: 0.016}), (8, {1: 0.020, 4: 0.060, 8: 0.100})):
         for budget, seconds in costs.items():
@@ -291,5 +292,6 @@ def test_the_policy_stops_speculating_where_the_batch_makes_trees_dear():
     assert policy.best_budget([row] * 8, 0.0)[0] == 1
     policy.start_round(7)  # never measured: priced like batch 8 until its own rounds say otherwise
     assert policy.best_budget([row] * 7, 0.0)[0] == 1
-    policy.at(7).costs.observe_verify(1, 0.018)
-    assert policy.costs.verify_times(4)[3] == pytest.approx(0.018 * 0.060 / 0.020)
+    policy.at(7).costs.observe_verify(1, 0.018)  # its own plain step; a node more per row: batch 8's cost of
+    per_node = (0.100 - 0.060) / (8 - 4) * 7 / 8  # one (between its two largest trees) for 7 rows instead of 8
+    assert policy.costs.verify_times(4)[3] == pytest.approx(0.018 + 3 * per_node)

@@ -5,7 +5,7 @@ import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from hf_swiftspec.architectures import describe
-from hf_swiftspec.cache import TreeCache
+from hf_swiftspec.cache import TreeCache, keep_order
 from hf_swiftspec.engine.workers import DraftWorker, TargetWorker
 from hf_swiftspec.step import RowQueries, model_step, run_step
 from hf_swiftspec.tree import Subtree, select_subtree, subtree_mask
@@ -230,9 +230,11 @@ def test_ragged_rows_equal_per_branch_causal_forwards_round_after_round(llama_pa
             paths.append(torch.tensor(accepted))
         cache.commit_rows(paths)
         assert [p - s for p, s in zip(cache.prefix_lens, cache.starts)] == [len(c) for c in committed]
-        if round_ == 2:  # the middle row finishes: the others go on without it
-            cache.keep_rows([0, 2])
-            del committed[1]
+        if round_ == 2:  # the first row finishes: the last one takes its place, the others go on
+            order = keep_order([1, 2])
+            assert order == [2, 1]
+            cache.keep_rows(order)
+            committed = [committed[b] for b in order]
 
 
 def test_batched_target_verify_matches_one_row_at_a_time(llama_pair):
@@ -259,3 +261,10 @@ def test_batched_target_verify_matches_one_row_at_a_time(llama_pair):
             assert (got[b].tokens, got[b].path) == (expected.tokens, expected.path)
     for b, worker in enumerate(alone):  # the batch's rows start with their padded prompt
         assert batch.sequences[b][0, ids.shape[1] :].tolist() == worker.sequence[0, len(prompts[b]) :].tolist()
+
+
+def test_keep_order_fills_holes_from_the_end():
+    assert keep_order([0, 1, 2, 3]) == [0, 1, 2, 3]
+    assert keep_order([1, 2, 3]) == [3, 1, 2]  # row 0 left: row 3 moves into it, rows 1 and 2 stay
+    assert keep_order([0, 2, 5, 6]) == [0, 6, 2, 5]
+    assert keep_order([]) == []

@@ -69,6 +69,7 @@ def run_target(target: TargetWorker, request: DecodeRequest, link, rows: BatchRo
             [subtree], request.samplers, rows.criteria(request.stopping_criteria), rows.budgets(), walk=link.walk
         )
         staying = rows.record([verified], request.on_tokens)
+        rows.keep(staying)
         verified.finished = verified.finished or not staying
         link.send_verdict(verified)
 

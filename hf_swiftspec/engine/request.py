@@ -155,7 +155,8 @@ class BatchRows:
         return [stopping_criteria if rows[i].done_at is None else StoppingCriteriaList() for i in self.live]
 
     def record(self, verified: list[Verified | None], on_tokens=None) -> list[int]:
-        """Fold in one round's walks (one per live row); returns the cache rows that keep decoding."""
+        """Fold in one round's walks (one per live row); returns the cache rows that keep decoding (in
+        increasing order; `keep` then drops the others)."""
         for b, outcome in enumerate(verified):
             row = self.result.rows[self.live[b]]
             row.tokens += outcome.tokens
@@ -172,7 +173,10 @@ class BatchRows:
             b for b, i in enumerate(self.live)
             if rows[i].done_at is None or not (self.pads_finished or len(rows[i].tokens) >= limit)
         ]
-        self.live = [self.live[b] for b in keep]
-        if not self.live:
+        if not keep:
             self.result.end = end
         return keep
+
+    def keep(self, order: list[int]) -> None:
+        """Keep only the live rows `order` (cache row order[i] becomes row i), as the caches do."""
+        self.live = [self.live[b] for b in order]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 
+from ..cache import keep_order
 from ..stats import SwiftSpecStats
 from ..tree import Proposal
 from .request import BatchRows, DecodeRequest, DecodeResult
@@ -28,26 +29,11 @@ def run_serial(target: TargetWorker, draft: DraftWorker, request: DecodeRequest)
     while rows.live:
         # 1. draft: expand while more expansions are expected to raise tokens per second
         round_start = time.perf_counter()
-        probing = policy.start_round(len(rows.live))
-        suffixes = draft.suffix_trees(policy.max_budget)
-        candidates = draft.candidates(policy, suffixes)
-        expansions, expanding_s, catch_up_s = 0, 0.0, 0.0
-        while policy.keep_expanding(expansions, time.perf_counter() - round_start, ranked_probs(candidates), probing):
-            before = time.perf_counter()
-            if any(len(p) > 1 for p in draft.pending):  # tokens the draft has not run: no expansion's cost
-                draft.catch_up()
-                catch_up_s += time.perf_counter() - before
-                before = time.perf_counter()
-            if not draft.expand(within=policy.max_budget):
-                break
-            expanding_s += time.perf_counter() - before
-            grown = draft.candidates(policy, suffixes)
-            policy.observe_gain(expansions, ranked_probs(candidates), ranked_probs(grown), before - round_start)
-            candidates, expansions = grown, expansions + 1
-        if policy.fixed:  # both tree settings given: every subtree has tree_budget nodes
-            expansions += draft.top_up(policy.max_budget)
-            candidates = draft.candidates(policy, suffixes)
-        proposals = draft.proposals(policy, candidates, time.perf_counter() - round_start)
+        probing = policy.start_round(len(rows.live), rows.live)
+        if policy.quiet:  # plain rounds of late: verify the roots, build no proposal
+            proposals, expansions, expanding_s, catch_up_s = draft.roots(), 0, 0.0, 0.0
+        else:
+            proposals, expansions, expanding_s, catch_up_s = expand_and_choose(draft, policy, rows.live, probing, round_start)
         draft.counters.rounds += 1
         draft.counters.busy_s += time.perf_counter() - round_start
         # 2. target: one forward over every row's subtree, walk each with its own choices, commit the paths
@@ -68,15 +54,45 @@ def run_serial(target: TargetWorker, draft: DraftWorker, request: DecodeRequest)
         )
         policy.observe_outcomes(outcomes)
         rows.result.record_round(proposals, verified, expansions)
-        if keep and len(keep) < len(verified):  # rows that finished stop costing compute
-            target.keep_rows(keep)
-            draft.keep_rows(keep)
+        if len(keep) < len(verified):  # rows that finished leave both caches: they stop costing compute
+            order = keep_order(keep)
+            rows.keep(order)
+            if order:
+                target.keep_rows(order)
+                draft.keep_rows(order)
     result = rows.result
     result.stats = SwiftSpecStats.collect(
         "serial", result.new_tokens, time.perf_counter() - start, target.counters, draft.counters
     )
     result.stats.add_rounds(result.rounds)
     return result
+
+
+def expand_and_choose(
+    draft: DraftWorker, policy, rows: list[int], probing: bool, round_start: float
+) -> tuple[list[Proposal], int, float, float]:
+    """Step 1 of a round: every row's candidates (its draft tree's best nodes and its suffix proposal),
+    draft expansions while more are expected to raise tokens per second, then each row's best nodes
+    for the tree size the policy picks. Returns (proposals, expansions, expanding_s, catch_up_s)."""
+    suffixes = draft.suffix_trees(policy.max_budget, policy.wants_suffix(rows))
+    candidates = draft.candidates(policy, suffixes)
+    expansions, expanding_s, catch_up_s = 0, 0.0, 0.0
+    while policy.keep_expanding(expansions, time.perf_counter() - round_start, ranked_probs(candidates), probing):
+        before = time.perf_counter()
+        if any(len(p) > 1 for p in draft.pending):  # tokens the draft has not run: no expansion's cost
+            draft.catch_up()
+            catch_up_s += time.perf_counter() - before
+            before = time.perf_counter()
+        if not draft.expand(within=policy.max_budget):
+            break
+        expanding_s += time.perf_counter() - before
+        grown = draft.candidates(policy, suffixes)
+        policy.observe_gain(expansions, ranked_probs(candidates), ranked_probs(grown), before - round_start)
+        candidates, expansions = grown, expansions + 1
+    if policy.fixed:  # both tree settings given: every subtree has tree_budget nodes
+        expansions += draft.top_up(policy.max_budget)
+        candidates = draft.candidates(policy, suffixes)
+    return draft.proposals(policy, candidates, time.perf_counter() - round_start), expansions, expanding_s, catch_up_s
 
 
 def ranked_probs(candidates: list[Proposal]) -> list[list[float]]:

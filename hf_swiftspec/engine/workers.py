@@ -125,7 +125,7 @@ class TargetWorker:
             new = torch.tensor([outcome.tokens], dtype=self.sequences[b].dtype, device=self.device)
             self.sequences[b] = torch.cat([self.sequences[b], new], dim=1)
             verified.append(outcome)
-        self.cache.commit_rows([torch.tensor(v.path, device=self.device) if v else None for v in verified])
+        self.cache.commit_rows([v.path if v else None for v in verified])
         device_sync(self.device)
         self.counters.verify_steps += sum(v is not None for v in verified)
         self.counters.busy_s += time.perf_counter() - start
@@ -158,7 +158,7 @@ class TargetWorker:
         ]
 
     def keep_rows(self, rows: list[int]) -> None:
-        """Keep only the batch rows `rows` (increasing), renumbered 0..R-1."""
+        """Keep only the batch rows `rows`: row rows[i] becomes row i (cache.keep_order moves few)."""
         self.cache.keep_rows(rows)
         self.sequences = [self.sequences[b] for b in rows]
         if self.root_logits is not None:
@@ -345,6 +345,11 @@ class DraftWorker:
         if self.model is None:  # no draft KV to keep: the next tree is the new root alone
             reset_tree(tree, verified.tokens[-1])
             return None, None, False
+        if tree.num_slots == 0:  # the draft has run nothing of this tree: every verified token is pending
+            self.counters.reroot_misses += 1
+            self.pending[b] += [subtree.tokens[i] for i in verified.path]
+            reset_tree(tree, verified.tokens[-1])
+            return None, None, False
         path = [subtree.node_ids[i] for i in verified.path]  # draft-tree nodes: root + accepted
         in_tree = path[: next((j for j, node in enumerate(path) if node < 0), len(path))]
         ids = torch.tensor(in_tree, dtype=torch.long, device=self.device)
@@ -365,7 +370,7 @@ class DraftWorker:
         return path_slots, None, False
 
     def keep_rows(self, rows: list[int]) -> None:
-        """Keep only the batch rows `rows` (increasing), renumbered 0..R-1."""
+        """Keep only the batch rows `rows`: row rows[i] becomes row i (cache.keep_order moves few)."""
         if self.cache is not None:
             self.cache.keep_rows(rows)
         self.trees = [self.trees[b] for b in rows]
@@ -395,12 +400,21 @@ class DraftWorker:
         budget = agree(budget)
         return [best_subtree(c, order, budget) for c, order in zip(candidates, orders)]
 
-    def suffix_trees(self, max_nodes: int) -> list[SuffixTree]:
-        """Per row, the suffix proposal for its committed sequence and root (empty when n-grams are
-        off), no deeper than the models' context allows."""
+    def roots(self) -> list[Proposal]:
+        """Per row, a plain step's proposal: its root alone."""
+        return [
+            Proposal(Subtree([0], [tree.root_token], [-1]), [1.0], [0.0], [-1]) for tree in self.trees
+        ]
+
+    def suffix_trees(self, max_nodes: int, wanted: list[bool] | None = None) -> list[SuffixTree]:
+        """Per row, the suffix proposal for its committed sequence and root, no deeper than the models'
+        context allows (empty when n-grams are off, or where `wanted` says not this round)."""
         if not self.use_ngrams:
             return [SuffixTree() for _ in self.trees]
-        return [index.propose(max_nodes, self.depth_room(b)) for b, index in enumerate(self.suffixes)]
+        return [
+            index.propose(max_nodes, self.depth_room(b)) if wanted is None or wanted[b] else SuffixTree()
+            for b, index in enumerate(self.suffixes)
+        ]
 
 
 def device_sync(device: torch.device) -> None:
