@@ -236,7 +236,9 @@ def swiftspec_method(name: str, model: SwiftSpecForCausalLM, seed: int) -> Metho
 
     placement = model.placement
     serial = placement.mode == "serial"
-    where = str(model.target.device) if serial else f"{placement.mode}: target {placement.target[0]}, draft {placement.draft[0]}"
+    where = str(model.target.device) if serial else (
+        f"{placement.mode}: target {placement.target[0]}, draft {placement.draft[0]}"
+    )
     return Method(
         name, METHOD_LABELS[name], generate, stats=lambda: model.swiftspec_stats, settings={"placement": where},
         batched=serial, checkpoint=checkpoint,
@@ -275,7 +277,9 @@ def methods_at(batch_size: int, methods: list[Method], skipped: list[MethodResul
     methods run and the others are "unsupported", with why."""
     if batch_size == 1:
         return methods, skipped
-    unsupported = [skipped_result(m.name, UNBATCHED.get(m.name, UNBATCHED_EXTRA), "unsupported") for m in methods if not m.batched]
+    unsupported = [
+        skipped_result(m.name, UNBATCHED.get(m.name, UNBATCHED_EXTRA), "unsupported") for m in methods if not m.batched
+    ]
     unsupported += [
         skipped_result(r.name, UNBATCHED[r.name], "unsupported") if r.name in UNBATCHED else r for r in skipped
     ]

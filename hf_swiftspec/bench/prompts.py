@@ -183,7 +183,8 @@ def truncation_notes(prompt_sets: list[PromptSet], limit: int | None) -> list[st
 def padding_token(tokenizer, generation_config) -> int:
     """The id that left-pads a batch: the tokenizer's pad token, else generate()'s pad_token_id, else
     its first EOS id (generate pads finished rows with the same fallback). Masked out, so any id works."""
-    for candidate in (getattr(tokenizer, "pad_token_id", None), generation_config.pad_token_id, generation_config.eos_token_id):
+    config = generation_config
+    for candidate in (getattr(tokenizer, "pad_token_id", None), config.pad_token_id, config.eos_token_id):
         if isinstance(candidate, (list, tuple)):
             candidate = candidate[0] if candidate else None
         if candidate is not None:

@@ -147,7 +147,8 @@ def batch_memory_lines(sets: list[SetResult]) -> list[str]:
     lines = []
     for result in sets:
         batch = result.batches[-1]
-        shown = "; ".join(f"{m.label} {memory_text(m.peak_memory_mib, m.run_memory_mib)}" for m in batch.methods if m.status == "ok")
+        ok = [m for m in batch.methods if m.status == "ok"]
+        shown = "; ".join(f"{m.label} {memory_text(m.peak_memory_mib, m.run_memory_mib)}" for m in ok)
         lines.append(f"- {result.name}: {shown}")
     return [f"Peak memory at batch size {sets[0].batches[-1].batch_size}, MiB (+ during the call):", ""] + lines + [""]
 
