@@ -38,21 +38,23 @@ PAIR_KEYS = {
     "tokenizer", "settings",
 }
 CONFIG_KEYS = {
-    "pair", "model", "prompts", "num_prompts", "max_new_tokens", "max_prompt_tokens", "methods", "seed", "warmup", "output_dir",
+    "pair", "model", "prompts", "num_prompts", "max_new_tokens", "max_prompt_tokens", "methods", "batch_sizes", "seed",
+    "warmup", "output_dir",
     "assistant_tokens", "prompt_lookup_tokens", "swiftspec", "device", "dtype", "threads", "chat_template",
     "ignore_eos", "peak_gbps", "growth_check_tokens", "progress",
 }
-SET_KEYS = {"name", "source", "warmup_prompt", "prompts", "methods", "limit"}
+SET_KEYS = {"name", "source", "warmup_prompt", "prompts", "batches", "limit"}
+BATCH_KEYS = {"batch_size", "methods"}
 PROMPT_KEYS = {"index", "id", "category", "prompt_tokens", "truncated"}
 METHOD_KEYS = {
     "name", "label", "status", "note", "settings", "tuning", "tokens_per_s", "speedup", "tau",
     "target_forwards_per_token", "target_idle_fraction", "verify_step_ms", "peak_memory_mib", "run_memory_mib", "runs",
-    "tree_budget", "draft_expansions", "plain_fraction", "ngram_share",
+    "tree_budget", "draft_expansions", "plain_fraction", "ngram_share", "engines",
 }
 SPREAD_KEYS = {"mean", "sd", "min", "max"}
 RUN_KEYS = {
-    "prompt", "seconds", "new_tokens", "tokens_per_s", "speedup", "tau", "target_forwards",
-    "target_forwards_per_token", "target_idle_fraction", "verify_step_ms", "peak_memory_mib", "run_memory_mib",
+    "prompts", "seconds", "row_tokens", "new_tokens", "tokens_per_s", "speedup", "tau", "target_forwards",
+    "target_forwards_per_token", "target_idle_fraction", "verify_step_ms", "engine", "peak_memory_mib", "run_memory_mib",
     "tree_budget", "draft_expansions", "plain_fraction", "ngram_share",
 }
 LIMIT_KEYS = {
@@ -86,19 +88,22 @@ def test_runs_every_method_on_every_set_and_writes_the_results(finished):
     report, out = finished
     assert [s.name for s in report.sets] == ["humaneval", "spec_bench"]
     for result in report.sets:
-        assert [m.name for m in result.methods] == list(bench.METHOD_NAMES)
-        assert all(m.status == "ok" and len(m.runs) == 2 for m in result.methods)
-        by_name = {m.name: m for m in result.methods}
+        assert [b.batch_size for b in result.batches] == [1]  # the default: batch 1 alone, as before batches
+        assert [m.name for m in result.at(1)] == list(bench.METHOD_NAMES)
+        assert all(m.status == "ok" and len(m.runs) == 2 for m in result.at(1))
+        by_name = {m.name: m for m in result.at(1)}
         assert by_name["target"].tau.mean == 1.0 and by_name["target"].target_forwards_per_token.mean == 1.0
         assert by_name["target"].speedup.mean == 1.0
         assert by_name["swiftspec_async"].target_idle_fraction is not None
         assert by_name["swiftspec_serial"].target_idle_fraction is None
         assert by_name["swiftspec_serial"].tree_budget.min >= 1 and by_name["target"].tree_budget is None  # the policy's choices
+        assert by_name["swiftspec_serial"].engines == ["serial"] and by_name["target"].engines == []
         assert by_name["assisted"].settings["num_assistant_tokens"] in (2, 4)
         assert set(by_name["assisted"].tuning) == {"2", "4"}
         assert result.limit is not None and result.limit.peak_source == "given"
     markdown = (out / "results.md").read_text()
     assert markdown.count("| swiftspec serial |") == 2 and "**Limit**" in markdown and "## Memory budget" in markdown
+    assert "### Batch size" not in markdown and "## Speed-up by batch size" not in markdown
     assert (out / "results.png").exists() == (find_spec("matplotlib") is not None)
     if find_spec("matplotlib") is None:
         assert any("matplotlib" in note for note in report.notes)
@@ -107,7 +112,7 @@ def test_runs_every_method_on_every_set_and_writes_the_results(finished):
 def test_results_json_has_exactly_the_documented_keys(finished):
     _, out = finished
     data = json.loads((out / "results.json").read_text())
-    assert set(data) == REPORT_KEYS and data["schema_version"] == bench.SCHEMA_VERSION == 2
+    assert set(data) == REPORT_KEYS and data["schema_version"] == bench.SCHEMA_VERSION == 3
     assert set(data["environment"]) == ENVIRONMENT_KEYS
     assert set(data["pair"]) == PAIR_KEYS
     assert set(data["config"]) == CONFIG_KEYS
@@ -116,17 +121,20 @@ def test_results_json_has_exactly_the_documented_keys(finished):
     for result in data["sets"]:
         assert set(result) == SET_KEYS and set(result["limit"]) == LIMIT_KEYS
         assert all(set(p) == PROMPT_KEYS for p in result["prompts"])
-        for method in result["methods"]:
-            assert set(method) == METHOD_KEYS
-            assert set(method["tokens_per_s"]) == SPREAD_KEYS
-            assert all(set(run) == RUN_KEYS for run in method["runs"])
+        for batch in result["batches"]:
+            assert set(batch) == BATCH_KEYS
+            for method in batch["methods"]:
+                assert set(method) == METHOD_KEYS
+                assert set(method["tokens_per_s"]) == SPREAD_KEYS
+                assert all(set(run) == RUN_KEYS for run in method["runs"])
 
 
 def test_the_documented_keys_are_the_dataclass_fields():
     """The schema lives in bench's dataclasses; this keeps the test's (and README's) lists in step."""
     for cls, keys in [
         (bench.BenchReport, REPORT_KEYS), (bench.Environment, ENVIRONMENT_KEYS), (bench.PairInfo, PAIR_KEYS),
-        (bench.SetResult, SET_KEYS), (bench.PromptInfo, PROMPT_KEYS), (bench.MethodResult, METHOD_KEYS),
+        (bench.SetResult, SET_KEYS), (bench.BatchResult, BATCH_KEYS), (bench.PromptInfo, PROMPT_KEYS),
+        (bench.MethodResult, METHOD_KEYS),
         (bench.Spread, SPREAD_KEYS), (bench.PromptRun, RUN_KEYS), (bench.LimitReport, LIMIT_KEYS),
         (bench.MemoryBudget, MEMORY_KEYS), (bench.CacheTrace, TRACE_KEYS),
     ]:
@@ -155,13 +163,172 @@ def test_a_method_with_different_tokens_fails_the_run_loudly(tiny_models, tmp_pa
     assert not (tmp_path / "out").exists()  # an invalid run leaves no results behind
 
 
+# The warm-up prompt, then two of different lengths (the batches are left-padded): the tiny target ends
+# "class Point:" at EOS after 4 tokens, so at every batch size one row is padded after its end.
+BATCH_PROMPTS = "warm up with this\nimport os\nclass Point:\n"
+
+
+@pytest.fixture(scope="module")
+def batched(tiny_models, tmp_path_factory):
+    """(report, output folder) of `--batch-sizes 1,2,3` on two prompts: every method, one set."""
+    folder = tmp_path_factory.mktemp("batched")
+    (folder / "prompts.txt").write_text(BATCH_PROMPTS)
+    config = BenchConfig(
+        models=tiny_models, prompts=(str(folder / "prompts.txt"),), batch_sizes=(1, 2, 3), output_dir=str(folder / "out"),
+        **{**FAST, "growth_check_tokens": 0},
+    )
+    return run_bench(config), folder / "out"
+
+
+def test_every_batch_size_has_every_method_and_counts_each_rows_own_tokens(batched):
+    report, _ = batched
+    result = report.sets[0]
+    assert [b.batch_size for b in result.batches] == [1, 2, 3]
+    for batch in result.batches:
+        assert [m.name for m in batch.methods] == list(bench.METHOD_NAMES)
+    assert all(m.status == "ok" for m in result.at(1))
+    rows = {1: [[0], [1]], 2: [[0, 1]], 3: [[0, 1, 0]]}  # a short group repeats its own prompts, never another call's
+    tokens = {1: [[8], [4]], 2: [[8, 4]], 3: [[8, 4, 8]]}  # the EOS row's padding is not its output
+    for size in (1, 2, 3):
+        by_name = {m.name: m for m in result.at(size)}
+        target, serial = by_name["target"], by_name["swiftspec_serial"]
+        for m in (target, serial):
+            assert m.status == "ok" and [run.prompts for run in m.runs] == rows[size]
+            assert [run.row_tokens for run in m.runs] == tokens[size]
+            assert all(run.new_tokens == sum(run.row_tokens) for run in m.runs)
+        assert target.speedup.mean == 1.0 and target.engines == [] and serial.engines == ["serial"]  # speculated
+        assert serial.tree_budget.min >= 1 and 0 <= serial.plain_fraction.mean <= 1
+        if size > 1:
+            for name, why in [("assisted", "batch size 1 only"), ("prompt_lookup", "batch size 1 only"),
+                              ("swiftspec_async", "serial engine")]:
+                cell = by_name[name]
+                assert (cell.status, cell.runs, cell.tokens_per_s) == ("unsupported", [], None) and why in cell.note
+    assert result.limit is not None  # from the batch-1 calls
+
+
+def test_batched_results_json_markdown_and_plot(batched):
+    report, out = batched
+    data = json.loads((out / "results.json").read_text())
+    assert data["config"]["batch_sizes"] == [1, 2, 3]
+    for batch in data["sets"][0]["batches"]:
+        assert set(batch) == BATCH_KEYS
+        for method in batch["methods"]:
+            assert set(method) == METHOD_KEYS and all(set(run) == RUN_KEYS for run in method["runs"])
+    statuses = [[m["status"] for m in b["methods"]] for b in data["sets"][0]["batches"]]
+    assert statuses[1] == statuses[2] == ["ok", "unsupported", "unsupported", "ok", "unsupported"]
+    markdown = (out / "results.md").read_text()
+    assert "## Speed-up by batch size" in markdown and "| set | method | B = 1 | B = 2 | B = 3 |" in markdown
+    serial = next(line for line in markdown.splitlines() if line.startswith("| prompts | swiftspec serial |"))
+    assert serial.count("× (T ") == 3 and "% plain)" in serial
+    assisted = next(line for line in markdown.splitlines() if line.startswith("| prompts | assisted generation |"))
+    assert assisted.endswith("| unsupported | unsupported |")
+    assert "### Batch size 3: 1 call of 3 prompts, left-padded; 1 row repeat" in markdown
+    assert "Peak memory at batch size 3" in markdown and "**Limit**" in markdown
+    assert (out / "results.png").exists() == (find_spec("matplotlib") is not None)
+
+
+def row_flipped_method(target) -> Method:
+    """target.generate with the last token of a batch's second row changed: lossy in batches only."""
+
+    def generate(ids, **kwargs):
+        out = target.generate(ids, **kwargs).clone()
+        if out.shape[0] > 1:
+            out[1, -1] = (out[1, -1] + 1) % target.config.vocab_size
+        return out
+
+    return Method("row_flipped", "row flipped", generate, batched=True)
+
+
+def test_a_mismatching_row_of_a_batch_fails_the_run(tiny_models, tmp_path):
+    (tmp_path / "prompts.txt").write_text(BATCH_PROMPTS)
+    config = BenchConfig(
+        models=tiny_models, methods=("target",), extra_methods=(row_flipped_method(tiny_models.target),),
+        prompts=(str(tmp_path / "prompts.txt"),), batch_sizes=(1, 2), output_dir=str(tmp_path / "out"),
+        **{**FAST, "growth_check_tokens": 0},
+    )
+    with pytest.raises(OutputMismatchError, match=r"'row_flipped' .* prompt 1 of set 'prompts' .*row 1 of a batch of 2\)"
+                       r": first difference at new token 7 .*--batch-sizes 2"):  # in the row's padding: compared too
+        run_bench(config)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_batch_swiftspec_cannot_speculate_is_reported_as_the_targets_loop(tiny_models, tmp_path, monkeypatch):
+    import hf_swiftspec.generation
+
+    monkeypatch.setattr(hf_swiftspec.generation, "batch_exactness_gaps", lambda *args: ["a processor reads other rows"])
+    (tmp_path / "prompts.txt").write_text(BATCH_PROMPTS)
+    with pytest.warns(UserWarning, match="target's own decoding loop"):
+        report = run_bench(BenchConfig(
+            models=tiny_models, methods=("target", "swiftspec_serial"), prompts=(str(tmp_path / "prompts.txt"),),
+            batch_sizes=(2,), output_dir=None, **{**FAST, "growth_check_tokens": 0},
+        ))
+    serial = report.sets[0].at(2)[1]
+    assert serial.engines == ["target (batch: a processor reads other rows)"] and serial.tree_budget is None
+    assert report.sets[0].limit is None and report.sets[0].at(1) == []  # no batch-1 calls, no floor
+    assert any("prompts, batch size 2: swiftspec serial ran as target (batch" in note for note in report.notes)
+    assert "(target's own loop)" in bench.markdown_report(report)
+
+
+def test_prompt_batches_are_left_padded_and_short_groups_repeat_their_own_prompts():
+    from hf_swiftspec.bench.prompts import PromptSet, prompt_batches
+
+    ids = [torch.full((1, n), 10 + n) for n in (1, 2, 3, 4, 5)]
+    infos = [bench.PromptInfo(i, str(i), "", n, False) for i, n in enumerate((1, 2, 3, 4, 5))]
+    prompt_set = PromptSet("s", prompts.PROMPTS_DIR, None, ids[0], infos, ids)
+    assert [b.prompts for b in prompt_batches(prompt_set, 2, pad_id=0)] == [[0, 1], [2, 3], [4, 4]]
+    assert [b.prompts for b in prompt_batches(prompt_set, 8, pad_id=0)] == [[0, 1, 2, 3, 4, 0, 1, 2]]
+    first = prompt_batches(prompt_set, 2, pad_id=0)[0]
+    assert first.ids.tolist() == [[0, 11], [12, 12]] and first.attention_mask.tolist() == [[0, 1], [1, 1]]
+    alone = prompt_batches(prompt_set, 1, pad_id=0)
+    assert [b.ids.tolist() for b in alone] == [t.tolist() for t in ids] and all(b.attention_mask.all() for b in alone)
+
+
+@pytest.mark.parametrize("row, eos, expected", [
+    ([5, 6, 7], (), 3), ([5, 2, 0, 0], (2,), 2), ([5, 2, 2, 2], (2,), 2), ([2], (2, 9), 1), ([5, 9, 2], (2, 9), 2),
+])
+def test_a_rows_own_tokens_end_at_its_first_eos(row, eos, expected):
+    """generate pads a finished row with pad_token_id, often an EOS id itself: none of it is the row's."""
+    from hf_swiftspec.bench.measure import own_length
+
+    assert own_length(row, eos) == expected
+
+
+def test_padding_token_falls_back_like_generate(tiny_models):
+    from transformers import GenerationConfig
+
+    from hf_swiftspec.bench.prompts import padding_token
+    from hf_swiftspec.testing import char_tokenizer
+
+    assert padding_token(char_tokenizer(), GenerationConfig(pad_token_id=5)) == char_tokenizer().pad_token_id
+    assert padding_token(None, GenerationConfig(pad_token_id=5, eos_token_id=2)) == 5
+    assert padding_token(None, GenerationConfig(eos_token_id=[7, 2])) == 7
+    with pytest.raises(ValueError, match="no pad token .*--batch-sizes 1"):
+        padding_token(None, GenerationConfig())
+
+
+def test_each_batch_size_starts_from_the_outputs_swiftspec_kept_before_it(tiny_models):
+    """A later batch size must not copy the answers an earlier one gave the same prompts."""
+    from hf_swiftspec import SwiftSpecForCausalLM
+
+    model = SwiftSpecForCausalLM.from_models(tiny_models.target, tiny_models.draft, tree_budget=6)
+    method = methods.swiftspec_method("swiftspec_serial", model, seed=0)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    method.generate(ids, max_new_tokens=6, do_sample=False)
+    kept = list(model.output_history.docs.values())
+    restore = method.checkpoint()
+    method.generate(ids + 1, max_new_tokens=6, do_sample=False)
+    assert len(model.output_history) == 2
+    restore()
+    assert list(model.output_history.docs.values()) == kept and method.batched
+
+
 def test_async_is_skipped_with_a_note_when_the_placement_does_not_allow_it(tiny_models, monkeypatch):
     monkeypatch.setattr(methods, "async_placement", lambda target: (None, "skipped: no second GPU for the draft"))
     report = run_bench(BenchConfig(
         models=tiny_models, methods=("target", "swiftspec_async"), prompts=("spec_bench",), output_dir=None,
         **{**FAST, "growth_check_tokens": 0},
     ))
-    skipped = report.sets[0].methods[1]
+    skipped = report.sets[0].at(1)[1]
     assert (skipped.name, skipped.status, skipped.runs, skipped.tokens_per_s) == ("swiftspec_async", "skipped", [], None)
     assert "no second GPU" in skipped.note and any("no second GPU" in note for note in report.notes)
     assert report.memory is None and report.sets[0].limit is None
@@ -268,6 +435,8 @@ def test_long_prompts_are_cut_before_the_template(tiny_models):
         (dict(num_prompts=0), "num_prompts must be at least 1"),
         (dict(assistant_tokens=()), "assistant_tokens must be positive"),
         (dict(swiftspec={"tree_budget": 1}), "tree_budget"),
+        (dict(batch_sizes=(1, 0)), r"batch_sizes must be distinct positive ints.*got \(1, 0\)"),
+        (dict(batch_sizes=(2, 2)), "batch_sizes must be distinct positive ints"),
     ],
 )
 def test_bad_settings_are_refused_naming_the_value(tiny_models, change, message):
@@ -279,9 +448,10 @@ def test_command_line_defaults_are_bench_config_defaults():
     assert bench_config(build_parser().parse_args([])) == BenchConfig()
     args = build_parser().parse_args(
         ["--prompts", "humaneval", "--prompts", "x.jsonl", "--methods", "target,swiftspec_serial", "--tree-budget", "6",
-         "--assistant-tokens", "3,5", "--max-prompt-tokens", "0", "--quiet", "--no-chat-template"]
+         "--assistant-tokens", "3,5", "--max-prompt-tokens", "0", "--quiet", "--no-chat-template", "--batch-sizes", "1,2,4"]
     )
     config = bench_config(args)
+    assert config.batch_sizes == (1, 2, 4) and BenchConfig().batch_sizes == (1,)  # batch 1 alone unless asked
     assert config.prompts == ("humaneval", "x.jsonl") and config.methods == ("target", "swiftspec_serial")
     assert config.swiftspec == {"tree_budget": 6} and config.assistant_tokens == (3, 5)
     assert config.max_prompt_tokens is None and not config.progress and not config.chat_template

@@ -66,7 +66,7 @@ def test_bench_and_cli_take_a_plain_model(tmp_path, capsys):
         model=str(tmp_path / "plain"), prompts=(str(prompts),), num_prompts=1, max_new_tokens=8, output_dir=None,
         progress=False, growth_check_tokens=0, warmup=0,
     ))
-    status = {m.name: m.status for m in report.sets[0].methods}
+    status = {m.name: m.status for m in report.sets[0].at(1)}
     assert status["assisted"] == "skipped" and status["swiftspec_async"] == "skipped"
     assert status["swiftspec_serial"] != "skipped" and report.pair.draft == "none (draft-free)"
     assert main(["generate", "--model", str(tmp_path / "plain"), "--max-new-tokens", "6", "def f("]) == 0

@@ -1,5 +1,5 @@
-"""`run_bench` (the orchestration: every method on every prompt set, interleaved) and the
-`swiftspec bench` command around it."""
+"""`run_bench` (the orchestration: every method on every prompt set at every batch size,
+interleaved) and the `swiftspec bench` command around it."""
 
 from __future__ import annotations
 
@@ -18,15 +18,42 @@ from ..commandline import THREADS_HELP, add_tree_options, progress, resolve_devi
 from ..pair import context_length
 from ..testing import REAL_SHAPES
 from .limits import limit_report, memory_budget, peak_bandwidth
-from .measure import Harness, MemoryProbe, check_identical, counting_forwards, generation_kwargs, method_result, timed_run
-from .methods import Method, build_methods, eos_ignored, load_models, pair_info, swiftspec_settings, tokenizer_for
-from .prompts import BUNDLED_PROMPT_SETS, PromptSet, prepare_prompt_set, prompt_token_limit, truncation_notes
+from .measure import (
+    Harness,
+    MemoryProbe,
+    check_identical,
+    counting_forwards,
+    eos_token_ids,
+    generation_kwargs,
+    method_result,
+    timed_run,
+)
+from .methods import (
+    Method,
+    build_methods,
+    eos_ignored,
+    load_models,
+    methods_at,
+    pair_info,
+    swiftspec_settings,
+    tokenizer_for,
+)
+from .prompts import (
+    BUNDLED_PROMPT_SETS,
+    PromptSet,
+    padding_token,
+    prepare_prompt_set,
+    prompt_batches,
+    prompt_token_limit,
+    truncation_notes,
+)
 from .report import markdown_report, write_outputs
 from .schema import (
     FULL_RUN,
     METHOD_NAMES,
     SCHEMA_VERSION,
     BenchConfig,
+    BatchResult,
     BenchReport,
     Environment,
     MethodResult,
@@ -60,6 +87,9 @@ def check_config(config: BenchConfig) -> None:
         raise ValueError(f"BenchConfig.assistant_tokens must be positive ints, got {config.assistant_tokens!r}.")
     if config.max_prompt_tokens is not None and config.max_prompt_tokens < 1:
         raise ValueError(f"BenchConfig.max_prompt_tokens must be None or at least 1, got {config.max_prompt_tokens!r}.")
+    sizes = config.batch_sizes
+    if not sizes or any(not isinstance(b, int) or b < 1 for b in sizes) or len(set(sizes)) != len(sizes):
+        raise ValueError(f"BenchConfig.batch_sizes must be distinct positive ints, e.g. (1, 2, 4, 8, 16); got {sizes!r}.")
     if config.peak_gbps is not None and not config.peak_gbps > 0:
         raise ValueError(f"BenchConfig.peak_gbps must be a positive GB/s figure or None (measure), got {config.peak_gbps!r}.")
 
@@ -70,39 +100,73 @@ def rotated(methods: list[Method], shift: int) -> list[Method]:
     return methods[shift:] + methods[:shift]
 
 
-def warm_up(methods: list[Method], prompt_set: PromptSet, harness: Harness, bar) -> None:
-    """Untimed calls on the warm-up prompt (first-call costs stay out of every number), then tuning."""
-    ids = prompt_set.warmup_ids
+def warm_up(methods: list[Method], prompt_set: PromptSet, size: int, harness: Harness, bar) -> None:
+    """Untimed calls on `size` copies of the warm-up prompt (first-call costs, and the goodput
+    policy's first measurements at this batch size, stay out of every number); tuning at size 1."""
+    ids = prompt_set.warmup_ids.repeat(size, 1)  # (size, L)
     kwargs = generation_kwargs(ids, harness.max_new_tokens)
     for method in methods:
-        bar.set_postfix_str(f"{prompt_set.name}: warm-up {method.name}")
+        bar.set_postfix_str(f"{prompt_set.name} B={size}: warm-up {method.name}")
         for _ in range(harness.warmup):
             method.generate(ids, **kwargs)
-        if method.tune is not None:
+        if method.tune is not None and size == 1:
             bar.set_postfix_str(f"{prompt_set.name}: tuning {method.name}")
             method.tune(ids, **kwargs)
 
 
-def run_prompt_set(prompt_set: PromptSet, methods: list[Method], skipped: list[MethodResult], order: list[str],
-                   harness: Harness, bar) -> SetResult:
-    """Warm up and tune, then every method on every prompt, interleaved; outputs checked per prompt."""
-    warm_up(methods, prompt_set, harness, bar)
+def run_batch_size(prompt_set: PromptSet, size: int, methods: list[Method], absent: list[MethodResult],
+                   order: list[str], harness: Harness, bar) -> BatchResult:
+    """Warm up, then every method on every batch of `size` prompts, interleaved (each batch starts
+    one method later); outputs checked row by row against target.generate's on the same batch."""
+    warm_up(methods, prompt_set, size, harness, bar)
     runs: dict[str, list[PromptRun]] = {m.name: [] for m in methods}
-    for info, ids in zip(prompt_set.infos, prompt_set.ids):
+    for k, batch in enumerate(prompt_batches(prompt_set, size, harness.pad_token_id)):
+        rows = [prompt_set.infos[i] for i in batch.prompts]
+        where = f"#{rows[0].id}" if size == 1 else f"batch {k} of {size}"
         outputs = {}
-        for method in rotated(methods, info.index):
-            bar.set_postfix_str(f"{prompt_set.name} #{info.id}: {method.name}")
-            outputs[method.name], run = timed_run(method, ids, info.index, harness)
+        for method in rotated(methods, k):
+            bar.set_postfix_str(f"{prompt_set.name} {where}: {method.name}")
+            outputs[method.name], run = timed_run(method, batch, harness)
             runs[method.name].append(run)
             bar.update()
-        check_identical(outputs, prompt_set.name, info)
+        check_identical(outputs, prompt_set.name, rows)
         baseline = runs["target"][-1].tokens_per_s
         for method_runs in runs.values():
             method_runs[-1].speedup = method_runs[-1].tokens_per_s / baseline if baseline else 0.0
-    results = {m.name: method_result(m, runs[m.name]) for m in methods} | {r.name: r for r in skipped}
-    return SetResult(
-        prompt_set.name, str(prompt_set.source), prompt_set.warmup.id, prompt_set.infos, [results[n] for n in order], None
+    results = {m.name: method_result(m, runs[m.name]) for m in methods} | {r.name: r for r in absent}
+    return BatchResult(size, [results[n] for n in order])
+
+
+def run_prompt_set(prompt_set: PromptSet, methods: list[Method], skipped: list[MethodResult], order: list[str],
+                   harness: Harness, bar) -> SetResult:
+    """Every batch size in turn, each from the state the set began in (Method.checkpoint): a later
+    size must not copy the answers an earlier one gave the same prompts."""
+    restores = [method.checkpoint() for method in methods]
+    batches = []
+    for k, size in enumerate(harness.batch_sizes):
+        if k:
+            for restore in restores:
+                restore()
+        running, absent = methods_at(size, methods, skipped)
+        batches.append(run_batch_size(prompt_set, size, running, absent, order, harness, bar))
+    return SetResult(prompt_set.name, str(prompt_set.source), prompt_set.warmup.id, prompt_set.infos, batches, None)
+
+
+def calls(prompt_sets: list[PromptSet], methods: list[Method], skipped: list[MethodResult], sizes: tuple[int, ...]) -> int:
+    """Timed generate() calls of the whole run (the progress bar's length)."""
+    return sum(
+        len(methods_at(size, methods, skipped)[0]) * -(-len(ps.ids) // size) for ps in prompt_sets for size in sizes
     )
+
+
+def fallback_notes(sets: list[SetResult]) -> list[str]:
+    """Where swiftspec decoded a batch with transformers' own loop: its figures there are not speculation's."""
+    return [
+        f"{result.name}, batch size {batch.batch_size}: {m.label} ran as {engine}; its figures there measure "
+        "transformers' own decoding loop, not speculation."
+        for result in sets for batch in result.batches for m in batch.methods for engine in m.engines
+        if engine.startswith("target")
+    ]
 
 
 def device_description(device: torch.device) -> str:
@@ -165,12 +229,16 @@ def run_bench(config: BenchConfig) -> BenchReport:
     notes += truncation_notes(prompt_sets, prompt_token_limit(config, context))
     probe = MemoryProbe.create(device)
     order = [*config.methods, *(m.name for m in config.extra_methods)]
+    sizes = tuple(sorted(config.batch_sizes))
+    pad = padding_token(tokenizer, models.target.generation_config) if max(sizes) > 1 else 0
     with eos_ignored(models.target, config.ignore_eos):
         methods, skipped = build_methods(models, config, settings, notes)
-        total = len(methods) * sum(len(ps.ids) for ps in prompt_sets)
+        eos = eos_token_ids(models.target.generation_config)
+        total = calls(prompt_sets, methods, skipped, sizes)
         with counting_forwards(models.target) as forwards, progress_bar(total, config.progress) as bar:
-            harness = Harness(probe, forwards, config.seed, config.warmup, config.max_new_tokens)
+            harness = Harness(probe, forwards, config.seed, config.warmup, config.max_new_tokens, sizes, pad, eos)
             sets = [run_prompt_set(ps, methods, skipped, order, harness, bar) for ps in prompt_sets]
+        notes += fallback_notes(sets)
         memory = None
         if config.growth_check_tokens and models.draft is None:
             notes.append("The memory check was skipped: it measures the draft's tree region, and there is no draft.")
@@ -251,6 +319,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"num_assistant_tokens values tried for assisted generation (default: {','.join(map(str, d.assistant_tokens))}; "
         f"--full: {','.join(map(str, FULL_RUN['assistant_tokens']))})",
     )
+    parser.add_argument(
+        "--batch-sizes", type=int_list, default=d.batch_sizes, metavar="B,B,...",
+        help="prompts per generate() call, e.g. 1,2,4,8,16: above 1 the prompts are left-padded into batches, and "
+        "target.generate and swiftspec serial decode each in one call (the other methods: unsupported) "
+        "(default: %(default)s)",
+    )
     parser.add_argument("--prompt-lookup-tokens", type=int, default=d.prompt_lookup_tokens, help="(default: %(default)s)")
     add_tree_options(parser)
     parser.add_argument("--seed", type=int, default=d.seed, help="(default: %(default)s)")
@@ -286,6 +360,7 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         prompts=tuple(args.prompts) if args.prompts else BenchConfig().prompts,
         max_prompt_tokens=args.max_prompt_tokens or None,
         methods=tuple(args.methods),
+        batch_sizes=tuple(args.batch_sizes),
         seed=args.seed,
         warmup=args.warmup,
         output_dir=args.out,

@@ -76,13 +76,14 @@ def kv_bytes_per_token(model) -> int:
 
 
 def limit_report(result: SetResult, target, peak_gbps: float, peak_source: str) -> LimitReport | None:
-    """The floor of one verification step at the set's mean context, against the measured step."""
-    methods = {m.name: m for m in result.methods if m.status == "ok"}
+    """The floor of one verification step at the set's mean context, against the measured step of
+    the batch-1 calls (None without them: a batch's step reads the weights once for several rows)."""
+    methods = {m.name: m for m in result.at(1) if m.status == "ok"}
     spec = next((methods[n] for n in ("swiftspec_serial", "swiftspec_async") if n in methods), None)
     base = methods.get("target")
     if spec is None or spec.verify_step_ms is None or base is None or not base.runs:
         return None
-    new_tokens = {run.prompt: run.new_tokens for run in base.runs}
+    new_tokens = {run.prompts[0]: run.new_tokens for run in base.runs}
     context = statistics.mean(info.prompt_tokens + new_tokens[info.index] / 2 for info in result.prompts)
     weights, kv = weight_bytes_read(target), kv_bytes_per_token(target) * context
     floor_ms = 1000 * (weights + kv) / (peak_gbps * 1e9)

@@ -1,5 +1,6 @@
-"""Measuring one call: wall time, target forwards, peak memory per device (/proc probes on Linux),
-and the identical-output check; then the per-method spreads over prompts."""
+"""Measuring one call (one prompt, or a padded batch of them): wall time, each row's new tokens,
+target forwards, peak memory per device (/proc probes on Linux), and the row-by-row identical-output
+check; then the per-method spreads over calls."""
 
 from __future__ import annotations
 
@@ -19,14 +20,16 @@ from .schema import MethodResult, OutputMismatchError, PromptInfo, PromptRun, Sp
 
 if TYPE_CHECKING:
     from .methods import Method
+    from .prompts import PromptBatch
 
 
 MIB = 2**20
 
 
-def generation_kwargs(ids: torch.Tensor, max_new_tokens: int) -> dict:
-    """The same greedy settings for every method; ids (1, L)."""
-    return dict(do_sample=False, max_new_tokens=max_new_tokens, attention_mask=torch.ones_like(ids))
+def generation_kwargs(ids: torch.Tensor, max_new_tokens: int, attention_mask: torch.Tensor | None = None) -> dict:
+    """The same greedy settings for every method; ids (B, L), attention_mask (B, L) (None: no padding)."""
+    mask = torch.ones_like(ids) if attention_mask is None else attention_mask
+    return dict(do_sample=False, max_new_tokens=max_new_tokens, attention_mask=mask)
 
 
 def synchronize() -> None:
@@ -156,28 +159,48 @@ class Harness:
     seed: int
     warmup: int
     max_new_tokens: int
+    batch_sizes: tuple[int, ...] = (1,)  # ascending
+    pad_token_id: int = 0  # left-pads the batches (prompts.padding_token)
+    eos_token_ids: tuple[int, ...] = ()  # where a row ends (empty: rows run to max_new_tokens)
 
 
-def timed_run(method: Method, ids: torch.Tensor, index: int, harness: Harness) -> tuple[list[int], PromptRun]:
-    """One timed call on prompt `index` (ids (1, L)): its new tokens and its measurements."""
+def eos_token_ids(generation_config) -> tuple[int, ...]:
+    """The ids generate() ends a row at: generation_config.eos_token_id as a tuple (empty for None)."""
+    eos = generation_config.eos_token_id
+    return () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+
+
+def own_length(row: list[int], eos_token_ids: tuple[int, ...]) -> int:
+    """A row's own new tokens: up to and including its first EOS. generate() pads a row that ended
+    early up to the batch's length, with pad_token_id (often an EOS id itself), and that padding is
+    not the row's output."""
+    return next((i + 1 for i, token in enumerate(row) if token in eos_token_ids), len(row))
+
+
+def timed_run(method: Method, batch: PromptBatch, harness: Harness) -> tuple[list[list[int]], PromptRun]:
+    """One timed call on a batch (one row per prompt): every row's new tokens and the measurements."""
     torch.manual_seed(harness.seed)
     before = harness.probe.start()
     harness.forwards.count = 0
-    out, seconds = timed_call(method.generate, ids, generation_kwargs(ids, harness.max_new_tokens))
+    kwargs = generation_kwargs(batch.ids, harness.max_new_tokens, batch.attention_mask)
+    out, seconds = timed_call(method.generate, batch.ids, kwargs)
     peak, extra = harness.probe.stop(before)
-    tokens = out[0, ids.shape[1] :].tolist()
-    stats, n, forwards = method.stats(), len(tokens), harness.forwards.count
-    return tokens, PromptRun(
-        prompt=index,
+    rows = out[:, batch.ids.shape[1] :].tolist()
+    lengths = [own_length(row, harness.eos_token_ids) for row in rows]
+    stats, n, forwards = method.stats(), sum(lengths), harness.forwards.count
+    return rows, PromptRun(
+        prompts=list(batch.prompts),
         seconds=seconds,
+        row_tokens=lengths,
         new_tokens=n,
         tokens_per_s=n / seconds,
-        speedup=0.0,  # known once target.generate has run on this prompt
-        tau=stats.tau if stats is not None else (n / forwards if forwards else 0.0),
+        speedup=0.0,  # known once target.generate has run on this batch
+        tau=stats.tau if stats is not None else (n / (forwards * len(rows)) if forwards else 0.0),
         target_forwards=forwards,
         target_forwards_per_token=forwards / n if n else 0.0,
         target_idle_fraction=stats.target_idle_fraction if stats is not None and stats.engine != "serial" else None,
         verify_step_ms=1000 * stats.target_time_s / stats.verify_steps if stats is not None and stats.verify_steps else None,
+        engine=stats.engine if stats is not None else None,
         **policy_choices(stats),
         peak_memory_mib=peak,
         run_memory_mib=extra,
@@ -185,12 +208,13 @@ def timed_run(method: Method, ids: torch.Tensor, index: int, harness: Harness) -
 
 
 def policy_choices(stats) -> dict:
-    """What the goodput policy chose in one swiftspec call (all None for the other methods)."""
+    """What the goodput policy chose in one swiftspec call (all None for the other methods). A round
+    verifies one tree size for every row still decoding, so the mean T per row weighs it by its rows."""
     rounds = stats.rounds if stats is not None else []
     if not rounds:
         return dict(tree_budget=None, draft_expansions=None, plain_fraction=None, ngram_share=None)
     return dict(
-        tree_budget=stats.mean_tree_budget,
+        tree_budget=sum(r.budget * r.rows for r in rounds) / sum(r.rows for r in rounds),
         draft_expansions=sum(r.expansions for r in rounds) / len(rounds),
         plain_fraction=stats.plain_rounds / len(rounds),
         ngram_share=stats.ngram_share,
@@ -201,20 +225,33 @@ def first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def check_identical(outputs: dict[str, list[int]], set_name: str, info: PromptInfo) -> None:
-    """Raise OutputMismatchError when any method's greedy tokens differ from target.generate's."""
+def check_identical(outputs: dict[str, list[list[int]]], set_name: str, rows: list[PromptInfo]) -> None:
+    """Raise OutputMismatchError when any method's greedy tokens differ from target.generate's, in
+    any row of the batch (outputs: method -> each row's new tokens, padding included; rows: the
+    prompt of each row)."""
     expected = outputs["target"]
-    for name, tokens in outputs.items():
-        if tokens == expected:
+    size = len(rows)
+    again = f"--prompts {set_name} --methods target,{{name}}" + (f" --batch-sizes {size}" if size > 1 else "")
+    for name, got in outputs.items():
+        if got == expected:
             continue
-        at = first_difference(expected, tokens)
-        got = tokens[at] if at < len(tokens) else "end"
-        want = expected[at] if at < len(expected) else "end"
+        if len(got) != len(expected):
+            raise OutputMismatchError(
+                f"method {name!r} returned {len(got)} rows for a batch of {len(expected)} prompts of set {set_name!r} "
+                f"(prompts {[info.index for info in rows]}); it must return one row per prompt, as target.generate "
+                f"does. Nothing was written. Reproduce it with {again.format(name=name)}."
+            )
+        row = next(r for r, (a, b) in enumerate(zip(expected, got)) if a != b)
+        want_row, tokens, info = expected[row], got[row], rows[row]
+        at = first_difference(want_row, tokens)
+        got_token = tokens[at] if at < len(tokens) else "end"
+        want = want_row[at] if at < len(want_row) else "end"
+        where = f", row {row} of a batch of {size}" if size > 1 else ""
         raise OutputMismatchError(
             f"method {name!r} generated different tokens from target.generate on prompt {info.index} of set {set_name!r} "
-            f"(id {info.id}): first difference at new token {at} (target.generate: {want}, {name}: {got}; "
-            f"{len(expected)} vs {len(tokens)} new tokens). Greedy decoding must reproduce target.generate exactly, so "
-            f"this run is invalid and nothing was written. Reproduce it with --prompts {set_name} --methods target,{name}."
+            f"(id {info.id}{where}): first difference at new token {at} (target.generate: {want}, {name}: {got_token}; "
+            f"{len(want_row)} vs {len(tokens)} new tokens). Greedy decoding must reproduce target.generate exactly, "
+            f"row by row, so this run is invalid and nothing was written. Reproduce it with {again.format(name=name)}."
         )
 
 
@@ -255,6 +292,7 @@ def method_result(method: Method, runs: list[PromptRun]) -> MethodResult:
         draft_expansions=metric("draft_expansions"),
         plain_fraction=metric("plain_fraction"),
         ngram_share=metric("ngram_share"),
+        engines=list(dict.fromkeys(run.engine for run in runs if run.engine is not None)),
         peak_memory_mib=largest_per_device([run.peak_memory_mib for run in runs]),
         run_memory_mib=largest_per_device([run.run_memory_mib for run in runs]),
         runs=runs,

@@ -1,4 +1,5 @@
-"""The pair under test and the ways of generating with it that the bench times side by side."""
+"""The pair under test, the ways of generating with it that the bench times side by side, and
+which of them decode a batch of prompts in one call."""
 
 from __future__ import annotations
 
@@ -17,6 +18,17 @@ from ..stats import SwiftSpecStats
 from ..testing import SHAPE_PREFIX
 from .measure import tokens_per_second
 from .schema import METHOD_LABELS, BenchConfig, MethodResult, PairInfo
+
+# Why a built-in method has no result at batch sizes above 1 (its MethodResult there says "unsupported").
+UNBATCHED = {
+    "assisted": "unsupported: transformers runs assisted generation at batch size 1 only",
+    "prompt_lookup": "unsupported: transformers runs prompt lookup at batch size 1 only",
+    "swiftspec_async": (
+        "unsupported: generate() decodes a batch of prompts on the serial engine only and refuses one with an "
+        "asynchronous placement (swiftspec_serial is the batched method)"
+    ),
+}
+UNBATCHED_EXTRA = "unsupported: this method decodes one prompt per call (Method.batched is False)"
 
 SWIFTSPEC_FIELDS = (
     "tree_budget", "draft_width", "draft_depth", "ngram_size", "suffix_cache_tokens", "tree_capacity", "attention",
@@ -40,11 +52,17 @@ class BenchModels:
 class Method:
     """One way of generating, timed side by side with the others.
 
-    generate(input_ids (1, L), **generation_kwargs) -> sequences (1, L + n), like target.generate.
+    generate(input_ids (B, L), attention_mask=(B, L), **generation_kwargs) -> sequences (B, L + n),
+        like target.generate; B > 1 (a left-padded batch) only where `batched`.
     stats: the SwiftSpecStats of the last call, for tree speculation (None otherwise).
+    batched: it decodes a left-padded batch of prompts in one call, as target.generate does.
     tune(input_ids, **generation_kwargs): run once per prompt set on the warm-up prompt, before
-        timing; may change `settings` (assisted generation picks num_assistant_tokens there).
+        timing at batch size 1; may change `settings` (assisted generation picks
+        num_assistant_tokens there).
     tuning: what tune measured, e.g. tokens/s per value tried.
+    checkpoint(): returns a function that puts back what the method keeps between calls as it is
+        now (swiftspec: the outputs its suffix proposals may copy), so every batch size starts from
+        the same state rather than from the answers it just gave the same prompts.
     """
 
     name: str
@@ -52,8 +70,10 @@ class Method:
     generate: Callable[..., torch.Tensor]
     stats: Callable[[], SwiftSpecStats | None] = lambda: None
     settings: dict = field(default_factory=dict)
+    batched: bool = False
     tune: Callable[..., None] | None = None
     tuning: dict = field(default_factory=dict)
+    checkpoint: Callable[[], Callable[[], None]] = lambda: lambda: None
 
 
 def load_models(config: BenchConfig, notes: list[str]) -> BenchModels:
@@ -168,7 +188,7 @@ def assistant_settings(draft, num_assistant_tokens: int):
 
 
 def target_method(target) -> Method:
-    return Method("target", METHOD_LABELS["target"], lambda ids, **kwargs: target.generate(ids, **kwargs))
+    return Method("target", METHOD_LABELS["target"], lambda ids, **kwargs: target.generate(ids, **kwargs), batched=True)
 
 
 def assisted_method(target, draft, candidates: tuple[int, ...]) -> Method:
@@ -203,11 +223,26 @@ def swiftspec_method(name: str, model: SwiftSpecForCausalLM, seed: int) -> Metho
         generator = torch.Generator(device=model.target.device).manual_seed(seed)
         return model.generate(ids, swiftspec=True, generator=generator, **kwargs)
 
+    def checkpoint():
+        saved = [list(doc) for doc in model.output_history.docs.values()]  # oldest first
+
+        def restore():
+            history = model.output_history
+            history.clear()
+            for doc in saved:  # re-indexed in their order, so "latest occurrence" means what it meant
+                history.add(doc)
+
+        return restore
+
     placement = model.placement
-    where = str(model.target.device) if placement.mode == "serial" else (
+    serial = placement.mode == "serial"
+    where = str(model.target.device) if serial else (
         f"{placement.mode}: target {placement.target[0]}, draft {placement.draft[0]}"
     )
-    return Method(name, METHOD_LABELS[name], generate, stats=lambda: model.swiftspec_stats, settings={"placement": where})
+    return Method(
+        name, METHOD_LABELS[name], generate, stats=lambda: model.swiftspec_stats, settings={"placement": where},
+        batched=serial, checkpoint=checkpoint,
+    )
 
 
 def async_placement(target) -> tuple[dict | None, str]:
@@ -229,10 +264,26 @@ def async_placement(target) -> tuple[dict | None, str]:
     )
 
 
-def skipped_result(name: str, note: str) -> MethodResult:
+def skipped_result(name: str, note: str, status: str = "skipped") -> MethodResult:
+    """A method with no measurements: "skipped" (the pair or placement does not allow it) or
+    "unsupported" (it cannot decode a batch); the note says why."""
     return MethodResult(
-        name, METHOD_LABELS.get(name, name), "skipped", note, {}, {}, *([None] * 10), {}, {}, []
+        name, METHOD_LABELS.get(name, name), status, note, {}, {}, *([None] * 10), [], {}, {}, []
     )
+
+
+def methods_at(batch_size: int, methods: list[Method], skipped: list[MethodResult]):
+    """(methods to run, results with no measurements) at one batch size: above 1, only the batched
+    methods run and the others are "unsupported", with why."""
+    if batch_size == 1:
+        return methods, skipped
+    unsupported = [
+        skipped_result(m.name, UNBATCHED.get(m.name, UNBATCHED_EXTRA), "unsupported") for m in methods if not m.batched
+    ]
+    unsupported += [
+        skipped_result(r.name, UNBATCHED[r.name], "unsupported") if r.name in UNBATCHED else r for r in skipped
+    ]
+    return [m for m in methods if m.batched], unsupported
 
 
 def async_method(models: BenchModels, settings: dict, seed: int, notes: list[str]) -> Method | MethodResult:

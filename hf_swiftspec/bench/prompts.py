@@ -1,4 +1,5 @@
-"""Prompt sets: the bundled excerpts or a user's JSONL / text file, read and tokenised for the pair."""
+"""Prompt sets: the bundled excerpts or a user's JSONL / text file, read and tokenised for the pair,
+and grouped into left-padded batches for the batch sizes above 1."""
 
 from __future__ import annotations
 
@@ -37,6 +38,15 @@ class PromptSet:
     warmup_ids: torch.Tensor
     infos: list[PromptInfo]
     ids: list[torch.Tensor]
+
+
+@dataclass
+class PromptBatch:
+    """The rows of one timed generate() call: prompts left-padded to a common length."""
+
+    prompts: list[int]  # PromptInfo.index of each row
+    ids: torch.Tensor  # (B, L): each prompt right-aligned, the pad token before it
+    attention_mask: torch.Tensor  # (B, L): 0 on the padding, 1 on the prompt
 
 
 def prompt_set_path(source: str) -> Path:
@@ -168,3 +178,43 @@ def truncation_notes(prompt_sets: list[PromptSet], limit: int | None) -> list[st
         if cut:
             notes.append(f"{prompt_set.name}: {cut} of {len(prompt_set.infos)} prompts were cut to {limit} tokens.")
     return notes
+
+
+def padding_token(tokenizer, generation_config) -> int:
+    """The id that left-pads a batch: the tokenizer's pad token, else generate()'s pad_token_id, else
+    its first EOS id (generate pads finished rows with the same fallback). Masked out, so any id works."""
+    config = generation_config
+    for candidate in (getattr(tokenizer, "pad_token_id", None), config.pad_token_id, config.eos_token_id):
+        if isinstance(candidate, (list, tuple)):
+            candidate = candidate[0] if candidate else None
+        if candidate is not None:
+            return int(candidate)
+    raise ValueError(
+        "Batch sizes above 1 left-pad the prompts, but the tokenizer has no pad token and the target's generation "
+        "config neither a pad_token_id nor an eos_token_id; set tokenizer.pad_token (or "
+        "target.generation_config.pad_token_id), or run --batch-sizes 1."
+    )
+
+
+def left_padded(rows: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids (B, L), attention_mask (B, L)) of prompts ids (1, L_i) each, padded on the left to the longest."""
+    length = max(row.shape[1] for row in rows)
+    ids = torch.full((len(rows), length), pad_id, dtype=rows[0].dtype, device=rows[0].device)
+    mask = torch.zeros((len(rows), length), dtype=torch.long, device=rows[0].device)
+    for i, row in enumerate(rows):
+        ids[i, length - row.shape[1]:] = row[0]
+        mask[i, length - row.shape[1]:] = 1
+    return ids, mask
+
+
+def prompt_batches(prompt_set: PromptSet, size: int, pad_id: int) -> list[PromptBatch]:
+    """The timed prompts `size` at a time, in order; a group with fewer than `size` prompts left (or a
+    set smaller than `size`) repeats its own prompts to fill the batch. Never an earlier group's: the
+    swiftspec model keeps its outputs, and a later call would copy the answer it gave that prompt."""
+    indices = [info.index for info in prompt_set.infos]
+    batches = []
+    for start in range(0, len(indices), size):
+        group = indices[start:start + size]
+        rows = [group[j % len(group)] for j in range(size)]
+        batches.append(PromptBatch(rows, *left_padded([prompt_set.ids[i] for i in rows], pad_id)))
+    return batches

@@ -1,4 +1,5 @@
-"""Writing a run down: results.json, results.md (the Markdown the command prints) and results.png."""
+"""Writing a run down: results.json, results.md (the Markdown the command prints) and results.png,
+with a speed-up by batch size table and plot where the run measured batches."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 from ..commandline import TREE_OPTIONS
-from .schema import BenchReport, LimitReport, MemoryBudget, MethodResult, Spread
+from .schema import BatchResult, BenchReport, LimitReport, MemoryBudget, MethodResult, SetResult, Spread
 
 
 def fmt(value: Spread | None, digits: int = 2, suffix: str = "") -> str:
@@ -97,8 +98,64 @@ def memory_lines(memory: MemoryBudget) -> list[str]:
     return lines
 
 
+def batch_heading(batch: BatchResult) -> list[str]:
+    """"### batch size B: how many calls of how many rows", saying where a short group repeated its prompts."""
+    base = next(m for m in batch.methods if m.name == "target")
+    repeats = sum(len(run.prompts) - len(set(run.prompts)) for run in base.runs)
+    filled = f"; {repeats} row{'s' * (repeats > 1)} repeat a prompt of their own batch to fill it" if repeats else ""
+    size, count = batch.batch_size, len(base.runs)
+    rows = f"of {size} prompts, left-padded" if size > 1 else "of one prompt"
+    return [f"### Batch size {size}: {count} call{'s' * (count != 1)} {rows}{filled}", ""]
+
+
+def batch_cell(m: MethodResult) -> str:
+    """One method at one batch size: target.generate's tokens/s, the others' speed-up over it, and
+    the goodput policy's mean T per row and share of plain rounds for swiftspec."""
+    if m.status != "ok":
+        return m.status
+    if m.name == "target":
+        return f"{m.tokens_per_s.mean:.1f} tok/s"
+    cell = f"{m.speedup.mean:.2f}×"
+    if m.tree_budget is not None:
+        cell += f" (T {m.tree_budget.mean:.1f}, {100 * m.plain_fraction.mean:.0f}% plain)"
+    if any(engine.startswith("target") for engine in m.engines):
+        cell += " (target's own loop)"
+    return cell
+
+
+def batch_table(sets: list[SetResult]) -> list[str]:
+    """Rows: set x method; columns: batch sizes."""
+    sizes = [b.batch_size for b in sets[0].batches]
+    lines = [
+        "## Speed-up by batch size",
+        "",
+        "Total tokens/s of all rows for target.generate; for the others, speed-up over it on the same padded batches "
+        "(mean over calls), and for swiftspec the policy's mean tree size T per row and share of plain rounds (T = 1).",
+        "",
+        "| set | method | " + " | ".join(f"B = {b}" for b in sizes) + " |",
+        "|---|---|" + "---|" * len(sizes),
+    ]
+    for result in sets:
+        for k, m in enumerate(result.batches[0].methods):
+            cells = [batch_cell(batch.methods[k]) for batch in result.batches]
+            lines.append(f"| {result.name} | {m.label} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def batch_memory_lines(sets: list[SetResult]) -> list[str]:
+    """Peak memory per method at the largest batch size: MiB (+ during the call), largest over its calls."""
+    lines = []
+    for result in sets:
+        batch = result.batches[-1]
+        ok = [m for m in batch.methods if m.status == "ok"]
+        shown = "; ".join(f"{m.label} {memory_text(m.peak_memory_mib, m.run_memory_mib)}" for m in ok)
+        lines.append(f"- {result.name}: {shown}")
+    return [f"Peak memory at batch size {sets[0].batches[-1].batch_size}, MiB (+ during the call):", ""] + lines + [""]
+
+
 def markdown_report(report: BenchReport) -> str:
-    """results.md: a header saying what ran where, one table per prompt set, the limit and the memory budget."""
+    """results.md: a header saying what ran where, one table per prompt set and batch size, the
+    speed-up by batch size, the limit and the memory budget."""
     pair, env, config = report.pair, report.environment, report.config
     tree = ", ".join(f"{k}={'auto' if v is None else v}" for k, v in pair.settings.items() if k in TREE_OPTIONS)
     cut = (
@@ -106,13 +163,20 @@ def markdown_report(report: BenchReport) -> str:
         if config["max_prompt_tokens"]
         else "prompts cut only to fit the context"
     )
+    sizes = [b.batch_size for b in report.sets[0].batches] if report.sets else [1]
+    batched = sizes != [1]
+    calls = (
+        f"batch sizes {', '.join(map(str, sizes))} (prompts left-padded, one generate() call per batch); mean ± sd over "
+        "calls" if batched else "mean ± sd over prompts"
+    )
     lines = [
         "# SwiftSpec benchmark",
         "",
         f"Pair **{pair.name}**: target {pair.target} ({pair.target_params_m:g}M parameters), draft {pair.draft} "
         f"({pair.draft_params_m:g}M), {pair.dtype}; {env.device}, {env.threads} torch thread(s) per worker. Greedy, "
-        f"{config['max_new_tokens']} new tokens at most, {cut}; mean ± sd over prompts; warm-up and tuning untimed; "
-        f"every method's tokens identical to target.generate's on every prompt. swiftspec: {tree}.",
+        f"{config['max_new_tokens']} new tokens at most, {cut}; {calls}; warm-up and tuning untimed; "
+        f"every method's tokens identical to target.generate's on every prompt{', row by row' if batched else ''}. "
+        f"swiftspec: {tree}.",
         "",
         f"hf_swiftspec {env.hf_swiftspec}, transformers {env.transformers}, torch {env.torch}, Python {env.python}; "
         f"{env.created}. Peak memory: {env.memory_source}.",
@@ -121,9 +185,12 @@ def markdown_report(report: BenchReport) -> str:
     for result in report.sets:
         lines += [f"## {result.name}: {len(result.prompts)} prompts", ""]
         lines += [f"From `{result.source}`; warm-up prompt {result.warmup_prompt}.", ""]
-        lines += method_table(result.methods) + [""]
-        if result.limit is not None:
-            lines += limit_lines(result.limit)
+        for batch in result.batches:
+            lines += (batch_heading(batch) if batched else []) + method_table(batch.methods) + [""]
+            if batch.batch_size == 1 and result.limit is not None:
+                lines += limit_lines(result.limit)
+    if batched and report.sets:
+        lines += batch_table(report.sets) + batch_memory_lines(report.sets)
     if report.memory is not None:
         lines += memory_lines(report.memory)
     if report.notes:
@@ -141,26 +208,55 @@ def error_bar(value: Spread | None) -> tuple[float, float, float]:
     return value.mean, max(value.mean - low, 0.0), max(value.max - value.mean, 0.0)
 
 
+def plot_batch_sizes(ax, sets: list[SetResult]) -> None:
+    """Speed-up over target.generate against batch size: a line per set and method measured at more
+    than one batch size (the batch-1-only methods are in the bars), min-max whiskers."""
+    sizes = [b.batch_size for b in sets[0].batches]
+    for result in sets:
+        for k, m in enumerate(result.batches[0].methods):
+            if m.name == "target":
+                continue
+            points = [(b.batch_size, error_bar(b.methods[k].speedup)) for b in result.batches if b.methods[k].status == "ok"]
+            if len(points) > 1:
+                xs, bars = zip(*points)
+                heights, below, above = zip(*bars)
+                ax.errorbar(xs, heights, yerr=[below, above], marker="o", capsize=3, label=f"{result.name}: {m.label}")
+    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(b) for b in sizes])
+    ax.set_xlabel("batch size (prompts per call)")
+    ax.set_title("speed-up over target.generate by batch size (min-max)")
+    if ax.get_legend_handles_labels()[0]:  # none where only target.generate decoded batches
+        ax.legend(fontsize="small")
+
+
 def write_plot(report: BenchReport, path: Path) -> None:
-    """Speed-up and tokens/s per method, one bar per prompt set: the mean, with the min-max range over prompts."""
+    """Speed-up and tokens/s per method at the smallest batch size (batch 1 unless the run skipped
+    it), one bar per prompt set: the mean, with the min-max range over calls; with several batch
+    sizes, a third panel of speed-up against batch size."""
     from matplotlib.figure import Figure  # no pyplot: no global figure state, no display backend
 
-    names = list(dict.fromkeys(m.name for s in report.sets for m in s.methods if m.status == "ok"))
-    labels = {m.name: m.label for s in report.sets for m in s.methods}
-    fig = Figure(figsize=(4 + 1.6 * len(names), 4.5), layout="constrained")
-    axes = fig.subplots(1, 2)
+    first = [s.batches[0].methods for s in report.sets]
+    names = list(dict.fromkeys(m.name for methods in first for m in methods if m.status == "ok"))
+    labels = {m.name: m.label for methods in first for m in methods}
+    several = len(report.sets[0].batches) > 1
+    fig = Figure(figsize=(4 + 1.6 * len(names) + 5 * several, 4.5), layout="constrained")
+    axes = fig.subplots(1, 2 + several)
     width = 0.8 / len(report.sets)
-    for k, result in enumerate(report.sets):
-        by_name = {m.name: m for m in result.methods if m.status == "ok"}
+    for k, methods in enumerate(first):
+        by_name = {m.name: m for m in methods if m.status == "ok"}
         xs = [i + (k - (len(report.sets) - 1) / 2) * width for i in range(len(names))]
         for ax, metric in zip(axes, ("speedup", "tokens_per_s")):
             heights, below, above = zip(*(error_bar(getattr(by_name.get(n), metric, None)) for n in names))
-            ax.bar(xs, heights, width, yerr=[below, above], capsize=3, label=result.name)
-    for ax, title in zip(axes, ("speed-up over target.generate (min-max)", "tokens/s (min-max)")):
+            ax.bar(xs, heights, width, yerr=[below, above], capsize=3, label=report.sets[k].name)
+    at = f" at batch size {report.sets[0].batches[0].batch_size}" if several else ""
+    for ax, title in zip(axes, (f"speed-up over target.generate{at} (min-max)", f"tokens/s{at} (min-max)")):
         ax.set_title(title)
         ax.set_xticks(range(len(names)), [labels[n] for n in names], rotation=20, ha="right")
         ax.legend(fontsize="small")
     axes[0].axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    if several:
+        plot_batch_sizes(axes[2], report.sets)
     fig.suptitle(f"{report.pair.name} on {report.environment.device}", fontsize="medium")
     fig.savefig(path, dpi=120)
 

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from .methods import BenchModels, Method
 
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3  # 3: a batch dimension (SetResult.batches), PromptRun.prompts / row_tokens / engine
 METHOD_NAMES = ("target", "assisted", "prompt_lookup", "swiftspec_serial", "swiftspec_async")
 METHOD_LABELS = {
     "target": "target.generate",
@@ -43,6 +43,10 @@ class BenchConfig:
     max_new_tokens: int = 64  # (full: 128)
     max_prompt_tokens: int | None = 256  # cut longer prompts (CNN/DM, RAG articles) so runs stay comparable; None: never
     methods: tuple[str, ...] = METHOD_NAMES
+    # Prompts per generate() call, each size a column of the report; above 1 the timed prompts are taken
+    # that many at a time into left-padded batches (prompts.prompt_batches), and only the methods that
+    # decode a batch in one call run (target.generate, swiftspec serial): the others report "unsupported".
+    batch_sizes: tuple[int, ...] = (1,)
     extra_methods: tuple[Method, ...] = ()  # your own methods, checked and timed like the built-in ones
     seed: int = 0
     warmup: int = 1  # untimed calls per method on the warm-up prompt before each set
@@ -88,19 +92,21 @@ class PromptInfo:
 
 @dataclass
 class PromptRun:
-    """One timed call of one method on one prompt."""
+    """One timed call of one method: on one prompt, or on a left-padded batch of them (one row each)."""
 
-    prompt: int  # PromptInfo.index
+    prompts: list[int]  # PromptInfo.index of each row (a batch shorter than its size repeats its own prompts)
     seconds: float  # wall time of the generate() call
-    new_tokens: int
-    tokens_per_s: float
-    speedup: float  # tokens_per_s over target.generate's on the same prompt
-    tau: float  # new tokens per target verification (see MethodResult.tau)
-    target_forwards: int  # target forward calls, prefill included
-    target_forwards_per_token: float
+    row_tokens: list[int]  # each row's own new tokens: up to its first EOS, the padding after it not counted
+    new_tokens: int  # sum of row_tokens
+    tokens_per_s: float  # new_tokens / seconds: every row's tokens
+    speedup: float  # tokens_per_s over target.generate's on the same prompts (the same padded batch)
+    tau: float  # new tokens per target verification of one row (see MethodResult.tau)
+    target_forwards: int  # target forward calls, prefill included (one call computes every row)
+    target_forwards_per_token: float  # target_forwards / new_tokens
     target_idle_fraction: float | None  # async tree speculation only
-    verify_step_ms: float | None  # mean target verification step, tree speculation only
-    tree_budget: float | None  # swiftspec: mean nodes verified per round (the policy's T)
+    verify_step_ms: float | None  # tree speculation: target time per verification of one row
+    engine: str | None  # swiftspec: SwiftSpecStats.engine ("serial", or "target (batch: why)" where a batch fell back)
+    tree_budget: float | None  # swiftspec: mean nodes verified per row and round (the policy's T, rounds weighted by rows)
     draft_expansions: float | None  # swiftspec: mean draft forwards per round
     plain_fraction: float | None  # swiftspec: share of rounds decoded plainly (T = 1)
     ngram_share: float | None  # swiftspec: share of accepted proposals from the n-gram chain
@@ -112,16 +118,20 @@ class PromptRun:
 class MethodResult:
     """One method over one prompt set. Metrics are None where they do not apply, and for a skipped method.
 
-    tau: swiftspec: SwiftSpecStats.tau (tokens per tree verification, prefill excluded); the
-        transformers methods: new tokens per target forward (their first forward prefills and
-        verifies at once); target.generate: 1.
+    status: "ok"; "skipped" (this pair or placement cannot run it: see note); "unsupported" (it
+        cannot decode a batch of prompts in one call: see note).
+    tau: swiftspec: SwiftSpecStats.tau (tokens per tree verification of one row, prefill
+        excluded); the transformers methods: new tokens per target forward and row (their first
+        forward prefills and verifies at once); target.generate: 1 (less in a batch whose rows
+        finish early: generate keeps computing their padding).
+    engines: swiftspec: the engines that decoded the calls (SwiftSpecStats.engine), in order seen.
     peak_memory_mib / run_memory_mib: the largest PromptRun values over the prompts.
     tuning: what was measured to pick `settings` (assisted: tokens/s per num_assistant_tokens).
     """
 
     name: str
     label: str
-    status: str  # "ok" or "skipped"
+    status: str  # "ok", "skipped" or "unsupported"
     note: str
     settings: dict
     tuning: dict
@@ -135,6 +145,7 @@ class MethodResult:
     draft_expansions: Spread | None
     plain_fraction: Spread | None
     ngram_share: Spread | None
+    engines: list[str]
     peak_memory_mib: dict[str, float]
     run_memory_mib: dict[str, float]
     runs: list[PromptRun]
@@ -208,15 +219,28 @@ class MemoryBudget:
 
 
 @dataclass
+class BatchResult:
+    """Every method at one batch size on one prompt set: a MethodResult per method, "unsupported"
+    for those that decode one prompt per call when batch_size > 1."""
+
+    batch_size: int
+    methods: list[MethodResult]
+
+
+@dataclass
 class SetResult:
-    """All methods on one prompt set."""
+    """All methods on one prompt set, at each batch size."""
 
     name: str
     source: str  # the file the prompts came from
     warmup_prompt: str  # id of the untimed warm-up / tuning prompt
     prompts: list[PromptInfo]
-    methods: list[MethodResult]
-    limit: LimitReport | None
+    batches: list[BatchResult]  # in BenchConfig.batch_sizes order, ascending
+    limit: LimitReport | None  # from the batch-1 calls; None without them
+
+    def at(self, batch_size: int) -> list[MethodResult]:
+        """The methods' results at `batch_size` (empty when the run did not measure it)."""
+        return next((b.methods for b in self.batches if b.batch_size == batch_size), [])
 
 
 @dataclass
