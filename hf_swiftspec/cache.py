@@ -112,11 +112,9 @@ class SlotBuffer:
         """Keep only the batch rows `order` (R of them), as rows 0..R-1, in place; only their first `used`
         positions hold anything. Only the rows that change place are copied (keep_order moves as few
         as there are holes)."""
-        moves = [(i, j) for i, j in enumerate(order) if i != j]
-        if moves:
-            dst, src = (torch.tensor(x, device=self.data.device) for x in zip(*moves))
-            kept = self.data.narrow(self.dim, 0, used).index_select(1, src)
-            self.data.narrow(self.dim, 0, used).index_copy_(1, dst, kept)
+        for i, j in enumerate(order):  # sources lie beyond every destination: no copy reads a written row
+            if i != j:  # (index_copy_ into a strided view rewrote the whole buffer: 32 ms for one row)
+                self.data[:, i].narrow(self.dim - 1, 0, used).copy_(self.data[:, j].narrow(self.dim - 1, 0, used))
         self.data = self.data.narrow(1, 0, len(order))
         self.point_members()
 

@@ -295,3 +295,15 @@ def test_the_policy_stops_speculating_where_the_batch_makes_trees_dear():
     policy.at(7).costs.observe_verify(1, 0.018)  # its own plain step; a node more per row: batch 8's cost of
     per_node = (0.100 - 0.060) / (8 - 4) * 7 / 8  # one (between its two largest trees) for 7 rows instead of 8
     assert policy.costs.verify_times(4)[3] == pytest.approx(0.018 + 3 * per_node)
+
+
+def test_a_batch_round_is_worth_the_harmonic_mean_of_its_rows():
+    """A row far ahead does not make up for a row that gains nothing: the batch's worth of a T-node
+    round is B x the harmonic mean of the rows' expected tokens (the sum would be 3.7 + 1.0)."""
+    policy = GoodputPolicy()
+    policy.start_round(2, [0, 1])
+    fast, stuck = [1.0, 0.9, 0.9, 0.9], [1.0, 0.0, 0.0, 0.0]
+    worth = policy.expected_batch([fast, stuck])
+    assert worth[3] == pytest.approx(2 * 2 / (1 / 3.7 + 1 / 1.0))
+    assert worth[0] == pytest.approx(2.0)  # plain: one token per row
+    assert policy.expected_batch([fast, fast])[3] == pytest.approx(2 * 3.7)  # equal rows: the sum

@@ -31,9 +31,11 @@ def run_serial(target: TargetWorker, draft: DraftWorker, request: DecodeRequest)
         round_start = time.perf_counter()
         probing = policy.start_round(len(rows.live), rows.live)
         if policy.quiet:  # plain rounds of late: verify the roots, build no proposal
-            proposals, expansions, expanding_s, catch_up_s = draft.roots(), 0, 0.0, 0.0
+            proposals, expansions, expanding_s, catch_up_s, caught_up = draft.roots(), 0, 0.0, 0.0, 0
         else:
-            proposals, expansions, expanding_s, catch_up_s = expand_and_choose(draft, policy, rows.live, probing, round_start)
+            proposals, expansions, expanding_s, catch_up_s, caught_up = expand_and_choose(
+                draft, policy, rows.live, probing, round_start
+            )
         draft.counters.rounds += 1
         draft.counters.busy_s += time.perf_counter() - round_start
         # 2. target: one forward over every row's subtree, walk each with its own choices, commit the paths
@@ -50,7 +52,7 @@ def run_serial(target: TargetWorker, draft: DraftWorker, request: DecodeRequest)
         first = not rows.result.rounds  # round 1's roots came with the prefill: it times no verification
         policy.observe_round(
             expansions, expanding_s, max(len(s) for s in subtrees), None if first else round_s - expanding_s - catch_up_s,
-            tokens=sum(len(v.tokens) for v in verified), catch_up_s=catch_up_s,
+            tokens=sum(len(v.tokens) for v in verified), catch_up_s=catch_up_s, catch_up_tokens=caught_up,
         )
         policy.observe_outcomes(outcomes)
         rows.result.record_round(proposals, verified, expansions)
@@ -70,16 +72,20 @@ def run_serial(target: TargetWorker, draft: DraftWorker, request: DecodeRequest)
 
 def expand_and_choose(
     draft: DraftWorker, policy, rows: list[int], probing: bool, round_start: float
-) -> tuple[list[Proposal], int, float, float]:
+) -> tuple[list[Proposal], int, float, float, int]:
     """Step 1 of a round: every row's candidates (its draft tree's best nodes and its suffix proposal),
     draft expansions while more are expected to raise tokens per second, then each row's best nodes
-    for the tree size the policy picks. Returns (proposals, expansions, expanding_s, catch_up_s)."""
+    for the tree size the policy picks. Returns (proposals, expansions, expanding_s, catch_up_s,
+    tokens caught up)."""
     suffixes = draft.suffix_trees(policy.max_budget, policy.wants_suffix(rows))
     candidates = draft.candidates(policy, suffixes)
-    expansions, expanding_s, catch_up_s = 0, 0.0, 0.0
-    while policy.keep_expanding(expansions, time.perf_counter() - round_start, ranked_probs(candidates), probing):
+    expansions, expanding_s, catch_up_s, caught_up = 0, 0.0, 0.0, 0
+    while policy.keep_expanding(
+        expansions, time.perf_counter() - round_start, ranked_probs(candidates), probing, catch_up_tokens(draft)
+    ):
         before = time.perf_counter()
-        if any(len(p) > 1 for p in draft.pending):  # tokens the draft has not run: no expansion's cost
+        if catch_up_tokens(draft):  # tokens the draft has not run: no expansion's cost
+            caught_up = catch_up_tokens(draft)
             draft.catch_up()
             catch_up_s += time.perf_counter() - before
             before = time.perf_counter()
@@ -92,7 +98,14 @@ def expand_and_choose(
     if policy.fixed:  # both tree settings given: every subtree has tree_budget nodes
         expansions += draft.top_up(policy.max_budget)
         candidates = draft.candidates(policy, suffixes)
-    return draft.proposals(policy, candidates, time.perf_counter() - round_start), expansions, expanding_s, catch_up_s
+    proposals = draft.proposals(policy, candidates, time.perf_counter() - round_start)
+    return proposals, expansions, expanding_s, catch_up_s, caught_up
+
+
+def catch_up_tokens(draft: DraftWorker) -> int:
+    """Tokens the draft runs before its next expansion: every row's pending ones, once some row holds
+    more than the one its root expansion takes along."""
+    return sum(len(p) for p in draft.pending) if any(len(p) > 1 for p in draft.pending) else 0
 
 
 def ranked_probs(candidates: list[Proposal]) -> list[list[float]]:
