@@ -162,3 +162,35 @@ def test_draft_free_sampling_with_suffix_branches_follows_the_target():
     assert from_suffix > draws // 50
     pvalue = pooled_chisquare(counts, expected.flatten() * draws)
     assert pvalue > 1e-3, f"p={pvalue:.2e}: samples do not follow the target's distribution"
+
+
+def paths(tree):
+    """{path of tokens from the root: count} of a SuffixTree."""
+    out, prefix = {}, {}
+    for i, (p, t) in enumerate(zip(tree.parents, tree.tokens)):
+        prefix[i] = (prefix[p] if p >= 0 else ()) + (t,)
+        out[prefix[i]] = tree.counts[i]
+    return out
+
+
+def test_a_proposal_followed_by_the_text_is_kept_and_equals_a_fresh_one(monkeypatch):
+    """After the target emits tokens along the last proposal, the proposal is that proposal's subtree
+    (no look-up); where the occurrences agree it is exactly what a fresh look-up proposes; when the
+    text leaves the proposal, it is looked up anew."""
+    text = [5, 6, 7, 8, 9, 10, 11, 12] * 6 + [5, 6, 7]
+    index = SuffixIndex(max_n=3)
+    index.extend(text)
+    first = index.propose(8)
+    assert first.tokens[:3] == [8, 9, 10] and first.match >= 3
+    index.extend([8])  # the text follows the proposal
+    looked_up = SuffixIndex(max_n=3)
+    looked_up.extend(index.tokens)
+    fresh = looked_up.look_up(8, 8)
+    monkeypatch.setattr(index, "look_up", lambda *a: pytest.fail("looked up a proposal the text followed"))
+    kept = index.propose(8)
+    monkeypatch.undo()
+    assert index._last_size == len(index.tokens) and kept.tokens[0] == 9
+    assert paths(kept).items() <= paths(fresh).items() and len(kept) >= 4  # the kept nodes, as a fresh look-up counts them
+    assert kept.match == min(first.match + 1, MAX_MATCH)
+    index.extend([99])  # the text leaves it: looked up anew (99 never occurred: nothing to propose)
+    assert index.propose(8).tokens == []
