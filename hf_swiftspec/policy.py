@@ -64,6 +64,10 @@ LOOK_EVERY = 4
 ROW_DECAY = 0.8
 ROW_PRIOR = 2.0
 ROW_SCALE = (0.05, 1.5)  # the scale stays in this range
+# Per batch size, the same check on the batch's worth of a tree round (what expected_batch predicts,
+# beyond a plain step's) against what the round yielded: its running ratio discounts the predicted
+# gain there. It catches what per-row scales cannot see: a batch's worth moves with its slowest rows.
+GAIN_PRIOR = 4.0  # tokens of each, realized and predicted, before anything is seen
 
 
 @dataclass
@@ -257,6 +261,7 @@ class BatchSize:
     probe_interval: int = 16
     round_rate: float | None = None  # running average of tokens per second of rounds that did not probe
     plain_streak: int = 0  # plain rounds in a row that were not quiet (quiet ones keep it)
+    gain_seen: tuple[float, float] = (0.0, 0.0)  # trees' (realized, predicted) worth beyond a plain step, decayed
 
 
 @dataclass
@@ -408,7 +413,17 @@ class GoodputPolicy:
         longest = max(len(e) for e in per_row)
         padded = [e + [e[-1]] * (longest - len(e)) for e in per_row]  # a row verifies at most its own nodes
         B = len(rows)
-        return [B * B / sum(1.0 / e for e in column) for column in zip(*padded)]
+        worth = [B * B / sum(1.0 / e for e in column) for column in zip(*padded)]
+        trust = self.gain_trust()
+        return [worth[0]] + [worth[0] + trust * (w - worth[0]) for w in worth[1:]]
+
+    def gain_trust(self) -> float:
+        """How much of the worth beyond a plain step that tree rounds were predicted to have they yielded,
+        at the current batch size (1 at batch 1: rows' own scales cover a lone row)."""
+        if self.batch == 1:
+            return 1.0
+        realized, predicted = self.at(self.batch).gain_seen
+        return min((realized + GAIN_PRIOR) / (predicted + GAIN_PRIOR), 1.0)
 
     def best_budget(self, rows: list[list[float]], spent_s: float, probing: bool | None = None) -> tuple[int, float]:
         """(T, expected tokens per second) maximising the batch's goodput, for each row's sorted node
@@ -526,6 +541,7 @@ class GoodputPolicy:
     def observe_outcomes(self, outcomes: list[tuple[int, Proposal, Verified]]) -> None:
         """Fold in one round's (row, proposal, walk) of every row: draft nodes by score; suffix nodes by
         bucket, each one whose parent was accepted (the others were never tried)."""
+        self.observe_batch_gain(outcomes)
         draft_seen: tuple[list[int], list[bool]] = ([], [])  # (bucket, accepted) of every node observed
         suffix_seen: tuple[list[int], list[bool]] = ([], [])
         for row, proposal, verified in outcomes:
@@ -547,6 +563,23 @@ class GoodputPolicy:
             if buckets:
                 calibration.observe(buckets, accepted)
         self.refresh()
+
+    def observe_batch_gain(self, outcomes: list[tuple[int, Proposal, Verified]]) -> None:
+        """Fold in a tree round's worth beyond a plain step, predicted (B x the harmonic mean of each
+        row's expected tokens, with the scale it was chosen with) and realized (of the tokens each row
+        got); rounds of one row, plain rounds and rounds a row finished in say nothing."""
+        if len(outcomes) < 2 or all(len(p.subtree) == 1 for _, p, _ in outcomes) or any(v.finished for *_, v in outcomes):
+            return
+        scales = self.row_scales if len(self.row_scales) == len(outcomes) else [1.0] * len(outcomes)
+        expected = [1.0 + scale * (sum(p.probs) - 1.0) for (_, p, _), scale in zip(outcomes, scales)]
+        got = [len(v.tokens) for *_, v in outcomes]
+        B = len(outcomes)
+        state = self.at(self.batch)
+        realized, predicted = state.gain_seen
+        state.gain_seen = (
+            ROW_DECAY * realized + B * B / sum(1.0 / g for g in got) - B,
+            ROW_DECAY * predicted + B * B / sum(1.0 / e for e in expected) - B,
+        )
 
     def observe_row_yield(self, row: int, proposal: Proposal, verified: Verified) -> None:
         """Fold in what a verified tree was expected to yield beyond its root and what it did (rounds cut

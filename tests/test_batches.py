@@ -307,3 +307,24 @@ def test_a_batch_round_is_worth_the_harmonic_mean_of_its_rows():
     assert worth[3] == pytest.approx(2 * 2 / (1 / 3.7 + 1 / 1.0))
     assert worth[0] == pytest.approx(2.0)  # plain: one token per row
     assert policy.expected_batch([fast, fast])[3] == pytest.approx(2 * 3.7)  # equal rows: the sum
+
+
+def test_tree_rounds_that_yield_less_than_predicted_lose_the_batch_its_trust():
+    """At a batch size where tree rounds keep yielding one token per row (plain's worth) while the
+    calibrations promised more, the predicted gain beyond a plain step is discounted until plain wins."""
+    from hf_swiftspec.tree import Proposal, Subtree
+    from hf_swiftspec.verify import Verified
+
+    policy = GoodputPolicy()
+    for budget, seconds in ((1, 0.010), (4, 0.014)):
+        policy.at(2).costs.observe_verify(budget, seconds)
+    row = [1.0, 0.9, 0.8, 0.7]
+    policy.start_round(2, [0, 1])
+    assert policy.best_budget([row, row], 0.0)[0] == 4
+    promised = Proposal(Subtree([0, 1, 2, 3], [5, 6, 7, 8], [-1, 0, 1, 2]), row, [0.0, -0.1, -0.2, -0.3], [-1] * 4)
+    for _ in range(10):
+        policy.start_round(2, [0, 1])
+        policy.observe_outcomes([(r, promised, Verified(tokens=[9], path=[0])) for r in (0, 1)])
+    policy.start_round(2, [0, 1])
+    assert policy.gain_trust() < 0.6 and policy.row_scales[0] < 0.3  # both the rows and the batch learnt it
+    assert policy.best_budget([row, row], 0.0)[0] == 1
