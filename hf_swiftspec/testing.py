@@ -82,6 +82,20 @@ def char_tokenizer():
     )
 
 
+def tiny_gpt2(vocab_size: int = 98, n_positions: int = 512, seed: int = 1, sharpness: float = 10.0):
+    """A 3-layer GPT-2 (learned absolute positions, no rotary, a fused QKV projection: a family apart from
+    llama's), random weights with a sharpened head, eval mode, float32."""
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(
+        "gpt2", vocab_size=vocab_size, n_embd=64, n_layer=3, n_head=4, n_positions=n_positions, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+    )
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    sharpen(model, sharpness)
+    return model
+
+
 def damp_late_layers(model, keep: int = 1, scale: float = 0.2) -> None:
     """Shrink what layers after the first `keep` add to the residual stream.
 

@@ -10,18 +10,11 @@ import warnings
 
 import pytest
 import torch
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    GenerationConfig,
-    LogitsProcessor,
-    LogitsProcessorList,
-    pipeline,
-)
+from transformers import LogitsProcessor, LogitsProcessorList, pipeline
 
 from hf_swiftspec import SwiftSpecForCausalLM, coverage
 from hf_swiftspec.policy import GoodputPolicy
-from hf_swiftspec.testing import char_tokenizer, sharpen, tiny_model, truncated_draft
+from hf_swiftspec.testing import char_tokenizer, sharpen, tiny_gpt2, tiny_model, truncated_draft
 from test_sampling import VOCAB as SMALL_VOCAB
 from test_sampling import exact_joint, pooled_chisquare, warpers
 
@@ -31,14 +24,7 @@ LENGTHS = (3, 23, 9, 1)  # 23 reaches past gemma3's 16-token window
 
 def gpt2_pair():
     """Learned absolute positions, no rotary: a family apart from llama."""
-    torch.manual_seed(1)
-    config = AutoConfig.for_model(
-        "gpt2", vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4, n_positions=256, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0, tie_word_embeddings=False,
-    )
-    target = AutoModelForCausalLM.from_config(config).eval()
-    target.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    sharpen(target, 10.0)
+    target = tiny_gpt2(VOCAB, n_positions=256)
     return target, coverage.perturbed_copy(target)
 
 

@@ -41,7 +41,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.streamers import BaseStreamer
 
 from hf_swiftspec import SwiftSpecForCausalLM, coverage
-from hf_swiftspec.testing import char_tokenizer, sharpen, tiny_model, truncated_draft
+from hf_swiftspec.testing import char_tokenizer, tiny_gpt2, tiny_model, truncated_draft
 
 NEW = 12  # new tokens per greedy row
 SAMPLED = 5  # new tokens per sampling row (each is re-derived by one plain generate call)
@@ -333,14 +333,7 @@ def build_pair(arch: str, settings: dict) -> SwiftSpecForCausalLM:
         target = tiny_model("llama", seed=0, vocab_size=VOCAB, sharpness=2.0)  # processors then matter
         draft = truncated_draft(target, 2)
     else:  # learned positions, no rotary, a fused QKV projection: a different family from llama
-        torch.manual_seed(1)
-        config = AutoConfig.for_model(
-            "gpt2", vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4, n_positions=512, bos_token_id=1, eos_token_id=2,
-            pad_token_id=0, tie_word_embeddings=False,
-        )
-        target = AutoModelForCausalLM.from_config(config).eval()
-        target.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
-        sharpen(target, 10.0)
+        target = tiny_gpt2(VOCAB)
         draft = coverage.perturbed_copy(target)
     return SwiftSpecForCausalLM.from_models(target, draft, **settings)
 
@@ -407,15 +400,26 @@ def parts(output) -> dict:
             if v is not None}  # fmt: skip
 
 
-def same(expected, actual) -> bool:
+def finished_steps(sequences: torch.Tensor, length: int, eos) -> list[int]:
+    """Per row, how many steps carry its own tokens (up to its EOS; after it, the row is padding)."""
+    eos = {eos} if isinstance(eos, int) else set(eos or [])
+    return [next((t + 1 for t, tok in enumerate(row[length:]) if tok in eos), len(row) - length)
+            for row in sequences.tolist()]
+
+
+def same(expected, actual, length: int = 0, eos=None) -> bool:
+    """Same sequences; scores / logits equal at every step a row still decodes (given `eos`: after a
+    row's EOS, generate computes them on the padding and swiftspec says "pad, with certainty")."""
     e, a = parts(expected), parts(actual)
     if e.keys() != a.keys() or e["sequences"].tolist() != a["sequences"].tolist():
         return False
+    steps = finished_steps(e["sequences"], length, eos)
     for key in e.keys() - {"sequences"}:
         if len(e[key]) != len(a[key]):
             return False
-        for x, y in zip(e[key], a[key]):
-            if not torch.allclose(x.float(), y.float(), atol=1e-4, rtol=1e-4, equal_nan=True):
+        for t, (x, y) in enumerate(zip(e[key], a[key])):
+            rows = [b for b, n in enumerate(steps) if t < n]
+            if not torch.allclose(x[rows].float(), y[rows].float(), atol=1e-4, rtol=1e-4, equal_nan=True):
                 return False
     return True
 
@@ -443,6 +447,7 @@ def sampled_distributions(model, case: Case, kwargs: dict, sequence: torch.Tenso
 
 
 def check_row(model, case: Case, row: Row):
+    """The row on `case`'s prompt (one, or a left-padded batch: then every output row is checked)."""
     kwargs = row.call(case)  # called again for the plain side: a row's objects (a streamer) are not shared
     if row.error:
         with pytest.raises((ValueError, TypeError), match=row.error):
@@ -452,17 +457,18 @@ def check_row(model, case: Case, row: Row):
         kwargs = {**kwargs, "max_new_tokens": SAMPLED}
         torch.manual_seed(0)
         out = speculative(model, case, scored(**kwargs))
+        copies = kwargs.get("num_return_sequences", 1)
         teacher = {k: v for k, v in {**COMMON, **kwargs}.items() if k != "num_return_sequences"}
-        eos = model.generation_config.eos_token_id
-        for r in range(out.sequences.shape[0]):  # several rows with num_return_sequences: each one its own draw
-            expected = sampled_distributions(model, case, teacher, out.sequences[r : r + 1])
+        steps = finished_steps(out.sequences, case.length, model.generation_config.eos_token_id)
+        for r in range(out.sequences.shape[0]):  # each row against plain generate on its own prompt, alone
+            b = r // copies
+            alone = Case(case.ids[b : b + 1], None if case.mask is None else case.mask[b : b + 1], case.free, case.tokenizer)
+            expected = sampled_distributions(model, alone, teacher, out.sequences[r : r + 1])
             assert len(expected) == len(out.scores) >= 1
-            new = out.sequences[r, case.length :].tolist()
-            steps = next((t + 1 for t, token in enumerate(new) if token == eos), len(new))  # then padding
-            for t, (e, a) in enumerate(zip(expected[:steps], out.scores)):
-                torch.testing.assert_close(a[r : r + 1], e, atol=1e-4, rtol=1e-4, msg=f"{row.name}: row {r}, distribution {t}")
-                assert torch.isfinite(a[r, out.sequences[r, case.length + t]]), "a token outside the target's support"
-        if out.sequences.shape[0] > 1:
+            for t, e in enumerate(expected[: steps[r]]):  # after a row's EOS it is padding
+                torch.testing.assert_close(out.scores[t][r : r + 1], e, atol=1e-4, rtol=1e-4, msg=f"{row.name}: row {r}, step {t}")
+                assert torch.isfinite(out.scores[t][r, out.sequences[r, case.length + t]]), "a token outside the target's support"
+        if copies > 1:
             assert len({tuple(seq) for seq in out.sequences.tolist()}) > 1, "the rows are copies, not independent draws"
         return
     expected = plain(model, case, row.call(case))
@@ -472,10 +478,14 @@ def check_row(model, case: Case, row: Row):
     messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
     if row.warns:
         assert any(re.search(row.warns, m) for m in messages), messages
-    assert same(expected, actual), f"{row.name}\n" + describe_difference(expected, actual)
+    assert same(expected, actual, case.length, row_eos(model, kwargs)), f"{row.name}\n" + describe_difference(expected, actual)
     if "streamer" in kwargs:
         streamed = kwargs["streamer"].tokens
         assert streamed[-1] == -1 and streamed[:-1] == parts(actual)["sequences"][0].tolist()
+    if case.ids.shape[0] > 1:
+        looped = any("with the target's own decoding loop" in m for m in messages)
+        assert looped == (row.name in TARGET_LOOP_ROWS), f"{row.name}: took generate's own loop: {looped}"
+        assert model.swiftspec_stats.engine.startswith("target") == looped
 
 
 def check_not_vacuous(model, case: Case, row: Row):
@@ -597,66 +607,9 @@ def batch_case(model) -> Case:
     return Case(ids, mask, free[0, width:].tolist(), char_tokenizer())
 
 
-def finished_steps(sequences: torch.Tensor, length: int, eos) -> list[int]:
-    """Per row, how many steps carry its own tokens (up to its EOS; after it, the row is padding)."""
-    eos = {eos} if isinstance(eos, int) else set(eos or [])
-    return [next((t + 1 for t, tok in enumerate(row[length:]) if tok in eos), len(row) - length)
-            for row in sequences.tolist()]
-
-
-def same_rows(expected, actual, length: int, eos) -> bool:
-    """Same sequences; scores / logits equal at every step a row still decodes (after it finished,
-    generate computes them on the padding and swiftspec says "pad, with certainty")."""
-    e, a = parts(expected), parts(actual)
-    if e.keys() != a.keys() or e["sequences"].tolist() != a["sequences"].tolist():
-        return False
-    steps = finished_steps(e["sequences"], length, eos)
-    for key in e.keys() - {"sequences"}:
-        if len(e[key]) != len(a[key]):
-            return False
-        for t, (x, y) in enumerate(zip(e[key], a[key])):
-            rows = [b for b, n in enumerate(steps) if t < n]
-            if not torch.allclose(x[rows].float(), y[rows].float(), atol=1e-4, rtol=1e-4, equal_nan=True):
-                return False
-    return True
-
-
 def row_eos(model, kwargs: dict):
     config = kwargs.get("generation_config")
     return kwargs.get("eos_token_id", config.eos_token_id if config is not None else model.generation_config.eos_token_id)
-
-
-def check_batch_row(model, case: Case, row: Row):
-    kwargs = row.call(case)
-    if row.error:
-        with pytest.raises((ValueError, TypeError), match=row.error):
-            speculative(model, case, kwargs)
-        return
-    if row.sample:
-        kwargs = {**kwargs, "max_new_tokens": SAMPLED}
-        torch.manual_seed(0)
-        out = speculative(model, case, scored(**kwargs))
-        copies = kwargs.get("num_return_sequences", 1)
-        teacher = {k: v for k, v in {**COMMON, **kwargs}.items() if k != "num_return_sequences"}
-        steps = finished_steps(out.sequences, case.length, model.generation_config.eos_token_id)
-        for r in range(out.sequences.shape[0]):  # each row against plain generate on that row alone
-            b = r // copies
-            alone = Case(case.ids[b : b + 1], case.mask[b : b + 1], case.free, case.tokenizer)
-            expected = sampled_distributions(model, alone, teacher, out.sequences[r : r + 1])
-            for t, e in enumerate(expected[: steps[r]]):
-                torch.testing.assert_close(out.scores[t][r : r + 1], e, atol=1e-4, rtol=1e-4, msg=f"{row.name}: row {r}, step {t}")
-        return
-    expected = plain(model, case, row.call(case))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        actual = speculative(model, case, kwargs)
-    messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
-    if row.warns:
-        assert any(re.search(row.warns, m) for m in messages), messages
-    assert same_rows(expected, actual, case.length, row_eos(model, kwargs)), f"{row.name}\n" + describe_difference(expected, actual)
-    looped = any("with the target's own decoding loop" in m for m in messages)
-    assert looped == (row.name in TARGET_LOOP_ROWS), f"{row.name}: took generate's own loop: {looped}"
-    assert model.swiftspec_stats.engine.startswith("target") == looped
 
 
 BATCH_PARAMS = [
@@ -673,7 +626,7 @@ def test_batch_row(pairs, arch, setting, row):
     """Every contract row on a left-padded batch of three prompts of different lengths: each row of the
     output exactly as target.generate gives it for the same batch."""
     model = pairs[(arch, setting)]
-    check_batch_row(model, batch_case(model), row)
+    check_row(model, batch_case(model), row)
 
 
 def test_a_streamer_is_refused_for_a_batch(pairs):
