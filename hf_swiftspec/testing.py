@@ -82,6 +82,24 @@ def char_tokenizer():
     )
 
 
+def left_padded(rows: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids (B, L), attention_mask (B, L)) of token lists, left-padded with `pad`, as a
+    decoder-only batch is given to generate()."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+        mask[b, width - len(r) :] = 1
+    return ids, mask
+
+
+def random_prompts(lengths, seed: int = 0, vocab_size: int = 98, low: int = 3) -> list[list[int]]:
+    """Random token lists of the given lengths (ids from `low`, clear of the special tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(low, vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
 def tiny_gpt2(vocab_size: int = 98, n_positions: int = 512, seed: int = 1, sharpness: float = 10.0):
     """A 3-layer GPT-2 (learned absolute positions, no rotary, a fused QKV projection: a family apart from
     llama's), random weights with a sharpened head, eval mode, float32."""

@@ -14,7 +14,9 @@ from transformers import LogitsProcessor, LogitsProcessorList, pipeline
 
 from hf_swiftspec import SwiftSpecForCausalLM, coverage
 from hf_swiftspec.policy import GoodputPolicy
-from hf_swiftspec.testing import char_tokenizer, sharpen, tiny_gpt2, tiny_model, truncated_draft
+from hf_swiftspec.testing import (
+    char_tokenizer, left_padded, random_prompts, sharpen, tiny_gpt2, tiny_model, truncated_draft,
+)
 from test_sampling import VOCAB as SMALL_VOCAB
 from test_sampling import exact_joint, pooled_chisquare, warpers
 
@@ -45,15 +47,8 @@ def pairs():
 
 
 def padded_batch(lengths=LENGTHS, seed=0, vocab=VOCAB) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded prompts (B, L) of the given lengths and their attention_mask."""
-    g = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, n in enumerate(lengths):
-        ids[b, width - n :] = torch.randint(3, vocab, (n,), generator=g)
-        mask[b, width - n :] = 1
-    return ids, mask
+    """Left-padded random prompts (B, L) of the given lengths and their attention_mask."""
+    return left_padded(random_prompts(lengths, seed, vocab))
 
 
 def same_as_target(model, ids, mask, **kwargs):

@@ -41,7 +41,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.streamers import BaseStreamer
 
 from hf_swiftspec import SwiftSpecForCausalLM, coverage
-from hf_swiftspec.testing import char_tokenizer, tiny_gpt2, tiny_model, truncated_draft
+from hf_swiftspec.testing import char_tokenizer, left_padded, random_prompts, tiny_gpt2, tiny_model, truncated_draft
 
 NEW = 12  # new tokens per greedy row
 SAMPLED = 5  # new tokens per sampling row (each is re-derived by one plain generate call)
@@ -596,15 +596,9 @@ TARGET_LOOP_ROWS = {
 
 def batch_case(model) -> Case:
     """Three prompts of different lengths, left-padded, with their attention_mask; `free` is row 0's."""
-    g = torch.Generator().manual_seed(11)
-    width = max(BATCH_LENGTHS)
-    ids = torch.zeros(len(BATCH_LENGTHS), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, n in enumerate(BATCH_LENGTHS):
-        ids[b, width - n :] = torch.randint(3, VOCAB, (n,), generator=g)
-        mask[b, width - n :] = 1
+    ids, mask = left_padded(random_prompts(BATCH_LENGTHS, seed=11, vocab_size=VOCAB))
     free = model.target.generate(ids, attention_mask=mask, **COMMON)
-    return Case(ids, mask, free[0, width:].tolist(), char_tokenizer())
+    return Case(ids, mask, free[0, ids.shape[1] :].tolist(), char_tokenizer())
 
 
 def row_eos(model, kwargs: dict):

@@ -9,6 +9,7 @@ from hf_swiftspec.cache import TreeCache, keep_order
 from hf_swiftspec.engine.workers import DraftWorker, TargetWorker
 from hf_swiftspec.step import RowQueries, model_step, run_step
 from hf_swiftspec.tree import Subtree, select_subtree, subtree_mask
+from hf_swiftspec.testing import left_padded
 from hf_swiftspec.verify import Sampler
 
 ATOL = 2e-5
@@ -182,17 +183,6 @@ def test_subtree_mask_matches_walking_up_the_parents(size):
             node = parents[node]
         assert set(mask[i].nonzero().flatten().tolist()) == ancestors
         assert depths[i] == len(ancestors) - 1
-
-
-def left_padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids (B, L), attention_mask (B, L)) of token lists, left-padded with 0."""
-    width = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for b, r in enumerate(rows):
-        ids[b, width - len(r) :] = torch.tensor(r)
-        mask[b, width - len(r) :] = 1
-    return ids, mask
 
 
 @pytest.mark.parametrize("seed", range(3))
