@@ -10,6 +10,8 @@ type allows (all of them, a sliding window of p, or p's chunk) and its own ances
 that the same rule allows. Models that place tokens by their cache slot instead of their
 `position_ids` (ALiBi biases built from the cache length, forwards without `position_ids`) see
 the right positions only when every step is a chain: they speculate along a chain (`shape`).
+So do models with layers that keep a recurrent or convolution state (recurrent.py keeps it on the
+accepted path), provided one forward over several tokens continues that state.
 """
 
 from __future__ import annotations
@@ -32,12 +34,12 @@ MASKED_LAYER_TYPES = {
     "indexed_attention": "full",  # sparse attention picks among the keys the mask allows
     "minimax_m3_sparse": "full",
 }
-# Layer types that keep a state other than per-position keys and values.
+# Layer types that keep a state other than per-position keys and values (recurrent.py), and what.
 RECURRENT_LAYER_TYPES = {
-    "linear_attention": "keeps a recurrent state",
-    "conv": "keeps a convolution state",
-    "hybrid": "keeps a recurrent state beside its attention",
-    "hybrid_sliding": "keeps a recurrent state beside its attention",
+    "linear_attention": "a recurrent state",
+    "conv": "a convolution state",
+    "hybrid": "a recurrent state beside its attention",
+    "hybrid_sliding": "a recurrent state beside its attention",
 }
 # The masking_utils builders a modeling file imports when its masks apply each kind of window.
 WINDOWED_MASK_BUILDERS = {
@@ -94,6 +96,7 @@ class Architecture:
     layer_masks:  per decoder layer, its window rule (FULL for layers without KV)
     mask_by_type: the forward takes {layer type: 4D mask} (config.layer_types) rather than one mask
     chain_reason: why this model's steps must be chains, or None when trees are exact
+    layer_states: per decoder layer, how many recurrent / convolution states it keeps (0: none)
     """
 
     model_type: str
@@ -101,6 +104,12 @@ class Architecture:
     layer_masks: tuple[LayerMask, ...]
     mask_by_type: bool = False
     chain_reason: str | None = None
+    layer_states: tuple[int, ...] = ()
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether some layer keeps a state that every token advances (recurrent.py rolls it back)."""
+        return any(self.layer_states)
 
     @property
     def shape(self) -> str:
@@ -135,7 +144,20 @@ def describe(model, role: str = "model") -> Architecture:
     who = f"The {role} ({architecture.model_type})"
     check_causal(model, who)
     check_incremental_inputs(model, who)
+    if architecture.recurrent:
+        check_state_continues(model, who)
     return architecture
+
+
+def check_state_continues(model, who: str) -> None:
+    """Refuse a model whose forward over several tokens does not continue its recurrent state."""
+    from .recurrent import state_continuation_gap  # imports the cache; loaded only for stateful models
+
+    gap = state_continuation_gap(model)
+    if gap is not None:
+        raise UnsupportedArchitecture(
+            f"{who} keeps a recurrent state, and {gap}. Use swiftspec=False for this model.", recurrent=True
+        )
 
 
 def context_limit(*models) -> int | None:
@@ -204,36 +226,37 @@ def describe_class(config, model_class, attn: str, role: str) -> Architecture:
         )
     layer_types, layer_kwargs = layer_types_of(text_config, who)
     for layer_type in layer_types:
-        if layer_type in RECURRENT_LAYER_TYPES:
-            raise UnsupportedArchitecture(
-                f"{who} has layers of type {layer_type!r}, which {RECURRENT_LAYER_TYPES[layer_type]}: a tree step "
-                "would advance it along every branch at once, and transformers exposes no per-token checkpoint "
-                "to roll it back to the accepted path. Use swiftspec=False for this model.",
-                recurrent=True,
-            )
-        if layer_type not in MASKED_LAYER_TYPES and layer_type not in NO_CACHE_LAYER_TYPES:
+        if not (layer_type in MASKED_LAYER_TYPES or layer_type in NO_CACHE_LAYER_TYPES or layer_type in RECURRENT_LAYER_TYPES):
             raise UnsupportedArchitecture(
                 f"{who} has layers of type {layer_type!r}, whose cache layer keeps more than keys and values per "
                 "position; the tree cache cannot hold it. Use swiftspec=False for this model."
             )
+    layer_states = tuple(kw.get("number_of_states", 1) if t in RECURRENT_LAYER_TYPES else 0
+                         for t, kw in zip(layer_types, layer_kwargs))  # fmt: skip
     parameters = inspect.signature(model_class.forward).parameters if model_class is not None else None
-    if getattr(model_class, "_is_stateful", False):
+    if getattr(model_class, "_is_stateful", False) and not any(layer_states):
         raise UnsupportedArchitecture(
-            f"{who} keeps a recurrent state outside a KV cache (its model class sets _is_stateful), which a tree "
-            "step cannot roll back to the accepted path. Use swiftspec=False for this model.",
+            f"{who} keeps a recurrent state outside its cache's layers (its model class sets _is_stateful, and no "
+            "layer type is one of transformers' state layers), so it cannot be rolled back to the accepted path. "
+            "Use swiftspec=False for this model.",
             recurrent=True,
         )
     if parameters is not None and "past_key_values" not in parameters:
         raise UnsupportedArchitecture(
-            f"{who} keeps no KV cache (its forward takes no past_key_values), so a step cannot build on the "
-            "committed tokens. Use swiftspec=False for this model."
+            f"{who} takes no past_key_values in its forward (it keeps no KV cache, or keeps its cache under "
+            "another name), so swiftspec cannot give it the cache its steps build on. Use swiftspec=False for "
+            "this model."
         )
     layer_masks = tuple(layer_mask(t, kw) for t, kw in zip(layer_types, layer_kwargs))
     mask_by_type = getattr(text_config, "layer_types", None) is not None
     check_one_mask_per_type(layer_types, layer_masks, mask_by_type, who)
     check_windows_are_masked(layer_masks, model_class, who)
     reason = chain_reason(text_config, parameters)
-    return Architecture(text_config.model_type, tuple(layer_types), layer_masks, mask_by_type, reason)
+    stateful = [t for t, n in zip(layer_types, layer_states) if n]
+    if stateful and reason is None:
+        kinds = " and ".join(dict.fromkeys(RECURRENT_LAYER_TYPES[t] for t in stateful))
+        reason = f"its {'/'.join(dict.fromkeys(stateful))} layers keep {kinds}, which follows one path"
+    return Architecture(text_config.model_type, tuple(layer_types), layer_masks, mask_by_type, reason, layer_states)
 
 
 def layer_types_of(config, who: str) -> tuple[list[str], list[dict]]:

@@ -165,3 +165,10 @@ class TreeCache(Cache):
     def seal_prefix(self) -> None:
         """Make everything written so far (a prefill) part of the committed prefix."""
         self.prefix_len = self.length
+
+    def truncate(self, length: int) -> None:
+        """Forget every position from `length` on (tree region included): the prefix ends there.
+        Recurrent states rolled back to a snapshot (recurrent.py) then run the rest again."""
+        if length > self.prefix_len:
+            raise RuntimeError(f"TreeCache.truncate({length}) past the committed prefix ({self.prefix_len})")
+        self.prefix_len = self.length = length

@@ -40,6 +40,7 @@ TINY_IF_PRESENT = dict(
     n_group=1, topk_group=1,
     is_decoder=True,  # BERT-style models are causal LMs only as decoders
     qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, kv_lora_rank=32, q_lora_rank=32,
+    chunk_size=16, mamba_chunk_size=16,  # Mamba-2 scans pad to a chunk: 256 makes each forward take seconds
 )  # fmt: skip
 SPECIAL_TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 MAX_PARAMETERS = 30_000_000  # larger "tiny" models (multimodal towers, 256-expert MoE) are skipped

@@ -287,7 +287,7 @@ def with_draft_tokenizer(root: Path, tokenizer) -> Path:
         (lambda p: edit_config(p, swiftspec_default="yes"), "field 'swiftspec_default' must be bool"),
         (lambda p: edit_config(p, draft_width=0), "draft_width must be a positive int, got 0"),
         (lambda p: edit_config(p.parent / "target", model_type="mamba", hidden_size=64, num_hidden_layers=1, vocab_size=98) and p,
-         r"The target \(mamba\) has layers of type 'linear_attention', which keeps a recurrent state"),
+         r"The target \(mamba\) takes no past_key_values in its forward"),
         (lambda p: edit_config(p.parent / "draft", model_type="not-an-architecture") and p,
          "Cannot load the draft from field 'draft'='../draft'"),
         (lambda p: edit_config(p.parent / "draft", max_position_embeddings=256) and p,

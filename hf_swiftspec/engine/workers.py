@@ -15,6 +15,7 @@ from transformers import PreTrainedModel, StoppingCriteriaList
 from ..architectures import Architecture, describe
 from ..attention import tree_step_kwargs
 from ..cache import TreeCache
+from ..recurrent import MAX_REPLAY, StateLog, add_state_layers
 from ..stats import DraftCounters, TargetCounters
 from ..tree import (
     Proposal,
@@ -79,7 +80,8 @@ def tree_step_forward(
 
 
 def new_cache(architecture: Architecture, capacity: int) -> TreeCache:
-    return TreeCache(len(architecture.layer_types), capacity, architecture.sliding)
+    cache = TreeCache(len(architecture.layer_types), capacity, architecture.sliding)
+    return add_state_layers(cache, architecture.layer_types, architecture.layer_states)  # recurrent layers, if any
 
 
 class TargetWorker:
@@ -97,6 +99,8 @@ class TargetWorker:
         self.architecture = architecture or describe(model, "target")
         self.device = model.device
         self.cache = new_cache(self.architecture, capacity)
+        self.states = StateLog(self.cache)  # recurrent states: saved before each verification (recurrent.py)
+        self.replay: list[int] = []  # accepted tokens whose states were rolled back: run before the next nodes
         self.attention_fallbacks: set[str] = set()  # why kernel-routed layers ran their own attention
         self.sequence: torch.Tensor | None = None
         self.root_logits: torch.Tensor | None = None  # (1, V) the prefill's last row, until the first verification
@@ -132,32 +136,64 @@ class TargetWorker:
             with its signature that returns the leader's walk.
         """
         start = time.perf_counter()
+        replayed = len(self.replay)  # run in front of the subtree's nodes, in tree slots [0, replayed)
         logits = self.forward_subtree(subtree)  # (T, V)
         verified = walk(logits, subtree, self.sequence, sampler, stopping_criteria, max_tokens)
-        self.cache.commit(torch.tensor(verified.path, device=self.device))
+        ran = self.cache.length
+        path = torch.tensor(verified.path, device=self.device)
+        self.cache.commit(torch.cat([torch.arange(replayed, device=self.device), path + replayed]) if replayed else path)
         new = torch.tensor([verified.tokens], dtype=self.sequence.dtype, device=self.device)
         self.sequence = torch.cat([self.sequence, new], dim=1)
+        self.follow_accepted_path(ran)
         device_sync(self.device)
         self.counters.verify_steps += 1
         self.counters.busy_s += time.perf_counter() - start
         return verified
 
     def forward_subtree(self, subtree: Subtree) -> torch.Tensor:
-        """Logits (T, V) of every subtree node: one forward over the nodes the cache lacks."""
+        """Logits (T, V) of every subtree node: one forward over the nodes the cache lacks (after the
+        tokens to replay, if any: only chain-shaped models have them)."""
         mask, depths = subtree_mask(subtree.parents, self.device)
-        positions = (self.cache.prefix_len + depths)[None]
         first, root_logits = 0, self.root_logits
         if root_logits is not None:  # the prefill ran the root: forward only the nodes below it
             first, self.root_logits = 1, None
             if len(subtree) == 1:
                 return root_logits
-        input_ids = torch.tensor([subtree.tokens[first:]], device=self.device)
+        self.states.save(self.cache.length)  # rolled back to after a partial acceptance
+        replay = self.replay  # (only chain-shaped models replay, and never in the first round: first = 0)
+        node_positions = self.cache.prefix_len + len(replay) + depths  # (T,)
+        positions = node_positions[None, first:]
+        if replay:
+            before = torch.arange(self.cache.prefix_len, self.cache.prefix_len + len(replay), device=self.device)
+            positions = torch.cat([before[None], positions], dim=1)
+        input_ids = torch.tensor([replay + subtree.tokens[first:]], device=self.device)
         logits = tree_step_forward(
-            self.model, self.cache, input_ids, positions[:, first:], mask[first:], self.attention, self.architecture,
-            positions[0], self.attention_fallbacks,
-        )  # (T - first, V)
+            self.model, self.cache, input_ids, positions, mask[first:], self.attention, self.architecture,
+            node_positions, self.attention_fallbacks,
+        )[len(replay) :]  # (T - first, V)
         self.counters.forwards += 1
         return logits if root_logits is None else torch.cat([root_logits, logits])
+
+    def follow_accepted_path(self, ran: int) -> None:
+        """After a commit: if the forward (`ran` positions in the cache) ran past the accepted tokens, put
+        the recurrent states back (recurrent.py) and keep the accepted tokens after the snapshot to replay;
+        too many piled up run at once, as a forward of their own. No-op for attention-only models."""
+        committed = self.cache.prefix_len
+        rerun = self.states.rewind(committed, ran)
+        self.replay = []
+        if not rerun:
+            return
+        self.cache.truncate(committed - rerun)
+        self.replay = self.sequence[0, -rerun - 1 : -1].tolist()  # the sequence ends with the new root
+        self.counters.replayed_tokens += rerun
+        if rerun > MAX_REPLAY:
+            ids = torch.tensor([self.replay], device=self.device)
+            model_step(self.model, self.cache, ids, torch.arange(committed - rerun, committed, device=self.device)[None],
+                       keep=1)  # fmt: skip
+            self.cache.seal_prefix()
+            self.states.save(self.cache.length)
+            self.replay = []
+            self.counters.forwards += 1
 
 
 class DraftWorker:
@@ -183,6 +219,7 @@ class DraftWorker:
         self.architecture = architecture or (describe(model, "draft") if model is not None else None)
         self.device = model.device if model is not None else torch.device(device or "cpu")
         self.cache = new_cache(self.architecture, capacity) if model is not None else None
+        self.states = StateLog(self.cache)  # recurrent states: saved after every forward (recurrent.py)
         self.attention_fallbacks: set[str] = set()  # why kernel-routed layers ran their own attention
         self.width = width
         self.vocab_limit = vocab_limit  # the draft never proposes ids the target cannot embed
@@ -232,6 +269,7 @@ class DraftWorker:
                 self.model, cache, input_ids, positions, mask, self.attention, self.architecture, slot_positions,
                 self.attention_fallbacks,
             )
+        self.states.save(cache.length)
         self.counters.forwards += 1
         self.counters.expansions += 1
         logprobs = torch.log_softmax(logits[:, : self.vocab_limit], dim=-1)  # (w, V)
@@ -257,6 +295,7 @@ class DraftWorker:
         positions = torch.arange(cache.prefix_len, cache.prefix_len + ids.shape[1], device=self.device)[None]
         model_step(self.model, cache, ids, positions, keep=1)
         cache.prefix_len += ids.shape[1]
+        self.states.save(cache.length)
         self.pending = []
         self.counters.forwards += 1
 
@@ -298,19 +337,33 @@ class DraftWorker:
         expanded = tree.expanded[ids].tolist()
         k = next((j for j, e in enumerate(expanded) if not e), len(expanded))  # nodes with draft KV
         path_slots = tree.kv_slot[ids[:k]]
+        ran = self.cache.length
         if k == len(path):  # the whole path was run on: the new root may already be in the tree
             child, _ = locate_child(tree, path[-1], verified.tokens[-1])
             if child is not None:
                 self.cache.commit(path_slots, reroot(tree, child))
                 tree.root_token = verified.tokens[-1]
                 self.counters.reroot_hits += 1
+                self.follow_accepted_path(ran)  # (a chain keeps every node run past the path: nothing to undo)
                 return True
         self.counters.reroot_misses += 1
         self.cache.commit(path_slots)
         unrun = [subtree.tokens[i] for i in verified.path[k:]]
         self.pending = (self.pending if k == 0 else []) + unrun  # the root's expansion consumes pending
         reset_tree(tree, verified.tokens[-1])
+        self.follow_accepted_path(ran)
         return False
+
+    def follow_accepted_path(self, ran: int) -> None:
+        """After a commit: if the draft ran past what its cache now keeps (`ran` positions before), put the
+        recurrent states back (recurrent.py). It saves after every forward, so nothing is left to replay;
+        if something were, it would run again first, as pending tokens. No-op for attention-only models."""
+        kept = self.cache.length
+        rerun = self.states.rewind(kept, ran)
+        if rerun:
+            start = self.cache.prefix_len - rerun
+            self.cache.truncate(start)
+            self.pending = self.suffixes.tokens[start : start + rerun] + self.pending
 
     # ---- the adaptive round: candidates for the policy, the proposal it picks -------------------
     def candidates(self, policy: GoodputPolicy, suffix: SuffixTree) -> Proposal:
