@@ -40,7 +40,9 @@ UNSUPPORTED_OPTIONS = {
 
 # What GenerationMixin.generate itself puts in the model kwargs of a decoder-only call; the tree steps
 # rebuild each of them (the mask from the padding, positions from the tree, their own caches).
-PREPARED_MODEL_KWARGS = frozenset({"attention_mask", "position_ids", "logits_to_keep", "past_key_values", "use_cache"})
+PREPARED_MODEL_KWARGS = frozenset(
+    {"attention_mask", "position_ids", "logits_to_keep", "past_key_values", "cache_params", "use_cache"}
+)
 
 
 def swiftspec_generate(

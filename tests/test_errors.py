@@ -64,10 +64,10 @@ def test_assistant_model_is_refused(model):
 
 
 def test_refusal_names_the_capability_that_is_missing():
+    # Mamba-1 layers, alone or in a hybrid: their multi-token scan starts from a zero state (checked on the model)
     mamba = coverage.tiny_model("mamba")
-    with pytest.raises(ValueError, match=r"The target \(mamba\) takes no past_key_values in its forward"):
+    with pytest.raises(ValueError, match=r"The target \(mamba\) keeps a recurrent state, and a forward of several"):
         SwiftSpecForCausalLM.from_models(mamba, mamba)
-    # Mamba-1 layers in a hybrid: their multi-token scan starts from a zero state (checked on the model itself)
     jamba = coverage.tiny_model("jamba", attn_layer_period=2, attn_layer_offset=1)
     with pytest.raises(ValueError, match=r"The draft \(jamba\) keeps a recurrent state, and a forward of several tokens "
                        r"does not continue its recurrent state \(state layer 0: .*\), so a chain of draft tokens cannot be "

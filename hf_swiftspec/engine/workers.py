@@ -12,7 +12,7 @@ import time
 import torch
 from transformers import PreTrainedModel, StoppingCriteriaList
 
-from ..architectures import Architecture, describe
+from ..architectures import Architecture, cache_argument, describe
 from ..attention import tree_step_kwargs
 from ..cache import TreeCache
 from ..recurrent import MAX_REPLAY, StateLog, add_state_layers
@@ -47,8 +47,8 @@ def model_step(model: PreTrainedModel, cache: TreeCache, input_ids, position_ids
         input_ids=input_ids,
         position_ids=position_ids,
         attention_mask=attention_mask,
-        past_key_values=cache,
         use_cache=True,
+        **{cache_argument(type(model)): cache},
         logits_to_keep=keep,
         **kwargs,
     )
