@@ -71,7 +71,7 @@ def test_left_padding_is_refused_where_positions_follow_cache_slots():
     from hf_swiftspec import SwiftSpecForCausalLM
     from hf_swiftspec.coverage import perturbed_copy, tiny_model
 
-    target = tiny_model("trocr")
+    target = tiny_model("trocr", use_learned_position_embeddings=True)
     with torch.no_grad():
         target.model.decoder.embed_positions.weight.mul_(50)
     pair = SwiftSpecForCausalLM.from_models(target, perturbed_copy(target))
