@@ -38,10 +38,10 @@ MASKED_LAYER_TYPES = {
 }
 # Layer types that keep a state other than per-position keys and values (recurrent.py), and what.
 RECURRENT_LAYER_TYPES = {
-    "linear_attention": "a recurrent state",
-    "conv": "a convolution state",
-    "hybrid": "a recurrent state beside its attention",
-    "hybrid_sliding": "a recurrent state beside its attention",
+    "linear_attention": "recurrent",
+    "conv": "convolution",
+    "hybrid": "recurrent",  # beside the layer's attention
+    "hybrid_sliding": "recurrent",
 }
 # The masking_utils builders a modeling file imports when its masks apply each kind of window.
 WINDOWED_MASK_BUILDERS = {
@@ -379,8 +379,8 @@ def describe_class(config, model_class, attn: str, role: str) -> Architecture:
     reason = chain_reason(text_config, parameters)
     stateful = [t for t, n in zip(layer_types, layer_states) if n]
     if stateful:  # the reason a reader recognises first, whatever else holds
-        kinds = " and ".join(dict.fromkeys(RECURRENT_LAYER_TYPES[t] for t in stateful))
-        reason = f"its {'/'.join(dict.fromkeys(stateful))} layers keep {kinds}, which follows one path"
+        kinds = " or ".join(sorted({RECURRENT_LAYER_TYPES[t] for t in stateful}, reverse=True))
+        reason = f"its {'/'.join(dict.fromkeys(stateful))} layers keep a {kinds} state, which follows one path"
     return Architecture(text_config.model_type, tuple(layer_types), layer_masks, mask_by_type, reason, layer_states)
 
 

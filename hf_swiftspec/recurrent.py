@@ -234,9 +234,10 @@ def state_continuation_gap(model, vocab_size: int | None = None) -> str | None:
             off, noise, prefix = (a - s).norm().item(), (p - s).norm().item(), (f - s).norm().item()
             if off > 10 * noise + 1e-5 * s.norm().item() and off > 1e-3 * prefix:
                 gap = (
-                    f"a forward of several tokens does not continue its recurrent state (state layer {layer}: a 2-token "
-                    f"step after a 2-token prefill lands {off:.2g} from two 1-token steps, a 4-token prefill {noise:.2g}; "
-                    "its multi-token path starts from zero), so a chain of draft tokens cannot be verified in one forward"
+                    "a forward of several tokens does not continue its recurrent state, so a chain of draft tokens "
+                    f"cannot be verified in one forward (state layer {layer}: a 2-token step after a 2-token prefill "
+                    f"lands {off:.2g} from two 1-token steps, a 4-token prefill {noise:.2g}: its multi-token path "
+                    "starts from zero)"
                 )
     _continues[model] = gap
     return gap

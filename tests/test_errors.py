@@ -70,8 +70,8 @@ def test_refusal_names_the_capability_that_is_missing():
         SwiftSpecForCausalLM.from_models(mamba, mamba)
     jamba = coverage.tiny_model("jamba", attn_layer_period=2, attn_layer_offset=1)
     with pytest.raises(ValueError, match=r"The draft \(jamba\) keeps a recurrent state, and a forward of several tokens "
-                       r"does not continue its recurrent state \(state layer 0: .*\), so a chain of draft tokens cannot be "
-                       r"verified in one forward\. Use swiftspec=False"):
+                       r"does not continue its recurrent state, so a chain of draft tokens cannot be verified in one forward "
+                       r"\(state layer 0: .*\)\. Use swiftspec=False"):
         SwiftSpecForCausalLM.from_models(coverage.tiny_model("llama"), jamba)
     bert = coverage.tiny_model("bert", is_decoder=False)
     with pytest.raises(ValueError, match=r"The draft \(bert\) attends bidirectionally .*is_decoder=True"):
