@@ -159,7 +159,8 @@ class TargetWorker:
             first, self.root_logits = 1, None
             if len(subtree) == 1:
                 return root_logits
-        self.states.save(self.cache.length)  # rolled back to after a partial acceptance
+        if len(subtree) > 1:  # the root alone is always accepted: nothing to roll back
+            self.states.save(self.cache.length)  # rolled back to after a partial acceptance
         replay = self.replay  # (only chain-shaped models replay, and never in the first round: first = 0)
         node_positions = self.cache.prefix_len + len(replay) + depths  # (T,)
         positions = node_positions[None, first:]
