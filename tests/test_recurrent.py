@@ -119,3 +119,18 @@ def test_draft_free_chains_verify_on_a_hybrid_target():
     expected = coverage.own_generate(target, prompt, 30)
     assert coverage.own_generate(model, prompt, 30, swiftspec=True).tolist() == expected.tolist()
     assert model.swiftspec_stats.verify_steps < 30  # chains were accepted
+
+
+def test_asynchronous_draft_keeps_the_states_of_the_chain_it_grew_past_the_verified_one():
+    """While the target verifies, the draft grows its chain further; when the target accepts it all, the
+    re-root keeps the nodes run below the new root and the snapshots inside them (a later partial
+    acceptance rewinds into that chain)."""
+    target = coverage.tiny_model("bamba", layers=4)  # Mamba-2 layers and one attention layer
+    model = SwiftSpecForCausalLM.from_models(
+        target, coverage.perturbed_copy(target, 0.05), placement={"target": ["cpu"], "draft": ["cpu"]},
+        tree_budget=6, draft_depth=4,
+    )  # (keeping only the deepest snapshot failed here: "no recurrent-state snapshot at or before position ...")
+    for prompt in coverage.prompts()[1:]:
+        expected = coverage.own_generate(target, prompt, 60)
+        assert coverage.own_generate(model, prompt, 60, swiftspec=True).tolist() == expected.tolist()
+        assert model.swiftspec_stats.reroot_hits > 5

@@ -345,7 +345,7 @@ class DraftWorker:
                 self.cache.commit(path_slots, reroot(tree, child))
                 tree.root_token = verified.tokens[-1]
                 self.counters.reroot_hits += 1
-                self.follow_accepted_path(ran)  # (a chain keeps every node run past the path: nothing to undo)
+                self.follow_accepted_path(ran)
                 return True
         self.counters.reroot_misses += 1
         self.cache.commit(path_slots)
@@ -360,6 +360,9 @@ class DraftWorker:
         recurrent states back (recurrent.py). It saves after every forward, so nothing is left to replay;
         if something were, it would run again first, as pending tokens. No-op for attention-only models."""
         kept = self.cache.length
+        if ran <= kept:  # nothing run was dropped (a chain's re-root keeps every node run below the new root)
+            self.states.forget_before(self.cache.prefix_len)  # keeping the snapshots inside the kept chain
+            return
         rerun = self.states.rewind(kept, ran)
         if rerun:
             start = self.cache.prefix_len - rerun
