@@ -10,6 +10,8 @@ type allows (all of them, a sliding window of p, or p's chunk) and its own ances
 that the same rule allows. Models that place tokens by their cache slot instead of their
 `position_ids` (ALiBi biases built from the cache length, forwards without `position_ids`) see
 the right positions only when every step is a chain: they speculate along a chain (`shape`).
+So do models with layers that keep a recurrent or convolution state (recurrent.py keeps it on the
+accepted path), provided one forward over several tokens continues that state.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ import copy
 import functools
 import inspect
 import sys
+import weakref
 from dataclasses import dataclass
 
 import torch
+from transformers import GenerationMixin
 from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -32,12 +36,12 @@ MASKED_LAYER_TYPES = {
     "indexed_attention": "full",  # sparse attention picks among the keys the mask allows
     "minimax_m3_sparse": "full",
 }
-# Layer types that keep a state other than per-position keys and values.
+# Layer types that keep a state other than per-position keys and values (recurrent.py), and what.
 RECURRENT_LAYER_TYPES = {
-    "linear_attention": "keeps a recurrent state",
-    "conv": "keeps a convolution state",
-    "hybrid": "keeps a recurrent state beside its attention",
-    "hybrid_sliding": "keeps a recurrent state beside its attention",
+    "linear_attention": "recurrent",
+    "conv": "convolution",
+    "hybrid": "recurrent",  # beside the layer's attention
+    "hybrid_sliding": "recurrent",
 }
 # The masking_utils builders a modeling file imports when its masks apply each kind of window.
 WINDOWED_MASK_BUILDERS = {
@@ -94,6 +98,7 @@ class Architecture:
     layer_masks:  per decoder layer, its window rule (FULL for layers without KV)
     mask_by_type: the forward takes {layer type: 4D mask} (config.layer_types) rather than one mask
     chain_reason: why this model's steps must be chains, or None when trees are exact
+    layer_states: per decoder layer, how many recurrent / convolution states it keeps (0: none)
     """
 
     model_type: str
@@ -101,6 +106,12 @@ class Architecture:
     layer_masks: tuple[LayerMask, ...]
     mask_by_type: bool = False
     chain_reason: str | None = None
+    layer_states: tuple[int, ...] = ()
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether some layer keeps a state that every token advances (recurrent.py rolls it back)."""
+        return any(self.layer_states)
 
     @property
     def shape(self) -> str:
@@ -128,6 +139,16 @@ class Architecture:
         return tuple(m.kind != "full" for m in self.layer_masks)
 
 
+CACHE_ARGUMENTS = ("past_key_values", "cache_params")  # what forwards call their Cache (state-space models: the latter)
+
+
+@functools.lru_cache(maxsize=None)
+def cache_argument(model_class) -> str:
+    """The forward argument `model_class` takes its Cache as."""
+    parameters = inspect.signature(model_class.forward).parameters
+    return next((name for name in CACHE_ARGUMENTS if name in parameters), CACHE_ARGUMENTS[0])
+
+
 def describe(model, role: str = "model") -> Architecture:
     """The tree-step needs of `model`, or UnsupportedArchitecture naming what is missing."""
     attn = getattr(model.config, "_attn_implementation", None) or "sdpa"
@@ -135,7 +156,103 @@ def describe(model, role: str = "model") -> Architecture:
     who = f"The {role} ({architecture.model_type})"
     check_causal(model, who)
     check_incremental_inputs(model, who)
+    if architecture.recurrent:
+        check_state_continues(model, who)
+    check_steps_run(model, architecture, who)
     return architecture
+
+
+_step_failures: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> None or why its steps fail
+
+
+def check_steps_run(model, architecture: Architecture, who: str) -> None:
+    """Refuse a model whose forward fails on the kind of step speculation runs, before a generation
+    fails inside it: after a 2-token prefill into the tree cache, a 2-token chain step with the 4D
+    mask a tree step passes (chain-shaped models: no mask). Two forwards of 2 tokens, once per model
+    object; a model whose prefill itself fails here is left to fail where it fails."""
+    if model not in _step_failures:
+        _step_failures[model] = step_failure(model, architecture)
+    failure = _step_failures[model]
+    if failure is not None:
+        raise UnsupportedArchitecture(f"{who} {failure}. Use swiftspec=False for this model.")
+
+
+def step_failure(model, architecture: Architecture) -> str | None:
+    """check_steps_run's finding: None, or what fails (completing "The target (type) ...")."""
+    from .attention import own_implementation
+    from .engine.workers import new_cache  # the engine imports this module
+    from .step import RowQueries, model_step, run_step
+
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    ids = ((torch.arange(4) * 7 + 3) % vocab)[None].to(model.device)  # any 4 distinct tokens
+    positions = torch.arange(4, device=model.device)[None]
+
+    def prefill():
+        cache = new_cache(architecture, 8)
+        model_step(model, cache, ids[:, :2], positions[:, :2], keep=1)
+        cache.seal_prefix()
+        return cache
+
+    def step(cache, masked: bool) -> None:
+        if masked:  # a 2-node chain under the tree mask (a dense one: the model's own attention)
+            run_step(model, cache, [RowQueries.chain(ids[0, 2:].tolist(), 2, model.device)], own_implementation(model),
+                     architecture)  # fmt: skip
+        else:
+            model_step(model, cache, ids[:, 2:], positions[:, 2:])
+
+    tree = architecture.shape == "tree"
+    with torch.no_grad():
+        try:
+            cache = prefill()
+        except Exception as error:  # noqa: BLE001 - named in the refusal
+            return (
+                "fails on a prefill into swiftspec's tree cache, whose layers hold keys and values (and transformers' "
+                f"own state layers) ({type(error).__name__}: {first_line(error)}){kv_heads_hint(model)}"
+            )
+        try:
+            step(cache, masked=tree)
+            return None
+        except Exception as error:  # noqa: BLE001 - named in the refusal
+            failed = error
+        try:
+            step(prefill(), masked=False) if tree else None
+            masks_fail = tree
+        except Exception:  # noqa: BLE001
+            masks_fail = False
+    what = f"({type(failed).__name__}: {first_line(failed)}){kv_heads_hint(model)}"
+    if masks_fail:
+        return f"fails when its attention is given an explicit 4D mask, which every tree step passes {what}"
+    return f"fails on a forward of several tokens after a cached prefix, which every verification runs {what}"
+
+
+def kv_heads_hint(model) -> str:
+    """The fix, when latent attention's num_key_value_heads makes it repeat keys it already has per head."""
+    text = model.config.get_text_config(decoder=True)
+    heads, kv_heads = getattr(text, "num_attention_heads", None), getattr(text, "num_key_value_heads", None)
+    if not (isinstance(heads, int) and isinstance(kv_heads, int) and heads != kv_heads and getattr(text, "kv_lora_rank", None)):
+        return ""
+    return (
+        f"; its latent attention gives each of its {heads} query heads its own keys, but num_key_value_heads="
+        f"{kv_heads} makes its attention repeat them {heads // kv_heads}x whenever it is given a mask: set "
+        f"num_key_value_heads={heads} in its config (no weight depends on it)"
+    )
+
+
+def first_line(error: BaseException, limit: int = 200) -> str:
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return text[:limit]
+
+
+def check_state_continues(model, who: str) -> None:
+    """Refuse a model whose forward over several tokens does not continue its recurrent state."""
+    from .recurrent import state_continuation_gap  # imports the cache; loaded only for stateful models
+
+    gap = state_continuation_gap(model)
+    if gap is not None:
+        raise UnsupportedArchitecture(
+            f"{who} keeps a recurrent state, and {gap}{kv_heads_hint(model)}. Use swiftspec=False for this model.",
+            recurrent=True,
+        )
 
 
 def context_limit(*models) -> int | None:
@@ -146,21 +263,46 @@ def context_limit(*models) -> int | None:
     return min(limits) if limits else None
 
 
-def check_causal(model, who: str) -> None:
+CROSS_ATTENTION_NAMES = ("encoder_attn", "cross_attn", "crossattention")  # transformers' names for attending an encoder
+
+
+def check_causal(model, who: str, confirm: bool = True) -> None:
     """Refuse a decoder whose self-attention is bidirectional (a BERT-style model loaded without
-    is_decoder=True): its prompt tokens see the ones after them, which tree steps never show them."""
+    is_decoder=True): its prompt tokens see the ones after them, which tree steps never show them.
+
+    Modules that declare is_causal=False are suspects (cross-attention, which a causal LM without an
+    encoder never runs, excepted); with `confirm`, a suspect model is refused only if a later token
+    does change an earlier position's logits (some decoders flag their attention so and mask it
+    causally all the same)."""
     decoder = model.get_decoder() or model
     bidirectional = [
         name
         for name, module in decoder.named_modules()
         if getattr(module, "is_causal", True) is False and not getattr(module, "is_cross_attention", False)
+        and not any(part in name.rsplit(".", 1)[-1].lower() for part in CROSS_ATTENTION_NAMES)
     ]
-    if bidirectional or getattr(model.config.get_text_config(decoder=True), "is_causal", True) is False:
+    flagged = getattr(model.config.get_text_config(decoder=True), "is_causal", True) is False
+    if (bidirectional or flagged) and not (confirm and later_tokens_unseen(model)):
         raise UnsupportedArchitecture(
             f"{who} attends bidirectionally ({', '.join(bidirectional[:2]) or 'config.is_causal=False'} set "
             "is_causal=False), so its own generate lets prompt tokens see later ones. Load it as a decoder "
             "(is_decoder=True in its config) or use swiftspec=False."
         )
+
+
+def later_tokens_unseen(model) -> bool:
+    """Whether changing the last of 4 tokens leaves the logits of the first 3 alone (False when the
+    check cannot run). Two forwards of 4 tokens, without a cache."""
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    ids = ((torch.arange(4) * 7 + 3) % vocab)[None].to(model.device)
+    changed = ids.clone()
+    changed[0, -1] = (changed[0, -1] + 1) % vocab
+    try:
+        with torch.no_grad():
+            a, b = (model(input_ids=x, use_cache=False).logits[0, :3].float() for x in (ids, changed))
+    except Exception:  # noqa: BLE001 - nothing this check can tell
+        return False
+    return bool(torch.allclose(a, b, rtol=1e-4, atol=1e-4 * float(a.abs().max()) + 1e-6))
 
 
 def check_config(config, role: str) -> None:
@@ -188,7 +330,7 @@ def check_causal_config(config, model_class, who: str) -> None:
         return
     finally:
         hf_logging.set_verbosity(verbosity)
-    check_causal(model, who)
+    check_causal(model, who, confirm=False)  # meta weights: the attributes alone
 
 
 def describe_class(config, model_class, attn: str, role: str) -> Architecture:
@@ -204,36 +346,43 @@ def describe_class(config, model_class, attn: str, role: str) -> Architecture:
         )
     layer_types, layer_kwargs = layer_types_of(text_config, who)
     for layer_type in layer_types:
-        if layer_type in RECURRENT_LAYER_TYPES:
-            raise UnsupportedArchitecture(
-                f"{who} has layers of type {layer_type!r}, which {RECURRENT_LAYER_TYPES[layer_type]}: a tree step "
-                "would advance it along every branch at once, and transformers exposes no per-token checkpoint "
-                "to roll it back to the accepted path. Use swiftspec=False for this model.",
-                recurrent=True,
-            )
-        if layer_type not in MASKED_LAYER_TYPES and layer_type not in NO_CACHE_LAYER_TYPES:
+        if not (layer_type in MASKED_LAYER_TYPES or layer_type in NO_CACHE_LAYER_TYPES or layer_type in RECURRENT_LAYER_TYPES):
             raise UnsupportedArchitecture(
                 f"{who} has layers of type {layer_type!r}, whose cache layer keeps more than keys and values per "
                 "position; the tree cache cannot hold it. Use swiftspec=False for this model."
             )
+    layer_states = tuple(kw.get("number_of_states", 1) if t in RECURRENT_LAYER_TYPES else 0
+                         for t, kw in zip(layer_types, layer_kwargs))  # fmt: skip
     parameters = inspect.signature(model_class.forward).parameters if model_class is not None else None
-    if getattr(model_class, "_is_stateful", False):
+    own_generate = getattr(model_class, "generate", None)
+    if own_generate is not None and own_generate is not GenerationMixin.generate:
         raise UnsupportedArchitecture(
-            f"{who} keeps a recurrent state outside a KV cache (its model class sets _is_stateful), which a tree "
-            "step cannot roll back to the accepted path. Use swiftspec=False for this model.",
+            f"{who} has a generate() of its own ({own_generate.__qualname__}), which does more than transformers' "
+            "decoding loop that swiftspec=True replaces (e.g. a delay pattern across codebooks). Use "
+            "swiftspec=False for this model."
+        )
+    if getattr(model_class, "_is_stateful", False) and not any(layer_states):
+        raise UnsupportedArchitecture(
+            f"{who} keeps a recurrent state outside its cache's layers (its model class sets _is_stateful, and no "
+            "layer type is one of transformers' state layers), so it cannot be rolled back to the accepted path. "
+            "Use swiftspec=False for this model.",
             recurrent=True,
         )
-    if parameters is not None and "past_key_values" not in parameters:
+    if parameters is not None and not any(name in parameters for name in CACHE_ARGUMENTS):
         raise UnsupportedArchitecture(
-            f"{who} keeps no KV cache (its forward takes no past_key_values), so a step cannot build on the "
-            "committed tokens. Use swiftspec=False for this model."
+            f"{who} takes no past_key_values (nor cache_params) in its forward, so it keeps no cache swiftspec "
+            "could give it to build on the committed tokens. Use swiftspec=False for this model."
         )
     layer_masks = tuple(layer_mask(t, kw) for t, kw in zip(layer_types, layer_kwargs))
     mask_by_type = getattr(text_config, "layer_types", None) is not None
     check_one_mask_per_type(layer_types, layer_masks, mask_by_type, who)
     check_windows_are_masked(layer_masks, model_class, who)
     reason = chain_reason(text_config, parameters)
-    return Architecture(text_config.model_type, tuple(layer_types), layer_masks, mask_by_type, reason)
+    stateful = [t for t, n in zip(layer_types, layer_states) if n]
+    if stateful:  # the reason a reader recognises first, whatever else holds
+        kinds = " or ".join(sorted({RECURRENT_LAYER_TYPES[t] for t in stateful}, reverse=True))
+        reason = f"its {'/'.join(dict.fromkeys(stateful))} layers keep a {kinds} state, which follows one path"
+    return Architecture(text_config.model_type, tuple(layer_types), layer_masks, mask_by_type, reason, layer_states)
 
 
 def layer_types_of(config, who: str) -> tuple[list[str], list[dict]]:

@@ -279,6 +279,13 @@ class TreeCache(Cache):
         """Make everything written so far (a prefill) part of the committed prefix, in every row."""
         self.prefix_lens = list(self.lengths)
 
+    def truncate(self, length: int, row: int = 0) -> None:
+        """Forget every position of `row` from slot `length` on (tree region included): its prefix ends
+        there. Recurrent states rolled back to a snapshot (recurrent.py) then run the rest again."""
+        if length > self.prefix_lens[row]:
+            raise RuntimeError(f"TreeCache.truncate({length}) past row {row}'s committed prefix ({self.prefix_lens[row]})")
+        self.prefix_lens[row] = self.lengths[row] = length
+
     def keep_rows(self, rows: list[int]) -> None:
         """Drop every batch row not in `rows`; row rows[i] becomes row i."""
         if rows == list(range(self.batch_size)):

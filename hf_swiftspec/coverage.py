@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from .architectures import UnsupportedArchitecture, describe
 
@@ -40,52 +40,166 @@ TINY_IF_PRESENT = dict(
     n_group=1, topk_group=1,
     is_decoder=True,  # BERT-style models are causal LMs only as decoders
     qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, kv_lora_rank=32, q_lora_rank=32,
+    chunk_size=16, mamba_chunk_size=16,  # Mamba-2 scans pad to a chunk: 256 makes each forward take seconds
 )  # fmt: skip
+# Fields named like these count layers (None: the sweep's layer count), heads or widths; shrunk wherever present.
+SHRINK_BY_NAME = [
+    (re.compile(r"^num_kv_shared_layers$"), 0),  # layers reusing earlier ones' KV: none in 2 layers
+    (re.compile(r"^(num_(\w+_)?layers|n_layers?|(encoder|decoder)_layers)$"), None),
+    (re.compile(r"^(num_(\w+_)?attention_heads|n_heads?|(encoder|decoder)_attention_heads)$"), 4),
+    (re.compile(r"^((encoder|decoder)_ffn_dim|ffn_dim|d_ff|n_inner)$"), 128),
+    (re.compile(r"^(d_model|n_embd|embed_dim|hidden_size_global)$"), 64),
+    (re.compile(r"^d_head$"), 16),
+    (re.compile(r"^\w*vocab\w*$"), 128),  # e.g. per-layer input embeddings' own vocabulary, hashed byte groups
+]
+# What a type's tiny config needs beyond the shrink above, and why (only where its own generate needs it).
+TINY_OVERRIDES: dict[str, dict] = {
+    "bamba": dict(attn_layer_indices=[1]),  # by default its first attention layer is past 8 layers
+    "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    "dbrx": dict(attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),  # missing from its defaults
+                 ffn_config=dict(ffn_hidden_size=128, moe_num_experts=4, moe_top_k=2)),
+    "dots1": dict(n_shared_experts=1),  # None by default, which its MoE cannot multiply
+    "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),  # per-layer types, in its own run-length form
+    "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"]),  # the default has no attention
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"]),  # None by default
+    "mamba2": dict(num_heads=8, n_groups=1),
+    "musicgen": dict(decoder=dict(num_codebooks=1)),  # its decoder reads input_ids as (batch x codebooks, length)
+    "musicgen_melody": dict(decoder=dict(num_codebooks=1)),  # num_heads x head_dim must equal hidden_size x expand
+    "qwen4_exp": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4),
+    "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4),
+    "reformer": dict(is_decoder=True, axial_pos_embds_dim=[32, 32], axial_pos_shape=[16, 32]),  # sums / products must match
+    "xlstm": dict(num_heads=4, qk_dim_factor=1.0),  # its step kernels want query and value heads alike here
+    "trocr": dict(use_learned_position_embeddings=False),  # sinusoidal positions, as its released checkpoints
+    "xmod": dict(default_language="en_XX"),  # its forward needs a language adapter
+    "zamba": dict(layers_block_type=["linear_attention", "hybrid", "hybrid"], num_hidden_layers=3),  # its shared block needs 2
+}
 SPECIAL_TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 MAX_PARAMETERS = 30_000_000  # larger "tiny" models (multimodal towers, 256-expert MoE) are skipped
-PROMPT_LENGTHS = (5, 23, 40)  # the longer two start past the window
 NEW_TOKENS = 40
-SETTINGS = dict(tree_budget=8, draft_width=4, draft_depth=3)  # a fixed depth, so tau does not depend on timing
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One decode of the sweep: a config variant, the tree settings, a prompt length.
+
+    heads: "gqa" (2 key/value heads; under latent attention values as wide as keys, as in GLM-4.7-Flash)
+        or "mha" (as many key/value heads as query heads); types without the field have one variant.
+    settings: SwiftSpecConfig fields; {} is the adaptive default (which may rightly decode plainly).
+    """
+
+    name: str
+    heads: str
+    settings: dict
+    prompt_length: int
+
+    @property
+    def fixed(self) -> bool:
+        """Tree size and depth are fixed, so every round speculates (tau > 1 expected)."""
+        return bool(self.settings)
+
+
+SHAPES = (
+    Shape("deep tree", "gqa", dict(tree_budget=8, draft_depth=4), 40),  # the prompt starts past the window
+    Shape("wide tree", "mha", dict(tree_budget=8, draft_width=4, draft_depth=3), 23),
+    Shape("default settings", "gqa", {}, 5),
+)
+PROMPT_LENGTHS = tuple(shape.prompt_length for shape in SHAPES)
 
 
 @dataclass
 class Outcome:
-    """What the sweep found for one model type (see the module docstring); tau over the prompts."""
+    """What the sweep found for one model type (see the module docstring); tau over its fixed-tree shapes.
+
+    notes: what other shapes found where they differ (e.g. a refusal with 2 key/value heads only)
+    """
 
     model_type: str
     status: str
     reason: str = ""
     tau: float = 0.0
     recurrent: bool = False  # refused for a recurrent state: not an attention-only decoder
+    notes: str = ""
 
 
 def causal_lm_types() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-def tiny_config(model_type: str, layers: int = 2, full: bool = True, **overrides):
+def tiny_config(model_type: str, layers: int = 2, full: bool = True, settable_only: bool = False, **overrides):
     """A tiny config of `model_type`; full=False sets only TINY (for configs that reject the rest).
 
-    overrides: config fields to set as well (on the text decoder of a multimodal wrapper).
+    overrides: config fields to set as well (on the text decoder of a multimodal wrapper; a dict under
+        a sub-config's name goes to that sub-config). Every other sub-config (vision tower, audio
+        encoder, patcher...) is shrunk too.
+    settable_only: leave out fields the config class computes (properties), which some refuse to set.
     """
     base = AutoConfig.for_model(model_type)
+    overrides = {**TINY_OVERRIDES.get(model_type, {}), **overrides} if full else overrides
     sub_configs = getattr(base, "sub_configs", None) or {}
-    if "text_config" in sub_configs:  # a multimodal wrapper: shrink the text decoder, and the rest a little
-        kwargs = {"text_config": {**tiny_fields(base.text_config, layers, full), **overrides}, **SPECIAL_TOKENS}
-        for name in sub_configs:
-            if name != "text_config":
-                kwargs[name] = {k: v for k, v in TINY.items() if k != "vocab_size"}
-        return AutoConfig.for_model(model_type, **kwargs)
-    return AutoConfig.for_model(model_type, **{**tiny_fields(base, layers, full), **overrides})
+    sub_overrides = {name: overrides.pop(name) for name in list(overrides) if name in sub_configs and isinstance(overrides[name], dict)}
+    text = "text_config" in sub_configs  # a multimodal wrapper: the text decoder is the causal LM
+    kwargs = {**SPECIAL_TOKENS} if text else {**tiny_fields(base, layers, full, settable_only=settable_only), **overrides}
+    for name in sub_configs:
+        sub = getattr(base, name, None)
+        if sub is None or not hasattr(sub, "to_dict"):
+            continue
+        fields = tiny_fields(sub, layers, full, vocab=name == "text_config", settable_only=settable_only)
+        kwargs[name] = {**fields, **(overrides if name == "text_config" else {}), **sub_overrides.get(name, {})}
+    return AutoConfig.for_model(model_type, **kwargs)
 
 
-def tiny_fields(config, layers: int, full: bool) -> dict:
+def causal_lm_config(config):
+    """`config`, or its sub-config of the class its causal-LM model takes (a composite config whose
+    causal LM is one part of it, e.g. a music decoder)."""
+    wanted = getattr(MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None), "config_class", None)
+    if wanted is None or isinstance(config, wanted):
+        return config
+    for name in getattr(config, "sub_configs", None) or {}:
+        if isinstance(getattr(config, name, None), wanted):
+            return getattr(config, name)
+    return config
+
+
+def tiny_fields(config, layers: int, full: bool, vocab: bool = True, settable_only: bool = False) -> dict:
+    """The fields that shrink `config`: TINY, and with full=True every field it has that counts layers,
+    heads or widths by transformers' naming (encoder/decoder halves included), with per-layer lists cut
+    to `layers` entries that keep one of each kind of layer."""
     fields = {**TINY, "num_hidden_layers": layers, **SPECIAL_TOKENS}
-    if full:
-        fields.update({k: v for k, v in TINY_IF_PRESENT.items() if has_field(config, k)})
-        if has_field(config, "kv_lora_rank"):  # latent attention expands keys to every query head
-            fields["num_key_value_heads"] = fields["num_attention_heads"]
+    if not vocab:
+        fields = {k: v for k, v in TINY.items() if k != "vocab_size"}
+    if not full:
+        return fields
+    try:
+        present = config.to_dict()
+    except Exception:  # noqa: BLE001 - heterogeneous configs refuse a global read of per-layer fields
+        present = {}
+    fields.update({k: v for k, v in TINY_IF_PRESENT.items() if k in present or has_field(config, k)})
+    default_layers = present.get("num_hidden_layers")
+    for name, value in present.items():
+        if not isinstance(value, int) or isinstance(value, bool) or name in fields:
+            if isinstance(value, list) and default_layers and len(value) == default_layers > layers and name not in fields:
+                fields[name] = per_layer(value, layers)
+            continue
+        for pattern, tiny in SHRINK_BY_NAME:
+            if pattern.match(name) and (vocab or "vocab" not in name):
+                fields[name] = layers if tiny is None else tiny
+                break
+    if has_field(config, "kv_lora_rank"):  # latent attention expands keys to every query head
+        fields["num_key_value_heads"] = fields["num_attention_heads"]
+    if settable_only:
+        fields = {k: v for k, v in fields.items() if not isinstance(getattr(type(config), k, None), property)}
     return fields
+
+
+def per_layer(values: list, layers: int) -> list:
+    """The first `layers` entries of a per-layer list, the last ones swapped for kinds it would lose."""
+    kinds = list(dict.fromkeys(map(repr, values)))
+    first = {k: next(v for v in values if repr(v) == k) for k in kinds}
+    out = list(values[:layers])
+    missing = [first[k] for k in kinds if k not in {repr(v) for v in out}]
+    if missing:
+        out = out[: max(layers - len(missing), 1)] + missing
+    return out
 
 
 def has_field(config, name: str) -> bool:
@@ -96,27 +210,42 @@ def has_field(config, name: str) -> bool:
 
 
 def tiny_model(model_type: str, layers: int = 2, seed: int = 0, **overrides):
-    """A tiny randomly initialised model in eval mode (sharpened head: peaked like a real LM)."""
-    config = None
-    for full in (True, False):
+    """A tiny randomly initialised model in eval mode (sharpened head: peaked like a real LM).
+
+    Tries the full shrink, then without fields its config computes itself, then with as many key/value
+    heads as query heads (configs that require it), then TINY alone; raises the first attempt's error.
+    """
+    attempts = [dict(), dict(settable_only=True)]
+    if "num_key_value_heads" not in overrides:
+        attempts.append(dict(num_key_value_heads=TINY["num_attention_heads"]))
+    attempts.append(dict(full=False))
+    first_error = None
+    for attempt in attempts:
         try:
-            config = tiny_config(model_type, layers, full, **overrides)
+            top = tiny_config(model_type, layers, **{**overrides, **attempt})
+            config, model_class = causal_lm_config(top), MODEL_FOR_CAUSAL_LM_MAPPING[type(top)]
             with torch.device("meta"):
-                meta = AutoModelForCausalLM.from_config(config)
+                meta = model_class(config)
             break
-        except Exception:
-            if not full:
-                raise
+        except Exception as error:  # noqa: BLE001 - the next attempt, or the first error
+            first_error = first_error or error
+    else:
+        raise first_error
     parameters = sum(p.numel() for p in meta.parameters())
     if parameters > MAX_PARAMETERS:
         raise MemoryError(f"{parameters / 1e6:.0f}M parameters even on a tiny config")
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    model.generation_config = GenerationConfig(**SPECIAL_TOKENS)
+    model = model_class(config).eval()
+    # (a decoder start token only for generate()s that build their own start, e.g. a music decoder's delay pattern)
+    model.generation_config = GenerationConfig(
+        **SPECIAL_TOKENS, decoder_start_token_id=SPECIAL_TOKENS["bos_token_id"], num_return_sequences=1
+    )
     head = model.get_output_embeddings()
     if head is not None:
         with torch.no_grad():
-            head.weight.mul_(4.0)
+            for part in head.modules():  # one head, or one per codebook
+                if isinstance(getattr(part, "weight", None), torch.Tensor):
+                    part.weight.mul_(4.0)
     return model
 
 
@@ -145,12 +274,12 @@ def prompts(vocab_size: int = 128) -> list[torch.Tensor]:
     ]
 
 
-def runnable_tiny_model(model_type: str):
+def runnable_tiny_model(model_type: str, **overrides):
     """(model, None), or (None, why its own generate does not run on a tiny config)."""
     error = None
     for layers in (2, 4, 8):  # hybrids need enough layers to reach their first attention layer
         try:
-            model = tiny_model(model_type, layers)
+            model = tiny_model(model_type, layers, **overrides)
             with torch.no_grad():
                 own_generate(model, prompts()[0], 2)
             return model, None
@@ -161,36 +290,93 @@ def runnable_tiny_model(model_type: str):
     return None, f"its own generate fails on a tiny config: {type(error).__name__}: {first_line(error)}"
 
 
+def head_overrides(model_type: str, heads: str) -> dict:
+    """Config fields of a Shape's heads variant ({} where the config has no key/value head count)."""
+    base = AutoConfig.for_model(model_type)
+    text = base.get_text_config(decoder=True)
+    if not has_field(text, "num_key_value_heads"):
+        return {}
+    if heads == "mha":
+        return {"num_key_value_heads": TINY["num_attention_heads"]}
+    fields = {"num_key_value_heads": 2}
+    if has_field(text, "kv_lora_rank") and has_field(text, "v_head_dim"):
+        fields["v_head_dim"] = TINY_IF_PRESENT["qk_nope_head_dim"] + TINY_IF_PRESENT["qk_rope_head_dim"]
+    return fields
+
+
+@dataclass
+class ShapeResult:
+    status: str
+    reason: str = ""
+    tau: float = 0.0
+    recurrent: bool = False
+
+
 def check_type(model_type: str) -> Outcome:
-    """Sweep one model type (see the module docstring)."""
+    """Sweep one model type over every Shape (see the module docstring)."""
+    built: dict[str, tuple] = {}  # heads variant -> (model or None, why not, its draft)
+    results = []
+    for shape in SHAPES:
+        try:
+            overrides = head_overrides(model_type, shape.heads)
+        except Exception:  # noqa: BLE001 - a config that will not build at all: runnable_tiny_model says why
+            overrides = {}
+        key = repr(sorted(overrides.items()))
+        if key not in built:
+            model, why = runnable_tiny_model(model_type, **overrides)
+            built[key] = (model, why, perturbed_copy(model) if model is not None else None)
+        results.append(check_shape(shape, *built[key]))
+    return combine(model_type, results)
+
+
+def check_shape(shape: Shape, target, why: str | None, draft) -> ShapeResult:
     from .modeling import SwiftSpecForCausalLM
 
-    target, why = runnable_tiny_model(model_type)
     if target is None:
-        return Outcome(model_type, "skipped", why)
+        return ShapeResult("skipped", why)
     try:
         architecture = describe(target, "target")
-        pair = SwiftSpecForCausalLM.from_models(target, perturbed_copy(target), **SETTINGS)
+        pair = SwiftSpecForCausalLM.from_models(target, draft, **shape.settings)
     except UnsupportedArchitecture as refusal:
-        return Outcome(model_type, "refused", first_line(refusal), recurrent=refusal.recurrent)
-    taus = []
+        return ShapeResult("refused", first_line(refusal), recurrent=refusal.recurrent)
+    prompt = prompts()[PROMPT_LENGTHS.index(shape.prompt_length)]
     try:
-        for prompt in prompts():
-            expected = own_generate(target, prompt)
-            actual = own_generate(pair, prompt, swiftspec=True)
-            if actual.tolist() != expected.tolist():
-                at = next(i for i, (a, e) in enumerate(zip(actual[0].tolist(), expected[0].tolist())) if a != e)
-                return Outcome(model_type, "wrong", f"differs from its own generate at position {at} of a "
-                               f"{prompt.shape[1]}-token prompt")  # fmt: skip
-            taus.append(pair.swiftspec_stats.tau)
+        expected = own_generate(target, prompt)
+        actual = own_generate(pair, prompt, swiftspec=True)
     except Exception as error:  # noqa: BLE001 - reported, and the test fails on it
         where = traceback.extract_tb(error.__traceback__)[-1]
-        return Outcome(model_type, "wrong", f"{type(error).__name__}: {first_line(error)} "
-                       f"({Path(where.filename).name}:{where.lineno})")  # fmt: skip
-    tau = sum(taus) / len(taus)
-    if tau <= 1.0:
-        return Outcome(model_type, "wrong", f"no speculation happened (tau={tau:.2f})", tau)
-    return Outcome(model_type, architecture.shape, architecture.chain_reason or "", tau)
+        return ShapeResult("wrong", f"{shape.name}: {type(error).__name__}: {first_line(error)} "
+                           f"({Path(where.filename).name}:{where.lineno})")  # fmt: skip
+    if actual.tolist() != expected.tolist():
+        at = next(i for i, (a, e) in enumerate(zip(actual[0].tolist(), expected[0].tolist())) if a != e)
+        return ShapeResult("wrong", f"{shape.name}: differs from its own generate at generated token "
+                           f"{at - prompt.shape[1]} of a {prompt.shape[1]}-token prompt")  # fmt: skip
+    tau = pair.swiftspec_stats.tau
+    if shape.fixed and tau <= 1.0:
+        return ShapeResult("wrong", f"{shape.name}: no speculation happened (tau={tau:.2f})", tau)
+    return ShapeResult(architecture.shape, architecture.chain_reason or "", tau if shape.fixed else 0.0)
+
+
+def combine(model_type: str, results: list[ShapeResult]) -> Outcome:
+    """One verdict from the shapes: wrong if any is; else how the type speculates where it does (the
+    others noted); else refused; else skipped."""
+    named = list(zip(SHAPES, results))
+    for status in ("wrong", "tree", "chain", "refused", "skipped"):
+        hits = [(shape, r) for shape, r in named if r.status == status]
+        if not hits:
+            continue
+        shape, first = hits[0]
+        taus = [r.tau for _, r in hits if r.tau]
+        notes = "; ".join(
+            dict.fromkeys(f"with {HEAD_NOTES[s.heads]}: {r.status} ({short_reason(r.reason)})"
+                          for s, r in named if r.status != status and r.status != "skipped")
+        )  # fmt: skip
+        recurrent = any(r.recurrent for _, r in hits)
+        return Outcome(model_type, status, first.reason, sum(taus) / len(taus) if taus else 0.0, recurrent, notes)
+    raise ValueError("no shapes")
+
+
+HEAD_NOTES = {"gqa": "2 key/value heads", "mha": "as many key/value heads as query heads"}
 
 
 def first_line(error: BaseException, limit: int = 600) -> str:
@@ -223,9 +409,10 @@ def markdown_table(outcomes: list[Outcome]) -> str:
     """The README's architecture table: one row per model type."""
     rows = ["| model type | speculation | why / notes |", "|---|---|---|"]
     for o in sorted(outcomes, key=lambda o: o.model_type):
-        note = short_reason(o.reason).replace("|", "\\|")
+        note = short_reason(o.reason)
         if o.status in ("tree", "chain"):
             note = f"tau {o.tau:.2f} on the tiny sweep" + (f"; {note}" if note else "")
+        note = "; ".join(part for part in (note, o.notes) if part).replace("|", "\\|")
         rows.append(f"| `{o.model_type}` | {o.status} | {note} |")
     return "\n".join([coverage_line(outcomes) + ".", "", *rows])
 

@@ -41,7 +41,9 @@ UNSUPPORTED_OPTIONS = {
 
 # What GenerationMixin.generate itself puts in the model kwargs of a decoder-only call; the tree steps
 # rebuild each of them (the mask from the padding, positions from the tree, their own caches).
-PREPARED_MODEL_KWARGS = frozenset({"attention_mask", "position_ids", "logits_to_keep", "past_key_values", "use_cache"})
+PREPARED_MODEL_KWARGS = frozenset(
+    {"attention_mask", "position_ids", "logits_to_keep", "past_key_values", "cache_params", "use_cache"}
+)
 
 
 def swiftspec_generate(
@@ -247,14 +249,20 @@ def check_batch_placement(placement: Placement | None, streamer, batch: int) -> 
 
 def batch_exactness_gaps(target, draft, logits_processor, stopping_criteria) -> list[str]:
     """Why this batch cannot be decoded row by row exactly as target.generate decodes it in one batch
-    (empty: it can): processors or criteria that may read other rows, models whose steps are chains."""
+    (empty: it can): processors or criteria that may read other rows, models whose steps are chains,
+    models whose recurrent states recurrent.py rolls back for one sequence only."""
     reasons = []
     names = batch_dependent(logits_processor, stopping_criteria)
     if names:
         reasons.append(f"{', '.join(sorted(set(names)))} may read other rows of the batch")
     for role, member in (("target", target), ("draft", draft)):
-        if member is not None and describe(member, role).shape == "chain":
-            reasons.append(f"the {role}'s steps must be chains ({describe(member, role).chain_reason})")
+        if member is None:
+            continue
+        architecture = describe(member, role)
+        if architecture.recurrent:
+            reasons.append(f"the {role}'s recurrent state rolls back per sequence ({architecture.chain_reason})")
+        elif architecture.shape == "chain":
+            reasons.append(f"the {role}'s steps must be chains ({architecture.chain_reason})")
     return reasons
 
 

@@ -95,7 +95,7 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
         check_model_supported(target, "target")
         if draft is not None:
             check_model_supported(draft, "draft")
-            check_compatibility(target.config, draft.config, tokenizer, draft_tokenizer)
+            check_compatibility(target.config, draft.config, tokenizer, draft_tokenizer, architectures=False)
         self.target = target
         self.draft = draft  # None: draft-free mode, speculating from the text's own repetition
         self.placement: Placement = resolve_placement(config.placement, target.config)

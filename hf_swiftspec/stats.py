@@ -17,6 +17,7 @@ class TargetCounters:
     verify_steps: int = 0  # tree verifications
     busy_s: float = 0.0  # forward + walk + commit
     idle_s: float = 0.0  # waiting for a subtree (asynchronous engines)
+    replayed_tokens: int = 0  # accepted tokens run again to roll recurrent states back (recurrent.py)
 
 
 @dataclass
@@ -66,6 +67,7 @@ class SwiftSpecStats:
     reroot_misses: int = 0
     target_idle_s: float = 0.0  # target waiting for a subtree (async engines)
     in_flight_expansions: int = 0  # draft expansions run while a verification was in flight
+    replayed_tokens: int = 0  # accepted tokens the target ran again to roll recurrent states back
     rounds: list[RoundRecord] = field(default_factory=list)  # the policy's choice per round
 
     @classmethod
@@ -87,6 +89,7 @@ class SwiftSpecStats:
             in_flight_expansions=draft.in_flight_expansions,
             reroot_hits=draft.reroot_hits,
             reroot_misses=draft.reroot_misses,
+            replayed_tokens=target.replayed_tokens,
         )
 
     def add_rounds(self, rounds: list[RoundRecord]) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from .architectures import Architecture
+from .architectures import Architecture, cache_argument
 from .attention import StepLayout, tree_step_kwargs
 from .cache import TreeCache
 
@@ -104,8 +104,8 @@ def model_step(model: PreTrainedModel, cache: TreeCache, input_ids, position_ids
         input_ids=input_ids,
         position_ids=position_ids,
         attention_mask=attention_mask,
-        past_key_values=cache,
         use_cache=True,
+        **{cache_argument(type(model)): cache},  # (Mamba-2 takes its cache as cache_params)
         logits_to_keep=keep,
         **kwargs,
     )

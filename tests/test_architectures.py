@@ -2,7 +2,9 @@
 
 The sweep (hf_swiftspec.coverage) builds each type tiny, with windows of 16 that the prompts and
 trees reach past, and compares generate(swiftspec=True) with the type's own generate token for
-token. Set SWIFTSPEC_COVERAGE_JSON=path to keep the results; `python -m hf_swiftspec.coverage
+token in three shapes (coverage.SHAPES): a fixed deep chain or tree with 2 key/value heads and a
+prompt past the window, a fixed wide tree with as many key/value heads as query heads, and the
+default settings. Set SWIFTSPEC_COVERAGE_JSON=path to keep the results; `python -m hf_swiftspec.coverage
 --results path --readme README.md` turns them into the README's architecture table.
 """
 
@@ -15,7 +17,10 @@ import torch
 from hf_swiftspec.coverage import Outcome, causal_lm_types, check_type, coverage_line, save
 
 RESULTS: dict[str, Outcome] = {}
-MIN_COVERAGE = 0.95  # of the attention-based types whose own generate runs
+# Of the types whose own generate runs, those not refused for a recurrent state. 90%: the sweep now runs
+# formerly skipped types of which a dozen cannot speculate whatever swiftspec does (no cache at all:
+# openai-gpt, xlm, xlnet, reformer; a generate() of their own: musicgen; no multi-token steps: prophetnet).
+MIN_COVERAGE = 0.90
 
 
 @pytest.mark.parametrize("model_type", causal_lm_types())
@@ -32,7 +37,7 @@ def test_type_decodes_like_its_own_generate_or_is_refused_with_a_reason(model_ty
 
 
 def test_coverage():
-    """At least 95% of the attention-based types that run their own generate speculate."""
+    """At least 90% of the types that run their own generate, recurrent refusals aside, speculate."""
     if len(RESULTS) < 10:
         pytest.skip("run together with the sweep above")
     print(coverage_line(list(RESULTS.values())))
@@ -66,7 +71,7 @@ def test_left_padding_is_refused_where_positions_follow_cache_slots():
     from hf_swiftspec import SwiftSpecForCausalLM
     from hf_swiftspec.coverage import perturbed_copy, tiny_model
 
-    target = tiny_model("trocr")
+    target = tiny_model("trocr", use_learned_position_embeddings=True)
     with torch.no_grad():
         target.model.decoder.embed_positions.weight.mul_(50)
     pair = SwiftSpecForCausalLM.from_models(target, perturbed_copy(target))
@@ -78,3 +83,22 @@ def test_left_padding_is_refused_where_positions_follow_cache_slots():
     with pytest.raises(ValueError, match=r"The target \(trocr\) takes no position_ids, so 3 left padding"):
         pair.generate(prompt, attention_mask=mask, **kwargs)
     assert pair.generate(prompt[:, 3:], **kwargs).tolist() == target.generate(prompt[:, 3:], **kwargs).tolist()
+
+
+def test_held_out_failures_are_refusals_that_name_the_fix():
+    """Found by a held-out sweep: glm4_moe_lite with 2 key/value heads (its own generate runs) failed
+    inside sdpa mid-generation, and prophetnet with an AssertionError from its forward; both are now
+    refused up front by a check of the step speculation runs, saying what fails and what to do."""
+    from hf_swiftspec import SwiftSpecForCausalLM
+    from hf_swiftspec.coverage import head_overrides, own_generate, perturbed_copy, prompts, tiny_model
+
+    glm = tiny_model("glm4_moe_lite", **head_overrides("glm4_moe_lite", "gqa"))
+    own_generate(glm, prompts()[1], 3)
+    with pytest.raises(ValueError, match=r"The target \(glm4_moe_lite\) fails on a forward of several tokens after a "
+                       r"cached prefix.*set num_key_value_heads=4 in its config"):
+        SwiftSpecForCausalLM.from_models(glm, perturbed_copy(glm))
+    prophetnet = tiny_model("prophetnet")
+    own_generate(prophetnet, prompts()[1], 3)
+    with pytest.raises(ValueError, match=r"The target \(prophetnet\) fails on a forward of several tokens after a "
+                       r"cached prefix.*use_cache. is only supported for .decoder_input_ids. of length 1"):
+        SwiftSpecForCausalLM.from_models(prophetnet, perturbed_copy(prophetnet))

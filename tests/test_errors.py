@@ -77,9 +77,15 @@ def test_assistant_model_is_refused(model):
 
 
 def test_refusal_names_the_capability_that_is_missing():
+    # Mamba-1 layers, alone or in a hybrid: their multi-token scan starts from a zero state (checked on the model)
     mamba = coverage.tiny_model("mamba")
-    with pytest.raises(ValueError, match=r"The target \(mamba\) has layers of type 'linear_attention', which keeps a recurrent"):
+    with pytest.raises(ValueError, match=r"The target \(mamba\) keeps a recurrent state, and a forward of several"):
         SwiftSpecForCausalLM.from_models(mamba, mamba)
+    jamba = coverage.tiny_model("jamba", attn_layer_period=2, attn_layer_offset=1)
+    with pytest.raises(ValueError, match=r"The draft \(jamba\) keeps a recurrent state, and a forward of several tokens "
+                       r"does not continue its recurrent state, so a chain of draft tokens cannot be verified in one forward "
+                       r"\(state layer 0: .*\)\. Use swiftspec=False"):
+        SwiftSpecForCausalLM.from_models(coverage.tiny_model("llama"), jamba)
     bert = coverage.tiny_model("bert", is_decoder=False)
     with pytest.raises(ValueError, match=r"The draft \(bert\) attends bidirectionally .*is_decoder=True"):
         SwiftSpecForCausalLM.from_models(coverage.tiny_model("llama"), bert)

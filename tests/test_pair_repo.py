@@ -286,8 +286,8 @@ def with_draft_tokenizer(root: Path, tokenizer) -> Path:
         (lambda p: edit_config(p, draft_revision=5), "field 'draft_revision' must be str or null, got int 5"),
         (lambda p: edit_config(p, swiftspec_default="yes"), "field 'swiftspec_default' must be bool"),
         (lambda p: edit_config(p, draft_width=0), "draft_width must be a positive int, got 0"),
-        (lambda p: edit_config(p.parent / "target", model_type="mamba", hidden_size=64, num_hidden_layers=1, vocab_size=98) and p,
-         r"The target \(mamba\) has layers of type 'linear_attention', which keeps a recurrent state"),
+        (lambda p: edit_config(p.parent / "target", model_type="rwkv", hidden_size=64, num_hidden_layers=1, vocab_size=98) and p,
+         r"The target \(rwkv\) keeps a recurrent state outside its cache's layers"),
         (lambda p: edit_config(p.parent / "draft", model_type="not-an-architecture") and p,
          "Cannot load the draft from field 'draft'='../draft'"),
         (lambda p: edit_config(p.parent / "draft", max_position_embeddings=256) and p,
@@ -299,7 +299,7 @@ def with_draft_tokenizer(root: Path, tokenizer) -> Path:
         (lambda p: p / "nothing-here", "has no config.json"),
     ],
     ids=["no-draft", "empty-target", "no-model-type", "model-repo", "str-budget", "int-revision", "str-bool",
-         "zero-width", "mamba-target", "unknown-arch", "short-context", "token-ids", "special-tokens", "no-config"],
+         "zero-width", "rwkv-target", "unknown-arch", "short-context", "token-ids", "special-tokens", "no-config"],
 )
 def test_bad_pair_configs_name_the_field(tmp_path, make, match):
     pair = make(local_pair(tmp_path))

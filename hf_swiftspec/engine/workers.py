@@ -5,6 +5,10 @@ owns the target model and its TreeCache. Both caches hold, per row, the same com
 every verified token except the current root, which is tree node 0 on both sides (the draft's
 cache may lag behind by its `pending` tokens). Rows are independent sequences sharing each forward:
 `keep_rows` drops the rows that finished, on both workers alike.
+
+Recurrent and hybrid models (one row only: a batch of them decodes with transformers' own loop)
+keep states that every token advances; each worker's `StateLog` (recurrent.py) saves them and
+puts them back on the accepted path after every commit (`follow_accepted_path`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from transformers import PreTrainedModel, StoppingCriteriaList
 from ..architectures import Architecture, describe
 from ..cache import TreeCache
 from ..policy import GoodputPolicy
+from ..recurrent import MAX_REPLAY, StateLog, add_state_layers
 from ..stats import DraftCounters, TargetCounters
 from ..step import RowQueries, model_step, run_step
 from ..suffix import OutputHistory, SuffixIndex, SuffixTree
@@ -42,8 +47,10 @@ from ..verify import Sampler, Verified, verify_tree
 
 
 def new_cache(architecture: Architecture, capacity: int, batch_size: int = 1) -> TreeCache:
-    """A tree cache for `capacity` positions per row, plus the scratch slot padding queries write into."""
-    return TreeCache(len(architecture.layer_types), capacity + 1, architecture.sliding, batch_size)
+    """A tree cache for `capacity` positions per row, plus the scratch slot padding queries write into
+    (and transformers' state layers at the layers that keep a recurrent state, if any)."""
+    cache = TreeCache(len(architecture.layer_types), capacity + 1, architecture.sliding, batch_size)
+    return add_state_layers(cache, architecture.layer_types, architecture.layer_states)
 
 
 class TargetWorker:
@@ -62,6 +69,8 @@ class TargetWorker:
         self.architecture = architecture or describe(model, "target")
         self.device = model.device
         self.cache = new_cache(self.architecture, capacity, batch_size)
+        self.states = StateLog(self.cache)  # recurrent states: saved before each verification (recurrent.py)
+        self.replay: list[int] = []  # accepted tokens whose states were rolled back: run before the next nodes
         self.attention_fallbacks: set[str] = set()  # why kernel-routed layers ran their own attention
         self.sequences: list[torch.Tensor] = []
         self.root_logits: list[torch.Tensor] | None = None  # per row (1, V): the prefill's, until the first verification
@@ -115,7 +124,9 @@ class TargetWorker:
             with its signature that returns the leader's walk.
         """
         start = time.perf_counter()
+        replayed = len(self.replay)  # run in front of row 0's nodes, in its tree slots [0, replayed)
         logits = self.forward_subtrees(subtrees)  # per row (T_b, V)
+        ran = self.cache.length
         verified: list[Verified | None] = []
         for b, subtree in enumerate(subtrees):
             if subtree is None:
@@ -125,14 +136,20 @@ class TargetWorker:
             new = torch.tensor([outcome.tokens], dtype=self.sequences[b].dtype, device=self.device)
             self.sequences[b] = torch.cat([self.sequences[b], new], dim=1)
             verified.append(outcome)
-        self.cache.commit_rows([v.path if v else None for v in verified])
+        paths = [v.path if v else None for v in verified]
+        if replayed and paths[0] is not None:
+            paths[0] = list(range(replayed)) + [i + replayed for i in paths[0]]
+        self.cache.commit_rows(paths)
+        if self.states.active and verified[0] is not None:  # one row (recurrent.py)
+            self.follow_accepted_path(ran)
         device_sync(self.device)
         self.counters.verify_steps += sum(v is not None for v in verified)
         self.counters.busy_s += time.perf_counter() - start
         return verified
 
     def forward_subtrees(self, subtrees: list[Subtree | None]) -> list[torch.Tensor | None]:
-        """Logits (T_b, V) of every row's subtree nodes: one forward over the nodes the cache lacks."""
+        """Logits (T_b, V) of every row's subtree nodes: one forward over the nodes the cache lacks
+        (row 0's after the tokens to replay, if any: only recurrent models have them)."""
         root_logits, self.root_logits = self.root_logits, None  # the prefill ran the roots: forward only below them
         first = 1 if root_logits is not None else 0
         rows, known = [], []
@@ -141,14 +158,16 @@ class TargetWorker:
                 rows.append(RowQueries.none(self.device))
                 known.append(None)
                 continue
-            mask, depths = subtree_mask(subtree.parents, self.device)
-            positions = self.cache.prefix_lens[b] - self.cache.starts[b] + depths
-            tokens = torch.tensor(subtree.tokens[first:], dtype=torch.long, device=self.device)
-            rows.append(RowQueries(tokens, positions[first:], mask[first:], positions))
+            rows.append(self.subtree_queries(b, subtree, first))
             known.append(root_logits[b] if first else None)
+        if self.states.active and subtrees[0] is not None and len(subtrees[0]) > 1:
+            # rolled back to after a partial acceptance (the root alone is always accepted: nothing to roll back)
+            self.states.save(self.cache.length)
         if any(len(r) for r in rows):
             logits = run_step(self.model, self.cache, rows, self.attention, self.architecture, self.attention_fallbacks)
             self.counters.forwards += 1
+            if self.replay:  # the replayed tokens' rows: their logits were known
+                logits[0] = logits[0][len(self.replay) :]
         else:
             logits = [None] * len(rows)
         return [
@@ -156,6 +175,47 @@ class TargetWorker:
             else known[b] if not len(rows[b]) else torch.cat([known[b], logits[b]])
             for b in range(len(rows))
         ]
+
+    def subtree_queries(self, b: int, subtree: Subtree, first: int) -> RowQueries:
+        """Row b's queries for its subtree's nodes from `first` on, after the tokens to replay (row 0 of a
+        recurrent model only; never in the first round, whose root the prefill ran: first = 0)."""
+        mask, depths = subtree_mask(subtree.parents, self.device)
+        position = self.cache.prefix_lens[b] - self.cache.starts[b]  # of the first slot after the prefix
+        replay = self.replay if b == 0 else []
+        positions = position + len(replay) + depths
+        tokens = torch.tensor(subtree.tokens[first:], dtype=torch.long, device=self.device)
+        if not replay:
+            return RowQueries(tokens, positions[first:], mask[first:], positions)
+        R, T = len(replay), len(subtree)
+        region = torch.zeros(R + T, R + T, dtype=torch.bool, device=self.device)
+        region[:R, :R] = torch.ones(R, R, dtype=torch.bool, device=self.device).tril_()  # a chain
+        region[R:, :R] = True  # every node sees the replayed tokens before it
+        region[R:, R:] = mask
+        positions = torch.cat([torch.arange(position, position + R, device=self.device), positions])
+        tokens = torch.cat([torch.tensor(replay, dtype=torch.long, device=self.device), tokens])
+        return RowQueries(tokens, positions, region, positions)
+
+    def follow_accepted_path(self, ran: int) -> None:
+        """After a commit (one row): if the forward (`ran` slots in the cache) ran past the accepted tokens,
+        put the recurrent states back (recurrent.py) and keep the accepted tokens after the snapshot to
+        replay; too many piled up run at once, as a forward of their own."""
+        committed = self.cache.prefix_len
+        rerun = self.states.rewind(committed, ran)
+        self.replay = []
+        if not rerun:
+            return
+        self.cache.truncate(committed - rerun)
+        self.replay = self.sequence[0, -rerun - 1 : -1].tolist()  # the sequence ends with the new root
+        self.counters.replayed_tokens += rerun
+        if rerun > MAX_REPLAY:
+            first = committed - rerun - self.cache.starts[0]
+            ids = torch.tensor([self.replay], device=self.device)
+            positions = torch.arange(first, first + rerun, device=self.device)[None]
+            model_step(self.model, self.cache, ids, positions, keep=1)  # a chain-shaped model: no mask
+            self.cache.seal_prefix()
+            self.states.save(self.cache.length)
+            self.replay = []
+            self.counters.forwards += 1
 
     def keep_rows(self, rows: list[int]) -> None:
         """Keep only the batch rows `rows`: row rows[i] becomes row i (cache.keep_order moves few)."""
@@ -189,6 +249,7 @@ class DraftWorker:
         self.architecture = architecture or (describe(model, "draft") if model is not None else None)
         self.device = model.device if model is not None else torch.device(device or "cpu")
         self.cache = new_cache(self.architecture, capacity, batch_size) if model is not None else None
+        self.states = StateLog(self.cache)  # recurrent states: saved after every forward (recurrent.py)
         self.attention_fallbacks: set[str] = set()  # why kernel-routed layers ran their own attention
         self.width = width
         self.vocab_limit = vocab_limit  # the draft never proposes ids the target cannot embed
@@ -245,6 +306,7 @@ class DraftWorker:
         if not any(leaves is not None for leaves in leaves_of):
             return 0
         logits = run_step(self.model, self.cache, queries, self.attention, self.architecture, self.attention_fallbacks)
+        self.states.save(self.cache.length)
         self.counters.forwards += 1
         self.counters.expansions += 1
         expanded = 0
@@ -292,6 +354,7 @@ class DraftWorker:
             for b, pending in enumerate(self.pending)
         ]
         run_step(self.model, cache, rows, self.attention, self.architecture, self.attention_fallbacks)
+        self.states.save(cache.length)
         for b, pending in enumerate(self.pending):
             cache.prefix_lens[b] += len(pending)
         self.pending = [[] for _ in self.pending]
@@ -325,6 +388,7 @@ class DraftWorker:
         paths: list[torch.Tensor | None] = []
         keeps: list[torch.Tensor | None] = []
         hits = 0
+        ran = self.cache.length if self.cache is not None else 0
         for b, (subtree, outcome) in enumerate(zip(subtrees, verified)):
             if outcome is None:
                 paths.append(None)
@@ -336,6 +400,8 @@ class DraftWorker:
             hits += hit
         if self.model is not None:
             self.cache.commit_rows(paths, keeps)
+        if self.states.active and verified[0] is not None:  # one row (recurrent.py)
+            self.follow_accepted_path(ran)
         return hits
 
     def reroot_row(self, b: int, subtree: Subtree, verified: Verified) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:
@@ -368,6 +434,20 @@ class DraftWorker:
         self.pending[b] = (self.pending[b] if k == 0 else []) + unrun  # the root's expansion consumes pending
         reset_tree(tree, verified.tokens[-1])
         return path_slots, None, False
+
+    def follow_accepted_path(self, ran: int) -> None:
+        """After a commit (one row): if the draft ran past what its cache now keeps (`ran` slots before),
+        put the recurrent states back (recurrent.py). It saves after every forward, so nothing is left to
+        replay; if something were, it would run again first, as pending tokens."""
+        kept = self.cache.length
+        if ran <= kept:  # nothing run was dropped (a chain's re-root keeps every node run below the new root)
+            self.states.forget_before(self.cache.prefix_len)  # keeping the snapshots inside the kept chain
+            return
+        rerun = self.states.rewind(kept, ran)
+        if rerun:
+            start = self.cache.prefix_len - rerun
+            self.cache.truncate(start)
+            self.pending[0] = self.suffixes[0].tokens[start : start + rerun] + self.pending[0]  # slots are positions
 
     def keep_rows(self, rows: list[int]) -> None:
         """Keep only the batch rows `rows`: row rows[i] becomes row i (cache.keep_order moves few)."""

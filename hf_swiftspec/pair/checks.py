@@ -146,9 +146,15 @@ def check_vocabularies(target: PreTrainedConfig, draft: PreTrainedConfig, target
     check_tokenizer_fits(draft_tokenizer, draft, "draft")
 
 
-def check_compatibility(target: PreTrainedConfig, draft: PreTrainedConfig, target_tokenizer=None, draft_tokenizer=None) -> None:
-    """All load-time checks on the two configs (and tokenizers, when known); no weights needed."""
-    check_architecture(target, "target")
-    check_architecture(draft, "draft")
+def check_compatibility(target: PreTrainedConfig, draft: PreTrainedConfig, target_tokenizer=None, draft_tokenizer=None,
+                        architectures: bool = True) -> None:
+    """All load-time checks on the two configs (and tokenizers, when known); no weights needed.
+
+    architectures=False: the models are loaded and describe() has judged them already (by what they do,
+    which also accepts decoders whose attention claims is_causal=False yet masks causally).
+    """
+    if architectures:
+        check_architecture(target, "target")
+        check_architecture(draft, "draft")
     check_context_lengths(target, draft)
     check_vocabularies(target, draft, target_tokenizer, draft_tokenizer)
