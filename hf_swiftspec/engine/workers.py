@@ -353,7 +353,7 @@ class DraftWorker:
             RowQueries.chain(pending, cache.prefix_lens[b], self.device) if pending else RowQueries.none(self.device)
             for b, pending in enumerate(self.pending)
         ]
-        run_step(self.model, cache, rows, self.attention, self.architecture, self.attention_fallbacks)
+        run_step(self.model, cache, rows, self.attention, self.architecture, self.attention_fallbacks, logits=False)
         self.states.save(cache.length)
         for b, pending in enumerate(self.pending):
             cache.prefix_lens[b] += len(pending)
