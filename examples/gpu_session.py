@@ -1,9 +1,9 @@
 """Everything a GPU session measures, as phases that each write their results under $OUT the moment they end.
 
-    python examples/gpu_session.py --phase tests    # ~2 min  the tests that run CUDA code  -> tests.txt
-    python examples/gpu_session.py --phase kernel   # ~4 min  tree kernel vs sdpa           -> kernel.json, kernel.md
-    python examples/gpu_session.py --phase steps    # ~3 min  8B / 1B-shaped step latencies -> steps.json, steps.md
-    python examples/gpu_session.py --phase e2e      # ~7 min  train a pair, bench it        -> e2e.json, bench_results/
+    python examples/gpu_session.py --phase tests    # ~3 min  the tests that run CUDA code  -> tests.txt
+    python examples/gpu_session.py --phase kernel   # ~6 min  tree kernel vs sdpa           -> kernel.json, kernel.md
+    python examples/gpu_session.py --phase steps    # ~2 min  8B / 1B-shaped step latencies -> steps.json, steps.md
+    python examples/gpu_session.py --phase e2e      # ~6 min  train a pair, bench it        -> e2e.json, bench_results/
     python examples/gpu_session.py --phase all      # the four in order (longer than one 10-minute device call)
     python examples/gpu_session.py --smoke --phase all --out /tmp/smoke   # tiny shapes: well under a minute
 
@@ -365,12 +365,14 @@ def steps_at(session: Session, target, draft, context: int, attention: str) -> l
 
 
 def step_models(session: Session, notes: list[str]):
-    """(target, draft) with random weights on the device; a target too large for the device loses layers."""
+    """(target, draft) with random weights (transformers' usual initialisation: only their speed counts) on the
+    device; a target too large for the device beside the draft loses half its layers until it fits."""
     plan, shape = session.plan, dict(session.plan.step_target)
-    draft = shaped_model(plan.step_draft, seed=1, device=session.device, dtype=plan.step_dtype)
+    build = dict(initializer_range=0.02, device=session.device, dtype=plan.step_dtype)
+    draft = shaped_model(plan.step_draft, seed=1, **build)
     while True:
         try:
-            return shaped_model(shape, device=session.device, dtype=plan.step_dtype), draft
+            return shaped_model(shape, **build), draft
         except torch.OutOfMemoryError:
             shape["num_hidden_layers"] //= 2
             notes.append(f"the target did not fit beside the draft: shrunk to {shape['num_hidden_layers']} layers")
