@@ -71,6 +71,9 @@ class TrainSettings:
     warmup: int = 50
     weight_decay: float = 0.1
     min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
+    # Wall-time budget: training ends at `steps` or after this many seconds, whichever comes first, the
+    # cosine following whichever is further along (for a GPU run of a set length; no longer reproducible).
+    seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,14 @@ class DemoSettings:
     eval_windows: int = 64
     tau_prompts: int = 24
     tau_new_tokens: int = 96
+    # What examples/gpu_session.py changes for a larger pair on a GPU (and for its quick smoke run).
+    target_shape: ModelShape = TARGET_SHAPE
+    draft_shape: ModelShape = DRAFT_SHAPE
+    batch_size: int = 8
+    target_seconds: float | None = None  # TrainSettings.seconds of each member
+    draft_seconds: float | None = None
+    corpus_files: int | None = None  # the first N files of each split (training, held-out) only; None: all
+    device: str = "cpu"  # a CUDA device trains under bf16 autocast (fp32 weights)
     # Speculation settings written into the pair's config.json (SwiftSpecConfig fields). Width 2
     # grows deeper trees than the default 8: on 10 held-out prompts it measured tau 3.18 against
     # 2.62, and the best CPU speed-up of the budgets (4-16) and widths (2-8) tried.
@@ -188,11 +199,13 @@ def random_windows(tokens: torch.Tensor, batch: int, length: int, generator: tor
     return torch.stack([tokens[s : s + length] for s in starts.tolist()])
 
 
-def learning_rate(step: int, settings: TrainSettings) -> float:
-    """Linear warm-up, then cosine decay to lr * min_lr_ratio."""
+def learning_rate(step: int, settings: TrainSettings, elapsed_s: float = 0.0) -> float:
+    """Linear warm-up, then cosine decay to lr * min_lr_ratio (over the steps, or the seconds if further along)."""
     if step < settings.warmup:
         return settings.lr * (step + 1) / settings.warmup
     progress = (step - settings.warmup) / max(1, settings.steps - settings.warmup)
+    if settings.seconds:
+        progress = min(1.0, max(progress, elapsed_s / settings.seconds))
     floor = settings.min_lr_ratio
     return settings.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
@@ -202,8 +215,9 @@ def distillation_loss(logits: torch.Tensor, teacher_logits: torch.Tensor) -> tor
     return -(torch.softmax(teacher_logits, dim=-1) * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
 
 
-def train(model, tokens: torch.Tensor, settings: TrainSettings, context: int, seed: int, name: str, teacher=None) -> None:
-    """AdamW on random windows of the token stream: next-token loss, or with a teacher its soft labels."""
+def train(model, tokens: torch.Tensor, settings: TrainSettings, context: int, seed: int, name: str, teacher=None) -> int:
+    """AdamW on random windows of the token stream: next-token loss, or with a teacher its soft labels.
+    Runs on the model's device; returns the steps taken (fewer than settings.steps when time ran out)."""
     generator = torch.Generator().manual_seed(seed)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -213,17 +227,20 @@ def train(model, tokens: torch.Tensor, settings: TrainSettings, context: int, se
         betas=(0.9, 0.95),
     )
     model.train()
+    device = model.device
     start = time.perf_counter()
-    for step in range(settings.steps):
+    step = 0
+    while step < settings.steps and not (settings.seconds and time.perf_counter() - start >= settings.seconds):
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, settings)
-        batch = random_windows(tokens, settings.batch_size, context, generator)
-        if teacher is None:
-            loss = model(input_ids=batch, labels=batch).loss
-        else:
-            with torch.no_grad():
-                teacher_logits = teacher(input_ids=batch).logits
-            loss = distillation_loss(model(input_ids=batch).logits, teacher_logits)
+            group["lr"] = learning_rate(step, settings, time.perf_counter() - start)
+        batch = random_windows(tokens, settings.batch_size, context, generator).to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            if teacher is None:
+                loss = model(input_ids=batch, labels=batch).loss
+            else:
+                with torch.no_grad():
+                    teacher_logits = teacher(input_ids=batch).logits
+                loss = distillation_loss(model(input_ids=batch).logits, teacher_logits)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -231,14 +248,17 @@ def train(model, tokens: torch.Tensor, settings: TrainSettings, context: int, se
         if step % 50 == 0 or step == settings.steps - 1:
             print(f"[{name}] step {step:5d}/{settings.steps}  loss {loss.item():.3f}  "
                   f"{time.perf_counter() - start:6.0f}s", flush=True)
+        step += 1
     model.eval()
+    return step
 
 
 @torch.no_grad()
 def heldout_loss(model, tokens: torch.Tensor, context: int, windows: int) -> float:
     """Mean next-token cross-entropy (nats) over `windows` evenly spaced held-out windows."""
     starts = torch.linspace(0, tokens.numel() - context - 1, windows).long().tolist()
-    losses = [model(input_ids=tokens[s : s + context][None], labels=tokens[s : s + context][None]).loss for s in starts]
+    windows = [tokens[s : s + context][None].to(model.device) for s in starts]
+    losses = [model(input_ids=w, labels=w).loss for w in windows]
     return float(torch.stack(losses).mean())
 
 
@@ -287,7 +307,7 @@ def measure_tau(model, tokenizer, prompts: list[str], new_tokens: int) -> TauMea
     m = TauMeasurement(len(prompts), 0, 0, 0, True, 0.0, 0.0)
     kwargs = dict(max_new_tokens=new_tokens, do_sample=False)
     for prompt in prompts:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        ids = tokenizer(prompt, return_tensors="pt").input_ids.to(model.device)
         start = time.perf_counter()
         expected = model.generate(ids, swiftspec=False, **kwargs)
         m.target_s += time.perf_counter() - start
@@ -305,11 +325,30 @@ def measure_tau(model, tokenizer, prompts: list[str], new_tokens: int) -> TauMea
 # ---------------------------------------------------------------- the pair repo
 
 
-def demo_card(settings: DemoSettings, sizes: dict, losses: dict, tau: TauMeasurement, seconds: dict, sample: str) -> PairCard:
+@dataclass(frozen=True)
+class Training:
+    """How one member's training went."""
+
+    steps: int
+    seconds: float
+
+
+@dataclass
+class PairFacts:
+    """What write_pair measured on the members as shipped."""
+
+    sizes: dict  # train_tokens, heldout_tokens, target_params, draft_params
+    losses: dict  # held-out loss (nats per token) by role
+    tau: TauMeasurement
+
+
+def demo_card(settings: DemoSettings, facts: PairFacts, training: dict[str, Training], sample: str) -> PairCard:
     """The model card: what the pair is, its measured facts, and how to reproduce them."""
+    sizes, losses, tau = facts.sizes, facts.losses, facts.tau
+    where = "one CPU thread" if settings.device == "cpu" else settings.device
     acceptance = (
         f"Greedy, {tau.prompts} held-out prompts (the start of a function from each of the first held-out files) x "
-        f"{settings.tau_new_tokens} new tokens, float32, one CPU thread, the tree settings above: **tau = {tau.tau:.2f}** "
+        f"{settings.tau_new_tokens} new tokens, float32, {where}, the tree settings above: **tau = {tau.tau:.2f}** "
         f"tokens per target verification ({tau.new_tokens} tokens / {tau.verify_steps} verifications); output "
         f"identical to `target.generate`: {tau.identical}. Wall time {tau.swiftspec_s:.1f}s against {tau.target_s:.1f}s "
         f"for the target alone, a speed-up of {tau.speedup:.2f}x on the training machine (a shared 2-core CPU; CPU "
@@ -320,11 +359,12 @@ def demo_card(settings: DemoSettings, sizes: dict, losses: dict, tau: TauMeasure
         f"{HELDOUT_PERCENT}% of the files held out by a hash of their path: {sizes['train_tokens']:,} training and "
         f"{sizes['heldout_tokens']:,} held-out tokens. Tokenizer: byte-level BPE with {settings.vocab_size} tokens, "
         f"trained on the training files. Target: Llama, {sizes['target_params'] / 1e6:.1f}M parameters "
-        f"({asdict(TARGET_SHAPE)}), {settings.target_steps} steps on the corpus; draft: Llama, {sizes['draft_params'] / 1e6:.2f}M "
-        f"parameters ({asdict(DRAFT_SHAPE)}), {settings.draft_steps} steps distilled from the target (cross-entropy "
-        f"against the target's next-token distribution on the same corpus). Both: batches of 8 x {settings.context}-token "
-        f"windows, AdamW, warm-up then cosine decay, tied embeddings, context {settings.context} tokens, seed "
-        f"{settings.seed}, one CPU thread ({seconds['target'] / 60:.0f} min target, {seconds['draft'] / 60:.0f} min "
+        f"({asdict(settings.target_shape)}), {training['target'].steps} steps on the corpus; draft: Llama, "
+        f"{sizes['draft_params'] / 1e6:.2f}M parameters ({asdict(settings.draft_shape)}), {training['draft'].steps} steps "
+        f"distilled from the target (cross-entropy against the target's next-token distribution on the same corpus). "
+        f"Both: batches of {settings.batch_size} x {settings.context}-token windows, AdamW, warm-up then cosine decay, "
+        f"tied embeddings, context {settings.context} tokens, seed {settings.seed}, {where} "
+        f"({training['target'].seconds / 60:.0f} min target, {training['draft'].seconds / 60:.0f} min "
         f"draft on a shared 2-core machine). Weights ship as fp16 safetensors.\n\n"
         f"**Held-out loss** (nats per token, {settings.eval_windows} windows of {settings.context} tokens, fp16 weights "
         f"as shipped): target {losses['target']:.3f}, draft {losses['draft']:.3f}."
@@ -371,8 +411,8 @@ class Corpus:
 def prepare_corpus(settings: DemoSettings) -> Corpus:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # polite, and the BPE merges come out the same
     files = stdlib_files()
-    train_texts = read_sources([p for p in files if not is_heldout(p)])
-    heldout_texts = read_sources([p for p in files if is_heldout(p)])
+    train_texts = read_sources([p for p in files if not is_heldout(p)][: settings.corpus_files])
+    heldout_texts = read_sources([p for p in files if is_heldout(p)][: settings.corpus_files])
     print(f"corpus: {len(train_texts)} training files, {len(heldout_texts)} held-out files", flush=True)
     tokenizer = train_tokenizer(train_texts, settings.vocab_size, settings.context)
     corpus = Corpus(tokenizer, encode_corpus(tokenizer, train_texts), encode_corpus(tokenizer, heldout_texts), heldout_texts)
@@ -380,29 +420,33 @@ def prepare_corpus(settings: DemoSettings) -> Corpus:
     return corpus
 
 
-def train_members(settings: DemoSettings, corpus: Corpus, out: Path) -> dict[str, float]:
-    """Train and save target/ and draft/ under `out`; returns training seconds per role."""
+def train_members(settings: DemoSettings, corpus: Corpus, out: Path) -> dict[str, Training]:
+    """Train (on settings.device) and save target/ and draft/ under `out`; returns how each went."""
     roles = {
-        "target": (TARGET_SHAPE, TrainSettings(settings.target_steps, settings.target_lr)),
-        "draft": (DRAFT_SHAPE, TrainSettings(settings.draft_steps, settings.draft_lr)),
+        "target": (settings.target_shape, settings.target_steps, settings.target_lr, settings.target_seconds),
+        "draft": (settings.draft_shape, settings.draft_steps, settings.draft_lr, settings.draft_seconds),
     }
-    seconds, trained = {}, {}
-    for i, (role, (shape, train_settings)) in enumerate(roles.items()):
-        model = build_model(shape, corpus.tokenizer, settings.context, settings.seed + i)
+    training, trained = {}, {}
+    for i, (role, (shape, steps, lr, seconds)) in enumerate(roles.items()):
+        model = build_model(shape, corpus.tokenizer, settings.context, settings.seed + i).to(settings.device)
+        train_settings = TrainSettings(steps, lr, batch_size=settings.batch_size, seconds=seconds)
         start = time.perf_counter()
         teacher = trained.get("target")  # the draft learns the target's distribution, not the corpus
-        train(model, corpus.train_tokens, train_settings, settings.context, settings.seed + 10 + i, role, teacher)
-        seconds[role] = time.perf_counter() - start
+        taken = train(model, corpus.train_tokens, train_settings, settings.context, settings.seed + 10 + i, role, teacher)
+        training[role] = Training(taken, time.perf_counter() - start)
         trained[role] = model
         save_member(model, out / role, corpus.tokenizer)
-    return seconds
+    return training
 
 
-def write_pair(settings: DemoSettings, corpus: Corpus, out: Path, seconds: dict[str, float]) -> None:
-    """Load the members as shipped, measure them, and write the pair repo around them."""
+def write_pair(settings: DemoSettings, corpus: Corpus, out: Path, training: dict[str, Training]) -> PairFacts:
+    """Load the members as shipped (onto settings.device), measure them, and write the pair repo around them."""
     from transformers import AutoModelForCausalLM
 
-    members = {role: AutoModelForCausalLM.from_pretrained(out / role, dtype=torch.float32) for role in ("target", "draft")}
+    members = {
+        role: AutoModelForCausalLM.from_pretrained(out / role, dtype=torch.float32).to(settings.device)
+        for role in ("target", "draft")
+    }
     tree = dict(tree_budget=settings.tree_budget, draft_width=settings.draft_width, draft_depth=settings.draft_depth)
     pair = SwiftSpecForCausalLM.from_models(members["target"], members["draft"], tokenizer=corpus.tokenizer, **tree)
     pair.config.target, pair.config.draft = "target", "draft"  # the folders beside config.json
@@ -417,12 +461,12 @@ def write_pair(settings: DemoSettings, corpus: Corpus, out: Path, seconds: dict[
         target_params=param_count(members["target"]),
         draft_params=param_count(members["draft"]),
     )
-    ids = corpus.tokenizer(SAMPLE_PROMPT, return_tensors="pt").input_ids
+    facts = PairFacts(sizes, losses, tau)
+    ids = corpus.tokenizer(SAMPLE_PROMPT, return_tensors="pt").input_ids.to(pair.device)
     sample = corpus.tokenizer.decode(pair.generate(ids, max_new_tokens=64, do_sample=False)[0])
-    pair.save_pretrained(out, card=demo_card(settings, sizes, losses, tau, seconds, sample), pin_revisions=False,
+    pair.save_pretrained(out, card=demo_card(settings, facts, training, sample), pin_revisions=False,
                          load_id=f"model_cards/{DEMO_PAIR_NAME}")
-    if not tau.identical:
-        raise SystemExit("speculative output differed from target.generate: the demo pair is not lossless")
+    return facts
 
 
 def parse_args(argv=None) -> tuple[DemoSettings, Path, int]:
@@ -443,8 +487,10 @@ def main(argv=None) -> None:
     torch.set_num_threads(threads)
     print(f"training the demo pair into {out} (python {sys.version.split()[0]}, torch {torch.__version__})", flush=True)
     corpus = prepare_corpus(settings)
-    write_pair(settings, corpus, out, train_members(settings, corpus, out))
+    facts = write_pair(settings, corpus, out, train_members(settings, corpus, out))
     print(f"wrote {out}")
+    if not facts.tau.identical:
+        raise SystemExit("speculative output differed from target.generate: the demo pair is not lossless")
 
 
 if __name__ == "__main__":

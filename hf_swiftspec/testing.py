@@ -169,18 +169,27 @@ REAL_SHAPES = {
 SHAPE_PREFIX = "shape:"
 
 
-def real_shaped_pair(name: str, draft_layers: int = 2, seed: int = 0, initializer_range: float = 0.05):
-    """(target, draft) shaped like the real model `name` (a REAL_SHAPES key), random weights, float32,
-    eval mode; the draft is the target's embedding, first `draft_layers` layers and head."""
-    if name not in REAL_SHAPES:
-        raise ValueError(f"Unknown model shape {name!r}; choose from {sorted(REAL_SHAPES)}.")
-    kwargs = dict(REAL_SHAPES[name])
+def shaped_model(shape: dict, seed: int = 0, initializer_range: float = 0.05, device=None, dtype=None):
+    """A random-weight causal LM from a shape in REAL_SHAPES' format (model_type plus config fields),
+    sdpa attention, eval mode; built on `device` (default: torch's, the CPU) in `dtype` (default float32),
+    so a large shape never passes through CPU memory on its way to a GPU."""
+    kwargs = dict(shape)
     model_type = kwargs.pop("model_type")
     config = AutoConfig.for_model(
         model_type, bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=initializer_range, **kwargs
     )
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
-    target = AutoModelForCausalLM.from_config(config).eval()
-    target.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    with torch.device(device or torch.get_default_device()):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32).eval()
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return model
+
+
+def real_shaped_pair(name: str, draft_layers: int = 2, seed: int = 0, initializer_range: float = 0.05):
+    """(target, draft) shaped like the real model `name` (a REAL_SHAPES key), random weights, float32,
+    eval mode; the draft is the target's embedding, first `draft_layers` layers and head."""
+    if name not in REAL_SHAPES:
+        raise ValueError(f"Unknown model shape {name!r}; choose from {sorted(REAL_SHAPES)}.")
+    target = shaped_model(REAL_SHAPES[name], seed, initializer_range)
     return target, truncated_draft(target, keep_layers=draft_layers)

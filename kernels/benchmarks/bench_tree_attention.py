@@ -13,16 +13,19 @@ On CUDA, for every prefix length and tree size it reports the median time of
 plus the speed-up of `tree` over `dense` and its achieved bandwidth, (Q + K + V bytes) / time,
 as a fraction of --peak-gbps. L2 is flushed before every timed call, so K/V come from HBM.
 Without CUDA it only checks correctness on two small shapes under the Triton interpreter.
+`--json PATH` also writes the rows (times in ms; null where a backend refused the case).
 
-    python kernels/benchmarks/bench_tree_attention.py --dtype bf16 --peak-gbps 4800
+    python kernels/benchmarks/bench_tree_attention.py --dtype bf16 --peak-gbps 4800 --json tree_attention.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -41,6 +44,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--peak-gbps", type=float, default=4800.0, help="HBM peak; 4800 is an H200")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--json", type=Path, default=None, help="also write the rows (and these settings) to this file")
     return p.parse_args()
 
 
@@ -67,21 +71,31 @@ def random_tree_mask(B: int, T: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def make_case(args, prefix_len: int, T: int, dtype: torch.dtype, device: str, sk):
-    """q (B, Hq, T, D), k, v (B, Hkv, L, D), tree_bits (B, T, W), dense mask (B, 1, T, L)."""
-    gen = torch.Generator().manual_seed(prefix_len * 131 + T)
+    """q (B, Hq, T, D), k, v (B, Hkv, L, D), tree_bits (B, T, W), dense mask (B, 1, T, L).
+
+    Drawn on `device` (a 32k prefix is gigabytes of CPU randn otherwise); the tree on the CPU."""
+    gen = torch.Generator(device).manual_seed(prefix_len * 131 + T)
     B, Hq, Hkv, D, L = args.batch, args.q_heads, args.kv_heads, args.head_dim, prefix_len + T
-    q = torch.randn(B, Hq, T, D, generator=gen).to(device, dtype)
-    k = torch.randn(B, Hkv, L, D, generator=gen).to(device, dtype)
-    v = torch.randn(B, Hkv, L, D, generator=gen).to(device, dtype)
-    tree = random_tree_mask(B, T, gen)
+    q = torch.randn(B, Hq, T, D, generator=gen, device=device).to(dtype)
+    k = torch.randn(B, Hkv, L, D, generator=gen, device=device).to(dtype)
+    v = torch.randn(B, Hkv, L, D, generator=gen, device=device).to(dtype)
+    tree = random_tree_mask(B, T, torch.Generator().manual_seed(prefix_len * 131 + T))
     dense = torch.cat([torch.ones(B, T, prefix_len, dtype=torch.bool), tree], dim=-1)
     return q, k, v, sk.pack_tree_mask(tree).to(device), dense[:, None].to(device)
 
 
 def time_ms(fn, warmup: int, iters: int, flush: torch.Tensor) -> float:
-    """Median CUDA-event time of fn() in ms, with L2 flushed (outside the events) before each."""
+    """Median CUDA-event time of fn() in ms, with L2 flushed (outside the events) before each; on
+    the CPU (smoke runs: numbers that mean nothing) the median wall time."""
     for _ in range(warmup):
         fn()
+    if flush.device.type != "cuda":
+        times = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            fn()
+            times.append(1000 * (time.perf_counter() - start))
+        return statistics.median(times)
     new_event = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
     events = [(new_event(), new_event()) for _ in range(iters)]
     for start, end in events:
@@ -110,43 +124,73 @@ def sdpa_with(backend, q, k, v, **kwargs):
     return run
 
 
-def bench_cuda(args, sk) -> None:
+# (row key, header, width, format): the printed table and the markdown of examples/gpu_session.py
+COLUMNS = [
+    ("prefix", "prefix", 7, "d"), ("T", "T", 3, "d"), ("tree_ms", "tree ms", 8, ".4f"),
+    ("dense_ms", "dense ms", 9, ".4f"), ("effic_ms", "effic. ms", 9, ".4f"), ("flash_ms", "flash ms", 9, ".4f"),
+    ("speedup_vs_dense", "vs dense", 8, ".2f"), ("gbps", "GB/s", 7, ".0f"), ("pct_peak", "% peak", 6, ".1f"),
+]  # fmt: skip
+
+
+def format_cell(value, fmt: str) -> str:
+    return "nan" if value is None else format(value, fmt)
+
+
+def bench_case(args, sk, prefix_len: int, T: int, dtype: torch.dtype, device: str, flush: torch.Tensor) -> dict:
+    """One (prefix, T) case: checked against sdpa, then each backend timed; times None where one refuses."""
     from torch.nn.attention import SDPBackend
 
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
-    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")  # > any GPU's L2
+    q, k, v, bits, dense = make_case(args, prefix_len, T, dtype, device, sk)
+    out = sk.tree_attention(q, k, v, prefix_len, bits)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)
+    torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
+
+    tree = lambda: sk.tree_attention(q, k, v, prefix_len, bits)  # noqa: E731
+    ms = {"tree": time_ms(tree, args.warmup, args.iters, flush)}
     group = args.q_heads // args.kv_heads
-    print(f"{torch.cuda.get_device_name()}: B={args.batch} Hq={args.q_heads} Hkv={args.kv_heads} "
+    k_rep, v_rep = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    runs = {
+        "dense": sdpa_with(None, q, k, v, attn_mask=dense, enable_gqa=True),
+        "effic": sdpa_with(SDPBackend.EFFICIENT_ATTENTION, q, k_rep, v_rep, attn_mask=dense),
+        "flash": sdpa_with(SDPBackend.FLASH_ATTENTION, q, k, v, enable_gqa=True),
+    }
+    for name, run in runs.items():
+        ms[name] = time_ms(run, args.warmup, args.iters, flush) if run else None
+
+    read_bytes = (q.numel() + k.numel() + v.numel()) * q.element_size()
+    gbps = read_bytes / (ms["tree"] * 1e-3) / 1e9
+    return {
+        "dtype": args.dtype, "batch": args.batch, "q_heads": args.q_heads, "kv_heads": args.kv_heads,
+        "head_dim": args.head_dim, "prefix": prefix_len, "T": T,
+        **{f"{name}_ms": value for name, value in ms.items()},
+        "speedup_vs_dense": ms["dense"] / ms["tree"] if ms["dense"] else None,
+        "gbps": gbps,
+        "pct_peak": 100 * gbps / args.peak_gbps,
+    }  # fmt: skip
+
+
+def bench(args, sk, device: str = "cuda") -> list[dict]:
+    """Every (prefix, T) case of one head configuration; prints each row as it is measured."""
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    flush_mib = 256 if device == "cuda" else 8  # > any GPU's L2
+    flush = torch.empty(flush_mib * 2**20, dtype=torch.int8, device=device)
+    name = torch.cuda.get_device_name() if device == "cuda" else device
+    print(f"{name}: B={args.batch} Hq={args.q_heads} Hkv={args.kv_heads} "
           f"D={args.head_dim} {args.dtype}, peak {args.peak_gbps:.0f} GB/s")  # fmt: skip
-    columns = [("prefix", 7), ("T", 3), ("tree ms", 8), ("dense ms", 9), ("effic. ms", 9),
-               ("flash ms", 9), ("vs dense", 8), ("GB/s", 7), ("% peak", 6)]  # fmt: skip
-    print(" ".join(f"{name:>{width}}" for name, width in columns))
+    print(" ".join(f"{header:>{width}}" for _, header, width, _ in COLUMNS))
+    rows = []
     for prefix_len in args.prefix:
         for T in args.tree:
-            q, k, v, bits, dense = make_case(args, prefix_len, T, dtype, "cuda", sk)
-            out = sk.tree_attention(q, k, v, prefix_len, bits)
-            want = F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)
-            torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
+            rows.append(bench_case(args, sk, prefix_len, T, dtype, device, flush))
+            print(" ".join(f"{format_cell(rows[-1][key], fmt):>{width}}" for key, _, width, fmt in COLUMNS), flush=True)
+    return rows
 
-            tree = lambda: sk.tree_attention(q, k, v, prefix_len, bits)  # noqa: E731
-            ms = {"tree": time_ms(tree, args.warmup, args.iters, flush)}
-            k_rep, v_rep = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-            runs = {
-                "dense": sdpa_with(None, q, k, v, attn_mask=dense, enable_gqa=True),
-                "effic": sdpa_with(SDPBackend.EFFICIENT_ATTENTION, q, k_rep, v_rep,
-                                   attn_mask=dense),  # fmt: skip
-                "flash": sdpa_with(SDPBackend.FLASH_ATTENTION, q, k, v, enable_gqa=True),
-            }
-            for name, run in runs.items():
-                ms[name] = time_ms(run, args.warmup, args.iters, flush) if run else float("nan")
-            del k_rep, v_rep
 
-            read_bytes = (q.numel() + k.numel() + v.numel()) * q.element_size()
-            gbps = read_bytes / (ms["tree"] * 1e-3) / 1e9
-            speedup = ms["dense"] / ms["tree"]
-            print(f"{prefix_len:>7} {T:>3} {ms['tree']:>8.4f} {ms['dense']:>9.4f} "
-                  f"{ms['effic']:>9.4f} {ms['flash']:>9.4f} {speedup:>7.2f}x {gbps:>7.0f} "
-                  f"{100 * gbps / args.peak_gbps:>5.1f}%")  # fmt: skip
+def write_json(path: Path, args, rows: list[dict]) -> None:
+    """The rows and the settings they ran under."""
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    path.write_text(json.dumps({"device": device, "torch": torch.__version__, "settings": settings, "rows": rows}, indent=1))
 
 
 def check_cpu(sk) -> None:
@@ -169,7 +213,9 @@ def main() -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
     sk = import_kernels()
     if torch.cuda.is_available():
-        bench_cuda(args, sk)
+        rows = bench(args, sk)
+        if args.json is not None:
+            write_json(args.json, args, rows)
     else:
         check_cpu(sk)
 
