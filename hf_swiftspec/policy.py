@@ -104,9 +104,9 @@ class Calibration:
     @property
     def prior_scale(self) -> float:
         """Twice the accepted over what the prior expected, pooled over every bucket seen, at most 1: the
-        prior stands while the buckets seen yield at least half of it (their priors are coarse: on the
-        demo pair the long-match buckets yield less than theirs and the short ones more, and scaling by
-        any shortfall cost 5% on HumanEval), and falls with the pair's yield below that."""
+        prior stands while the buckets seen yield at least half of it, and falls with the pair's yield
+        below that. (Scaling by any shortfall cost the demo pair 5% on HumanEval, although its suffix
+        buckets end above their priors overall: 1.17 over 12 prompts.)"""
         expected = sum(n * p for n, p in zip(self.seen, self.prior))
         return min(2.0 * (sum(self.accepted) + self.pool_weight) / (expected + self.pool_weight), 1.0)
 
