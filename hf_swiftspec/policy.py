@@ -76,17 +76,11 @@ GAIN_PRIOR = 4.0  # tokens of each, realized and predicted, before anything is s
 class Calibration:
     """P(accepted) per bucket, as decayed counts plus a prior worth `prior_weight` observations.
 
-    The prior is scaled down by how far all buckets together fell short of it (never up): a pair
-    whose proposals miss in the buckets seen so far does not trust a bucket it meets for the first
-    time at its prior (a random-weight smollm2 shape met a new long-match n-gram bucket in most
-    HumanEval prompts and verified a 16-32-node chain that missed at its first token).
-
     prior: prior probability of each bucket. Plain lists: a few dozen numbers, updated once a round.
     """
 
     prior: list[float]
     prior_weight: float = 2.0
-    pool_weight: float = 4.0  # observations' worth of "as the prior says" before the pooled scale moves
     decay: float = 0.995  # older rounds count less, so the estimate follows the text
     accepted: list[float] = field(init=False)
     seen: list[float] = field(init=False)
@@ -98,17 +92,8 @@ class Calibration:
     @property
     def rates(self) -> list[float]:
         """Estimated P(accepted) of each bucket."""
-        w, scale = self.prior_weight, self.prior_scale
-        return [(a + w * p * scale) / (n + w) for a, n, p in zip(self.accepted, self.seen, self.prior)]
-
-    @property
-    def prior_scale(self) -> float:
-        """Twice the accepted over what the prior expected, pooled over every bucket seen, at most 1: the
-        prior stands while the buckets seen yield at least half of it, and falls with the pair's yield
-        below that. (Scaling by any shortfall cost the demo pair 5% on HumanEval, although its suffix
-        buckets end above their priors overall: 1.17 over 12 prompts.)"""
-        expected = sum(n * p for n, p in zip(self.seen, self.prior))
-        return min(2.0 * (sum(self.accepted) + self.pool_weight) / (expected + self.pool_weight), 1.0)
+        w = self.prior_weight
+        return [(a + w * p) / (n + w) for a, n, p in zip(self.accepted, self.seen, self.prior)]
 
     def observe(self, buckets: list[int], accepted: list[bool]) -> None:
         """Fold in outcomes: one bucket and one accepted flag per observed node."""

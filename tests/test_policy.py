@@ -7,7 +7,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria
 
 from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.suffix import SuffixIndex, SuffixTree, chain
-from hf_swiftspec.policy import Calibration, GoodputPolicy
+from hf_swiftspec.policy import GoodputPolicy
 from hf_swiftspec.testing import real_shaped_pair, tiny_model
 from hf_swiftspec.tree import Proposal, Subtree, best_subtree, merge_suffix, ranked
 from hf_swiftspec.verify import Sampler, Verified, walk_nodes, walk_rows
@@ -284,18 +284,3 @@ def test_a_real_shaped_pair_whose_draft_cannot_pay_decodes_plainly():
     plain = sum(r.budget == 1 and r.expansions == 0 for r in rounds)
     assert plain >= 0.9 * len(rounds), [(r.budget, r.expansions, r.accepted) for r in rounds]
     assert torch.equal(out, target.generate(ids, max_new_tokens=200, min_new_tokens=200, do_sample=False))
-
-
-def test_a_bucket_met_first_inherits_how_far_the_others_fell_short_of_their_prior():
-    """Proposals that keep missing in the buckets seen lower the estimate of an unseen bucket; proposals
-    accepted at least half as often as the prior says leave it at its prior, and beating it never raises it."""
-    prior = [0.8, 0.8, 0.6]
-    missing, half, beating = (Calibration(prior=list(prior)) for _ in range(3))
-    for _ in range(50):
-        missing.observe([0, 1], [False, False])
-        half.observe([0, 0, 0, 0, 0, 1, 1, 1, 1, 1], [True, True, False, False, False] * 2)  # 0.4 of 0.8
-        beating.observe([0, 1], [True, True])
-    assert missing.rates[2] < 0.1  # its prior alone said 0.6
-    assert half.rates[2] == pytest.approx(0.6, abs=1e-6)
-    assert beating.rates[2] == pytest.approx(0.6, abs=1e-9)
-    assert beating.rates[0] > 0.9  # seen buckets still follow their own counts
