@@ -33,6 +33,11 @@ class SwiftSpecConfig(PreTrainedConfig):
         attention: tree-step attention: "auto" (the Triton kernel on CUDA, else the model's own
             attention with a dense mask), "kernel" (Triton wherever it runs, else its torch
             reference) or "model".
+        compile: decode with the static round (engine/static_round.py): a fixed tree (tree_budget
+            nodes, default 8; draft_depth forwards, default 4; no n-gram branches), every step one
+            `torch.compile`d graph over fixed-size buffers, one host sync per round. One sequence,
+            path-free processors, EOS/length criteria; generate() refuses anything else by name.
+            The first call of each shape compiles (tens of seconds on a CPU).
         worker_timeout_s: longest wait for the other worker of the asynchronous engine before
             generate() raises (a dead or stuck worker never hangs a call).
     """
@@ -55,6 +60,7 @@ class SwiftSpecConfig(PreTrainedConfig):
         swiftspec_default: bool = True,
         worker_timeout_s: float = 60.0,
         attention: str = "auto",
+        compile: bool = False,
         **kwargs,
     ):
         self.target = target
@@ -71,6 +77,7 @@ class SwiftSpecConfig(PreTrainedConfig):
         self.swiftspec_default = swiftspec_default
         self.worker_timeout_s = worker_timeout_s
         self.attention = attention
+        self.compile = compile
         super().__init__(**kwargs)
         self.validate_tree_settings()
 
@@ -107,6 +114,8 @@ class SwiftSpecConfig(PreTrainedConfig):
             self.worker_timeout_s > 0
         ):
             raise ValueError(f"SwiftSpecConfig.worker_timeout_s must be a positive number of seconds, got {self.worker_timeout_s!r}.")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"SwiftSpecConfig.compile must be True or False, got {self.compile!r}.")
         if self.attention not in ("auto", "kernel", "model"):
             raise ValueError(f"SwiftSpecConfig.attention={self.attention!r}; use 'auto', 'kernel' or 'model'.")
         # One round adds draft_width * draft_width children; the tree must also hold the subtree it sends.

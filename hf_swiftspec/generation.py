@@ -21,13 +21,15 @@ from transformers.generation import GenerateDecoderOnlyOutput, MaxLengthCriteria
 from transformers.generation.configuration_utils import GenerationMode
 
 from .architectures import context_limit, describe
-from .attention import resolve_attention, routed_attention
+from .attention import own_implementation, resolve_attention, routed_attention
 from .config import SwiftSpecConfig
 from .engine import DecodeRequest, DecodeResult, DraftWorker, TargetWorker, run_serial, run_threads
+from .engine.static_round import run_static, static_round_gaps, static_shape
 from .engine.request import RowResult
 from .engine.distributed import Groups, run_distributed
 from .placement import Placement
 from .policy import MAX_BUDGET, GoodputPolicy
+from .static import StaticModel
 from .stats import SwiftSpecStats
 from .suffix import OutputHistory
 from .verify import Sampler, batch_dependent
@@ -102,22 +104,52 @@ def swiftspec_generate(
         on_tokens=(lambda tokens: swiftspec_streamer.put(torch.tensor(tokens))) if swiftspec_streamer else None,
     )
     request.policy.start_generation()
-    workers = build_workers(model, swiftspec_draft, config, prompt.shape[1] + max_new, swiftspec_groups, batch)
-    with contextlib.ExitStack() as routes:  # each model attends the tree its way for this call only
-        for worker in workers:
-            if worker is not None and worker.model is not None:
-                routes.enter_context(routed_attention(worker.model, worker.attention))
-        if max_new:
-            result = run_engine(swiftspec_placement, swiftspec_groups, *workers, request, config)
-        else:
-            result = DecodeResult(rows=[RowResult() for _ in range(batch)])
+    if config.compile:
+        result = decode_static(model, swiftspec_draft, request, config, swiftspec_placement)
+    else:
+        result = decode_adaptive(model, swiftspec_draft, request, config, swiftspec_placement, swiftspec_groups)
     if swiftspec_history is not None:  # later requests may copy these outputs (and their lead-ins)
         lead_in = config.ngram_size if config.ngram_size > 0 else 0
         for ids, row in zip(request.prompt_ids(), result.rows):
             if row.tokens:
                 swiftspec_history.add((ids[-lead_in:] if lead_in else []) + row.tokens[: result.end])
-    result.stats.attention = attention_summary(workers)
     return generate_output(input_ids, result, generation_config), result.stats
+
+
+def decode_adaptive(target, draft, request: DecodeRequest, config: SwiftSpecConfig, placement, groups) -> DecodeResult:
+    """The adaptive round (engine/serial.py, or an asynchronous engine) over the two workers."""
+    batch = request.batch_size
+    workers = build_workers(target, draft, config, request.prompt.shape[1] + request.max_new_tokens, groups, batch)
+    with contextlib.ExitStack() as routes:  # each model attends the tree its way for this call only
+        for worker in workers:
+            if worker is not None and worker.model is not None:
+                routes.enter_context(routed_attention(worker.model, worker.attention))
+        if request.max_new_tokens:
+            result = run_engine(placement, groups, *workers, request, config)
+        else:
+            result = DecodeResult(rows=[RowResult() for _ in range(batch)])
+    result.stats.attention = attention_summary(workers)
+    return result
+
+
+def decode_static(target, draft, request: DecodeRequest, config: SwiftSpecConfig, placement) -> DecodeResult:
+    """compile=True: the static round (engine/static_round.py) with compiled steps, or a ValueError
+    naming what it cannot decode exactly."""
+    gaps = static_round_gaps(target, draft, request, placement, config)
+    if gaps:
+        raise ValueError(
+            f"compile=True cannot decode this call exactly: {'; '.join(gaps)}. Drop compile=True: the adaptive "
+            "round decodes all of these."
+        )
+    if not request.max_new_tokens:
+        return DecodeResult(rows=[RowResult()])
+    shape = static_shape(config, draft)
+    length = request.prompt.shape[1] + request.max_new_tokens
+    steps = [StaticModel.build(m, n, compiled=True) for m, n in ((target, shape.target_slots(length)),
+                                                                   (draft, shape.draft_slots(length)))]
+    result = run_static(*steps, request, shape, vocab_limit=target.config.get_text_config().vocab_size)
+    result.stats.attention = f"target={own_implementation(target)}, draft={own_implementation(draft)} (static, compiled)"
+    return result
 
 
 def stop_length(stopping_criteria: StoppingCriteriaList, generation_config: GenerationConfig) -> int:

@@ -160,7 +160,7 @@ def add_children(tree: TokenTree, leaves: torch.Tensor, child_logprobs: torch.Te
     if end > tree.capacity:
         raise RuntimeError(f"token tree overflow: {end} nodes > capacity {tree.capacity}")
     new = torch.arange(start, end, device=leaves.device)
-    parents = leaves.repeat_interleave(k)
+    parents = leaves[:, None].expand(w, k).reshape(-1)
     tree.tokens[start:end] = child_tokens.reshape(-1)
     tree.parents[start:end] = parents
     tree.depths[start:end] = tree.depths[parents] + 1

@@ -1,0 +1,313 @@
+"""The static round: fixed tree shape, capturable steps, one host sync per round (`compile=True`).
+
+Every round does the same work with the same shapes, so each forward can be one compiled graph
+(`static.py`) and nothing waits for the device until the round's end:
+
+    1. draft:  one chain forward over the tokens the last round emitted (padded to depth + 1; the
+               last one is the new root, whose draft children seed the tree), then depth - 1
+               expansions of the `width` best unexpanded leaves, best-first by cumulative log-prob;
+    2. target: one forward over the `budget` best nodes (root included) under their tree mask;
+    3. walk:   on the device: a node is accepted when every node on its path carries the token the
+               target chose after its parent; the deepest accepted node ends the path;
+    4. sync:   the one read of the round brings back the path and the emitted tokens;
+    5. commit: the path's target KV moves behind the prefix; the emitted tokens become the draft's
+               next chain (the draft runs them again rather than keeping its tree: a fixed-size chain
+               costs the same forward whatever was accepted).
+
+Lossless as the adaptive walk (verify.py): every emitted token is the target's argmax, or its
+Gumbel-max draw with the noise of that sequence position, so greedy output equals target.generate's
+and a seed draws the same tokens as the adaptive round does. It serves what can be walked on the
+device: one sequence, processors that ignore the path, EOS / length criteria; `static_round_gaps`
+names anything else, and generate() refuses it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..architectures import FULL, context_limit, describe
+from ..static import StaticModel, additive, step_mask
+from ..stats import DraftCounters, SwiftSpecStats, TargetCounters
+from ..tree import Proposal, Subtree, TokenTree, add_children, clear_tree, expansion_inputs, new_tree
+from ..verify import PATH_FREE_PROCESSORS, Sampler, Verified, apply_processors, split_criteria
+from .request import BatchRows, DecodeRequest, DecodeResult
+
+DEFAULT_BUDGET = 8
+DEFAULT_DEPTH = 4
+
+
+@dataclass(frozen=True)
+class StaticShape:
+    """The round's fixed shape: `budget` nodes verified (root included), `depth` draft forwards,
+    `width` leaves per expansion and children per leaf."""
+
+    budget: int
+    depth: int
+    width: int
+
+    @property
+    def chain(self) -> int:
+        """Queries of the draft's first forward: the most tokens one round can emit."""
+        return self.depth + 1
+
+    @property
+    def nodes(self) -> int:
+        """Tree size after a round's draft forwards."""
+        return 1 + self.width + (self.depth - 1) * self.width * self.width
+
+    def draft_slots(self, committed: int) -> int:
+        """Draft cache slots a sequence of `committed` tokens needs (prefix, chain, tree region)."""
+        return committed + self.chain + (self.depth - 1) * self.width
+
+    def target_slots(self, committed: int) -> int:
+        return committed + self.budget
+
+
+@dataclass
+class TreeNodes:
+    """The nodes the target verifies, on the device (T of them, topological order, root first).
+
+    tokens (T,) long, parents (T,) long local index (-1 for the root), depths (T,) long,
+    ancestors (T, T) bool: ancestors[i, j] when j is i or one of its ancestors.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    ancestors: torch.Tensor
+
+
+@dataclass
+class RoundReadBack:
+    """What the round's one sync brings to the host: the accepted path (local node indices, root first)
+    and the tokens the target emitted along it (the last is the next root)."""
+
+    path: list[int]
+    tokens: list[int]
+
+
+@dataclass
+class StaticSequence:
+    """Host bookkeeping of one sequence: committed slots in each cache, the draft's next chain."""
+
+    target_prefix: int
+    draft_prefix: int
+    chain: list[int]
+    context: torch.Tensor  # (1, L) what processors see: the prompt (padding included) and every emitted token
+
+
+def run_static(target: StaticModel, draft: StaticModel, request: DecodeRequest, shape: StaticShape,
+               vocab_limit: int) -> DecodeResult:
+    """The whole decode loop of the static round (one sequence)."""
+    rows = BatchRows.start(request)
+    sampler = request.samplers[0]
+    eos, max_length, _ = split_criteria(request.stopping_criteria)
+    target_counters, draft_counters = TargetCounters(), DraftCounters()
+    start = time.perf_counter()
+    prompt = request.prompt_ids()[0]
+    target.prefill(prompt[:-1])
+    draft.prefill(prompt[:-1])
+    target_counters.forwards += bool(prompt[:-1])
+    draft_counters.forwards += bool(prompt[:-1])
+    context = request.contexts[0] if request.contexts is not None else request.prompt
+    seq = StaticSequence(len(prompt) - 1, len(prompt) - 1, prompt[-1:], context.to(target.device))
+    tree = new_tree(prompt[-1], shape.nodes, draft.device)
+    while rows.live:
+        round_start = time.perf_counter()
+        grow_tree(draft, tree, seq, shape, vocab_limit)
+        draft_counters.forwards += shape.depth
+        draft_counters.expansions += shape.depth
+        draft_counters.rounds += 1
+        draft_counters.busy_s += time.perf_counter() - round_start
+        verify_start = time.perf_counter()
+        nodes = best_nodes(tree, shape.budget)
+        logits = verify_nodes(target, nodes, seq.target_prefix)
+        scores, choice = target_choice(logits, nodes, seq.context, sampler)
+        back = read_back(walk_on_device(nodes, choice))  # the round's one host sync
+        verified = stop_where_done(back, scores, logits, seq.context.shape[1], rows.budgets()[0], eos, max_length)
+        commit_path(target, seq, verified.path)
+        seq.context = torch.cat([seq.context, torch.tensor([verified.tokens], device=seq.context.device)], dim=1)
+        seq.chain = verified.tokens
+        target_counters.forwards += 1
+        target_counters.verify_steps += 1
+        target_counters.busy_s += time.perf_counter() - verify_start
+        keep = rows.record([verified], request.on_tokens)
+        rows.result.record_round([static_proposal(nodes)], [verified], shape.depth)
+        if not keep:
+            rows.live = []
+    result = rows.result
+    result.stats = SwiftSpecStats.collect(
+        "static (compiled)" if target.compiled else "static", result.new_tokens, time.perf_counter() - start,
+        target_counters, draft_counters,
+    )
+    result.stats.add_rounds(result.rounds)
+    return result
+
+
+def grow_tree(draft: StaticModel, tree: TokenTree, seq: StaticSequence, shape: StaticShape, vocab_limit: int) -> None:
+    """Step 1: the chain forward (the new root's children), then depth - 1 expansions; no host sync."""
+    device, C = draft.device, draft.capacity
+    clear_tree(tree, seq.chain[-1])
+    n, L, first = len(seq.chain), shape.chain, seq.draft_prefix
+    tokens = torch.tensor([seq.chain + [0] * (L - n)], device=device)
+    slots = torch.arange(first, first + L, device=device)
+    causal = slots[:, None] >= torch.arange(C, device=device)[None]  # (L, C): query j sees [0, first + j]
+    logits = draft.run(tokens, slots[None], slots, additive(causal[None], draft.model.dtype))
+    seq.draft_prefix += n  # the chain, root included, is committed now
+    region = first + L  # the tree's KV slots start after the chain's
+    add_children(tree, torch.zeros(1, dtype=torch.long, device=device), *top_children(logits[n - 1 : n], shape.width, vocab_limit))
+    tree.expanded[0] = True  # its KV sits in the prefix, not in the tree region
+    for _ in range(shape.depth - 1):
+        leaves = best_leaves(tree, shape.width)
+        slots = torch.arange(region + tree.num_slots, region + tree.num_slots + shape.width, device=device)
+        input_ids, positions, region_mask = expansion_inputs(tree, leaves, seq.draft_prefix - 1)
+        mask = step_mask(seq.draft_prefix, region_mask, region, C, draft.model.dtype)
+        logits = draft.run(input_ids, positions, slots, mask)
+        add_children(tree, leaves, *top_children(logits, shape.width, vocab_limit))
+
+
+def top_children(logits: torch.Tensor, width: int, vocab_limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs, tokens) (w, k) of the k = width likeliest draft tokens after each of w leaves."""
+    return torch.log_softmax(logits[:, :vocab_limit], dim=-1).topk(width, dim=-1)
+
+
+def best_leaves(tree: TokenTree, width: int) -> torch.Tensor:
+    """The `width` best unexpanded nodes (w,), ties towards the lower index; the schedule guarantees
+    at least `width` of them."""
+    live = tree.scores[: tree.size]
+    open_scores = torch.where(tree.expanded[: tree.size], float("-inf"), live)
+    return torch.sort(open_scores, descending=True, stable=True).indices[:width]
+
+
+def best_nodes(tree: TokenTree, budget: int) -> TreeNodes:
+    """Step 2's nodes: the `budget` best by score (a connected subtree with the root: scores never rise
+    along a path and ties go to the lower index, which a parent has), in index order."""
+    order = torch.sort(tree.scores[: tree.size], descending=True, stable=True).indices
+    ids = order[:budget].sort().values  # (T,)
+    local = torch.zeros(tree.size, dtype=torch.long, device=ids.device)
+    local[ids] = torch.arange(ids.shape[0], device=ids.device)
+    parents = tree.parents[ids]
+    parents = torch.where(parents >= 0, local[parents.clamp(min=0)], -1)
+    return TreeNodes(tree.tokens[ids], parents, tree.depths[ids], tree.ancestors[ids][:, ids])
+
+
+def verify_nodes(target: StaticModel, nodes: TreeNodes, prefix: int) -> torch.Tensor:
+    """Target logits (T, V): the nodes at positions prefix + depth, in slots [prefix, prefix + T)."""
+    T = nodes.tokens.shape[0]
+    slots = torch.arange(prefix, prefix + T, device=target.device)
+    mask = step_mask(prefix, nodes.ancestors, prefix, target.capacity, target.model.dtype)
+    return target.run(nodes.tokens[None], (prefix + nodes.depths)[None], slots, mask)
+
+
+def target_choice(logits: torch.Tensor, nodes: TreeNodes, context: torch.Tensor, sampler: Sampler):
+    """Processed scores (T, V) and the target's token after each node (T,): its argmax, or its draw
+    with the noise of the position after the node (the processors ignore the path: checked up front)."""
+    scores = apply_processors(sampler.logits_processor, context, logits.clone())
+    if not sampler.do_sample:
+        return scores, scores.argmax(dim=-1)
+    depth_room = nodes.tokens.shape[0]  # depths < T
+    noise = sampler.gumbel([context.shape[1] + d for d in range(depth_room)], scores.shape[-1], scores.device)
+    return scores, (scores.double() + noise[nodes.depths]).argmax(dim=-1)
+
+
+def walk_on_device(nodes: TreeNodes, choice: torch.Tensor) -> torch.Tensor:
+    """The walk as tensor ops: (1 + 2T,) long = [path length m, path (T,) root first then padding,
+    emitted tokens (T,)]. A node matches when it carries the target's choice after its parent; it is
+    accepted when every node on its path matches; siblings carry distinct tokens, so the deepest
+    accepted node is unique and its ancestors are the path."""
+    T = nodes.tokens.shape[0]
+    index = torch.arange(T, device=choice.device)
+    match = (nodes.tokens == choice[nodes.parents.clamp(min=0)]) | (index == 0)
+    accepted = ~(nodes.ancestors & ~match[None]).any(dim=-1)
+    deepest = torch.where(accepted, nodes.depths, -1).argmax()
+    on_path = nodes.ancestors[deepest]
+    path = torch.where(on_path, nodes.depths, T + index).argsort()  # path nodes by depth, then the rest
+    return torch.cat([(nodes.depths[deepest] + 1)[None], path, choice[path]])
+
+
+def read_back(packed: torch.Tensor) -> RoundReadBack:
+    """The round's one host sync."""
+    values = packed.tolist()
+    T = (len(values) - 1) // 2
+    m = values[0]
+    return RoundReadBack(path=values[1 : 1 + m], tokens=values[1 + T : 1 + T + m])
+
+
+def stop_where_done(back: RoundReadBack, scores, logits, length: int, max_tokens: int, eos: set[int],
+                    max_length: float) -> Verified:
+    """The round's outcome cut where generate() would stop: an EOS token, max_length (`length` tokens
+    before the round), or the tokens left to emit."""
+    out = Verified()
+    for node, token in zip(back.path, back.tokens):
+        if len(out.tokens) >= max_tokens:
+            break
+        out.path.append(node)
+        out.tokens.append(token)
+        if token in eos or length + len(out.tokens) >= max_length:
+            out.finished = True
+            break
+    out.finished = out.finished or len(out.tokens) >= max_tokens
+    rows = torch.tensor(out.path, device=scores.device)
+    out.scores = list(scores[rows].unsqueeze(1).unbind(0))
+    out.logits = list(logits[rows].unsqueeze(1).unbind(0))
+    return out
+
+
+def commit_path(target: StaticModel, seq: StaticSequence, path: list[int]) -> None:
+    """Step 5: the path's KV moves to the slots after the prefix (nothing moves for a path already there)."""
+    m = len(path)
+    if path != list(range(m)):
+        device = target.device
+        src = seq.target_prefix + torch.tensor(path, device=device)
+        dst = torch.arange(seq.target_prefix, seq.target_prefix + m, device=device)
+        target.cache.copy_slots(src, dst)
+    seq.target_prefix += m
+
+
+def static_proposal(nodes: TreeNodes) -> Proposal:
+    """What the round's statistics record: T nodes, none from an n-gram proposal."""
+    T = nodes.tokens.shape[0]
+    return Proposal(Subtree([-1] * T, [0] * T, [-1] * T), [0.0] * T, [None] * T, [-1] * T)
+
+
+def static_shape(config, draft) -> StaticShape:
+    """The round's shape from the settings: tree_budget (default 8) nodes, draft_depth (default 4)
+    forwards of draft_width leaves."""
+    return StaticShape(config.tree_budget or DEFAULT_BUDGET, config.draft_depth or DEFAULT_DEPTH, config.draft_width)
+
+
+def static_round_gaps(target, draft, request: DecodeRequest, placement, config) -> list[str]:
+    """Why the static round cannot decode this request exactly (empty: it can)."""
+    gaps = []
+    if draft is None:
+        gaps.append("it needs a draft model (draft-free mode grows no draft tree)")
+    if request.batch_size > 1:
+        gaps.append(f"it decodes one sequence (got {request.batch_size} rows)")
+    if request.attention_mask is not None:
+        gaps.append("the prompt is left-padded")
+    if placement is not None and placement.mode != "serial":
+        gaps.append(f"placement {placement.mode!r} (it runs both models on one device, serially)")
+    if config.attention == "kernel":
+        gaps.append("attention='kernel' (its steps attend through the model's own attention with a dense mask)")
+    for role, model in (("target", target), ("draft", draft)):
+        if model is None:
+            continue
+        arch = describe(model, role)
+        if arch.shape != "tree" or arch.recurrent or arch.rules != (FULL,):
+            kind = "a chain-shaped" if arch.shape != "tree" else "a recurrent" if arch.recurrent else "a windowed"
+            gaps.append(f"the {role} ({arch.model_type}) is {kind} model")
+    path_bound = [type(p).__name__ for p in request.sampler.logits_processor if type(p) not in PATH_FREE_PROCESSORS]
+    if path_bound:
+        gaps.append(f"logits processors that read the path ({', '.join(path_bound)})")
+    _, _, others = split_criteria(request.stopping_criteria)
+    if others:
+        gaps.append(f"stopping criteria other than EOS and max_length ({', '.join(type(c).__name__ for c in others)})")
+    limit = context_limit(*(m for m in (target, draft) if m is not None))
+    shape = static_shape(config, draft)
+    end = request.prompt.shape[1] + request.max_new_tokens + shape.depth
+    if limit is not None and end > limit:
+        gaps.append(f"prompt + max_new_tokens + draft_depth = {end} positions > the models' {limit}")
+    return gaps

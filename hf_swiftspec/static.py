@@ -1,0 +1,168 @@
+"""Capturable steps: one model forward over fixed-capacity buffers, with no host sync inside.
+
+The adaptive round (engine/serial.py) sizes every forward by the prefix and the tree it grew, and
+reads back what it needs as it goes. A CUDA graph, or `torch.compile(fullgraph=True,
+dynamic=False)`, needs the opposite: the same shapes every call and no value read by the host.
+Here a model's KV lives in a `SlotCache` of C slots per layer (C bucketed, so it does not follow
+the prompt's length); a step writes its Q queries at the slots a (Q,) tensor names and attends all
+C slots through an additive mask (1, 1, Q, C) that says which slot each query sees. Slot order is
+free: positions come from `position_ids`, so committing a path is a copy of slots, and where a
+step's padding queries write does not matter as long as no mask lets anyone see them.
+
+Shapes of a step depend on Q and C only, so one compiled graph serves every call of a given Q
+(the draft's chain and expansion widths, the target's tree size).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+MIN_CAPACITY = 512
+
+
+def bucket_capacity(needed: int) -> int:
+    """Slots per layer for `needed` positions: the next power of two from 512, so prompts of similar
+    lengths share compiled graphs (the graph's shapes include C)."""
+    return max(MIN_CAPACITY, 1 << (needed - 1).bit_length())
+
+
+class SlotLayer(CacheLayerMixin):
+    """One layer's keys (1, H, C, Dk) and values (1, H, C, Dv), allocated by the first forward, then
+    written in place at the owner's `slots` and returned whole."""
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, owner: "SlotCache"):
+        super().__init__()
+        self.owner = owner
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        B, H, _, D = key_states.shape
+        C = self.owner.capacity
+        self.keys = key_states.new_zeros(B, H, C, D)
+        self.values = value_states.new_zeros(B, H, C, value_states.shape[-1])
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write (1, H, Q, D) new states at the planned slots; return the whole (1, H, C, D) buffers."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys.index_copy_(2, self.owner.slots, key_states)
+        self.values.index_copy_(2, self.owner.slots, value_states)
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.capacity, 0
+
+    def get_seq_length(self) -> int:
+        return 0  # never read: every step passes its positions and its mask
+
+    def get_max_length(self) -> int:
+        return self.owner.capacity
+
+
+class SlotCache(Cache):
+    """KV of one model for one sequence in C slots per layer. `slots` (Q,) long: where the forward
+    in flight writes its queries (set by `run_step` before each forward)."""
+
+    def __init__(self, num_layers: int, capacity: int):
+        self.capacity = capacity
+        self.slots: torch.Tensor | None = None
+        super().__init__(layers=[SlotLayer(self) for _ in range(num_layers)])
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Move slots src (K,) to dst (K,) in every layer; sources are read before anything is written."""
+        for layer in self.layers:
+            for name in ("keys", "values"):
+                buffer = getattr(layer, name)
+                buffer.index_copy_(2, dst, buffer.index_select(2, src))
+
+
+def forward_slots(model: PreTrainedModel, cache: SlotCache, input_ids, position_ids, slots, mask) -> torch.Tensor:
+    """The capturable step: one forward of (1, Q) queries at `position_ids` (1, Q), writing their KV at
+    `slots` (Q,), each seeing what `mask` (1, 1, Q, C) additive allows; returns float32 logits (Q, V).
+
+    Nothing in it reads a value on the host, and its shapes depend on Q and C only."""
+    cache.slots = slots
+    out = model(
+        input_ids=input_ids, position_ids=position_ids, attention_mask=mask, past_key_values=cache, use_cache=True,
+    )
+    return out.logits[0].float()
+
+
+@dataclass
+class StaticModel:
+    """A model with its SlotCache and its step, eager or compiled (`compiled`)."""
+
+    model: PreTrainedModel
+    cache: SlotCache
+    compiled: bool = False
+    step: object = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.step = compiled_step() if self.compiled else forward_slots
+
+    @classmethod
+    def build(cls, model: PreTrainedModel, needed: int, compiled: bool = False) -> "StaticModel":
+        layers = model.config.get_text_config().num_hidden_layers
+        return cls(model, SlotCache(layers, bucket_capacity(needed)), compiled)
+
+    @property
+    def capacity(self) -> int:
+        return self.cache.capacity
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor):
+        """Logits (Q, V) of one step (shapes as forward_slots)."""
+        with torch.no_grad():
+            return self.step(self.model, self.cache, input_ids, position_ids, slots, mask)
+
+    def prefill(self, tokens: list[int]) -> None:
+        """Run a prompt's tokens as one causal chain into slots [0, n) (eager: its shape is the prompt's)."""
+        n = len(tokens)
+        if not n:
+            return
+        device = self.device
+        slots = torch.arange(n, device=device)
+        allowed = slots[None, :, None] >= torch.arange(self.capacity, device=device)[None, None]  # (1, n, C)
+        with torch.no_grad():
+            forward_slots(
+                self.model, self.cache, torch.tensor([tokens], device=device), slots[None], slots,
+                additive(allowed, self.model.dtype),
+            )
+
+
+_COMPILED = None
+
+
+def compiled_step():
+    """forward_slots compiled whole (fullgraph: a graph break is an error), one graph per step shape."""
+    global _COMPILED
+    if _COMPILED is None:
+        _COMPILED = torch.compile(forward_slots, fullgraph=True, dynamic=False)
+    return _COMPILED
+
+
+def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask (1, 1, Q, C) from allowed (1, Q, C) bool: 0 where seen, dtype's min elsewhere."""
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)[:, None]
+
+
+def step_mask(prefix: int, region: torch.Tensor, region_start: int, capacity: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask (1, 1, Q, C): every query sees the committed slots [0, prefix) and, of the region
+    slots [region_start, region_start + S), those `region` (Q, S) bool marks."""
+    Q, S = region.shape
+    slots = torch.arange(capacity, device=region.device)
+    allowed = (slots < prefix)[None].expand(Q, capacity).clone()
+    allowed[:, region_start : region_start + S] = region
+    return additive(allowed[None], dtype)

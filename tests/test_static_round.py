@@ -1,0 +1,270 @@
+"""The static round (compile=True): capturable steps, one host sync per round, exact output.
+
+References: plain causal forwards of each branch (the step), target.generate (greedy), the adaptive
+round with the same seed (sampling: both draw each position's token with the same noise).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from transformers import LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+from hf_swiftspec import SwiftSpecForCausalLM
+from hf_swiftspec.engine.request import DecodeRequest
+from hf_swiftspec.engine.static_round import StaticShape, run_static
+from hf_swiftspec.policy import GoodputPolicy
+from hf_swiftspec.static import SlotCache, StaticModel, bucket_capacity, forward_slots, step_mask
+from hf_swiftspec.testing import random_prompts, tiny_gpt2, tiny_model, truncated_draft
+from hf_swiftspec.verify import Sampler
+
+# What makes the host wait for the device: reading a value, or an op whose output shape depends on values.
+SYNCING = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "numpy", "equal",
+                     "unique", "masked_select"})
+
+
+class SyncCounter(TorchFunctionMode):
+    """Counts tensor calls that read device values on the host (boolean-mask indexing included)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = collections.Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        tensor_repeats = name == "repeat_interleave" and len(args) > 1 and isinstance(args[1], torch.Tensor)
+        if name in SYNCING or tensor_repeats or (name == "__getitem__" and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in _indices(args[1])
+        )):
+            self.calls[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _indices(index):
+    return index if isinstance(index, tuple) else (index,)
+
+
+def pair(model_type: str = "llama", seed: int = 0):
+    if model_type == "gpt2":
+        target = tiny_gpt2(seed=seed)
+        draft = copy_first_layers(target)
+    else:
+        target = tiny_model(model_type, seed=seed)
+        draft = truncated_draft(target, 2)
+    target.generation_config.eos_token_id = None  # long runs; EOS has a test of its own
+    return target, draft
+
+
+def copy_first_layers(gpt2):
+    import copy
+
+    draft = copy.deepcopy(gpt2)
+    draft.transformer.h = draft.transformer.h[:2]
+    draft.config.n_layer = 2
+    return draft
+
+
+def request_for(prompt: list[int], max_new: int, sampler: Sampler | None = None, eos: int | None = None) -> DecodeRequest:
+    ids = torch.tensor([prompt])
+    criteria = StoppingCriteriaList([MaxLengthCriteria(len(prompt) + max_new)])
+    if eos is not None:
+        criteria.append(EosTokenCriteria(eos))
+    return DecodeRequest(
+        prompt=ids, samplers=[sampler or Sampler(LogitsProcessorList(), False)], stopping_criteria=criteria,
+        max_new_tokens=max_new, policy=GoodputPolicy(), contexts=[ids],
+    )
+
+
+def static_models(target, draft, shape: StaticShape, length: int, compiled: bool = False):
+    return (StaticModel.build(target, shape.target_slots(length), compiled),
+            StaticModel.build(draft, shape.draft_slots(length), compiled))
+
+
+# ---- the capturable step -----------------------------------------------------------------------
+
+def random_tree(T: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, T)]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gpt2"])
+def test_step_over_scattered_slots_equals_each_branch_causal_forward(model_type):
+    """A tree step writing its nodes to scattered slots after a prefill, each node seeing the prefix and its
+    ancestors, gives every node the logits a plain causal forward of its branch gives its last token."""
+    target, _ = pair(model_type)
+    prompt = random_prompts([13], seed=2)[0]
+    parents = random_tree(7, seed=3)
+    tokens = torch.randint(3, 98, (7,), generator=torch.Generator().manual_seed(4))
+    model = StaticModel.build(target, 64)
+    model.prefill(prompt)
+    depths, branches = [], []
+    for i, p in enumerate(parents):
+        branch = [i] if p < 0 else branches[p] + [i]
+        branches.append(branch)
+        depths.append(len(branch) - 1)
+    slots = torch.tensor([40, 17, 33, 20, 55, 18, 30])  # anywhere after the prefix, in any order
+    region = torch.zeros(7, model.capacity, dtype=torch.bool)
+    region[:, : len(prompt)] = True  # (step_mask's region here spans every slot)
+    for i, branch in enumerate(branches):
+        region[i, slots[branch]] = True
+    mask = step_mask(len(prompt), region, 0, model.capacity, target.dtype)
+    positions = torch.tensor([len(prompt) + d for d in depths])
+    logits = model.run(tokens[None], positions[None], slots, mask)
+    for i, branch in enumerate(branches):
+        ids = torch.tensor([prompt + tokens[branch].tolist()])
+        with torch.no_grad():
+            reference = target(input_ids=ids).logits[0, -1]
+        torch.testing.assert_close(logits[i], reference, atol=2e-5, rtol=1e-4)
+
+
+def test_compiled_steps_have_no_graph_break_and_equal_eager():
+    """The draft's and the target's steps compile whole (fullgraph=True: a graph break raises), once per
+    shape: another prefix, other slots and another tree reuse the graph, and every output equals the
+    eager step's."""
+    torch._dynamo.reset()
+    target, draft = pair()
+    compiled = torch.compile(forward_slots, fullgraph=True, dynamic=False, backend="eager")
+    counts = torch._dynamo.utils.counters
+    counts.clear()
+    for model, Q in ((target, 8), (draft, 4)):
+        for prefix in (11, 19):
+            cache_a, cache_b = SlotCache(model.config.num_hidden_layers, 64), SlotCache(model.config.num_hidden_layers, 64)
+            for cache in (cache_a, cache_b):
+                StaticModel(model, cache).prefill(list(range(3, 3 + prefix)))
+            slots = torch.randperm(64 - prefix, generator=torch.Generator().manual_seed(prefix))[:Q] + prefix
+            region = torch.rand(Q, Q, generator=torch.Generator().manual_seed(Q)) < 0.5
+            region |= torch.eye(Q, dtype=torch.bool)
+            full = torch.zeros(Q, 64, dtype=torch.bool)
+            full[:, :prefix] = True
+            full[:, slots] = region
+            mask = step_mask(prefix, full, 0, 64, model.dtype)
+            ids = torch.randint(3, 98, (1, Q))
+            positions = (prefix + torch.arange(Q))[None]
+            with torch.no_grad():
+                eager = forward_slots(model, cache_a, ids, positions, slots, mask)
+                graph = compiled(model, cache_b, ids, positions, slots, mask)
+            torch.testing.assert_close(graph, eager)
+            for layer_a, layer_b in zip(cache_a.layers, cache_b.layers):
+                torch.testing.assert_close(layer_b.keys, layer_a.keys)
+    assert counts["stats"]["unique_graphs"] == 2  # one per (model, Q): prefixes, slots, masks, caches reuse it
+
+
+def test_capacity_is_bucketed():
+    assert bucket_capacity(10) == 512 and bucket_capacity(512) == 512 and bucket_capacity(513) == 1024
+
+
+# ---- the round ---------------------------------------------------------------------------------
+
+SHAPES = [StaticShape(8, 4, 4), StaticShape(4, 1, 3), StaticShape(16, 3, 2), StaticShape(6, 5, 1)]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gpt2"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"T{s.budget}-d{s.depth}-w{s.width}")
+def test_greedy_equals_target_generate(model_type, shape):
+    target, draft = pair(model_type)
+    for prompt in random_prompts([9, 30], seed=5):
+        ids = torch.tensor([prompt])
+        expected = target.generate(ids, max_new_tokens=40, do_sample=False)[0, len(prompt):].tolist()
+        result = run_static(*static_models(target, draft, shape, len(prompt) + 40), request_for(prompt, 40), shape, 98)
+        assert result.tokens == expected
+        assert result.stats.verify_steps == len(result.rounds)
+
+
+def test_a_draft_that_is_the_target_has_every_chain_accepted():
+    """With the target as its own draft a chain of depth d is accepted whole: d + 1 tokens per round."""
+    import copy
+
+    target, _ = pair()
+    prompt = random_prompts([14], seed=6)[0]
+    expected = target.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False)[0, len(prompt):].tolist()
+    shape = StaticShape(8, 4, 1)
+    result = run_static(*static_models(target, copy.deepcopy(target), shape, len(prompt) + 40), request_for(prompt, 40),
+                        shape, 98)
+    assert result.tokens == expected
+    assert [r.accepted for r in result.rounds] == [4] * 8
+
+
+def test_eos_stops_the_round_where_generate_stops():
+    target, draft = pair()
+    prompt = random_prompts([12], seed=7)[0]
+    ids = torch.tensor([prompt])
+    free = target.generate(ids, max_new_tokens=30, do_sample=False)[0, len(prompt):].tolist()
+    eos = free[17]  # a token the target emits mid-way: generation must stop right after its first occurrence
+    expected = free[: free.index(eos) + 1]
+    shape = StaticShape(8, 4, 4)
+    result = run_static(*static_models(target, draft, shape, len(prompt) + 30), request_for(prompt, 30, eos=eos), shape, 98)
+    assert result.tokens == expected
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=0.7), dict(top_k=8, top_p=0.9), dict(min_p=0.05)])
+def test_sampling_draws_what_the_adaptive_round_draws(kwargs):
+    """With one seed both rounds draw each position's token from the target's distribution with the same
+    noise, so their outputs are the same sequence whatever trees each verified."""
+    target, draft = pair()
+    prompt = random_prompts([15], seed=8)[0]
+    ids = torch.tensor([prompt])
+    static = SwiftSpecForCausalLM.from_models(target, draft, compile=True, tree_budget=8, draft_depth=3, draft_width=4)
+    adaptive = SwiftSpecForCausalLM.from_models(target, draft)
+    runs = []
+    for model in (static, adaptive):
+        runs.append(model.generate(ids, max_new_tokens=40, do_sample=True, swiftspec=True,
+                                   generator=torch.Generator().manual_seed(11), **kwargs))
+    assert static.swiftspec_stats.engine == "static (compiled)"
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_one_host_sync_per_round():
+    """Growing the tree, verifying it, walking it and committing read nothing from the device but the
+    round's result: syncs = rounds, plus the prompt and the EOS ids read once."""
+    target, draft = pair()
+    prompt = random_prompts([20], seed=1)[0]
+    shape = StaticShape(8, 3, 4)
+    models = static_models(target, draft, shape, len(prompt) + 40)
+    with SyncCounter() as counter:
+        result = run_static(*models, request_for(prompt, 40, eos=2), shape, 98)
+    rounds = len(result.rounds)
+    assert rounds >= 5
+    assert counter.calls == {"tolist": rounds + 2}, counter.calls
+
+
+def test_generate_compile_true_equals_target_generate_with_scores():
+    """compile=True end to end: inductor-compiled steps, generate()'s output dict, scores and logits."""
+    torch._dynamo.reset()
+    target, draft = pair()
+    model = SwiftSpecForCausalLM.from_models(target, draft, compile=True, tree_budget=8, draft_depth=3, draft_width=4)
+    for prompt in random_prompts([10, 21], seed=9):
+        ids = torch.tensor([prompt])
+        kwargs = dict(max_new_tokens=32, do_sample=False, return_dict_in_generate=True, output_scores=True,
+                      output_logits=True)
+        expected = target.generate(ids, **kwargs)
+        out = model.generate(ids, swiftspec=True, **kwargs)
+        assert torch.equal(out.sequences, expected.sequences)
+        for mine, theirs in zip(out.scores + out.logits, expected.scores + expected.logits):
+            torch.testing.assert_close(mine, theirs, atol=2e-5, rtol=1e-4)
+    assert model.swiftspec_stats.engine == "static (compiled)"
+
+
+@pytest.mark.parametrize(
+    "kwargs, named",
+    [
+        (dict(repetition_penalty=1.3), "RepetitionPenaltyLogitsProcessor"),
+        (dict(stop_strings=["ab"], tokenizer="char"), "StopStringCriteria"),
+        (dict(batch=True), "one sequence"),
+    ],
+)
+def test_compile_true_refuses_what_it_cannot_walk_on_the_device(kwargs, named):
+    from hf_swiftspec.testing import char_tokenizer
+
+    target, draft = pair()
+    model = SwiftSpecForCausalLM.from_models(target, draft, compile=True)
+    ids = torch.tensor(random_prompts([10, 10], seed=1)) if kwargs.pop("batch", False) else torch.tensor(
+        random_prompts([10], seed=1))
+    if kwargs.get("tokenizer") == "char":
+        kwargs["tokenizer"] = char_tokenizer()
+    with pytest.raises(ValueError, match=named) as error:
+        model.generate(ids, max_new_tokens=8, swiftspec=True, **kwargs)
+    assert "Drop compile=True" in str(error.value)
