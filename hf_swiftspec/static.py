@@ -21,6 +21,8 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .architectures import context_limit
+
 MIN_CAPACITY = 512
 
 
@@ -88,9 +90,11 @@ def forward_slots(model: PreTrainedModel, cache: SlotCache, input_ids, position_
     """The capturable step: one forward of (1, Q) queries at `position_ids` (1, Q), writing their KV at
     `slots` (Q,), each seeing what `mask` (1, 1, Q, C) additive allows; returns float32 logits (Q, V).
 
-    Nothing in it reads a value on the host, and its shapes depend on Q and C only."""
+    Nothing in it reads a value on the host, and its shapes depend on Q and C only. It calls
+    `model.forward`, not the module: hooks on the model itself would be traced into the graph (a
+    counting hook made every call recompile); the engine counts its forwards itself."""
     cache.slots = slots
-    out = model(
+    out = model.forward(
         input_ids=input_ids, position_ids=position_ids, attention_mask=mask, past_key_values=cache, use_cache=True,
     )
     return out.logits[0].float()
@@ -103,6 +107,7 @@ class StaticModel:
     model: PreTrainedModel
     cache: SlotCache
     compiled: bool = False
+    last_position: int | None = None  # the model's last position (learned embeddings end there); None: no end
     step: object = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -111,7 +116,8 @@ class StaticModel:
     @classmethod
     def build(cls, model: PreTrainedModel, needed: int, compiled: bool = False) -> "StaticModel":
         layers = model.config.get_text_config().num_hidden_layers
-        return cls(model, SlotCache(layers, bucket_capacity(needed)), compiled)
+        limit = context_limit(model)
+        return cls(model, SlotCache(layers, bucket_capacity(needed)), compiled, None if limit is None else limit - 1)
 
     @property
     def capacity(self) -> int:
@@ -122,7 +128,11 @@ class StaticModel:
         return self.model.device
 
     def run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor):
-        """Logits (Q, V) of one step (shapes as forward_slots)."""
+        """Logits (Q, V) of one step (shapes as forward_slots). Positions past the model's last are
+        clamped to it: a node placed there (a padding query, a tree node deeper than the tokens left to
+        emit) can never have its logits used, since every token it could lead to lies past the end."""
+        if self.last_position is not None:
+            position_ids = position_ids.clamp(max=self.last_position)
         with torch.no_grad():
             return self.step(self.model, self.cache, input_ids, position_ids, slots, mask)
 

@@ -89,7 +89,7 @@ def test_runs_every_method_on_every_set_and_writes_the_results(finished):
     assert [s.name for s in report.sets] == ["humaneval", "spec_bench"]
     for result in report.sets:
         assert [b.batch_size for b in result.batches] == [1]  # the default: batch 1 alone, as before batches
-        assert [m.name for m in result.at(1)] == list(bench.METHOD_NAMES)
+        assert [m.name for m in result.at(1)] == list(bench.DEFAULT_METHODS)
         assert all(m.status == "ok" and len(m.runs) == 2 for m in result.at(1))
         by_name = {m.name: m for m in result.at(1)}
         assert by_name["target"].tau.mean == 1.0 and by_name["target"].target_forwards_per_token.mean == 1.0
@@ -185,7 +185,7 @@ def test_every_batch_size_has_every_method_and_counts_each_rows_own_tokens(batch
     result = report.sets[0]
     assert [b.batch_size for b in result.batches] == [1, 2, 3]
     for batch in result.batches:
-        assert [m.name for m in batch.methods] == list(bench.METHOD_NAMES)
+        assert [m.name for m in batch.methods] == list(bench.DEFAULT_METHODS)
     assert all(m.status == "ok" for m in result.at(1))
     rows = {1: [[0], [1]], 2: [[0, 1]], 3: [[0, 1, 0]]}  # a short group repeats its own prompts, never another call's
     tokens = {1: [[8], [4]], 2: [[8, 4]], 3: [[8, 4, 8]]}  # the EOS row's padding is not its output
@@ -464,7 +464,7 @@ def test_the_default_run_is_the_quick_one_and_full_the_long_one():
     assert (full.num_prompts, full.max_new_tokens, full.assistant_tokens) == (8, 128, (2, 4, 6, 8, 12))
     assert 2 * quick.num_prompts * quick.max_new_tokens <= full.num_prompts * full.max_new_tokens
     assert len(quick.assistant_tokens) < len(full.assistant_tokens)
-    assert quick.methods == full.methods == bench.METHOD_NAMES  # every method still runs, side by side
+    assert quick.methods == full.methods == bench.DEFAULT_METHODS  # every method still runs, side by side
     mixed = bench_config(build_parser().parse_args(["--full", "--num-prompts", "2", "--assistant-tokens", "3"]))
     assert (mixed.num_prompts, mixed.max_new_tokens, mixed.assistant_tokens) == (2, 128, (3,))
 

@@ -268,3 +268,15 @@ def test_compile_true_refuses_what_it_cannot_walk_on_the_device(kwargs, named):
     with pytest.raises(ValueError, match=named) as error:
         model.generate(ids, max_new_tokens=8, swiftspec=True, **kwargs)
     assert "Drop compile=True" in str(error.value)
+
+
+def test_a_generation_to_the_last_position_of_learned_embeddings():
+    """gpt2 with 64 positions, decoded to its last one: tree nodes past it are clamped, never used."""
+    target = tiny_gpt2(n_positions=64)
+    target.generation_config.eos_token_id = None
+    draft = copy_first_layers(target)
+    prompt = random_prompts([30], seed=4)[0]
+    expected = target.generate(torch.tensor([prompt]), max_new_tokens=34, do_sample=False)[0, 30:].tolist()
+    shape = StaticShape(8, 4, 4)
+    result = run_static(*static_models(target, draft, shape, 64), request_for(prompt, 34), shape, 98)
+    assert result.tokens == expected

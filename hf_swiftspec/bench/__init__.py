@@ -45,6 +45,7 @@ from .methods import BenchModels, Method
 from .prompts import PromptBatch, encode_prompt, load_prompts, prompt_batches
 from .report import markdown_report, write_outputs
 from .schema import (
+    DEFAULT_METHODS,
     METHOD_NAMES,
     SCHEMA_VERSION,
     BatchResult,
@@ -64,6 +65,7 @@ from .schema import (
 )
 
 __all__ = [
+    "DEFAULT_METHODS",
     "METHOD_NAMES",
     "SCHEMA_VERSION",
     "BatchResult",

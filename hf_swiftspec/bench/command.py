@@ -312,7 +312,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-prompt-tokens", type=int, default=d.max_prompt_tokens, help="cut longer prompts; 0: never (default: %(default)s)"
     )
     parser.add_argument(
-        "--methods", type=name_list, default=d.methods, help=f"comma-separated subset of {','.join(METHOD_NAMES)} (default: all)"
+        "--methods", type=name_list, default=d.methods, help=f"comma-separated subset of {','.join(METHOD_NAMES)} (default: all but swiftspec_compiled)"
     )
     parser.add_argument(
         "--assistant-tokens", type=int_list, default=None,

@@ -187,7 +187,9 @@ def timed_run(method: Method, batch: PromptBatch, harness: Harness) -> tuple[lis
     peak, extra = harness.probe.stop(before)
     rows = out[:, batch.ids.shape[1] :].tolist()
     lengths = [own_length(row, harness.eos_token_ids) for row in rows]
-    stats, n, forwards = method.stats(), sum(lengths), harness.forwards.count
+    stats, n = method.stats(), sum(lengths)
+    # swiftspec counts its own target forwards (a compiled step runs no module hooks); the others: the hook's count
+    forwards = stats.target_forwards if stats is not None else harness.forwards.count
     return rows, PromptRun(
         prompts=list(batch.prompts),
         seconds=seconds,

@@ -23,6 +23,7 @@ from .schema import METHOD_LABELS, BenchConfig, MethodResult, PairInfo
 UNBATCHED = {
     "assisted": "unsupported: transformers runs assisted generation at batch size 1 only",
     "prompt_lookup": "unsupported: transformers runs prompt lookup at batch size 1 only",
+    "swiftspec_compiled": "unsupported: compile=True decodes one sequence per call",
     "swiftspec_async": (
         "unsupported: generate() decodes a batch of prompts on the serial engine only and refuses one with an "
         "asynchronous placement (swiftspec_serial is the batched method)"
@@ -241,7 +242,7 @@ def swiftspec_method(name: str, model: SwiftSpecForCausalLM, seed: int) -> Metho
     )
     return Method(
         name, METHOD_LABELS[name], generate, stats=lambda: model.swiftspec_stats, settings={"placement": where},
-        batched=serial, checkpoint=checkpoint,
+        batched=serial and not model.config.compile, checkpoint=checkpoint,
     )
 
 
@@ -327,6 +328,9 @@ def build_methods(models: BenchModels, config: BenchConfig, settings: dict, note
             "swiftspec_serial", SwiftSpecForCausalLM.from_models(target, draft, **settings), config.seed
         ),
         "swiftspec_async": lambda: async_method(models, settings, config.seed, notes),
+        "swiftspec_compiled": lambda: swiftspec_method(
+            "swiftspec_compiled", SwiftSpecForCausalLM.from_models(target, draft, **settings, compile=True), config.seed
+        ),
     }
     built = [builders[name]() for name in config.methods] + list(config.extra_methods)
     return [m for m in built if isinstance(m, Method)], [m for m in built if isinstance(m, MethodResult)]

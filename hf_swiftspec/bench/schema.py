@@ -15,13 +15,16 @@ if TYPE_CHECKING:
 
 
 SCHEMA_VERSION = 3  # 3: a batch dimension (SetResult.batches), PromptRun.prompts / row_tokens / engine
-METHOD_NAMES = ("target", "assisted", "prompt_lookup", "swiftspec_serial", "swiftspec_async")
+DEFAULT_METHODS = ("target", "assisted", "prompt_lookup", "swiftspec_serial", "swiftspec_async")
+# Timed only when asked for (--methods): swiftspec_compiled compiles its steps first (tens of seconds on a CPU).
+METHOD_NAMES = DEFAULT_METHODS + ("swiftspec_compiled",)
 METHOD_LABELS = {
     "target": "target.generate",
     "assisted": "assisted generation",
     "prompt_lookup": "prompt lookup",
     "swiftspec_serial": "swiftspec serial",
     "swiftspec_async": "swiftspec async",
+    "swiftspec_compiled": "swiftspec compiled (static round)",
 }
 
 
@@ -42,7 +45,7 @@ class BenchConfig:
     num_prompts: int = 4  # timed prompts per set (full: 8); the set's first prompt is the warm-up prompt
     max_new_tokens: int = 64  # (full: 128)
     max_prompt_tokens: int | None = 256  # cut longer prompts (CNN/DM, RAG articles) so runs stay comparable; None: never
-    methods: tuple[str, ...] = METHOD_NAMES
+    methods: tuple[str, ...] = DEFAULT_METHODS
     # Prompts per generate() call, each size a column of the report; above 1 the timed prompts are taken
     # that many at a time into left-padded batches (prompts.prompt_batches), and only the methods that
     # decode a batch in one call run (target.generate, swiftspec serial): the others report "unsupported".

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..architectures import FULL, context_limit, describe
+from ..architectures import FULL, describe
 from ..static import StaticModel, additive, step_mask
 from ..stats import DraftCounters, SwiftSpecStats, TargetCounters
 from ..tree import Proposal, Subtree, TokenTree, add_children, clear_tree, expansion_inputs, new_tree
@@ -305,9 +305,4 @@ def static_round_gaps(target, draft, request: DecodeRequest, placement, config) 
     _, _, others = split_criteria(request.stopping_criteria)
     if others:
         gaps.append(f"stopping criteria other than EOS and max_length ({', '.join(type(c).__name__ for c in others)})")
-    limit = context_limit(*(m for m in (target, draft) if m is not None))
-    shape = static_shape(config, draft)
-    end = request.prompt.shape[1] + request.max_new_tokens + shape.depth
-    if limit is not None and end > limit:
-        gaps.append(f"prompt + max_new_tokens + draft_depth = {end} positions > the models' {limit}")
     return gaps
