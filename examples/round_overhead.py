@@ -1,10 +1,14 @@
 """Time a speculative round outside the two models' forwards, on the bundled demo pair.
 
-    python examples/round_overhead.py [--pair ID] [--max-new-tokens 128] [--repeats 3]
+    python examples/round_overhead.py [--pair ID] [--max-new-tokens 128] [--repeats 3] [--round static]
 
 Forward time is measured by hooks on both models (one torch thread); everything else in the
 decode loop (tree bookkeeping, the walk, commits, the policy) is the round's overhead, printed
 per round and as a fraction of the mean target verification forward.
+
+--round static / compiled: the static round (compile=True's, eager or with compiled steps). Its
+steps call model.forward, which runs no module hooks, so its steps are timed around
+StaticModel.run instead (its masks are built outside and count as overhead).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import time
 import torch
 
 from hf_swiftspec import SwiftSpecForCausalLM
+from hf_swiftspec.static import StaticModel
 
 
 def timed_forwards(model, totals: dict, key: str):
@@ -31,25 +36,67 @@ def timed_forwards(model, totals: dict, key: str):
     return [model.register_forward_pre_hook(before), model.register_forward_hook(after)]
 
 
+class TimedSteps:
+    """While active, accumulate the wall time of every StaticModel.run into totals["target"/"draft"]."""
+
+    def __init__(self, model, totals: dict):
+        self.roles = {id(model.target): "target", id(model.draft): "draft"}
+        self.totals = totals
+
+    def __enter__(self):
+        run, roles, totals = StaticModel.run, self.roles, self.totals
+
+        def timed_run(step, *args):
+            start = time.perf_counter()
+            out = run(step, *args)
+            seconds, count = totals.get(roles[id(step.model)], (0.0, 0))
+            totals[roles[id(step.model)]] = (seconds + time.perf_counter() - start, count + 1)
+            return out
+
+        self.saved, StaticModel.run = run, timed_run
+        return self
+
+    def __exit__(self, *exc):
+        StaticModel.run = self.saved
+
+
+def static_round(model, compiled: bool):
+    """Make `model` decode with the static round, its steps eager or compiled."""
+    import hf_swiftspec.generation as generation
+
+    model.config.compile = True
+    if not compiled:  # the same round with eager steps: build the StaticModels uncompiled
+        build = StaticModel.build.__func__
+        StaticModel.build = classmethod(lambda cls, m, n, compiled=True: build(cls, m, n, False))
+    return generation
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prompt", default="def read_config(path):\n")
     parser.add_argument("--pair", default="swiftspec-demo-pystdlib", help="pair id or folder")
+    parser.add_argument("--round", choices=("adaptive", "static", "compiled"), default="adaptive")
     args = parser.parse_args()
     torch.set_num_threads(1)
     model = SwiftSpecForCausalLM.from_pretrained(args.pair, dtype=torch.float32)
+    if args.round != "adaptive":
+        static_round(model, compiled=args.round == "compiled")
     ids = model.tokenizer(args.prompt, return_tensors="pt").input_ids
-    model.generate(ids, max_new_tokens=16, do_sample=False)  # warm-up
+    model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)  # warm-up (compiles every step shape)
     for _ in range(args.repeats):
         totals: dict = {}
-        hooks = timed_forwards(model.target, totals, "target") + timed_forwards(model.draft, totals, "draft")
-        try:
-            model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
-        finally:
-            for hook in hooks:
-                hook.remove()
+        if args.round == "adaptive":
+            hooks = timed_forwards(model.target, totals, "target") + timed_forwards(model.draft, totals, "draft")
+            try:
+                model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
+            finally:
+                for hook in hooks:
+                    hook.remove()
+        else:
+            with TimedSteps(model, totals):
+                model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
         stats = model.swiftspec_stats
         target_s, target_n = totals["target"]
         draft_s, draft_n = totals.get("draft", (0.0, 0))
