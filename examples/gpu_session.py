@@ -11,14 +11,15 @@ tests   pytest on the test files that run CUDA code on a GPU machine: the tree-a
         slow sweep included), the attention wiring, and the CLI and bench tests (their default device is cuda:0).
 kernel  kernels/benchmarks/bench_tree_attention.py for fp16 and bf16, 32 query heads over 32/8/4 KV heads
         (GQA groups 1/4/8), head dims 64/128/256, prefixes of 512 to 32k tokens, trees of 1 to 64 nodes.
-steps   eager step latencies (no torch.compile, no CUDA graphs) of a Llama-3-8B-shaped target and a
-        Llama-3.2-1B-shaped draft with RANDOM weights in bf16, at 1k and 8k tokens of context: one draft expansion
-        (DraftWorker.expand over 8 leaves) and target verifications of T = 1, 8, 16, 32 nodes
-        (TargetWorker.forward_subtrees), through the model's own sdpa and through the Triton tree kernel, each
-        beside its HBM floor: (weight bytes + KV bytes read) / the measured bandwidth.
+steps   step latencies of a Llama-3-8B-shaped target and a Llama-3.2-1B-shaped draft with RANDOM weights in
+        bf16, at 1k and 8k tokens of context: one draft expansion (DraftWorker.expand over 8 leaves) and target
+        verifications of T = 1, 8, 16, 32 nodes (TargetWorker.forward_subtrees), eager, through the model's own
+        sdpa and through the Triton tree kernel; then the static round's steps (static.py, compile=True's) eager
+        and as CUDA graphs; each beside its HBM floor: (weight bytes + KV bytes read) / the measured bandwidth.
 e2e     trains a ~158M target and a ~15M draft on the standard library as examples/train_demo_pair.py trains the
         demo pair (bf16 autocast, 150 s + 60 s), then runs `swiftspec bench` (`python -m hf_swiftspec.bench`)
-        on it in float32 with every method it offers; the pair itself stays in a temporary folder.
+        on it in float32 with every method it offers, swiftspec_compiled included; the pair itself stays in a
+        temporary folder.
 
 The device's bandwidth is measured once per run (a 4 GiB device-to-device copy, bytes read + written) and
 passed to kernel, steps and the bench as the peak. A phase that fails writes its traceback into
@@ -66,6 +67,7 @@ from hf_swiftspec.bench.command import device_description  # noqa: E402
 from hf_swiftspec.bench.limits import kv_bytes_per_token, measure_bandwidth_gbps, weight_bytes_read  # noqa: E402
 from hf_swiftspec.config import SwiftSpecConfig  # noqa: E402
 from hf_swiftspec.generation import build_workers  # noqa: E402
+from hf_swiftspec.static import StaticModel, step_mask  # noqa: E402
 from hf_swiftspec.testing import shaped_model  # noqa: E402
 from hf_swiftspec.tree import Subtree  # noqa: E402
 
@@ -113,7 +115,7 @@ class Plan:
 
 GPU = Plan(
     tests=("tests/test_tree_attention_kernel.py", "tests/test_attention_wiring.py", "tests/test_cli.py",
-           "tests/test_bench.py"),
+           "tests/test_bench.py", "tests/test_static_round.py"),
     # bf16, GQA 4, head dim 128 (Llama-3-8B's attention) first: the configuration that matters most
     kernel_configs=tuple(itertools.product(("bf16", "fp16"), (32,), (8, 4, 32), (128, 64, 256))),
     kernel_prefixes=(512, 2048, 8192, 32768),
@@ -136,7 +138,8 @@ GPU = Plan(
     ),
     # float32: the bench fails the run on any token that differs from target.generate's, and 16-bit
     # rounding differs between the tree kernel's T-node step and sdpa's 1-token step
-    bench_args=("--dtype", "float32", "--prompts", "humaneval", "--prompts", "spec_bench", "--prompts", "editing"),
+    bench_args=("--dtype", "float32", "--prompts", "humaneval", "--prompts", "spec_bench", "--prompts", "editing",
+                "--methods", "target,assisted,prompt_lookup,swiftspec_serial,swiftspec_async,swiftspec_compiled"),
     bandwidth_mib=4096,
 )
 
@@ -364,6 +367,40 @@ def steps_at(session: Session, target, draft, context: int, attention: str) -> l
     return rows
 
 
+def static_steps_at(session: Session, target, draft, context: int) -> list[dict]:
+    """The static round's steps (static.py) after a `context`-token prefill, eager and compiled (on CUDA: CUDA
+    graphs): the draft's expansion of 8 leaves and the target's verification of T nodes of a random tree."""
+    trees, rows = session.plan.step_trees, []
+    vocab = target.config.vocab_size
+    prompt = torch.randint(3, vocab, (context,), generator=torch.Generator().manual_seed(context)).tolist()
+    for compiled in (False, True):
+        for role, model, sizes in (("draft_expand", draft, (8,)), ("verify", target, trees)):
+            static = StaticModel.build(model, context + 64, compiled)
+            static.prefill(prompt)
+            for T in sizes:
+                subtree = random_subtree(T, vocab, T)
+                region = subtree_ancestors(subtree.parents, session.device)
+                depths = region.sum(-1) - 1
+                args = (torch.tensor([subtree.tokens], device=session.device), (context + depths)[None],
+                        torch.arange(context, context + T, device=session.device),
+                        step_mask(context, region, context, static.capacity, model.dtype))
+                ms = median_ms(lambda: static.run(*args), lambda: None, session.device, *session.plan.step_iters)
+                row = step_row(session, f"static {role}", model, context, T, "graph" if compiled else "eager", ms)
+                rows.append(row)
+            del static
+    return rows
+
+
+def subtree_ancestors(parents: list[int], device) -> torch.Tensor:
+    """(T, T) bool: node i sees node j when j is i or an ancestor of i."""
+    T = len(parents)
+    mask = torch.eye(T, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            mask[i] |= mask[p]
+    return mask.to(device)
+
+
 def step_models(session: Session, notes: list[str]):
     """(target, draft) with random weights (transformers' usual initialisation: only their speed counts) on the
     device; a target too large for the device beside the draft loses half its layers until it fits."""
@@ -401,10 +438,13 @@ def run_steps(session: Session) -> None:
     record = {"notes": notes, "peak_gbps": session.peak_gbps, "rows": [], "errors": [],
               "target_params": sum(p.numel() for p in target.parameters()),
               "draft_params": sum(p.numel() for p in draft.parameters())}
-    for context, attention in itertools.product(plan.step_contexts, ("model", "kernel")):
+    for context, attention in itertools.product(plan.step_contexts, ("model", "kernel", "static")):
         try:
             with torch.no_grad():  # as generate() runs them
-                record["rows"] += steps_at(session, target, draft, context, attention)
+                if attention == "static":
+                    record["rows"] += static_steps_at(session, target, draft, context)
+                else:
+                    record["rows"] += steps_at(session, target, draft, context, attention)
         except Exception as error:
             record["errors"].append(f"context {context}, attention {attention}: {type(error).__name__}: {error}")
             traceback.print_exc()

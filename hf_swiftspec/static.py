@@ -49,6 +49,9 @@ class SlotLayer(CacheLayerMixin):
         self.keys = key_states.new_zeros(B, H, C, D)
         self.values = value_states.new_zeros(B, H, C, value_states.shape[-1])
         self.dtype, self.device = key_states.dtype, key_states.device
+        if not torch.compiler.is_compiling():  # fixed addresses: a CUDA graph replays its writes in place
+            torch._dynamo.mark_static_address(self.keys)
+            torch._dynamo.mark_static_address(self.values)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -111,7 +114,7 @@ class StaticModel:
     step: object = field(init=False, repr=False)
 
     def __post_init__(self):
-        self.step = compiled_step() if self.compiled else forward_slots
+        self.step = compiled_step(self.model.device) if self.compiled else forward_slots
 
     @classmethod
     def build(cls, model: PreTrainedModel, needed: int, compiled: bool = False) -> "StaticModel":
@@ -151,15 +154,16 @@ class StaticModel:
             )
 
 
-_COMPILED = None
+_COMPILED: dict[str, object] = {}
 
 
-def compiled_step():
-    """forward_slots compiled whole (fullgraph: a graph break is an error), one graph per step shape."""
-    global _COMPILED
-    if _COMPILED is None:
-        _COMPILED = torch.compile(forward_slots, fullgraph=True, dynamic=False)
-    return _COMPILED
+def compiled_step(device: torch.device):
+    """forward_slots compiled whole (fullgraph: a graph break is an error), one graph per step shape;
+    on CUDA each graph is also captured as a CUDA graph (mode="reduce-overhead")."""
+    mode = "reduce-overhead" if device.type == "cuda" else "default"
+    if mode not in _COMPILED:
+        _COMPILED[mode] = torch.compile(forward_slots, fullgraph=True, dynamic=False, mode=mode)
+    return _COMPILED[mode]
 
 
 def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

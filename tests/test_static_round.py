@@ -280,3 +280,20 @@ def test_a_generation_to_the_last_position_of_learned_embeddings():
     shape = StaticShape(8, 4, 4)
     result = run_static(*static_models(target, draft, shape, 64), request_for(prompt, 34), shape, 98)
     assert result.tokens == expected
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (examples/gpu_session.py --phase tests)")
+def test_cuda_graph_round_equals_eager_and_target_generate():
+    """On a GPU, compile=True captures each step as a CUDA graph: token for token what the eager static
+    round and target.generate emit, on a pair of llama and a gpt2 (float32)."""
+    for model_type in ("llama", "gpt2"):
+        target, draft = (m.to("cuda") for m in pair(model_type))
+        model = SwiftSpecForCausalLM.from_models(target, draft, compile=True, tree_budget=8, draft_depth=4, draft_width=4)
+        shape = StaticShape(8, 4, 4)
+        for prompt in random_prompts([11, 40], seed=12):
+            ids = torch.tensor([prompt], device="cuda")
+            expected = target.generate(ids, max_new_tokens=48, do_sample=False)
+            assert torch.equal(model.generate(ids, max_new_tokens=48, do_sample=False, swiftspec=True), expected)
+            assert model.swiftspec_stats.engine == "static (compiled)"
+            eager = run_static(*static_models(target, draft, shape, len(prompt) + 48), request_for(prompt, 48), shape, 98)
+            assert eager.tokens == expected[0, len(prompt):].tolist()
