@@ -147,7 +147,7 @@ def decode_static(target, draft, request: DecodeRequest, config: SwiftSpecConfig
     length = request.prompt.shape[1] + request.max_new_tokens
     steps = [StaticModel.build(m, n, compiled=True) for m, n in ((target, shape.target_slots(length)),
                                                                    (draft, shape.draft_slots(length)))]
-    result = run_static(*steps, request, shape, vocab_limit=target.config.get_text_config().vocab_size)
+    result = run_static(*steps, request, shape, target.config.get_text_config().vocab_size, config.ngram_size)
     result.stats.attention = f"target={own_implementation(target)}, draft={own_implementation(draft)} (static, compiled)"
     return result
 

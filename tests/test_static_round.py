@@ -159,19 +159,36 @@ def test_capacity_is_bucketed():
 
 # ---- the round ---------------------------------------------------------------------------------
 
-SHAPES = [StaticShape(8, 4, 4), StaticShape(4, 1, 3), StaticShape(16, 3, 2), StaticShape(6, 5, 1)]
+SHAPES = [StaticShape(8, 4, 4), StaticShape(4, 1, 3), StaticShape(16, 3, 2), StaticShape(6, 5, 1), StaticShape(8, 3, 4, 4),
+          StaticShape(12, 2, 2, 6)]
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3", "gpt2"])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"T{s.budget}-d{s.depth}-w{s.width}")
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"T{s.budget}-d{s.depth}-w{s.width}-s{s.suffix}")
 def test_greedy_equals_target_generate(model_type, shape):
     target, draft = pair(model_type)
     for prompt in random_prompts([9, 30], seed=5):
         ids = torch.tensor([prompt])
         expected = target.generate(ids, max_new_tokens=40, do_sample=False)[0, len(prompt):].tolist()
-        result = run_static(*static_models(target, draft, shape, len(prompt) + 40), request_for(prompt, 40), shape, 98)
+        result = run_static(*static_models(target, draft, shape, len(prompt) + 40), request_for(prompt, 40), shape, 98, 3)
         assert result.tokens == expected
         assert result.stats.verify_steps == len(result.rounds)
+
+
+def test_ngram_branches_are_verified_beside_the_draft_tree():
+    """A prompt that repeats itself: the n-gram proposal (beside a draft that never agrees) is accepted,
+    and the output stays target.generate's."""
+    target, _ = pair()
+    useless = tiny_model(seed=99, layers=1)  # an unrelated draft
+    prompt = random_prompts([6], seed=13)[0]
+    ids = torch.tensor([prompt])
+    cycle = target.generate(ids, max_new_tokens=40, do_sample=False)[0, len(prompt):].tolist()
+    prompt = prompt + cycle  # the continuation is in the context now
+    expected = target.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False)[0, len(prompt):].tolist()
+    shape = StaticShape(8, 3, 2, 4)
+    result = run_static(*static_models(target, useless, shape, len(prompt) + 40), request_for(prompt, 40), shape, 98, 3)
+    assert result.tokens == expected
+    assert sum(r.ngram_accepted for r in result.rounds) >= 10
 
 
 def test_a_draft_that_is_the_target_has_every_chain_accepted():

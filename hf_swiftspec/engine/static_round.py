@@ -31,7 +31,8 @@ import torch
 from ..architectures import FULL, describe
 from ..static import StaticModel, additive, step_mask
 from ..stats import DraftCounters, SwiftSpecStats, TargetCounters
-from ..tree import Proposal, Subtree, TokenTree, add_children, clear_tree, expansion_inputs, new_tree
+from ..suffix import SuffixIndex, SuffixTree
+from ..tree import Proposal, Subtree, TokenTree, add_children, clear_tree, expansion_inputs, new_tree, subtree_mask
 from ..verify import PATH_FREE_PROCESSORS, Sampler, Verified, apply_processors, split_criteria
 from .request import BatchRows, DecodeRequest, DecodeResult
 
@@ -42,11 +43,13 @@ DEFAULT_DEPTH = 4
 @dataclass(frozen=True)
 class StaticShape:
     """The round's fixed shape: `budget` nodes verified (root included), `depth` draft forwards,
-    `width` leaves per expansion and children per leaf."""
+    `width` leaves per expansion and children per leaf, at most `suffix` of the verified nodes from
+    the n-gram proposal (0: none), never deeper than the draft's tree."""
 
     budget: int
     depth: int
     width: int
+    suffix: int = 0
 
     @property
     def chain(self) -> int:
@@ -100,14 +103,18 @@ class StaticSequence:
 
 
 def run_static(target: StaticModel, draft: StaticModel, request: DecodeRequest, shape: StaticShape,
-               vocab_limit: int) -> DecodeResult:
-    """The whole decode loop of the static round (one sequence)."""
+               vocab_limit: int, ngram_size: int = 0) -> DecodeResult:
+    """The whole decode loop of the static round (one sequence). ngram_size: longest context suffix
+    matched for the n-gram proposal (shape.suffix > 0 only)."""
     rows = BatchRows.start(request)
     sampler = request.samplers[0]
     eos, max_length, _ = split_criteria(request.stopping_criteria)
     target_counters, draft_counters = TargetCounters(), DraftCounters()
     start = time.perf_counter()
     prompt = request.prompt_ids()[0]
+    ngrams = SuffixIndex(max_n=max(ngram_size, 1), history=request.history)
+    ngrams.add_corpus(request.corpus)
+    ngrams.extend(prompt)
     target.prefill(prompt[:-1])
     draft.prefill(prompt[:-1])
     target_counters.forwards += bool(prompt[:-1])
@@ -123,7 +130,8 @@ def run_static(target: StaticModel, draft: StaticModel, request: DecodeRequest, 
         draft_counters.rounds += 1
         draft_counters.busy_s += time.perf_counter() - round_start
         verify_start = time.perf_counter()
-        nodes = best_nodes(tree, shape.budget)
+        suffix = ngrams.propose(shape.suffix, shape.depth) if shape.suffix else SuffixTree()
+        nodes = with_suffix(best_nodes(tree, shape.budget - len(suffix)), suffix)
         logits = verify_nodes(target, nodes, seq.target_prefix)
         scores, choice = target_choice(logits, nodes, seq.context, sampler)
         back = read_back(walk_on_device(nodes, choice))  # the round's one host sync
@@ -131,11 +139,12 @@ def run_static(target: StaticModel, draft: StaticModel, request: DecodeRequest, 
         commit_path(target, seq, verified.path)
         seq.context = torch.cat([seq.context, torch.tensor([verified.tokens], device=seq.context.device)], dim=1)
         seq.chain = verified.tokens
+        ngrams.extend(verified.tokens)
         target_counters.forwards += 1
         target_counters.verify_steps += 1
         target_counters.busy_s += time.perf_counter() - verify_start
         keep = rows.record([verified], request.on_tokens)
-        rows.result.record_round([static_proposal(nodes)], [verified], shape.depth)
+        rows.result.record_round([static_proposal(nodes, len(suffix))], [verified], shape.depth)
         if not keep:
             rows.live = []
     result = rows.result
@@ -192,6 +201,25 @@ def best_nodes(tree: TokenTree, budget: int) -> TreeNodes:
     parents = tree.parents[ids]
     parents = torch.where(parents >= 0, local[parents.clamp(min=0)], -1)
     return TreeNodes(tree.tokens[ids], parents, tree.depths[ids], tree.ancestors[ids][:, ids])
+
+
+def with_suffix(nodes: TreeNodes, suffix: SuffixTree) -> TreeNodes:
+    """The draft's nodes followed by the n-gram proposal's, hanging from the root (host lists in, no sync).
+    A suffix node may repeat a draft node (same token under the same parent): both then carry the same
+    context, so whichever the walk ends on, its path and KV are the same."""
+    if not len(suffix):
+        return nodes
+    device, D = nodes.tokens.device, nodes.tokens.shape[0]
+    S = len(suffix)
+    ancestors, depths = subtree_mask([-1] + [p + 1 for p in suffix.parents], device)  # the root, then the suffix
+    full = torch.zeros(D + S, D + S, dtype=torch.bool, device=device)
+    full[:D, :D] = nodes.ancestors
+    full[D:, 0] = True
+    full[D:, D:] = ancestors[1:, 1:]
+    parents = torch.tensor([p + D if p >= 0 else 0 for p in suffix.parents], device=device)
+    tokens = torch.tensor(suffix.tokens, device=device)
+    return TreeNodes(torch.cat([nodes.tokens, tokens]), torch.cat([nodes.parents, parents]),
+                     torch.cat([nodes.depths, depths[1:]]), full)
 
 
 def verify_nodes(target: StaticModel, nodes: TreeNodes, prefix: int) -> torch.Tensor:
@@ -267,16 +295,17 @@ def commit_path(target: StaticModel, seq: StaticSequence, path: list[int]) -> No
     seq.target_prefix += m
 
 
-def static_proposal(nodes: TreeNodes) -> Proposal:
-    """What the round's statistics record: T nodes, none from an n-gram proposal."""
+def static_proposal(nodes: TreeNodes, suffix: int) -> Proposal:
+    """What the round's statistics record: T nodes, the last `suffix` of them from the n-gram proposal."""
     T = nodes.tokens.shape[0]
-    return Proposal(Subtree([-1] * T, [0] * T, [-1] * T), [0.0] * T, [None] * T, [-1] * T)
+    return Proposal(Subtree([-1] * T, [0] * T, [-1] * T), [0.0] * T, [None] * T, [-1] * (T - suffix) + [0] * suffix)
 
 
 def static_shape(config, draft) -> StaticShape:
     """The round's shape from the settings: tree_budget (default 8) nodes, draft_depth (default 4)
-    forwards of draft_width leaves."""
-    return StaticShape(config.tree_budget or DEFAULT_BUDGET, config.draft_depth or DEFAULT_DEPTH, config.draft_width)
+    forwards of draft_width leaves, up to half the nodes from the n-gram proposal (ngram_size > 0)."""
+    budget, depth = config.tree_budget or DEFAULT_BUDGET, config.draft_depth or DEFAULT_DEPTH
+    return StaticShape(budget, depth, config.draft_width, budget // 2 if config.ngram_size > 0 else 0)
 
 
 def static_round_gaps(target, draft, request: DecodeRequest, placement, config) -> list[str]:
