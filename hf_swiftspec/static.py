@@ -141,11 +141,16 @@ class StaticModel:
 
     def prefill(self, tokens: list[int]) -> None:
         """Run a prompt's tokens as one causal chain into slots [0, n) (eager: its shape is the prompt's)."""
+        self.extend(tokens, 0)
+
+    def extend(self, tokens: list[int], first: int) -> None:
+        """Run tokens at positions and slots [first, first + n) as one causal chain after the committed
+        slots [0, first) (eager: its shape is the chain's)."""
         n = len(tokens)
         if not n:
             return
         device = self.device
-        slots = torch.arange(n, device=device)
+        slots = torch.arange(first, first + n, device=device)
         allowed = slots[None, :, None] >= torch.arange(self.capacity, device=device)[None, None]  # (1, n, C)
         with torch.no_grad():
             forward_slots(

@@ -79,6 +79,14 @@ def request_for(prompt: list[int], max_new: int, sampler: Sampler | None = None,
     )
 
 
+@pytest.fixture
+def always_trees(monkeypatch):
+    """Every round a tree round (the chooser's pick depends on timings)."""
+    import hf_swiftspec.engine.static_round as static_round
+
+    monkeypatch.setattr(static_round.ShapeChooser, "tree_next", lambda self: True)
+
+
 def static_models(target, draft, shape: StaticShape, length: int, compiled: bool = False):
     return (StaticModel.build(target, shape.target_slots(length), compiled),
             StaticModel.build(draft, shape.draft_slots(length), compiled))
@@ -175,7 +183,7 @@ def test_greedy_equals_target_generate(model_type, shape):
         assert result.stats.verify_steps == len(result.rounds)
 
 
-def test_ngram_branches_are_verified_beside_the_draft_tree():
+def test_ngram_branches_are_verified_beside_the_draft_tree(always_trees):
     """A prompt that repeats itself: the n-gram proposal (beside a draft that never agrees) is accepted,
     and the output stays target.generate's."""
     target, _ = pair()
@@ -191,7 +199,7 @@ def test_ngram_branches_are_verified_beside_the_draft_tree():
     assert sum(r.ngram_accepted for r in result.rounds) >= 10
 
 
-def test_a_draft_that_is_the_target_has_every_chain_accepted():
+def test_a_draft_that_is_the_target_has_every_chain_accepted(always_trees):
     """With the target as its own draft a chain of depth d is accepted whole: d + 1 tokens per round."""
     import copy
 
@@ -314,3 +322,41 @@ def test_cuda_graph_round_equals_eager_and_target_generate():
             assert model.swiftspec_stats.engine == "static (compiled)"
             eager = run_static(*static_models(target, draft, shape, len(prompt) + 48), request_for(prompt, 48), shape, 98)
             assert eager.tokens == expected[0, len(prompt):].tolist()
+
+
+def test_switching_between_plain_and_tree_rounds_stays_exact(monkeypatch):
+    """Plain rounds leave the draft behind (its chain grows past its fixed size): the tree round after them
+    catches it up first. A fixed pattern of both kinds, greedy and sampled, against the references."""
+    import hf_swiftspec.engine.static_round as static_round
+
+    pattern = iter([True, False, False, False, False, False, False, True, True, False] * 20)
+    monkeypatch.setattr(static_round.ShapeChooser, "tree_next", lambda self: next(pattern))
+    target, draft = pair()
+    prompt = random_prompts([17], seed=14)[0]
+    expected = target.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False)[0, len(prompt):].tolist()
+    shape = StaticShape(8, 2, 3, 4)
+    result = run_static(*static_models(target, draft, shape, len(prompt) + 40), request_for(prompt, 40), shape, 98, 3)
+    assert result.tokens == expected
+    assert {r.budget for r in result.rounds} == {1, 8}
+
+
+def test_shape_chooser_keeps_the_faster_kind_and_probes_the_other():
+    chooser = static_round_chooser()
+    kinds = []
+    for _ in range(40):  # trees make 1.2 tokens per 30 ms, plain rounds 1 token per 10 ms
+        tree = chooser.tree_next()
+        kinds.append(tree)
+        chooser.observe(tree, 1 if not tree else 2, 0.03 if tree else 0.01)
+    assert kinds[:4] == [True, False, True, False]  # each kind's first round is not counted: alternate
+    assert sum(kinds[4:]) <= 4 and kinds[-8:].count(True) <= 1  # mostly plain, with sparser probes
+    chooser = static_round_chooser()
+    for _ in range(10):  # trees make 3 tokens per 20 ms
+        tree = chooser.tree_next()
+        chooser.observe(tree, 3 if tree else 1, 0.02 if tree else 0.01)
+    assert all(chooser.tree_next() for _ in range(3))
+
+
+def static_round_chooser():
+    from hf_swiftspec.engine.static_round import ShapeChooser
+
+    return ShapeChooser()

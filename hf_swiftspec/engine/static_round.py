@@ -24,7 +24,7 @@ names anything else, and generate() refuses it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -116,35 +116,39 @@ def run_static(target: StaticModel, draft: StaticModel, request: DecodeRequest, 
     ngrams.add_corpus(request.corpus)
     ngrams.extend(prompt)
     target.prefill(prompt[:-1])
-    draft.prefill(prompt[:-1])
     target_counters.forwards += bool(prompt[:-1])
-    draft_counters.forwards += bool(prompt[:-1])
     context = request.contexts[0] if request.contexts is not None else request.prompt
-    seq = StaticSequence(len(prompt) - 1, len(prompt) - 1, prompt[-1:], context.to(target.device))
+    seq = StaticSequence(len(prompt) - 1, 0, list(prompt), context.to(target.device))  # the draft runs it when needed
     tree = new_tree(prompt[-1], shape.nodes, draft.device)
+    chooser = ShapeChooser()
     while rows.live:
         round_start = time.perf_counter()
-        grow_tree(draft, tree, seq, shape, vocab_limit)
-        draft_counters.forwards += shape.depth
-        draft_counters.expansions += shape.depth
-        draft_counters.rounds += 1
-        draft_counters.busy_s += time.perf_counter() - round_start
+        tree_round = chooser.tree_next()
+        if tree_round:  # 1. the draft: its chain (caught up first if plain rounds left it behind), its tree
+            draft_counters.forwards += catch_up(draft, seq, shape.chain) + shape.depth
+            grow_tree(draft, tree, seq, shape, vocab_limit)
+            draft_counters.expansions += shape.depth
+            draft_counters.rounds += 1
+            draft_counters.busy_s += time.perf_counter() - round_start
+            suffix = ngrams.propose(shape.suffix, shape.depth) if shape.suffix else SuffixTree()
+            nodes = with_suffix(best_nodes(tree, shape.budget - len(suffix)), suffix)
+        else:  # a plain round: the root alone
+            suffix, nodes = SuffixTree(), root_only(seq.chain[-1], target.device)
         verify_start = time.perf_counter()
-        suffix = ngrams.propose(shape.suffix, shape.depth) if shape.suffix else SuffixTree()
-        nodes = with_suffix(best_nodes(tree, shape.budget - len(suffix)), suffix)
-        logits = verify_nodes(target, nodes, seq.target_prefix)
+        logits = verify_nodes(target, nodes, seq.target_prefix)  # 2. the target
         scores, choice = target_choice(logits, nodes, seq.context, sampler)
-        back = read_back(walk_on_device(nodes, choice))  # the round's one host sync
+        back = read_back(walk_on_device(nodes, choice))  # 3. the walk, 4. the round's one host sync
         verified = stop_where_done(back, scores, logits, seq.context.shape[1], rows.budgets()[0], eos, max_length)
-        commit_path(target, seq, verified.path)
+        commit_path(target, seq, verified.path)  # 5. commit
         seq.context = torch.cat([seq.context, torch.tensor([verified.tokens], device=seq.context.device)], dim=1)
-        seq.chain = verified.tokens
+        seq.chain = verified.tokens if tree_round else seq.chain + verified.tokens
         ngrams.extend(verified.tokens)
         target_counters.forwards += 1
         target_counters.verify_steps += 1
         target_counters.busy_s += time.perf_counter() - verify_start
+        chooser.observe(tree_round, len(verified.tokens), time.perf_counter() - round_start)
         keep = rows.record([verified], request.on_tokens)
-        rows.result.record_round([static_proposal(nodes, len(suffix))], [verified], shape.depth)
+        rows.result.record_round([static_proposal(nodes, len(suffix))], [verified], shape.depth if tree_round else 0)
         if not keep:
             rows.live = []
     result = rows.result
@@ -154,6 +158,64 @@ def run_static(target: StaticModel, draft: StaticModel, request: DecodeRequest, 
     )
     result.stats.add_rounds(result.rounds)
     return result
+
+
+@dataclass
+class ShapeChooser:
+    """Tree rounds or plain rounds (the root alone, no draft), whichever has made more tokens per second
+    in this call, judged between rounds from what the round's sync brought back (no sync of its own).
+    Each kind's first round is not counted (it may have compiled its graphs); until both kinds have a
+    rate the two alternate. A plain streak tries one tree round after `probe_after` plain rounds, and
+    waits twice as long (up to 64) each time the tree round loses again."""
+
+    tree_rate: float | None = None  # tokens per second, a moving average
+    plain_rate: float | None = None
+    seen: set = field(default_factory=set)
+    last_tree: bool = False
+    streak: int = 0
+    probe_after: int = 4
+
+    def tree_next(self) -> bool:
+        if self.tree_rate is None or self.plain_rate is None:
+            return not self.last_tree if self.seen else True
+        if self.tree_rate >= self.plain_rate:
+            return True
+        return self.streak >= self.probe_after
+
+    def observe(self, tree: bool, tokens: int, seconds: float) -> None:
+        self.last_tree = tree
+        self.streak = 0 if tree else self.streak + 1
+        if tree not in self.seen:
+            self.seen.add(tree)
+            return
+        rate = tokens / max(seconds, 1e-9)
+        old = self.tree_rate if tree else self.plain_rate
+        new = rate if old is None else 0.7 * old + 0.3 * rate
+        if tree:
+            self.tree_rate = new
+            if self.plain_rate is not None and new < self.plain_rate:  # a probe that lost: probe less often
+                self.probe_after = min(2 * self.probe_after, 64)
+        else:
+            self.plain_rate = new
+
+
+def catch_up(draft: StaticModel, seq: StaticSequence, chain: int) -> int:
+    """Run all but the last `chain` tokens the draft has not seen (the prompt, plain rounds' tokens) as one
+    eager forward into its prefix, so that the round's chain fits its fixed size. Returns forwards run."""
+    behind = seq.chain[:-chain]
+    if not behind:
+        return 0
+    draft.extend(behind, seq.draft_prefix)
+    seq.draft_prefix += len(behind)
+    seq.chain = seq.chain[len(behind) :]
+    return 1
+
+
+def root_only(root: int, device) -> TreeNodes:
+    """A plain round's nodes: the root alone."""
+    one = torch.ones(1, 1, dtype=torch.bool, device=device)
+    zero = torch.zeros(1, dtype=torch.long, device=device)
+    return TreeNodes(torch.tensor([root], device=device), zero - 1, zero, one)
 
 
 def grow_tree(draft: StaticModel, tree: TokenTree, seq: StaticSequence, shape: StaticShape, vocab_limit: int) -> None:
