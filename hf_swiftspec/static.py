@@ -81,12 +81,17 @@ class SlotCache(Cache):
         self.slots: torch.Tensor | None = None
         super().__init__(layers=[SlotLayer(self) for _ in range(num_layers)])
 
-    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Move slots src (K,) to dst (K,) in every layer; sources are read before anything is written."""
-        for layer in self.layers:
-            for name in ("keys", "values"):
-                buffer = getattr(layer, name)
-                buffer.index_copy_(2, dst, buffer.index_select(2, src))
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """Every layer's keys and values (1, H, C, D)."""
+        return [buffer for layer in self.layers for buffer in (layer.keys, layer.values)]
+
+
+def move_slots(buffers: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Move slots src (K,) to dst (K,) in every buffer (1, H, C, D); sources are read before anything is
+    written, so a slot may be both (a padding entry that copies a slot onto itself)."""
+    for buffer in buffers:
+        buffer.index_copy_(2, dst, buffer.index_select(2, src))
 
 
 def forward_slots(model: PreTrainedModel, cache: SlotCache, input_ids, position_ids, slots, mask) -> torch.Tensor:
@@ -112,9 +117,13 @@ class StaticModel:
     compiled: bool = False
     last_position: int | None = None  # the model's last position (learned embeddings end there); None: no end
     step: object = field(init=False, repr=False)
+    move: object = field(init=False, repr=False)
+    device: torch.device = field(init=False)
 
     def __post_init__(self):
-        self.step = compiled_step(self.model.device) if self.compiled else forward_slots
+        self.device = self.model.device  # (the model's property walks its parameters: 50 us a call)
+        self.step = compiled_step(self.device) if self.compiled else forward_slots
+        self.move = compiled_move() if self.compiled else move_slots
 
     @classmethod
     def build(cls, model: PreTrainedModel, needed: int, compiled: bool = False) -> "StaticModel":
@@ -125,10 +134,6 @@ class StaticModel:
     @property
     def capacity(self) -> int:
         return self.cache.capacity
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.device
 
     def run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor):
         """Logits (Q, V) of one step (shapes as forward_slots). Positions past the model's last are
@@ -169,6 +174,17 @@ def compiled_step(device: torch.device):
     if mode not in _COMPILED:
         _COMPILED[mode] = torch.compile(forward_slots, fullgraph=True, dynamic=False, mode=mode)
     return _COMPILED[mode]
+
+
+_MOVE = None
+
+
+def compiled_move():
+    """move_slots compiled: one fused kernel for every layer (2 x layers small ops eagerly)."""
+    global _MOVE
+    if _MOVE is None:
+        _MOVE = torch.compile(move_slots, fullgraph=True, dynamic=False)
+    return _MOVE
 
 
 def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -139,7 +139,7 @@ def run_static(target: StaticModel, draft: StaticModel, request: DecodeRequest, 
         scores, choice = target_choice(logits, nodes, seq.context, sampler)
         back = read_back(walk_on_device(nodes, choice))  # 3. the walk, 4. the round's one host sync
         verified = stop_where_done(back, scores, logits, seq.context.shape[1], rows.budgets()[0], eos, max_length)
-        commit_path(target, seq, verified.path)  # 5. commit
+        commit_path(target, seq, verified.path, nodes.tokens.shape[0])  # 5. commit
         seq.context = torch.cat([seq.context, torch.tensor([verified.tokens], device=seq.context.device)], dim=1)
         seq.chain = verified.tokens if tree_round else seq.chain + verified.tokens
         ngrams.extend(verified.tokens)
@@ -346,14 +346,16 @@ def stop_where_done(back: RoundReadBack, scores, logits, length: int, max_tokens
     return out
 
 
-def commit_path(target: StaticModel, seq: StaticSequence, path: list[int]) -> None:
-    """Step 5: the path's KV moves to the slots after the prefix (nothing moves for a path already there)."""
+def commit_path(target: StaticModel, seq: StaticSequence, path: list[int], size: int) -> None:
+    """Step 5: the path's KV moves to the slots after the prefix (nothing moves for a path already there).
+    The move has the round's size whatever was accepted (one compiled graph): slots past the path copy
+    onto themselves."""
     m = len(path)
     if path != list(range(m)):
-        device = target.device
-        src = seq.target_prefix + torch.tensor(path, device=device)
-        dst = torch.arange(seq.target_prefix, seq.target_prefix + m, device=device)
-        target.cache.copy_slots(src, dst)
+        index = path + list(range(m, size))
+        src = seq.target_prefix + torch.tensor(index, device=target.device)
+        dst = torch.arange(seq.target_prefix, seq.target_prefix + size, device=target.device)
+        target.move(target.cache.buffers, src, dst)
     seq.target_prefix += m
 
 
