@@ -24,7 +24,7 @@ from .architectures import context_limit, describe
 from .attention import own_implementation, resolve_attention, routed_attention
 from .config import SwiftSpecConfig
 from .engine import DecodeRequest, DecodeResult, DraftWorker, TargetWorker, run_serial, run_threads
-from .engine.static_round import run_static, static_round_gaps, static_shape
+from .engine.static_round import ShapeChooser, run_static, static_round_gaps, static_shape
 from .engine.request import RowResult
 from .engine.distributed import Groups, run_distributed
 from .placement import Placement
@@ -61,7 +61,7 @@ def swiftspec_generate(
     swiftspec_streamer=None,
     swiftspec_generator: torch.Generator | None = None,
     swiftspec_corpus: list[list[int]] | None = None,
-    swiftspec_policy: GoodputPolicy | None = None,
+    swiftspec_policy: GoodputPolicy | ShapeChooser | None = None,
     swiftspec_history: OutputHistory | None = None,
     **model_kwargs,
 ) -> tuple[torch.LongTensor | GenerateDecoderOnlyOutput, SwiftSpecStats]:
@@ -98,14 +98,17 @@ def swiftspec_generate(
         stopping_criteria=stopping_criteria,
         pads_finished=any(hasattr(c, "eos_token_id") for c in stopping_criteria),  # as generate's own loop
         max_new_tokens=max_new,
-        policy=swiftspec_policy or GoodputPolicy(tree_budget=config.tree_budget, draft_depth=config.draft_depth),
+        policy=swiftspec_policy if isinstance(swiftspec_policy, GoodputPolicy) else GoodputPolicy(
+            tree_budget=config.tree_budget, draft_depth=config.draft_depth
+        ),
         corpus=swiftspec_corpus or [],
         history=swiftspec_history,
         on_tokens=(lambda tokens: swiftspec_streamer.put(torch.tensor(tokens))) if swiftspec_streamer else None,
     )
     request.policy.start_generation()
     if config.compile:
-        result = decode_static(model, swiftspec_draft, request, config, swiftspec_placement)
+        chooser = swiftspec_policy if isinstance(swiftspec_policy, ShapeChooser) else ShapeChooser()
+        result = decode_static(model, swiftspec_draft, request, config, swiftspec_placement, chooser)
     else:
         result = decode_adaptive(model, swiftspec_draft, request, config, swiftspec_placement, swiftspec_groups)
     if swiftspec_history is not None:  # later requests may copy these outputs (and their lead-ins)
@@ -132,7 +135,8 @@ def decode_adaptive(target, draft, request: DecodeRequest, config: SwiftSpecConf
     return result
 
 
-def decode_static(target, draft, request: DecodeRequest, config: SwiftSpecConfig, placement) -> DecodeResult:
+def decode_static(target, draft, request: DecodeRequest, config: SwiftSpecConfig, placement,
+                  chooser: ShapeChooser) -> DecodeResult:
     """compile=True: the static round (engine/static_round.py) with compiled steps, or a ValueError
     naming what it cannot decode exactly."""
     gaps = static_round_gaps(target, draft, request, placement, config)
@@ -147,7 +151,7 @@ def decode_static(target, draft, request: DecodeRequest, config: SwiftSpecConfig
     length = request.prompt.shape[1] + request.max_new_tokens
     steps = [StaticModel.build(m, n, compiled=True) for m, n in ((target, shape.target_slots(length)),
                                                                    (draft, shape.draft_slots(length)))]
-    result = run_static(*steps, request, shape, target.config.get_text_config().vocab_size, config.ngram_size)
+    result = run_static(*steps, request, shape, target.config.get_text_config().vocab_size, config.ngram_size, chooser)
     result.stats.attention = f"target={own_implementation(target)}, draft={own_implementation(draft)} (static, compiled)"
     return result
 

@@ -271,6 +271,8 @@ def test_generate_compile_true_equals_target_generate_with_scores():
         for mine, theirs in zip(out.scores + out.logits, expected.scores + expected.logits):
             torch.testing.assert_close(mine, theirs, atol=2e-5, rtol=1e-4)
     assert model.swiftspec_stats.engine == "static (compiled)"
+    chooser = model.policy()  # what the calls measured stays with the model, for the next call
+    assert chooser.tree_rate is not None and chooser.plain_rate is not None
 
 
 @pytest.mark.parametrize(

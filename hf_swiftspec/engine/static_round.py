@@ -103,9 +103,10 @@ class StaticSequence:
 
 
 def run_static(target: StaticModel, draft: StaticModel, request: DecodeRequest, shape: StaticShape,
-               vocab_limit: int, ngram_size: int = 0) -> DecodeResult:
+               vocab_limit: int, ngram_size: int = 0, chooser: "ShapeChooser | None" = None) -> DecodeResult:
     """The whole decode loop of the static round (one sequence). ngram_size: longest context suffix
-    matched for the n-gram proposal (shape.suffix > 0 only)."""
+    matched for the n-gram proposal (shape.suffix > 0 only); chooser: tree or plain rounds (kept across
+    calls by the model; default: a new one)."""
     rows = BatchRows.start(request)
     sampler = request.samplers[0]
     eos, max_length, _ = split_criteria(request.stopping_criteria)
@@ -120,7 +121,7 @@ def run_static(target: StaticModel, draft: StaticModel, request: DecodeRequest, 
     context = request.contexts[0] if request.contexts is not None else request.prompt
     seq = StaticSequence(len(prompt) - 1, 0, list(prompt), context.to(target.device))  # the draft runs it when needed
     tree = new_tree(prompt[-1], shape.nodes, draft.device)
-    chooser = ShapeChooser()
+    chooser = chooser or ShapeChooser()
     while rows.live:
         round_start = time.perf_counter()
         tree_round = chooser.tree_next()
