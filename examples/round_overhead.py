@@ -1,6 +1,7 @@
 """Time a speculative round outside the two models' forwards, on the bundled demo pair.
 
     python examples/round_overhead.py [--pair ID] [--max-new-tokens 128] [--repeats 3] [--round static]
+                                      [--always-trees]
 
 Forward time is measured by hooks on both models (one torch thread); everything else in the
 decode loop (tree bookkeeping, the walk, commits, the policy) is the round's overhead, printed
@@ -76,13 +77,25 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prompt", default="def read_config(path):\n")
-    parser.add_argument("--pair", default="swiftspec-demo-pystdlib", help="pair id or folder")
+    parser.add_argument("--pair", default="swiftspec-demo-pystdlib", help="pair id or folder, or shape:NAME")
     parser.add_argument("--round", choices=("adaptive", "static", "compiled"), default="adaptive")
+    parser.add_argument("--always-trees", action="store_true", help="static rounds: never a plain round")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    model = SwiftSpecForCausalLM.from_pretrained(args.pair, dtype=torch.float32)
+    if args.pair.startswith("shape:"):  # a random-weight pair in a real model's shape (hf_swiftspec.testing)
+        from hf_swiftspec.testing import char_tokenizer, real_shaped_pair
+
+        model = SwiftSpecForCausalLM.from_models(*real_shaped_pair(args.pair.removeprefix("shape:")),
+                                                 tokenizer=char_tokenizer())
+        model.generation_config.eos_token_id = None  # random text: run to max_new_tokens
+    else:
+        model = SwiftSpecForCausalLM.from_pretrained(args.pair, dtype=torch.float32)
     if args.round != "adaptive":
         static_round(model, compiled=args.round == "compiled")
+        if args.always_trees:
+            from hf_swiftspec.engine.static_round import ShapeChooser
+
+            ShapeChooser.tree_next = lambda self: True
     ids = model.tokenizer(args.prompt, return_tensors="pt").input_ids
     model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)  # warm-up (compiles every step shape)
     for _ in range(args.repeats):

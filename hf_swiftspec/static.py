@@ -94,9 +94,10 @@ def move_slots(buffers: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor
         buffer.index_copy_(2, dst, buffer.index_select(2, src))
 
 
-def forward_slots(model: PreTrainedModel, cache: SlotCache, input_ids, position_ids, slots, mask) -> torch.Tensor:
+def forward_slots(model: PreTrainedModel, cache: SlotCache, input_ids, position_ids, slots, mask, keep: int = 0) -> torch.Tensor:
     """The capturable step: one forward of (1, Q) queries at `position_ids` (1, Q), writing their KV at
-    `slots` (Q,), each seeing what `mask` (1, 1, Q, C) additive allows; returns float32 logits (Q, V).
+    `slots` (Q,), each seeing what `mask` (1, 1, Q, C) additive allows; returns float32 logits (Q, V)
+    (only the last `keep` queries' if keep > 0).
 
     Nothing in it reads a value on the host, and its shapes depend on Q and C only. It calls
     `model.forward`, not the module: hooks on the model itself would be traced into the graph (a
@@ -104,6 +105,7 @@ def forward_slots(model: PreTrainedModel, cache: SlotCache, input_ids, position_
     cache.slots = slots
     out = model.forward(
         input_ids=input_ids, position_ids=position_ids, attention_mask=mask, past_key_values=cache, use_cache=True,
+        logits_to_keep=keep,
     )
     return out.logits[0].float()
 
@@ -160,7 +162,7 @@ class StaticModel:
         with torch.no_grad():
             forward_slots(
                 self.model, self.cache, torch.tensor([tokens], device=device), slots[None], slots,
-                additive(allowed, self.model.dtype),
+                additive(allowed, self.model.dtype), keep=1,  # (a 49k-token head over every prompt token: 50 MB)
             )
 
 
