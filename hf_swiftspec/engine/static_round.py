@@ -124,17 +124,18 @@ def run_static(target: StaticModel, draft: StaticModel, request: DecodeRequest, 
     chooser = chooser or ShapeChooser()
     while rows.live:
         round_start = time.perf_counter()
-        tree_round = chooser.tree_next()
-        if tree_round:  # 1. the draft: its chain (caught up first if plain rounds left it behind), its tree
+        suffix = ngrams.propose(shape.suffix, shape.depth) if shape.suffix else SuffixTree()
+        kind = chooser.choose(round_kinds(bool(len(suffix))))
+        if kind == "tree":  # 1. the draft: its chain (caught up first if other rounds left it behind), its tree
             draft_counters.forwards += catch_up(draft, seq, shape.chain) + shape.depth
             grow_tree(draft, tree, seq, shape, vocab_limit)
             draft_counters.expansions += shape.depth
             draft_counters.rounds += 1
             draft_counters.busy_s += time.perf_counter() - round_start
-            suffix = ngrams.propose(shape.suffix, shape.depth) if shape.suffix else SuffixTree()
             nodes = with_suffix(best_nodes(tree, shape.budget - len(suffix)), suffix)
-        else:  # a plain round: the root alone
-            suffix, nodes = SuffixTree(), root_only(seq.chain[-1], target.device)
+        else:  # no draft: the root and the n-gram proposal, or the root alone
+            suffix = suffix if kind == "ngram" else SuffixTree()
+            nodes = with_suffix(root_only(seq.chain[-1], target.device), suffix)
         verify_start = time.perf_counter()
         logits = verify_nodes(target, nodes, seq.target_prefix)  # 2. the target
         scores, choice = target_choice(logits, nodes, seq.context, sampler)
@@ -142,14 +143,14 @@ def run_static(target: StaticModel, draft: StaticModel, request: DecodeRequest, 
         verified = stop_where_done(back, scores, logits, seq.context.shape[1], rows.budgets()[0], eos, max_length)
         commit_path(target, seq, verified.path, nodes.tokens.shape[0])  # 5. commit
         seq.context = torch.cat([seq.context, torch.tensor([verified.tokens], device=seq.context.device)], dim=1)
-        seq.chain = verified.tokens if tree_round else seq.chain + verified.tokens
+        seq.chain = verified.tokens if kind == "tree" else seq.chain + verified.tokens
         ngrams.extend(verified.tokens)
         target_counters.forwards += 1
         target_counters.verify_steps += 1
         target_counters.busy_s += time.perf_counter() - verify_start
-        chooser.observe(tree_round, len(verified.tokens), time.perf_counter() - round_start)
+        chooser.observe(kind, len(verified.tokens), time.perf_counter() - round_start)
         keep = rows.record([verified], request.on_tokens)
-        rows.result.record_round([static_proposal(nodes, len(suffix))], [verified], shape.depth if tree_round else 0)
+        rows.result.record_round([static_proposal(nodes, len(suffix))], [verified], shape.depth if kind == "tree" else 0)
         if not keep:
             rows.live = []
     result = rows.result
@@ -161,43 +162,47 @@ def run_static(target: StaticModel, draft: StaticModel, request: DecodeRequest, 
     return result
 
 
+def round_kinds(suffix: bool) -> list[str]:
+    """The kinds of round possible now, in the order the chooser first tries them: a tree (the draft's
+    nodes and the n-gram proposal's), the n-gram proposal alone (when there is one: no draft forward),
+    the root alone."""
+    return ["tree", "ngram", "plain"] if suffix else ["tree", "plain"]
+
+
 @dataclass
 class ShapeChooser:
-    """Tree rounds or plain rounds (the root alone, no draft), whichever has made more tokens per second
-    in this call, judged between rounds from what the round's sync brought back (no sync of its own).
-    Each kind's first round is not counted (it may have compiled its graphs); until both kinds have a
-    rate the two alternate. A plain streak tries one tree round after `probe_after` plain rounds, and
-    waits twice as long (up to 64) each time the tree round loses again."""
+    """Which kind of round to run (`round_kinds`): the one that has made the most tokens per second,
+    judged between rounds from what the round's sync brought back (no sync of its own), kept across
+    generate() calls by the model. Each kind is tried once first, and its first round is not counted (it
+    may have compiled its graphs). After `probe_after` rounds of the best kind, the next best is tried
+    once; each probe that loses doubles the wait (up to 64)."""
 
-    tree_rate: float | None = None  # tokens per second, a moving average
-    plain_rate: float | None = None
-    seen: set = field(default_factory=set)
-    last_tree: bool = False
-    streak: int = 0
+    rates: dict = field(default_factory=dict)  # kind -> tokens per second, a moving average
+    seen: set = field(default_factory=set)  # kinds whose first round has passed
+    streak: int = 0  # rounds of the best kind since the last probe
     probe_after: int = 4
 
-    def tree_next(self) -> bool:
-        if self.tree_rate is None or self.plain_rate is None:
-            return not self.last_tree if self.seen else True
-        if self.tree_rate >= self.plain_rate:
-            return True
-        return self.streak >= self.probe_after
+    def choose(self, kinds: list[str]) -> str:
+        untried = [k for k in kinds if k not in self.rates]
+        if untried:
+            return untried[0]
+        ranked = sorted(kinds, key=lambda k: -self.rates[k])
+        if len(ranked) > 1 and self.streak >= self.probe_after:
+            return ranked[1]
+        return ranked[0]
 
-    def observe(self, tree: bool, tokens: int, seconds: float) -> None:
-        self.last_tree = tree
-        self.streak = 0 if tree else self.streak + 1
-        if tree not in self.seen:
-            self.seen.add(tree)
+    def observe(self, kind: str, tokens: int, seconds: float) -> None:
+        best = max(self.rates, key=self.rates.get) if self.rates else None
+        self.streak = self.streak + 1 if kind == best else 0
+        if kind not in self.seen:
+            self.seen.add(kind)
             return
         rate = tokens / max(seconds, 1e-9)
-        old = self.tree_rate if tree else self.plain_rate
-        new = rate if old is None else 0.7 * old + 0.3 * rate
-        if tree:
-            self.tree_rate = new
-            if self.plain_rate is not None and new < self.plain_rate:  # a probe that lost: probe less often
-                self.probe_after = min(2 * self.probe_after, 64)
-        else:
-            self.plain_rate = new
+        old = self.rates.get(kind)
+        self.rates[kind] = rate if old is None else 0.7 * old + 0.3 * rate
+        if best is not None and kind != best:  # a probe: if it lost, probe less often
+            lost = self.rates[kind] < self.rates[best]
+            self.probe_after = min(2 * self.probe_after, 64) if lost else 4
 
 
 def catch_up(draft: StaticModel, seq: StaticSequence, chain: int) -> int:
