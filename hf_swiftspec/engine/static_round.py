@@ -123,7 +123,7 @@ def run_static(target: StaticModel, draft: StaticModel, request: DecodeRequest, 
     tree = new_tree(prompt[-1], shape.nodes, draft.device)
     chooser = chooser or ShapeChooser()
     while rows.live:
-        round_start = time.perf_counter()
+        round_start, compiled_before = time.perf_counter(), graphs_compiled()
         suffix = ngrams.propose(shape.suffix, shape.depth) if shape.suffix else SuffixTree()
         kind = chooser.choose(round_kinds(bool(len(suffix))))
         if kind == "tree":  # 1. the draft: its chain (caught up first if other rounds left it behind), its tree
@@ -148,7 +148,8 @@ def run_static(target: StaticModel, draft: StaticModel, request: DecodeRequest, 
         target_counters.forwards += 1
         target_counters.verify_steps += 1
         target_counters.busy_s += time.perf_counter() - verify_start
-        chooser.observe(kind, len(verified.tokens), time.perf_counter() - round_start)
+        if graphs_compiled() == compiled_before:  # a round that compiled a graph says nothing of its kind's speed
+            chooser.observe(kind, len(verified.tokens), time.perf_counter() - round_start)
         keep = rows.record([verified], request.on_tokens)
         rows.result.record_round([static_proposal(nodes, len(suffix))], [verified], shape.depth if kind == "tree" else 0)
         if not keep:
@@ -173,12 +174,11 @@ def round_kinds(suffix: bool) -> list[str]:
 class ShapeChooser:
     """Which kind of round to run (`round_kinds`): the one that has made the most tokens per second,
     judged between rounds from what the round's sync brought back (no sync of its own), kept across
-    generate() calls by the model. Each kind is tried once first, and its first round is not counted (it
-    may have compiled its graphs). After `probe_after` rounds of the best kind, the next best is tried
-    once; each probe that loses doubles the wait (up to 64)."""
+    generate() calls by the model. Each kind is tried first (rounds that compiled a graph are not
+    observed). After `probe_after` rounds of the best kind, the next best is tried once; each probe
+    that loses doubles the wait (up to 64)."""
 
     rates: dict = field(default_factory=dict)  # kind -> tokens per second, a moving average
-    seen: set = field(default_factory=set)  # kinds whose first round has passed
     streak: int = 0  # rounds of the best kind since the last probe
     probe_after: int = 4
 
@@ -194,15 +194,17 @@ class ShapeChooser:
     def observe(self, kind: str, tokens: int, seconds: float) -> None:
         best = max(self.rates, key=self.rates.get) if self.rates else None
         self.streak = self.streak + 1 if kind == best else 0
-        if kind not in self.seen:
-            self.seen.add(kind)
-            return
         rate = tokens / max(seconds, 1e-9)
         old = self.rates.get(kind)
         self.rates[kind] = rate if old is None else 0.7 * old + 0.3 * rate
         if best is not None and kind != best:  # a probe: if it lost, probe less often
             lost = self.rates[kind] < self.rates[best]
             self.probe_after = min(2 * self.probe_after, 64) if lost else 4
+
+
+def graphs_compiled() -> int:
+    """How many graphs torch.compile has built in this process (dynamo's own counter)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 def catch_up(draft: StaticModel, seq: StaticSequence, chain: int) -> int:
