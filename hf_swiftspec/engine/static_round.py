@@ -178,7 +178,8 @@ class ShapeChooser:
     observed). After `probe_after` rounds of the best kind, the next best is tried once; each probe
     that loses doubles the wait (up to 64)."""
 
-    rates: dict = field(default_factory=dict)  # kind -> tokens per second, a moving average
+    rates: dict = field(default_factory=dict)  # kind -> tokens per second: the mean of its first rounds, then
+    counts: dict = field(default_factory=dict)  # a moving average (weight 0.3) over the rounds observed
     streak: int = 0  # rounds of the best kind since the last probe
     probe_after: int = 4
 
@@ -195,8 +196,9 @@ class ShapeChooser:
         best = max(self.rates, key=self.rates.get) if self.rates else None
         self.streak = self.streak + 1 if kind == best else 0
         rate = tokens / max(seconds, 1e-9)
-        old = self.rates.get(kind)
-        self.rates[kind] = rate if old is None else 0.7 * old + 0.3 * rate
+        self.counts[kind] = n = self.counts.get(kind, 0) + 1
+        weight = max(1 / n, 0.3)
+        self.rates[kind] = (1 - weight) * self.rates.get(kind, 0.0) + weight * rate
         if best is not None and kind != best:  # a probe: if it lost, probe less often
             lost = self.rates[kind] < self.rates[best]
             self.probe_after = min(2 * self.probe_after, 64) if lost else 4
