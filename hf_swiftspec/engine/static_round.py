@@ -23,6 +23,7 @@ names anything else, and generate() refuses it.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -38,6 +39,7 @@ from .request import BatchRows, DecodeRequest, DecodeResult
 
 DEFAULT_BUDGET = 8
 DEFAULT_DEPTH = 4
+PROBE_SHARE = 0.03  # the most time the shape chooser's losing probes may cost
 
 
 @dataclass(frozen=True)
@@ -175,11 +177,13 @@ class ShapeChooser:
     """Which kind of round to run (`round_kinds`): the one that has made the most tokens per second,
     judged between rounds from what the round's sync brought back (no sync of its own), kept across
     generate() calls by the model. Each kind is tried first (rounds that compiled a graph are not
-    observed). After `probe_after` rounds of the best kind, the next best is tried once; each probe
-    that loses doubles the wait (up to 64)."""
+    observed). Every `probe_after` rounds of the best kind the next best is tried once; a probe that
+    loses sets the wait so that such probes cost at most PROBE_SHARE of the time (a tree round of a
+    draft that never helps costs 5x a plain step of a 30-layer model on a CPU: ~170 rounds apart)."""
 
     rates: dict = field(default_factory=dict)  # kind -> tokens per second: the mean of its first rounds, then
     counts: dict = field(default_factory=dict)  # a moving average (weight 0.3) over the rounds observed
+    round_s: dict = field(default_factory=dict)  # kind -> seconds per round, averaged alike
     streak: int = 0  # rounds of the best kind since the last probe
     probe_after: int = 4
 
@@ -195,13 +199,16 @@ class ShapeChooser:
     def observe(self, kind: str, tokens: int, seconds: float) -> None:
         best = max(self.rates, key=self.rates.get) if self.rates else None
         self.streak = self.streak + 1 if kind == best else 0
-        rate = tokens / max(seconds, 1e-9)
         self.counts[kind] = n = self.counts.get(kind, 0) + 1
         weight = max(1 / n, 0.3)
-        self.rates[kind] = (1 - weight) * self.rates.get(kind, 0.0) + weight * rate
-        if best is not None and kind != best:  # a probe: if it lost, probe less often
-            lost = self.rates[kind] < self.rates[best]
-            self.probe_after = min(2 * self.probe_after, 64) if lost else 4
+        self.rates[kind] = (1 - weight) * self.rates.get(kind, 0.0) + weight * tokens / max(seconds, 1e-9)
+        self.round_s[kind] = (1 - weight) * self.round_s.get(kind, 0.0) + weight * seconds
+        if best is not None and kind != best:  # a probe
+            lost_s = seconds - tokens / self.rates[best]  # over making its tokens at the best kind's rate
+            if self.rates[kind] >= self.rates[best] or lost_s <= 0:
+                self.probe_after = 4
+            else:
+                self.probe_after = min(max(math.ceil(lost_s / (PROBE_SHARE * self.round_s[best])), 4), 256)
 
 
 def graphs_compiled() -> int:
