@@ -9,7 +9,7 @@ per round and as a fraction of the mean target verification forward.
 
 --round static / compiled: the static round (compile=True's, eager or with compiled steps). Its
 steps call model.forward, which runs no module hooks, so its steps are timed around
-StaticModel.run instead (its masks are built outside and count as overhead).
+StaticModel.run and StaticModel.extend instead (its masks are built outside and count as overhead).
 """
 
 from __future__ import annotations
@@ -38,27 +38,32 @@ def timed_forwards(model, totals: dict, key: str):
 
 
 class TimedSteps:
-    """While active, accumulate the wall time of every StaticModel.run into totals["target"/"draft"]."""
+    """While active, accumulate the wall time of every StaticModel step (run) and chain forward (extend:
+    the prefills, the draft's catch-ups) into totals["target"/"draft"]."""
 
     def __init__(self, model, totals: dict):
         self.roles = {id(model.target): "target", id(model.draft): "draft"}
         self.totals = totals
 
-    def __enter__(self):
-        run, roles, totals = StaticModel.run, self.roles, self.totals
+    def timed(self, method):
+        roles, totals = self.roles, self.totals
 
-        def timed_run(step, *args):
+        def timed_method(step, *args):
             start = time.perf_counter()
-            out = run(step, *args)
+            out = method(step, *args)
             seconds, count = totals.get(roles[id(step.model)], (0.0, 0))
             totals[roles[id(step.model)]] = (seconds + time.perf_counter() - start, count + 1)
             return out
 
-        self.saved, StaticModel.run = run, timed_run
+        return timed_method
+
+    def __enter__(self):
+        self.saved = StaticModel.run, StaticModel.extend
+        StaticModel.run, StaticModel.extend = (self.timed(m) for m in self.saved)
         return self
 
     def __exit__(self, *exc):
-        StaticModel.run = self.saved
+        StaticModel.run, StaticModel.extend = self.saved
 
 
 def static_round(model, compiled: bool):

@@ -120,6 +120,7 @@ def run_static(target: StaticModel, draft: StaticModel, request: DecodeRequest, 
     ngrams.extend(prompt)
     target.prefill(prompt[:-1])
     target_counters.forwards += bool(prompt[:-1])
+    warm_move(target, shape.budget)
     context = request.contexts[0] if request.contexts is not None else request.prompt
     seq = StaticSequence(len(prompt) - 1, 0, list(prompt), context.to(target.device))  # the draft runs it when needed
     tree = new_tree(prompt[-1], shape.nodes, draft.device)
@@ -374,6 +375,13 @@ def commit_path(target: StaticModel, seq: StaticSequence, path: list[int], size:
         dst = torch.arange(seq.target_prefix, seq.target_prefix + size, device=target.device)
         target.move(target.cache.buffers, src, dst)
     seq.target_prefix += m
+
+
+def warm_move(target: StaticModel, size: int) -> None:
+    """Compile the commit's move for a tree round now, by moving slots onto themselves: the first
+    partial acceptance may come late in a call, and compiling then would stall that round."""
+    slots = torch.arange(size, device=target.device)
+    target.move(target.cache.buffers, slots, slots)
 
 
 def static_proposal(nodes: TreeNodes, suffix: int) -> Proposal:
