@@ -76,13 +76,15 @@ class TreeNodes:
     """The nodes the target verifies, on the device (T of them, topological order, root first).
 
     tokens (T,) long, parents (T,) long local index (-1 for the root), depths (T,) long,
-    ancestors (T, T) bool: ancestors[i, j] when j is i or one of its ancestors.
+    ancestors (T, T) bool: ancestors[i, j] when j is i or one of its ancestors,
+    proposed (T,) bool: False for padding, which keeps a round's size fixed and is never accepted.
     """
 
     tokens: torch.Tensor
     parents: torch.Tensor
     depths: torch.Tensor
     ancestors: torch.Tensor
+    proposed: torch.Tensor
 
 
 @dataclass
@@ -120,7 +122,8 @@ def run_static(target: StaticModel, draft: StaticModel, request: DecodeRequest, 
     ngrams.extend(prompt)
     target.prefill(prompt[:-1])
     target_counters.forwards += bool(prompt[:-1])
-    warm_move(target, shape.budget)
+    for size in {shape.budget, 1 + shape.suffix} - {1}:
+        warm_move(target, size)
     context = request.contexts[0] if request.contexts is not None else request.prompt
     seq = StaticSequence(len(prompt) - 1, 0, list(prompt), context.to(target.device))  # the draft runs it when needed
     tree = new_tree(prompt[-1], shape.nodes, draft.device)
@@ -138,7 +141,7 @@ def run_static(target: StaticModel, draft: StaticModel, request: DecodeRequest, 
             nodes = with_suffix(best_nodes(tree, shape.budget - len(suffix)), suffix)
         else:  # no draft: the root and the n-gram proposal, or the root alone
             suffix = suffix if kind == "ngram" else SuffixTree()
-            nodes = with_suffix(root_only(seq.chain[-1], target.device), suffix)
+            nodes = with_suffix(root_only(seq.chain[-1], target.device), suffix, shape.suffix if suffix else 0)
         verify_start = time.perf_counter()
         logits = verify_nodes(target, nodes, seq.target_prefix)  # 2. the target
         scores, choice = target_choice(logits, nodes, seq.context, sampler)
@@ -154,7 +157,9 @@ def run_static(target: StaticModel, draft: StaticModel, request: DecodeRequest, 
         if graphs_compiled() == compiled_before:  # a round that compiled a graph says nothing of its kind's speed
             chooser.observe(kind, len(verified.tokens), time.perf_counter() - round_start)
         keep = rows.record([verified], request.on_tokens)
-        rows.result.record_round([static_proposal(nodes, len(suffix))], [verified], shape.depth if kind == "tree" else 0)
+        first_suffix = shape.budget - len(suffix) if kind == "tree" else 1
+        rows.result.record_round([static_proposal(nodes, first_suffix, len(suffix))], [verified],
+                                 shape.depth if kind == "tree" else 0)
         if not keep:
             rows.live = []
     result = rows.result
@@ -233,7 +238,7 @@ def root_only(root: int, device) -> TreeNodes:
     """A plain round's nodes: the root alone."""
     one = torch.ones(1, 1, dtype=torch.bool, device=device)
     zero = torch.zeros(1, dtype=torch.long, device=device)
-    return TreeNodes(torch.tensor([root], device=device), zero - 1, zero, one)
+    return TreeNodes(torch.tensor([root], device=device), zero - 1, zero, one, one[0])
 
 
 def grow_tree(draft: StaticModel, tree: TokenTree, seq: StaticSequence, shape: StaticShape, vocab_limit: int) -> None:
@@ -280,26 +285,31 @@ def best_nodes(tree: TokenTree, budget: int) -> TreeNodes:
     local[ids] = torch.arange(ids.shape[0], device=ids.device)
     parents = tree.parents[ids]
     parents = torch.where(parents >= 0, local[parents.clamp(min=0)], -1)
-    return TreeNodes(tree.tokens[ids], parents, tree.depths[ids], tree.ancestors[ids][:, ids])
+    return TreeNodes(tree.tokens[ids], parents, tree.depths[ids], tree.ancestors[ids][:, ids],
+                     torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device))
 
 
-def with_suffix(nodes: TreeNodes, suffix: SuffixTree) -> TreeNodes:
-    """The draft's nodes followed by the n-gram proposal's, hanging from the root (host lists in, no sync).
-    A suffix node may repeat a draft node (same token under the same parent): both then carry the same
-    context, so whichever the walk ends on, its path and KV are the same."""
-    if not len(suffix):
+def with_suffix(nodes: TreeNodes, suffix: SuffixTree, size: int = 0) -> TreeNodes:
+    """The draft's nodes followed by the n-gram proposal's, hanging from the root (host lists in, no sync),
+    padded to `size` suffix nodes (padding: children of the root never accepted). A suffix node may
+    repeat a draft node (same token under the same parent): both then carry the same context, so
+    whichever the walk ends on, its path and KV are the same."""
+    S = max(len(suffix), size)
+    if not S:
         return nodes
     device, D = nodes.tokens.device, nodes.tokens.shape[0]
-    S = len(suffix)
-    ancestors, depths = subtree_mask([-1] + [p + 1 for p in suffix.parents], device)  # the root, then the suffix
+    pad = S - len(suffix)
+    parents = suffix.parents + [-1] * pad
+    ancestors, depths = subtree_mask([-1] + [p + 1 for p in parents], device)  # the root, then the suffix
     full = torch.zeros(D + S, D + S, dtype=torch.bool, device=device)
     full[:D, :D] = nodes.ancestors
     full[D:, 0] = True
     full[D:, D:] = ancestors[1:, 1:]
-    parents = torch.tensor([p + D if p >= 0 else 0 for p in suffix.parents], device=device)
-    tokens = torch.tensor(suffix.tokens, device=device)
+    parents = torch.tensor([p + D if p >= 0 else 0 for p in parents], device=device)
+    tokens = torch.tensor(suffix.tokens + [0] * pad, device=device)
+    proposed = torch.arange(S, device=device) < len(suffix)
     return TreeNodes(torch.cat([nodes.tokens, tokens]), torch.cat([nodes.parents, parents]),
-                     torch.cat([nodes.depths, depths[1:]]), full)
+                     torch.cat([nodes.depths, depths[1:]]), full, torch.cat([nodes.proposed, proposed]))
 
 
 def verify_nodes(target: StaticModel, nodes: TreeNodes, prefix: int) -> torch.Tensor:
@@ -323,12 +333,13 @@ def target_choice(logits: torch.Tensor, nodes: TreeNodes, context: torch.Tensor,
 
 def walk_on_device(nodes: TreeNodes, choice: torch.Tensor) -> torch.Tensor:
     """The walk as tensor ops: (1 + 2T,) long = [path length m, path (T,) root first then padding,
-    emitted tokens (T,)]. A node matches when it carries the target's choice after its parent; it is
-    accepted when every node on its path matches; siblings carry distinct tokens, so the deepest
-    accepted node is unique and its ancestors are the path."""
+    emitted tokens (T,)]. A proposed node matches when it carries the target's choice after its parent;
+    it is accepted when every node on its path matches. The path ends at the deepest accepted node (the
+    first of several: an n-gram node repeating a draft node is accepted with it, and either path
+    carries the same tokens)."""
     T = nodes.tokens.shape[0]
     index = torch.arange(T, device=choice.device)
-    match = (nodes.tokens == choice[nodes.parents.clamp(min=0)]) | (index == 0)
+    match = (nodes.tokens == choice[nodes.parents.clamp(min=0)]) & nodes.proposed | (index == 0)
     accepted = ~(nodes.ancestors & ~match[None]).any(dim=-1)
     deepest = torch.where(accepted, nodes.depths, -1).argmax()
     on_path = nodes.ancestors[deepest]
@@ -384,10 +395,12 @@ def warm_move(target: StaticModel, size: int) -> None:
     target.move(target.cache.buffers, slots, slots)
 
 
-def static_proposal(nodes: TreeNodes, suffix: int) -> Proposal:
-    """What the round's statistics record: T nodes, the last `suffix` of them from the n-gram proposal."""
+def static_proposal(nodes: TreeNodes, first_suffix: int, suffix: int) -> Proposal:
+    """What the round's statistics record: T nodes, `suffix` of them from the n-gram proposal, from
+    index `first_suffix` on."""
     T = nodes.tokens.shape[0]
-    return Proposal(Subtree([-1] * T, [0] * T, [-1] * T), [0.0] * T, [None] * T, [-1] * (T - suffix) + [0] * suffix)
+    buckets = [0 if first_suffix <= i < first_suffix + suffix else -1 for i in range(T)]
+    return Proposal(Subtree([-1] * T, [0] * T, [-1] * T), [0.0] * T, [None] * T, buckets)
 
 
 def static_shape(config, draft) -> StaticShape:
