@@ -362,3 +362,21 @@ def test_shape_chooser_keeps_the_fastest_kind_and_probes_the_next():
         kind = chooser.choose(["tree", "ngram", "plain"])
         chooser.observe(kind, *speed[kind])
     assert chooser.choose(["tree", "ngram", "plain"]) == "tree" and chooser.choose(["tree", "plain"]) == "tree"
+
+
+def test_the_walk_never_accepts_padding():
+    """Root 0 with children 1 (token 7, proposed) and 2 (token 5, padding); the target chooses 5 after the
+    root: padding would match, so only the root is accepted and the target's 5 is emitted."""
+    from hf_swiftspec.engine.static_round import TreeNodes, read_back, walk_on_device
+
+    nodes = TreeNodes(
+        tokens=torch.tensor([3, 7, 5]), parents=torch.tensor([-1, 0, 0]), depths=torch.tensor([0, 1, 1]),
+        ancestors=torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool),
+        proposed=torch.tensor([True, True, False]),
+    )
+    choice = torch.tensor([5, 9, 9])
+    back = read_back(walk_on_device(nodes, choice))
+    assert (back.path, back.tokens) == ([0], [5])
+    nodes.proposed[:] = True
+    back = read_back(walk_on_device(nodes, choice))
+    assert (back.path, back.tokens) == ([0, 2], [5, 9])
