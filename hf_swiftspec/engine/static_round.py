@@ -183,28 +183,36 @@ class ShapeChooser:
     """Which kind of round to run (`round_kinds`): the one that has made the most tokens per second,
     judged between rounds from what the round's sync brought back (no sync of its own), kept across
     generate() calls by the model. Each kind is tried first (rounds that compiled a graph are not
-    observed). Every `probe_after` rounds of the best kind the next best is tried once; a probe that
-    loses sets the wait so that such probes cost at most PROBE_SHARE of the time (a tree round of a
-    draft that never helps costs 5x a plain step of a 30-layer model on a CPU: ~170 rounds apart)."""
+    observed). Every `probe_after` rounds of the best kind another is tried once (the one tried least
+    recently); a probe that loses sets the wait so that such probes cost at most PROBE_SHARE of the
+    time (a tree round of a draft that never helps costs 5x a plain step of a 30-layer model on a CPU:
+    ~170 rounds apart)."""
 
     rates: dict = field(default_factory=dict)  # kind -> tokens per second: the mean of its first rounds, then
     counts: dict = field(default_factory=dict)  # a moving average (weight 0.3) over the rounds observed
     round_s: dict = field(default_factory=dict)  # kind -> seconds per round, averaged alike
+    last_round: dict = field(default_factory=dict)  # kind -> the round it was last observed in
+    rounds: int = 0
     streak: int = 0  # rounds of the best kind since the last probe
     probe_after: int = 4
+    best: str | None = None  # the best kind possible in the round last chosen for (None: a kind untried)
 
     def choose(self, kinds: list[str]) -> str:
         untried = [k for k in kinds if k not in self.rates]
         if untried:
+            self.best = None
             return untried[0]
-        ranked = sorted(kinds, key=lambda k: -self.rates[k])
-        if len(ranked) > 1 and self.streak >= self.probe_after:
-            return ranked[1]
-        return ranked[0]
+        self.best = max(kinds, key=lambda k: self.rates[k])
+        others = [k for k in kinds if k != self.best]
+        if others and self.streak >= self.probe_after:
+            return min(others, key=lambda k: self.last_round[k])
+        return self.best
 
     def observe(self, kind: str, tokens: int, seconds: float) -> None:
-        best = max(self.rates, key=self.rates.get) if self.rates else None
+        best = self.best
         self.streak = self.streak + 1 if kind == best else 0
+        self.rounds += 1
+        self.last_round[kind] = self.rounds
         self.counts[kind] = n = self.counts.get(kind, 0) + 1
         weight = max(1 / n, 0.3)
         self.rates[kind] = (1 - weight) * self.rates.get(kind, 0.0) + weight * tokens / max(seconds, 1e-9)
