@@ -15,6 +15,7 @@ Shapes of a step depend on Q and C only, so one compiled graph serves every call
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -176,6 +177,28 @@ def compiled_step(device: torch.device):
     if mode not in _COMPILED:
         _COMPILED[mode] = torch.compile(forward_slots, fullgraph=True, dynamic=False, mode=mode)
     return _COMPILED[mode]
+
+
+_WARM: "weakref.WeakKeyDictionary[PreTrainedModel, set]" = weakref.WeakKeyDictionary()
+
+
+def warm_steps(model: StaticModel, sizes, first: int) -> None:
+    """Compile now the steps of `sizes` queries this model has not run at its capacity yet, by running
+    each once on slots [first, first + Q) (past its committed ones: what they write is never seen), so
+    that no round stalls on a compile later; a no-op for eager steps and for shapes already run."""
+    if not model.compiled:
+        return
+    done = _WARM.setdefault(model.model, set())
+    for Q in sorted(set(sizes)):
+        if (model.capacity, Q) in done:
+            continue
+        slots = torch.arange(first, first + Q, device=model.device)
+        causal = torch.ones(Q, Q, dtype=torch.bool, device=model.device).tril_()
+        model.run(torch.zeros(1, Q, dtype=torch.long, device=model.device), slots[None], slots,
+                  step_mask(first, causal, first, model.capacity, model.model.dtype))
+        if Q > 1:
+            model.move(model.cache.buffers, slots, slots)  # the commit of a round of Q nodes
+        done.add((model.capacity, Q))
 
 
 _MOVE = None

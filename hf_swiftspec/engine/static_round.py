@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..architectures import FULL, describe
-from ..static import StaticModel, additive, step_mask
+from ..static import StaticModel, additive, step_mask, warm_steps
 from ..stats import DraftCounters, SwiftSpecStats, TargetCounters
 from ..suffix import SuffixIndex, SuffixTree
 from ..tree import Proposal, Subtree, TokenTree, add_children, clear_tree, expansion_inputs, new_tree, subtree_mask
@@ -122,8 +122,8 @@ def run_static(target: StaticModel, draft: StaticModel, request: DecodeRequest, 
     ngrams.extend(prompt)
     target.prefill(prompt[:-1])
     target_counters.forwards += bool(prompt[:-1])
-    for size in {shape.budget, 1 + shape.suffix} - {1}:
-        warm_move(target, size)
+    warm_steps(target, {shape.budget, 1 + shape.suffix, 1}, len(prompt) - 1)
+    warm_steps(draft, {shape.chain, shape.width} if shape.depth > 1 else {shape.chain}, 0)
     context = request.contexts[0] if request.contexts is not None else request.prompt
     seq = StaticSequence(len(prompt) - 1, 0, list(prompt), context.to(target.device))  # the draft runs it when needed
     tree = new_tree(prompt[-1], shape.nodes, draft.device)
@@ -394,13 +394,6 @@ def commit_path(target: StaticModel, seq: StaticSequence, path: list[int], size:
         dst = torch.arange(seq.target_prefix, seq.target_prefix + size, device=target.device)
         target.move(target.cache.buffers, src, dst)
     seq.target_prefix += m
-
-
-def warm_move(target: StaticModel, size: int) -> None:
-    """Compile the commit's move for a tree round now, by moving slots onto themselves: the first
-    partial acceptance may come late in a call, and compiling then would stall that round."""
-    slots = torch.arange(size, device=target.device)
-    target.move(target.cache.buffers, slots, slots)
 
 
 def static_proposal(nodes: TreeNodes, first_suffix: int, suffix: int) -> Proposal:
