@@ -24,12 +24,11 @@ from .architectures import context_limit, describe
 from .attention import own_implementation, resolve_attention, routed_attention
 from .config import SwiftSpecConfig
 from .engine import DecodeRequest, DecodeResult, DraftWorker, TargetWorker, run_serial, run_threads
-from .engine.static_round import ShapeChooser, run_static, static_round_gaps, static_shape
+from .engine.static_round import StaticRounds, run_static, static_round_gaps, static_shape
 from .engine.request import RowResult
 from .engine.distributed import Groups, run_distributed
 from .placement import Placement
 from .policy import MAX_BUDGET, GoodputPolicy
-from .static import StaticModel
 from .stats import SwiftSpecStats
 from .suffix import OutputHistory
 from .verify import Sampler, batch_dependent
@@ -61,7 +60,7 @@ def swiftspec_generate(
     swiftspec_streamer=None,
     swiftspec_generator: torch.Generator | None = None,
     swiftspec_corpus: list[list[int]] | None = None,
-    swiftspec_policy: GoodputPolicy | ShapeChooser | None = None,
+    swiftspec_policy: GoodputPolicy | StaticRounds | None = None,
     swiftspec_history: OutputHistory | None = None,
     **model_kwargs,
 ) -> tuple[torch.LongTensor | GenerateDecoderOnlyOutput, SwiftSpecStats]:
@@ -107,8 +106,8 @@ def swiftspec_generate(
     )
     request.policy.start_generation()
     if config.compile:
-        chooser = swiftspec_policy if isinstance(swiftspec_policy, ShapeChooser) else ShapeChooser()
-        result = decode_static(model, swiftspec_draft, request, config, swiftspec_placement, chooser)
+        kept = swiftspec_policy if isinstance(swiftspec_policy, StaticRounds) else StaticRounds()
+        result = decode_static(model, swiftspec_draft, request, config, swiftspec_placement, kept)
     else:
         result = decode_adaptive(model, swiftspec_draft, request, config, swiftspec_placement, swiftspec_groups)
     if swiftspec_history is not None:  # later requests may copy these outputs (and their lead-ins)
@@ -136,7 +135,7 @@ def decode_adaptive(target, draft, request: DecodeRequest, config: SwiftSpecConf
 
 
 def decode_static(target, draft, request: DecodeRequest, config: SwiftSpecConfig, placement,
-                  chooser: ShapeChooser) -> DecodeResult:
+                  kept: StaticRounds) -> DecodeResult:
     """compile=True: the static round (engine/static_round.py) with compiled steps, or a ValueError
     naming what it cannot decode exactly."""
     gaps = static_round_gaps(target, draft, request, placement, config)
@@ -149,9 +148,11 @@ def decode_static(target, draft, request: DecodeRequest, config: SwiftSpecConfig
         return DecodeResult(rows=[RowResult()])
     shape = static_shape(config, draft)
     length = request.prompt.shape[1] + request.max_new_tokens
-    steps = [StaticModel.build(m, n, compiled=True) for m, n in ((target, shape.target_slots(length)),
-                                                                   (draft, shape.draft_slots(length)))]
-    result = run_static(*steps, request, shape, target.config.get_text_config().vocab_size, config.ngram_size, chooser)
+    steps = kept.static_model("target", target, shape.target_slots(length)), kept.static_model(
+        "draft", draft, shape.draft_slots(length)
+    )
+    result = run_static(*steps, request, shape, target.config.get_text_config().vocab_size, config.ngram_size,
+                        kept.chooser)
     result.stats.attention = f"target={own_implementation(target)}, draft={own_implementation(draft)} (static, compiled)"
     return result
 

@@ -28,7 +28,7 @@ from .pair.locate import HubOptions, resolve_pair_folder
 from .pair.repo import read_pair_config
 from .pair.tokenizer import load_tokenizer
 from .placement import Placement, place_models, resolve_placement
-from .engine.static_round import ShapeChooser
+from .engine.static_round import StaticRounds
 from .policy import GoodputPolicy
 from .stats import SwiftSpecStats
 from .suffix import OutputHistory
@@ -126,13 +126,13 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
             self._history = OutputHistory(max_tokens=limit, max_n=max_n)
         return self._history
 
-    def policy(self) -> GoodputPolicy | ShapeChooser:
+    def policy(self) -> GoodputPolicy | StaticRounds:
         """The goodput policy for the current tree settings (with compile=True: the static round's choice
-        between tree and plain rounds); it keeps what it measured (step costs, acceptance) across
+        of round and its models' slot caches); it keeps what it measured (step costs, acceptance) across
         generate() calls, so only the first call pays for learning them."""
         key = (self.config.tree_budget, self.config.draft_depth, self.placement.mode, self.config.compile)
         if key not in self.policies:
-            self.policies[key] = ShapeChooser() if self.config.compile else GoodputPolicy(
+            self.policies[key] = StaticRounds() if self.config.compile else GoodputPolicy(
                 tree_budget=self.config.tree_budget, draft_depth=self.config.draft_depth
             )
         return self.policies[key]

@@ -15,7 +15,6 @@ Shapes of a step depend on Q and C only, so one compiled graph serves every call
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -122,6 +121,7 @@ class StaticModel:
     step: object = field(init=False, repr=False)
     move: object = field(init=False, repr=False)
     device: torch.device = field(init=False)
+    warmed: set = field(default_factory=set)  # step sizes compiled at this capacity (warm_steps)
 
     def __post_init__(self):
         self.device = self.model.device  # (the model's property walks its parameters: 50 us a call)
@@ -179,26 +179,21 @@ def compiled_step(device: torch.device):
     return _COMPILED[mode]
 
 
-_WARM: "weakref.WeakKeyDictionary[PreTrainedModel, set]" = weakref.WeakKeyDictionary()
-
-
-def warm_steps(model: StaticModel, sizes, first: int) -> None:
-    """Compile now the steps of `sizes` queries this model has not run at its capacity yet, by running
-    each once on slots [first, first + Q) (past its committed ones: what they write is never seen), so
-    that no round stalls on a compile later; a no-op for eager steps and for shapes already run."""
+def warm_steps(model: "StaticModel", sizes, first: int, moves: bool = False) -> None:
+    """Compile now the steps of `sizes` queries this model has not run yet (with `moves`, also the commit
+    of a round of that many nodes), by running each once on slots [first, first + Q) (past its committed
+    ones: what they write is never seen), so that no round stalls on a compile later; a no-op for eager
+    steps and for shapes already run."""
     if not model.compiled:
         return
-    done = _WARM.setdefault(model.model, set())
-    for Q in sorted(set(sizes)):
-        if (model.capacity, Q) in done:
-            continue
+    for Q in sorted(set(sizes) - model.warmed):
         slots = torch.arange(first, first + Q, device=model.device)
         causal = torch.ones(Q, Q, dtype=torch.bool, device=model.device).tril_()
         model.run(torch.zeros(1, Q, dtype=torch.long, device=model.device), slots[None], slots,
                   step_mask(first, causal, first, model.capacity, model.model.dtype))
-        if Q > 1:
-            model.move(model.cache.buffers, slots, slots)  # the commit of a round of Q nodes
-        done.add((model.capacity, Q))
+        if moves and Q > 1:  # (distinct tensors: a graph traced with src is dst would serve only that case)
+            model.move(model.cache.buffers, slots.clone(), slots)
+        model.warmed.add(Q)
 
 
 _MOVE = None

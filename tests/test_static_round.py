@@ -271,8 +271,9 @@ def test_generate_compile_true_equals_target_generate_with_scores():
         for mine, theirs in zip(out.scores + out.logits, expected.scores + expected.logits):
             torch.testing.assert_close(mine, theirs, atol=2e-5, rtol=1e-4)
     assert model.swiftspec_stats.engine == "static (compiled)"
-    chooser = model.policy()  # what the calls measured stays with the model, for the next call
-    assert set(chooser.rates) >= {"tree", "plain"}
+    kept = model.policy()  # what the calls measured stays with the model, for the next call, and so do the caches
+    assert set(kept.chooser.rates) >= {"tree", "plain"}
+    assert [m.model for m in kept.models.values()] == [target, draft]
 
 
 @pytest.mark.parametrize(

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..architectures import FULL, describe
-from ..static import StaticModel, additive, step_mask, warm_steps
+from ..static import StaticModel, additive, bucket_capacity, step_mask, warm_steps
 from ..stats import DraftCounters, SwiftSpecStats, TargetCounters
 from ..suffix import SuffixIndex, SuffixTree
 from ..tree import Proposal, Subtree, TokenTree, add_children, clear_tree, expansion_inputs, new_tree, subtree_mask
@@ -122,7 +122,7 @@ def run_static(target: StaticModel, draft: StaticModel, request: DecodeRequest, 
     ngrams.extend(prompt)
     target.prefill(prompt[:-1])
     target_counters.forwards += bool(prompt[:-1])
-    warm_steps(target, {shape.budget, 1 + shape.suffix, 1}, len(prompt) - 1)
+    warm_steps(target, {shape.budget, 1 + shape.suffix, 1}, len(prompt) - 1, moves=True)
     warm_steps(draft, {shape.chain, shape.width} if shape.depth > 1 else {shape.chain}, 0)
     context = request.contexts[0] if request.contexts is not None else request.prompt
     seq = StaticSequence(len(prompt) - 1, 0, list(prompt), context.to(target.device))  # the draft runs it when needed
@@ -223,6 +223,24 @@ class ShapeChooser:
                 self.probe_after = 4
             else:
                 self.probe_after = min(max(math.ceil(lost_s / (PROBE_SHARE * self.round_s[best])), 4), 256)
+
+
+@dataclass
+class StaticRounds:
+    """What compile=True keeps with the model between generate() calls: the shape chooser's measurements,
+    and each model's StaticModel, whose slot cache the compiled graphs (CUDA graphs above all) need at
+    the same addresses every call. It holds both models' slot caches while the model lives."""
+
+    chooser: ShapeChooser = field(default_factory=ShapeChooser)
+    models: dict = field(default_factory=dict)  # role -> StaticModel
+
+    def static_model(self, role: str, model, needed: int) -> StaticModel:
+        """The compiled StaticModel of `model` for `needed` slots: the one kept, unless its capacity differs."""
+        kept = self.models.get(role)
+        if kept is None or kept.model is not model or kept.capacity != bucket_capacity(needed):
+            self.models.pop(role, None)  # free its buffers before allocating the new ones
+            kept = self.models[role] = StaticModel.build(model, needed, compiled=True)
+        return kept
 
 
 def graphs_compiled() -> int:
