@@ -29,6 +29,7 @@ from .engine.request import RowResult
 from .engine.distributed import Groups, run_distributed
 from .placement import Placement
 from .policy import MAX_BUDGET, GoodputPolicy
+from .static import graph_limit
 from .stats import SwiftSpecStats
 from .suffix import OutputHistory
 from .verify import Sampler, batch_dependent
@@ -151,8 +152,9 @@ def decode_static(target, draft, request: DecodeRequest, config: SwiftSpecConfig
     steps = kept.static_model("target", target, shape.target_slots(length)), kept.static_model(
         "draft", draft, shape.draft_slots(length)
     )
-    result = run_static(*steps, request, shape, target.config.get_text_config().vocab_size, config.ngram_size,
-                        kept.chooser)
+    with graph_limit():
+        result = run_static(*steps, request, shape, target.config.get_text_config().vocab_size, config.ngram_size,
+                            kept.chooser)
     result.stats.attention = f"target={own_implementation(target)}, draft={own_implementation(draft)} (static, compiled)"
     return result
 

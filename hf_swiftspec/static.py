@@ -196,6 +196,16 @@ def warm_steps(model: "StaticModel", sizes, first: int, moves: bool = False) -> 
         model.warmed.add(Q)
 
 
+GRAPHS_PER_STEP = 128  # graphs of forward_slots / move_slots torch.compile may build (torch's default: 8)
+
+
+def graph_limit():
+    """While a static round runs: room for every (model, query count, capacity) graph of forward_slots,
+    a few per capacity bucket and model (dynamo's default of 8 per function failed a second bucket). Set
+    for the round only, so the user's own torch.compile settings stay as they are."""
+    return torch._dynamo.config.patch(recompile_limit=GRAPHS_PER_STEP)
+
+
 _MOVE = None
 
 

@@ -384,3 +384,19 @@ def test_the_walk_never_accepts_padding():
     nodes.proposed[:] = True
     back = read_back(walk_on_device(nodes, choice))
     assert (back.path, back.tokens) == ([0, 2], [5, 9])
+
+
+def test_compile_true_serves_prompts_across_capacity_buckets():
+    """Each capacity bucket (512, 1024, 2048 slots) compiles its own graphs: three buckets of three step
+    shapes passed dynamo's default limit of 8 graphs per function, which fullgraph turns into an error."""
+    torch._dynamo.reset()
+    target = tiny_model(max_position_embeddings=4096)
+    target.generation_config.eos_token_id = None
+    draft = truncated_draft(target, 2)
+    model = SwiftSpecForCausalLM.from_models(target, draft, compile=True, tree_budget=2, draft_depth=1, draft_width=1,
+                                             ngram_size=0)
+    for length in (10, 600, 1100):
+        ids = torch.tensor(random_prompts([length], seed=length))
+        expected = target.generate(ids, max_new_tokens=6, do_sample=False)
+        assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False, swiftspec=True), expected)
+    assert {m.capacity for m in model.policy().models.values()} == {2048}

@@ -14,6 +14,12 @@ Every round does the same work with the same shapes, so each forward can be one 
                next chain (the draft runs them again rather than keeping its tree: a fixed-size chain
                costs the same forward whatever was accepted).
 
+A round is one of three kinds, each of one shape: a tree round (the above, the n-gram proposal's
+nodes among the budget), an n-gram round (the root and the n-gram proposal padded to a fixed size,
+no draft forward) or a plain round (the root alone). `ShapeChooser` picks the kind between rounds
+from the tokens per second each has made; the draft catches up on tokens it skipped before its next
+tree round.
+
 Lossless as the adaptive walk (verify.py): every emitted token is the target's argmax, or its
 Gumbel-max draw with the noise of that sequence position, so greedy output equals target.generate's
 and a seed draws the same tokens as the adaptive round does. It serves what can be walked on the
