@@ -24,6 +24,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .architectures import context_limit
 
 MIN_CAPACITY = 512
+PREFILL_CHUNK = 1024  # prompt tokens per prefill forward
 
 
 def bucket_capacity(needed: int) -> int:
@@ -153,18 +154,18 @@ class StaticModel:
 
     def extend(self, tokens: list[int], first: int) -> None:
         """Run tokens at positions and slots [first, first + n) as one causal chain after the committed
-        slots [0, first) (eager: its shape is the chain's)."""
-        n = len(tokens)
-        if not n:
-            return
+        slots [0, first), eagerly, PREFILL_CHUNK tokens a forward (each forward's mask is (chunk, C): one
+        (n, C) mask for an 8k-token prompt would take 0.5 GB)."""
         device = self.device
-        slots = torch.arange(first, first + n, device=device)
-        allowed = slots[None, :, None] >= torch.arange(self.capacity, device=device)[None, None]  # (1, n, C)
-        with torch.no_grad():
-            forward_slots(
-                self.model, self.cache, torch.tensor([tokens], device=device), slots[None], slots,
-                additive(allowed, self.model.dtype), keep=1,  # (a 49k-token head over every prompt token: 50 MB)
-            )
+        for start in range(0, len(tokens), PREFILL_CHUNK):
+            chunk = tokens[start : start + PREFILL_CHUNK]
+            slots = torch.arange(first + start, first + start + len(chunk), device=device)
+            allowed = slots[None, :, None] >= torch.arange(self.capacity, device=device)[None, None]  # (1, n, C)
+            with torch.no_grad():
+                forward_slots(
+                    self.model, self.cache, torch.tensor([chunk], device=device), slots[None], slots,
+                    additive(allowed, self.model.dtype), keep=1,  # (a 49k-token head over every token: 50 MB)
+                )
 
 
 _COMPILED: dict[str, object] = {}

@@ -213,6 +213,19 @@ def test_a_draft_that_is_the_target_has_every_chain_accepted(always_trees):
     assert [r.accepted for r in result.rounds] == [4] * 8
 
 
+def test_a_prefill_in_chunks_decodes_the_same(monkeypatch):
+    """Prompts run into the caches 7 tokens a forward (the target's prefill, the draft's catch-up)."""
+    import hf_swiftspec.static as static
+
+    monkeypatch.setattr(static, "PREFILL_CHUNK", 7)
+    target, draft = pair()
+    prompt = random_prompts([30], seed=15)[0]
+    expected = target.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, 30:].tolist()
+    shape = StaticShape(8, 3, 3, 4)
+    result = run_static(*static_models(target, draft, shape, 54), request_for(prompt, 24), shape, 98, 3)
+    assert result.tokens == expected
+
+
 def test_eos_stops_the_round_where_generate_stops():
     target, draft = pair()
     prompt = random_prompts([12], seed=7)[0]
