@@ -69,7 +69,7 @@ from hf_swiftspec.config import SwiftSpecConfig  # noqa: E402
 from hf_swiftspec.generation import build_workers  # noqa: E402
 from hf_swiftspec.static import StaticModel, step_mask  # noqa: E402
 from hf_swiftspec.testing import shaped_model  # noqa: E402
-from hf_swiftspec.tree import Subtree  # noqa: E402
+from hf_swiftspec.tree import Subtree, subtree_mask  # noqa: E402
 
 # Shapes in hf_swiftspec.testing.REAL_SHAPES' format. Context 131072 as in Llama 3.1, so the draft's tree
 # may grow past 8k positions; rope scaling left out (it costs nothing per step).
@@ -379,8 +379,7 @@ def static_steps_at(session: Session, target, draft, context: int) -> list[dict]
             static.prefill(prompt)
             for T in sizes:
                 subtree = random_subtree(T, vocab, T)
-                region = subtree_ancestors(subtree.parents, session.device)
-                depths = region.sum(-1) - 1
+                region, depths = subtree_mask(subtree.parents, session.device)
                 args = (torch.tensor([subtree.tokens], device=session.device), (context + depths)[None],
                         torch.arange(context, context + T, device=session.device),
                         step_mask(context, region, context, static.capacity, model.dtype))
@@ -389,16 +388,6 @@ def static_steps_at(session: Session, target, draft, context: int) -> list[dict]
                 rows.append(row)
             del static
     return rows
-
-
-def subtree_ancestors(parents: list[int], device) -> torch.Tensor:
-    """(T, T) bool: node i sees node j when j is i or an ancestor of i."""
-    T = len(parents)
-    mask = torch.eye(T, dtype=torch.bool)
-    for i, p in enumerate(parents):
-        if p >= 0:
-            mask[i] |= mask[p]
-    return mask.to(device)
 
 
 def step_models(session: Session, notes: list[str]):

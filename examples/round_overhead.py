@@ -68,13 +68,10 @@ class TimedSteps:
 
 def static_round(model, compiled: bool):
     """Make `model` decode with the static round, its steps eager or compiled."""
-    import hf_swiftspec.generation as generation
-
     model.config.compile = True
     if not compiled:  # the same round with eager steps: build the StaticModels uncompiled
         build = StaticModel.build.__func__
         StaticModel.build = classmethod(lambda cls, m, n, compiled=True: build(cls, m, n, False))
-    return generation
 
 
 def main() -> None:

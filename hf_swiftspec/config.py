@@ -33,11 +33,12 @@ class SwiftSpecConfig(PreTrainedConfig):
         attention: tree-step attention: "auto" (the Triton kernel on CUDA, else the model's own
             attention with a dense mask), "kernel" (Triton wherever it runs, else its torch
             reference) or "model".
-        compile: decode with the static round (engine/static_round.py): a fixed tree (tree_budget
-            nodes, default 8; draft_depth forwards, default 4; no n-gram branches), every step one
-            `torch.compile`d graph over fixed-size buffers, one host sync per round. One sequence,
-            path-free processors, EOS/length criteria; generate() refuses anything else by name.
-            The first call of each shape compiles (tens of seconds on a CPU).
+        compile: decode with the static round (engine/static_round.py): fixed trees (tree_budget
+            nodes, default 8; draft_depth forwards, default 4; up to half the nodes from the n-gram
+            proposal), n-gram or plain rounds where those have made more tokens per second, every
+            step one `torch.compile`d graph over fixed-size buffers, one host sync per round. One
+            sequence, path-free processors, EOS/length criteria; generate() refuses anything else by
+            name. The first call compiles every step shape (tens of seconds on a CPU).
         worker_timeout_s: longest wait for the other worker of the asynchronous engine before
             generate() raises (a dead or stuck worker never hangs a call).
     """

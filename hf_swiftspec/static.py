@@ -160,11 +160,10 @@ class StaticModel:
         for start in range(0, len(tokens), PREFILL_CHUNK):
             chunk = tokens[start : start + PREFILL_CHUNK]
             slots = torch.arange(first + start, first + start + len(chunk), device=device)
-            allowed = slots[None, :, None] >= torch.arange(self.capacity, device=device)[None, None]  # (1, n, C)
             with torch.no_grad():
                 forward_slots(
                     self.model, self.cache, torch.tensor([chunk], device=device), slots[None], slots,
-                    additive(allowed, self.model.dtype), keep=1,  # (a 49k-token head over every token: 50 MB)
+                    chain_mask(slots, self.capacity, self.model.dtype), keep=1,  # (not a 49k-row head per token)
                 )
 
 
@@ -222,6 +221,12 @@ def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Additive mask (1, 1, Q, C) from allowed (1, Q, C) bool: 0 where seen, dtype's min elsewhere."""
     zero = torch.zeros((), dtype=dtype, device=allowed.device)
     return torch.where(allowed, zero, torch.finfo(dtype).min)[:, None]
+
+
+def chain_mask(slots: torch.Tensor, capacity: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask (1, 1, n, C) of a causal chain written at consecutive `slots` (n,) after the
+    committed slots: query j sees every slot up to its own."""
+    return additive((slots[:, None] >= torch.arange(capacity, device=slots.device)[None])[None], dtype)
 
 
 def step_mask(prefix: int, region: torch.Tensor, region_start: int, capacity: int, dtype: torch.dtype) -> torch.Tensor:

@@ -179,15 +179,21 @@ def select_subtree(tree: TokenTree, budget: int) -> tuple[Subtree, list[float]]:
     """
     if tree.size == 1:
         return Subtree(node_ids=[0], tokens=[tree.root_token], parents=[-1]), [0.0]
-    order = torch.sort(tree.scores[: tree.size], descending=True, stable=True).indices
-    node_ids = order[:budget].sort().values  # (T,) topological: parents precede children
-    local = torch.full((tree.size,), -1, dtype=torch.long, device=node_ids.device)
-    local[node_ids] = torch.arange(node_ids.shape[0], device=node_ids.device)
-    parent_ids = tree.parents[node_ids]
-    parents_local = torch.where(parent_ids >= 0, local[parent_ids.clamp(min=0)], -1)
+    node_ids, parents_local = best_node_ids(tree, budget)
     rows = torch.stack([node_ids, tree.tokens[node_ids], parents_local, tree.scores[node_ids].double()])
     ids, tokens, parents, scores = rows.tolist()
     return Subtree(node_ids=[int(i) for i in ids], tokens=[int(t) for t in tokens], parents=[int(p) for p in parents]), scores
+
+
+def best_node_ids(tree: TokenTree, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """On the device, no sync: the best `budget` nodes by score, in index order (T,) (topological:
+    parents precede children), and each one's parent as an index into them (T,) (-1 for the root)."""
+    order = torch.sort(tree.scores[: tree.size], descending=True, stable=True).indices
+    node_ids = order[:budget].sort().values
+    local = torch.full((tree.size,), -1, dtype=torch.long, device=node_ids.device)
+    local[node_ids] = torch.arange(node_ids.shape[0], device=node_ids.device)
+    parent_ids = tree.parents[node_ids]
+    return node_ids, torch.where(parent_ids >= 0, local[parent_ids.clamp(min=0)], -1)
 
 
 @dataclass

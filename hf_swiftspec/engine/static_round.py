@@ -36,10 +36,12 @@ from dataclasses import dataclass, field
 import torch
 
 from ..architectures import FULL, describe
-from ..static import StaticModel, additive, bucket_capacity, step_mask, warm_steps
+from ..static import StaticModel, bucket_capacity, chain_mask, step_mask, warm_steps
 from ..stats import DraftCounters, SwiftSpecStats, TargetCounters
 from ..suffix import SuffixIndex, SuffixTree
-from ..tree import Proposal, Subtree, TokenTree, add_children, clear_tree, expansion_inputs, new_tree, subtree_mask
+from ..tree import (
+    Proposal, Subtree, TokenTree, add_children, best_node_ids, clear_tree, expansion_inputs, new_tree, subtree_mask,
+)
 from ..verify import PATH_FREE_PROCESSORS, Sampler, Verified, apply_processors, split_criteria
 from .request import BatchRows, DecodeRequest, DecodeResult
 
@@ -280,8 +282,7 @@ def grow_tree(draft: StaticModel, tree: TokenTree, seq: StaticSequence, shape: S
     n, L, first = len(seq.chain), shape.chain, seq.draft_prefix
     tokens = torch.tensor([seq.chain + [0] * (L - n)], device=device)
     slots = torch.arange(first, first + L, device=device)
-    causal = slots[:, None] >= torch.arange(C, device=device)[None]  # (L, C): query j sees [0, first + j]
-    logits = draft.run(tokens, slots[None], slots, additive(causal[None], draft.model.dtype))
+    logits = draft.run(tokens, slots[None], slots, chain_mask(slots, C, draft.model.dtype))
     seq.draft_prefix += n  # the chain, root included, is committed now
     region = first + L  # the tree's KV slots start after the chain's
     add_children(tree, torch.zeros(1, dtype=torch.long, device=device), *top_children(logits[n - 1 : n], shape.width, vocab_limit))
@@ -311,12 +312,7 @@ def best_leaves(tree: TokenTree, width: int) -> torch.Tensor:
 def best_nodes(tree: TokenTree, budget: int) -> TreeNodes:
     """Step 2's nodes: the `budget` best by score (a connected subtree with the root: scores never rise
     along a path and ties go to the lower index, which a parent has), in index order."""
-    order = torch.sort(tree.scores[: tree.size], descending=True, stable=True).indices
-    ids = order[:budget].sort().values  # (T,)
-    local = torch.zeros(tree.size, dtype=torch.long, device=ids.device)
-    local[ids] = torch.arange(ids.shape[0], device=ids.device)
-    parents = tree.parents[ids]
-    parents = torch.where(parents >= 0, local[parents.clamp(min=0)], -1)
+    ids, parents = best_node_ids(tree, budget)
     return TreeNodes(tree.tokens[ids], parents, tree.depths[ids], tree.ancestors[ids][:, ids],
                      torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device))
 
