@@ -25,8 +25,14 @@ from dataclasses import dataclass
 
 import torch
 from transformers import GenerationMixin
-from transformers.cache_utils import get_layer_types_and_kwargs
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+from .compat import (
+    CACHE_ARGUMENTS,
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    attn_implementation,
+    get_layer_types_and_kwargs,
+    prepare_inputs,
+)
 
 # Layer types whose cache holds keys and values per position, and how a query's window is bounded.
 MASKED_LAYER_TYPES = {
@@ -139,19 +145,9 @@ class Architecture:
         return tuple(m.kind != "full" for m in self.layer_masks)
 
 
-CACHE_ARGUMENTS = ("past_key_values", "cache_params")  # what forwards call their Cache (state-space models: the latter)
-
-
-@functools.lru_cache(maxsize=None)
-def cache_argument(model_class) -> str:
-    """The forward argument `model_class` takes its Cache as."""
-    parameters = inspect.signature(model_class.forward).parameters
-    return next((name for name in CACHE_ARGUMENTS if name in parameters), CACHE_ARGUMENTS[0])
-
-
 def describe(model, role: str = "model") -> Architecture:
     """The tree-step needs of `model`, or UnsupportedArchitecture naming what is missing."""
-    attn = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    attn = attn_implementation(model.config) or "sdpa"
     architecture = describe_class(model.config, type(model), attn, role)
     who = f"The {role} ({architecture.model_type})"
     check_causal(model, who)
@@ -310,7 +306,7 @@ def check_config(config, role: str) -> None:
     config and the class transformers maps it to tell. Raises UnsupportedArchitecture."""
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config.get_text_config(decoder=True)), None)
     model_class = model_class or MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
-    architecture = describe_class(config, model_class, getattr(config, "_attn_implementation", None) or "sdpa", role)
+    architecture = describe_class(config, model_class, attn_implementation(config) or "sdpa", role)
     if model_class is not None:
         check_causal_config(config, model_class, f"The {role} ({architecture.model_type})")
 
@@ -370,8 +366,8 @@ def describe_class(config, model_class, attn: str, role: str) -> Architecture:
         )
     if parameters is not None and not any(name in parameters for name in CACHE_ARGUMENTS):
         raise UnsupportedArchitecture(
-            f"{who} takes no past_key_values (nor cache_params) in its forward, so it keeps no cache swiftspec "
-            "could give it to build on the committed tokens. Use swiftspec=False for this model."
+            f"{who} takes no cache in its forward (no argument named {' / '.join(CACHE_ARGUMENTS)}), so it keeps no "
+            "cache swiftspec could give it to build on the committed tokens. Use swiftspec=False for this model."
         )
     layer_masks = tuple(layer_mask(t, kw) for t, kw in zip(layer_types, layer_kwargs))
     mask_by_type = getattr(text_config, "layer_types", None) is not None
@@ -421,9 +417,7 @@ def check_incremental_inputs(model, who: str) -> None:
     cache = TreeCache(1, 4)
     cache.lengths = [2]  # as if two tokens were cached: generate would pass only the third
     try:
-        inputs = model.prepare_inputs_for_generation(
-            torch.ones(1, 3, dtype=torch.long), next_sequence_length=1, past_key_values=cache, use_cache=True
-        )
+        inputs = prepare_inputs(model, torch.ones(1, 3, dtype=torch.long), cache, next_sequence_length=1, use_cache=True)
     except Exception:  # noqa: BLE001 - a model needing other inputs here says nothing about this
         return
     fed = inputs.get("input_ids")

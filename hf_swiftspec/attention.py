@@ -36,10 +36,9 @@ from dataclasses import dataclass, field
 import torch
 from swiftspec_kernels import pack_tree_mask, tree_attention, tree_attention_reference, triton_available
 from transformers import AttentionInterface, AttentionMaskInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import eager_mask, sdpa_mask
 
 from .architectures import FULL, Architecture, LayerMask
+from .compat import attn_implementation, can_set_attn_implementation, eager_mask, sdpa_attention_forward, sdpa_mask
 
 ATTENTION_CHOICES = ("auto", "kernel", "model")
 KERNEL_BACKENDS = ("triton", "torch-reference")
@@ -141,14 +140,14 @@ def resolve_attention(choice: str, model, architecture: Architecture | None = No
     if choice not in ATTENTION_CHOICES:
         raise ValueError(f"SwiftSpecConfig.attention={choice!r}; use one of {ATTENTION_CHOICES}.")
     own = own_implementation(model)
-    kernel_ok = model._can_set_attn_implementation() and (architecture is None or architecture.shape == "tree")
+    kernel_ok = can_set_attn_implementation(model) and (architecture is None or architecture.shape == "tree")
     if kernel_ok and (choice == "kernel" or (choice == "auto" and model.device.type == "cuda")):
         return "triton" if triton_available(model.device) else "torch-reference"
     return own
 
 
 def own_implementation(model) -> str:
-    own = model.config._attn_implementation or "sdpa"
+    own = attn_implementation(model.config) or "sdpa"
     return {name: own for own, name in NAMES.items()}.get(own, own)  # a routed model's own one
 
 
@@ -159,7 +158,7 @@ def routed_attention(model, backend: str):
     if backend not in KERNEL_BACKENDS:
         yield
         return
-    own = model.config._attn_implementation or "sdpa"
+    own = attn_implementation(model.config) or "sdpa"
     register_tree_attention()
     model.set_attn_implementation(NAMES.get(own_implementation(model), NAMES["sdpa"]))
     try:

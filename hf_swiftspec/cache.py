@@ -29,7 +29,8 @@ they come; `advance` then packs them into the shared buffers.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .compat import Cache, CacheLayerMixin
 
 KV_DIM = 2  # positions in (B, H, L, D) keys and values
 INDEXER_DIM = 1  # positions in (B, L, D) indexer keys
@@ -47,7 +48,7 @@ class TreeCacheLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
-        self.dtype, self.device = key_states.dtype, key_states.device
+        self.device = key_states.device
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):

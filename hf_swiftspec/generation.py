@@ -16,12 +16,20 @@ import time
 import warnings
 
 import torch
-from transformers import GenerationConfig, GenerationMixin, StoppingCriteriaList
-from transformers.generation import GenerateDecoderOnlyOutput, MaxLengthCriteria, StopStringCriteria
-from transformers.generation.configuration_utils import GenerationMode
+from transformers import GenerationConfig, StoppingCriteriaList
 
 from .architectures import context_limit, describe
 from .attention import own_implementation, resolve_attention, routed_attention
+from .compat import (
+    GENERATE_CACHE_ARGUMENTS,
+    PREPARED_CACHE_KWARGS,
+    GenerateDecoderOnlyOutput,
+    GenerationMode,
+    MaxLengthCriteria,
+    StopStringCriteria,
+    pad_token_tensor,
+    sample_loop,
+)
 from .config import SwiftSpecConfig
 from .engine import DecodeRequest, DecodeResult, DraftWorker, TargetWorker, run_serial, run_threads
 from .engine.static_round import StaticRounds, run_static, static_round_gaps, static_shape
@@ -43,9 +51,7 @@ UNSUPPORTED_OPTIONS = {
 
 # What GenerationMixin.generate itself puts in the model kwargs of a decoder-only call; the tree steps
 # rebuild each of them (the mask from the padding, positions from the tree, their own caches).
-PREPARED_MODEL_KWARGS = frozenset(
-    {"attention_mask", "position_ids", "logits_to_keep", "past_key_values", "cache_params", "use_cache"}
-)
+PREPARED_MODEL_KWARGS = frozenset({"attention_mask", "position_ids", "logits_to_keep", "use_cache"}) | PREPARED_CACHE_KWARGS
 
 
 def swiftspec_generate(
@@ -233,7 +239,7 @@ def generate_output(input_ids: torch.Tensor, result: DecodeResult, generation_co
     a row that left the batch never computes.
     """
     end = result.end
-    pad = generation_config._pad_token_tensor
+    pad = pad_token_tensor(generation_config)
     pad = int(pad) if pad is not None else 0
     new = torch.tensor(
         [row.tokens[:end] + [pad] * (end - len(row.tokens[:end])) for row in result.rows],
@@ -315,10 +321,7 @@ def decode_with_target_loop(model, input_ids, logits_processor, stopping_criteri
         stacklevel=3,
     )
     start = time.perf_counter()
-    output = GenerationMixin._sample(
-        model, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
-        generation_config=generation_config, synced_gpus=False, streamer=streamer, **model_kwargs,
-    )
+    output = sample_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs)
     sequences = output if isinstance(output, torch.Tensor) else output.sequences
     stats = SwiftSpecStats(
         engine="target (batch: " + "; ".join(reasons) + ")",
@@ -357,11 +360,12 @@ def check_inputs(inputs, kwargs: dict, generation_config: GenerationConfig | Non
             "tokenizer to heal with). Heal the prompt first (model.target.heal_tokens(input_ids, tokenizer)), or "
             "pass swiftspec=False."
         )
-    if kwargs.get("past_key_values") is not None:
+    given = [name for name in GENERATE_CACHE_ARGUMENTS if kwargs.get(name) is not None]
+    if given:
         raise ValueError(
-            "past_key_values is not supported with swiftspec=True: target and draft each keep their own tree cache, "
-            "built from the prompt. To continue a conversation, pass the whole sequence so far (prompt and earlier "
-            "output) as input_ids; or pass swiftspec=False to continue from the cache."
+            f"{given[0]} (a cache from an earlier call) is not supported with swiftspec=True: target and draft each "
+            "keep their own tree cache, built from the prompt. To continue a conversation, pass the whole sequence so "
+            "far (prompt and earlier output) as input_ids; or pass swiftspec=False to continue from the cache."
         )
     cache = requested("cache_implementation", kwargs, generation_config, default)
     if cache in ("paged", "quantized"):

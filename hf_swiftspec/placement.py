@@ -20,9 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from transformers.distributed import DistributedConfig
-from transformers.distributed.tensor_parallel import apply_tensor_parallelism
-
+from .compat import apply_tensor_parallelism, tensor_parallel_plan
 from .engine.distributed import Groups
 
 
@@ -162,7 +160,7 @@ def shard(model, mesh: DeviceMesh, degree: int) -> None:
     from_pretrained(tp_plan=...) always shards over the whole world, so a disjoint group's
     model is sharded here, after loading (checked against the unsharded logits in the tests).
     """
-    plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=degree))
+    plan = tensor_parallel_plan(model, degree)
     if not plan:
         raise ValueError(f"{type(model).__name__} has no tensor-parallel plan; give its group a single rank.")
     apply_tensor_parallelism(model, mesh, plan)

@@ -40,10 +40,9 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import LinearAttentionCacheLayerMixin, LinearAttentionLayer
-
-from .architectures import cache_argument, first_line
+from .architectures import first_line
 from .cache import TreeCache, TreeCacheLayer
+from .compat import DynamicCache, LinearAttentionCacheLayerMixin, LinearAttentionLayer, forward_cache_argument
 
 # Cache layer types whose layers keep a state, and whether they also keep keys and values.
 STATE_LAYER_TYPES = {"linear_attention": False, "conv": False, "hybrid": True, "hybrid_sliding": True}
@@ -210,8 +209,6 @@ def state_continuation_gap(model, vocab_size: int | None = None) -> str | None:
     """
     if model in _continues:
         return _continues[model]
-    from transformers import DynamicCache
-
     vocab = vocab_size or model.config.get_text_config(decoder=True).vocab_size
     ids = ((torch.arange(4) * 7 + 3) % vocab)[None].to(model.device)  # any 4 distinct tokens
     takes_positions = "position_ids" in inspect.signature(type(model).forward).parameters
@@ -222,7 +219,7 @@ def state_continuation_gap(model, vocab_size: int | None = None) -> str | None:
         for chunk in chunks:
             n = chunk.shape[1]
             positions = {"position_ids": torch.arange(start, start + n, device=model.device)[None]} if takes_positions else {}
-            model(input_ids=chunk, use_cache=True, **{cache_argument(type(model)): cache}, **positions)
+            model(input_ids=chunk, use_cache=True, **{forward_cache_argument(type(model)): cache}, **positions)
             start += n
         states = []
         for layer in cache.layers:

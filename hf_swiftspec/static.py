@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel
-from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .architectures import context_limit
+from .compat import Cache, CacheLayerMixin, forward_cache_argument
 
 MIN_CAPACITY = 512
 PREFILL_CHUNK = 1024  # prompt tokens per prefill forward
@@ -49,7 +49,7 @@ class SlotLayer(CacheLayerMixin):
         C = self.owner.capacity
         self.keys = key_states.new_zeros(B, H, C, D)
         self.values = value_states.new_zeros(B, H, C, value_states.shape[-1])
-        self.dtype, self.device = key_states.dtype, key_states.device
+        self.device = key_states.device
         if not torch.compiler.is_compiling():  # fixed addresses: a CUDA graph replays its writes in place
             torch._dynamo.mark_static_address(self.keys)
             torch._dynamo.mark_static_address(self.values)
@@ -77,10 +77,16 @@ class SlotCache(Cache):
     """KV of one model for one sequence in C slots per layer. `slots` (Q,) long: where the forward
     in flight writes its queries (set by `run_step` before each forward)."""
 
-    def __init__(self, num_layers: int, capacity: int):
+    def __init__(self, num_layers: int, capacity: int, argument: str):
         self.capacity = capacity
+        self.argument = argument  # the name the model's forward takes its cache under (compat.forward_cache_argument)
         self.slots: torch.Tensor | None = None
         super().__init__(layers=[SlotLayer(self) for _ in range(num_layers)])
+
+    @classmethod
+    def for_model(cls, model: PreTrainedModel, capacity: int) -> "SlotCache":
+        """A cache of `capacity` slots for each of the model's layers, passed under its forward's cache argument."""
+        return cls(model.config.get_text_config().num_hidden_layers, capacity, forward_cache_argument(type(model)))
 
     @property
     def buffers(self) -> list[torch.Tensor]:
@@ -105,8 +111,8 @@ def forward_slots(model: PreTrainedModel, cache: SlotCache, input_ids, position_
     counting hook made every call recompile); the engine counts its forwards itself."""
     cache.slots = slots
     out = model.forward(
-        input_ids=input_ids, position_ids=position_ids, attention_mask=mask, past_key_values=cache, use_cache=True,
-        logits_to_keep=keep,
+        input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=True, logits_to_keep=keep,
+        **{cache.argument: cache},  # (resolved outside: a compiled step traces no signature lookups)
     )
     return out.logits[0].float()
 
@@ -131,9 +137,9 @@ class StaticModel:
 
     @classmethod
     def build(cls, model: PreTrainedModel, needed: int, compiled: bool = False) -> "StaticModel":
-        layers = model.config.get_text_config().num_hidden_layers
         limit = context_limit(model)
-        return cls(model, SlotCache(layers, bucket_capacity(needed)), compiled, None if limit is None else limit - 1)
+        cache = SlotCache.for_model(model, bucket_capacity(needed))
+        return cls(model, cache, compiled, None if limit is None else limit - 1)
 
     @property
     def capacity(self) -> int:

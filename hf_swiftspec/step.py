@@ -15,9 +15,10 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from .architectures import Architecture, cache_argument
+from .architectures import Architecture
 from .attention import StepLayout, tree_step_kwargs
 from .cache import TreeCache
+from .compat import forward_cache_argument
 
 
 @dataclass
@@ -108,7 +109,7 @@ def model_step(model: PreTrainedModel, cache: TreeCache, input_ids, position_ids
         position_ids=position_ids,
         attention_mask=attention_mask,
         use_cache=True,
-        **{cache_argument(type(model)): cache},  # (Mamba-2 takes its cache as cache_params)
+        **{forward_cache_argument(type(model)): cache},
         logits_to_keep=keep,
         **kwargs,
     )

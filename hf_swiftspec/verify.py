@@ -15,14 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
-from transformers.generation import logits_process
-from transformers.generation.stopping_criteria import (
-    EosTokenCriteria,
-    MaxLengthCriteria,
-    MaxTimeCriteria,
-    StopStringCriteria,
-)
 
+from .compat import EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria, StopStringCriteria, logits_process
 from .tree import Subtree
 
 MASK64 = (1 << 64) - 1

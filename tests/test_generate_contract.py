@@ -41,6 +41,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.streamers import BaseStreamer
 
 from hf_swiftspec import SwiftSpecForCausalLM, coverage
+from hf_swiftspec.compat import GENERATE_CACHE_ARGUMENTS, cache_argument, output_cache
 from hf_swiftspec.testing import char_tokenizer, left_padded, random_prompts, tiny_gpt2, tiny_model, truncated_draft
 
 NEW = 12  # new tokens per greedy row
@@ -48,6 +49,7 @@ SAMPLED = 5  # new tokens per sampling row (each is re-derived by one plain gene
 PADDING = 3
 VOCAB = 98  # the character tokenizer's, so stop_strings rows run on both architectures
 COMMON = dict(do_sample=False, max_new_tokens=NEW)
+CACHE_NAME = cache_argument(GenerationMixin.prepare_inputs_for_generation)  # what this release's generate calls a cache
 
 
 # ---------------------------------------------------------------- user subclasses of built-ins
@@ -287,8 +289,9 @@ ROWS = [
         inert="the same prompt as embeddings", error="^inputs_embeds is not supported with swiftspec=True"),
     Row("input_ids with inputs_embeds (item 5)", ("inputs_embeds", "input_ids"), lambda c: dict(inputs_embeds="noisy"),
         no_args, error="input_ids together with inputs_embeds is not supported"),
-    Row("past_key_values (item 7)", ("past_key_values",), lambda c: dict(past_key_values="earlier"),
-        inert="continues from the cache of an earlier call", error="past_key_values is not supported"),
+    Row("a cache from an earlier call: cache, past_key_values (item 7)", GENERATE_CACHE_ARGUMENTS,
+        lambda c: {CACHE_NAME: "earlier"},
+        inert="continues from the cache of an earlier call", error=f"^{CACHE_NAME} \\(a cache from an earlier call\\) is not supported"),
     Row("position_ids", ("position_ids",), lambda c: dict(position_ids=torch.arange(c.length)[None] * 3),
         inert="gpt2's generate reads them, llama's in transformers 5.23 does not",
         error="position_ids is not supported"),
@@ -371,9 +374,9 @@ def resolve(model, case: Case, kwargs: dict) -> dict:
         kwargs["inputs_embeds"] = embed(case.ids).detach() + 0.5 * torch.randn(
             case.ids.shape + (embed.weight.shape[1],), generator=torch.Generator().manual_seed(3)
         )
-    if kwargs.get("past_key_values") == "earlier":
+    if kwargs.get(CACHE_NAME) == "earlier":
         earlier = model.target.generate(case.ids, **COMMON, return_dict_in_generate=True, attention_mask=case.mask)
-        kwargs["past_key_values"] = earlier.past_key_values
+        kwargs[CACHE_NAME] = output_cache(earlier)
     return kwargs
 
 
@@ -512,8 +515,14 @@ def variants(row: Row):
     return [False, True] if row.prompt == "prompt" and row.padded else [False]
 
 
+def floor_smoke(arch: str, setting: str, row: Row) -> tuple:
+    """The greedy rows on one architecture also run on the floor transformers release (CI's smoke set)."""
+    return (pytest.mark.floor,) if (arch, setting) == ("llama", "default") and not row.sample else ()
+
+
 PARAMS = [
-    pytest.param(arch, setting, row, padded, id=f"{arch}-{setting}-{'padded-' if padded else ''}{row.name}")
+    pytest.param(arch, setting, row, padded, id=f"{arch}-{setting}-{'padded-' if padded else ''}{row.name}",
+                 marks=floor_smoke(arch, setting, row))
     for arch in ARCHITECTURES
     for setting in SETTINGS
     for row in ROWS
@@ -648,7 +657,7 @@ def readme_block() -> str:
         "- The same tokens, with a warning that swiftspec keeps its own cache: "
         + "; ".join(plain_name(r) for r in ROWS if r.warns) + ".",
         "- Refused, with an error that says what to pass instead: " + "; ".join(plain_name(r) for r in ROWS if r.error)
-        + ". With `return_dict_in_generate`, `past_key_values` is None.",
+        + ". With `return_dict_in_generate`, the output's cache (`cache`; `past_key_values` before transformers 5.24) is None.",
         f"- Not applicable: {code(sorted(NOT_APPLICABLE))} (reasons in the test).",
         END,
     ]

@@ -140,7 +140,7 @@ def test_compiled_steps_have_no_graph_break_and_equal_eager():
     counts.clear()
     for model, Q in ((target, 8), (draft, 4)):
         for prefix in (11, 19):
-            cache_a, cache_b = SlotCache(model.config.num_hidden_layers, 64), SlotCache(model.config.num_hidden_layers, 64)
+            cache_a, cache_b = SlotCache.for_model(model, 64), SlotCache.for_model(model, 64)
             for cache in (cache_a, cache_b):
                 StaticModel(model, cache).prefill(list(range(3, 3 + prefix)))
             slots = torch.randperm(64 - prefix, generator=torch.Generator().manual_seed(prefix))[:Q] + prefix

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..cache import TreeCache
+from ..compat import CACHE_ARGUMENTS
 from ..modeling import SwiftSpecForCausalLM
 from ..policy import MAX_BUDGET
 from ..tree import new_tree
@@ -125,7 +126,7 @@ def sampling_caches(model, samples: list[CacheSample]):
     """Record the TreeCache each forward of `model` wrote into (nothing else is touched)."""
 
     def record(module, args, kwargs, output):
-        cache = kwargs.get("past_key_values")
+        cache = next((kwargs[name] for name in CACHE_ARGUMENTS if isinstance(kwargs.get(name), TreeCache)), None)
         if isinstance(cache, TreeCache) and cache.kv is not None:
             # Tree steps pass a mask; a prefill (or the draft's first chain) does not, and its
             # tokens join the prefix only after the forward, so they are not tree slots.

@@ -16,8 +16,8 @@ import os
 from pathlib import Path
 
 from transformers import AutoTokenizer, TokenizersBackend
-from transformers.models.auto.tokenization_auto import get_tokenizer_config
 
+from ..compat import get_tokenizer_config
 from .errors import PairConfigError, first_line
 from .locate import HubOptions
 
