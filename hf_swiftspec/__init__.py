@@ -4,25 +4,27 @@
     out = model.generate(input_ids, max_new_tokens=64, swiftspec=True)
 """
 
-from transformers import AutoConfig, AutoModelForCausalLM
+from . import compat
 
-from .config import SwiftSpecConfig
-from .engine import SwiftSpecWorkerError
-from .modeling import SwiftSpecForCausalLM
-from .pair import resolve_bundled_names_in_transformers
-from .stats import SwiftSpecStats
+compat.check_release()  # a transformers outside the tested releases fails here, naming both, not mid-generation
+
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+
+from .config import SwiftSpecConfig  # noqa: E402
+from .engine import SwiftSpecWorkerError  # noqa: E402
+from .modeling import SwiftSpecForCausalLM  # noqa: E402
+from .stats import SwiftSpecStats  # noqa: E402
 
 
 def register_auto_classes() -> None:
-    """Make AutoConfig / AutoModelForCausalLM (and so pipeline()) resolve model_type "swiftspec",
-    and find the pairs bundled with hf_swiftspec by name (e.g. "swiftspec-demo-pystdlib")."""
+    """Make AutoConfig / AutoModelForCausalLM (and so pipeline()) resolve model_type "swiftspec"."""
     AutoConfig.register("swiftspec", SwiftSpecConfig, exist_ok=True)
     AutoModelForCausalLM.register(SwiftSpecConfig, SwiftSpecForCausalLM, exist_ok=True)
-    resolve_bundled_names_in_transformers()
 
 
-# The one import-time effect, as with any transformers model library: Auto* must know the type
-# (and the bundled names) before a user calls AutoModelForCausalLM.from_pretrained on a pair repo.
+# The one import-time effect, as with any transformers model library: Auto* must know the type before a
+# user calls AutoModelForCausalLM.from_pretrained on a pair repo. Nothing of transformers' or
+# huggingface_hub's is replaced: bundled pair names resolve in hf_swiftspec's own loaders only.
 register_auto_classes()
 
 __all__ = ["SwiftSpecConfig", "SwiftSpecForCausalLM", "SwiftSpecStats", "SwiftSpecWorkerError", "register_auto_classes"]

