@@ -58,6 +58,7 @@ def demo():
     return SwiftSpecForCausalLM.from_pretrained(DEMO, dtype=torch.float32, tree_budget=8, draft_depth=4)
 
 
+@pytest.mark.floor
 def test_demo_pair_is_lossless_with_real_acceptance(demo):
     new_tokens = verify_steps = 0
     kwargs = dict(max_new_tokens=64, do_sample=False)
