@@ -151,7 +151,7 @@ def statistics_line(model, run: RunStats, baseline: RunStats | None, identical: 
     line = (
         f"[swiftspec] {run.new_tokens} tokens in {run.seconds:.2f}s = {run.tokens_per_second:.1f} tokens/s | "
         f"tau {stats.tau:.2f} tokens per verification | {stats.target_forwards} target forwards, "
-        f"{stats.draft_forwards} draft forwards | engine {stats.engine}"
+        f"{f'{stats.draft_forwards} draft forwards' if stats.draft_model else 'no draft model'} | engine {stats.engine}"
     )
     if baseline is not None:
         same = "" if identical is None else f", same output: {'yes' if identical else 'NO'}"

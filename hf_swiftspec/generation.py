@@ -117,6 +117,9 @@ def swiftspec_generate(
         result = decode_static(model, swiftspec_draft, request, config, swiftspec_placement, kept)
     else:
         result = decode_adaptive(model, swiftspec_draft, request, config, swiftspec_placement, swiftspec_groups)
+    result.stats.draft_model = swiftspec_draft is not None
+    if batch > 1:
+        result.stats.row_tau = [row.tau for row in result.rows]
     if swiftspec_history is not None:  # later requests may copy these outputs (and their lead-ins)
         lead_in = config.ngram_size if config.ngram_size > 0 else 0
         for ids, row in zip(request.prompt_ids(), result.rows):

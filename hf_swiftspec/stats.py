@@ -69,6 +69,8 @@ class SwiftSpecStats:
     in_flight_expansions: int = 0  # draft expansions run while a verification was in flight
     replayed_tokens: int = 0  # accepted tokens the target ran again to roll recurrent states back
     rounds: list[RoundRecord] = field(default_factory=list)  # the policy's choice per round
+    row_tau: list[float] = field(default_factory=list)  # a batch's rows: each row's tokens per verification it took part in
+    draft_model: bool = True  # False in draft-free mode: every proposal came from the suffix index
 
     @classmethod
     def collect(
@@ -124,11 +126,17 @@ class SwiftSpecStats:
 
     def summary(self) -> str:
         """One line for logs and the command line; the policy's trees only where rounds were recorded
-        (the distributed engine does not bring them back from the draft's rank)."""
+        (the distributed engine does not bring them back from the draft's rank).
+
+        "proposing" is the time spent building proposals (draft forwards, suffix lookups, the policy's
+        choice), "verifying" the target's (its forwards, the walks, the commits).
+        """
+        rows = f" (per row: {', '.join(f'{t:.2f}' for t in self.row_tau)})" if len(self.row_tau) > 1 else ""
+        drafter = f"draft forwards={self.draft_forwards}" if self.draft_model else "no draft model (suffix proposals only)"
         line = (
             f"{self.new_tokens} tokens in {self.wall_time_s:.2f}s ({self.tokens_per_second:.1f} tok/s), "
-            f"tau={self.tau:.2f}, target forwards={self.target_forwards}, draft forwards={self.draft_forwards}, "
-            f"draft {self.draft_time_s:.2f}s / target {self.target_time_s:.2f}s, "
+            f"tau={self.tau:.2f}{rows}, target forwards={self.target_forwards}, {drafter}, "
+            f"proposing {self.draft_time_s:.2f}s / verifying {self.target_time_s:.2f}s, "
             f"target idle {100 * self.target_idle_fraction:.0f}%, engine={self.engine}, attention={self.attention}"
         )
         if not self.rounds:

@@ -71,6 +71,9 @@ def test_greedy_rows_equal_target_generate_on_the_padded_batch(pairs, family, se
         same_as_target(model, ids, mask, max_new_tokens=40)
     stats = model.swiftspec_stats
     assert stats.engine == "serial" and stats.tau > 1.2, stats.summary()  # speculated, not decoded plainly
+    # Each row's own tau; the batch's tau (all tokens over all row-verifications) is their weighted mean.
+    assert len(stats.row_tau) == ids.shape[0] and min(stats.row_tau) >= 1.0, stats.row_tau
+    assert min(stats.row_tau) - 1e-9 <= stats.tau <= max(stats.row_tau) + 1e-9 and "per row: " in stats.summary()
 
 
 def first_stops(rows: list[list[int]], eos: list[int]) -> list[int | None]:

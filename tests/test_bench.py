@@ -103,6 +103,10 @@ def test_runs_every_method_on_every_set_and_writes_the_results(finished):
         assert result.limit is not None and result.limit.peak_source == "given"
     markdown = (out / "results.md").read_text()
     assert markdown.count("| swiftspec serial |") == 2 and "**Limit**" in markdown and "## Memory budget" in markdown
+    # The policy's choices, a column each (they were four numbers packed in one cell).
+    assert "| tree T | draft fwd / round | plain rounds | n-gram share |" in markdown
+    # The character tokenizer has no chat template: the prompts went in as plain text, and results.json says so.
+    assert report.config["chat_template"] is False and any("no chat template" in note for note in report.notes)
     assert "### Batch size" not in markdown and "## Speed-up by batch size" not in markdown
     assert (out / "results.png").exists() == (find_spec("matplotlib") is not None)
     if find_spec("matplotlib") is None:

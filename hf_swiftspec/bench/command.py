@@ -41,6 +41,7 @@ from .methods import (
 from .prompts import (
     BUNDLED_PROMPT_SETS,
     PromptSet,
+    has_chat_template,
     padding_token,
     prepare_prompt_set,
     prompt_batches,
@@ -200,9 +201,12 @@ def environment(device: torch.device, probe: MemoryProbe) -> Environment:
     )
 
 
-def config_record(config: BenchConfig) -> dict:
-    """BenchConfig as results.json states it: everything but the objects (models, extra methods)."""
-    return {f.name: getattr(config, f.name) for f in fields(config) if f.name not in ("models", "extra_methods")}
+def config_record(config: BenchConfig, tokenizer=None) -> dict:
+    """BenchConfig as results.json states it: everything but the objects (models, extra methods), with
+    chat_template saying whether prompts were wrapped in one (False where the tokenizer has none)."""
+    record = {f.name: getattr(config, f.name) for f in fields(config) if f.name not in ("models", "extra_methods")}
+    record["chat_template"] = bool(config.chat_template and has_chat_template(tokenizer))
+    return record
 
 
 def progress_bar(total: int, enabled: bool):
@@ -227,6 +231,8 @@ def run_bench(config: BenchConfig) -> BenchReport:
     context = context_length(models.target.config)
     prompt_sets = [prepare_prompt_set(source, tokenizer, config, device, context) for source in config.prompts]
     notes += truncation_notes(prompt_sets, prompt_token_limit(config, context))
+    if config.chat_template and not has_chat_template(tokenizer):
+        notes.append("The tokenizer has no chat template: prompts went in as plain text.")
     probe = MemoryProbe.create(device)
     order = [*config.methods, *(m.name for m in config.extra_methods)]
     sizes = tuple(sorted(config.batch_sizes))
@@ -256,7 +262,7 @@ def run_bench(config: BenchConfig) -> BenchReport:
         schema_version=SCHEMA_VERSION,
         environment=environment(device, probe),
         pair=pair_info(models, settings, tokenizer),
-        config=config_record(config),
+        config=config_record(config, tokenizer),
         sets=sets,
         memory=memory,
         notes=notes,

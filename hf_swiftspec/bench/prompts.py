@@ -112,6 +112,11 @@ def load_prompts(source: str, limit: int | None = None) -> list[Prompt]:
     return prompts
 
 
+def has_chat_template(tokenizer) -> bool:
+    """Whether prompts can be wrapped in the tokenizer's chat template (encode_prompt then does)."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
 def encode_prompt(tokenizer, text: str, max_tokens: int | None, chat_template: bool) -> tuple[torch.Tensor, bool]:
     """Token ids (1, L) of a prompt, and whether it was cut. The text is cut to `max_tokens` before
     the chat template is applied, so the template's generation prompt always survives."""
@@ -119,7 +124,7 @@ def encode_prompt(tokenizer, text: str, max_tokens: int | None, chat_template: b
     truncated = max_tokens is not None and len(body) > max_tokens
     if truncated:
         text = tokenizer.decode(body[:max_tokens])
-    if chat_template and getattr(tokenizer, "chat_template", None):
+    if chat_template and has_chat_template(tokenizer):
         ids = tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=True, return_tensors="pt"
         )["input_ids"]

@@ -31,20 +31,22 @@ def memory_text(peak: dict[str, float], run: dict[str, float]) -> str:
     return "; ".join(f"{device} {peak[device]:.0f} (+{run.get(device, 0.0):.0f})" for device in peak) or "–"
 
 
-def policy_text(m: MethodResult) -> str:
-    """The goodput policy's mean choices for a swiftspec method ("–" for the others)."""
+def policy_cells(m: MethodResult) -> str:
+    """The goodput policy's mean choices for a swiftspec method, a cell each: tree size T, draft forwards
+    per round, share of plain rounds, n-gram share of accepted tokens ("–" for the other methods)."""
     if m.tree_budget is None:
-        return "–"
+        return " | ".join("–" * 4)
     return (
-        f"{m.tree_budget.mean:.1f} / {m.draft_expansions.mean:.1f}, {100 * m.plain_fraction.mean:.0f}%, "
+        f"{m.tree_budget.mean:.1f} | {m.draft_expansions.mean:.1f} | {100 * m.plain_fraction.mean:.0f}% | "
         f"{100 * m.ngram_share.mean:.0f}%"
     )
 
 
 def method_table(methods: list[MethodResult]) -> list[str]:
     lines = [
-        "| method | settings | tokens/s | speed-up | τ | target fwd / token | target idle | policy: T / draft fwd per round, plain rounds, n-gram share | peak MiB (+ during call) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| method | settings | tokens/s | speed-up | τ | target fwd / token | target idle | tree T | draft fwd / round "
+        "| plain rounds | n-gram share | peak MiB (+ during call) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m in methods:
         idle = None if m.target_idle_fraction is None else Spread(
@@ -52,7 +54,7 @@ def method_table(methods: list[MethodResult]) -> list[str]:
         )
         lines.append(
             f"| {m.label} | {settings_text(m)} | {fmt(m.tokens_per_s, 1)} | {fmt(m.speedup, 2, '×')} | {fmt(m.tau)} | "
-            f"{fmt(m.target_forwards_per_token)} | {fmt(idle, 0, '%')} | {policy_text(m)} | "
+            f"{fmt(m.target_forwards_per_token)} | {fmt(idle, 0, '%')} | {policy_cells(m)} | "
             f"{memory_text(m.peak_memory_mib, m.run_memory_mib)} |"
         )
     return lines

@@ -72,12 +72,19 @@ class RowResult:
 
     done_at: how many new tokens the row had when a stopping criterion fired (or max_new_tokens was
         reached); None while it runs.
+    verifications: target verifications the row took part in
     """
 
     tokens: list[int] = field(default_factory=list)
     scores: list[torch.Tensor] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
     done_at: int | None = None
+    verifications: int = 0
+
+    @property
+    def tau(self) -> float:
+        """The row's tokens per verification it took part in."""
+        return len(self.tokens) / self.verifications if self.verifications else 0.0
 
 
 @dataclass
@@ -159,6 +166,7 @@ class BatchRows:
         increasing order; `keep` then drops the others)."""
         for b, outcome in enumerate(verified):
             row = self.result.rows[self.live[b]]
+            row.verifications += 1
             row.tokens += outcome.tokens
             row.scores += outcome.scores
             row.logits += outcome.logits
