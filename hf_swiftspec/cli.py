@@ -97,9 +97,17 @@ def parse_placement(text: str):
 
 
 def check_options(options: GenerateOptions) -> None:
-    """Refuse what generate would otherwise ignore or crash on, before any weights load."""
+    """Refuse what generate would otherwise ignore or crash on, before any weights load (and before the
+    prompt is echoed)."""
     if not options.prompt:
         raise ValueError("the prompt is empty; give the text to complete, e.g. swiftspec generate 'def f(x):'.")
+    if options.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens {options.max_new_tokens}: generate at least 1 token (the default is 128).")
+    if options.do_sample and options.temperature == 0:
+        raise ValueError(
+            "--sample --temperature 0 asks for sampling at temperature 0, which is greedy decoding: drop --sample and "
+            "--temperature (greedy is the default)."
+        )
     if not options.do_sample:
         for flag, value in (("--temperature", options.temperature), ("--top-p", options.top_p)):
             if value is not None:
@@ -115,7 +123,12 @@ def load_generate_pair(options: GenerateOptions, device: str) -> SwiftSpecForCau
         settings["placement"] = parse_placement(options.placement)
     location = options.model or options.pair
     progress(f"loading {'model' if options.model else 'pair'} {location!r} on {device}")
-    return load_pair(location, location, device, options.dtype, **settings)
+    model = load_pair(location, location, device, options.dtype, **settings)
+    if options.model and model.draft is not None:
+        progress(f"--model {location!r} is a pair repo, not a plain model: speculating with its draft ({model.config.draft})")
+    elif not options.model and model.draft is None:
+        progress(f"--pair {location!r} is a plain causal LM, not a pair: speculating draft-free (suffix proposals only)")
+    return model
 
 
 def check_length(prompt_tokens: int, max_new_tokens: int, context: int | None) -> None:

@@ -9,6 +9,8 @@ from transformers import PreTrainedConfig
 
 from .policy import MAX_BUDGET
 
+MAX_DRAFT_WIDTH = 64  # leaves per expansion and children per leaf: more only adds nodes no budget can verify
+
 
 class SwiftSpecConfig(PreTrainedConfig):
     """A target/draft pair and how to speculate with it.
@@ -88,22 +90,22 @@ class SwiftSpecConfig(PreTrainedConfig):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"SwiftSpecConfig.{name} must be a positive int, got {value!r}.")
-        budget = self.tree_budget
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+        if self.draft_width > MAX_DRAFT_WIDTH:
             raise ValueError(
-                f"SwiftSpecConfig.tree_budget must be None (chosen per round) or a positive int, got {budget!r}."
+                f"SwiftSpecConfig.draft_width={self.draft_width}: the draft expands at most {MAX_DRAFT_WIDTH} leaves per "
+                f"forward, {MAX_DRAFT_WIDTH} children each; use draft_width <= {MAX_DRAFT_WIDTH} (the paper's is 8)."
+            )
+        budget = self.tree_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 2):
+            raise ValueError(
+                f"SwiftSpecConfig.tree_budget={budget!r}: use None (the default: the goodput policy chooses each round, "
+                "plain decoding included) or an int >= 2, the root and at least one draft node (8 is the paper's)."
             )
         if isinstance(self.ngram_size, bool) or not isinstance(self.ngram_size, int) or self.ngram_size < 0:
             raise ValueError(f"SwiftSpecConfig.ngram_size must be an int >= 0 (0: no n-gram chain), got {self.ngram_size!r}.")
         cache = self.suffix_cache_tokens
         if isinstance(cache, bool) or not isinstance(cache, int) or cache < 0:
             raise ValueError(f"SwiftSpecConfig.suffix_cache_tokens must be an int >= 0 (0: keep no outputs), got {cache!r}.")
-        if budget is not None and budget < 2:
-            raise ValueError(
-                f"SwiftSpecConfig.tree_budget={self.tree_budget}: the target must verify the root and at "
-                "least one draft node; use tree_budget >= 2 (8 is the paper's), or None (the default) to let the "
-                "goodput policy choose each round, plain decoding included."
-            )
         if self.draft_depth is not None and (
             isinstance(self.draft_depth, bool) or not isinstance(self.draft_depth, int) or self.draft_depth < 1
         ):
@@ -120,11 +122,17 @@ class SwiftSpecConfig(PreTrainedConfig):
         if self.attention not in ("auto", "kernel", "model"):
             raise ValueError(f"SwiftSpecConfig.attention={self.attention!r}; use 'auto', 'kernel' or 'model'.")
         # One round adds draft_width * draft_width children; the tree must also hold the subtree it sends.
-        needed = (budget or MAX_BUDGET) + 2 * self.draft_width * self.draft_width
-        if self.tree_capacity < needed:
+        growth = 2 * self.draft_width * self.draft_width
+        if budget is not None and budget + growth > self.tree_capacity:
             raise ValueError(
-                f"SwiftSpecConfig.tree_capacity={self.tree_capacity} is too small for tree_budget="
-                f"{budget or MAX_BUDGET} and draft_width={self.draft_width}; use at least {needed}."
+                f"SwiftSpecConfig.tree_budget={budget} is more nodes than the draft's tree holds beside a round's growth "
+                f"(tree_capacity={self.tree_capacity}, draft_width={self.draft_width}): use tree_budget <= "
+                f"{max(self.tree_capacity - growth, 2)} (8 is the paper's), or raise tree_capacity."
+            )
+        if (budget or MAX_BUDGET) + growth > self.tree_capacity:
+            raise ValueError(
+                f"SwiftSpecConfig.tree_capacity={self.tree_capacity} is too small for draft_width={self.draft_width}: "
+                f"use tree_capacity >= {(budget or MAX_BUDGET) + growth}, or a smaller draft_width."
             )
 
 

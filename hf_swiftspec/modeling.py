@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from pathlib import Path
 
 import torch
 from huggingface_hub import HfApi
-from transformers import AutoModelForCausalLM, GenerationConfig, GenerationMixin, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, GenerationMixin, PreTrainedModel
 
 from .architectures import describe
 from .config import SwiftSpecConfig, check_setting_names
@@ -36,6 +37,8 @@ from .suffix import OutputHistory
 
 __all__ = ["SwiftSpecForCausalLM"]
 
+logger = logging.getLogger(__name__)
+
 
 def check_model_supported(model: PreTrainedModel, role: str) -> None:
     """Raise ValueError if `model` cannot run exact tree (or chain) steps, naming the missing capability."""
@@ -61,6 +64,82 @@ def corpus_tokens(corpus, tokenizer) -> list[list[int]]:
         else:
             raise ValueError(f"ngram_corpus entries must be strings, lists of ints or 1D tensors; got {document!r:.80}.")
     return out
+
+
+def check_member_type(model, role: str, required: bool) -> None:
+    """A member must be a transformers model; name what was passed instead (a tokenizer, a path...)."""
+    if model is None and not required:
+        return
+    if not isinstance(model, PreTrainedModel):
+        hint = " Pass it as tokenizer= instead." if hasattr(model, "encode") and hasattr(model, "decode") else ""
+        load = " Load it first: AutoModelForCausalLM.from_pretrained(...)." if isinstance(model, (str, os.PathLike)) else ""
+        raise TypeError(
+            f"SwiftSpecForCausalLM.from_models(target, draft=None, tokenizer=None, ...): the {role} must be a model (a "
+            f"transformers PreTrainedModel), got {type(model).__name__}.{hint}{load}"
+        )
+
+
+def own_location(model: PreTrainedModel | None, other: PreTrainedModel | None = None) -> str | None:
+    """Where `model` can be loaded from again (its name_or_path), or None when it was built or changed in
+    memory: the folder its config names holds another model (its config differs), or the folder is the
+    other member's (a draft built from the target's config, say). save_pretrained then refuses or stores
+    its weights instead of pointing the pair at a model it is not."""
+    if model is None or not model.name_or_path:
+        return None
+    name = model.name_or_path
+    if other is not None and model is not other and name == other.name_or_path:
+        logger.warning(
+            "The draft's name_or_path %r is the target's: the draft was built in memory (e.g. from the target's config), "
+            "so the pair does not name a folder for it (save_pretrained(save_members=True) stores its weights).", name,
+        )
+        return None
+    stored = stored_config(name)
+    if stored is not None and config_differences(stored, model.config):
+        logger.warning(
+            "%r holds another model than this one (its config differs: %s): it was built or changed in memory, so the pair "
+            "does not name that folder for it (save_pretrained(save_members=True) stores its weights).",
+            name, config_differences(stored, model.config),
+        )
+        return None
+    return name
+
+
+def stored_config(name: str):
+    """The config at a local folder or a Hub id already in the cache (None when neither can be read)."""
+    try:
+        return AutoConfig.from_pretrained(name, local_files_only=True)
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+IGNORED_CONFIG_KEYS = ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "_attn_implementation_autoset",
+                       "architectures", "use_cache")  # fmt: skip
+
+
+def config_differences(stored, live) -> str:
+    """What differs between two model configs, as 'key: stored vs live' (empty when they describe one model)."""
+    a, b = stored.to_dict(), live.to_dict()
+    keys = sorted(k for k in set(a) | set(b) if k not in IGNORED_CONFIG_KEYS and a.get(k) != b.get(k))
+    return ", ".join(f"{k} {a.get(k)!r} vs {b.get(k)!r}" for k in keys[:4]) + (" ..." if len(keys) > 4 else "")
+
+
+def draft_own_tokenizer(target: PreTrainedModel, draft: PreTrainedModel, location: str | None):
+    """The draft's own tokenizer when only the target's was given and their vocabularies differ in size (the
+    mapping must then be checked, as pair repos check it), from the folder the draft came from; None when the
+    sizes agree (the draft is taken to use the target's tokenizer). Raises PairConfigError when it cannot be
+    found: a draft of another vocabulary must never be accepted on the target's tokenizer alone."""
+    sizes = target.config.get_text_config().vocab_size, draft.config.get_text_config().vocab_size
+    if sizes[0] == sizes[1]:
+        return None
+    own = load_tokenizer(location, None, HubOptions(local_files_only=True), False) if location is not None else None
+    if own is not None:
+        return own
+    raise PairConfigError(
+        f"Vocabulary mismatch: target vocab_size={sizes[0]}, draft vocab_size={sizes[1]}, and only the target's "
+        "tokenizer was given, so nothing says the draft's ids mean the target's. Pass the draft's own tokenizer as "
+        "draft_tokenizer= (its token -> id mapping is then checked; padded embeddings of different sizes are fine), "
+        "or pick a draft from the target's model family."
+    )
 
 
 class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
@@ -153,8 +232,11 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
         vocabularies are compared token by token, so padded embeddings of different sizes are fine.
         """
         check_setting_names(settings, "SwiftSpecForCausalLM.from_models")
-        draft_name = (draft.name_or_path or None) if draft is not None else None
-        config = SwiftSpecConfig(target=target.name_or_path or None, draft=draft_name, **settings)
+        check_member_type(target, "target", required=True)
+        check_member_type(draft, "draft", required=False)
+        config = SwiftSpecConfig(target=own_location(target), draft=own_location(draft, target), **settings)
+        if draft is not None and tokenizer is not None and draft_tokenizer is None:
+            draft_tokenizer = draft_own_tokenizer(target, draft, config.draft)
         return cls(config, target, draft, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)
 
     @classmethod

@@ -55,6 +55,30 @@ def test_an_empty_prompt_is_refused_before_loading(capsys):
     assert "swiftspec: error: the prompt is empty" in err and "loading pair" not in err
 
 
+@pytest.mark.parametrize("flags, named", [
+    (["--max-new-tokens", "0"], "--max-new-tokens 0: generate at least 1 token"),
+    (["--sample", "--temperature", "0"], "which is greedy decoding: drop --sample and --temperature"),
+])
+def test_bad_generate_options_are_refused_before_the_prompt_is_echoed(flags, named, capsys):
+    """Issue 26 item 7: the prompt was printed before --max-new-tokens 0 was refused; --temperature 0 with
+    --sample pointed to do_sample=False, an argument of the Python API, not of the command."""
+    assert main(["generate", *flags, "def f(x):"]) == 1
+    captured = capsys.readouterr()
+    assert named in captured.err and captured.out == "" and "loading" not in captured.err
+
+
+def test_model_and_pair_say_what_they_loaded(tmp_path, capsys):
+    """--model with a pair folder used the pair's draft silently; --pair with a plain model ran draft-free silently."""
+    from hf_swiftspec.pair import bundled_pair
+
+    demo = bundled_pair("swiftspec-demo-pystdlib")
+    assert main(["generate", "--model", str(demo), *FAST]) == 0
+    assert "is a pair repo, not a plain model: speculating with its draft" in capsys.readouterr().err
+    assert main(["generate", "--pair", str(demo / "target"), *FAST]) == 0
+    captured = capsys.readouterr()
+    assert "is a plain causal LM, not a pair: speculating draft-free" in captured.err and "no draft model" in captured.out
+
+
 def test_generate_runs_one_torch_thread_per_worker_on_cpu_unless_told(capsys):
     """torch's default (every core for each of target and draft) thrashed a 2-core machine."""
     torch.set_num_threads(2)

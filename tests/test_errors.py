@@ -21,13 +21,16 @@ def test_vocabulary_mismatch_names_both_sizes():
 @pytest.mark.parametrize(
     "settings, match",
     [
-        (dict(tree_budget=1), r"tree_budget=1: .* use tree_budget >= 2 \(8 is the paper's\), or None \(the default\)"),
-        (dict(tree_budget=0), "tree_budget must be None \\(chosen per round\\) or a positive int, got 0"),
+        (dict(tree_budget=1), r"tree_budget=1: use None \(the default: .*\) or an int >= 2"),
+        (dict(tree_budget=0), r"tree_budget=0: use None \(the default: .*\) or an int >= 2"),
+        # A huge value names a usable bound, not a capacity of a million nodes (issue 26 item 7).
+        (dict(tree_budget=10**6), r"tree_budget=1000000 is more nodes than .* use tree_budget <= 896 \(8 is the paper's\)"),
+        (dict(draft_width=10**6), r"draft_width=1000000: .* use draft_width <= 64"),
         (dict(ngram_size=-1), "ngram_size must be an int >= 0"),
         (dict(draft_width="8"), "draft_width must be a positive int, got '8'"),
         (dict(draft_depth=0), "draft_depth must be None"),
         (dict(draft_depth=True), "draft_depth must be None"),
-        (dict(tree_capacity=20), "tree_capacity=20 is too small"),
+        (dict(tree_capacity=20), "tree_capacity=20 is too small for draft_width=8: use tree_capacity >= 160"),
     ],
 )
 def test_invalid_tree_settings(settings, match):
@@ -38,7 +41,7 @@ def test_invalid_tree_settings(settings, match):
 def test_settings_changed_after_loading_are_validated(model):
     model.config.tree_budget = -3
     try:
-        with pytest.raises(ValueError, match="or a positive int, got -3"):
+        with pytest.raises(ValueError, match=r"tree_budget=-3: use None .* or an int >= 2"):
             model.generate(torch.tensor([[4, 5]]), max_new_tokens=3)
     finally:
         model.config.tree_budget = None
@@ -123,3 +126,68 @@ def test_misspelt_setting_is_named_with_the_closest_field():
         SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 1), tree_budgt=4)
     with pytest.raises(ValueError, match=r"unknown setting 'colour'; SwiftSpecConfig's settings are: target, draft"):
         SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 1), colour="red")
+
+
+def saved_target(folder):
+    """A tiny llama target saved with its tokenizer, loaded back from the folder (name_or_path = folder)."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_swiftspec.testing import char_tokenizer
+
+    tiny_model("llama", seed=0).save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    return AutoModelForCausalLM.from_pretrained(folder), char_tokenizer()
+
+
+def test_a_draft_built_in_memory_is_never_saved_as_another_models_folder(tmp_path):
+    """Issue 26 item 4: a draft built from the target's config (its name_or_path is the target's folder) was
+    saved as "draft": <the target's folder>, so from_pretrained of the pair loaded the target as its draft."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_swiftspec.pair import PairConfigError
+
+    target, tok = saved_target(tmp_path / "target")
+    config = type(target.config).from_dict({**target.config.to_dict(), "num_hidden_layers": 1})
+    draft = AutoModelForCausalLM.from_config(config)
+    draft.load_state_dict(target.state_dict(), strict=False)
+    assert draft.name_or_path == target.name_or_path  # what misled the save
+    pair = SwiftSpecForCausalLM.from_models(target, draft, tokenizer=tok)
+    assert pair.config.target == target.name_or_path and pair.config.draft is None
+    with pytest.raises(PairConfigError, match="config.draft is not set .* save_members=True"):
+        pair.save_pretrained(tmp_path / "pair")
+    pair.save_pretrained(tmp_path / "pair", save_members=True)
+    assert SwiftSpecForCausalLM.from_pretrained(tmp_path / "pair").draft.config.num_hidden_layers == 1
+
+
+def test_a_member_whose_folder_now_holds_another_model_is_not_named(tmp_path):
+    """A model changed in memory after loading (layers cut) no longer is what its folder holds."""
+    target, tok = saved_target(tmp_path / "target")
+    from transformers import AutoModelForCausalLM
+
+    draft = truncated_draft(AutoModelForCausalLM.from_pretrained(tmp_path / "target"), 1)
+    draft.config._name_or_path = str(tmp_path / "target-copy")
+    target.save_pretrained(tmp_path / "target-copy")  # the folder the draft names holds a 2-layer model
+    pair = SwiftSpecForCausalLM.from_models(target, draft, tokenizer=tok)
+    assert pair.config.draft is None and pair.config.target == str(tmp_path / "target")
+
+
+def test_a_draft_of_another_vocabulary_is_refused_with_the_targets_tokenizer_alone(tmp_path):
+    """Issue 26 item 6: a draft with a larger vocabulary was accepted when only tokenizer= was given (exact, but
+    it could never be right); two tokenizers and `pair create` refused it. Refused the same way now."""
+    from hf_swiftspec.pair import PairConfigError
+
+    target, tok = saved_target(tmp_path / "target")
+    draft = tiny_model("llama", seed=1, vocab_size=300)
+    with pytest.raises(PairConfigError, match=r"target vocab_size=98, draft vocab_size=300, and only the target's "
+                       r"tokenizer was given.*draft_tokenizer="):
+        SwiftSpecForCausalLM.from_models(target, draft, tokenizer=tok)
+
+
+def test_a_tokenizer_passed_as_a_model_is_named():
+    """Issue 26 item 7: from_models(tokenizer) raised AttributeError: ... has no attribute 'config'."""
+    from hf_swiftspec.testing import char_tokenizer
+
+    with pytest.raises(TypeError, match=r"the target must be a model .*got TokenizersBackend\. Pass it as tokenizer="):
+        SwiftSpecForCausalLM.from_models(char_tokenizer())
+    with pytest.raises(TypeError, match=r"the draft must be a model .*got str\. Load it first"):
+        SwiftSpecForCausalLM.from_models(tiny_model("llama"), "org/draft")
