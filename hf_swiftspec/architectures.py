@@ -22,6 +22,7 @@ import inspect
 import sys
 import weakref
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from transformers import GenerationMixin
@@ -40,7 +41,6 @@ MASKED_LAYER_TYPES = {
     "sliding_attention": "sliding",
     "chunked_attention": "chunked",
     "indexed_attention": "full",  # sparse attention picks among the keys the mask allows
-    "minimax_m3_sparse": "full",
 }
 # Layer types that keep a state other than per-position keys and values (recurrent.py), and what.
 RECURRENT_LAYER_TYPES = {
@@ -96,6 +96,78 @@ FULL = LayerMask()
 
 
 @dataclass(frozen=True)
+class SlotLimit:
+    """A rule a model's attention module applies by cache slot, or by how many keys a forward holds, where
+    transformers' own decoding has slot = position. A tree node sits at a slot past its position, so tree
+    steps reproduce the rule only while every slot a verification fills stays below `length`; a call that
+    may reach it decodes as `beyond` says from its start: "chain" (along a chain slot = position again) or
+    "plain" (only one-token steps are exact: transformers' own loop).
+
+    reason: completes "The target (type) ..." in warnings and refusals.
+    """
+
+    length: int
+    beyond: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class SlotRule:
+    """Where a model type's config declares a SlotLimit: the field that sizes it (under the name that model
+    type uses), when it is in force, and how the limit follows from the field's value."""
+
+    field: str
+    applies: Callable
+    beyond: str
+    reason: str  # with {size}: the field's value
+    offset: int = 0  # the limit is the field's value plus this
+
+
+def layer_pattern(config) -> list[str]:
+    """GPT-Neo's per-layer attention kinds ("global" / "local"), flattened from its config."""
+    return [str(kind) for kind in (getattr(config, "attention_layers", None) or [])]
+
+
+def has_layer_type(config, layer_type: str) -> bool:
+    try:
+        return layer_type in get_layer_types_and_kwargs(config)[0]
+    except Exception:  # noqa: BLE001 - a config transformers cannot type: describe_class refuses it, naming why
+        return False
+
+
+# Rules that attention modules apply by cache slot, under the config field each model type declares them by
+# (a survey of every causal-LM type of transformers 5.23-5.24). Windows, chunks and indexers that transformers'
+# mask functions apply by position are not here: architectures take those from get_layer_types_and_kwargs.
+SLOT_RULES = (
+    # gpt_neo: GPTNeoSelfAttention._attn bands its own causal mask by key slot, self.bias[key_len - q_len : key_len]
+    SlotRule("window_size", lambda c: "local" in layer_pattern(c), "chain",
+             "applies its local layers' {size}-token window inside its attention, by cache slot"),
+    # llama4: Llama4TextAttention scales NoPE layers' queries by log1p(floor((slot + 1) / floor_scale))
+    SlotRule("floor_scale", lambda c: bool(getattr(c, "attn_temperature_tuning", False)) and 0 in (getattr(c, "no_rope_layers", None) or [0]),
+             "chain", "scales its NoPE layers' queries by a temperature that steps every {size} cache slots", offset=-1),
+    # doge: DogeAttention.prepare_dynamic_mask keeps the top keep_window_size keys once a forward holds more slots
+    SlotRule("keep_window_size", lambda c: True, "plain",
+             "keeps only its {size} best-scored keys once a forward holds more than {size} cache slots"),
+    # sparse-attention indexers (deepseek_v32, axk2, glm_moe_dsa, hy_v4...): topk(min(index_topk, slots)) over the
+    # query's whole row of slots, masked ones included; torch.topk breaks exact ties (a zero-embedding pad token
+    # scores 0 against every key) by the row's length and layout, which only one-token decoding reproduces
+    SlotRule("index_topk", lambda c: has_layer_type(c, "indexed_attention"), "plain",
+             "keeps the top {size} keys its indexer scores, and which of equally scored keys it keeps depends on how "
+             "many cache slots a forward holds"),
+)  # fmt: skip
+
+
+def slot_limits(config) -> tuple[SlotLimit, ...]:
+    """The SlotLimits a (text) config declares (SLOT_RULES)."""
+    limits = []
+    for rule in SLOT_RULES:
+        size = getattr(config, rule.field, None)
+        if isinstance(size, int) and not isinstance(size, bool) and size > 0 and rule.applies(config):
+            limits.append(SlotLimit(size + rule.offset, rule.beyond, rule.reason.format(size=size)))
+    return tuple(limits)
+
+
+@dataclass(frozen=True)
 class Architecture:
     """What the tree steps of one model need.
 
@@ -105,6 +177,7 @@ class Architecture:
     mask_by_type: the forward takes {layer type: 4D mask} (config.layer_types) rather than one mask
     chain_reason: why this model's steps must be chains, or None when trees are exact
     layer_states: per decoder layer, how many recurrent / convolution states it keeps (0: none)
+    slot_limits:  rules its attention applies by cache slot (SlotLimit): trees are exact below them only
     """
 
     model_type: str
@@ -113,6 +186,11 @@ class Architecture:
     mask_by_type: bool = False
     chain_reason: str | None = None
     layer_states: tuple[int, ...] = ()
+    slot_limits: tuple[SlotLimit, ...] = ()
+
+    def limits_reached(self, slots: int) -> tuple[SlotLimit, ...]:
+        """The slot limits a call whose steps fill up to `slots` slots per row reaches (empty: trees are exact)."""
+        return tuple(limit for limit in self.slot_limits if slots > limit.length)
 
     @property
     def recurrent(self) -> bool:
@@ -378,7 +456,10 @@ def describe_class(config, model_class, attn: str, role: str) -> Architecture:
     if stateful:  # the reason a reader recognises first, whatever else holds
         kinds = " or ".join(sorted({RECURRENT_LAYER_TYPES[t] for t in stateful}, reverse=True))
         reason = f"its {'/'.join(dict.fromkeys(stateful))} layers keep a {kinds} state, which follows one path"
-    return Architecture(text_config.model_type, tuple(layer_types), layer_masks, mask_by_type, reason, layer_states)
+    return Architecture(
+        text_config.model_type, tuple(layer_types), layer_masks, mask_by_type, reason, layer_states,
+        slot_limits(text_config),
+    )
 
 
 def layer_types_of(config, who: str) -> tuple[list[str], list[dict]]:

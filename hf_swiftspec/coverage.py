@@ -22,6 +22,7 @@ import json
 import re
 import sys
 import traceback
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -29,6 +30,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from .architectures import UnsupportedArchitecture, describe
+from .testing import left_padded, random_prompts
 from .compat import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 # Set on every config that has the field; the first line is what the sweep means by "tiny".
@@ -36,6 +38,7 @@ TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_h
 TINY_IF_PRESENT = dict(
     num_key_value_heads=2, head_dim=16, rotary_dim=8, max_position_embeddings=512,
     sliding_window=16, attention_chunk_size=16,  # windows the prompts and the tree reach past
+    window_size=16, keep_window_size=16, floor_scale=16, index_topk=8,  # rules by cache slot (architectures.SLOT_RULES)
     num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
     n_group=1, topk_group=1,
     is_decoder=True,  # BERT-style models are causal LMs only as decoders
@@ -91,6 +94,7 @@ class Shape:
     heads: str
     settings: dict
     prompt_length: int
+    batch: tuple[int, ...] = ()  # a left-padded batch of prompts of these lengths instead of one prompt
 
     @property
     def fixed(self) -> bool:
@@ -102,8 +106,9 @@ SHAPES = (
     Shape("deep tree", "gqa", dict(tree_budget=8, draft_depth=4), 40),  # the prompt starts past the window
     Shape("wide tree", "mha", dict(tree_budget=8, draft_width=4, draft_depth=3), 23),
     Shape("default settings", "gqa", {}, 5),
+    Shape("padded batch", "gqa", {}, 5, batch=(5, 23, 9)),  # rows reach the windows at different steps
 )
-PROMPT_LENGTHS = tuple(shape.prompt_length for shape in SHAPES)
+PROMPT_LENGTHS = tuple(shape.prompt_length for shape in SHAPES[:3])
 
 
 @dataclass
@@ -339,21 +344,35 @@ def check_shape(shape: Shape, target, why: str | None, draft) -> ShapeResult:
         pair = SwiftSpecForCausalLM.from_models(target, draft, **shape.settings)
     except UnsupportedArchitecture as refusal:
         return ShapeResult("refused", first_line(refusal), recurrent=refusal.recurrent)
-    prompt = prompts()[PROMPT_LENGTHS.index(shape.prompt_length)]
+    if shape.batch:
+        vocab = target.config.get_text_config(decoder=True).vocab_size
+        prompt, mask = left_padded(random_prompts(shape.batch, 0, vocab), pad=SPECIAL_TOKENS["pad_token_id"])
+    else:
+        prompt, mask = prompts()[PROMPT_LENGTHS.index(shape.prompt_length)], None
     try:
-        expected = own_generate(target, prompt)
-        actual = own_generate(pair, prompt, swiftspec=True)
+        with warnings.catch_warnings():  # a batch decoded by the target's own loop says why: stats.engine keeps it
+            warnings.simplefilter("ignore", UserWarning)
+            expected = own_generate(target, prompt, attention_mask=mask)
+            actual = own_generate(pair, prompt, swiftspec=True, attention_mask=mask)
     except Exception as error:  # noqa: BLE001 - reported, and the test fails on it
         where = traceback.extract_tb(error.__traceback__)[-1]
         return ShapeResult("wrong", f"{shape.name}: {type(error).__name__}: {first_line(error)} "
                            f"({Path(where.filename).name}:{where.lineno})")  # fmt: skip
-    if actual.tolist() != expected.tolist():
-        at = next(i for i, (a, e) in enumerate(zip(actual[0].tolist(), expected[0].tolist())) if a != e)
-        return ShapeResult("wrong", f"{shape.name}: differs from its own generate at generated token "
-                           f"{at - prompt.shape[1]} of a {prompt.shape[1]}-token prompt")  # fmt: skip
-    tau = pair.swiftspec_stats.tau
+    for row, (a, e) in enumerate(zip(actual.tolist(), expected.tolist())):
+        if a != e:
+            at = next(i for i, (x, y) in enumerate(zip(a, e)) if x != y)
+            where = f"row {row} of a padded batch" if shape.batch else f"a {prompt.shape[1]}-token prompt"
+            return ShapeResult("wrong", f"{shape.name}: differs from its own generate at generated token "
+                               f"{at - prompt.shape[1]} of {where}")  # fmt: skip
+    stats = pair.swiftspec_stats
+    if stats.engine.startswith("target ("):  # past a slot limit only one-token steps are exact: its own loop
+        return ShapeResult("plain", stats.engine[len("target (") : -1].split(", and this call")[0])
+    tau = stats.tau
     if shape.fixed and tau <= 1.0:
         return ShapeResult("wrong", f"{shape.name}: no speculation happened (tau={tau:.2f})", tau)
+    if stats.attention.startswith("chains for this call ("):  # past a slot limit: chains (architectures.SlotLimit)
+        reason = stats.attention[len("chains for this call (") :].split(", and this call")[0]
+        return ShapeResult("chain", reason, tau if shape.fixed else 0.0)
     return ShapeResult(architecture.shape, architecture.chain_reason or "", tau if shape.fixed else 0.0)
 
 
@@ -361,15 +380,15 @@ def combine(model_type: str, results: list[ShapeResult]) -> Outcome:
     """One verdict from the shapes: wrong if any is; else how the type speculates where it does (the
     others noted); else refused; else skipped."""
     named = list(zip(SHAPES, results))
-    for status in ("wrong", "tree", "chain", "refused", "skipped"):
+    for status in ("wrong", "tree", "chain", "plain", "refused", "skipped"):
         hits = [(shape, r) for shape, r in named if r.status == status]
         if not hits:
             continue
         shape, first = hits[0]
         taus = [r.tau for _, r in hits if r.tau]
         notes = "; ".join(
-            dict.fromkeys(f"with {HEAD_NOTES[s.heads]}: {r.status} ({short_reason(r.reason)})"
-                          for s, r in named if r.status != status and r.status != "skipped")
+            dict.fromkeys(f"{'in a padded batch' if s.batch else 'with ' + HEAD_NOTES[s.heads]}: {r.status} "
+                          f"({short_reason(r.reason)})" for s, r in named if r.status != status and r.status != "skipped")
         )  # fmt: skip
         recurrent = any(r.recurrent for _, r in hits)
         return Outcome(model_type, status, first.reason, sum(taus) / len(taus) if taus else 0.0, recurrent, notes)
@@ -394,7 +413,7 @@ def coverage_line(outcomes: list[Outcome]) -> str:
     count = lambda status: sum(o.status == status for o in outcomes)  # noqa: E731
     return (
         f"{len(outcomes)} causal-LM types in transformers {transformers_version()}: {count('tree')} tree, "
-        f"{count('chain')} chain, {count('refused')} refused, {count('skipped')} skipped"
+        f"{count('chain')} chain, {count('plain')} plain, {count('refused')} refused, {count('skipped')} skipped"
         + (f", {count('wrong')} WRONG" if count("wrong") else "")
     )
 

@@ -81,18 +81,26 @@ def swiftspec_generate(
     check_model_kwargs(model_kwargs)
     warn_cache_options(generation_config)
     batch = input_ids.shape[0]
+    config = swiftspec_config
+    max_new = max(stop_length(stopping_criteria, generation_config) - input_ids.shape[1], 0)
     if batch > 1:
         check_batch_placement(swiftspec_placement, swiftspec_streamer, batch)
-        reasons = batch_exactness_gaps(model, swiftspec_draft, logits_processor, stopping_criteria)
-        if reasons:
-            return decode_with_target_loop(
-                model, input_ids, logits_processor, stopping_criteria, generation_config, swiftspec_streamer,
-                reasons, model_kwargs,
-            )
+    # Rules the target applies by cache slot: trees stay below them, else chains, else its own loop.
+    slots = input_ids.shape[1] + max_new + (config.tree_budget or MAX_BUDGET)
+    reached = describe(model, "target").limits_reached(slots)
+    reasons = batch_exactness_gaps(model, swiftspec_draft, logits_processor, stopping_criteria) if batch > 1 else []
+    reasons += [
+        f"the target {limit.reason}, and this call's steps reach {slots} slots (only one-token steps are exact there)"
+        for limit in reached if limit.beyond == "plain" or batch > 1
+    ]
+    if reasons:
+        return decode_with_target_loop(
+            model, input_ids, logits_processor, stopping_criteria, generation_config, swiftspec_streamer,
+            reasons, model_kwargs,
+        )
+    chain_reasons = [f"the target {limit.reason}, and this call's steps reach {slots} slots" for limit in reached]
     prompt, attention_mask = split_left_padding(input_ids, model_kwargs.get("attention_mask"))
     check_padding_keeps_positions(model, input_ids.shape[1] - prompt.shape[1])
-    max_new = max(stop_length(stopping_criteria, generation_config) - input_ids.shape[1], 0)
-    config = swiftspec_config
     sampler = Sampler(logits_processor, bool(generation_config.do_sample), swiftspec_generator)
     if sampler.do_sample and sampler.generator is None:
         sampler.generator = generator_from_global_seed(model.device)
@@ -116,7 +124,8 @@ def swiftspec_generate(
         kept = swiftspec_policy if isinstance(swiftspec_policy, StaticRounds) else StaticRounds()
         result = decode_static(model, swiftspec_draft, request, config, swiftspec_placement, kept)
     else:
-        result = decode_adaptive(model, swiftspec_draft, request, config, swiftspec_placement, swiftspec_groups)
+        result = decode_adaptive(model, swiftspec_draft, request, config, swiftspec_placement, swiftspec_groups,
+                                 chain_reasons)
     result.stats.draft_model = swiftspec_draft is not None
     if batch > 1:
         result.stats.row_tau = [row.tau for row in result.rows]
@@ -128,10 +137,13 @@ def swiftspec_generate(
     return generate_output(input_ids, result, generation_config), result.stats
 
 
-def decode_adaptive(target, draft, request: DecodeRequest, config: SwiftSpecConfig, placement, groups) -> DecodeResult:
-    """The adaptive round (engine/serial.py, or an asynchronous engine) over the two workers."""
+def decode_adaptive(target, draft, request: DecodeRequest, config: SwiftSpecConfig, placement, groups,
+                    chain_reasons: list[str] = ()) -> DecodeResult:
+    """The adaptive round (engine/serial.py, or an asynchronous engine) over the two workers; chains
+    instead of trees where `chain_reasons` say this call needs them."""
     batch = request.batch_size
-    workers = build_workers(target, draft, config, request.prompt.shape[1] + request.max_new_tokens, groups, batch)
+    length = request.prompt.shape[1] + request.max_new_tokens
+    workers = build_workers(target, draft, config, length, groups, batch, chain_reasons)
     with contextlib.ExitStack() as routes:  # each model attends the tree its way for this call only
         for worker in workers:
             if worker is not None and worker.model is not None:
@@ -140,7 +152,7 @@ def decode_adaptive(target, draft, request: DecodeRequest, config: SwiftSpecConf
             result = run_engine(placement, groups, *workers, request, config)
         else:
             result = DecodeResult(rows=[RowResult() for _ in range(batch)])
-    result.stats.attention = attention_summary(workers)
+    result.stats.attention = attention_summary(workers, chain_reasons)
     return result
 
 
@@ -175,17 +187,18 @@ def stop_length(stopping_criteria: StoppingCriteriaList, generation_config: Gene
     return min(lengths) if lengths else generation_config.max_length
 
 
-def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: Groups | None, batch_size: int = 1):
+def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: Groups | None, batch_size: int = 1,
+                  chain_reasons=()):
     """(TargetWorker, DraftWorker) with caches for `length` tokens per row; under torchrun only this rank's.
 
     Trees shrink to chains (draft width 1, no n-gram branch beside the draft's chain) when either
-    model places tokens by cache slot. With no draft (draft-free mode) the draft worker holds only
-    the n-gram index.
+    model places tokens by cache slot, or when `chain_reasons` say this call reaches a slot limit.
+    With no draft (draft-free mode) the draft worker holds only the n-gram index.
     """
     role = groups.role if groups is not None else None
     target_arch = describe(target, "target")
     draft_arch = describe(draft, "draft") if draft is not None else None
-    chain = "chain" in (target_arch.shape, draft_arch and draft_arch.shape)
+    chain = "chain" in (target_arch.shape, draft_arch and draft_arch.shape) or bool(chain_reasons)
     target_worker = draft_worker = None
     if role in (None, "target"):
         budget = config.tree_budget or MAX_BUDGET
@@ -209,9 +222,9 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
     return target_worker, draft_worker
 
 
-def attention_summary(workers) -> str:
+def attention_summary(workers, chain_reasons=()) -> str:
     """How each model attended: its backend, the layers that fell back, and chains where trees could not be."""
-    parts = []
+    parts = [f"chains for this call ({'; '.join(chain_reasons)})"] if chain_reasons else []
     for role, worker in zip(("target", "draft"), workers):
         if worker is None or worker.model is None:
             continue
@@ -317,9 +330,11 @@ def batch_exactness_gaps(target, draft, logits_processor, stopping_criteria) -> 
 def decode_with_target_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
                             reasons: list[str], model_kwargs: dict):
     """Decode the batch with transformers' own loop (exactly target.generate), saying why."""
+    rows = input_ids.shape[0]
+    advice = " Generate one prompt at a time to speculate." if rows > 1 else ""
     warnings.warn(
-        f"swiftspec=True decoded this batch of {input_ids.shape[0]} with the target's own decoding loop (the same "
-        f"output as target.generate, not faster): {'; '.join(reasons)}. Generate one prompt at a time to speculate.",
+        f"swiftspec=True decoded this {'batch of ' + str(rows) if rows > 1 else 'call'} with the target's own decoding "
+        f"loop (the same output as target.generate, not faster): {'; '.join(reasons)}.{advice}",
         UserWarning,
         stacklevel=3,
     )
@@ -327,7 +342,7 @@ def decode_with_target_loop(model, input_ids, logits_processor, stopping_criteri
     output = sample_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs)
     sequences = output if isinstance(output, torch.Tensor) else output.sequences
     stats = SwiftSpecStats(
-        engine="target (batch: " + "; ".join(reasons) + ")",
+        engine=f"target ({'batch: ' if rows > 1 else ''}" + "; ".join(reasons) + ")",
         new_tokens=int(sequences.shape[0] * (sequences.shape[1] - input_ids.shape[1])),
         wall_time_s=time.perf_counter() - start,
     )

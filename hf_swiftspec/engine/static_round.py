@@ -451,6 +451,8 @@ def static_round_gaps(target, draft, request: DecodeRequest, placement, config) 
         if arch.shape != "tree" or arch.recurrent or arch.rules != (FULL,):
             kind = "a chain-shaped" if arch.shape != "tree" else "a recurrent" if arch.recurrent else "a windowed"
             gaps.append(f"the {role} ({arch.model_type}) is {kind} model")
+        for limit in arch.slot_limits:  # its slots never follow positions, so no such rule holds there
+            gaps.append(f"the {role} ({arch.model_type}) {limit.reason}")
     path_bound = [type(p).__name__ for p in request.sampler.logits_processor if type(p) not in PATH_FREE_PROCESSORS]
     if path_bound:
         gaps.append(f"logits processors that read the path ({', '.join(path_bound)})")
