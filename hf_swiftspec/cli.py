@@ -168,6 +168,11 @@ def statistics_line(model, run: RunStats, baseline: RunStats | None, identical: 
     )
     if baseline is not None:
         same = "" if identical is None else f", same output: {'yes' if identical else 'NO'}"
+        if identical is False and model.target.dtype in (torch.bfloat16, torch.float16):
+            same += (
+                f" (in {str(model.target.dtype).removeprefix('torch.')} a verification and a 1-token step round "
+                "differently, so near-tied tokens may part: README, 'What \"exact\" means'; float32 is exact)"
+            )
         shortest = min(run.new_tokens, baseline.new_tokens)
         if shortest < MIN_TIMED_TOKENS:
             line += (
