@@ -386,10 +386,11 @@ def combine(model_type: str, results: list[ShapeResult]) -> Outcome:
             continue
         shape, first = hits[0]
         taus = [r.tau for _, r in hits if r.tau]
-        notes = "; ".join(
-            dict.fromkeys(f"{'in a padded batch' if s.batch else 'with ' + HEAD_NOTES[s.heads]}: {r.status} "
-                          f"({short_reason(r.reason)})" for s, r in named if r.status != status and r.status != "skipped")
-        )  # fmt: skip
+        others = {}  # (status, reason) -> where: a reason two shapes share is noted once
+        for s, r in named:
+            if r.status not in (status, "skipped"):
+                others.setdefault((r.status, short_reason(r.reason)), "in a padded batch" if s.batch else f"with {HEAD_NOTES[s.heads]}")
+        notes = "; ".join(f"{where}: {st} ({reason})" for (st, reason), where in others.items())
         recurrent = any(r.recurrent for _, r in hits)
         return Outcome(model_type, status, first.reason, sum(taus) / len(taus) if taus else 0.0, recurrent, notes)
     raise ValueError("no shapes")
@@ -431,9 +432,20 @@ def markdown_table(outcomes: list[Outcome]) -> str:
         note = short_reason(o.reason)
         if o.status in ("tree", "chain"):
             note = f"tau {o.tau:.2f} on the tiny sweep" + (f"; {note}" if note else "")
-        note = "; ".join(part for part in (note, o.notes) if part).replace("|", "\\|")
+        note = "; ".join(part for part in (note, distinct_notes(o.notes)) if part).replace("|", "\\|")
         rows.append(f"| `{o.model_type}` | {o.status} | {note} |")
     return "\n".join([coverage_line(outcomes) + ".", "", *rows])
+
+
+def distinct_notes(notes: str) -> str:
+    """Notes with each shape's outcome once: a later shape that found what an earlier one did is dropped."""
+    seen, kept = set(), []
+    for part in filter(None, notes.split("; in a padded batch: ") if notes else []):
+        outcome = part.split(": ", 1)[-1] if part.startswith("with ") else part
+        if outcome not in seen:
+            seen.add(outcome)
+            kept.append(part if part.startswith("with ") or not kept else f"in a padded batch: {part}")
+    return "; ".join(kept)
 
 
 def short_reason(reason: str, limit: int = 140) -> str:
