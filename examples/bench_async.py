@@ -7,7 +7,7 @@ thread). Per prompt, interleaved: target.generate on rank 0 with one thread and 
 idle meanwhile); serial tree speculation on rank 0 (the draft on the target's core); asynchronous
 tree speculation with the draft on rank 1. Greedy outputs must be identical or the run fails.
 The pair is the bundled demo pair (prompts: the bundled HumanEval excerpt), or with
---pair agreeing, hf_swiftspec.testing.agreeing_pair on random prompts.
+--pair agreeing, hf_swiftspec.tools.models.agreeing_pair on random prompts.
 """
 
 import argparse
@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.bench import load_prompts
-from hf_swiftspec.testing import agreeing_pair
+from hf_swiftspec.tools.models import agreeing_pair
 
 
 def pair_and_prompts(name: str, count: int, prompt_len: int):

@@ -68,10 +68,10 @@ from hf_swiftspec.bench.limits import kv_bytes_per_token, measure_bandwidth_gbps
 from hf_swiftspec.config import SwiftSpecConfig  # noqa: E402
 from hf_swiftspec.generation import build_workers  # noqa: E402
 from hf_swiftspec.static import StaticModel, step_mask  # noqa: E402
-from hf_swiftspec.testing import shaped_model  # noqa: E402
+from hf_swiftspec.tools.models import shaped_model  # noqa: E402
 from hf_swiftspec.tree import Subtree, subtree_mask  # noqa: E402
 
-# Shapes in hf_swiftspec.testing.REAL_SHAPES' format. Context 131072 as in Llama 3.1, so the draft's tree
+# Shapes in hf_swiftspec.tools.models.REAL_SHAPES' format. Context 131072 as in Llama 3.1, so the draft's tree
 # may grow past 8k positions; rope scaling left out (it costs nothing per step).
 LLAMA_3_8B = dict(
     model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,

@@ -17,7 +17,7 @@ import time
 import torch
 
 from hf_swiftspec import SwiftSpecForCausalLM
-from hf_swiftspec.testing import REAL_SHAPES, real_shaped_pair
+from hf_swiftspec.tools.models import REAL_SHAPES, real_shaped_pair
 
 
 def main() -> None:

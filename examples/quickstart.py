@@ -12,7 +12,7 @@ import time
 import torch
 
 from hf_swiftspec import SwiftSpecForCausalLM
-from hf_swiftspec.testing import char_tokenizer, damp_late_layers, tiny_model, truncated_draft
+from hf_swiftspec.tools.models import char_tokenizer, damp_late_layers, tiny_model, truncated_draft
 
 
 def main() -> None:

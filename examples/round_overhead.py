@@ -84,8 +84,8 @@ def main() -> None:
     parser.add_argument("--always-trees", action="store_true", help="static rounds: never a plain round")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    if args.pair.startswith("shape:"):  # a random-weight pair in a real model's shape (hf_swiftspec.testing)
-        from hf_swiftspec.testing import char_tokenizer, real_shaped_pair
+    if args.pair.startswith("shape:"):  # a random-weight pair in a real model's shape (hf_swiftspec.tools.models)
+        from hf_swiftspec.tools.models import char_tokenizer, real_shaped_pair
 
         model = SwiftSpecForCausalLM.from_models(*real_shaped_pair(args.pair.removeprefix("shape:")),
                                                  tokenizer=char_tokenizer())

@@ -5,7 +5,7 @@
     torchrun --nproc_per_node=2 examples/torchrun_generate.py --pair path/to/pair
 
 NCCL when GPUs are present (one per rank), gloo on CPU. Without --pair a small pair is built in
-memory (hf_swiftspec.testing.agreeing_pair), so it runs offline. Every rank calls generate();
+memory (hf_swiftspec.tools.models.agreeing_pair), so it runs offline. Every rank calls generate();
 rank 0 prints the completion and the statistics.
 """
 
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from hf_swiftspec import SwiftSpecForCausalLM
-from hf_swiftspec.testing import agreeing_pair
+from hf_swiftspec.tools.models import agreeing_pair
 
 
 def main() -> None:

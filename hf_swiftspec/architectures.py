@@ -1,9 +1,11 @@
-"""What a model's tree steps need, read once from its config and classes: support by capability.
+"""What a model's tree steps need, read from its config and classes alone: support by capability.
 
-`describe(model)` returns an `Architecture`, or raises `UnsupportedArchitecture` naming the
-capability that is missing. Nothing here knows a model type by name: every decision comes from
-what transformers itself uses to build the model's cache and masks (`get_layer_types_and_kwargs`,
-`config.layer_types`), the forward's signature and flags the model class declares.
+`describe_class(config, model_class, ...)` returns an `Architecture`, or raises
+`UnsupportedArchitecture` naming the capability that is missing; nothing here runs a model
+(probes.py adds the checks that need a forward: `probes.describe(model)`). Nothing here knows a
+model type by name: every decision comes from what transformers itself uses to build the model's
+cache and masks (`get_layer_types_and_kwargs`, `config.layer_types`), the forward's signature,
+flags the model class declares, and the config fields of SLOT_RULES.
 
 Tree steps pass each layer a 4D mask: a node at position p sees the committed positions its layer
 type allows (all of them, a sliding window of p, or p's chunk) and its own ancestors in the tree
@@ -20,7 +22,6 @@ import copy
 import functools
 import inspect
 import sys
-import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -223,82 +224,6 @@ class Architecture:
         return tuple(m.kind != "full" for m in self.layer_masks)
 
 
-def describe(model, role: str = "model") -> Architecture:
-    """The tree-step needs of `model`, or UnsupportedArchitecture naming what is missing."""
-    attn = attn_implementation(model.config) or "sdpa"
-    architecture = describe_class(model.config, type(model), attn, role)
-    who = f"The {role} ({architecture.model_type})"
-    check_causal(model, who)
-    check_incremental_inputs(model, who)
-    if architecture.recurrent:
-        check_state_continues(model, who)
-    check_steps_run(model, architecture, who)
-    return architecture
-
-
-_step_failures: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> None or why its steps fail
-
-
-def check_steps_run(model, architecture: Architecture, who: str) -> None:
-    """Refuse a model whose forward fails on the kind of step speculation runs, before a generation
-    fails inside it: after a 2-token prefill into the tree cache, a 2-token chain step with the 4D
-    mask a tree step passes (chain-shaped models: no mask). Two forwards of 2 tokens, once per model
-    object; a model whose prefill itself fails here is left to fail where it fails."""
-    if model not in _step_failures:
-        _step_failures[model] = step_failure(model, architecture)
-    failure = _step_failures[model]
-    if failure is not None:
-        raise UnsupportedArchitecture(f"{who} {failure}. Use swiftspec=False for this model.")
-
-
-def step_failure(model, architecture: Architecture) -> str | None:
-    """check_steps_run's finding: None, or what fails (completing "The target (type) ...")."""
-    from .attention import own_implementation
-    from .engine.workers import new_cache  # the engine imports this module
-    from .step import RowQueries, model_step, run_step
-
-    vocab = model.config.get_text_config(decoder=True).vocab_size
-    ids = ((torch.arange(4) * 7 + 3) % vocab)[None].to(model.device)  # any 4 distinct tokens
-    positions = torch.arange(4, device=model.device)[None]
-
-    def prefill():
-        cache = new_cache(architecture, 8)
-        model_step(model, cache, ids[:, :2], positions[:, :2], keep=1)
-        cache.seal_prefix()
-        return cache
-
-    def step(cache, masked: bool) -> None:
-        if masked:  # a 2-node chain under the tree mask (a dense one: the model's own attention)
-            run_step(model, cache, [RowQueries.chain(ids[0, 2:].tolist(), 2, model.device)], own_implementation(model),
-                     architecture)  # fmt: skip
-        else:
-            model_step(model, cache, ids[:, 2:], positions[:, 2:])
-
-    tree = architecture.shape == "tree"
-    with torch.no_grad():
-        try:
-            cache = prefill()
-        except Exception as error:  # noqa: BLE001 - named in the refusal
-            return (
-                "fails on a prefill into swiftspec's tree cache, whose layers hold keys and values (and transformers' "
-                f"own state layers) ({type(error).__name__}: {first_line(error)}){kv_heads_hint(model)}"
-            )
-        try:
-            step(cache, masked=tree)
-            return None
-        except Exception as error:  # noqa: BLE001 - named in the refusal
-            failed = error
-        try:
-            step(prefill(), masked=False) if tree else None
-            masks_fail = tree
-        except Exception:  # noqa: BLE001
-            masks_fail = False
-    what = f"({type(failed).__name__}: {first_line(failed)}){kv_heads_hint(model)}"
-    if masks_fail:
-        return f"fails when its attention is given an explicit 4D mask, which every tree step passes {what}"
-    return f"fails on a forward of several tokens after a cached prefix, which every verification runs {what}"
-
-
 def kv_heads_hint(model) -> str:
     """The fix, when latent attention's num_key_value_heads makes it repeat keys it already has per head."""
     text = model.config.get_text_config(decoder=True)
@@ -317,18 +242,6 @@ def first_line(error: BaseException, limit: int = 200) -> str:
     return text[:limit]
 
 
-def check_state_continues(model, who: str) -> None:
-    """Refuse a model whose forward over several tokens does not continue its recurrent state."""
-    from .recurrent import state_continuation_gap  # imports the cache; loaded only for stateful models
-
-    gap = state_continuation_gap(model)
-    if gap is not None:
-        raise UnsupportedArchitecture(
-            f"{who} keeps a recurrent state, and {gap}{kv_heads_hint(model)}. Use swiftspec=False for this model.",
-            recurrent=True,
-        )
-
-
 def context_limit(*models) -> int | None:
     """The most positions every one of `models` can place a token at (max_position_embeddings; a
     learned position embedding has no row past it), or None when none of them says."""
@@ -340,43 +253,29 @@ def context_limit(*models) -> int | None:
 CROSS_ATTENTION_NAMES = ("encoder_attn", "cross_attn", "crossattention")  # transformers' names for attending an encoder
 
 
-def check_causal(model, who: str, confirm: bool = True) -> None:
-    """Refuse a decoder whose self-attention is bidirectional (a BERT-style model loaded without
-    is_decoder=True): its prompt tokens see the ones after them, which tree steps never show them.
-
-    Modules that declare is_causal=False are suspects (cross-attention, which a causal LM without an
-    encoder never runs, excepted); with `confirm`, a suspect model is refused only if a later token
-    does change an earlier position's logits (some decoders flag their attention so and mask it
-    causally all the same)."""
+def bidirectional_suspects(model) -> list[str]:
+    """Self-attention modules of `model` that declare is_causal=False (cross-attention, which a causal LM
+    without an encoder never runs, excepted), plus "config.is_causal=False" when the config says so: a
+    suspect decoder, which probes.check_causal confirms with a forward (some flag their attention so and
+    mask it causally all the same)."""
     decoder = model.get_decoder() or model
-    bidirectional = [
+    suspects = [
         name
         for name, module in decoder.named_modules()
         if getattr(module, "is_causal", True) is False and not getattr(module, "is_cross_attention", False)
         and not any(part in name.rsplit(".", 1)[-1].lower() for part in CROSS_ATTENTION_NAMES)
     ]
-    flagged = getattr(model.config.get_text_config(decoder=True), "is_causal", True) is False
-    if (bidirectional or flagged) and not (confirm and later_tokens_unseen(model)):
-        raise UnsupportedArchitecture(
-            f"{who} attends bidirectionally ({', '.join(bidirectional[:2]) or 'config.is_causal=False'} set "
-            "is_causal=False), so its own generate lets prompt tokens see later ones. Load it as a decoder "
-            "(is_decoder=True in its config) or use swiftspec=False."
-        )
+    if getattr(model.config.get_text_config(decoder=True), "is_causal", True) is False:
+        suspects.append("config.is_causal=False")
+    return suspects
 
 
-def later_tokens_unseen(model) -> bool:
-    """Whether changing the last of 4 tokens leaves the logits of the first 3 alone (False when the
-    check cannot run). Two forwards of 4 tokens, without a cache."""
-    vocab = model.config.get_text_config(decoder=True).vocab_size
-    ids = ((torch.arange(4) * 7 + 3) % vocab)[None].to(model.device)
-    changed = ids.clone()
-    changed[0, -1] = (changed[0, -1] + 1) % vocab
-    try:
-        with torch.no_grad():
-            a, b = (model(input_ids=x, use_cache=False).logits[0, :3].float() for x in (ids, changed))
-    except Exception:  # noqa: BLE001 - nothing this check can tell
-        return False
-    return bool(torch.allclose(a, b, rtol=1e-4, atol=1e-4 * float(a.abs().max()) + 1e-6))
+def bidirectional_refusal(suspects: list[str], who: str) -> UnsupportedArchitecture:
+    named = ", ".join(s for s in suspects[:2] if s != "config.is_causal=False") or "config.is_causal=False"
+    return UnsupportedArchitecture(
+        f"{who} attends bidirectionally ({named} set is_causal=False), so its own generate lets prompt tokens see "
+        "later ones. Load it as a decoder (is_decoder=True in its config) or use swiftspec=False."
+    )
 
 
 def check_config(config, role: str) -> None:
@@ -404,7 +303,9 @@ def check_causal_config(config, model_class, who: str) -> None:
         return
     finally:
         hf_logging.set_verbosity(verbosity)
-    check_causal(model, who, confirm=False)  # meta weights: the attributes alone
+    suspects = bidirectional_suspects(model)  # meta weights: the attributes alone
+    if suspects:
+        raise bidirectional_refusal(suspects, who)
 
 
 def describe_class(config, model_class, attn: str, role: str) -> Architecture:
@@ -488,26 +389,6 @@ def check_one_mask_per_type(layer_types, layer_masks, mask_by_type: bool, who: s
                 f"{who} has layers of type {layer_type!r} with different windows {sorted(m.size or 0 for m in masks)}, "
                 "but its forward takes a single mask for all of them. Use swiftspec=False for this model."
             )
-
-
-def check_incremental_inputs(model, who: str) -> None:
-    """A step feeds the model only its new tokens; refuse a model whose own generate feeds it the
-    whole sequence every time (its forward slices the cached part off itself)."""
-    from .cache import TreeCache  # the cache module needs nothing from here; imported late to stay light
-
-    cache = TreeCache(1, 4)
-    cache.lengths = [2]  # as if two tokens were cached: generate would pass only the third
-    try:
-        inputs = prepare_inputs(model, torch.ones(1, 3, dtype=torch.long), cache, next_sequence_length=1, use_cache=True)
-    except Exception:  # noqa: BLE001 - a model needing other inputs here says nothing about this
-        return
-    fed = inputs.get("input_ids")
-    if isinstance(fed, torch.Tensor) and fed.shape[-1] != 1:
-        raise UnsupportedArchitecture(
-            f"{who} takes the whole sequence at every step (its generate does not feed it only the new tokens, "
-            "and its forward slices the cached part off itself), so it cannot run tree steps. Use swiftspec=False "
-            "for this model."
-        )
 
 
 def check_windows_are_masked(layer_masks, model_class, who: str) -> None:

@@ -7,9 +7,12 @@ import inspect
 
 from transformers import PreTrainedConfig
 
-from .policy import MAX_BUDGET
-
+# Defaults, in one place (the engines and the policy import them from here).
+MAX_BUDGET = 32  # largest tree the goodput policy verifies when tree_budget is None
 MAX_DRAFT_WIDTH = 64  # leaves per expansion and children per leaf: more only adds nodes no budget can verify
+STATIC_BUDGET = 8  # compile=True's tree size when tree_budget is None (a fixed shape per round)
+STATIC_DEPTH = 4  # compile=True's draft forwards per round when draft_depth is None
+FIRST_TREE = 8  # nodes the asynchronous draft grows before its first proposal
 
 
 class SwiftSpecConfig(PreTrainedConfig):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-MAX_BUDGET = 32  # largest tree the adaptive policy verifies
+from .config import MAX_BUDGET
 
 
 @dataclass

@@ -18,7 +18,8 @@ import warnings
 import torch
 from transformers import GenerationConfig, StoppingCriteriaList
 
-from .architectures import context_limit, describe
+from .architectures import context_limit
+from .probes import describe
 from .attention import own_implementation, resolve_attention, routed_attention
 from .compat import (
     GENERATE_CACHE_ARGUMENTS,
@@ -36,7 +37,8 @@ from .engine.static_round import StaticRounds, run_static, static_round_gaps, st
 from .engine.request import RowResult
 from .engine.distributed import Groups, run_distributed
 from .placement import Placement
-from .policy import MAX_BUDGET, GoodputPolicy
+from .config import MAX_BUDGET
+from .policy import GoodputPolicy
 from .static import graph_limit
 from .stats import SwiftSpecStats
 from .suffix import OutputHistory

@@ -11,7 +11,7 @@ import torch
 from huggingface_hub import HfApi
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, GenerationMixin, PreTrainedModel
 
-from .architectures import describe
+from .probes import describe
 from .config import SwiftSpecConfig, check_setting_names
 from .generation import check_inputs, split_stop_strings, stop_string_criteria, swiftspec_generate
 from .pair import (

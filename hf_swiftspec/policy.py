@@ -33,7 +33,8 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from .costs import MAX_BUDGET, CostModel
+from .config import MAX_BUDGET
+from .costs import CostModel
 from .suffix import SuffixTree
 from .tree import Proposal
 from .verify import Verified

@@ -40,7 +40,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from .architectures import first_line
+from .architectures import Architecture, first_line
 from .cache import TreeCache, TreeCacheLayer
 from .compat import DynamicCache, LinearAttentionCacheLayerMixin, LinearAttentionLayer, forward_cache_argument
 
@@ -78,6 +78,13 @@ def add_state_layers(cache: TreeCache, layer_types: tuple[str, ...], layer_state
             else:
                 cache.layers[i] = LinearAttentionLayer(number_of_states=states)
     return cache
+
+
+def new_cache(architecture: Architecture, capacity: int, batch_size: int = 1) -> TreeCache:
+    """The tree cache a model's steps write into: `capacity` positions per row, plus the scratch slot
+    padding queries write into, and transformers' state layers at the layers that keep a recurrent state."""
+    cache = TreeCache(len(architecture.layer_types), capacity + 1, architecture.sliding, batch_size)
+    return add_state_layers(cache, architecture.layer_types, architecture.layer_states)
 
 
 @dataclass

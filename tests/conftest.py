@@ -9,7 +9,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from hf_swiftspec.testing import tiny_model, truncated_draft  # noqa: E402
+from hf_swiftspec.tools.models import tiny_model, truncated_draft  # noqa: E402
 
 # Tiny models run fastest on one thread; with two, OpenMP spin-waits cost milliseconds per matmul
 # whenever the other core is busy.

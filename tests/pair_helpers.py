@@ -9,7 +9,7 @@ from pathlib import Path
 from transformers import AutoModelForCausalLM
 
 from hf_swiftspec import SwiftSpecForCausalLM
-from hf_swiftspec.testing import char_tokenizer, tiny_model, truncated_draft
+from hf_swiftspec.tools.models import char_tokenizer, tiny_model, truncated_draft
 
 
 def save_member(model, folder: Path, tokenizer=None) -> Path:

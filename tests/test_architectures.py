@@ -1,12 +1,12 @@
 """Every causal-LM type of the installed transformers: tree, chain, plain, refused with a reason, or skipped.
 
-The sweep (hf_swiftspec.coverage) builds each type tiny, with windows, chunks, slot rules and indexers of
+The sweep (hf_swiftspec.tools.sweep) builds each type tiny, with windows, chunks, slot rules and indexers of
 16 (8) positions that the prompts and trees reach past, and compares generate(swiftspec=True) with the
-type's own generate token for token in four shapes (coverage.SHAPES): a fixed deep chain or tree with 2
+type's own generate token for token in four shapes (sweep.SHAPES): a fixed deep chain or tree with 2
 key/value heads and a prompt past the window, a fixed wide tree with as many key/value heads as query
 heads, the default settings, and a left-padded batch of three prompts. CI sweeps REPRESENTATIVE types; the
 whole sweep is `slow` (`pytest -m slow tests/test_architectures.py`). Set SWIFTSPEC_COVERAGE_JSON=path to
-keep the results; `python -m hf_swiftspec.coverage --results path --readme README.md` turns them into the
+keep the results; `python -m hf_swiftspec.tools.sweep --results path --readme README.md` turns them into the
 README's architecture table.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_swiftspec.coverage import Outcome, causal_lm_types, check_type, coverage_line, save
+from hf_swiftspec.tools.sweep import Outcome, causal_lm_types, check_type, coverage_line, save
 
 RESULTS: dict[str, Outcome] = {}
 # One type for each mechanism the decode path handles differently; CI sweeps these on every run. The whole
@@ -87,9 +87,9 @@ def test_model_without_logits_to_keep_grows_a_chain():
     forward) returned a row per prompt token, each became a child of the root, and the "chain" the
     target verified with causal attention was a tree (it differed at the second generated token)."""
     from hf_swiftspec import SwiftSpecForCausalLM
-    from hf_swiftspec.coverage import own_generate, perturbed_copy, tiny_model
+    from hf_swiftspec.tools.sweep import own_generate, perturbed_copy, tiny_of_type
 
-    target = tiny_model("trocr", use_learned_position_embeddings=False)  # as trocr-small checkpoints
+    target = tiny_of_type("trocr", use_learned_position_embeddings=False)  # as trocr-small checkpoints
     pair = SwiftSpecForCausalLM.from_models(target, perturbed_copy(target), tree_budget=8, draft_depth=4)
     generator = torch.Generator().manual_seed(5)
     for length in (10, 12, 3):
@@ -103,9 +103,9 @@ def test_left_padding_is_refused_where_positions_follow_cache_slots():
     the padding, and swiftspec ran the prompt alone, at other positions (a silent difference once
     position embeddings matter; scaled up here so the tiny model shows it)."""
     from hf_swiftspec import SwiftSpecForCausalLM
-    from hf_swiftspec.coverage import perturbed_copy, tiny_model
+    from hf_swiftspec.tools.sweep import perturbed_copy, tiny_of_type
 
-    target = tiny_model("trocr", use_learned_position_embeddings=True)
+    target = tiny_of_type("trocr", use_learned_position_embeddings=True)
     with torch.no_grad():
         target.model.decoder.embed_positions.weight.mul_(50)
     pair = SwiftSpecForCausalLM.from_models(target, perturbed_copy(target))
@@ -124,14 +124,14 @@ def test_held_out_failures_are_refusals_that_name_the_fix():
     inside sdpa mid-generation, and prophetnet with an AssertionError from its forward; both are now
     refused up front by a check of the step speculation runs, saying what fails and what to do."""
     from hf_swiftspec import SwiftSpecForCausalLM
-    from hf_swiftspec.coverage import head_overrides, own_generate, perturbed_copy, prompts, tiny_model
+    from hf_swiftspec.tools.sweep import head_overrides, own_generate, perturbed_copy, prompts, tiny_of_type
 
-    glm = tiny_model("glm4_moe_lite", **head_overrides("glm4_moe_lite", "gqa"))
+    glm = tiny_of_type("glm4_moe_lite", **head_overrides("glm4_moe_lite", "gqa"))
     own_generate(glm, prompts()[1], 3)
     with pytest.raises(ValueError, match=r"The target \(glm4_moe_lite\) fails on a forward of several tokens after a "
                        r"cached prefix.*set num_key_value_heads=4 in its config"):
         SwiftSpecForCausalLM.from_models(glm, perturbed_copy(glm))
-    prophetnet = tiny_model("prophetnet")
+    prophetnet = tiny_of_type("prophetnet")
     own_generate(prophetnet, prompts()[1], 3)
     with pytest.raises(ValueError, match=r"The target \(prophetnet\) fails on a forward of several tokens after a "
                        r"cached prefix.*use_cache. is only supported for .decoder_input_ids. of length 1"):

@@ -8,7 +8,7 @@ import torch
 from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.engine import SwiftSpecWorkerError
 from hf_swiftspec.placement import resolve_placement
-from hf_swiftspec.testing import tiny_model, truncated_draft
+from hf_swiftspec.tools.models import tiny_model, truncated_draft
 
 CPU_THREADS = {"target": ["cpu"], "draft": ["cpu"]}
 

@@ -5,12 +5,13 @@ import copy
 import pytest
 import torch
 
-from hf_swiftspec import SwiftSpecConfig, SwiftSpecForCausalLM, coverage
-from hf_swiftspec.architectures import describe
+from hf_swiftspec import SwiftSpecConfig, SwiftSpecForCausalLM
+from hf_swiftspec.tools import sweep
+from hf_swiftspec.probes import describe
 from hf_swiftspec.attention import resolve_attention, routed_attention
 from hf_swiftspec.cache import TreeCache
 from hf_swiftspec.step import RowQueries, model_step, run_step
-from hf_swiftspec.testing import tiny_model, truncated_draft
+from hf_swiftspec.tools.models import tiny_model, truncated_draft
 from hf_swiftspec.tree import subtree_mask
 
 needs_triton = pytest.mark.skipif(resolve_attention("kernel", tiny_model()) != "triton", reason="Triton cannot run here")
@@ -58,7 +59,7 @@ KERNEL_CASES = {  # model type: (config overrides, why some layers run their own
 @pytest.mark.parametrize("model_type", list(KERNEL_CASES))
 def test_kernel_serves_windows_and_softcap_and_falls_back_where_it_cannot(backend, model_type):
     overrides, fallback = KERNEL_CASES[model_type]
-    dense_model = coverage.tiny_model(model_type, seed=1, **overrides)
+    dense_model = sweep.tiny_of_type(model_type, seed=1, **overrides)
     kernel_model = copy.deepcopy(dense_model)
     own = dense_model.config._attn_implementation
     g = torch.Generator().manual_seed(0)
@@ -117,11 +118,11 @@ def test_attention_choice_resolution():
 
 
 def test_stats_say_which_layers_ran_their_own_attention():
-    target = coverage.tiny_model("gpt_oss", sliding_window=8)
-    model = SwiftSpecForCausalLM.from_models(target, coverage.perturbed_copy(target), attention="kernel")
+    target = sweep.tiny_of_type("gpt_oss", sliding_window=8)
+    model = SwiftSpecForCausalLM.from_models(target, sweep.perturbed_copy(target), attention="kernel")
     prompt = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(0))
-    expected = coverage.own_generate(target, prompt, 6)
-    assert coverage.own_generate(model, prompt, 6, swiftspec=True).tolist() == expected.tolist()
+    expected = sweep.own_generate(target, prompt, 6)
+    assert sweep.own_generate(model, prompt, 6, swiftspec=True).tolist() == expected.tolist()
     backend = resolve_attention("kernel", target)
     assert model.swiftspec_stats.attention == (
         f"target={backend} (own attention for attention sinks), draft={backend} (own attention for attention sinks)"

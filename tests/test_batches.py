@@ -12,9 +12,10 @@ import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, pipeline
 
-from hf_swiftspec import SwiftSpecForCausalLM, coverage
+from hf_swiftspec import SwiftSpecForCausalLM
+from hf_swiftspec.tools import sweep
 from hf_swiftspec.policy import GoodputPolicy
-from hf_swiftspec.testing import (
+from hf_swiftspec.tools.models import (
     char_tokenizer, left_padded, random_prompts, sharpen, tiny_gpt2, tiny_model, truncated_draft,
 )
 from test_sampling import VOCAB as SMALL_VOCAB
@@ -27,7 +28,7 @@ LENGTHS = (3, 23, 9, 1)  # 23 reaches past gemma3's 16-token window
 def gpt2_pair():
     """Learned absolute positions, no rotary: a family apart from llama."""
     target = tiny_gpt2(VOCAB, n_positions=256)
-    return target, coverage.perturbed_copy(target)
+    return target, sweep.perturbed_copy(target)
 
 
 def build(family: str):
@@ -35,9 +36,9 @@ def build(family: str):
         target = tiny_model("llama", seed=0)
         return target, truncated_draft(target, 2)
     if family == "gemma3":  # sliding-window layers beside full ones
-        target = coverage.tiny_model("gemma3_text", seed=0, vocab_size=VOCAB)
+        target = sweep.tiny_of_type("gemma3_text", seed=0, vocab_size=VOCAB)
         sharpen(target, 4.0)
-        return target, coverage.perturbed_copy(target)
+        return target, sweep.perturbed_copy(target)
     return gpt2_pair()
 
 
@@ -235,8 +236,8 @@ def test_a_processor_that_may_read_other_rows_gets_generates_own_loop(pairs):
 
 def test_a_chain_family_batch_is_exact_through_generates_own_loop():
     """A model whose positions follow cache slots (no position_ids) cannot hold ragged rows."""
-    target = coverage.tiny_model("trocr", seed=0)
-    model = SwiftSpecForCausalLM.from_models(target, coverage.perturbed_copy(target))
+    target = sweep.tiny_of_type("trocr", seed=0)
+    model = SwiftSpecForCausalLM.from_models(target, sweep.perturbed_copy(target))
     ids, mask = padded_batch(lengths=(4, 4, 4), seed=8, vocab=128)
     with pytest.warns(UserWarning, match="steps must be chains"):
         same_as_target(model, ids, None, max_new_tokens=10, pad_token_id=0)

@@ -22,7 +22,7 @@ from hf_swiftspec.bench import (
     memory_budget,
     run_bench,
 )
-from hf_swiftspec.testing import tiny_model, truncated_draft
+from hf_swiftspec.tools.models import tiny_model, truncated_draft
 
 FAST = dict(num_prompts=2, max_new_tokens=8, assistant_tokens=(2, 4), growth_check_tokens=24, progress=False, peak_gbps=10.0)
 
@@ -301,7 +301,7 @@ def test_padding_token_falls_back_like_generate(tiny_models):
     from transformers import GenerationConfig
 
     from hf_swiftspec.bench.prompts import padding_token
-    from hf_swiftspec.testing import char_tokenizer
+    from hf_swiftspec.tools.models import char_tokenizer
 
     assert padding_token(char_tokenizer(), GenerationConfig(pad_token_id=5)) == char_tokenizer().pad_token_id
     assert padding_token(None, GenerationConfig(pad_token_id=5, eos_token_id=2)) == 5
@@ -423,7 +423,7 @@ def test_prompt_loading_reads_the_bundled_sets_and_user_files(tmp_path):
 
 
 def test_long_prompts_are_cut_before_the_template(tiny_models):
-    from hf_swiftspec.testing import char_tokenizer
+    from hf_swiftspec.tools.models import char_tokenizer
 
     ids, truncated = bench.encode_prompt(char_tokenizer(), "x" * 50, max_tokens=16, chat_template=True)
     assert truncated and ids.shape == (1, 16)
@@ -496,9 +496,9 @@ def test_command_runs_a_pair_folder_end_to_end(tmp_path, capsys):
 
 
 def test_without_the_demo_pair_an_in_memory_pair_runs_with_a_note(tiny_models, monkeypatch):
-    import hf_swiftspec.testing
+    import hf_swiftspec.tools.models
 
     monkeypatch.setattr(methods, "bundled_pair", lambda name: None)
-    monkeypatch.setattr(hf_swiftspec.testing, "agreeing_pair", lambda: (tiny_models.target, tiny_models.draft))
+    monkeypatch.setattr(hf_swiftspec.tools.models, "agreeing_pair", lambda: (tiny_models.target, tiny_models.draft))
     report = run_bench(BenchConfig(methods=("target",), prompts=("humaneval",), output_dir=None, **FAST))
     assert report.pair.name.startswith("agreeing_pair") and any("demo pair" in note for note in report.notes)

@@ -29,7 +29,7 @@ from hf_swiftspec.compat import (
     output_cache,
     release_problem,
 )
-from hf_swiftspec.testing import tiny_model, truncated_draft
+from hf_swiftspec.tools.models import tiny_model, truncated_draft
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_swiftspec"
 pytestmark = pytest.mark.floor  # CI runs this module on the floor release too

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from hf_swiftspec import SwiftSpecForCausalLM
-from hf_swiftspec.testing import sharpen
+from hf_swiftspec.tools.models import sharpen
 
 N_POSITIONS = 64
 

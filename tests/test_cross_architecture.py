@@ -5,7 +5,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hf_swiftspec import SwiftSpecForCausalLM
-from hf_swiftspec.coverage import own_generate, perturbed_copy, tiny_model
+from hf_swiftspec.tools.sweep import own_generate, perturbed_copy, tiny_of_type
 
 
 def llama_from_qwen2(qwen2):
@@ -37,7 +37,7 @@ def decode_like_target(target, draft, **settings):
 
 
 def test_llama_draft_for_a_qwen2_target():
-    target = tiny_model("qwen2")
+    target = tiny_of_type("qwen2")
     stats = decode_like_target(target, perturbed_copy(llama_from_qwen2(target)))
     assert stats.tau > 1.5  # the draft really is another architecture that agrees with the target
 
@@ -53,6 +53,6 @@ def test_llama_draft_for_a_qwen2_target():
     ],
 )
 def test_mixed_architectures_decode_like_the_target(target_type, draft_type):
-    stats = decode_like_target(tiny_model(target_type), tiny_model(draft_type, seed=5))
+    stats = decode_like_target(tiny_of_type(target_type), tiny_of_type(draft_type, seed=5))
     if "bloom" in (target_type, draft_type) or "mpt" in (target_type, draft_type):
         assert "chain: " in stats.attention

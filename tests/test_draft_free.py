@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from hf_swiftspec import SwiftSpecForCausalLM, coverage
-from hf_swiftspec.testing import char_tokenizer, tiny_model
+from hf_swiftspec import SwiftSpecForCausalLM
+from hf_swiftspec.tools import sweep
+from hf_swiftspec.tools.models import char_tokenizer, tiny_model
 
 
 def cycling_prompt():
@@ -12,7 +13,7 @@ def cycling_prompt():
 
 
 @pytest.mark.parametrize(
-    "build", [lambda: tiny_model("llama", seed=7), lambda: coverage.tiny_model("gpt2", seed=7, vocab_size=98)],
+    "build", [lambda: tiny_model("llama", seed=7), lambda: sweep.tiny_of_type("gpt2", seed=7, vocab_size=98)],
     ids=["llama", "gpt2"],
 )
 def test_draft_free_greedy_equals_target(build):

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from hf_swiftspec import SwiftSpecConfig, SwiftSpecForCausalLM, coverage
-from hf_swiftspec.testing import tiny_model, truncated_draft
+from hf_swiftspec import SwiftSpecConfig, SwiftSpecForCausalLM
+from hf_swiftspec.tools import sweep
+from hf_swiftspec.tools.models import tiny_model, truncated_draft
 
 
 @pytest.fixture(scope="module")
@@ -81,17 +82,17 @@ def test_assistant_model_is_refused(model):
 
 def test_refusal_names_the_capability_that_is_missing():
     # Mamba-1 layers, alone or in a hybrid: their multi-token scan starts from a zero state (checked on the model)
-    mamba = coverage.tiny_model("mamba")
+    mamba = sweep.tiny_of_type("mamba")
     with pytest.raises(ValueError, match=r"The target \(mamba\) keeps a recurrent state, and a forward of several"):
         SwiftSpecForCausalLM.from_models(mamba, mamba)
-    jamba = coverage.tiny_model("jamba", attn_layer_period=2, attn_layer_offset=1)
+    jamba = sweep.tiny_of_type("jamba", attn_layer_period=2, attn_layer_offset=1)
     with pytest.raises(ValueError, match=r"The draft \(jamba\) keeps a recurrent state, and a forward of several tokens "
                        r"does not continue its recurrent state, so a chain of draft tokens cannot be verified in one forward "
                        r"\(state layer 0: .*\)\. Use swiftspec=False"):
-        SwiftSpecForCausalLM.from_models(coverage.tiny_model("llama"), jamba)
-    bert = coverage.tiny_model("bert", is_decoder=False)
+        SwiftSpecForCausalLM.from_models(sweep.tiny_of_type("llama"), jamba)
+    bert = sweep.tiny_of_type("bert", is_decoder=False)
     with pytest.raises(ValueError, match=r"The draft \(bert\) attends bidirectionally .*is_decoder=True"):
-        SwiftSpecForCausalLM.from_models(coverage.tiny_model("llama"), bert)
+        SwiftSpecForCausalLM.from_models(sweep.tiny_of_type("llama"), bert)
 
 
 def test_attention_that_cannot_take_a_tree_mask():
@@ -132,7 +133,7 @@ def saved_target(folder):
     """A tiny llama target saved with its tokenizer, loaded back from the folder (name_or_path = folder)."""
     from transformers import AutoModelForCausalLM
 
-    from hf_swiftspec.testing import char_tokenizer
+    from hf_swiftspec.tools.models import char_tokenizer
 
     tiny_model("llama", seed=0).save_pretrained(folder)
     char_tokenizer().save_pretrained(folder)
@@ -185,7 +186,7 @@ def test_a_draft_of_another_vocabulary_is_refused_with_the_targets_tokenizer_alo
 
 def test_a_tokenizer_passed_as_a_model_is_named():
     """Issue 26 item 7: from_models(tokenizer) raised AttributeError: ... has no attribute 'config'."""
-    from hf_swiftspec.testing import char_tokenizer
+    from hf_swiftspec.tools.models import char_tokenizer
 
     with pytest.raises(TypeError, match=r"the target must be a model .*got TokenizersBackend\. Pass it as tokenizer="):
         SwiftSpecForCausalLM.from_models(char_tokenizer())

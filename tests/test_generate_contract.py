@@ -40,9 +40,10 @@ from transformers import (
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.streamers import BaseStreamer
 
-from hf_swiftspec import SwiftSpecForCausalLM, coverage
+from hf_swiftspec import SwiftSpecForCausalLM
+from hf_swiftspec.tools import sweep
 from hf_swiftspec.compat import GENERATE_CACHE_ARGUMENTS, cache_argument, output_cache
-from hf_swiftspec.testing import char_tokenizer, left_padded, random_prompts, tiny_gpt2, tiny_model, truncated_draft
+from hf_swiftspec.tools.models import char_tokenizer, left_padded, random_prompts, tiny_gpt2, tiny_model, truncated_draft
 
 NEW = 12  # new tokens per greedy row
 SAMPLED = 5  # new tokens per sampling row (each is re-derived by one plain generate call)
@@ -337,7 +338,7 @@ def build_pair(arch: str, settings: dict) -> SwiftSpecForCausalLM:
         draft = truncated_draft(target, 2)
     else:  # learned positions, no rotary, a fused QKV projection: a different family from llama
         target = tiny_gpt2(VOCAB)
-        draft = coverage.perturbed_copy(target)
+        draft = sweep.perturbed_copy(target)
     return SwiftSpecForCausalLM.from_models(target, draft, **settings)
 
 

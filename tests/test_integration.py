@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, TextIteratorStreamer, TextStreamer, pipeline
 
 from hf_swiftspec import SwiftSpecConfig, SwiftSpecForCausalLM
-from hf_swiftspec.testing import char_tokenizer, tiny_model, truncated_draft
+from hf_swiftspec.tools.models import char_tokenizer, tiny_model, truncated_draft
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from hf_swiftspec import SwiftSpecForCausalLM
-from hf_swiftspec.testing import tiny_model, truncated_draft
+from hf_swiftspec.tools.models import tiny_model, truncated_draft
 
 ARCHS = ["llama", "qwen2", "mistral", "qwen3", "gemma"]
 

@@ -27,7 +27,7 @@ from hf_swiftspec.pair import (
 )
 from hf_swiftspec.cli import main
 from hf_swiftspec.pair.loading import accelerator_available, device_map_on_cpu, with_cpu_dtype
-from hf_swiftspec.testing import CHAR_SPECIALS, char_tokenizer, tiny_model, truncated_draft
+from hf_swiftspec.tools.models import CHAR_SPECIALS, char_tokenizer, tiny_model, truncated_draft
 from pair_helpers import local_pair, save_member, tiny_members, word_tokenizer, write_cached_repo
 
 TARGET_SHA = "1" * 40

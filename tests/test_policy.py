@@ -8,7 +8,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria
 from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.suffix import SuffixIndex, SuffixTree, chain
 from hf_swiftspec.policy import GoodputPolicy
-from hf_swiftspec.testing import real_shaped_pair, tiny_model
+from hf_swiftspec.tools.models import real_shaped_pair, tiny_model
 from hf_swiftspec.tree import Proposal, Subtree, best_subtree, merge_suffix, ranked
 from hf_swiftspec.verify import Sampler, Verified, walk_nodes, walk_rows
 

@@ -81,7 +81,7 @@ def test_triton_is_an_extra_and_the_package_runs_without_it():
         "import sys; sys.modules['triton'] = None\n"  # import triton now raises ImportError, as where it is absent
         "import torch; torch.set_num_threads(1)\n"
         "from hf_swiftspec import SwiftSpecForCausalLM\n"
-        "from hf_swiftspec.testing import tiny_model, truncated_draft\n"
+        "from hf_swiftspec.tools.models import tiny_model, truncated_draft\n"
         "target = tiny_model(); ids = torch.tensor([[5, 6, 7]])\n"
         "model = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), attention='kernel')\n"
         "out = model.generate(ids, max_new_tokens=12, do_sample=False)\n"

@@ -12,7 +12,8 @@ loop, exactly, while one sequence speculates.
 import pytest
 import torch
 
-from hf_swiftspec import SwiftSpecForCausalLM, coverage
+from hf_swiftspec import SwiftSpecForCausalLM
+from hf_swiftspec.tools import sweep
 from hf_swiftspec.engine import workers
 from test_batches import padded_batch, same_as_target
 from test_sampling import pooled_chisquare
@@ -53,9 +54,9 @@ def test_sampled_tokens_after_a_rollback_follow_the_target(model_type):
     off the accepted path. (Checked by disabling the restore: mamba2 then fails at p=0; the tiny Gated
     DeltaNet hybrids' states barely move their next tokens, so there the 300-token greedy test below is
     the one that catches it, and this case checks the sampling walk of a replaying target.)"""
-    target = coverage.tiny_model(model_type, seed=3, vocab_size=VOCAB)
+    target = sweep.tiny_of_type(model_type, seed=3, vocab_size=VOCAB)
     target.generation_config.eos_token_id = None
-    model = SwiftSpecForCausalLM.from_models(target, coverage.perturbed_copy(target, 0.5), tree_budget=2, draft_depth=1)
+    model = SwiftSpecForCausalLM.from_models(target, sweep.perturbed_copy(target, 0.5), tree_budget=2, draft_depth=1)
     temperature, draws = 0.9, 600
     counts = torch.zeros(VOCAB * VOCAB, dtype=torch.float64)
     replayed = 0
@@ -74,7 +75,7 @@ def test_sampled_tokens_after_a_rollback_follow_the_target(model_type):
 def qwen35_shaped(seed: int = 0):
     """Qwen3.5's proportions at 1/16 of the width: 3 Gated DeltaNet layers per attention layer, 128-wide
     key/value heads on both kinds, GQA attention with an output gate."""
-    model = coverage.tiny_model(
+    model = sweep.tiny_of_type(
         "qwen3_5", layers=4, seed=seed, vocab_size=512, hidden_size=256, intermediate_size=768,
         num_attention_heads=2, num_key_value_heads=1, head_dim=128, linear_num_key_heads=2,
         linear_num_value_heads=4, linear_key_head_dim=128, linear_value_head_dim=128,
@@ -85,11 +86,11 @@ def qwen35_shaped(seed: int = 0):
 
 def test_rollback_stays_exact_over_hundreds_of_partial_acceptances():
     target = qwen35_shaped(seed=1)  # (seed 0 falls into a 5-token loop that the draft leaves at once)
-    draft = coverage.perturbed_copy(target, 0.05)
+    draft = sweep.perturbed_copy(target, 0.05)
     model = SwiftSpecForCausalLM.from_models(target, draft, tree_budget=5, draft_depth=4)
     prompt = torch.randint(3, 512, (1, 12), generator=torch.Generator().manual_seed(0))
-    expected = coverage.own_generate(target, prompt, 300)
-    assert coverage.own_generate(model, prompt, 300, swiftspec=True).tolist() == expected.tolist()
+    expected = sweep.own_generate(target, prompt, 300)
+    assert sweep.own_generate(model, prompt, 300, swiftspec=True).tolist() == expected.tolist()
     stats = model.swiftspec_stats
     accepted = [r.accepted for r in stats.rounds]
     # most rounds roll back: none of the chain (the states ran 4 tokens too far) or part of it (replayed)
@@ -99,20 +100,20 @@ def test_rollback_stays_exact_over_hundreds_of_partial_acceptances():
 
 def test_replays_too_long_to_carry_run_as_a_forward_of_their_own(monkeypatch):
     monkeypatch.setattr(workers, "MAX_REPLAY", 0)  # every rollback replays at once
-    target = coverage.tiny_model("olmo_hybrid", seed=2)
-    model = SwiftSpecForCausalLM.from_models(target, coverage.perturbed_copy(target, 0.5), tree_budget=4, draft_depth=3)
-    prompt = coverage.prompts()[1]
-    assert coverage.own_generate(model, prompt, swiftspec=True).tolist() == coverage.own_generate(target, prompt).tolist()
+    target = sweep.tiny_of_type("olmo_hybrid", seed=2)
+    model = SwiftSpecForCausalLM.from_models(target, sweep.perturbed_copy(target, 0.5), tree_budget=4, draft_depth=3)
+    prompt = sweep.prompts()[1]
+    assert sweep.own_generate(model, prompt, swiftspec=True).tolist() == sweep.own_generate(target, prompt).tolist()
     stats = model.swiftspec_stats
     assert stats.replayed_tokens > 0 and stats.target_forwards > stats.verify_steps + 1  # replays ran alone
 
 
 def test_draft_free_chains_verify_on_a_hybrid_target():
-    target = coverage.tiny_model("olmo_hybrid", seed=4)
+    target = sweep.tiny_of_type("olmo_hybrid", seed=4)
     model = SwiftSpecForCausalLM.from_models(target, tree_budget=6)
     prompt = torch.tensor([[5, 9, 13, 17, 21, 25, 29, 33] * 3])  # repeats: n-gram chains are proposed
-    expected = coverage.own_generate(target, prompt, 30)
-    assert coverage.own_generate(model, prompt, 30, swiftspec=True).tolist() == expected.tolist()
+    expected = sweep.own_generate(target, prompt, 30)
+    assert sweep.own_generate(model, prompt, 30, swiftspec=True).tolist() == expected.tolist()
     assert model.swiftspec_stats.verify_steps < 30  # chains were accepted
 
 
@@ -120,14 +121,14 @@ def test_asynchronous_draft_keeps_the_states_of_the_chain_it_grew_past_the_verif
     """While the target verifies, the draft grows its chain further; when the target accepts it all, the
     re-root keeps the nodes run below the new root and the snapshots inside them (a later partial
     acceptance rewinds into that chain)."""
-    target = coverage.tiny_model("bamba", layers=4)  # Mamba-2 layers and one attention layer
+    target = sweep.tiny_of_type("bamba", layers=4)  # Mamba-2 layers and one attention layer
     model = SwiftSpecForCausalLM.from_models(
-        target, coverage.perturbed_copy(target, 0.05), placement={"target": ["cpu"], "draft": ["cpu"]},
+        target, sweep.perturbed_copy(target, 0.05), placement={"target": ["cpu"], "draft": ["cpu"]},
         tree_budget=6, draft_depth=4,
     )  # (keeping only the deepest snapshot failed here: "no recurrent-state snapshot at or before position ...")
-    for prompt in coverage.prompts()[1:]:
-        expected = coverage.own_generate(target, prompt, 60)
-        assert coverage.own_generate(model, prompt, 60, swiftspec=True).tolist() == expected.tolist()
+    for prompt in sweep.prompts()[1:]:
+        expected = sweep.own_generate(target, prompt, 60)
+        assert sweep.own_generate(model, prompt, 60, swiftspec=True).tolist() == expected.tolist()
         assert model.swiftspec_stats.reroot_hits > 5
 
 
@@ -136,15 +137,15 @@ def test_a_batch_decodes_with_generates_own_loop_and_one_sequence_speculates(mod
     """A snapshot holds every row's states and rows accept different numbers of tokens: a left-padded
     batch (B > 1) decodes with transformers' own loop, exactly target.generate on the same batch, and
     says why; one prompt of it then speculates, its states rolled back."""
-    target = coverage.tiny_model(model_type, seed=2)
-    model = SwiftSpecForCausalLM.from_models(target, coverage.perturbed_copy(target, 0.3), tree_budget=4, draft_depth=3)
+    target = sweep.tiny_of_type(model_type, seed=2)
+    model = SwiftSpecForCausalLM.from_models(target, sweep.perturbed_copy(target, 0.3), tree_budget=4, draft_depth=3)
     ids, mask = padded_batch(lengths=(5, 12, 1), seed=3, vocab=128)
     with pytest.warns(UserWarning, match="the target's recurrent state rolls back per sequence"):
         same_as_target(model, ids, mask, max_new_tokens=12, pad_token_id=0)
     assert model.swiftspec_stats.engine.startswith("target (batch: the target's recurrent state rolls back per sequence")
     assert "the draft's recurrent state rolls back per sequence" in model.swiftspec_stats.engine
     row = ids[1:2, -12:]
-    assert coverage.own_generate(model, row, 20, swiftspec=True).tolist() == coverage.own_generate(target, row, 20).tolist()
+    assert sweep.own_generate(model, row, 20, swiftspec=True).tolist() == sweep.own_generate(target, row, 20).tolist()
     assert model.swiftspec_stats.engine == "serial" and model.swiftspec_stats.replayed_tokens > 0
     with pytest.raises(RuntimeError, match="recurrent states roll back per sequence"):  # nothing reaches it
         workers.TargetWorker(target, 32, batch_size=2)

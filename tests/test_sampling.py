@@ -15,8 +15,9 @@ import torch
 from scipy.stats import chisquare
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from hf_swiftspec import SwiftSpecForCausalLM, coverage
-from hf_swiftspec.testing import tiny_model, truncated_draft
+from hf_swiftspec import SwiftSpecForCausalLM
+from hf_swiftspec.tools import sweep
+from hf_swiftspec.tools.models import tiny_model, truncated_draft
 
 VOCAB = 12
 DRAWS = 2000  # enough for a lossy walk to fail every case; fewer keeps CI short
@@ -119,10 +120,10 @@ def test_first_tokens_follow_target_distribution(kwargs):
     ],
 )
 def test_first_tokens_follow_target_distribution_across_architectures(model_type, overrides):
-    target = coverage.tiny_model(model_type, seed=3, vocab_size=VOCAB, **overrides)
+    target = sweep.tiny_of_type(model_type, seed=3, vocab_size=VOCAB, **overrides)
     target.generation_config.eos_token_id = None
     model = SwiftSpecForCausalLM.from_models(
-        target, coverage.perturbed_copy(target), tree_budget=6, draft_width=3, draft_depth=1
+        target, sweep.perturbed_copy(target), tree_budget=6, draft_width=3, draft_depth=1
     )
     prompt = torch.tensor([[3, 7, 5, 9, 4, 8]])
     expected = exact_joint(target, prompt, warpers(0.8))

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from hf_swiftspec import SwiftSpecForCausalLM
-from hf_swiftspec.architectures import describe
+from hf_swiftspec.probes import describe
 from hf_swiftspec.cache import TreeCache
-from hf_swiftspec.coverage import perturbed_copy, tiny_model
+from hf_swiftspec.tools.sweep import perturbed_copy, tiny_of_type
 from hf_swiftspec.step import RowQueries, model_step, run_step
 from hf_swiftspec.tree import subtree_mask
 
@@ -21,10 +21,10 @@ GEMMA3_LAYERS = ["sliding_attention", "full_attention", "sliding_attention", "fu
 
 def windowed_model(kind: str, window: int = WINDOW, seed: int = 0):
     if kind == "gemma3":  # Gemma 3: sliding and full layers, one mask per layer type
-        return tiny_model("gemma3_text", layers=4, seed=seed, sliding_window=window, layer_types=GEMMA3_LAYERS)
+        return tiny_of_type("gemma3_text", layers=4, seed=seed, sliding_window=window, layer_types=GEMMA3_LAYERS)
     if kind == "mistral":  # Mistral: every layer sliding, one mask
-        return tiny_model("mistral", layers=2, seed=seed, sliding_window=window)
-    return tiny_model("llama4_text", layers=2, seed=seed, attention_chunk_size=window)  # chunked
+        return tiny_of_type("mistral", layers=2, seed=seed, sliding_window=window)
+    return tiny_of_type("llama4_text", layers=2, seed=seed, attention_chunk_size=window)  # chunked
 
 
 @pytest.mark.parametrize("kind", ["gemma3", "mistral"])

@@ -17,9 +17,10 @@ import pytest
 import torch
 from transformers import GPTNeoConfig, GPTNeoForCausalLM
 
-from hf_swiftspec import SwiftSpecForCausalLM, coverage
-from hf_swiftspec.architectures import describe
-from hf_swiftspec.testing import left_padded, random_prompts
+from hf_swiftspec import SwiftSpecForCausalLM
+from hf_swiftspec.tools import sweep
+from hf_swiftspec.probes import describe
+from hf_swiftspec.tools.models import left_padded, random_prompts
 
 PROMPT = torch.randint(3, 98, (1, 7), generator=torch.Generator().manual_seed(0))  # 7 tokens, as the issue's
 GREEDY = dict(do_sample=False, max_new_tokens=24, min_new_tokens=24, pad_token_id=98)
@@ -35,7 +36,7 @@ def gpt_neo(window: int):
                           attention_types=[[["global", "local"], 1]], pad_token_id=98, bos_token_id=1, eos_token_id=None,
                           initializer_range=0.1)  # fmt: skip
     target = GPTNeoForCausalLM(config).eval()
-    return target, coverage.perturbed_copy(target, scale=0.05)
+    return target, sweep.perturbed_copy(target, scale=0.05)
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
@@ -75,26 +76,26 @@ def test_a_padded_batch_past_the_window_decodes_with_the_targets_loop():
 
 
 def test_doge_past_its_key_budget_decodes_with_the_targets_loop():
-    target = coverage.tiny_model("doge", keep_window_size=4)
-    pair = SwiftSpecForCausalLM.from_models(target, coverage.perturbed_copy(target), tree_budget=8, draft_depth=4)
-    prompt = coverage.prompts()[1]  # 23 tokens: past the 4 keys it keeps
+    target = sweep.tiny_of_type("doge", keep_window_size=4)
+    pair = SwiftSpecForCausalLM.from_models(target, sweep.perturbed_copy(target), tree_budget=8, draft_depth=4)
+    prompt = sweep.prompts()[1]  # 23 tokens: past the 4 keys it keeps
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = coverage.own_generate(pair, prompt, 12, swiftspec=True)
-    assert out.tolist() == coverage.own_generate(target, prompt, 12).tolist()
+        out = sweep.own_generate(pair, prompt, 12, swiftspec=True)
+    assert out.tolist() == sweep.own_generate(target, prompt, 12).tolist()
     assert any("decoded this call with the target's own decoding loop" in str(w.message) and "keeps only its 4 "
                "best-scored keys" in str(w.message) for w in caught)
 
 
 def test_llama4_temperature_steps_make_calls_past_them_chains():
     # attn_scale 0.1 -> 20: the temperature's steps then change tokens of a tiny model, not only logits
-    target = coverage.tiny_model("llama4_text", floor_scale=8, attn_scale=20.0, no_rope_layers=[0, 1])
-    pair = SwiftSpecForCausalLM.from_models(target, coverage.perturbed_copy(target), tree_budget=8, draft_depth=4)
-    prompt = coverage.prompts()[0][:, :9]
+    target = sweep.tiny_of_type("llama4_text", floor_scale=8, attn_scale=20.0, no_rope_layers=[0, 1])
+    pair = SwiftSpecForCausalLM.from_models(target, sweep.perturbed_copy(target), tree_budget=8, draft_depth=4)
+    prompt = sweep.prompts()[0][:, :9]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a chain is exact: no fallback, no warning
-        out = coverage.own_generate(pair, prompt, 16, swiftspec=True)
-    assert out.tolist() == coverage.own_generate(target, prompt, 16).tolist()
+        out = sweep.own_generate(pair, prompt, 16, swiftspec=True)
+    assert out.tolist() == sweep.own_generate(target, prompt, 16).tolist()
     (limit,) = describe(target).slot_limits
     assert limit.length == 7 and limit.beyond == "chain"
     assert pair.swiftspec_stats.attention.startswith("chains for this call")
@@ -115,8 +116,8 @@ def indexer_model(model_type: str):
     """A tiny sparse-attention model with an 8-key indexer (the sweep's; latent attention wants as many
     key/value heads as query heads when it is given a mask). Its pad token's embedding row is zero, so a
     query at token 0 scores every key 0: exact ties, which torch.topk breaks by the row's layout."""
-    model = coverage.tiny_model(model_type, index_topk=8, **coverage.head_overrides(model_type, "mha"))
-    return model, coverage.perturbed_copy(model)
+    model = sweep.tiny_of_type(model_type, index_topk=8, **sweep.head_overrides(model_type, "mha"))
+    return model, sweep.perturbed_copy(model)
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
@@ -142,8 +143,8 @@ def test_an_indexer_past_its_top_k_decodes_with_the_targets_loop(setting):
 
 def test_an_indexer_within_its_top_k_speculates_trees():
     """Below index_topk every visible key is kept, ties or not: trees are exact there."""
-    model = coverage.tiny_model("deepseek_v32", index_topk=128, **coverage.head_overrides("deepseek_v32", "mha"))
-    pair = SwiftSpecForCausalLM.from_models(model, coverage.perturbed_copy(model), **SETTINGS["fixed"])
+    model = sweep.tiny_of_type("deepseek_v32", index_topk=128, **sweep.head_overrides("deepseek_v32", "mha"))
+    pair = SwiftSpecForCausalLM.from_models(model, sweep.perturbed_copy(model), **SETTINGS["fixed"])
     prompt = torch.tensor([random_prompts((9,), 4, 128)[0]])
     out = pair.generate(prompt, **GREEDY_40)
     assert out.tolist() == model.generate(prompt, **GREEDY_40).tolist()

@@ -19,7 +19,7 @@ from hf_swiftspec.engine.request import DecodeRequest
 from hf_swiftspec.engine.static_round import ShapeChooser, StaticShape, run_static
 from hf_swiftspec.policy import GoodputPolicy
 from hf_swiftspec.static import SlotCache, StaticModel, bucket_capacity, forward_slots, step_mask
-from hf_swiftspec.testing import random_prompts, tiny_gpt2, tiny_model, truncated_draft
+from hf_swiftspec.tools.models import random_prompts, tiny_gpt2, tiny_model, truncated_draft
 from hf_swiftspec.verify import Sampler
 
 # What makes the host wait for the device: reading a value, or an op whose output shape depends on values.
@@ -298,7 +298,7 @@ def test_generate_compile_true_equals_target_generate_with_scores():
     ],
 )
 def test_compile_true_refuses_what_it_cannot_walk_on_the_device(kwargs, named):
-    from hf_swiftspec.testing import char_tokenizer
+    from hf_swiftspec.tools.models import char_tokenizer
 
     target, draft = pair()
     model = SwiftSpecForCausalLM.from_models(target, draft, compile=True)

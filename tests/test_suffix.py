@@ -6,7 +6,7 @@ import torch
 
 from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.suffix import MAX_MATCH, OutputHistory, SuffixIndex, continuation
-from hf_swiftspec.testing import tiny_model, truncated_draft
+from hf_swiftspec.tools.models import tiny_model, truncated_draft
 
 from test_sampling import exact_joint, pooled_chisquare, warpers
 

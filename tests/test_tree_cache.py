@@ -4,12 +4,12 @@ import pytest
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
-from hf_swiftspec.architectures import describe
+from hf_swiftspec.probes import describe
 from hf_swiftspec.cache import TreeCache, keep_order
 from hf_swiftspec.engine.workers import DraftWorker, TargetWorker
 from hf_swiftspec.step import RowQueries, model_step, run_step
 from hf_swiftspec.tree import Subtree, select_subtree, subtree_mask
-from hf_swiftspec.testing import left_padded
+from hf_swiftspec.tools.models import left_padded
 from hf_swiftspec.verify import Sampler
 
 ATOL = 2e-5

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from ..commandline import THREADS_HELP, add_tree_options, progress, resolve_device, set_threads, tree_overrides
+from ..cli.options import THREADS_HELP, add_tree_options, progress, resolve_device, set_threads, tree_overrides
 from ..pair import context_length
-from ..testing import REAL_SHAPES
+from ..tools.models import REAL_SHAPES
 from .limits import limit_report, memory_budget, peak_bandwidth
 from .measure import (
     Harness,
@@ -407,8 +407,7 @@ def bench_main(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __doc__ as overview  # the package's docstring: what the bench runs and writes
-
+    overview = sys.modules[__package__].__doc__  # the package's docstring: what the bench runs and writes
     parser = argparse.ArgumentParser(
         prog="python -m hf_swiftspec.bench", description=overview, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -16,7 +16,7 @@ import torch
 from ..cache import TreeCache
 from ..compat import CACHE_ARGUMENTS
 from ..modeling import SwiftSpecForCausalLM
-from ..policy import MAX_BUDGET
+from ..config import MAX_BUDGET
 from ..tree import new_tree
 from .measure import MIB, generation_kwargs, synchronize
 from .schema import BenchConfig, CacheTrace, LimitReport, MemoryBudget, SetResult

@@ -10,12 +10,12 @@ from typing import Any, Callable
 
 import torch
 
-from ..commandline import default_device, load_pair
+from ..cli.options import default_device, load_pair
 from ..config import SwiftSpecConfig
 from ..modeling import SwiftSpecForCausalLM
 from ..pair import DEMO_PAIR_NAME, bundled_pair
 from ..stats import SwiftSpecStats
-from ..testing import SHAPE_PREFIX
+from ..tools.models import SHAPE_PREFIX
 from .measure import tokens_per_second
 from .schema import METHOD_LABELS, BenchConfig, MethodResult, PairInfo
 
@@ -39,7 +39,7 @@ SWIFTSPEC_FIELDS = (
 
 @dataclass
 class BenchModels:
-    """A pair already in memory. tokenizer: the target's (None: hf_swiftspec.testing's character
+    """A pair already in memory. tokenizer: the target's (None: hf_swiftspec.tools.models's character
     tokenizer, fine for the random test pairs); settings: SwiftSpecConfig fields (tree_budget, ...)."""
 
     target: Any
@@ -99,9 +99,9 @@ def load_models(config: BenchConfig, notes: list[str]) -> BenchModels:
 
 
 def shaped_pair(shape: str, config: BenchConfig, notes: list[str]) -> BenchModels:
-    """`--pair shape:NAME`: a random-weight pair shaped like a real model (hf_swiftspec.testing.REAL_SHAPES)."""
-    from ..commandline import load_dtype
-    from ..testing import char_tokenizer, real_shaped_pair
+    """`--pair shape:NAME`: a random-weight pair shaped like a real model (hf_swiftspec.tools.models.REAL_SHAPES)."""
+    from ..cli.options import load_dtype
+    from ..tools.models import char_tokenizer, real_shaped_pair
 
     device = config.device or default_device()
     target, draft = real_shaped_pair(shape)
@@ -115,11 +115,11 @@ def shaped_pair(shape: str, config: BenchConfig, notes: list[str]) -> BenchModel
 
 
 def fallback_pair(notes: list[str]) -> BenchModels:
-    from ..testing import agreeing_pair, char_tokenizer
+    from ..tools.models import agreeing_pair, char_tokenizer
 
     notes.append(
         f"The demo pair {DEMO_PAIR_NAME!r} was not found in model_cards/, so this run used the in-memory "
-        "hf_swiftspec.testing.agreeing_pair() (random weights, character tokenizer): its speed-ups show the "
+        "hf_swiftspec.tools.models.agreeing_pair() (random weights, character tokenizer): its speed-ups show the "
         "machinery, not a real model's. Pass --pair PATH to measure a real pair."
     )
     target, draft = agreeing_pair()
@@ -129,7 +129,7 @@ def fallback_pair(notes: list[str]) -> BenchModels:
 def tokenizer_for(models: BenchModels, notes: list[str]):
     if models.tokenizer is not None:
         return models.tokenizer
-    from ..testing import CHAR_SPECIALS, char_tokenizer
+    from ..tools.models import CHAR_SPECIALS, char_tokenizer
 
     vocab = models.target.config.get_text_config().vocab_size
     if vocab < len(CHAR_SPECIALS) + 95:
@@ -137,7 +137,7 @@ def tokenizer_for(models: BenchModels, notes: list[str]):
             f"The pair has no tokenizer and its vocabulary ({vocab}) is too small for the character tokenizer; "
             "pass BenchModels(tokenizer=...)."
         )
-    notes.append("The pair has no tokenizer; prompts were encoded with hf_swiftspec.testing.char_tokenizer().")
+    notes.append("The pair has no tokenizer; prompts were encoded with hf_swiftspec.tools.models.char_tokenizer().")
     return char_tokenizer()
 
 

@@ -18,12 +18,12 @@ import time
 
 import torch
 
+from ..config import FIRST_TREE
 from ..stats import SwiftSpecStats
 from .links import LinkClosed, SwiftSpecWorkerError, ThreadLink
 from .request import BatchRows, DecodeRequest, DecodeResult
 from .workers import DraftWorker, TargetWorker
 
-FIRST_TREE = 8  # nodes the draft grows before proposing when its tree is fresh
 
 
 def run_draft(draft: DraftWorker, request: DecodeRequest, link) -> None:

@@ -35,7 +35,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..architectures import FULL, describe
+from ..architectures import FULL
+from ..config import STATIC_BUDGET, STATIC_DEPTH
+from ..probes import describe
 from ..static import StaticModel, bucket_capacity, chain_mask, step_mask, warm_steps
 from ..stats import DraftCounters, SwiftSpecStats, TargetCounters
 from ..suffix import SuffixIndex, SuffixTree
@@ -45,8 +47,6 @@ from ..tree import (
 from ..verify import PATH_FREE_PROCESSORS, Sampler, Verified, apply_processors, split_criteria
 from .request import BatchRows, DecodeRequest, DecodeResult
 
-DEFAULT_BUDGET = 8
-DEFAULT_DEPTH = 4
 PROBE_SHARE = 0.03  # the most time the shape chooser's losing probes may cost
 
 
@@ -427,7 +427,7 @@ def static_proposal(nodes: TreeNodes, first_suffix: int, suffix: int) -> Proposa
 def static_shape(config, draft) -> StaticShape:
     """The round's shape from the settings: tree_budget (default 8) nodes, draft_depth (default 4)
     forwards of draft_width leaves, up to half the nodes from the n-gram proposal (ngram_size > 0)."""
-    budget, depth = config.tree_budget or DEFAULT_BUDGET, config.draft_depth or DEFAULT_DEPTH
+    budget, depth = config.tree_budget or STATIC_BUDGET, config.draft_depth or STATIC_DEPTH
     return StaticShape(budget, depth, config.draft_width, budget // 2 if config.ngram_size > 0 else 0)
 
 

@@ -18,10 +18,10 @@ import time
 import torch
 from transformers import PreTrainedModel, StoppingCriteriaList
 
-from ..architectures import Architecture, describe
-from ..cache import TreeCache
+from ..architectures import Architecture
 from ..policy import GoodputPolicy
-from ..recurrent import MAX_REPLAY, StateLog, add_state_layers
+from ..probes import describe
+from ..recurrent import MAX_REPLAY, StateLog, new_cache
 from ..stats import DraftCounters, TargetCounters
 from ..step import RowQueries, model_step, run_step
 from ..suffix import OutputHistory, SuffixIndex, SuffixTree
@@ -44,13 +44,6 @@ from ..tree import (
     subtree_mask,
 )
 from ..verify import Sampler, Verified, verify_tree
-
-
-def new_cache(architecture: Architecture, capacity: int, batch_size: int = 1) -> TreeCache:
-    """A tree cache for `capacity` positions per row, plus the scratch slot padding queries write into
-    (and transformers' state layers at the layers that keep a recurrent state, if any)."""
-    cache = TreeCache(len(architecture.layer_types), capacity + 1, architecture.sliding, batch_size)
-    return add_state_layers(cache, architecture.layer_types, architecture.layer_states)
 
 
 class TargetWorker:

@@ -22,8 +22,8 @@ from dataclasses import dataclass, fields, replace
 import torch
 from transformers import TextStreamer
 
-from .bench import add_bench_arguments, bench_main
-from .commandline import (
+from ..modeling import SwiftSpecForCausalLM
+from .options import (
     THREADS_HELP,
     TREE_OPTIONS,
     add_tree_options,
@@ -33,8 +33,7 @@ from .commandline import (
     set_threads,
     tree_overrides,
 )
-from .modeling import SwiftSpecForCausalLM
-from .pair import (
+from ..pair import (
     DEMO_PAIR_NAME,
     HubOptions,
     PairConfigError,
@@ -67,7 +66,7 @@ class GenerateOptions:
     compare: bool = False
     device: str | None = None  # None: cuda:0 when there is a GPU, else cpu
     dtype: str | None = None  # None: float32 on CPU (exact and fast there), the checkpoint's own on GPU
-    threads: int | None = None  # None: 1 per worker on CPU, torch's own on GPU (commandline.THREADS_HELP says why)
+    threads: int | None = None  # None: 1 per worker on CPU, torch's own on GPU (options.THREADS_HELP says why)
     placement: str | None = None  # None: the pair's; "serial", "auto", or JSON like {"target": [0], "draft": [1]}
     tree_budget: int | None = None
     draft_width: int | None = None
@@ -324,6 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--revision", default=None, help="revision of the pair repo")
     check.add_argument("--config-only", action="store_true", help="check only the pair's own files, not its members")
     check.add_argument("--offline", action="store_true", help="use only the Hugging Face cache")
+    from ..bench import add_bench_arguments  # the bench imports these options: the command wires it in late
+
     add_bench_arguments(
         commands.add_parser("bench", help="time swiftspec against target.generate, assisted generation and prompt lookup")
     )
@@ -350,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             return run_generate(generate_options(args))
         if args.command == "bench":
+            from ..bench import bench_main
+
             return bench_main(args)
         if args.pair_command == "create":
             return run_pair_create(args)
@@ -360,7 +363,3 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\nswiftspec: interrupted", file=sys.stderr)
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

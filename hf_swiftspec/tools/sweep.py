@@ -10,7 +10,7 @@ it with perturbed weights. A type's `Outcome` is one of
     skipped        its own generate does not run on a tiny config (the reason is kept)
     wrong          anything else: a bug (tests fail on it)
 
-tests/test_architectures.py asserts these per type; `python -m hf_swiftspec.coverage` runs the
+tests/test_architectures.py asserts these per type; `python -m hf_swiftspec.tools.sweep` runs the
 same sweep (or reads a saved one) and rewrites the architecture table in README.md.
 """
 
@@ -29,9 +29,10 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-from .architectures import UnsupportedArchitecture, describe
-from .testing import left_padded, random_prompts
-from .compat import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from ..architectures import UnsupportedArchitecture
+from ..probes import describe
+from ..compat import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from .models import left_padded, random_prompts
 
 # Set on every config that has the field; the first line is what the sweep means by "tiny".
 TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
@@ -214,7 +215,7 @@ def has_field(config, name: str) -> bool:
         return False
 
 
-def tiny_model(model_type: str, layers: int = 2, seed: int = 0, **overrides):
+def tiny_of_type(model_type: str, layers: int = 2, seed: int = 0, **overrides):
     """A tiny randomly initialised model in eval mode (sharpened head: peaked like a real LM).
 
     Tries the full shrink, then without fields its config computes itself, then with as many key/value
@@ -284,7 +285,7 @@ def runnable_tiny_model(model_type: str, **overrides):
     error = None
     for layers in (2, 4, 8):  # hybrids need enough layers to reach their first attention layer
         try:
-            model = tiny_model(model_type, layers, **overrides)
+            model = tiny_of_type(model_type, layers, **overrides)
             with torch.no_grad():
                 own_generate(model, prompts()[0], 2)
             return model, None
@@ -335,7 +336,7 @@ def check_type(model_type: str) -> Outcome:
 
 
 def check_shape(shape: Shape, target, why: str | None, draft) -> ShapeResult:
-    from .modeling import SwiftSpecForCausalLM
+    from ..modeling import SwiftSpecForCausalLM
 
     if target is None:
         return ShapeResult("skipped", why)

@@ -1,4 +1,4 @@
-"""Command-line plumbing that `swiftspec generate` (cli.py) and `swiftspec bench` (bench/) share:
+"""Command-line plumbing that `swiftspec generate` (cli/__init__.py) and `swiftspec bench` (bench/) share:
 the tree options, where and in which dtype a pair loads, and how many torch threads it runs on.
 """
 
@@ -9,9 +9,9 @@ import sys
 
 import torch
 
-from .config import SwiftSpecConfig
-from .modeling import SwiftSpecForCausalLM
-from .pair import PairConfigError
+from ..config import SwiftSpecConfig
+from ..modeling import SwiftSpecForCausalLM
+from ..pair import PairConfigError
 
 TREE_OPTIONS = ("tree_budget", "draft_width", "draft_depth")  # the SwiftSpecConfig fields the command line overrides
 
