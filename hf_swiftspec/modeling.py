@@ -124,22 +124,22 @@ def config_differences(stored, live) -> str:
 
 
 def draft_own_tokenizer(target: PreTrainedModel, draft: PreTrainedModel, location: str | None):
-    """The draft's own tokenizer when only the target's was given and their vocabularies differ in size (the
-    mapping must then be checked, as pair repos check it), from the folder the draft came from; None when the
-    sizes agree (the draft is taken to use the target's tokenizer). Raises PairConfigError when it cannot be
-    found: a draft of another vocabulary must never be accepted on the target's tokenizer alone."""
+    """The draft's own tokenizer when only the target's was given and the two vocabularies differ in size,
+    from the folder (or cached Hub repo) the draft came from, so that its token -> id mapping is checked
+    as pair repos check it (a Gemma-3 draft under a SmolLM2 target was accepted on the target's tokenizer
+    alone); None when the sizes agree, or when the draft has no folder of its own (built in memory: it is
+    taken to share the target's tokenizer, with padded embeddings of another size, and a warning says so)."""
     sizes = target.config.get_text_config().vocab_size, draft.config.get_text_config().vocab_size
     if sizes[0] == sizes[1]:
         return None
     own = load_tokenizer(location, None, HubOptions(local_files_only=True), False) if location is not None else None
-    if own is not None:
-        return own
-    raise PairConfigError(
-        f"Vocabulary mismatch: target vocab_size={sizes[0]}, draft vocab_size={sizes[1]}, and only the target's "
-        "tokenizer was given, so nothing says the draft's ids mean the target's. Pass the draft's own tokenizer as "
-        "draft_tokenizer= (its token -> id mapping is then checked; padded embeddings of different sizes are fine), "
-        "or pick a draft from the target's model family."
-    )
+    if own is None:
+        logger.warning(
+            "The draft's vocab_size (%d) differs from the target's (%d) and its own tokenizer is unknown, so it is taken "
+            "to use the target's tokenizer (padded embeddings); pass draft_tokenizer= to have its mapping checked.",
+            sizes[1], sizes[0],
+        )
+    return own
 
 
 class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):

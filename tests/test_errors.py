@@ -173,14 +173,21 @@ def test_a_member_whose_folder_now_holds_another_model_is_not_named(tmp_path):
 
 
 def test_a_draft_of_another_vocabulary_is_refused_with_the_targets_tokenizer_alone(tmp_path):
-    """Issue 26 item 6: a draft with a larger vocabulary was accepted when only tokenizer= was given (exact, but
-    it could never be right); two tokenizers and `pair create` refused it. Refused the same way now."""
+    """Issue 26 item 6: a draft of another vocabulary, loaded from its folder (Gemma-3's 262k under SmolLM2's
+    49k), was accepted when only tokenizer= was given (exact, but it could never be right); two tokenizers and
+    `pair create` refused it. Its own tokenizer is now read from its folder and its mapping checked."""
+    from tokenizers import Tokenizer, models
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
     from hf_swiftspec.pair import PairConfigError
 
     target, tok = saved_target(tmp_path / "target")
-    draft = tiny_model("llama", seed=1, vocab_size=300)
-    with pytest.raises(PairConfigError, match=r"target vocab_size=98, draft vocab_size=300, and only the target's "
-                       r"tokenizer was given.*draft_tokenizer="):
+    draft_folder = tmp_path / "draft"
+    tiny_model("llama", seed=1, vocab_size=300).save_pretrained(draft_folder)
+    vocab = {f"w{i}": i for i in range(300)}  # another vocabulary: no id means what the target's does
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="w0"))).save_pretrained(draft_folder)
+    draft = AutoModelForCausalLM.from_pretrained(draft_folder)
+    with pytest.raises(PairConfigError, match=r"The draft's vocabulary does not map onto the target's"):
         SwiftSpecForCausalLM.from_models(target, draft, tokenizer=tok)
 
 
