@@ -12,7 +12,7 @@ tests   pytest on the test files that run CUDA code on a GPU machine: the tree-a
 kernel  kernels/benchmarks/bench_tree_attention.py for fp16 and bf16, 32 query heads over 32/8/4 KV heads
         (GQA groups 1/4/8), head dims 64/128/256, prefixes of 512 to 32k tokens, trees of 1 to 64 nodes.
 steps   step latencies of a Llama-3-8B-shaped target and a Llama-3.2-1B-shaped draft with RANDOM weights in
-        bf16, at 1k and 8k tokens of context: one draft expansion (DraftWorker.expand over 8 leaves) and target
+        bf16, at 1k and 8k tokens of context: one draft expansion (DraftModelDrafter.expand over 8 leaves) and target
         verifications of T = 1, 8, 16, 32 nodes (TargetWorker.forward_subtrees), eager, through the model's own
         sdpa and through the Triton tree kernel; then the static round's steps (static.py, compile=True's) eager
         and as CUDA graphs; each beside its HBM floor: (weight bytes + KV bytes read) / the measured bandwidth.
@@ -351,15 +351,16 @@ def steps_at(session: Session, target, draft, context: int, attention: str) -> l
     trees = session.plan.step_trees
     vocab = target.config.vocab_size
     prompt = torch.randint(3, vocab, (1, context), generator=torch.Generator().manual_seed(context))
-    target_worker, draft_worker = build_workers(target, draft, SwiftSpecConfig(attention=attention), context + max(trees), None)
+    target_worker, drafters = build_workers(target, draft, SwiftSpecConfig(attention=attention), context + max(trees), None)
+    drafter = drafters.model  # the draft model's drafter (the suffix drafter runs no model)
     rows = []
-    with routed_attention(target, target_worker.attention), routed_attention(draft, draft_worker.attention):
+    with routed_attention(target, target_worker.attention), routed_attention(draft, drafter.attention):
         target_worker.prefill(prompt)
-        draft_worker.start([prompt[0].tolist()])
-        draft_worker.catch_up()  # the prompt into the draft's prefix
-        draft_worker.expand()  # the root: its children are the leaves every timed expansion runs
-        ms = expansion_ms(draft_worker, session)
-        rows.append(step_row(session, "draft_expand", draft, context, draft_worker.width, draft_worker.attention, ms))
+        drafter.start([prompt[0].tolist()])
+        drafter.catch_up()  # the prompt into the draft's prefix
+        drafter.expand()  # the root: its children are the leaves every timed expansion runs
+        ms = expansion_ms(drafter, session)
+        rows.append(step_row(session, "draft_expand", draft, context, drafter.width, drafter.attention, ms))
         target_worker.forward_subtrees([random_subtree(1, vocab, 0)])  # takes the prefill's root logits
         for T in trees:
             ms = verification_ms(target_worker, random_subtree(T, vocab, T), session)
@@ -420,7 +421,7 @@ def run_steps(session: Session) -> None:
     plan = session.plan
     dtype = str(plan.step_dtype).removeprefix("torch.")
     notes = [f"RANDOM weights in {dtype}: target shaped like {plan.step_target}, draft like {plan.step_draft}; "
-             f"draft_expand runs DraftWorker.expand (the draft's {SwiftSpecConfig().draft_width} best leaves), verify runs "
+             f"draft_expand runs DraftModelDrafter.expand (the draft's {SwiftSpecConfig().draft_width} best leaves), verify runs "
              "TargetWorker.forward_subtrees "
              "(T nodes of a random tree); attention: sdpa = the model's own with a dense mask, triton = the tree kernel."]
     target, draft = step_models(session, notes)

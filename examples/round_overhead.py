@@ -97,7 +97,7 @@ def main() -> None:
         if args.always_trees:
             from hf_swiftspec.engine.static_round import ShapeChooser
 
-            ShapeChooser.choose = lambda self, kinds: "tree"
+            ShapeChooser.plan_round = lambda self, kinds: "tree"
     ids = model.tokenizer(args.prompt, return_tensors="pt").input_ids
     model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)  # warm-up (compiles every step shape)
     for _ in range(args.repeats):

@@ -32,7 +32,8 @@ from .compat import (
     sample_loop,
 )
 from .config import SwiftSpecConfig
-from .engine import DecodeRequest, DecodeResult, DraftWorker, TargetWorker, run_serial, run_threads
+from .drafting import Drafters, SuffixDrafter
+from .engine import DecodeRequest, DecodeResult, DraftModelDrafter, TargetWorker, run_serial, run_threads
 from .engine.static_round import StaticRounds, run_static, static_round_gaps, static_shape
 from .engine.request import RowResult
 from .engine.distributed import Groups, run_distributed
@@ -145,10 +146,10 @@ def decode_adaptive(target, draft, request: DecodeRequest, config: SwiftSpecConf
     instead of trees where `chain_reasons` say this call needs them."""
     batch = request.batch_size
     length = request.prompt.shape[1] + request.max_new_tokens
-    workers = build_workers(target, draft, config, length, groups, batch, chain_reasons)
+    workers = build_workers(target, draft, config, length, groups, batch, chain_reasons, request.corpus, request.history)
     with contextlib.ExitStack() as routes:  # each model attends the tree its way for this call only
-        for worker in workers:
-            if worker is not None and worker.model is not None:
+        for worker in (workers[0], workers[1] and workers[1].model):
+            if worker is not None:
                 routes.enter_context(routed_attention(worker.model, worker.attention))
         if request.max_new_tokens:
             result = run_engine(placement, groups, *workers, request, config)
@@ -190,12 +191,13 @@ def stop_length(stopping_criteria: StoppingCriteriaList, generation_config: Gene
 
 
 def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: Groups | None, batch_size: int = 1,
-                  chain_reasons=()):
-    """(TargetWorker, DraftWorker) with caches for `length` tokens per row; under torchrun only this rank's.
+                  chain_reasons=(), corpus: list[list[int]] | None = None, history: OutputHistory | None = None):
+    """(TargetWorker, Drafters) with caches for `length` tokens per row; under torchrun only this rank's.
 
-    Trees shrink to chains (draft width 1, no n-gram branch beside the draft's chain) when either
-    model places tokens by cache slot, or when `chain_reasons` say this call reaches a slot limit.
-    With no draft (draft-free mode) the draft worker holds only the n-gram index.
+    The drafters: the draft model's (none in draft-free mode) and the suffix proposals (none with
+    ngram_size 0; copying from `corpus` and `history` as well). Trees shrink to chains (draft width 1,
+    no suffix branch beside the draft's chain) when either model places tokens by cache slot, or when
+    `chain_reasons` say this call reaches a slot limit.
     """
     role = groups.role if groups is not None else None
     target_arch = describe(target, "target")
@@ -207,28 +209,31 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
         attention = resolve_attention(config.attention, target, target_arch)
         target_worker = TargetWorker(target, length + budget, attention, target_arch, batch_size)
     if role in (None, "draft"):
-        draft_worker = DraftWorker(
+        max_positions = context_limit(*(m for m in (target, draft) if m is not None))
+        model = None if draft is None else DraftModelDrafter(
             draft,
             capacity=length + config.tree_capacity,
             tree_capacity=config.tree_capacity,
             width=1 if chain else config.draft_width,
             vocab_limit=target.config.get_text_config().vocab_size,
-            attention=resolve_attention(config.attention, draft, draft_arch) if draft is not None else "none",
-            ngram_size=0 if chain and draft is not None else config.ngram_size,
+            attention=resolve_attention(config.attention, draft, draft_arch),
             architecture=draft_arch,
-            max_positions=context_limit(*(m for m in (target, draft) if m is not None)),
-            device=target.device,
-            branching=not chain,
+            max_positions=max_positions,
             batch_size=batch_size,
         )
+        ngram_size = 0 if chain and draft is not None else config.ngram_size
+        suffix = None if ngram_size == 0 else SuffixDrafter(
+            ngram_size, batch_size, branching=not chain, corpus=corpus, history=history
+        )
+        draft_worker = Drafters(model, suffix, batch_size, max_positions, target.device)
     return target_worker, draft_worker
 
 
 def attention_summary(workers, chain_reasons=()) -> str:
     """How each model attended: its backend, the layers that fell back, and chains where trees could not be."""
     parts = [f"chains for this call ({'; '.join(chain_reasons)})"] if chain_reasons else []
-    for role, worker in zip(("target", "draft"), workers):
-        if worker is None or worker.model is None:
+    for role, worker in zip(("target", "draft"), (workers[0], workers[1] and workers[1].model)):
+        if worker is None:
             continue
         part = f"{role}={worker.attention}"
         if worker.attention_fallbacks:

@@ -25,6 +25,15 @@ prices the smaller batch by what it measured at that size.
 One policy serves every generate() call of a model object (SwiftSpecForCausalLM keeps it), so
 what it measured carries over: only the first call pays for learning that a draft, the suffix
 proposals or a tree size do not pay on this machine.
+
+The calls an engine makes, in order (the serial and the overlapped engines alike):
+
+    start_generation()                   once per generate() call: forget the last call's rows
+    plan = plan_round(batch, rows)       each round's start: probe, time a plain step, stay quiet?
+    keep_expanding(...) / best_budget()  the round's choices (the serial engine's; the overlapped
+                                         one grows for overlap_depth() expansions instead)
+    observe_round(...)                   each round's end: its costs
+    observe_outcomes(...)                and what each row's proposal yielded
 """
 
 from __future__ import annotations
@@ -169,8 +178,48 @@ class BatchSize:
 
 
 @dataclass
+class CallState:
+    """What the policy keeps for one generate() call (start_generation starts a new one): a new request's
+    text is another, so none of it carries over.
+
+    watching:     per row, suffix proposals of earlier rounds still followed down the emitted tokens
+    suffix_every: per row, rounds between its suffix proposals; suffix_wait: rounds until its next one
+    row_yield:    per row, (accepted, expected) tokens beyond the root of its verified trees, decayed
+    """
+
+    watching: dict[int, list[SuffixWatch]] = field(default_factory=dict)
+    suffix_every: dict[int, int] = field(default_factory=dict)
+    suffix_wait: dict[int, int] = field(default_factory=dict)
+    row_yield: dict[int, tuple[float, float]] = field(default_factory=dict)
+
+
+@dataclass
+class RoundPlan:
+    """What the policy decided for one round (plan_round returns it; every choice of the round reads it).
+
+    batch:        rows decoding together this round
+    row_scales:   the rows' scales (how their trees have yielded), in the order plan_round got them
+    probing:      this round probes: forced expansions, the probe's tree size
+    timing_plain: this round verifies T = 1 to time a plain step at this batch size
+    quiet:        this round is plain and builds no proposal (see QUIET_AFTER)
+    """
+
+    batch: int = 1
+    row_scales: list[float] = field(default_factory=list)
+    probing: bool = False
+    timing_plain: bool = False
+    quiet: bool = False
+
+
+@dataclass
 class GoodputPolicy:
     """Chooses draft expansions and the verified tree size each round; see the module docstring.
+
+    Its state has three lifetimes: what it learns across generate() calls (its own fields: step costs
+    per batch size and their probe schedules, the drafters' calibrations, expansion gains), what one call
+    keeps (`call`, a CallState) and what one round decided (`plan`, a RoundPlan). Every engine makes the
+    same calls: start_generation() once per call; plan_round() at the start of each round; after it,
+    observe_round() with its costs and observe_outcomes() with each row's proposal and walk.
 
     tree_budget / draft_depth: fixed values the user set (None: chosen here).
     """
@@ -183,22 +232,17 @@ class GoodputPolicy:
     max_probe_every: int = 256  # rounds between probes after many that did not pay
     probe_depth: int = 1  # one expansion: with a real vocabulary head it can cost as much as a target step
     probe_budget: int = 8  # a probe verifies this many nodes, to measure a larger tree's cost
+    # ---- learnt across calls
     batches: dict[int, BatchSize] = field(default_factory=dict)  # per batch size (rows decoding together)
-    batch: int = 1  # the batch size of the current round
     draft: Calibration = field(init=False)  # P(node on the accepted path) by draft score bucket
     suffix: Calibration = field(init=False)  # P(suffix node accepted | its parent was) by suffix_bucket
     gains: list[float] = field(init=False)  # expected tokens per row the k-th expansion of a round adds
     gains_seen: list[int] = field(init=False)
-    probing: bool = False
-    timing_plain: bool = False  # this round verifies T = 1 to time a plain step at this batch size
-    quiet: bool = False  # this round is plain without proposals (see QUIET_AFTER)
     last_budget: int = 1
-    watching: dict[int, list[SuffixWatch]] = field(default_factory=dict)  # per row: suffix proposals still followed
-    suffix_every: dict[int, int] = field(default_factory=dict)  # per row: rounds between suffix proposals
-    suffix_wait: dict[int, int] = field(default_factory=dict)  # per row: rounds until its next one
-    row_yield: dict[int, tuple[float, float]] = field(default_factory=dict)  # per row: (accepted, expected), decayed
-    row_scales: list[float] = field(default_factory=list)  # this round's rows, in order: their scales
     catch_up_token_s: float | None = None  # seconds per token the draft runs to catch up (the prompt, plain rounds)
+    # ---- one call, one round
+    call: CallState = field(default_factory=CallState)
+    plan: RoundPlan = field(default_factory=RoundPlan)
 
     def __post_init__(self):
         if self.tree_budget is not None:
@@ -227,7 +271,7 @@ class GoodputPolicy:
     @property
     def costs(self) -> CostModel:
         """The cost model of the current batch size."""
-        return self.at(self.batch).costs
+        return self.at(self.plan.batch).costs
 
     def refresh(self) -> None:
         """Recompute the lookup tables from the calibrations (once per round)."""
@@ -237,24 +281,27 @@ class GoodputPolicy:
         self.suffix_rates = self.suffix.rates
 
     # ---- per round ----------------------------------------------------------------------------
-    def start_round(self, batch: int = 1, rows: list[int] | None = None) -> bool:
-        """Begin a round of `batch` rows (`rows`: their ids, default 0..batch-1); returns whether it probes
-        (forced expansions, the largest tree).
+    def plan_round(self, batch: int = 1, rows: list[int] | None = None, probes: bool = True) -> RoundPlan:
+        """Plan a round of `batch` rows (`rows`: their ids, default 0..batch-1): whether it probes (forced
+        expansions, the largest tree), times a plain step or stays quiet. Kept as `plan` for the round's
+        choices, and returned.
 
         A batch size whose plain step (T = 1) was never timed verifies plainly in its second round (the
         first one's roots come with the prefill), so that plain decoding is priced by what it costs here.
+        probes=False (an engine that overlaps drafting with verification, where the size is chosen by
+        verification time alone): a round that neither probes nor times a plain step.
         """
-        self.batch = batch
-        self.row_scales = [self.row_scale(r) for r in (rows if rows is not None else range(batch))]
+        scales = [self.row_scale(r) for r in (rows if rows is not None else range(batch))]
         state = self.at(batch)
         state.rounds += 1
-        self.probing = state.rounds == state.next_probe
-        self.timing_plain = state.rounds == 2 and 1 not in state.costs.verify_s and self.tree_budget is None
-        self.quiet = (
-            batch > 1 and state.plain_streak >= QUIET_AFTER and not self.probing and self.tree_budget is None
+        probing = probes and state.rounds == state.next_probe
+        timing_plain = probes and state.rounds == 2 and 1 not in state.costs.verify_s and self.tree_budget is None
+        quiet = (
+            batch > 1 and state.plain_streak >= QUIET_AFTER and not probing and self.tree_budget is None
             and self.draft_depth is None and state.rounds % LOOK_EVERY != 0
         )
-        return self.probing
+        self.plan = RoundPlan(batch, scales, probing, timing_plain, quiet)
+        return self.plan
 
     def wants_suffix(self, rows: list[int]) -> list[bool]:
         """Per row (original row ids), whether to build a suffix proposal this round: every round while
@@ -262,9 +309,9 @@ class GoodputPolicy:
         they miss (a proposal is optional: skipping one changes speed, never tokens)."""
         wanted = []
         for row in rows:
-            wait = self.suffix_wait.get(row, 0)
+            wait = self.call.suffix_wait.get(row, 0)
             wanted.append(wait == 0)
-            self.suffix_wait[row] = max(wait - 1, 0)
+            self.call.suffix_wait[row] = max(wait - 1, 0)
         return wanted
 
     def draft_probs(self, scores: list[float]) -> list[float]:
@@ -297,12 +344,12 @@ class GoodputPolicy:
 
     def row_scale(self, row: int) -> float:
         """How far row `row`'s trees have yielded what the calibrations expected (1: as expected)."""
-        accepted, expected = self.row_yield.get(row, (0.0, 0.0))
+        accepted, expected = self.call.row_yield.get(row, (0.0, 0.0))
         return min(max((accepted + ROW_PRIOR) / (expected + ROW_PRIOR), ROW_SCALE[0]), ROW_SCALE[1])
 
     def expected_batch(self, rows: list[list[float]]) -> list[float]:
         """The batch's worth of a round for T = 1..the most candidates of a row (every row verifies its
-        min(T, n) best nodes; rows' node probabilities sorted best first, in start_round's order):
+        min(T, n) best nodes; rows' node probabilities sorted best first, in plan_round's order):
         B times the harmonic mean of the rows' E(T).
 
         Not their sum: every row needs its own tokens, and each row costs its share of every forward
@@ -310,7 +357,7 @@ class GoodputPolicy:
         round that races ahead rows that will finish early anyway buys little. Measured on the demo
         pair at 16 rows, the sum made the policy verify trees in most rounds and run at 0.71x
         target.generate, the harmonic mean at 0.89x (4 rows: 1.15x and 1.29x)."""
-        scales = self.row_scales if len(self.row_scales) == len(rows) else [1.0] * len(rows)
+        scales = self.plan.row_scales if len(self.plan.row_scales) == len(rows) else [1.0] * len(rows)
         if len(rows) == 1:
             return self.expected_tokens(rows[0], scales[0])
         per_row = [self.expected_tokens(probs, scale) for probs, scale in zip(rows, scales)]
@@ -324,9 +371,9 @@ class GoodputPolicy:
     def gain_trust(self) -> float:
         """How much of the worth beyond a plain step that tree rounds were predicted to have they yielded,
         at the current batch size (1 at batch 1: rows' own scales cover a lone row)."""
-        if self.batch == 1:
+        if self.plan.batch == 1:
             return 1.0
-        realized, predicted = self.at(self.batch).gain_seen
+        realized, predicted = self.at(self.plan.batch).gain_seen
         return min((realized + GAIN_PRIOR) / (predicted + GAIN_PRIOR), 1.0)
 
     def best_budget(self, rows: list[list[float]], spent_s: float, probing: bool | None = None) -> tuple[int, float]:
@@ -337,9 +384,9 @@ class GoodputPolicy:
         """
         expected = self.expected_batch(rows)
         times = self.costs.verify_times(len(expected))
-        if self.timing_plain and probing is None:
+        if self.plan.timing_plain and probing is None:
             return 1, expected[0] / (spent_s + times[0])
-        if self.tree_budget is not None or (self.probing if probing is None else probing):
+        if self.tree_budget is not None or (self.plan.probing if probing is None else probing):
             T = len(expected) if self.tree_budget is not None else min(len(expected), self.probe_budget)
             return T, expected[T - 1] / (spent_s + times[T - 1])
         rates = [e / (spent_s + t) for e, t in zip(expected, times)]
@@ -356,7 +403,7 @@ class GoodputPolicy:
         """
         if self.draft_depth is not None:
             return done < self.draft_depth
-        if done >= self.max_depth or self.timing_plain:
+        if done >= self.max_depth or self.plan.timing_plain:
             return False
         if probing:
             return done < self.probe_depth
@@ -403,8 +450,8 @@ class GoodputPolicy:
     def observe_rate(self, rate: float) -> None:
         """Fold in one round's tokens per second at the current batch size. After a probe: probe again
         in `probe_every` rounds if it beat the rounds around it, else twice as late as last time."""
-        state = self.at(self.batch)
-        if not self.probing:
+        state = self.at(self.plan.batch)
+        if not self.plan.probing:
             state.round_rate = rate if state.round_rate is None else 0.8 * state.round_rate + 0.2 * rate
             return
         paid = state.round_rate is None or rate > state.round_rate
@@ -430,11 +477,11 @@ class GoodputPolicy:
         if catch_up_tokens:
             per_token = catch_up_s / catch_up_tokens
             self.catch_up_token_s = per_token if self.catch_up_token_s is None else 0.8 * self.catch_up_token_s + 0.2 * per_token
-        state = self.at(self.batch)
-        if not self.quiet:
-            state.plain_streak = state.plain_streak + 1 if budget == 1 and not self.probing else 0
+        state = self.at(self.plan.batch)
+        if not self.plan.quiet:
+            state.plain_streak = state.plain_streak + 1 if budget == 1 and not self.plan.probing else 0
         if verify_s is None:
-            if self.probing:
+            if self.plan.probing:
                 state.next_probe = state.rounds + 1
             return
         state.costs.observe_expansions(draft_s, expansions)
@@ -454,15 +501,15 @@ class GoodputPolicy:
             draft = [i for i, score in enumerate(proposal.scores) if i and score is not None]
             draft_seen[0].extend(score_bucket(proposal.scores[i]) for i in draft)
             draft_seen[1].extend(i in on_path for i in draft)
-            watching = self.watching.get(row, [])
+            watching = self.call.watching.get(row, [])
             if proposal.offered[0]:
                 watching = watching[-self.max_budget + 1 :] + [SuffixWatch(*proposal.offered)]
-            self.watching[row], hit = self.follow_suffixes(watching, verified.tokens, suffix_seen)
+            self.call.watching[row], hit = self.follow_suffixes(watching, verified.tokens, suffix_seen)
             if hit:  # a proposal (this round's or an earlier one) was right: propose every round
-                self.suffix_every[row], self.suffix_wait[row] = 1, 0
+                self.call.suffix_every[row], self.call.suffix_wait[row] = 1, 0
             elif proposal.offered[0]:  # this round's missed at its first token: twice as rarely
-                every = min(2 * self.suffix_every.get(row, 1), MAX_SUFFIX_EVERY)
-                self.suffix_every[row], self.suffix_wait[row] = every, every - 1
+                every = min(2 * self.call.suffix_every.get(row, 1), MAX_SUFFIX_EVERY)
+                self.call.suffix_every[row], self.call.suffix_wait[row] = every, every - 1
         for calibration, (buckets, accepted) in ((self.draft, draft_seen), (self.suffix, suffix_seen)):
             if buckets:
                 calibration.observe(buckets, accepted)
@@ -474,11 +521,11 @@ class GoodputPolicy:
         got); rounds of one row, plain rounds and rounds a row finished in say nothing."""
         if len(outcomes) < 2 or all(len(p.subtree) == 1 for _, p, _ in outcomes) or any(v.finished for *_, v in outcomes):
             return
-        scales = self.row_scales if len(self.row_scales) == len(outcomes) else [1.0] * len(outcomes)
+        scales = self.plan.row_scales if len(self.plan.row_scales) == len(outcomes) else [1.0] * len(outcomes)
         expected = [1.0 + scale * (sum(p.probs) - 1.0) for (_, p, _), scale in zip(outcomes, scales)]
         got = [len(v.tokens) for *_, v in outcomes]
         B = len(outcomes)
-        state = self.at(self.batch)
+        state = self.at(self.plan.batch)
         realized, predicted = state.gain_seen
         state.gain_seen = (
             ROW_DECAY * realized + B * B / sum(1.0 / g for g in got) - B,
@@ -490,8 +537,8 @@ class GoodputPolicy:
         short by a stopping criterion or max_new_tokens say nothing about the text)."""
         if len(proposal.subtree) == 1 or verified.finished:
             return
-        accepted, expected = self.row_yield.get(row, (0.0, 0.0))
-        self.row_yield[row] = (
+        accepted, expected = self.call.row_yield.get(row, (0.0, 0.0))
+        self.call.row_yield[row] = (
             ROW_DECAY * accepted + len(verified.path) - 1,
             ROW_DECAY * expected + sum(proposal.probs) - 1.0,
         )
@@ -532,4 +579,4 @@ class GoodputPolicy:
     def start_generation(self) -> None:
         """Forget the proposals of an earlier generation and what was learnt per row (how often each row
         proposed, how its trees yielded: a new request's text is another); the calibrations stay."""
-        self.watching, self.suffix_every, self.suffix_wait, self.row_yield = {}, {}, {}, {}
+        self.call = CallState()

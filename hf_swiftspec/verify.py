@@ -213,13 +213,33 @@ def verify_tree(
     context: (1, L) committed sequence ending with the root token
     max_tokens: tokens still allowed by max_new_tokens / max_length
     """
-    children = {}
-    for i, (p, tok) in enumerate(zip(subtree.parents, subtree.tokens)):
-        if p >= 0:
-            children.setdefault((p, tok), i)
+    children = children_of(subtree.parents, subtree.tokens)
     if sampler.path_free:
         return walk_rows(logits, children, context, sampler, stopping_criteria, max_tokens)
     return walk_nodes(logits, children, context, sampler, stopping_criteria, max_tokens)
+
+
+def children_of(parents: list[int], tokens: list[int], proposed: list[bool] | None = None) -> dict[tuple[int, int], int]:
+    """(parent, token) -> the first proposed child carrying that token under that parent (local indices;
+    parents precede children). proposed: False for padding, which a walk never enters (default: all)."""
+    children: dict[tuple[int, int], int] = {}
+    for i, (p, token) in enumerate(zip(parents, tokens)):
+        if p >= 0 and (proposed is None or proposed[i]):
+            children.setdefault((p, token), i)
+    return children
+
+
+def walk_path(choice: list[int], children: dict[tuple[int, int], int], max_tokens: int) -> Verified:
+    """The walk, for every round (the adaptive one, the static one): from the root, emit the target's choice
+    after the current node and move to the child carrying it, while there is one and tokens are left.
+    Returns the path (root first) and the emitted tokens (the last is the next root); walk_to_stop cuts it."""
+    out = Verified()
+    node = 0
+    while node is not None and len(out.path) < max_tokens:
+        out.path.append(node)
+        out.tokens.append(choice[node])
+        node = children.get((node, choice[node]))
+    return out
 
 
 def walk_rows(logits, children: dict, context, sampler: Sampler, stopping_criteria, max_tokens: int) -> Verified:
@@ -229,14 +249,20 @@ def walk_rows(logits, children: dict, context, sampler: Sampler, stopping_criter
     for (parent, _), child in children.items():
         depths[child] = depths[parent] + 1  # children come after their parents
     tokens, scores = sampler.choose_rows(context, logits.clone(), depths)  # (T,), (T, V)
-    choice = tokens.tolist()
-    out = Verified()
-    node = 0
-    while node is not None and len(out.path) < max_tokens:
-        out.path.append(node)
-        out.tokens.append(choice[node])
-        node = children.get((node, choice[node]))
-    eos, max_length, others = split_criteria(stopping_criteria)
+    return walk_to_stop(walk_path(tokens.tolist(), children, max_tokens), scores, logits, context, stopping_criteria,
+                        max_tokens)  # fmt: skip
+
+
+def walk_to_stop(out: Verified, scores: torch.Tensor, logits: torch.Tensor, context: torch.Tensor,
+                 stopping_criteria: StoppingCriteriaList | tuple, max_tokens: int) -> Verified:
+    """The one stop rule: a walk cut where generate() would stop (an EOS token, max_length, any other
+    criterion called on each prefix), with each emitted token's scores and logits (T, V rows of the
+    walked nodes) and whether the row is done.
+
+    stopping_criteria: generate()'s criteria, or what split_criteria made of them (a caller walking every
+        round splits them once: reading the EOS ids is a host sync)."""
+    split = stopping_criteria if isinstance(stopping_criteria, tuple) else split_criteria(stopping_criteria)
+    eos, max_length, others = split
     if others:
         new = torch.tensor([out.tokens], dtype=context.dtype, device=context.device)
         full = torch.cat([context, new], dim=-1)

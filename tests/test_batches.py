@@ -286,11 +286,11 @@ def test_the_policy_stops_speculating_where_the_batch_makes_trees_dear():
             for _ in range(3):
                 policy.at(batch).costs.observe_verify(budget, seconds)
     row = [1.0, 0.6, 0.4, 0.3, 0.2, 0.1]
-    policy.start_round(1)
+    policy.plan_round(1)
     assert policy.best_budget([row], 0.0)[0] >= 4
-    policy.start_round(8)
+    policy.plan_round(8)
     assert policy.best_budget([row] * 8, 0.0)[0] == 1
-    policy.start_round(7)  # never measured: priced like batch 8 until its own rounds say otherwise
+    policy.plan_round(7)  # never measured: priced like batch 8 until its own rounds say otherwise
     assert policy.best_budget([row] * 7, 0.0)[0] == 1
     policy.at(7).costs.observe_verify(1, 0.018)  # its own plain step; a node more per row: batch 8's cost of
     per_node = (0.100 - 0.060) / (8 - 4) * 7 / 8  # one (between its two largest trees) for 7 rows instead of 8
@@ -301,7 +301,7 @@ def test_a_batch_round_is_worth_the_harmonic_mean_of_its_rows():
     """A row far ahead does not make up for a row that gains nothing: the batch's worth of a T-node
     round is B x the harmonic mean of the rows' expected tokens (the sum would be 3.7 + 1.0)."""
     policy = GoodputPolicy()
-    policy.start_round(2, [0, 1])
+    policy.plan_round(2, [0, 1])
     fast, stuck = [1.0, 0.9, 0.9, 0.9], [1.0, 0.0, 0.0, 0.0]
     worth = policy.expected_batch([fast, stuck])
     assert worth[3] == pytest.approx(2 * 2 / (1 / 3.7 + 1 / 1.0))
@@ -319,12 +319,12 @@ def test_tree_rounds_that_yield_less_than_predicted_lose_the_batch_its_trust():
     for budget, seconds in ((1, 0.010), (4, 0.014)):
         policy.at(2).costs.observe_verify(budget, seconds)
     row = [1.0, 0.9, 0.8, 0.7]
-    policy.start_round(2, [0, 1])
+    policy.plan_round(2, [0, 1])
     assert policy.best_budget([row, row], 0.0)[0] == 4
     promised = Proposal(Subtree([0, 1, 2, 3], [5, 6, 7, 8], [-1, 0, 1, 2]), row, [0.0, -0.1, -0.2, -0.3], [-1] * 4)
     for _ in range(10):
-        policy.start_round(2, [0, 1])
+        policy.plan_round(2, [0, 1])
         policy.observe_outcomes([(r, promised, Verified(tokens=[9], path=[0])) for r in (0, 1)])
-    policy.start_round(2, [0, 1])
-    assert policy.gain_trust() < 0.6 and policy.row_scales[0] < 0.3  # both the rows and the batch learnt it
+    policy.plan_round(2, [0, 1])
+    assert policy.gain_trust() < 0.6 and policy.plan.row_scales[0] < 0.3  # both the rows and the batch learnt it
     assert policy.best_budget([row, row], 0.0)[0] == 1

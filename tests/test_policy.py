@@ -34,7 +34,7 @@ def test_useless_draft_means_plain_decoding():
     probs = policy.draft_probs([0.0, -0.1, -0.2, -0.3])
     assert probs[0] == 1.0 and max(probs[1:]) < 0.1
     policy.at(1).rounds = 5  # not a probing round
-    policy.start_round()
+    policy.plan_round()
     assert policy.best_budget([sorted(probs, reverse=True)], spent_s=0.0)[0] == 1
     policy.gains = [0.05] * len(policy.gains)  # what expanding was seen to add, at every depth
     assert not policy.keep_expanding(0, 0.0, [[1.0]], probing=False)
@@ -45,7 +45,7 @@ def test_agreeing_draft_grows_trees():
     probs = policy.draft_probs([0.0] + [-0.1 * (i + 1) for i in range(8)])
     assert min(probs) > 0.3
     policy.at(1).rounds = 5
-    policy.start_round()
+    policy.plan_round()
     budget, rate = policy.best_budget([sorted(probs, reverse=True)], spent_s=0.002)
     assert budget >= 6 and rate > 1 / 0.010  # beats plain decoding: one token per 10 ms
     policy.gains[0] = 1.0
@@ -86,7 +86,7 @@ def test_expensive_small_trees_are_not_verified_for_an_unlikely_guess():
         for _ in range(3):
             policy.costs.observe_verify(budget, seconds)
     policy.at(1).rounds = 5
-    policy.start_round()
+    policy.plan_round()
     assert policy.best_budget([[1.0, 0.3]], spent_s=0.0)[0] == 1
     assert policy.best_budget([[1.0, 0.8, 0.7, 0.6]], spent_s=0.0)[0] == 4
 
@@ -154,9 +154,9 @@ def test_suffix_proposals_are_calibrated_on_what_the_target_emits_verified_or_no
         proposal = offered([cycle[(r + 1 + j) % 4] for j in range(4)])
         policy.observe_outcome(proposal, Verified(tokens=[cycle[(r + 1) % 4]], path=[0]))
     assert policy.suffix_probs(chain([1, 2, 3, 4], 3))[0][3] > 0.6, policy.suffix_probs(chain([1, 2, 3, 4], 3))
-    assert len(policy.watching[0]) <= 4  # each followed until its four tokens were emitted
+    assert len(policy.call.watching[0]) <= 4  # each followed until its four tokens were emitted
     policy.start_generation()
-    assert policy.watching == {}
+    assert policy.call.watching == {}
 
 
 def test_suffix_tree_merges_into_the_draft_candidates():
@@ -254,7 +254,7 @@ def probe_rounds(probe_tokens: int, rounds: int = 800) -> list[int]:
     policy, probed = GoodputPolicy(), []
     root = Proposal(Subtree([0], [1], [-1]), [1.0], [0.0], [-1])
     for _ in range(rounds):
-        probing = policy.start_round()
+        probing = policy.plan_round().probing
         tokens, seconds = (probe_tokens, 0.020) if probing else (1, 0.010)
         policy.observe_round(2 if probing else 0, draft_s=0.0, budget=1, verify_s=seconds, tokens=tokens)
         policy.observe_outcome(root, Verified(tokens=[0] * tokens, path=[0] * tokens))

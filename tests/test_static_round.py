@@ -84,7 +84,7 @@ def always_trees(monkeypatch):
     """Every round a tree round (the chooser's pick depends on timings)."""
     import hf_swiftspec.engine.static_round as static_round
 
-    monkeypatch.setattr(static_round.ShapeChooser, "choose", lambda self, kinds: "tree")
+    monkeypatch.setattr(static_round.ShapeChooser, "plan_round", lambda self, kinds: "tree")
 
 
 def static_models(target, draft, shape: StaticShape, length: int, compiled: bool = False):
@@ -346,7 +346,7 @@ def test_switching_between_kinds_of_round_stays_exact(monkeypatch):
     import hf_swiftspec.engine.static_round as static_round
 
     pattern = iter(["tree", "plain", "ngram", "plain", "ngram", "ngram", "plain", "tree", "tree", "ngram"] * 20)
-    monkeypatch.setattr(static_round.ShapeChooser, "choose", lambda self, kinds: next(k for k in pattern if k in kinds))
+    monkeypatch.setattr(static_round.ShapeChooser, "plan_round", lambda self, kinds: next(k for k in pattern if k in kinds))
     target, draft = pair()
     prompt = random_prompts([7], seed=14)[0]
     prompt += target.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False)[0, 7:].tolist()  # repeats
@@ -363,9 +363,9 @@ def test_shape_chooser_keeps_the_fastest_kind_and_probes_the_next():
     speed = {"tree": (2, 0.03), "plain": (1, 0.01)}  # trees make 2 tokens per 30 ms, plain rounds 1 per 10 ms
     kinds = []
     for _ in range(60):
-        kind = chooser.choose(["tree", "plain"])
+        kind = chooser.plan_round(["tree", "plain"])
         kinds.append(kind)
-        chooser.observe(kind, *speed[kind])
+        chooser.observe_round(kind, *speed[kind])
     assert kinds[:2] == ["tree", "plain"]  # each kind is tried first
     # a losing probe costs 10 ms over plain rounds of 10 ms: the next comes 10 / (0.03 * 10) = 34 rounds later
     probes = [i for i, kind in enumerate(kinds) if kind == "tree"]
@@ -374,9 +374,9 @@ def test_shape_chooser_keeps_the_fastest_kind_and_probes_the_next():
     speed = {"tree": (3, 0.02), "ngram": (2, 0.015), "plain": (1, 0.01)}  # 150, 133, 100 tokens/s
     kinds = []
     for _ in range(60):
-        kind = chooser.choose(["tree", "ngram", "plain"])
+        kind = chooser.plan_round(["tree", "ngram", "plain"])
         kinds.append(kind)
-        chooser.observe(kind, *speed[kind])
+        chooser.observe_round(kind, *speed[kind])
     assert kinds[:3] == ["tree", "ngram", "plain"] and kinds[3:].count("tree") >= 45  # cheap probes: every 4 rounds
     assert "ngram" in kinds[3:] and "plain" in kinds[3:]  # probes take turns among the others
 
@@ -384,19 +384,13 @@ def test_shape_chooser_keeps_the_fastest_kind_and_probes_the_next():
 def test_the_walk_never_accepts_padding():
     """Root 0 with children 1 (token 7, proposed) and 2 (token 5, padding); the target chooses 5 after the
     root: padding would match, so only the root is accepted and the target's 5 is emitted."""
-    from hf_swiftspec.engine.static_round import TreeNodes, read_back, walk_on_device
+    from hf_swiftspec.verify import children_of, walk_path
 
-    nodes = TreeNodes(
-        tokens=torch.tensor([3, 7, 5]), parents=torch.tensor([-1, 0, 0]), depths=torch.tensor([0, 1, 1]),
-        ancestors=torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool),
-        proposed=torch.tensor([True, True, False]),
-    )
-    choice = torch.tensor([5, 9, 9])
-    back = read_back(walk_on_device(nodes, choice))
-    assert (back.path, back.tokens) == ([0], [5])
-    nodes.proposed[:] = True
-    back = read_back(walk_on_device(nodes, choice))
-    assert (back.path, back.tokens) == ([0, 2], [5, 9])
+    tokens, parents, choice = [3, 7, 5], [-1, 0, 0], [5, 9, 9]
+    out = walk_path(choice, children_of(parents, tokens, [True, True, False]), max_tokens=10)
+    assert (out.path, out.tokens) == ([0], [5])
+    out = walk_path(choice, children_of(parents, tokens, [True, True, True]), max_tokens=10)
+    assert (out.path, out.tokens) == ([0, 2], [5, 9])
 
 
 def test_compile_true_serves_prompts_across_capacity_buckets():

@@ -6,7 +6,7 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from hf_swiftspec.probes import describe
 from hf_swiftspec.cache import TreeCache, keep_order
-from hf_swiftspec.engine.workers import DraftWorker, TargetWorker
+from hf_swiftspec.engine.workers import DraftModelDrafter, TargetWorker
 from hf_swiftspec.step import RowQueries, model_step, run_step
 from hf_swiftspec.tree import Subtree, select_subtree, subtree_mask
 from hf_swiftspec.tools.models import left_padded
@@ -116,7 +116,7 @@ def test_draft_keeps_surviving_kv_across_reroots(llama_pair):
     target, draft_model, _ = llama_pair
     prompt = torch.randint(3, 98, (1, 9), generator=torch.Generator().manual_seed(3))
     target_w = TargetWorker(target, capacity=128)
-    draft = DraftWorker(draft_model, capacity=512, tree_capacity=400, width=4, vocab_limit=98)
+    draft = DraftModelDrafter(draft_model, capacity=512, tree_capacity=400, width=4, vocab_limit=98)
     target_w.prefill(prompt)
     draft.start(prompt.tolist())
     sampler = Sampler(LogitsProcessorList(), do_sample=False)
@@ -142,7 +142,7 @@ def test_draft_keeps_surviving_kv_across_reroots(llama_pair):
         subtree = select_subtree(draft.tree, 8)[0]
         verified = target_w.verify([subtree], [sampler], [StoppingCriteriaList()], [100])
         sequence = target_w.sequence
-        hits += draft.reroot([subtree], verified)
+        hits += draft.accept([subtree], verified)
         assert draft.cache.prefix_len == target_w.cache.prefix_len == sequence.shape[1] - 1 - len(draft.pending[0])
     assert hits > 0  # the surviving-subtree path was exercised
 
@@ -156,7 +156,7 @@ def test_subtree_mask_is_ancestor_or_self():
 
 def test_subtree_from_select_is_connected(llama_pair):
     _, draft_model, _ = llama_pair
-    draft = DraftWorker(draft_model, capacity=256, tree_capacity=300, width=8, vocab_limit=98)
+    draft = DraftModelDrafter(draft_model, capacity=256, tree_capacity=300, width=8, vocab_limit=98)
     draft.start([[5, 6, 7]])
     for _ in range(4):
         draft.expand()

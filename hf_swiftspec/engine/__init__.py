@@ -4,12 +4,12 @@ from .asynchronous import run_threads
 from .links import SwiftSpecWorkerError
 from .request import DecodeRequest, DecodeResult
 from .serial import run_serial
-from .workers import DraftWorker, TargetWorker
+from .workers import DraftModelDrafter, TargetWorker
 
 __all__ = [
     "DecodeRequest",
     "DecodeResult",
-    "DraftWorker",
+    "DraftModelDrafter",
     "SwiftSpecWorkerError",
     "TargetWorker",
     "run_serial",

@@ -22,20 +22,22 @@ from ..config import FIRST_TREE
 from ..stats import SwiftSpecStats
 from .links import LinkClosed, SwiftSpecWorkerError, ThreadLink
 from .request import BatchRows, DecodeRequest, DecodeResult
-from .workers import DraftWorker, TargetWorker
+from ..drafting import Drafters
+from .workers import TargetWorker
 
 
 
-def run_draft(draft: DraftWorker, request: DecodeRequest, link) -> None:
+def run_draft(draft: Drafters, request: DecodeRequest, link) -> None:
     """The draft worker's loop; returns when the target says generation is finished (one sequence)."""
     policy, counters = request.policy, draft.counters
-    draft.start(request.prompt_ids(), request.corpus, request.history)
+    draft.start(request.prompt_ids())
     start = time.perf_counter()
     draft.top_up(min(policy.max_budget, FIRST_TREE))
     while True:
         # Drafting is off the critical path here: the tree size is chosen by verification time alone.
+        policy.plan_round(1, [0], probes=False)
         suffixes = draft.suffix_trees(policy.max_budget)
-        if draft.tree.size == 1 and not suffixes[0].tokens:  # a fresh tree and nothing to copy: one expansion first
+        if draft.fresh and not suffixes[0].tokens:  # a fresh tree and nothing to copy: one expansion first
             draft.top_up(2)
         candidates = draft.candidates(policy, suffixes)
         (proposal,) = draft.proposals(policy, candidates, spent_s=0.0, agree=link.agree)
@@ -55,7 +57,7 @@ def run_draft(draft: DraftWorker, request: DecodeRequest, link) -> None:
         policy.observe_outcome(proposal, verified)
         if verified.finished:
             return
-        draft.reroot([proposal.subtree], [verified])  # the target waits from here to the next send: keep it short
+        draft.accept([proposal.subtree], [verified])  # the target waits from here to the next send: keep it short
 
 
 def run_target(target: TargetWorker, request: DecodeRequest, link, rows: BatchRows) -> None:
@@ -74,7 +76,7 @@ def run_target(target: TargetWorker, request: DecodeRequest, link, rows: BatchRo
         link.send_verdict(verified)
 
 
-def run_threads(target: TargetWorker, draft: DraftWorker, request: DecodeRequest, timeout_s: float) -> DecodeResult:
+def run_threads(target: TargetWorker, draft: Drafters, request: DecodeRequest, timeout_s: float) -> DecodeResult:
     """Target in the calling thread, draft in a worker thread (on its own CUDA stream)."""
     rows = BatchRows.start(request)
     link = ThreadLink(timeout_s)

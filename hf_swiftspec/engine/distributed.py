@@ -288,7 +288,7 @@ class DistLink:
 def run_distributed(groups: Groups, target, draft, request, timeout_s: float):
     """Run this rank's worker for one generation; every rank returns the same tokens.
 
-    target / draft: this rank's TargetWorker or DraftWorker (the other is None).
+    target / draft: this rank's TargetWorker or Drafters (the other is None).
     """
     if groups.broken:
         raise SwiftSpecWorkerError(

@@ -15,26 +15,27 @@ from ..cache import keep_order
 from ..stats import SwiftSpecStats
 from ..tree import Proposal
 from .request import BatchRows, DecodeRequest, DecodeResult
-from .workers import DraftWorker, TargetWorker
+from ..drafting import Drafters
+from .workers import TargetWorker
 
 
-def run_serial(target: TargetWorker, draft: DraftWorker, request: DecodeRequest) -> DecodeResult:
+def run_serial(target: TargetWorker, draft: Drafters, request: DecodeRequest) -> DecodeResult:
     """The whole decode loop. Lossless: every emitted token is the target's own choice."""
     policy = request.policy
     rows = BatchRows.start(request)
     samplers = list(request.samplers)
     start = time.perf_counter()
     target.prefill(request.prompt, request.contexts, request.attention_mask)
-    draft.start(request.prompt_ids(), request.corpus, request.history)
+    draft.start(request.prompt_ids())
     while rows.live:
         # 1. draft: expand while more expansions are expected to raise tokens per second
         round_start = time.perf_counter()
-        probing = policy.start_round(len(rows.live), rows.live)
-        if policy.quiet:  # plain rounds of late: verify the roots, build no proposal
-            proposals, expansions, expanding_s, catch_up_s, caught_up = draft.roots(), 0, 0.0, 0.0, 0
+        plan = policy.plan_round(len(rows.live), rows.live)
+        if plan.quiet:  # plain rounds of late: verify the roots, build no proposal
+            proposals, expansions, expanding_s, catch_up_s, caught_up = draft.plain(), 0, 0.0, 0.0, 0
         else:
             proposals, expansions, expanding_s, catch_up_s, caught_up = expand_and_choose(
-                draft, policy, rows.live, probing, round_start
+                draft, policy, rows.live, plan.probing, round_start
             )
         draft.counters.rounds += 1
         draft.counters.busy_s += time.perf_counter() - round_start
@@ -47,7 +48,7 @@ def run_serial(target: TargetWorker, draft: DraftWorker, request: DecodeRequest)
         keep = rows.record(verified, request.on_tokens)
         # 3. draft: keep each row's subtree under its last verified token, KV included
         staying = set(keep)
-        draft.reroot(subtrees, [v if b in staying else None for b, v in enumerate(verified)])
+        draft.accept(subtrees, [v if b in staying else None for b, v in enumerate(verified)])
         round_s = time.perf_counter() - round_start
         first = not rows.result.rounds  # round 1's roots came with the prefill: it times no verification
         policy.observe_round(
@@ -71,7 +72,7 @@ def run_serial(target: TargetWorker, draft: DraftWorker, request: DecodeRequest)
 
 
 def expand_and_choose(
-    draft: DraftWorker, policy, rows: list[int], probing: bool, round_start: float
+    draft: Drafters, policy, rows: list[int], probing: bool, round_start: float
 ) -> tuple[list[Proposal], int, float, float, int]:
     """Step 1 of a round: every row's candidates (its draft tree's best nodes and its suffix proposal),
     draft expansions while more are expected to raise tokens per second, then each row's best nodes
@@ -81,11 +82,11 @@ def expand_and_choose(
     candidates = draft.candidates(policy, suffixes)
     expansions, expanding_s, catch_up_s, caught_up = 0, 0.0, 0.0, 0
     while policy.keep_expanding(
-        expansions, time.perf_counter() - round_start, ranked_probs(candidates), probing, catch_up_tokens(draft)
+        expansions, time.perf_counter() - round_start, ranked_probs(candidates), probing, draft.catch_up_tokens
     ):
         before = time.perf_counter()
-        if catch_up_tokens(draft):  # tokens the draft has not run: no expansion's cost
-            caught_up = catch_up_tokens(draft)
+        if draft.catch_up_tokens:  # tokens the draft has not run: no expansion's cost
+            caught_up = draft.catch_up_tokens
             draft.catch_up()
             catch_up_s += time.perf_counter() - before
             before = time.perf_counter()
@@ -100,12 +101,6 @@ def expand_and_choose(
         candidates = draft.candidates(policy, suffixes)
     proposals = draft.proposals(policy, candidates, time.perf_counter() - round_start)
     return proposals, expansions, expanding_s, catch_up_s, caught_up
-
-
-def catch_up_tokens(draft: DraftWorker) -> int:
-    """Tokens the draft runs before its next expansion: every row's pending ones, once some row holds
-    more than the one its root expansion takes along."""
-    return sum(len(p) for p in draft.pending) if any(len(p) > 1 for p in draft.pending) else 0
 
 
 def ranked_probs(candidates: list[Proposal]) -> list[list[float]]:

@@ -7,9 +7,9 @@ Every round does the same work with the same shapes, so each forward can be one 
                last one is the new root, whose draft children seed the tree), then depth - 1
                expansions of the `width` best unexpanded leaves, best-first by cumulative log-prob;
     2. target: one forward over the `budget` best nodes (root included) under their tree mask;
-    3. walk:   on the device: a node is accepted when every node on its path carries the token the
-               target chose after its parent; the deepest accepted node ends the path;
-    4. sync:   the one read of the round brings back the path and the emitted tokens;
+    3. sync:   the one read of the round brings back the target's choice after every node (and the nodes);
+    4. walk:   the walk and the stop rule of every round (verify.walk_path, walk_to_stop): from the root,
+               along the children carrying the target's choices; padding is never entered;
     5. commit: the path's target KV moves behind the prefix; the emitted tokens become the draft's
                next chain (the draft runs them again rather than keeping its tree: a fixed-size chain
                costs the same forward whatever was accepted).
@@ -40,11 +40,14 @@ from ..config import STATIC_BUDGET, STATIC_DEPTH
 from ..probes import describe
 from ..static import StaticModel, bucket_capacity, chain_mask, step_mask, warm_steps
 from ..stats import DraftCounters, SwiftSpecStats, TargetCounters
-from ..suffix import SuffixIndex, SuffixTree
+from ..drafting import SuffixDrafter
+from ..suffix import SuffixTree
 from ..tree import (
     Proposal, Subtree, TokenTree, add_children, best_node_ids, clear_tree, expansion_inputs, new_tree, subtree_mask,
 )
-from ..verify import PATH_FREE_PROCESSORS, Sampler, Verified, apply_processors, split_criteria
+from ..verify import (
+    PATH_FREE_PROCESSORS, Sampler, Verified, apply_processors, children_of, split_criteria, walk_path, walk_to_stop,
+)
 from .request import BatchRows, DecodeRequest, DecodeResult
 
 PROBE_SHARE = 0.03  # the most time the shape chooser's losing probes may cost
@@ -96,15 +99,6 @@ class TreeNodes:
 
 
 @dataclass
-class RoundReadBack:
-    """What the round's one sync brings to the host: the accepted path (local node indices, root first)
-    and the tokens the target emitted along it (the last is the next root)."""
-
-    path: list[int]
-    tokens: list[int]
-
-
-@dataclass
 class StaticSequence:
     """Host bookkeeping of one sequence: committed slots in each cache, the draft's next chain."""
 
@@ -121,13 +115,12 @@ def run_static(target: StaticModel, draft: StaticModel, request: DecodeRequest, 
     calls by the model; default: a new one)."""
     rows = BatchRows.start(request)
     sampler = request.samplers[0]
-    eos, max_length, _ = split_criteria(request.stopping_criteria)
     target_counters, draft_counters = TargetCounters(), DraftCounters()
+    stops = split_criteria(request.stopping_criteria)  # once: reading the EOS ids is a host sync
     start = time.perf_counter()
     prompt = request.prompt_ids()[0]
-    ngrams = SuffixIndex(max_n=max(ngram_size, 1), history=request.history)
-    ngrams.add_corpus(request.corpus)
-    ngrams.extend(prompt)
+    ngrams = SuffixDrafter(max(ngram_size, 1), corpus=request.corpus, history=request.history)
+    ngrams.start([prompt])
     target.prefill(prompt[:-1])
     target_counters.forwards += bool(prompt[:-1])
     warm_steps(target, {shape.budget, 1 + shape.suffix, 1}, len(prompt) - 1, moves=True)
@@ -138,8 +131,8 @@ def run_static(target: StaticModel, draft: StaticModel, request: DecodeRequest, 
     chooser = chooser or ShapeChooser()
     while rows.live:
         round_start, compiled_before = time.perf_counter(), graphs_compiled()
-        suffix = ngrams.propose(shape.suffix, shape.depth) if shape.suffix else SuffixTree()
-        kind = chooser.choose(round_kinds(bool(len(suffix))))
+        suffix = ngrams.candidates(0, shape.suffix, shape.depth) if shape.suffix else SuffixTree()
+        kind = chooser.plan_round(round_kinds(bool(len(suffix))))
         if kind == "tree":  # 1. the draft: its chain (caught up first if other rounds left it behind), its tree
             draft_counters.forwards += catch_up(draft, seq, shape.chain) + shape.depth
             grow_tree(draft, tree, seq, shape, vocab_limit)
@@ -153,17 +146,16 @@ def run_static(target: StaticModel, draft: StaticModel, request: DecodeRequest, 
         verify_start = time.perf_counter()
         logits = verify_nodes(target, nodes, seq.target_prefix)  # 2. the target
         scores, choice = target_choice(logits, nodes, seq.context, sampler)
-        back = read_back(walk_on_device(nodes, choice))  # 3. the walk, 4. the round's one host sync
-        verified = stop_where_done(back, scores, logits, seq.context.shape[1], rows.budgets()[0], eos, max_length)
+        verified = walk(nodes, choice, scores, logits, seq.context, stops, rows.budgets()[0])  # 3, 4
         commit_path(target, seq, verified.path, nodes.tokens.shape[0])  # 5. commit
         seq.context = torch.cat([seq.context, torch.tensor([verified.tokens], device=seq.context.device)], dim=1)
         seq.chain = verified.tokens if kind == "tree" else seq.chain + verified.tokens
-        ngrams.extend(verified.tokens)
+        ngrams.accept([None], [verified])
         target_counters.forwards += 1
         target_counters.verify_steps += 1
         target_counters.busy_s += time.perf_counter() - verify_start
         if graphs_compiled() == compiled_before:  # a round that compiled a graph says nothing of its kind's speed
-            chooser.observe(kind, len(verified.tokens), time.perf_counter() - round_start)
+            chooser.observe_round(kind, len(verified.tokens), time.perf_counter() - round_start)
         keep = rows.record([verified], request.on_tokens)
         first_suffix = shape.budget - len(suffix) if kind == "tree" else 1
         rows.result.record_round([static_proposal(nodes, first_suffix, len(suffix))], [verified],
@@ -188,7 +180,8 @@ def round_kinds(suffix: bool) -> list[str]:
 
 @dataclass
 class ShapeChooser:
-    """Which kind of round to run (`round_kinds`): the one that has made the most tokens per second,
+    """The static round's controller, with the goodput policy's calls (start_generation, plan_round,
+    observe_round): which kind of round to run (`round_kinds`): the one that has made the most tokens per second,
     judged between rounds from what the round's sync brought back (no sync of its own), kept across
     generate() calls by the model. Each kind is tried first (rounds that compiled a graph are not
     observed). Every `probe_after` rounds of the best kind another is tried once (the one tried least
@@ -205,7 +198,11 @@ class ShapeChooser:
     probe_after: int = 4
     best: str | None = None  # the best kind possible in the round last chosen for (None: a kind untried)
 
-    def choose(self, kinds: list[str]) -> str:
+    def start_generation(self) -> None:
+        """Nothing of one call's rows is kept: what it measured per kind of round carries over."""
+
+    def plan_round(self, kinds: list[str]) -> str:
+        """The kind of round to run now, of `kinds` (round_kinds' order)."""
         untried = [k for k in kinds if k not in self.rates]
         if untried:
             self.best = None
@@ -216,7 +213,8 @@ class ShapeChooser:
             return min(others, key=lambda k: self.last_round[k])
         return self.best
 
-    def observe(self, kind: str, tokens: int, seconds: float) -> None:
+    def observe_round(self, kind: str, tokens: int, seconds: float) -> None:
+        """Fold in one round of `kind` that made `tokens` in `seconds`."""
         best = self.best
         self.streak = self.streak + 1 if kind == best else 0
         self.rounds += 1
@@ -359,48 +357,15 @@ def target_choice(logits: torch.Tensor, nodes: TreeNodes, context: torch.Tensor,
     return scores, (scores.double() + noise[nodes.depths]).argmax(dim=-1)
 
 
-def walk_on_device(nodes: TreeNodes, choice: torch.Tensor) -> torch.Tensor:
-    """The walk as tensor ops: (1 + 2T,) long = [path length m, path (T,) root first then padding,
-    emitted tokens (T,)]. A proposed node matches when it carries the target's choice after its parent;
-    it is accepted when every node on its path matches. The path ends at the deepest accepted node (the
-    first of several: an n-gram node repeating a draft node is accepted with it, and either path
-    carries the same tokens)."""
-    T = nodes.tokens.shape[0]
-    index = torch.arange(T, device=choice.device)
-    match = (nodes.tokens == choice[nodes.parents.clamp(min=0)]) & nodes.proposed | (index == 0)
-    accepted = ~(nodes.ancestors & ~match[None]).any(dim=-1)
-    deepest = torch.where(accepted, nodes.depths, -1).argmax()
-    on_path = nodes.ancestors[deepest]
-    path = torch.where(on_path, nodes.depths, T + index).argsort()  # path nodes by depth, then the rest
-    return torch.cat([(nodes.depths[deepest] + 1)[None], path, choice[path]])
-
-
-def read_back(packed: torch.Tensor) -> RoundReadBack:
-    """The round's one host sync."""
-    values = packed.tolist()
-    T = (len(values) - 1) // 2
-    m = values[0]
-    return RoundReadBack(path=values[1 : 1 + m], tokens=values[1 + T : 1 + T + m])
-
-
-def stop_where_done(back: RoundReadBack, scores, logits, length: int, max_tokens: int, eos: set[int],
-                    max_length: float) -> Verified:
-    """The round's outcome cut where generate() would stop: an EOS token, max_length (`length` tokens
-    before the round), or the tokens left to emit."""
-    out = Verified()
-    for node, token in zip(back.path, back.tokens):
-        if len(out.tokens) >= max_tokens:
-            break
-        out.path.append(node)
-        out.tokens.append(token)
-        if token in eos or length + len(out.tokens) >= max_length:
-            out.finished = True
-            break
-    out.finished = out.finished or len(out.tokens) >= max_tokens
-    rows = torch.tensor(out.path, device=scores.device)
-    out.scores = list(scores[rows].unsqueeze(1).unbind(0))
-    out.logits = list(logits[rows].unsqueeze(1).unbind(0))
-    return out
+def walk(nodes: TreeNodes, choice: torch.Tensor, scores, logits, context, stops: tuple, max_tokens: int) -> Verified:
+    """Steps 3 and 4: the round's one host sync brings back the target's choice after every node with the
+    nodes' tokens, parents and padding flags, then the walk and the stop rule every round shares
+    (verify.walk_path, verify.walk_to_stop)."""
+    T = choice.shape[0]
+    values = torch.cat([choice, nodes.tokens, nodes.parents, nodes.proposed.long()]).tolist()  # the one sync
+    chosen, tokens, parents, proposed = (values[i * T : (i + 1) * T] for i in range(4))
+    out = walk_path(chosen, children_of(parents, tokens, [bool(p) for p in proposed]), max_tokens)
+    return walk_to_stop(out, scores, logits, context, stops, max_tokens)
 
 
 def commit_path(target: StaticModel, seq: StaticSequence, path: list[int], size: int) -> None:

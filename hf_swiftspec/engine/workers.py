@@ -1,10 +1,10 @@
-"""The two workers of tree speculation. Engines differ only in how they schedule these calls.
+"""The two models of tree speculation: the target's verifier and the draft model's drafter.
 
-DraftWorker owns the draft model, its TreeCache and one TokenTree per batch row; TargetWorker
-owns the target model and its TreeCache. Both caches hold, per row, the same committed tokens:
-every verified token except the current root, which is tree node 0 on both sides (the draft's
-cache may lag behind by its `pending` tokens). Rows are independent sequences sharing each forward:
-`keep_rows` drops the rows that finished, on both workers alike.
+TargetWorker owns the target model and its TreeCache; DraftModelDrafter (one of the drafters of
+drafting.py) owns the draft model, its TreeCache and one TokenTree per batch row. Both caches
+hold, per row, the same committed tokens: every verified token except the current root, which is
+tree node 0 on both sides (the draft's cache may lag behind by its `pending` tokens). Rows are
+independent sequences sharing each forward: `keep_rows` drops the rows that finished, on both alike.
 
 Recurrent and hybrid models (one row only: a batch of them decodes with transformers' own loop)
 keep states that every token advances; each worker's `StateLog` (recurrent.py) saves them and
@@ -24,18 +24,13 @@ from ..probes import describe
 from ..recurrent import MAX_REPLAY, StateLog, new_cache
 from ..stats import DraftCounters, TargetCounters
 from ..step import RowQueries, model_step, run_step
-from ..suffix import OutputHistory, SuffixIndex, SuffixTree
 from ..tree import (
-    Proposal,
     Subtree,
     TokenTree,
     add_children,
-    best_subtree,
     expansion_inputs,
     locate_child,
-    merge_suffix,
     new_tree,
-    ranked,
     reroot,
     reset_tree,
     room_for_expansion,
@@ -218,40 +213,33 @@ class TargetWorker:
             self.root_logits = [self.root_logits[b] for b in rows]
 
 
-class DraftWorker:
-    """Grows one token tree per row best-first and re-roots it on verified tokens, reusing its KV.
+class DraftModelDrafter:
+    """A draft model's token tree per row, grown best-first and re-rooted on verified tokens, its KV kept.
 
     pending[b]: committed tokens of row b whose draft KV is not computed yet (the prompt at the
     start, tokens of rounds that did not expand, the last accepted node when it was an unexpanded
     leaf). A row with pending tokens has a fresh tree; its next expansion runs them and the root as
     one causal chain; `catch_up` runs them alone, so that an expansion's time is an expansion's.
-
-    model None: draft-free mode. Trees stay lone roots that never expand, so every proposal comes
-    from the n-gram index; the policy sees no expansion to run and prices trees alone.
     """
 
     def __init__(
-        self, model: PreTrainedModel | None, capacity: int, tree_capacity: int, width: int, vocab_limit: int,
-        attention: str = "sdpa", ngram_size: int = 3, architecture: Architecture | None = None,
-        max_positions: int | None = None, device: torch.device | str | None = None, branching: bool = True,
+        self, model: PreTrainedModel, capacity: int, tree_capacity: int, width: int, vocab_limit: int,
+        attention: str = "sdpa", architecture: Architecture | None = None, max_positions: int | None = None,
         batch_size: int = 1,
     ):
         self.model = model
         self.max_positions = max_positions  # both models' context: no node is ever placed past it
         self.attention = attention
-        self.architecture = architecture or (describe(model, "draft") if model is not None else None)
-        self.device = model.device if model is not None else torch.device(device or "cpu")
-        self.cache = new_cache(self.architecture, capacity, batch_size) if model is not None else None
+        self.architecture = architecture or describe(model, "draft")
+        self.device = model.device
+        self.cache = new_cache(self.architecture, capacity, batch_size)
         self.states = StateLog(self.cache)  # recurrent states: saved after every forward (recurrent.py)
         self.attention_fallbacks: set[str] = set()  # why kernel-routed layers ran their own attention
         self.width = width
         self.vocab_limit = vocab_limit  # the draft never proposes ids the target cannot embed
         self.trees: list[TokenTree] = [new_tree(0, tree_capacity, self.device) for _ in range(batch_size)]
         self.pending: list[list[int]] = [[] for _ in range(batch_size)]
-        self.ngram_size = ngram_size  # longest suffix matched for suffix proposals; 0: none
-        self.use_ngrams = ngram_size > 0
-        self.branching = branching  # False: suffix proposals are chains (the models' steps must be)
-        self.suffixes = [SuffixIndex(max_n=max(ngram_size, 1), branching=branching) for _ in range(batch_size)]
+        self.committed: list[list[int]] = [[] for _ in range(batch_size)]  # every committed token, the root's too
         self.counters = DraftCounters()
 
     @property
@@ -259,30 +247,24 @@ class DraftWorker:
         """Row 0's tree (the only row of a single sequence)."""
         return self.trees[0]
 
-    @property
-    def rows(self) -> int:
-        return len(self.trees)
-
-    def start(self, prompts: list[list[int]], corpus: list[list[int]] | None = None,
-              history: OutputHistory | None = None) -> None:
+    def start(self, prompts: list[list[int]]) -> None:
         """Begin a generation: per row, the prompt (token ids, no padding) minus its last token is
-        pending, the last is the root.
-
-        corpus: token sequences the suffix proposals may also copy from; history: earlier outputs.
-        """
+        pending, the last is the root."""
         for b, ids in enumerate(prompts):
-            self.pending[b] = ids[:-1] if self.model is not None else []
+            self.pending[b] = ids[:-1]
+            self.committed[b] = list(ids)
             reset_tree(self.trees[b], ids[-1])
-            self.suffixes[b] = SuffixIndex(max_n=max(self.ngram_size, 1), history=history, branching=self.branching)
-            self.suffixes[b].add_corpus(corpus or [])
-            self.suffixes[b].extend(ids)
+
+    @property
+    def catch_up_tokens(self) -> int:
+        """Tokens the draft runs before its next expansion: every row's pending ones, once some row holds
+        more than the one its root expansion takes along."""
+        return sum(len(p) for p in self.pending) if any(len(p) > 1 for p in self.pending) else 0
 
     def expand(self, within: int | None = None, rows: list[bool] | None = None) -> int:
         """One draft forward over the best `width` unexpanded leaves of every row's tree (among its best
         `within` nodes if given; only the rows `rows` marks, if given); returns how many leaves were
         expanded over all rows (0: none left, or the trees are full)."""
-        if self.model is None:
-            return 0
         queries, leaves_of, pending_of = [], [], []
         for b, tree in enumerate(self.trees):
             leaves = select_leaves(tree, self.width, within, self.depth_room(b))
@@ -330,16 +312,13 @@ class DraftWorker:
         """How deep below row b's root a node may sit before its position passes the models' context
         (None: no limit). Learned position embeddings have no row past it: the tree stops short of
         it, as target.generate's own last step does."""
-        if self.max_positions is None:
-            return None
-        root_position = len(self.suffixes[b].tokens) - 1  # every committed token before the root
-        return max(self.max_positions - 1 - root_position, 0)
+        return depth_room(self.max_positions, len(self.committed[b]) - 1)
 
     def catch_up(self) -> None:
         """Run every row's committed tokens the draft has not seen yet (the prompt, tokens verified in
         plain rounds) into its prefix, as one causal chain per row, so that the next expansion is an
         ordinary one."""
-        if self.model is None or not any(self.pending):
+        if not any(self.pending):
             return
         cache = self.cache
         rows = [
@@ -353,57 +332,43 @@ class DraftWorker:
         self.pending = [[] for _ in self.pending]
         self.counters.forwards += 1
 
-    def grow(self, max_expansions: int, within: int | None = None, stop=None) -> int:
-        """Expand up to `max_expansions` times (only leaves among the best `within` nodes if given),
-        until nothing is left to expand or `stop()` says so. Returns the expansions run."""
-        done = 0
-        while done < max_expansions and not (stop is not None and stop()) and self.expand(within):
-            done += 1
-        return done
+    def candidates(self, b: int, max_nodes: int, policy: GoodputPolicy) -> tuple[Subtree, list[float], list[float]]:
+        """Row b's best `max_nodes` nodes (a connected subtree with the root), their draft scores and the
+        policy's calibrated P(accepted) of each (one host sync)."""
+        subtree, scores = select_subtree(self.trees[b], max_nodes)
+        return subtree, scores, policy.draft_probs(scores)
 
-    def top_up(self, budget: int) -> int:
-        """Expand until every row's tree holds at least `budget` nodes (or cannot grow). Returns the
-        expansions run."""
-        done = 0
-        while min(tree.size for tree in self.trees) < budget and self.expand(rows=[t.size < budget for t in self.trees]):
-            done += 1
-        return done
-
-    def reroot(self, subtrees: list[Subtree | None], verified: list[Verified | None]) -> int:
+    def accept(self, subtrees: list[Subtree | None], verified: list[Verified | None]) -> int:
         """Per row, follow the verified tokens, commit their KV, keep the subtree under the new root
         (rows with None are left as they are). Returns how many rows' new roots were already in
         their trees.
 
         A row's accepted path starts with the nodes the draft has run on (its KV is committed) and may
-        end with nodes it has not: draft leaves, or n-gram nodes outside its tree (node id -1).
+        end with nodes it has not: draft leaves, or nodes another drafter proposed (node id -1).
         Their tokens become pending.
         """
         paths: list[torch.Tensor | None] = []
         keeps: list[torch.Tensor | None] = []
         hits = 0
-        ran = self.cache.length if self.cache is not None else 0
+        ran = self.cache.length
         for b, (subtree, outcome) in enumerate(zip(subtrees, verified)):
             if outcome is None:
                 paths.append(None)
                 keeps.append(None)
                 continue
+            self.committed[b] += outcome.tokens
             path, keep, hit = self.reroot_row(b, subtree, outcome)
             paths.append(path)
             keeps.append(keep)
             hits += hit
-        if self.model is not None:
-            self.cache.commit_rows(paths, keeps)
+        self.cache.commit_rows(paths, keeps)
         if self.states.active and verified[0] is not None:  # one row (recurrent.py)
             self.follow_accepted_path(ran)
         return hits
 
     def reroot_row(self, b: int, subtree: Subtree, verified: Verified) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:
-        """reroot for row b: (its path slots to commit, the tree slots to keep, whether it was a hit)."""
+        """accept for row b: (its path slots to commit, the tree slots to keep, whether it was a hit)."""
         tree = self.trees[b]
-        self.suffixes[b].extend(verified.tokens)
-        if self.model is None:  # no draft KV to keep: the next tree is the new root alone
-            reset_tree(tree, verified.tokens[-1])
-            return None, None, False
         if tree.num_slots == 0:  # the draft has run nothing of this tree: every verified token is pending
             self.counters.reroot_misses += 1
             self.pending[b] += [subtree.tokens[i] for i in verified.path]
@@ -440,54 +405,22 @@ class DraftWorker:
         if rerun:
             start = self.cache.prefix_len - rerun
             self.cache.truncate(start)
-            self.pending[0] = self.suffixes[0].tokens[start : start + rerun] + self.pending[0]  # slots are positions
+            self.pending[0] = self.committed[0][start : start + rerun] + self.pending[0]  # slots are positions
 
     def keep_rows(self, rows: list[int]) -> None:
         """Keep only the batch rows `rows`: row rows[i] becomes row i (cache.keep_order moves few)."""
-        if self.cache is not None:
-            self.cache.keep_rows(rows)
+        self.cache.keep_rows(rows)
         self.trees = [self.trees[b] for b in rows]
         self.pending = [self.pending[b] for b in rows]
-        self.suffixes = [self.suffixes[b] for b in rows]
+        self.committed = [self.committed[b] for b in rows]
 
-    # ---- the adaptive round: candidates for the policy, the proposal it picks -------------------
-    def candidates(self, policy: GoodputPolicy, suffixes: list[SuffixTree]) -> list[Proposal]:
-        """Per row, the draft's best nodes merged with its suffix proposal, each node with its
-        calibrated P(accepted) (one host sync per row)."""
-        out = []
-        for tree, suffix in zip(self.trees, suffixes):
-            draft, scores = select_subtree(tree, policy.max_budget)
-            probs = policy.draft_probs(scores)
-            suffix_probs, buckets = policy.suffix_probs(suffix)
-            out.append(merge_suffix(draft, scores, probs, suffix.tokens, suffix.parents, suffix_probs, buckets, suffix.match))
-        return out
 
-    def proposals(self, policy: GoodputPolicy, candidates: list[Proposal], spent_s: float, agree=int) -> list[Proposal]:
-        """Per row, its best candidates for the tree size the policy expects the most tokens per second
-        from (one size for the batch: row b verifies min(T, its candidates)).
-
-        agree: makes every draft rank use the same tree size (identity on a lone draft worker).
-        """
-        orders = [ranked(c) for c in candidates]
-        budget, _ = policy.best_budget([[c.probs[i] for i in order] for c, order in zip(candidates, orders)], spent_s)
-        budget = agree(budget)
-        return [best_subtree(c, order, budget) for c, order in zip(candidates, orders)]
-
-    def roots(self) -> list[Proposal]:
-        """Per row, a plain step's proposal: its root alone."""
-        return [
-            Proposal(Subtree([0], [tree.root_token], [-1]), [1.0], [0.0], [-1]) for tree in self.trees
-        ]
-
-    def suffix_trees(self, max_nodes: int, wanted: list[bool] | None = None) -> list[SuffixTree]:
-        """Per row, the suffix proposal for its committed sequence and root, no deeper than the models'
-        context allows (empty when n-grams are off, or where `wanted` says not this round)."""
-        if not self.use_ngrams:
-            return [SuffixTree() for _ in self.trees]
-        return [
-            index.propose(max_nodes, self.depth_room(b)) if wanted is None or wanted[b] else SuffixTree()
-            for b, index in enumerate(self.suffixes)
-        ]
+def depth_room(max_positions: int | None, root_position: int) -> int | None:
+    """How deep below a root at `root_position` a node may sit before its position passes the models'
+    context (None: no limit)."""
+    if max_positions is None:
+        return None
+    return max(max_positions - 1 - root_position, 0)
 
 
 def device_sync(device: torch.device) -> None:
