@@ -88,10 +88,11 @@ def swiftspec_generate(
     max_new = max(stop_length(stopping_criteria, generation_config) - input_ids.shape[1], 0)
     if batch > 1:
         check_batch_placement(swiftspec_placement, swiftspec_streamer, batch)
+    architectures = describe(model, "target"), describe(swiftspec_draft, "draft") if swiftspec_draft is not None else None
     # Rules the target applies by cache slot: trees stay below them, else chains, else its own loop.
     slots = input_ids.shape[1] + max_new + (config.tree_budget or MAX_BUDGET)
-    reached = describe(model, "target").limits_reached(slots)
-    reasons = batch_exactness_gaps(model, swiftspec_draft, logits_processor, stopping_criteria) if batch > 1 else []
+    reached = architectures[0].limits_reached(slots)
+    reasons = batch_exactness_gaps(architectures, logits_processor, stopping_criteria) if batch > 1 else []
     reasons += [
         f"the target {limit.reason}, and this call's steps reach {slots} slots (only one-token steps are exact there)"
         for limit in reached if limit.beyond == "plain" or batch > 1
@@ -128,7 +129,7 @@ def swiftspec_generate(
         result = decode_static(model, swiftspec_draft, request, config, swiftspec_placement, kept)
     else:
         result = decode_adaptive(model, swiftspec_draft, request, config, swiftspec_placement, swiftspec_groups,
-                                 chain_reasons)
+                                 chain_reasons, architectures)
     result.stats.draft_model = swiftspec_draft is not None
     if batch > 1:
         result.stats.row_tau = [row.tau for row in result.rows]
@@ -141,12 +142,14 @@ def swiftspec_generate(
 
 
 def decode_adaptive(target, draft, request: DecodeRequest, config: SwiftSpecConfig, placement, groups,
-                    chain_reasons: list[str] = ()) -> DecodeResult:
+                    chain_reasons: list[str] = (), architectures=None) -> DecodeResult:
     """The adaptive round (engine/serial.py, or an asynchronous engine) over the two workers; chains
-    instead of trees where `chain_reasons` say this call needs them."""
+    instead of trees where `chain_reasons` say this call needs them. architectures: the models' (probes.describe),
+    when the caller has them."""
     batch = request.batch_size
     length = request.prompt.shape[1] + request.max_new_tokens
-    workers = build_workers(target, draft, config, length, groups, batch, chain_reasons, request.corpus, request.history)
+    workers = build_workers(target, draft, config, length, groups, batch, chain_reasons, request.corpus, request.history,
+                            architectures)
     with contextlib.ExitStack() as routes:  # each model attends the tree its way for this call only
         for worker in (workers[0], workers[1] and workers[1].model):
             if worker is not None:
@@ -191,7 +194,8 @@ def stop_length(stopping_criteria: StoppingCriteriaList, generation_config: Gene
 
 
 def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: Groups | None, batch_size: int = 1,
-                  chain_reasons=(), corpus: list[list[int]] | None = None, history: OutputHistory | None = None):
+                  chain_reasons=(), corpus: list[list[int]] | None = None, history: OutputHistory | None = None,
+                  architectures=None):
     """(TargetWorker, Drafters) with caches for `length` tokens per row; under torchrun only this rank's.
 
     The drafters: the draft model's (none in draft-free mode) and the suffix proposals (none with
@@ -200,8 +204,7 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
     `chain_reasons` say this call reaches a slot limit.
     """
     role = groups.role if groups is not None else None
-    target_arch = describe(target, "target")
-    draft_arch = describe(draft, "draft") if draft is not None else None
+    target_arch, draft_arch = architectures or (describe(target, "target"), describe(draft, "draft") if draft is not None else None)
     chain = "chain" in (target_arch.shape, draft_arch and draft_arch.shape) or bool(chain_reasons)
     target_worker = draft_worker = None
     if role in (None, "target"):
@@ -315,18 +318,19 @@ def check_batch_placement(placement: Placement | None, streamer, batch: int) -> 
         )
 
 
-def batch_exactness_gaps(target, draft, logits_processor, stopping_criteria) -> list[str]:
+def batch_exactness_gaps(architectures, logits_processor, stopping_criteria) -> list[str]:
     """Why this batch cannot be decoded row by row exactly as target.generate decodes it in one batch
     (empty: it can): processors or criteria that may read other rows, models whose steps are chains,
-    models whose recurrent states recurrent.py rolls back for one sequence only."""
+    models whose recurrent states recurrent.py rolls back for one sequence only.
+
+    architectures: (target's, draft's or None), as probes.describe gives them."""
     reasons = []
     names = batch_dependent(logits_processor, stopping_criteria)
     if names:
         reasons.append(f"{', '.join(sorted(set(names)))} may read other rows of the batch")
-    for role, member in (("target", target), ("draft", draft)):
-        if member is None:
+    for role, architecture in zip(("target", "draft"), architectures):
+        if architecture is None:
             continue
-        architecture = describe(member, role)
         if architecture.recurrent:
             reasons.append(f"the {role}'s recurrent state rolls back per sequence ({architecture.chain_reason})")
         elif architecture.shape == "chain":

@@ -32,6 +32,11 @@ def read_json(path: Path) -> dict:
     return record
 
 
+# The smoke run of every phase (~45 s on a 2-core CPU) only matters before a GPU session: run it then with
+# `pytest -m slow tests/test_gpu_session.py`.
+pytestmark = pytest.mark.slow
+
+
 def positive(value) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
