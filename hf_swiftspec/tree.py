@@ -107,21 +107,29 @@ def clear_tree(tree: TokenTree, root_token: int) -> None:
     tree.size, tree.num_slots, tree.root_token = 1, 0, root_token
 
 
-def select_leaves(tree: TokenTree, width: int, within: int | None = None, below_depth: int | None = None) -> torch.Tensor:
-    """Indices (w,) of the best unexpanded nodes, best first, w <= width.
+def select_leaves(tree: TokenTree, width: int, within: int | None = None, below_depth: int | None = None,
+                  fixed: bool = False) -> torch.Tensor:
+    """Indices (w,) of the best unexpanded nodes, best first (ties towards the lower index), w <= width:
+    the one leaf selection of every round.
 
     within: only consider the best `within` nodes of the tree. With within = tree_budget this
     picks exactly the leaves whose children could still enter the subtree the target will
     verify; none left means that subtree is final.
     below_depth: only leaves shallower than this (their children must still fit the context).
+    fixed: return exactly `width` indices with no host sync (a capturable step: the schedule guarantees
+        that many leaves); else as many as there are (one sync: how many).
     """
-    order = torch.sort(tree.scores[: tree.size], descending=True, stable=True).indices
-    if within is not None:
-        order = order[:within]
-    eligible = ~tree.expanded[order]
+    size = tree.size
+    scores = tree.scores[:size]
+    closed = tree.expanded[:size].clone()
     if below_depth is not None:
-        eligible &= tree.depths[order] < below_depth
-    return order[eligible][:width]
+        closed |= tree.depths[:size] >= below_depth
+    if within is not None and within < size:
+        rank = torch.empty(size, dtype=torch.long, device=scores.device)
+        rank[torch.sort(scores, descending=True, stable=True).indices] = torch.arange(size, device=scores.device)
+        closed |= rank >= within
+    order = torch.sort(scores.masked_fill(closed, float("-inf")), descending=True, stable=True).indices[:width]
+    return order if fixed else order[~closed[order]]
 
 
 def room_for_expansion(tree: TokenTree, num_leaves: int, children_per_leaf: int) -> bool:

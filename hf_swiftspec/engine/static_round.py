@@ -43,7 +43,8 @@ from ..stats import DraftCounters, SwiftSpecStats, TargetCounters
 from ..drafting import SuffixDrafter
 from ..suffix import SuffixTree
 from ..tree import (
-    Proposal, Subtree, TokenTree, add_children, best_node_ids, clear_tree, expansion_inputs, new_tree, subtree_mask,
+    Proposal, Subtree, TokenTree, add_children, best_node_ids, clear_tree, expansion_inputs, new_tree, select_leaves,
+    subtree_mask,
 )
 from ..verify import (
     PATH_FREE_PROCESSORS, Sampler, Verified, apply_processors, children_of, split_criteria, walk_path, walk_to_stop,
@@ -286,7 +287,7 @@ def grow_tree(draft: StaticModel, tree: TokenTree, seq: StaticSequence, shape: S
     add_children(tree, torch.zeros(1, dtype=torch.long, device=device), *top_children(logits[n - 1 : n], shape.width, vocab_limit))
     tree.expanded[0] = True  # its KV sits in the prefix, not in the tree region
     for _ in range(shape.depth - 1):
-        leaves = best_leaves(tree, shape.width)
+        leaves = select_leaves(tree, shape.width, fixed=True)
         slots = torch.arange(region + tree.num_slots, region + tree.num_slots + shape.width, device=device)
         input_ids, positions, region_mask = expansion_inputs(tree, leaves, seq.draft_prefix - 1)
         mask = step_mask(seq.draft_prefix, region_mask, region, C, draft.model.dtype)
@@ -297,14 +298,6 @@ def grow_tree(draft: StaticModel, tree: TokenTree, seq: StaticSequence, shape: S
 def top_children(logits: torch.Tensor, width: int, vocab_limit: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs, tokens) (w, k) of the k = width likeliest draft tokens after each of w leaves."""
     return torch.log_softmax(logits[:, :vocab_limit], dim=-1).topk(width, dim=-1)
-
-
-def best_leaves(tree: TokenTree, width: int) -> torch.Tensor:
-    """The `width` best unexpanded nodes (w,), ties towards the lower index; the schedule guarantees
-    at least `width` of them."""
-    live = tree.scores[: tree.size]
-    open_scores = torch.where(tree.expanded[: tree.size], float("-inf"), live)
-    return torch.sort(open_scores, descending=True, stable=True).indices[:width]
 
 
 def best_nodes(tree: TokenTree, budget: int) -> TreeNodes:
