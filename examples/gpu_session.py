@@ -107,14 +107,18 @@ class Plan:
     step_contexts: tuple[int, ...]
     step_trees: tuple[int, ...]
     step_iters: tuple[int, int]
+    static_contexts: tuple[int, ...]  # where the static round's steps are timed (each shape compiles once)
+    static_trees: tuple[int, ...]
     # e2e
     demo: DemoSettings
     bench_args: tuple[str, ...]
     bandwidth_mib: int  # size of the copy that measures the peak
+    bench_pair: str | None = None  # bench this pair (None: the demo pair) instead of training one
+    train: bool = True
 
 
 GPU = Plan(
-    tests=("tests/test_tree_attention_kernel.py", "tests/test_attention_wiring.py", "tests/test_cli.py",
+    tests=("tests/test_cuda.py", "tests/test_tree_attention_kernel.py", "tests/test_attention_wiring.py", "tests/test_cli.py",
            "tests/test_bench.py", "tests/test_static_round.py"),
     # bf16, GQA 4, head dim 128 (Llama-3-8B's attention) first: the configuration that matters most
     kernel_configs=tuple(itertools.product(("bf16", "fp16"), (32,), (8, 4, 32), (128, 64, 256))),
@@ -128,6 +132,8 @@ GPU = Plan(
     step_contexts=(1024, 8192),
     step_trees=(1, 8, 16, 32),
     step_iters=(5, 20),
+    static_contexts=(1024, 8192),
+    static_trees=(1, 8, 16, 32),
     # ~158M and ~15M parameters (heads of 64), 16k tokens a step; at a few steps a second the target sees
     # several passes over the ~3.4M-token corpus in 150 s.
     demo=DemoSettings(
@@ -156,6 +162,8 @@ SMOKE = Plan(
     step_contexts=(32, 96),
     step_trees=(1, 4, 8),
     step_iters=(1, 3),
+    static_contexts=(32, 96),
+    static_trees=(1, 4, 8),
     demo=DemoSettings(
         context=64, vocab_size=300, corpus_files=8, batch_size=2, target_steps=2, draft_steps=2, eval_windows=2,
         target_shape=ModelShape(hidden=64, layers=1, intermediate=128, heads=1),
@@ -165,6 +173,29 @@ SMOKE = Plan(
                 "--assistant-tokens", "4", "--growth-check-tokens", "16", "--warmup", "0"),
     bandwidth_mib=64,
 )
+
+
+# One 15-minute lease (a machine's start included): each phase a minute or two. The tests on CUDA, the kernel
+# at Llama-3-8B's heads (bf16, GQA 4, head dim 128), the 8B/1B steps (the static round's compiled at one context
+# and T = 8 only: torch.compile of a 32-layer model takes about a minute a shape), and the bundled demo pair
+# benched as it ships, not retrained.
+LEASE = replace(
+    GPU,
+    tests=("-v", "--tb=short", "tests/test_cuda.py", "tests/test_tree_attention_kernel.py",
+           "tests/test_static_round.py::test_cuda_graph_round_equals_eager_and_target_generate"),
+    kernel_configs=(("bf16", 32, 8, 128),),
+    kernel_prefixes=(1024, 4096, 8192),
+    kernel_trees=(1, 8, 16, 32),
+    kernel_iters=(5, 30),
+    kernel_budget_s=60.0,
+    step_iters=(3, 10),
+    static_contexts=(1024,),
+    static_trees=(8,),
+    bench_args=("--dtype", "float32", "--prompts", "humaneval", "--prompts", "spec_bench", "--num-prompts", "4",
+                "--max-new-tokens", "64", "--methods", "target,assisted,prompt_lookup,swiftspec_serial,swiftspec_async"),
+    train=False,
+)
+PLANS = {"gpu": GPU, "lease": LEASE, "smoke": SMOKE}
 
 
 @dataclass
@@ -371,7 +402,7 @@ def steps_at(session: Session, target, draft, context: int, attention: str) -> l
 def static_steps_at(session: Session, target, draft, context: int) -> list[dict]:
     """The static round's steps (static.py) after a `context`-token prefill, eager and compiled (on CUDA: CUDA
     graphs): the draft's expansion of 8 leaves and the target's verification of T nodes of a random tree."""
-    trees, rows = session.plan.step_trees, []
+    trees, rows = session.plan.static_trees, []
     vocab = target.config.vocab_size
     prompt = torch.randint(3, vocab, (context,), generator=torch.Generator().manual_seed(context)).tolist()
     for compiled in (False, True):
@@ -429,6 +460,8 @@ def run_steps(session: Session) -> None:
               "target_params": sum(p.numel() for p in target.parameters()),
               "draft_params": sum(p.numel() for p in draft.parameters())}
     for context, attention in itertools.product(plan.step_contexts, ("model", "kernel", "static")):
+        if attention == "static" and context not in plan.static_contexts:
+            continue
         try:
             with torch.no_grad():  # as generate() runs them
                 if attention == "static":
@@ -450,10 +483,11 @@ def run_steps(session: Session) -> None:
 # ---------------------------------------------------------------- e2e
 
 
-def run_bench(session: Session, pair: Path, log: Path) -> int:
-    """`swiftspec bench` on the pair in a subprocess, results into $OUT/bench_results/."""
-    command = [sys.executable, "-m", "hf_swiftspec.bench", "--pair", str(pair), "--out", str(session.out / "bench_results"),
-               "--peak-gbps", f"{session.peak_gbps:.1f}", "--quiet", *session.plan.bench_args]
+def run_bench(session: Session, pair: Path | str | None, log: Path) -> int:
+    """`swiftspec bench` on the pair (None: the demo pair) in a subprocess, results into $OUT/bench_results/."""
+    command = [sys.executable, "-m", "hf_swiftspec.bench", *(["--pair", str(pair)] if pair else []),
+               "--out", str(session.out / "bench_results"), "--peak-gbps", f"{session.peak_gbps:.1f}", "--quiet",
+               *session.plan.bench_args]
     with log.open("w") as out:
         code = subprocess.run(command, cwd=REPO, env=child_env(), stdout=out, stderr=subprocess.STDOUT).returncode
     print(log.read_text()[-6000:])
@@ -461,7 +495,15 @@ def run_bench(session: Session, pair: Path, log: Path) -> int:
 
 
 def run_e2e(session: Session) -> None:
-    """Train the pair (e2e.json as soon as it is trained), measure it, bench it."""
+    """Train the pair (e2e.json as soon as it is trained), measure it, bench it; or bench a ready pair."""
+    if not session.plan.train:
+        with tempfile.TemporaryDirectory(prefix="gpu_session_") as work:
+            code = run_bench(session, session.plan.bench_pair, Path(work) / "bench.log")
+            session.write_json("e2e.json", {"pair": session.plan.bench_pair or "the demo pair", "bench": {
+                "exit_status": code, "output_tail": (Path(work) / "bench.log").read_text()[-4000:]}})
+        if code:
+            session.failed.append(f"e2e (bench exit status {code})")
+        return
     settings = replace(session.plan.demo, device=str(session.device))
     record: dict = {"settings": asdict(settings)}
     with tempfile.TemporaryDirectory(prefix="gpu_session_") as work:
@@ -509,6 +551,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--phase", default="all", help=f"one of {', '.join(PHASES)}, comma-separated, or all")
     parser.add_argument("--out", type=Path, default=os.environ.get("OUT"), help="results folder (default: $OUT)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, seconds (the default without CUDA)")
+    parser.add_argument("--plan", choices=PLANS, default=None,
+                        help="gpu (the default on CUDA: every size, ~17 min), lease (one 15-minute lease: each phase "
+                        "a minute or two) or smoke (tiny shapes, the default without CUDA)")
     args = parser.parse_args(argv)
     args.phases = list(PHASES) if args.phase == "all" else args.phase.split(",")
     unknown = [p for p in args.phases if p not in PHASES]
@@ -527,7 +572,8 @@ def main(argv=None) -> int:
         if not args.smoke:
             print("No CUDA device: running the --smoke sizes on the CPU.", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    session = Session(args.out, torch.device("cuda:0" if cuda else "cpu"), SMOKE if args.smoke or not cuda else GPU)
+    plan = SMOKE if args.smoke or not cuda else PLANS[args.plan or "gpu"]
+    session = Session(args.out, torch.device("cuda:0" if cuda else "cpu"), plan)
     for name in args.phases:
         run_phase(name, session)
     files = sorted(str(p.relative_to(args.out)) for p in args.out.rglob("*") if p.is_file())

@@ -262,7 +262,7 @@ def perturbed_copy(model, scale: float = 0.02, seed: int = 1):
     with torch.no_grad():
         for p in draft.parameters():
             if p.is_floating_point() and p.numel() > 1:
-                p.add_(torch.randn(p.shape, generator=generator).to(p.dtype) * scale * p.float().std())
+                p.add_(torch.randn(p.shape, generator=generator).to(p.device, p.dtype) * scale * p.float().std())
     return draft
 
 
@@ -318,8 +318,8 @@ class ShapeResult:
     recurrent: bool = False
 
 
-def check_type(model_type: str) -> Outcome:
-    """Sweep one model type over every Shape (see the module docstring)."""
+def check_type(model_type: str, device: str = "cpu") -> Outcome:
+    """Sweep one model type over every Shape (see the module docstring), its models on `device`."""
     built: dict[str, tuple] = {}  # heads variant -> (model or None, why not, its draft)
     results = []
     for shape in SHAPES:
@@ -330,6 +330,8 @@ def check_type(model_type: str) -> Outcome:
         key = repr(sorted(overrides.items()))
         if key not in built:
             model, why = runnable_tiny_model(model_type, **overrides)
+            if model is not None:
+                model = model.to(device)
             built[key] = (model, why, perturbed_copy(model) if model is not None else None)
         results.append(check_shape(shape, *built[key]))
     return combine(model_type, results)
@@ -350,6 +352,7 @@ def check_shape(shape: Shape, target, why: str | None, draft) -> ShapeResult:
         prompt, mask = left_padded(random_prompts(shape.batch, 0, vocab), pad=SPECIAL_TOKENS["pad_token_id"])
     else:
         prompt, mask = prompts()[PROMPT_LENGTHS.index(shape.prompt_length)], None
+    prompt, mask = prompt.to(target.device), mask.to(target.device) if mask is not None else None
     try:
         with warnings.catch_warnings():  # a batch decoded by the target's own loop says why: stats.engine keeps it
             warnings.simplefilter("ignore", UserWarning)

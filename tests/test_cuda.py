@@ -1,0 +1,62 @@
+"""On a GPU: the decode path on CUDA, where `attention="auto"` routes tree steps through the Triton kernel and
+the asynchronous engine runs the draft on its own CUDA stream. Skipped without CUDA; a GPU session runs it with
+`python examples/gpu_session.py --phase tests`.
+
+Every check is the sweep's (tools/sweep.py): greedy output token for token against the model's own
+`generate` on the same device, float32, over its shapes (a deep and a wide tree, the default settings, a
+left-padded batch), with windows and slot limits shrunk below the prompts."""
+
+import pytest
+import torch
+
+from hf_swiftspec import SwiftSpecForCausalLM
+from hf_swiftspec.attention import resolve_attention
+from hf_swiftspec.tools import sweep
+from hf_swiftspec.tools.models import left_padded, random_prompts, tiny_model, truncated_draft
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (examples/gpu_session.py --phase tests)")
+
+# One of each attention family the README claims (tests/test_architectures.py's REPRESENTATIVE, less the refused).
+CUDA_TYPES = [
+    "llama", "gpt2", "gemma3_text", "mistral", "qwen2", "llama4_text", "gpt_oss", "deepseek_v3", "deepseek_v32",
+    "gpt_neo", "doge", "bloom", "mamba2", "qwen3_next", "lfm2",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", CUDA_TYPES)
+def test_sweep_shapes_equal_own_generate_on_cuda(model_type):
+    outcome = sweep.check_type(model_type, device="cuda")
+    assert outcome.status in ("tree", "chain", "plain"), f"{model_type}: {outcome.status}: {outcome.reason}"
+
+
+def test_auto_attention_is_the_triton_kernel_on_cuda():
+    target = tiny_model("llama").cuda()
+    model = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 1))
+    prompt = torch.tensor(random_prompts([17], seed=3), device="cuda")
+    expected = target.generate(prompt, max_new_tokens=32, do_sample=False)
+    assert torch.equal(model.generate(prompt, max_new_tokens=32, do_sample=False, swiftspec=True), expected)
+    assert resolve_attention("auto", target) == "triton"
+    assert "triton" in model.swiftspec_stats.attention, model.swiftspec_stats.attention
+
+
+@pytest.mark.parametrize("attention", ["model", "kernel"])
+def test_left_padded_batch_on_cuda(attention):
+    target = tiny_model("qwen3").cuda()
+    model = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), attention=attention)
+    ids, mask = (t.cuda() for t in left_padded(random_prompts([3, 29, 11, 1], seed=5), pad=0))
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
+    actual = model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, swiftspec=True)
+    assert actual.tolist() == expected.tolist()
+
+
+def test_async_engine_on_one_gpu_equals_target_generate():
+    """Draft and target on the same GPU, the draft on its own stream in a second thread."""
+    target = tiny_model("llama", seed=2).cuda()
+    placement = {"target": ["cuda:0"], "draft": ["cuda:0"]}
+    model = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), placement=placement, tree_budget=6)
+    for prompt in random_prompts([1, 8, 40], seed=9):
+        ids = torch.tensor([prompt], device="cuda")
+        expected = target.generate(ids, max_new_tokens=40, do_sample=False, repetition_penalty=1.1)
+        actual = model.generate(ids, max_new_tokens=40, do_sample=False, repetition_penalty=1.1)
+        assert actual.tolist() == expected.tolist()
+        assert model.swiftspec_stats.engine == "async-threads"
