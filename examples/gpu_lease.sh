@@ -28,7 +28,7 @@ phase() {  # phase seconds
     gather
 }
 
-phase tests "${TESTS_S:-150}"
+phase tests "${TESTS_S:-240}"
 phase kernel "${KERNEL_S:-75}"
 phase steps "${STEPS_S:-180}"
 phase e2e "${E2E_S:-120}"

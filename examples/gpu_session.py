@@ -181,8 +181,9 @@ SMOKE = Plan(
 # benched as it ships, not retrained.
 LEASE = replace(
     GPU,
-    tests=("-v", "--tb=short", "tests/test_cuda.py", "tests/test_tree_attention_kernel.py",
-           "tests/test_static_round.py::test_cuda_graph_round_equals_eager_and_target_generate"),
+    tests=("-rfE", "--tb=short", "tests/test_cuda.py",
+           "tests/test_static_round.py::test_cuda_graph_round_equals_eager_and_target_generate",
+           "tests/test_tree_attention_kernel.py"),
     kernel_configs=(("bf16", 32, 8, 128),),
     kernel_prefixes=(1024, 4096, 8192),
     kernel_trees=(1, 8, 16, 32),

@@ -89,6 +89,11 @@ class SlotCache(Cache):
         return cls(model.config.get_text_config().num_hidden_layers, capacity, forward_cache_argument(type(model)))
 
     @property
+    def allocated(self) -> bool:
+        """Whether every layer's buffers exist (a first forward allocates them)."""
+        return all(layer.is_initialized for layer in self.layers)
+
+    @property
     def buffers(self) -> list[torch.Tensor]:
         """Every layer's keys and values (1, H, C, D)."""
         return [buffer for layer in self.layers for buffer in (layer.keys, layer.values)]
@@ -152,7 +157,12 @@ class StaticModel:
         if self.last_position is not None:
             position_ids = position_ids.clamp(max=self.last_position)
         with torch.no_grad():
-            return self.step(self.model, self.cache, input_ids, position_ids, slots, mask)
+            if self.compiled and not self.cache.allocated:  # buffers allocated inside a CUDA graph would be its
+                forward_slots(self.model, self.cache, input_ids, position_ids, slots, mask)  # outputs: overwritten
+            if not (self.compiled and self.device.type == "cuda"):
+                return self.step(self.model, self.cache, input_ids, position_ids, slots, mask)
+            torch.compiler.cudagraph_mark_step_begin()  # no output of an earlier replay is alive: each is cloned
+            return self.step(self.model, self.cache, input_ids, position_ids, slots, mask).clone()
 
     def prefill(self, tokens: list[int]) -> None:
         """Run a prompt's tokens as one causal chain into slots [0, n) (eager: its shape is the prompt's)."""

@@ -49,14 +49,9 @@ def test_left_padded_batch_on_cuda(attention):
     assert actual.tolist() == expected.tolist()
 
 
-def test_async_engine_on_one_gpu_equals_target_generate():
-    """Draft and target on the same GPU, the draft on its own stream in a second thread."""
+def test_async_placement_on_one_gpu_is_refused_by_name():
+    """The asynchronous engine needs the draft on a device of its own: both on one GPU is refused, naming it."""
     target = tiny_model("llama", seed=2).cuda()
     placement = {"target": ["cuda:0"], "draft": ["cuda:0"]}
-    model = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), placement=placement, tree_budget=6)
-    for prompt in random_prompts([1, 8, 40], seed=9):
-        ids = torch.tensor([prompt], device="cuda")
-        expected = target.generate(ids, max_new_tokens=40, do_sample=False, repetition_penalty=1.1)
-        actual = model.generate(ids, max_new_tokens=40, do_sample=False, repetition_penalty=1.1)
-        assert actual.tolist() == expected.tolist()
-        assert model.swiftspec_stats.engine == "async-threads"
+    with pytest.raises(ValueError, match=r"both on cuda:0.*placement=None"):
+        SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), placement=placement)

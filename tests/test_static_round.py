@@ -18,7 +18,7 @@ from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.engine.request import DecodeRequest
 from hf_swiftspec.engine.static_round import ShapeChooser, StaticShape, run_static
 from hf_swiftspec.policy import GoodputPolicy
-from hf_swiftspec.static import SlotCache, StaticModel, bucket_capacity, forward_slots, step_mask
+from hf_swiftspec.static import SlotCache, StaticModel, bucket_capacity, forward_slots, step_mask, warm_steps
 from hf_swiftspec.tools.models import random_prompts, tiny_gpt2, tiny_model, truncated_draft
 from hf_swiftspec.verify import Sampler
 
@@ -321,6 +321,20 @@ def test_a_generation_to_the_last_position_of_learned_embeddings():
     shape = StaticShape(8, 4, 4)
     result = run_static(*static_models(target, draft, shape, 64), request_for(prompt, 34), shape, 98)
     assert result.tokens == expected
+
+
+def test_no_compiled_step_allocates_the_kv_buffers():
+    """A CUDA graph owns what its capture allocates and overwrites it at its next replay (seen on an H200: a
+    draft whose first forward was compiled crashed, or read its KV overwritten). So the buffers exist, at
+    fixed addresses, before the first compiled step, also for a draft that has run no prefill."""
+    target, _ = pair("llama")
+    static = StaticModel.build(target, 64, compiled=False)
+    static.compiled = True  # run()'s compiled path, with a step that only records what it finds
+    found = []
+    static.step = lambda model, cache, *args: found.append(cache.allocated) or forward_slots(model, cache, *args)
+    warm_steps(static, {1, 4}, 0)
+    assert found == [True, True]
+    assert all(hasattr(buffer, "_dynamo_static_input_type") for buffer in static.cache.buffers)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (examples/gpu_session.py --phase tests)")
