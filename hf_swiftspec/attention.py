@@ -20,7 +20,9 @@ for the length of that generation only (`routed_attention`, which restores the u
         and the model builds its own causal (and windowed) mask from the cache, by slot.
 
     SwiftSpecConfig.attention:
-    "auto"   the Triton kernel on CUDA devices, else the model's own attention + dense mask
+    "auto"   the model's own attention + dense mask. On an H200 (Llama-3-8B shape, bf16, README's GPU
+             section) an eager tree step is bound by the host's launches, and the kernel's Python launch
+             per layer cost more (+1 to +9 ms a verification) than its faster attention saved
     "kernel" the Triton kernel wherever Triton runs (CUDA, or the CPU interpreter under
              TRITON_INTERPRET=1), else its plain-torch reference
     "model"  the model's own attention (sdpa or eager) with a dense additive 4D mask
@@ -141,7 +143,7 @@ def resolve_attention(choice: str, model, architecture: Architecture | None = No
         raise ValueError(f"SwiftSpecConfig.attention={choice!r}; use one of {ATTENTION_CHOICES}.")
     own = own_implementation(model)
     kernel_ok = can_set_attn_implementation(model) and (architecture is None or architecture.shape == "tree")
-    if kernel_ok and (choice == "kernel" or (choice == "auto" and model.device.type == "cuda")):
+    if kernel_ok and choice == "kernel":
         return "triton" if triton_available(model.device) else "torch-reference"
     return own
 

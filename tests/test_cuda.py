@@ -1,6 +1,6 @@
-"""On a GPU: the decode path on CUDA, where `attention="auto"` routes tree steps through the Triton kernel and
-the asynchronous engine runs the draft on its own CUDA stream. Skipped without CUDA; a GPU session runs it with
-`python examples/gpu_session.py --phase tests`.
+"""On a GPU: the decode path on CUDA, tree steps through the model's own attention (the default) and through
+the Triton kernel (`attention="kernel"`). Skipped without CUDA; a GPU session runs it with
+`python examples/gpu_session.py --phase tests` (or `bash examples/gpu_lease.sh`).
 
 Every check is the sweep's (tools/sweep.py): greedy output token for token against the model's own
 `generate` on the same device, float32, over its shapes (a deep and a wide tree, the default settings, a
@@ -23,20 +23,23 @@ CUDA_TYPES = [
 ]  # fmt: skip
 
 
+@pytest.mark.parametrize("attention", ["auto", "kernel"])
 @pytest.mark.parametrize("model_type", CUDA_TYPES)
-def test_sweep_shapes_equal_own_generate_on_cuda(model_type):
-    outcome = sweep.check_type(model_type, device="cuda")
+def test_sweep_shapes_equal_own_generate_on_cuda(model_type, attention):
+    outcome = sweep.check_type(model_type, device="cuda", attention=attention)
     assert outcome.status in ("tree", "chain", "plain"), f"{model_type}: {outcome.status}: {outcome.reason}"
 
 
-def test_auto_attention_is_the_triton_kernel_on_cuda():
+@pytest.mark.parametrize("attention, backend", [("kernel", "triton"), ("auto", "sdpa")])
+def test_attention_choice_on_cuda(attention, backend):
+    """"kernel" runs the Triton tree kernel on CUDA; "auto" the model's own attention (faster in eager steps)."""
     target = tiny_model("llama").cuda()
-    model = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 1))
+    model = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 1), attention=attention)
     prompt = torch.tensor(random_prompts([17], seed=3), device="cuda")
     expected = target.generate(prompt, max_new_tokens=32, do_sample=False)
     assert torch.equal(model.generate(prompt, max_new_tokens=32, do_sample=False, swiftspec=True), expected)
-    assert resolve_attention("auto", target) == "triton"
-    assert "triton" in model.swiftspec_stats.attention, model.swiftspec_stats.attention
+    assert resolve_attention(attention, target) == backend
+    assert backend in model.swiftspec_stats.attention, model.swiftspec_stats.attention
 
 
 @pytest.mark.parametrize("attention", ["model", "kernel"])

@@ -318,8 +318,9 @@ class ShapeResult:
     recurrent: bool = False
 
 
-def check_type(model_type: str, device: str = "cpu") -> Outcome:
-    """Sweep one model type over every Shape (see the module docstring), its models on `device`."""
+def check_type(model_type: str, device: str = "cpu", attention: str = "auto") -> Outcome:
+    """Sweep one model type over every Shape (see the module docstring), its models on `device`, tree steps
+    through `attention` (SwiftSpecConfig's)."""
     built: dict[str, tuple] = {}  # heads variant -> (model or None, why not, its draft)
     results = []
     for shape in SHAPES:
@@ -333,18 +334,18 @@ def check_type(model_type: str, device: str = "cpu") -> Outcome:
             if model is not None:
                 model = model.to(device)
             built[key] = (model, why, perturbed_copy(model) if model is not None else None)
-        results.append(check_shape(shape, *built[key]))
+        results.append(check_shape(shape, *built[key], attention=attention))
     return combine(model_type, results)
 
 
-def check_shape(shape: Shape, target, why: str | None, draft) -> ShapeResult:
+def check_shape(shape: Shape, target, why: str | None, draft, attention: str = "auto") -> ShapeResult:
     from ..modeling import SwiftSpecForCausalLM
 
     if target is None:
         return ShapeResult("skipped", why)
     try:
         architecture = describe(target, "target")
-        pair = SwiftSpecForCausalLM.from_models(target, draft, **shape.settings)
+        pair = SwiftSpecForCausalLM.from_models(target, draft, attention=attention, **shape.settings)
     except UnsupportedArchitecture as refusal:
         return ShapeResult("refused", first_line(refusal), recurrent=refusal.recurrent)
     if shape.batch:
