@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
@@ -587,3 +588,21 @@ def test_other_arguments_still_reach_both_members(tmp_path):
     model = SwiftSpecForCausalLM.from_pretrained(local_pair(tmp_path), attention_dropout=0.25, tree_budget=5)
     assert model.target.config.attention_dropout == model.draft.config.attention_dropout == 0.25
     assert model.config.tree_budget == 5
+
+
+def test_a_pair_of_one_tokenizer_loads_it_once(monkeypatch):
+    """The demo pair ships the same tokenizer files three times (pair folder, target, draft): one load, one
+    object, no mapping comparison (a Gemma-3 pair loaded its 262k tokenizer three times and compared twice)."""
+    from hf_swiftspec.pair import DEMO_PAIR_NAME, checks
+    from hf_swiftspec.pair import tokenizer as tokenizers
+
+    loads, compared = [], []
+    for name in ("AutoTokenizer", "TokenizersBackend"):  # the two classes load_tokenizer loads with
+        real = getattr(tokenizers, name)
+        counting = lambda location, *args, real=real, **kwargs: loads.append(location) or real.from_pretrained(location, *args, **kwargs)  # noqa: E731
+        monkeypatch.setattr(tokenizers, name, types.SimpleNamespace(from_pretrained=counting))
+    monkeypatch.setattr(checks, "mapping_differences", lambda *args: compared.append(args) or [])
+    model = SwiftSpecForCausalLM.from_pretrained(DEMO_PAIR_NAME)
+    assert len(loads) == 1, loads
+    assert compared == []
+    assert model.tokenizer("def f():").input_ids == AutoTokenizer.from_pretrained(model.pair_folder / "target")("def f():").input_ids

@@ -34,7 +34,7 @@ from .locate import (
     pinned,
     resolve_pair_folder,
 )
-from .tokenizer import check_written_tokenizer, load_tokenizer, save_tokenizer
+from .tokenizer import check_written_tokenizer, load_tokenizers, save_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -147,10 +147,13 @@ def read_members(folder: Path, config: SwiftSpecConfig, hub: HubOptions, trust_r
     """
     members = pair_members(config, folder)
     configs = {role: load_member_config(m, hub, trust_remote_code) for role, m in members.items()}
-    tokenizers = {role: load_tokenizer(m.location, m.revision, hub, trust_remote_code) for role, m in members.items()}
-    own = load_tokenizer(str(folder), None, HubOptions(), trust_remote_code) if own_tokenizer else None
+    sources = {role: (m.location, m.revision, hub) for role, m in members.items()}
+    if own_tokenizer:
+        sources["pair"] = (str(folder), None, HubOptions())
+    loaded = load_tokenizers(sources, trust_remote_code)
+    tokenizers, own = {role: loaded[role] for role in members}, loaded.get("pair")
     check_compatibility(configs["target"], configs["draft"], tokenizers["target"] or own, tokenizers["draft"])
-    if own is not None and tokenizers["target"] is not None:
+    if own is not None and tokenizers["target"] is not None and own is not tokenizers["target"]:
         check_token_mapping(tokenizers["target"], own, vocab_size(configs["target"]))  # prompts go to the target
     return ResolvedPair(folder, config, members, configs, tokenizers, own or tokenizers["target"])
 

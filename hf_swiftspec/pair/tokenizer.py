@@ -10,6 +10,7 @@ arguments (is_local, local_files_only) into tokenizer_config.json.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -44,6 +45,37 @@ PROBE_TEXTS = (
 def declared_tokenizer_class(location: str, revision: str | None, hub: HubOptions) -> str | None:
     """tokenizer_class from the tokenizer_config.json of a folder or repo, or None."""
     return get_tokenizer_config(location, revision=revision, **hub.as_kwargs()).get("tokenizer_class")
+
+
+# What makes two folders' tokenizers the same (tokenizer_config.json holds the chat template, when not in its own file).
+FINGERPRINT_FILES = TOKENIZER_FILES + ("special_tokens_map.json", "added_tokens.json", "merges.txt", "chat_template.jinja")
+
+
+def tokenizer_fingerprint(location: str) -> str | None:
+    """A hash of a local folder's tokenizer files; None for a Hub id or a folder with none of them."""
+    if not os.path.isdir(location):
+        return None
+    digest, found = hashlib.sha256(), False
+    for name in FINGERPRINT_FILES:
+        path = Path(location, name)
+        if path.is_file():
+            found = True
+            digest.update(name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest() if found else None
+
+
+def load_tokenizers(sources: dict[str, tuple[str, str | None, HubOptions]], trust_remote_code: bool = False) -> dict:
+    """{name: tokenizer or None} for {name: (location, revision, hub)}, each distinct set of files loaded once:
+    a pair of one family ships one tokenizer up to three times (target, draft, pair folder), and a 262k
+    vocabulary takes seconds to load. Names that share files share one object, which also tells the
+    vocabulary checks there is nothing to compare."""
+    loaded, result = {}, {}
+    for name, (location, revision, hub) in sources.items():
+        key = tokenizer_fingerprint(location) or (location, revision)
+        if key not in loaded:
+            loaded[key] = load_tokenizer(location, revision, hub, trust_remote_code)
+        result[name] = loaded[key]
+    return result
 
 
 def load_tokenizer(location: str, revision: str | None, hub: HubOptions, trust_remote_code: bool = False):
