@@ -10,6 +10,7 @@ import torch
 
 from hf_swiftspec import bench
 from hf_swiftspec.bench import methods, prompts
+from hf_swiftspec.bench.command import default_methods
 from hf_swiftspec.cache import TreeCache
 from hf_swiftspec.bench import (
     BenchConfig,
@@ -80,7 +81,7 @@ def tiny_models():
 def finished(tiny_models, tmp_path_factory):
     """(report, output folder) of one full run: every method, both bundled sets."""
     out = tmp_path_factory.mktemp("bench")
-    report = run_bench(BenchConfig(models=tiny_models, output_dir=str(out), **FAST))
+    report = run_bench(BenchConfig(models=tiny_models, output_dir=str(out), methods=bench.DEFAULT_METHODS, **FAST))
     return report, out
 
 
@@ -179,6 +180,7 @@ def batched(tiny_models, tmp_path_factory):
     (folder / "prompts.txt").write_text(BATCH_PROMPTS)
     config = BenchConfig(
         models=tiny_models, prompts=(str(folder / "prompts.txt"),), batch_sizes=(1, 2, 3), output_dir=str(folder / "out"),
+        methods=bench.DEFAULT_METHODS,
         **{**FAST, "growth_check_tokens": 0},
     )
     return run_bench(config), folder / "out"
@@ -468,7 +470,7 @@ def test_the_default_run_is_the_quick_one_and_full_the_long_one():
     assert (full.num_prompts, full.max_new_tokens, full.assistant_tokens) == (8, 128, (2, 4, 6, 8, 12))
     assert 2 * quick.num_prompts * quick.max_new_tokens <= full.num_prompts * full.max_new_tokens
     assert len(quick.assistant_tokens) < len(full.assistant_tokens)
-    assert quick.methods == full.methods == bench.DEFAULT_METHODS  # every method still runs, side by side
+    assert quick.methods is full.methods is None  # every method that pays where the models run, side by side
     mixed = bench_config(build_parser().parse_args(["--full", "--num-prompts", "2", "--assistant-tokens", "3"]))
     assert (mixed.num_prompts, mixed.max_new_tokens, mixed.assistant_tokens) == (2, 128, (3,))
 
@@ -489,7 +491,8 @@ def test_command_runs_a_pair_folder_end_to_end(tmp_path, capsys):
     ]
     assert bench.bench_main(build_parser().parse_args(argv)) == 0
     printed = capsys.readouterr().out
-    assert printed.startswith("# SwiftSpec benchmark") and "| swiftspec async |" in printed
+    assert printed.startswith("# SwiftSpec benchmark") and "| swiftspec serial |" in printed
+    assert "| swiftspec async |" not in printed and "swiftspec_async was not run" in printed  # both on this CPU
     data = json.loads((out / "results.json").read_text())
     assert data["pair"]["settings"]["tree_budget"] == 6 and data["pair"]["name"] == str(pair)
     assert printed == (out / "results.md").read_text() + "\n"  # the table printed is the table saved
@@ -502,3 +505,12 @@ def test_without_the_demo_pair_an_in_memory_pair_runs_with_a_note(tiny_models, m
     monkeypatch.setattr(hf_swiftspec.tools.models, "agreeing_pair", lambda: (tiny_models.target, tiny_models.draft))
     report = run_bench(BenchConfig(methods=("target",), prompts=("humaneval",), output_dir=None, **FAST))
     assert report.pair.name.startswith("agreeing_pair") and any("demo pair" in note for note in report.notes)
+
+
+def test_default_methods_follow_where_the_models_run(tiny_models):
+    """On the CPU both models would share the cores, where the asynchronous engine has run at 0.5-0.6x: it runs
+    only when asked for, and the report says so; with a GPU (the draft may get another) it is in the default."""
+    report = run_bench(BenchConfig(models=tiny_models, prompts=("spec_bench",), output_dir=None, **{**FAST, "num_prompts": 1}))
+    assert [m.name for m in report.sets[0].at(1)] == [m for m in bench.DEFAULT_METHODS if m != "swiftspec_async"]
+    assert any("swiftspec_async was not run" in note and "--methods" in note for note in report.notes)
+    assert default_methods(torch.device("cuda", 0)) == (bench.DEFAULT_METHODS, None)

@@ -65,7 +65,7 @@ def test_bench_and_cli_take_a_plain_model(tmp_path, capsys):
     prompts.write_text("def f(x): return x\ndef f(x): return x + 1\n")
     report = run_bench(BenchConfig(
         model=str(tmp_path / "plain"), prompts=(str(prompts),), num_prompts=1, max_new_tokens=8, output_dir=None,
-        progress=False, growth_check_tokens=0, warmup=0,
+        progress=False, growth_check_tokens=0, warmup=0, methods=("target", "assisted", "swiftspec_serial", "swiftspec_async"),
     ))
     status = {m.name: m.status for m in report.sets[0].at(1)}
     assert status["assisted"] == "skipped" and status["swiftspec_async"] == "skipped"

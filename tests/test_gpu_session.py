@@ -80,7 +80,7 @@ def test_e2e_phase_trains_a_pair_and_benches_it(out):
     assert record["bench"]["exit_status"] == 0
     bench = json.loads((out / "bench_results" / "results.json").read_text())
     methods = {m["name"]: m for m in bench["sets"][0]["batches"][0]["methods"]}
-    assert {"target", "assisted", "prompt_lookup", "swiftspec_serial", "swiftspec_async"} <= set(methods)
+    assert {"target", "assisted", "prompt_lookup", "swiftspec_serial"} <= set(methods)
     assert positive(methods["swiftspec_serial"]["tokens_per_s"]["mean"])
     assert (out / "bench_results" / "results.md").exists()
 

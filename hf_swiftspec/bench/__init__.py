@@ -11,7 +11,7 @@ interleaved call by call (the order rotates, so no method always runs first or l
                       tuned on the warm-up prompt (the fastest of `assistant_tokens` is kept)
     prompt_lookup     transformers prompt-lookup decoding (prompt_lookup_num_tokens)
     swiftspec_serial  tree speculation, draft and target on one device, one after the other
-    swiftspec_async   tree speculation with the draft in its own thread (CPU) or on its own GPU;
+    swiftspec_async   tree speculation with the draft on its own GPU (in its own thread on a CPU, when asked for);
                       skipped, with a note, when the devices do not allow it
 
 At each batch size B > 1 (--batch-sizes; default 1 alone) the timed prompts are taken B at a time

@@ -8,7 +8,7 @@ import contextlib
 import os
 import platform
 import sys
-from dataclasses import fields
+from dataclasses import fields, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -50,6 +50,7 @@ from .prompts import (
 )
 from .report import markdown_report, write_outputs
 from .schema import (
+    DEFAULT_METHODS,
     FULL_RUN,
     METHOD_NAMES,
     SCHEMA_VERSION,
@@ -62,6 +63,18 @@ from .schema import (
     PromptRun,
     SetResult,
 )
+
+
+def default_methods(where: torch.device | str) -> tuple[tuple[str, ...], str | None]:
+    """(methods, note) when none are named: DEFAULT_METHODS, less swiftspec_async where the models run on
+    the CPU (its two threads then share the interpreter and the cores, where it has run at 0.5-0.6x)."""
+    if torch.device(where).type != "cpu":
+        return DEFAULT_METHODS, None
+    methods = tuple(name for name in DEFAULT_METHODS if name != "swiftspec_async")
+    return methods, (
+        "swiftspec_async was not run: both models are on the CPU, where the asynchronous engine only shares its "
+        f"cores; --methods {','.join(DEFAULT_METHODS)} times it too."
+    )
 
 
 def check_config(config: BenchConfig) -> None:
@@ -218,12 +231,16 @@ def progress_bar(total: int, enabled: bool):
 def run_bench(config: BenchConfig) -> BenchReport:
     """Run every method on every prompt set; raise OutputMismatchError if any output differs from
     target.generate's. Writes results.json / results.md / results.png when config.output_dir is set."""
-    check_config(config)
     where = config.models.target.device if config.models is not None else resolve_device(config.device)
+    notes: list[str] = []
+    if config.methods is None:
+        methods, note = default_methods(where)
+        config = replace(config, methods=methods)
+        notes += [note] if note else []
+    check_config(config)
     threads = set_threads(config.threads, where)
     if config.progress:
         progress(threads, prefix="swiftspec bench")
-    notes: list[str] = []
     models = load_models(config, notes)
     tokenizer = tokenizer_for(models, notes)
     settings = swiftspec_settings(models, config)
@@ -318,7 +335,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-prompt-tokens", type=int, default=d.max_prompt_tokens, help="cut longer prompts; 0: never (default: %(default)s)"
     )
     parser.add_argument(
-        "--methods", type=name_list, default=d.methods, help=f"comma-separated subset of {','.join(METHOD_NAMES)} (default: all but swiftspec_compiled)"
+        "--methods", type=name_list, default=d.methods, help=f"comma-separated subset of {','.join(METHOD_NAMES)} (default: all but swiftspec_compiled, and "
+        "swiftspec_async only where the draft gets a device of its own)"
     )
     parser.add_argument(
         "--assistant-tokens", type=int_list, default=None,
@@ -365,7 +383,7 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         model=args.model,
         prompts=tuple(args.prompts) if args.prompts else BenchConfig().prompts,
         max_prompt_tokens=args.max_prompt_tokens or None,
-        methods=tuple(args.methods),
+        methods=tuple(args.methods) if args.methods else None,
         batch_sizes=tuple(args.batch_sizes),
         seed=args.seed,
         warmup=args.warmup,

@@ -45,7 +45,7 @@ class BenchConfig:
     num_prompts: int = 4  # timed prompts per set (full: 8); the set's first prompt is the warm-up prompt
     max_new_tokens: int = 64  # (full: 128)
     max_prompt_tokens: int | None = 256  # cut longer prompts (CNN/DM, RAG articles) so runs stay comparable; None: never
-    methods: tuple[str, ...] = DEFAULT_METHODS
+    methods: tuple[str, ...] | None = None  # None: by where the models run (command.default_methods)
     # Prompts per generate() call, each size a column of the report; above 1 the timed prompts are taken
     # that many at a time into left-padded batches (prompts.prompt_batches), and only the methods that
     # decode a batch in one call run (target.generate, swiftspec serial): the others report "unsupported".
