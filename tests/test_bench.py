@@ -49,7 +49,7 @@ BATCH_KEYS = {"batch_size", "methods"}
 PROMPT_KEYS = {"index", "id", "category", "prompt_tokens", "truncated"}
 METHOD_KEYS = {
     "name", "label", "status", "note", "settings", "tuning", "tokens_per_s", "speedup", "tau",
-    "target_forwards_per_token", "target_idle_fraction", "verify_step_ms", "peak_memory_mib", "run_memory_mib", "runs",
+    "target_forwards_per_token", "target_idle_fraction", "verify_step_ms", "peak_memory_mib", "run_memory_mib", "runs", "weights_mib",
     "tree_budget", "draft_expansions", "plain_fraction", "ngram_share", "engines",
 }
 SPREAD_KEYS = {"mean", "sd", "min", "max"}
@@ -85,6 +85,21 @@ def finished(tiny_models, tmp_path_factory):
     return report, out
 
 
+def test_memory_shows_the_draft_a_method_holds(finished, tiny_models):
+    """Every method runs in one process that holds both models, so a process peak is the same for all: the
+    report counts the weights each method holds (swiftspec and assisted also hold the draft) beside what its
+    calls allocate."""
+    report, _ = finished
+    by_name = {m.name: m for m in report.sets[0].at(1)}
+    mib = lambda model: sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]) / 2**20  # noqa: E731
+    target, draft = mib(tiny_models.target), mib(tiny_models.draft)
+    assert by_name["target"].weights_mib["cpu"] == pytest.approx(target, abs=0.1)
+    assert by_name["prompt_lookup"].weights_mib == by_name["target"].weights_mib
+    for name in ("assisted", "swiftspec_serial"):
+        assert by_name[name].weights_mib["cpu"] == pytest.approx(target + draft, abs=0.1)  # no shared tensors here
+    assert all(m.weights_mib["cpu"] <= by_name["swiftspec_serial"].weights_mib["cpu"] for m in by_name.values())
+
+
 def test_runs_every_method_on_every_set_and_writes_the_results(finished):
     report, out = finished
     assert [s.name for s in report.sets] == ["humaneval", "spec_bench"]
@@ -117,7 +132,7 @@ def test_runs_every_method_on_every_set_and_writes_the_results(finished):
 def test_results_json_has_exactly_the_documented_keys(finished):
     _, out = finished
     data = json.loads((out / "results.json").read_text())
-    assert set(data) == REPORT_KEYS and data["schema_version"] == bench.SCHEMA_VERSION == 3
+    assert set(data) == REPORT_KEYS and data["schema_version"] == bench.SCHEMA_VERSION == 4
     assert set(data["environment"]) == ENVIRONMENT_KEYS
     assert set(data["pair"]) == PAIR_KEYS
     assert set(data["config"]) == CONFIG_KEYS
@@ -229,7 +244,7 @@ def test_batched_results_json_markdown_and_plot(batched):
     assisted = next(line for line in markdown.splitlines() if line.startswith("| prompts | assisted generation |"))
     assert assisted.endswith("| unsupported | unsupported |")
     assert "### Batch size 3: 1 call of 3 prompts, left-padded; 1 row repeat" in markdown
-    assert "Peak memory at batch size 3" in markdown and "**Limit**" in markdown
+    assert "Memory at batch size 3" in markdown and "**Limit**" in markdown
     assert (out / "results.png").exists() == (find_spec("matplotlib") is not None)
 
 

@@ -298,4 +298,19 @@ def method_result(method: Method, runs: list[PromptRun]) -> MethodResult:
         peak_memory_mib=largest_per_device([run.peak_memory_mib for run in runs]),
         run_memory_mib=largest_per_device([run.run_memory_mib for run in runs]),
         runs=runs,
+        weights_mib=weights_mib(method.models),
     )
+
+
+def weights_mib(models) -> dict[str, float]:
+    """MiB of parameters and buffers per device over `models`, each tensor counted once (a draft cut from
+    the target shares its embedding)."""
+    seen, total = set(), {}
+    for model in models:
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.data_ptr() in seen:
+                continue
+            seen.add(tensor.data_ptr())
+            device = str(tensor.device)
+            total[device] = total.get(device, 0.0) + tensor.numel() * tensor.element_size() / MIB
+    return {device: round(mib, 1) for device, mib in total.items()}

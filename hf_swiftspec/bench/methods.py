@@ -64,6 +64,7 @@ class Method:
     checkpoint(): returns a function that puts back what the method keeps between calls as it is
         now (swiftspec: the outputs its suffix proposals may copy), so every batch size starts from
         the same state rather than from the answers it just gave the same prompts.
+    models: the models the method holds (its memory is their weights plus what its calls allocate).
     """
 
     name: str
@@ -75,6 +76,7 @@ class Method:
     tune: Callable[..., None] | None = None
     tuning: dict = field(default_factory=dict)
     checkpoint: Callable[[], Callable[[], None]] = lambda: lambda: None
+    models: tuple = ()
 
 
 def load_models(config: BenchConfig, notes: list[str]) -> BenchModels:
@@ -189,7 +191,10 @@ def assistant_settings(draft, num_assistant_tokens: int):
 
 
 def target_method(target) -> Method:
-    return Method("target", METHOD_LABELS["target"], lambda ids, **kwargs: target.generate(ids, **kwargs), batched=True)
+    return Method(
+        "target", METHOD_LABELS["target"], lambda ids, **kwargs: target.generate(ids, **kwargs), batched=True,
+        models=(target,),
+    )
 
 
 def assisted_method(target, draft, candidates: tuple[int, ...]) -> Method:
@@ -208,14 +213,19 @@ def assisted_method(target, draft, candidates: tuple[int, ...]) -> Method:
             tuning[str(n)] = round(tokens_per_second(generate, ids, kwargs), 3)
         settings["num_assistant_tokens"] = int(max(tuning, key=lambda n: (tuning[n], -int(n))))
 
-    return Method("assisted", METHOD_LABELS["assisted"], generate, settings=settings, tune=tune, tuning=tuning)
+    return Method(
+        "assisted", METHOD_LABELS["assisted"], generate, settings=settings, tune=tune, tuning=tuning, models=(target, draft)
+    )
 
 
 def prompt_lookup_method(target, num_tokens: int) -> Method:
     def generate(ids, **kwargs):
         return target.generate(ids, prompt_lookup_num_tokens=num_tokens, **kwargs)
 
-    return Method("prompt_lookup", METHOD_LABELS["prompt_lookup"], generate, settings={"prompt_lookup_num_tokens": num_tokens})
+    return Method(
+        "prompt_lookup", METHOD_LABELS["prompt_lookup"], generate, settings={"prompt_lookup_num_tokens": num_tokens},
+        models=(target,),
+    )
 
 
 def swiftspec_method(name: str, model: SwiftSpecForCausalLM, seed: int) -> Method:
@@ -243,6 +253,7 @@ def swiftspec_method(name: str, model: SwiftSpecForCausalLM, seed: int) -> Metho
     return Method(
         name, METHOD_LABELS[name], generate, stats=lambda: model.swiftspec_stats, settings={"placement": where},
         batched=serial and not model.config.compile, checkpoint=checkpoint,
+        models=tuple(m for m in (model.target, model.draft) if m is not None),
     )
 
 

@@ -27,8 +27,10 @@ def settings_text(method: MethodResult) -> str:
     return f"{text} (fastest of {', '.join(method.tuning)})" if method.tuning else text
 
 
-def memory_text(peak: dict[str, float], run: dict[str, float]) -> str:
-    return "; ".join(f"{device} {peak[device]:.0f} (+{run.get(device, 0.0):.0f})" for device in peak) or "–"
+def memory_text(weights: dict[str, float], run: dict[str, float]) -> str:
+    """MiB per device: the weights of the models a method holds + the most one of its calls allocated."""
+    devices = list(dict.fromkeys([*weights, *(d for d, mib in run.items() if mib)]))
+    return "; ".join(f"{d} {weights.get(d, 0.0):.1f} + {run.get(d, 0.0):.1f}" for d in devices) or "–"
 
 
 def policy_cells(m: MethodResult) -> str:
@@ -45,7 +47,7 @@ def policy_cells(m: MethodResult) -> str:
 def method_table(methods: list[MethodResult]) -> list[str]:
     lines = [
         "| method | settings | tokens/s | speed-up | τ | target fwd / token | target idle | tree T | draft fwd / round "
-        "| plain rounds | n-gram share | peak MiB (+ during call) |",
+        "| plain rounds | n-gram share | memory MiB (weights + call) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m in methods:
@@ -55,7 +57,7 @@ def method_table(methods: list[MethodResult]) -> list[str]:
         lines.append(
             f"| {m.label} | {settings_text(m)} | {fmt(m.tokens_per_s, 1)} | {fmt(m.speedup, 2, '×')} | {fmt(m.tau)} | "
             f"{fmt(m.target_forwards_per_token)} | {fmt(idle, 0, '%')} | {policy_cells(m)} | "
-            f"{memory_text(m.peak_memory_mib, m.run_memory_mib)} |"
+            f"{memory_text(m.weights_mib, m.run_memory_mib)} |"
         )
     return lines
 
@@ -145,14 +147,15 @@ def batch_table(sets: list[SetResult]) -> list[str]:
 
 
 def batch_memory_lines(sets: list[SetResult]) -> list[str]:
-    """Peak memory per method at the largest batch size: MiB (+ during the call), largest over its calls."""
+    """Memory per method at the largest batch size: its models' weights + the most one of its calls allocated."""
     lines = []
     for result in sets:
         batch = result.batches[-1]
         ok = [m for m in batch.methods if m.status == "ok"]
-        shown = "; ".join(f"{m.label} {memory_text(m.peak_memory_mib, m.run_memory_mib)}" for m in ok)
+        shown = "; ".join(f"{m.label} {memory_text(m.weights_mib, m.run_memory_mib)}" for m in ok)
         lines.append(f"- {result.name}: {shown}")
-    return [f"Peak memory at batch size {sets[0].batches[-1].batch_size}, MiB (+ during the call):", ""] + lines + [""]
+    return [f"Memory at batch size {sets[0].batches[-1].batch_size}, MiB: the weights a method holds + the most one "
+            "call allocated:", ""] + lines + [""]
 
 
 def markdown_report(report: BenchReport) -> str:

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from .methods import BenchModels, Method
 
 
-SCHEMA_VERSION = 3  # 3: a batch dimension (SetResult.batches), PromptRun.prompts / row_tokens / engine
+SCHEMA_VERSION = 4  # 4: MethodResult.weights_mib; 3: a batch dimension (SetResult.batches), PromptRun.prompts / row_tokens / engine
 DEFAULT_METHODS = ("target", "assisted", "prompt_lookup", "swiftspec_serial", "swiftspec_async")
 # Timed only when asked for (--methods): swiftspec_compiled compiles its steps first (tens of seconds on a CPU).
 METHOD_NAMES = DEFAULT_METHODS + ("swiftspec_compiled",)
@@ -152,6 +152,7 @@ class MethodResult:
     peak_memory_mib: dict[str, float]
     run_memory_mib: dict[str, float]
     runs: list[PromptRun]
+    weights_mib: dict[str, float] = field(default_factory=dict)  # device -> weights of the models it holds
 
 
 @dataclass
