@@ -123,7 +123,7 @@ def swiftspec_generate(
         history=swiftspec_history,
         on_tokens=(lambda tokens: swiftspec_streamer.put(torch.tensor(tokens))) if swiftspec_streamer else None,
     )
-    request.policy.start_generation()
+    request.policy.start_generation(request.max_new_tokens)
     if config.compile:
         kept = swiftspec_policy if isinstance(swiftspec_policy, StaticRounds) else StaticRounds()
         result = decode_static(model, swiftspec_draft, request, config, swiftspec_placement, kept)

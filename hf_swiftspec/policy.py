@@ -28,7 +28,7 @@ proposals or a tree size do not pay on this machine.
 
 The calls an engine makes, in order (the serial and the overlapped engines alike):
 
-    start_generation()                   once per generate() call: forget the last call's rows
+    start_generation(new_tokens)         once per generate() call: forget the last call's rows
     plan = plan_round(batch, rows)       each round's start: probe, time a plain step, stay quiet?
     keep_expanding(...) / best_budget()  the round's choices (the serial engine's; the overlapped
                                          one grows for overlap_depth() expansions instead)
@@ -57,6 +57,10 @@ MATCH_EDGES = (1, 2, 3, 4, 5, 8, 16)  # the shortest match of each bucket
 # how much that scales the match's prior.
 SUPPORT_BUCKETS = 5
 SUPPORT_SCALE = (0.3, 0.6, 0.85, 1.0, 1.15)
+# Before anything is measured, the draft prefills (catches up) at most this many prompt tokens per new token the
+# call may emit: a long prompt with a short answer decodes without the draft until its costs are known (a
+# 2-of-30-layer draft's prefill of an 8k prompt cost a 135M target's 16-token answer 12% on a CPU).
+FIRST_CATCH_UP_PER_TOKEN = 32
 DEPTH_BUCKETS = 4  # depth 1, 2, 3-4, 5+: once a copy is being accepted, its next token is a safer bet
 # A row whose suffix proposals keep missing at their first token builds one only every 2, 4, ... up to
 # this many rounds (building one costs about as much as a plain step's processing on a small model).
@@ -185,12 +189,14 @@ class CallState:
     watching:     per row, suffix proposals of earlier rounds still followed down the emitted tokens
     suffix_every: per row, rounds between its suffix proposals; suffix_wait: rounds until its next one
     row_yield:    per row, (accepted, expected) tokens beyond the root of its verified trees, decayed
+    new_tokens:   the most tokens a row may emit in this call (None: not said), what speculation can win back within
     """
 
     watching: dict[int, list[SuffixWatch]] = field(default_factory=dict)
     suffix_every: dict[int, int] = field(default_factory=dict)
     suffix_wait: dict[int, int] = field(default_factory=dict)
     row_yield: dict[int, tuple[float, float]] = field(default_factory=dict)
+    new_tokens: int | None = None
 
 
 @dataclass
@@ -408,8 +414,9 @@ class GoodputPolicy:
         if probing:
             return done < self.probe_depth
         costs = self.costs
-        if not costs.measured:
-            return done < 1  # the first round: measure one expansion
+        if not costs.measured:  # the first round: measure one expansion, if the call can repay the draft's prefill
+            new_tokens = self.call.new_tokens
+            return done < 1 and (new_tokens is None or catch_up <= FIRST_CATCH_UP_PER_TOKEN * new_tokens)
         # Look several expansions ahead: where a 2-node tree costs much more than a plain step (CPUs)
         # one expansion alone never pays, while three that grow a 4-node path do.
         T, now = self.best_budget(rows, spent_s)
@@ -576,7 +583,8 @@ class GoodputPolicy:
                 still.append(watch)
         return [w for w in still if w.children(w.node)], any_hit
 
-    def start_generation(self) -> None:
+    def start_generation(self, new_tokens: int | None = None) -> None:
         """Forget the proposals of an earlier generation and what was learnt per row (how often each row
-        proposed, how its trees yielded: a new request's text is another); the calibrations stay."""
-        self.call = CallState()
+        proposed, how its trees yielded: a new request's text is another); the calibrations stay.
+        new_tokens: the call's max_new_tokens."""
+        self.call = CallState(new_tokens=new_tokens)

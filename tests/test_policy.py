@@ -8,7 +8,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria
 from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.suffix import SuffixIndex, SuffixTree, chain
 from hf_swiftspec.policy import GoodputPolicy
-from hf_swiftspec.tools.models import real_shaped_pair, tiny_model
+from hf_swiftspec.tools.models import real_shaped_pair, tiny_model, truncated_draft
 from hf_swiftspec.tree import Proposal, Subtree, best_subtree, merge_suffix, ranked
 from hf_swiftspec.verify import Sampler, Verified, walk_nodes, walk_rows
 
@@ -284,3 +284,26 @@ def test_a_real_shaped_pair_whose_draft_cannot_pay_decodes_plainly():
     plain = sum(r.budget == 1 and r.expansions == 0 for r in rounds)
     assert plain >= 0.9 * len(rounds), [(r.budget, r.expansions, r.accepted) for r in rounds]
     assert torch.equal(out, target.generate(ids, max_new_tokens=200, min_new_tokens=200, do_sample=False))
+
+
+def test_a_cold_policy_prefills_the_draft_only_where_the_answer_can_repay_it():
+    """Before anything is measured a round expands once to measure the draft, catching up its whole prompt
+    first; a prompt of more than FIRST_CATCH_UP_PER_TOKEN tokens per new token is decoded without the draft."""
+    rows = [[0.9, 0.5]]
+    for new_tokens, prompt, expands in [(8, 300, False), (16, 300, True), (None, 10_000, True), (64, 2048, True)]:
+        policy = GoodputPolicy()
+        policy.start_generation(new_tokens)
+        policy.plan_round(1, [0])
+        assert policy.keep_expanding(0, 0.0, rows, False, catch_up=prompt) is expands, (new_tokens, prompt)
+        assert not policy.keep_expanding(1, 0.0, rows, False, catch_up=0)  # one expansion measures the draft
+
+
+def test_a_long_prompt_with_a_short_answer_runs_no_draft_forward_and_stays_exact():
+    target = tiny_model("llama", seed=0)
+    model = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2))
+    prompt = torch.randint(3, 98, (1, 300), generator=torch.Generator().manual_seed(4))
+    for new_tokens, drafts in [(8, False), (24, True)]:
+        model.reset_policy()  # a cold policy each time: what a first call sees
+        expected = target.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
+        assert model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, swiftspec=True).tolist() == expected.tolist()
+        assert (model.swiftspec_stats.draft_forwards > 0) is drafts, model.swiftspec_stats.summary()

@@ -199,7 +199,7 @@ class ShapeChooser:
     probe_after: int = 4
     best: str | None = None  # the best kind possible in the round last chosen for (None: a kind untried)
 
-    def start_generation(self) -> None:
+    def start_generation(self, new_tokens: int | None = None) -> None:
         """Nothing of one call's rows is kept: what it measured per kind of round carries over."""
 
     def plan_round(self, kinds: list[str]) -> str:
