@@ -57,9 +57,9 @@ MATCH_EDGES = (1, 2, 3, 4, 5, 8, 16)  # the shortest match of each bucket
 # how much that scales the match's prior.
 SUPPORT_BUCKETS = 5
 SUPPORT_SCALE = (0.3, 0.6, 0.85, 1.0, 1.15)
-# Before anything is measured, the draft prefills (catches up) at most this many prompt tokens per new token the
-# call may emit: a long prompt with a short answer decodes without the draft until its costs are known (a
-# 2-of-30-layer draft's prefill of an 8k prompt cost a 135M target's 16-token answer 12% on a CPU).
+# An expansion not priced by measured costs (the first, a probe) runs only if the draft has at most this many
+# tokens to catch up (its prompt) per new token the call may emit: a long prompt with a short answer decodes
+# without the draft (a 2-of-30-layer draft's prefill of 4k-8k tokens cost a 135M target's 16-token answer 7-12%).
 FIRST_CATCH_UP_PER_TOKEN = 32
 DEPTH_BUCKETS = 4  # depth 1, 2, 3-4, 5+: once a copy is being accepted, its next token is a safer bet
 # A row whose suffix proposals keep missing at their first token builds one only every 2, 4, ... up to
@@ -411,12 +411,11 @@ class GoodputPolicy:
             return done < self.draft_depth
         if done >= self.max_depth or self.plan.timing_plain:
             return False
-        if probing:
-            return done < self.probe_depth
+        if probing:  # a forced expansion, if the call can repay the draft's catch-up (see repays_catch_up)
+            return done < self.probe_depth and self.repays_catch_up(catch_up)
         costs = self.costs
-        if not costs.measured:  # the first round: measure one expansion, if the call can repay the draft's prefill
-            new_tokens = self.call.new_tokens
-            return done < 1 and (new_tokens is None or catch_up <= FIRST_CATCH_UP_PER_TOKEN * new_tokens)
+        if not costs.measured:  # the first round: measure one expansion, if the call can repay the catch-up
+            return done < 1 and self.repays_catch_up(catch_up)
         # Look several expansions ahead: where a 2-node tree costs much more than a plain step (CPUs)
         # one expansion alone never pays, while three that grow a 4-node path do.
         T, now = self.best_budget(rows, spent_s)
@@ -427,6 +426,13 @@ class GoodputPolicy:
             if expected / (spent_s + k * costs.expand_cost + times[min(T + k, self.max_budget) - 1]) > now:
                 return True
         return False
+
+    def repays_catch_up(self, tokens: int) -> bool:
+        """Whether an expansion that is not priced by measured costs (the first, a probe) may first run `tokens`
+        the draft has not seen (its prompt, plain rounds' tokens): at most FIRST_CATCH_UP_PER_TOKEN per new
+        token the call may emit, so a long prompt with a short answer never pays for a draft prefill."""
+        new_tokens = self.call.new_tokens
+        return new_tokens is None or tokens <= FIRST_CATCH_UP_PER_TOKEN * new_tokens
 
     def overlap_depth(self) -> int:
         """Expansions that fit wholly in one verification (asynchronous engines, where drafting is

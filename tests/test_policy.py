@@ -296,6 +296,7 @@ def test_a_cold_policy_prefills_the_draft_only_where_the_answer_can_repay_it():
         policy.plan_round(1, [0])
         assert policy.keep_expanding(0, 0.0, rows, False, catch_up=prompt) is expands, (new_tokens, prompt)
         assert not policy.keep_expanding(1, 0.0, rows, False, catch_up=0)  # one expansion measures the draft
+        assert policy.keep_expanding(0, 0.0, rows, True, catch_up=prompt) is expands  # a probe alike
 
 
 def test_a_long_prompt_with_a_short_answer_runs_no_draft_forward_and_stays_exact():
