@@ -22,7 +22,7 @@ for the length of that generation only (`routed_attention`, which restores the u
     SwiftSpecConfig.attention:
     "auto"   the model's own attention + dense mask. On an H200 (Llama-3-8B shape, bf16, README's GPU
              section) an eager tree step is bound by the host's launches, and the kernel's Python launch
-             per layer cost more (+1 to +9 ms a verification) than its faster attention saved
+             per layer cost more (+0.5 to +9.4 ms in 7 of 8 verifications) than its faster attention saved
     "kernel" the Triton kernel wherever Triton runs (CUDA, or the CPU interpreter under
              TRITON_INTERPRET=1), else its plain-torch reference
     "model"  the model's own attention (sdpa or eager) with a dense additive 4D mask

@@ -119,17 +119,15 @@ def select_leaves(tree: TokenTree, width: int, within: int | None = None, below_
     fixed: return exactly `width` indices with no host sync (a capturable step: the schedule guarantees
         that many leaves); else as many as there are (one sync: how many).
     """
-    size = tree.size
-    scores = tree.scores[:size]
-    closed = tree.expanded[:size].clone()
+    order = torch.sort(tree.scores[: tree.size], descending=True, stable=True).indices
+    if within is not None:
+        order = order[:within]
+    eligible = ~tree.expanded[order]
     if below_depth is not None:
-        closed |= tree.depths[:size] >= below_depth
-    if within is not None and within < size:
-        rank = torch.empty(size, dtype=torch.long, device=scores.device)
-        rank[torch.sort(scores, descending=True, stable=True).indices] = torch.arange(size, device=scores.device)
-        closed |= rank >= within
-    order = torch.sort(scores.masked_fill(closed, float("-inf")), descending=True, stable=True).indices[:width]
-    return order if fixed else order[~closed[order]]
+        eligible &= tree.depths[order] < below_depth
+    if fixed:  # the eligible first, each group still best first (a stable sort of a few booleans)
+        return order[torch.sort((~eligible).to(torch.uint8), stable=True).indices[:width]]
+    return order[eligible][:width]
 
 
 def room_for_expansion(tree: TokenTree, num_leaves: int, children_per_leaf: int) -> bool:
