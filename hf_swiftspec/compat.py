@@ -124,6 +124,9 @@ GenerateDecoderOnlyOutput = internal("generation", "GenerateDecoderOnlyOutput")
 MODEL_FOR_CAUSAL_LM_MAPPING = internal("models.auto.modeling_auto", "MODEL_FOR_CAUSAL_LM_MAPPING")
 MODEL_FOR_CAUSAL_LM_MAPPING_NAMES = internal("models.auto.modeling_auto", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES")
 get_tokenizer_config = internal("models.auto.tokenization_auto", "get_tokenizer_config")
+ACT2FN = internal("activations", "ACT2FN")  # an EAGLE-3 head's layer (eagle3.py) is a llama layer
+LlamaRotaryEmbedding = internal("models.llama.modeling_llama", "LlamaRotaryEmbedding")
+apply_rotary_pos_emb = internal("models.llama.modeling_llama", "apply_rotary_pos_emb")
 
 
 def tensor_parallel_plan(model, degree: int) -> dict:

@@ -3,7 +3,8 @@
 A drafter proposes, for each row, nodes hanging under the row's root (the last verified token), and
 follows the target's verdict afterwards. Every drafter implements `Drafter`:
 
-    start(prompts)                 a generation begins: each row's prompt (token ids, no padding)
+    start(prompts[, features])     a generation begins: each row's prompt (token ids, no padding) and, for a
+                                   drafter that reads them, the target's hidden states at its positions
     accept(subtrees, verified)     the target's verdict per row (None: the row sat the round out):
                                    follow the verified tokens
     keep_rows(rows)                the rows that keep decoding (row rows[i] becomes row i)
@@ -38,7 +39,7 @@ from .verify import Verified
 class Drafter(Protocol):
     """What every drafter does (see the module docstring)."""
 
-    def start(self, prompts: list[list[int]]) -> None: ...
+    def start(self, prompts: list[list[int]], features: list[torch.Tensor] | None = None) -> None: ...
 
     def accept(self, subtrees: list[Subtree | None], verified: list[Verified | None]) -> object: ...
 
@@ -57,7 +58,7 @@ class SuffixDrafter:
         self.max_n, self.branching, self.corpus, self.history = max_n, branching, corpus or [], history
         self.indices = [SuffixIndex(max_n=max_n, branching=branching) for _ in range(batch_size)]
 
-    def start(self, prompts: list[list[int]]) -> None:
+    def start(self, prompts: list[list[int]], features=None) -> None:
         for b, ids in enumerate(prompts):
             self.indices[b] = SuffixIndex(max_n=self.max_n, history=self.history, branching=self.branching)
             self.indices[b].add_corpus(self.corpus)
@@ -104,12 +105,15 @@ class Drafters:
         return len(self.roots)
 
     # ---- a generation ----------------------------------------------------------------------------
-    def start(self, prompts: list[list[int]]) -> None:
-        """Begin a generation: each row's prompt (token ids, no padding); its last token is the root."""
+    def start(self, prompts: list[list[int]], features: list[torch.Tensor] | None = None) -> None:
+        """Begin a generation: each row's prompt (token ids, no padding); its last token is the root.
+        features: per row the target's hidden states at the prompt's positions, for a drafter that reads them."""
         self.roots = [ids[-1] for ids in prompts]
         self.lengths = [len(ids) for ids in prompts]
-        for drafter in self.drafters:
-            drafter.start(prompts)
+        if self.suffix is not None:
+            self.suffix.start(prompts)
+        if self.model is not None:
+            self.model.start(prompts, features)
 
     def accept(self, subtrees: list[Subtree | None], verified: list[Verified | None]) -> int:
         """Hand every drafter the target's verdict per row (None: the row sat the round out). Returns how

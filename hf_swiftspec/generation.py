@@ -33,7 +33,9 @@ from .compat import (
 )
 from .config import SwiftSpecConfig
 from .drafting import Drafters, SuffixDrafter
+from .eagle3 import Eagle3Head, FeatureTap
 from .engine import DecodeRequest, DecodeResult, DraftModelDrafter, TargetWorker, run_serial, run_threads
+from .engine.heads import Eagle3Drafter
 from .engine.static_round import StaticRounds, run_static, static_round_gaps, static_shape
 from .engine.request import RowResult
 from .engine.distributed import Groups, run_distributed
@@ -88,7 +90,7 @@ def swiftspec_generate(
     max_new = max(stop_length(stopping_criteria, generation_config) - input_ids.shape[1], 0)
     if batch > 1:
         check_batch_placement(swiftspec_placement, swiftspec_streamer, batch)
-    architectures = describe(model, "target"), describe(swiftspec_draft, "draft") if swiftspec_draft is not None else None
+    architectures = describe(model, "target"), draft_architecture(swiftspec_draft)
     # Rules the target applies by cache slot: trees stay below them, else chains, else its own loop.
     slots = input_ids.shape[1] + max_new + (config.tree_budget or MAX_BUDGET)
     reached = architectures[0].limits_reached(slots)
@@ -152,8 +154,10 @@ def decode_adaptive(target, draft, request: DecodeRequest, config: SwiftSpecConf
                             architectures)
     with contextlib.ExitStack() as routes:  # each model attends the tree its way for this call only
         for worker in (workers[0], workers[1] and workers[1].model):
-            if worker is not None:
+            if worker is not None and not isinstance(worker.model, Eagle3Head):
                 routes.enter_context(routed_attention(worker.model, worker.attention))
+        if isinstance(draft, Eagle3Head):  # the head reads the target's hidden states, for this call only
+            workers[0].tap = routes.enter_context(FeatureTap(target, draft.layer_ids))
         if request.max_new_tokens:
             result = run_engine(placement, groups, *workers, request, config)
         else:
@@ -204,7 +208,7 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
     `chain_reasons` say this call reaches a slot limit.
     """
     role = groups.role if groups is not None else None
-    target_arch, draft_arch = architectures or (describe(target, "target"), describe(draft, "draft") if draft is not None else None)
+    target_arch, draft_arch = architectures or (describe(target, "target"), draft_architecture(draft))
     chain = "chain" in (target_arch.shape, draft_arch and draft_arch.shape) or bool(chain_reasons)
     target_worker = draft_worker = None
     if role in (None, "target"):
@@ -212,24 +216,37 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
         attention = resolve_attention(config.attention, target, target_arch)
         target_worker = TargetWorker(target, length + budget, attention, target_arch, batch_size)
     if role in (None, "draft"):
-        max_positions = context_limit(*(m for m in (target, draft) if m is not None))
-        model = None if draft is None else DraftModelDrafter(
-            draft,
-            capacity=length + config.tree_capacity,
-            tree_capacity=config.tree_capacity,
-            width=1 if chain else config.draft_width,
-            vocab_limit=target.config.get_text_config().vocab_size,
-            attention=resolve_attention(config.attention, draft, draft_arch),
-            architecture=draft_arch,
-            max_positions=max_positions,
-            batch_size=batch_size,
-        )
+        max_positions = context_limit(*(m for m in (target, draft) if m is not None and not isinstance(m, Eagle3Head)))
+        if isinstance(draft, Eagle3Head):
+            model = Eagle3Drafter(draft, capacity=length + config.tree_capacity, tree_capacity=config.tree_capacity,
+                                  width=1 if chain else config.draft_width,
+                                  vocab_limit=target.config.get_text_config().vocab_size, max_positions=max_positions,
+                                  batch_size=batch_size)
+        else:
+            model = None if draft is None else DraftModelDrafter(
+                draft,
+                capacity=length + config.tree_capacity,
+                tree_capacity=config.tree_capacity,
+                width=1 if chain else config.draft_width,
+                vocab_limit=target.config.get_text_config().vocab_size,
+                attention=resolve_attention(config.attention, draft, draft_arch),
+                architecture=draft_arch,
+                max_positions=max_positions,
+                batch_size=batch_size,
+            )
         ngram_size = 0 if chain and draft is not None else config.ngram_size
         suffix = None if ngram_size == 0 else SuffixDrafter(
             ngram_size, batch_size, branching=not chain, corpus=corpus, history=history
         )
         draft_worker = Drafters(model, suffix, batch_size, max_positions, target.device)
     return target_worker, draft_worker
+
+
+def draft_architecture(draft):
+    """The draft's tree-step needs (probes.describe; an EAGLE-3 head's are its own), or None without one."""
+    if draft is None:
+        return None
+    return draft.architecture if isinstance(draft, Eagle3Head) else describe(draft, "draft")
 
 
 def attention_summary(workers, chain_reasons=()) -> str:

@@ -11,6 +11,7 @@ import torch
 from huggingface_hub import HfApi
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, GenerationMixin, PreTrainedModel
 
+from .eagle3 import Eagle3Head, load_eagle3_head
 from .probes import describe
 from .config import SwiftSpecConfig, check_setting_names
 from .generation import check_inputs, split_stop_strings, stop_string_criteria, swiftspec_generate
@@ -25,7 +26,7 @@ from .pair import (
     write_pair_repo,
 )
 from .pair.loading import LoadArguments, split_load_kwargs, with_cpu_dtype
-from .pair.locate import HubOptions, resolve_pair_folder
+from .pair.locate import HubOptions, member_folder, member_head_config, resolve_pair_folder
 from .pair.repo import read_pair_config
 from .pair.tokenizer import load_tokenizer
 from .placement import Placement, place_models, resolve_placement
@@ -70,6 +71,8 @@ def check_member_type(model, role: str, required: bool) -> None:
     """A member must be a transformers model; name what was passed instead (a tokenizer, a path...)."""
     if model is None and not required:
         return
+    if role == "draft" and isinstance(model, Eagle3Head):
+        return
     if not isinstance(model, PreTrainedModel):
         hint = " Pass it as tokenizer= instead." if hasattr(model, "encode") and hasattr(model, "decode") else ""
         load = " Load it first: AutoModelForCausalLM.from_pretrained(...)." if isinstance(model, (str, os.PathLike)) else ""
@@ -86,6 +89,8 @@ def own_location(model: PreTrainedModel | None, other: PreTrainedModel | None = 
     its weights instead of pointing the pair at a model it is not."""
     if model is None or not model.name_or_path:
         return None
+    if isinstance(model, Eagle3Head):  # loaded from its folder as it is (load_eagle3_head)
+        return model.name_or_path
     name = model.name_or_path
     if other is not None and model is not other and name == other.name_or_path:
         logger.warning(
@@ -142,6 +147,25 @@ def draft_own_tokenizer(target: PreTrainedModel, draft: PreTrainedModel, locatio
     return own
 
 
+def check_head_fits(head: Eagle3Head, target: PreTrainedModel, placement) -> None:
+    """An EAGLE-3 head drafts from the target's per-token hidden states, on the target's device, in the serial
+    round: refuse a target or placement where it cannot, and a head trained for another target (bind)."""
+    if placement not in (None, "serial"):
+        raise ValueError(
+            f"placement={placement!r}: an EAGLE-3 head reads the target's hidden states on the target's device, so it "
+            "drafts on the serial engine only; drop placement."
+        )
+    architecture = describe(target, "target")
+    if architecture.recurrent:
+        raise ValueError(
+            f"The target ({architecture.model_type}) keeps recurrent states; an EAGLE-3 head drafts for attention "
+            "targets only. Use a draft model or draft-free mode."
+        )
+    head.bind(target)
+    if head.device != target.device:
+        raise ValueError(f"The EAGLE-3 head is on {head.device}, the target on {target.device}: move the head to the target's device.")
+
+
 class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
     """A target and a draft model; `generate(swiftspec=True)` speculates with a token tree, losslessly.
 
@@ -173,7 +197,9 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
                 "SwiftSpecForCausalLM.from_pretrained(pair_or_model_folder)."
             )
         check_model_supported(target, "target")
-        if draft is not None:
+        if isinstance(draft, Eagle3Head):
+            check_head_fits(draft, target, config.placement)
+        elif draft is not None:
             check_model_supported(draft, "draft")
             check_compatibility(target.config, draft.config, tokenizer, draft_tokenizer, architectures=False)
         self.target = target
@@ -235,7 +261,7 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
         check_member_type(target, "target", required=True)
         check_member_type(draft, "draft", required=False)
         config = SwiftSpecConfig(target=own_location(target), draft=own_location(draft, target), **settings)
-        if draft is not None and tokenizer is not None and draft_tokenizer is None:
+        if draft is not None and not isinstance(draft, Eagle3Head) and tokenizer is not None and draft_tokenizer is None:
             draft_tokenizer = draft_own_tokenizer(target, draft, config.draft)
         return cls(config, target, draft, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)
 
@@ -274,8 +300,11 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
         kwargs = with_cpu_dtype(load.member_kwargs, pair.config.placement)
         models = {
             role: AutoModelForCausalLM.from_pretrained(member.location, revision=member.revision, **load.hub.as_kwargs(), **kwargs)
-            for role, member in pair.members.items()
+            for role, member in pair.members.items() if not (role == "draft" and member_head_config(member, load.hub))
         }
+        if "draft" not in models:  # an EAGLE-3 head: beside the target, in its dtype
+            target = models["target"]
+            models["draft"] = load_eagle3_head(member_folder(pair.members["draft"], load.hub), target.device, target.dtype)
         generation_file = pair.folder / "generation_config.json"
         if generation_file.is_file():  # the pair's generation defaults replace the target's, on both paths
             models["target"].generation_config = GenerationConfig.from_pretrained(pair.folder)

@@ -30,12 +30,14 @@ class RowQueries:
     region:    (n, S) bool, which of the row's S region slots each query sees: the tree slots the
                row's cache already holds after its prefix, then this step's n new ones (the last n)
     region_positions: (S,) long positions of those slots; needed only when a layer has a window
+    inputs:    (n, H) hidden inputs beside the tokens, for drafters that read them (an EAGLE-3 head)
     """
 
     tokens: torch.Tensor
     positions: torch.Tensor
     region: torch.Tensor
     region_positions: torch.Tensor | None = None
+    inputs: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -68,8 +70,38 @@ def run_step(
     with `logits=False` (a catch-up: the head then runs on one query per row, not on every token of a
     prompt: 16 prompts of 256 tokens with a 49k-row head would be 0.8 GB of logits thrown away).
 
-    fallbacks: collects why kernel-routed layers ran the model's own attention instead.
+    fallbacks: collects why kernel-routed layers ran their own attention instead.
     """
+    counts, input_ids, positions, layout, kwargs = step_arguments(model, cache, rows, attention, architecture)
+    out = model_step(model, cache, input_ids, positions, keep=0 if logits else 1, **kwargs)  # (B, Q, V)
+    if fallbacks is not None:
+        if "swiftspec_tree" in kwargs:
+            fallbacks |= kwargs["swiftspec_tree"].fallbacks
+        elif attention in ("triton", "torch-reference") and not layout.single:
+            fallbacks.add("batches of several rows")
+    return [out[b, : counts[b]] for b in range(len(rows))] if logits else []
+
+
+def run_head_step(model, cache: TreeCache, rows: list[RowQueries], architecture: Architecture,
+                  logits: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """run_step for a draft head that reads hidden inputs beside the tokens (`RowQueries.inputs`) and
+    gives its hidden outputs back: per row (float32 logits (n_b, V) or nothing, hidden (n_b, H))."""
+    counts, input_ids, positions, _, kwargs = step_arguments(model, cache, rows, "sdpa", architecture)
+    Q, H = input_ids.shape[1], next(r.inputs for r in rows if r.inputs is not None).shape[-1]
+    inputs = torch.zeros(len(rows), Q, H, dtype=model.dtype, device=input_ids.device)
+    for b, row in enumerate(rows):
+        if counts[b]:
+            inputs[b, : counts[b]] = row.inputs
+    out = model(input_ids=input_ids, position_ids=positions, hidden_inputs=inputs, past_key_values=cache,
+                logits_to_keep=0 if logits else 1, **kwargs)
+    cache.advance(Q)
+    hidden = [out.hidden[b, : counts[b]] for b in range(len(rows))]
+    return ([out.logits[b, : counts[b]].float() for b in range(len(rows))] if logits else []), hidden
+
+
+def step_arguments(model, cache: TreeCache, rows: list[RowQueries], attention: str, architecture: Architecture):
+    """Plan the cache's writes for one step and build its inputs: (counts, input_ids (B, Q), positions (B, Q),
+    the StepLayout, attention kwargs)."""
     device = model.device
     counts = [len(r) for r in rows]
     Q = max(max(counts), 1)
@@ -90,14 +122,7 @@ def run_step(
         region_positions=[r.region_positions for r in rows],
         width=cache.step_end(Q),
     )
-    kwargs = tree_step_kwargs(attention, architecture, layout, model.dtype)
-    out = model_step(model, cache, input_ids, positions, keep=0 if logits else 1, **kwargs)  # (B, Q, V)
-    if fallbacks is not None:
-        if "swiftspec_tree" in kwargs:
-            fallbacks |= kwargs["swiftspec_tree"].fallbacks
-        elif attention in ("triton", "torch-reference") and not layout.single:
-            fallbacks.add("batches of several rows")
-    return [out[b, : counts[b]] for b in range(len(rows))] if logits else []
+    return counts, input_ids, positions, layout, tree_step_kwargs(attention, architecture, layout, model.dtype)
 
 
 def model_step(model: PreTrainedModel, cache: TreeCache, input_ids, position_ids, attention_mask=None, keep: int = 0,

@@ -190,6 +190,8 @@ class Verified:
     scores:   processed scores (1, V) for each emitted token (for output_scores)
     logits:   raw logits (1, V) for each emitted token (for output_logits)
     finished: a stopping criterion fired or max_new_tokens was reached
+    features: (len(path), D) the target's hidden states at the path's nodes, for drafters that read them
+              (an EAGLE-3 head); None otherwise
     """
 
     tokens: list[int] = field(default_factory=list)
@@ -197,6 +199,7 @@ class Verified:
     scores: list[torch.Tensor] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
     finished: bool = False
+    features: torch.Tensor | None = None
 
 
 def verify_tree(

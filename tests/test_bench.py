@@ -39,7 +39,7 @@ PAIR_KEYS = {
     "tokenizer", "settings",
 }
 CONFIG_KEYS = {
-    "pair", "model", "prompts", "num_prompts", "max_new_tokens", "max_prompt_tokens", "methods", "batch_sizes", "seed",
+    "pair", "model", "eagle3", "prompts", "num_prompts", "max_new_tokens", "max_prompt_tokens", "methods", "batch_sizes", "seed",
     "warmup", "output_dir",
     "assistant_tokens", "prompt_lookup_tokens", "swiftspec", "device", "dtype", "threads", "chat_template",
     "ignore_eos", "peak_gbps", "growth_check_tokens", "progress",
@@ -132,7 +132,7 @@ def test_runs_every_method_on_every_set_and_writes_the_results(finished):
 def test_results_json_has_exactly_the_documented_keys(finished):
     _, out = finished
     data = json.loads((out / "results.json").read_text())
-    assert set(data) == REPORT_KEYS and data["schema_version"] == bench.SCHEMA_VERSION == 4
+    assert set(data) == REPORT_KEYS and data["schema_version"] == bench.SCHEMA_VERSION == 5
     assert set(data["environment"]) == ENVIRONMENT_KEYS
     assert set(data["pair"]) == PAIR_KEYS
     assert set(data["config"]) == CONFIG_KEYS

@@ -28,6 +28,7 @@ from hf_swiftspec.pair import (
 )
 from hf_swiftspec.cli import main
 from hf_swiftspec.pair.loading import accelerator_available, device_map_on_cpu, with_cpu_dtype
+from hf_swiftspec.pair.locate import pair_members
 from hf_swiftspec.tools.models import CHAR_SPECIALS, char_tokenizer, tiny_model, truncated_draft
 from pair_helpers import local_pair, save_member, tiny_members, word_tokenizer, write_cached_repo
 
@@ -347,10 +348,11 @@ def test_every_shipped_pair_validates_offline(folder):
     text = (folder / "README.md").read_text()
     assert config.target and config.draft and meta["license"]
     assert "## How to use" in text and "## Pair" in text
+    members = pair_members(config, folder)
     for role in ("target", "draft"):
         revision = getattr(config, f"{role}_revision")
         assert revision is None or len(revision) == 40, f"{role}_revision must be a full commit sha or null"
-        if revision is None and "/" in getattr(config, role):
+        if revision is None and not members[role].is_local:  # a Hub member (a sibling folder is local)
             assert "not pinned" in text  # the card says so
 
 

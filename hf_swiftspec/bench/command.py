@@ -237,6 +237,8 @@ def run_bench(config: BenchConfig) -> BenchReport:
         methods, note = default_methods(where)
         config = replace(config, methods=methods)
         notes += [note] if note else []
+    if config.eagle3 and "swiftspec_eagle3" not in config.methods:  # a head given: time it
+        config = replace(config, methods=(*config.methods, "swiftspec_eagle3"))
     check_config(config)
     threads = set_threads(config.threads, where)
     if config.progress:
@@ -313,6 +315,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "and the asynchronous engine are skipped)",
     )
     parser.add_argument(
+        "--eagle3", default=d.eagle3, metavar="HEAD",
+        help="an EAGLE-3 head for the target (its folder, or a pair whose draft is one, e.g. swiftspec-demo-pystdlib-eagle3): "
+        "adds the method swiftspec_eagle3",
+    )
+    parser.add_argument(
         "--prompts", action="append", default=None, metavar="SET_OR_FILE",
         help=f"bundled set ({', '.join(BUNDLED_PROMPT_SETS)}) or a JSONL / text file; repeat for several "
         f"(default: {' '.join(d.prompts)})",
@@ -381,6 +388,7 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         **sizes,
         pair=args.pair,
         model=args.model,
+        eagle3=args.eagle3,
         prompts=tuple(args.prompts) if args.prompts else BenchConfig().prompts,
         max_prompt_tokens=args.max_prompt_tokens or None,
         methods=tuple(args.methods) if args.methods else None,

@@ -6,14 +6,18 @@ from __future__ import annotations
 import contextlib
 import copy
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from ..cli.options import default_device, load_pair
 from ..config import SwiftSpecConfig
+from ..eagle3 import Eagle3Head, is_eagle3_folder, load_eagle3_head
 from ..modeling import SwiftSpecForCausalLM
 from ..pair import DEMO_PAIR_NAME, bundled_pair
+from ..pair.locate import HubOptions, member_folder, pair_members, resolve_pair_folder
+from ..pair.repo import load_pair_config
 from ..stats import SwiftSpecStats
 from ..tools.models import SHAPE_PREFIX
 from .measure import tokens_per_second
@@ -339,12 +343,42 @@ def build_methods(models: BenchModels, config: BenchConfig, settings: dict, note
             "swiftspec_serial", SwiftSpecForCausalLM.from_models(target, draft, **settings), config.seed
         ),
         "swiftspec_async": lambda: async_method(models, settings, config.seed, notes),
-        "swiftspec_compiled": lambda: swiftspec_method(
+        "swiftspec_compiled": lambda: head_skipped("swiftspec_compiled", notes) if isinstance(draft, Eagle3Head)
+        else swiftspec_method(
             "swiftspec_compiled", SwiftSpecForCausalLM.from_models(target, draft, **settings, compile=True), config.seed
         ),
+        "swiftspec_suffix": lambda: swiftspec_method(
+            "swiftspec_suffix", SwiftSpecForCausalLM.from_models(target, **settings), config.seed
+        ),
+        "swiftspec_eagle3": lambda: swiftspec_method(
+            "swiftspec_eagle3", SwiftSpecForCausalLM.from_models(target, eagle3_head(config.eagle3, target), **settings),
+            config.seed,
+        ),
     }
+    if isinstance(draft, Eagle3Head):
+        builders["assisted"] = lambda: head_skipped("assisted", notes)
     built = [builders[name]() for name in config.methods] + list(config.extra_methods)
     return [m for m in built if isinstance(m, Method)], [m for m in built if isinstance(m, MethodResult)]
+
+
+def head_skipped(name: str, notes: list[str]) -> MethodResult:
+    note = "skipped: the draft is an EAGLE-3 head, which only swiftspec's adaptive round runs"
+    notes.append(f"{name} {note}.")
+    return skipped_result(name, note)
+
+
+def eagle3_head(name: str | None, target) -> Eagle3Head:
+    """The EAGLE-3 head `name` names (its folder, or a pair whose draft is one), beside the target in its dtype."""
+    if name is None:
+        raise ValueError("the method swiftspec_eagle3 needs a head: give --eagle3 HEAD (BenchConfig.eagle3).")
+    path = Path(name)
+    if not is_eagle3_folder(path):
+        folder = resolve_pair_folder(name)
+        member = pair_members(load_pair_config(folder, f"pair {name!r}"), folder)["draft"]
+        path = member_folder(member, HubOptions())
+        if not is_eagle3_folder(path):
+            raise ValueError(f"--eagle3 {name!r} is neither an EAGLE-3 head folder nor a pair whose draft is one.")
+    return load_eagle3_head(path, target.device, target.dtype)
 
 
 def no_draft(name: str, notes: list[str]) -> MethodResult:

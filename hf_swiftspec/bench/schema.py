@@ -14,10 +14,11 @@ if TYPE_CHECKING:
     from .methods import BenchModels, Method
 
 
-SCHEMA_VERSION = 4  # 4: MethodResult.weights_mib; 3: a batch dimension (SetResult.batches), PromptRun.prompts / row_tokens / engine
+SCHEMA_VERSION = 5  # 5: BenchConfig.eagle3; 4: MethodResult.weights_mib; 3: a batch dimension (SetResult.batches), PromptRun.prompts / row_tokens / engine
 DEFAULT_METHODS = ("target", "assisted", "prompt_lookup", "swiftspec_serial", "swiftspec_async")
 # Timed only when asked for (--methods): swiftspec_compiled compiles its steps first (tens of seconds on a CPU).
-METHOD_NAMES = DEFAULT_METHODS + ("swiftspec_compiled",)
+# swiftspec_suffix: the same target draft-free (suffix proposals only); swiftspec_eagle3: with BenchConfig.eagle3's head.
+METHOD_NAMES = DEFAULT_METHODS + ("swiftspec_compiled", "swiftspec_suffix", "swiftspec_eagle3")
 METHOD_LABELS = {
     "target": "target.generate",
     "assisted": "assisted generation",
@@ -25,6 +26,8 @@ METHOD_LABELS = {
     "swiftspec_serial": "swiftspec serial",
     "swiftspec_async": "swiftspec async",
     "swiftspec_compiled": "swiftspec compiled (static round)",
+    "swiftspec_suffix": "swiftspec, suffix proposals only",
+    "swiftspec_eagle3": "swiftspec, EAGLE-3 head",
 }
 
 
@@ -41,6 +44,7 @@ class BenchConfig:
     pair: str | None = None  # pair repo id or folder; None: the bundled demo pair, else an in-memory agreeing_pair()
     models: BenchModels | None = None  # a pair in memory; wins over `pair`
     model: str | None = None  # a plain causal LM (id or folder): draft-free, wins over `pair`; assisted is skipped
+    eagle3: str | None = None  # an EAGLE-3 head (folder, or a pair whose draft is one) for swiftspec_eagle3, added to the methods
     prompts: tuple[str, ...] = ("humaneval", "spec_bench")  # bundled set names or JSONL / text files
     num_prompts: int = 4  # timed prompts per set (full: 8); the set's first prompt is the warm-up prompt
     max_new_tokens: int = 64  # (full: 128)

@@ -26,7 +26,7 @@ def run_serial(target: TargetWorker, draft: Drafters, request: DecodeRequest) ->
     samplers = list(request.samplers)
     start = time.perf_counter()
     target.prefill(request.prompt, request.contexts, request.attention_mask)
-    draft.start(request.prompt_ids())
+    draft.start(request.prompt_ids(), target.prompt_features)
     while rows.live:
         # 1. draft: expand while more expansions are expected to raise tokens per second
         round_start = time.perf_counter()

@@ -63,6 +63,10 @@ class TargetWorker:
         self.sequences: list[torch.Tensor] = []
         self.root_logits: list[torch.Tensor] | None = None  # per row (1, V): the prefill's, until the first verification
         self.counters = TargetCounters()
+        self.tap = None  # a FeatureTap (eagle3.py) when a drafter reads the target's hidden states
+        self.prompt_features: list[torch.Tensor] | None = None  # per row (L_b, D), with a tap: the prompt's states
+        self.root_features: list[torch.Tensor] | None = None  # per row (1, D): the prefill's root, like root_logits
+        self.step_features: list[torch.Tensor | None] = []  # per row (T_b, D): the last verification's nodes
 
     @property
     def sequence(self) -> torch.Tensor:
@@ -92,6 +96,10 @@ class TargetWorker:
         self.sequences = [c.to(self.device) for c in contexts] if contexts is not None else list(prompt.split(1))
         logits = model_step(self.model, self.cache, prompt, positions, attention_mask=attention_mask, keep=1)
         self.root_logits = list(logits[:, -1].split(1))  # (1, V) per row
+        if self.tap is not None:
+            states = self.tap.take()
+            self.prompt_features = [states[b, starts[b] :] for b in range(B)]
+            self.root_features = [f[-1:] for f in self.prompt_features]
         self.cache.starts = starts
         self.cache.seal_prefix()
         self.cache.prefix_lens = [n - 1 for n in self.cache.prefix_lens]
@@ -121,6 +129,8 @@ class TargetWorker:
                 verified.append(None)
                 continue
             outcome = walk(logits[b], subtree, self.sequences[b], samplers[b], stopping_criteria[b], max_tokens[b])
+            if self.tap is not None:
+                outcome.features = self.step_features[b][outcome.path]
             new = torch.tensor([outcome.tokens], dtype=self.sequences[b].dtype, device=self.device)
             self.sequences[b] = torch.cat([self.sequences[b], new], dim=1)
             verified.append(outcome)
@@ -139,6 +149,7 @@ class TargetWorker:
         """Logits (T_b, V) of every row's subtree nodes: one forward over the nodes the cache lacks
         (row 0's after the tokens to replay, if any: only recurrent models have them)."""
         root_logits, self.root_logits = self.root_logits, None  # the prefill ran the roots: forward only below them
+        root_features, self.root_features = self.root_features, None
         first = 1 if root_logits is not None else 0
         rows, known = [], []
         for b, subtree in enumerate(subtrees):
@@ -158,11 +169,26 @@ class TargetWorker:
                 logits[0] = logits[0][len(self.replay) :]
         else:
             logits = [None] * len(rows)
+        if self.tap is not None:
+            self.step_features = self.features_of(rows, subtrees, root_features)
         return [
             None if subtrees[b] is None else logits[b] if known[b] is None
             else known[b] if not len(rows[b]) else torch.cat([known[b], logits[b]])
             for b in range(len(rows))
         ]
+
+    def features_of(self, rows: list[RowQueries], subtrees, root_features) -> list[torch.Tensor | None]:
+        """Per row, the tap's states (T_b, D) of its subtree's nodes in the forward just run (the root's from
+        the prefill when the forward ran only below it)."""
+        states = self.tap.take() if any(len(r) for r in rows) else None
+        out = []
+        for b, subtree in enumerate(subtrees):
+            if subtree is None:
+                out.append(None)
+                continue
+            ran = states[b, : len(rows[b])] if states is not None else root_features[b][:0]
+            out.append(torch.cat([root_features[b], ran]) if root_features is not None else ran)
+        return out
 
     def subtree_queries(self, b: int, subtree: Subtree, first: int) -> RowQueries:
         """Row b's queries for its subtree's nodes from `first` on, after the tokens to replay (row 0 of a
@@ -211,6 +237,8 @@ class TargetWorker:
         self.sequences = [self.sequences[b] for b in rows]
         if self.root_logits is not None:
             self.root_logits = [self.root_logits[b] for b in rows]
+        if self.root_features is not None:
+            self.root_features = [self.root_features[b] for b in rows]
 
 
 class DraftModelDrafter:
@@ -221,6 +249,8 @@ class DraftModelDrafter:
     leaf). A row with pending tokens has a fresh tree; its next expansion runs them and the root as
     one causal chain; `catch_up` runs them alone, so that an expansion's time is an expansion's.
     """
+
+    reads_features = False  # whether it drafts from the target's hidden states (engine/heads.py)
 
     def __init__(
         self, model: PreTrainedModel, capacity: int, tree_capacity: int, width: int, vocab_limit: int,
@@ -247,9 +277,9 @@ class DraftModelDrafter:
         """Row 0's tree (the only row of a single sequence)."""
         return self.trees[0]
 
-    def start(self, prompts: list[list[int]]) -> None:
+    def start(self, prompts: list[list[int]], features: list[torch.Tensor] | None = None) -> None:
         """Begin a generation: per row, the prompt (token ids, no padding) minus its last token is
-        pending, the last is the root."""
+        pending, the last is the root. (features: the target's states, for drafters that read them.)"""
         for b, ids in enumerate(prompts):
             self.pending[b] = ids[:-1]
             self.committed[b] = list(ids)
@@ -280,7 +310,7 @@ class DraftModelDrafter:
             pending_of.append(len(self.pending[b]))
         if not any(leaves is not None for leaves in leaves_of):
             return 0
-        logits = run_step(self.model, self.cache, queries, self.attention, self.architecture, self.attention_fallbacks)
+        logits = self.run(queries)
         self.states.save(self.cache.length)
         self.counters.forwards += 1
         self.counters.expansions += 1
@@ -288,14 +318,31 @@ class DraftModelDrafter:
         for b, leaves in enumerate(leaves_of):
             if leaves is None:
                 continue
+            self.ran_leaves(b, leaves, pending_of[b])
             if pending_of[b]:  # the chain before the root is committed now
                 self.cache.prefix_lens[b] += pending_of[b]
                 self.pending[b] = []
-            logprobs = torch.log_softmax(logits[b][pending_of[b] :, : self.vocab_limit], dim=-1)  # (w, V)
-            child_logprobs, child_tokens = logprobs.topk(self.width, dim=-1)
-            add_children(self.trees[b], leaves, child_logprobs, child_tokens)
+            add_children(self.trees[b], leaves, *self.children(logits[b][pending_of[b] :]))
             expanded += leaves.shape[0]
         return expanded
+
+    def run(self, queries: list[RowQueries], logits: bool = True) -> list[torch.Tensor]:
+        """One draft forward over every row's queries: each row's logits (n_b, V) (none if not `logits`)."""
+        return run_step(self.model, self.cache, queries, self.attention, self.architecture, self.attention_fallbacks,
+                        logits=logits)
+
+    def children(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The `width` best children of each expanded leaf from its logits (w, V): (log-probs, token ids), (w, width) each."""
+        logprobs = torch.log_softmax(logits[:, : self.vocab_limit], dim=-1)
+        return logprobs.topk(self.width, dim=-1)
+
+    def ran_leaves(self, b: int, leaves: torch.Tensor, after: int) -> None:
+        """Row b's `leaves` ran in the last forward, after `after` pending tokens (a hook for drafters that
+        keep something per node)."""
+
+    def chain_queries(self, b: int) -> RowQueries:
+        """Row b's pending tokens as one causal chain after its prefix."""
+        return RowQueries.chain(self.pending[b], self.cache.prefix_lens[b], self.device)
 
     def expansion_queries(self, b: int, leaves: torch.Tensor) -> RowQueries:
         """Row b's queries for expanding `leaves`: its pending tokens and the root as one chain when
@@ -321,11 +368,8 @@ class DraftModelDrafter:
         if not any(self.pending):
             return
         cache = self.cache
-        rows = [
-            RowQueries.chain(pending, cache.prefix_lens[b], self.device) if pending else RowQueries.none(self.device)
-            for b, pending in enumerate(self.pending)
-        ]
-        run_step(self.model, cache, rows, self.attention, self.architecture, self.attention_fallbacks, logits=False)
+        rows = [self.chain_queries(b) if pending else RowQueries.none(self.device) for b, pending in enumerate(self.pending)]
+        self.run(rows, logits=False)
         self.states.save(cache.length)
         for b, pending in enumerate(self.pending):
             cache.prefix_lens[b] += len(pending)

@@ -11,6 +11,7 @@ folder first, then as local folders or Hub ids.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -173,6 +174,36 @@ def unreachable_member(member: PairMember, hub: HubOptions, err: BaseException) 
     else:
         hint = f"the folder {member.location} does not exist"
     return PairConfigError(f"Cannot load the {member.role} from field {member.role!r}={member.entry!r}: {reason}; {hint}.")
+
+
+def member_folder(member: PairMember, hub: HubOptions) -> Path:
+    """The member's files on this machine: its folder, or its Hub snapshot (safetensors only)."""
+    if member.is_local:
+        return Path(member.location)
+    try:
+        return Path(snapshot_download(
+            repo_id=member.location, revision=member.revision, cache_dir=hub.cache_dir, token=hub.token,
+            local_files_only=hub.local_files_only, force_download=hub.force_download, ignore_patterns=FOREIGN_WEIGHTS,
+        ))
+    except (OSError, ValueError) as err:
+        raise unreachable_member(member, hub, err) from err
+
+
+def member_head_config(member: PairMember, hub: HubOptions):
+    """The member's Eagle3Config when it is an EAGLE-3 head (eagle3.py), else None."""
+    from ..eagle3 import Eagle3Config, eagle3_format
+
+    if member.is_local:
+        path = Path(member.location) / "config.json"
+    else:
+        cached = try_to_load_from_cache(member.location, "config.json", cache_dir=hub.cache_dir, revision=member.revision)
+        path = Path(cached) if isinstance(cached, str) else None
+        if path is None and not hub.local_files_only:
+            path = member_folder(member, hub) / "config.json"
+    if path is None or not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    return Eagle3Config.from_dict(data) if eagle3_format(data) else None
 
 
 def load_member_config(member: PairMember, hub: HubOptions, trust_remote_code: bool = False) -> PreTrainedConfig:

@@ -21,6 +21,7 @@ from pathlib import Path
 from transformers import GenerationConfig, PreTrainedConfig
 
 from ..config import SwiftSpecConfig
+from ..eagle3 import check_fits
 from .cards import PairCard, default_card, render_card, validate_card
 from .checks import check_compatibility, check_token_mapping, vocab_size
 from .errors import PairConfigError
@@ -30,6 +31,7 @@ from .locate import (
     HubOptions,
     PairMember,
     load_member_config,
+    member_head_config,
     pair_members,
     pinned,
     resolve_pair_folder,
@@ -146,13 +148,23 @@ def read_members(folder: Path, config: SwiftSpecConfig, hub: HubOptions, trust_r
     own_tokenizer: whether the tokenizer in `folder` (if any) is the pair's; else the target's is.
     """
     members = pair_members(config, folder)
-    configs = {role: load_member_config(m, hub, trust_remote_code) for role, m in members.items()}
-    sources = {role: (m.location, m.revision, hub) for role, m in members.items()}
+    head = member_head_config(members["draft"], hub)  # an EAGLE-3 head: no tokenizer; bind() checks it fits
+    configs = {
+        role: head.llama_config() if role == "draft" and head is not None else load_member_config(m, hub, trust_remote_code)
+        for role, m in members.items()
+    }
+    sources = {role: (m.location, m.revision, hub) for role, m in members.items() if not (role == "draft" and head)}
     if own_tokenizer:
         sources["pair"] = (str(folder), None, HubOptions())
     loaded = load_tokenizers(sources, trust_remote_code)
-    tokenizers, own = {role: loaded[role] for role in members}, loaded.get("pair")
-    check_compatibility(configs["target"], configs["draft"], tokenizers["target"] or own, tokenizers["draft"])
+    tokenizers, own = {role: loaded.get(role) for role in members}, loaded.get("pair")
+    if head is None:
+        check_compatibility(configs["target"], configs["draft"], tokenizers["target"] or own, tokenizers["draft"])
+    else:
+        try:
+            check_fits(head, configs["target"].get_text_config(decoder=True), f"The draft {members['draft'].entry!r}")
+        except ValueError as error:
+            raise PairConfigError(str(error)) from error
     if own is not None and tokenizers["target"] is not None and own is not tokenizers["target"]:
         check_token_mapping(tokenizers["target"], own, vocab_size(configs["target"]))  # prompts go to the target
     return ResolvedPair(folder, config, members, configs, tokenizers, own or tokenizers["target"])
