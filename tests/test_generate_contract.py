@@ -40,7 +40,7 @@ from transformers import (
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.streamers import BaseStreamer
 
-from hf_swiftspec import SwiftSpecForCausalLM
+from hf_swiftspec import SwiftSpecForCausalLM, custom_generate
 from hf_swiftspec.tools import sweep
 from hf_swiftspec.compat import GENERATE_CACHE_ARGUMENTS, cache_argument, output_cache
 from hf_swiftspec.tools.models import char_tokenizer, left_padded, random_prompts, tiny_gpt2, tiny_model, truncated_draft
@@ -676,3 +676,29 @@ if __name__ == "__main__":
     text = README.read_text()
     README.write_text(text[: text.index(START)] + readme_block() + text[text.index(END) + len(END) :])
     print(f"rewrote the generate arguments in {README}")
+
+
+# ---------------------------------------------------------------- the same rows through custom_generate
+
+# transformers hands a custom loop neither streamer= nor tokenizer= (stop_strings): the repo form maps both
+# (tests/test_custom_generate.py); here every other greedy row
+CALLABLE_ROWS = [r for r in ROWS if not (r.error or r.warns or r.sample or {"streamer", "stop_strings"} & set(r.covers))]
+
+
+@pytest.mark.parametrize(
+    "row, padded", [(row, padded) for row in CALLABLE_ROWS for padded in variants(row)],
+    ids=lambda v: v.name if isinstance(v, Row) else ("padded" if v else "alone"),
+)
+def test_row_through_custom_generate(pairs, row, padded):
+    """A plain model speculates through transformers' custom_generate (hf_swiftspec.custom_generate): each
+    greedy row gives exactly what target.generate gives, on the llama pair with the default settings."""
+    model = pairs[("llama", "default")]
+    case = cases(model, padded, row.prompt)
+    kwargs = {**COMMON, **resolve(model, case, row.call(case))}
+    inputs = kwargs.pop("input_ids", case.ids)
+    inputs = inputs if inputs is None or inputs.shape[1] else None
+    mask = case.mask if inputs is not None else None
+    actual = model.target.generate(inputs, attention_mask=mask, custom_generate=custom_generate,
+                                   swiftspec_draft=model.draft, **kwargs)
+    expected = plain(model, case, row.call(case))
+    assert same(expected, actual, case.length, row_eos(model, kwargs)), f"{row.name}\n" + describe_difference(expected, actual)

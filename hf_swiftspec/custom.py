@@ -1,0 +1,94 @@
+"""Speculation for a plain model, through transformers' own extension point for decoding loops:
+
+    from hf_swiftspec import custom_generate
+    out = model.generate(ids, custom_generate=custom_generate, swiftspec_draft=draft, max_new_tokens=64)
+
+transformers prepares the inputs, processors and stopping criteria as for any generate() call and hands
+them to `custom_generate`, which decodes by tree speculation, losslessly, with the same engine as the
+pair's generate(swiftspec=True). Its own arguments (transformers passes them through by name):
+
+    swiftspec_draft     a draft model, an EAGLE-3 head (load_eagle3_head), or None: suffix proposals only
+    swiftspec_settings  SwiftSpecConfig fields (tree_budget, draft_width, ngram_size, ...)
+    swiftspec_policy    a GoodputPolicy to keep what it measures across calls (default: a fresh one per call)
+    swiftspec_streamer  a streamer (transformers does not hand `streamer=` to custom decoding loops)
+    swiftspec_generator a torch.Generator for sampling
+    swiftspec_on_stats  called with the call's SwiftSpecStats
+
+A Hub repo's custom_generate/generate.py runs `hub_generate`, which calls generate() again with this loop
+(model_cards/swiftspec-custom-generate; `custom_generate="ORG/REPO", trust_remote_code=True`). transformers
+hands a custom loop neither `streamer` nor `tokenizer`: pass swiftspec_streamer=, and stop_strings work
+through the repo form (or as a StopStringCriteria in stopping_criteria=).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .config import SwiftSpecConfig, check_setting_names
+from .eagle3 import Eagle3Head
+from .generation import split_stop_strings, stop_string_criteria, swiftspec_generate
+from .modeling import check_head_fits, check_member_type, check_model_supported
+from .pair.checks import check_compatibility
+from .policy import GoodputPolicy
+from .stats import SwiftSpecStats
+
+
+def custom_generate(
+    model,
+    input_ids,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    swiftspec_draft=None,
+    swiftspec_settings: dict | None = None,
+    swiftspec_policy: GoodputPolicy | None = None,
+    swiftspec_streamer=None,
+    swiftspec_generator=None,
+    swiftspec_on_stats: Callable[[SwiftSpecStats], None] | None = None,
+    **model_kwargs,
+):
+    """transformers' custom_generate callable: decode `input_ids` with `model` as the target (see the module
+    docstring). Returns what model.generate would return."""
+    settings = dict(swiftspec_settings or {})
+    check_setting_names(settings, "custom_generate(swiftspec_settings=...)")
+    if settings.get("placement") not in (None, "serial"):
+        raise ValueError("custom_generate decodes on the serial engine; an asynchronous placement needs SwiftSpecForCausalLM.")
+    config = SwiftSpecConfig(**settings)
+    config.validate_tree_settings()
+    check_model_supported(model, "target")
+    check_member_type(swiftspec_draft, "draft", required=False)
+    if isinstance(swiftspec_draft, Eagle3Head):
+        check_head_fits(swiftspec_draft, model, None)
+    elif swiftspec_draft is not None:
+        check_model_supported(swiftspec_draft, "draft")
+        check_compatibility(model.config, swiftspec_draft.config, architectures=False)
+    policy = swiftspec_policy or GoodputPolicy(tree_budget=config.tree_budget, draft_depth=config.draft_depth)
+    try:
+        output, stats = swiftspec_generate(
+            model, input_ids, logits_processor, stopping_criteria, generation_config,
+            swiftspec_draft=swiftspec_draft, swiftspec_config=config, swiftspec_policy=policy,
+            swiftspec_streamer=swiftspec_streamer, swiftspec_generator=swiftspec_generator, **model_kwargs,
+        )
+    finally:
+        if swiftspec_streamer is not None:
+            swiftspec_streamer.end()
+    if swiftspec_on_stats is not None:
+        swiftspec_on_stats(stats)
+    return output
+
+
+def hub_generate(model, **generate_arguments):
+    """What a custom_generate repo's generate.py runs (model_cards/swiftspec-custom-generate): transformers
+    calls it with the model and every generate() argument; it hands them to generate() again with
+    `custom_generate` as the loop. A custom loop receives neither `streamer` nor `tokenizer`, so the streamer
+    goes in as swiftspec_streamer and stop_strings become a stopping criterion here, with the tokenizer."""
+    arguments = dict(generate_arguments)
+    streamer = arguments.pop("streamer", None)
+    if streamer is not None:
+        arguments["swiftspec_streamer"] = streamer
+    tokenizer = arguments.pop("tokenizer", None)
+    generation_config, stop_strings = split_stop_strings(arguments, arguments.pop("generation_config", None),
+                                                         model.generation_config)
+    if stop_strings is not None:
+        arguments["stopping_criteria"] = stop_string_criteria(stop_strings, tokenizer, arguments.get("stopping_criteria"))
+    return model.generate(custom_generate=custom_generate, generation_config=generation_config, **arguments)
