@@ -101,6 +101,11 @@ class Drafters:
         return [d for d in (self.model, self.suffix) if d is not None]
 
     @property
+    def reads_features(self) -> bool:
+        """Whether the draft-model side drafts from the target's hidden states (an EAGLE-3 head)."""
+        return self.model is not None and self.model.reads_features
+
+    @property
     def rows(self) -> int:
         return len(self.roots)
 

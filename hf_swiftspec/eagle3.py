@@ -261,7 +261,7 @@ class Eagle3Head(nn.Module):
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """The target's concatenated hidden states (..., 3 * H_t) -> the layer's hidden input (..., H)."""
-        return self.fc(features.to(self.dtype))
+        return self.fc(features.to(device=self.device, dtype=self.dtype))
 
     def forward(self, input_ids, position_ids, hidden_inputs, attention_mask=None, past_key_values=None,
                 logits_to_keep: int = 0, **kwargs) -> HeadOutput:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import tempfile
@@ -147,13 +148,15 @@ def draft_own_tokenizer(target: PreTrainedModel, draft: PreTrainedModel, locatio
     return own
 
 
-def check_head_fits(head: Eagle3Head, target: PreTrainedModel, placement) -> None:
-    """An EAGLE-3 head drafts from the target's per-token hidden states, on the target's device, in the serial
-    round: refuse a target or placement where it cannot, and a head trained for another target (bind)."""
-    if placement not in (None, "serial"):
+def check_head_fits(head: Eagle3Head, target: PreTrainedModel, placement: Placement | None) -> None:
+    """An EAGLE-3 head drafts from the target's per-token hidden states, in one process (serially beside the
+    target, or in a thread on a device of its own): refuse a target or placement where it cannot, and a head
+    trained for another target (bind)."""
+    mode = placement.mode if placement is not None else "serial"
+    if mode == "distributed":
         raise ValueError(
-            f"placement={placement!r}: an EAGLE-3 head reads the target's hidden states on the target's device, so it "
-            "drafts on the serial engine only; drop placement."
+            "An EAGLE-3 head reads the target's hidden states in the target's process: it drafts serially or in a "
+            "thread (placement={'target': [...], 'draft': [...]} in one process), not under torchrun."
         )
     architecture = describe(target, "target")
     if architecture.recurrent:
@@ -162,7 +165,10 @@ def check_head_fits(head: Eagle3Head, target: PreTrainedModel, placement) -> Non
             "targets only. Use a draft model or draft-free mode."
         )
     head.bind(target)
-    if head.device != target.device:
+    device = torch.device(placement.draft[0]) if mode == "threads" else target.device
+    if mode == "threads" and head.shares_embeddings and device != target.device:
+        head.embed_tokens, head.shares_embeddings = copy.deepcopy(head.embed_tokens), False  # moving it must not move the target's
+    if mode == "serial" and head.device != target.device:
         raise ValueError(f"The EAGLE-3 head is on {head.device}, the target on {target.device}: move the head to the target's device.")
 
 
@@ -197,14 +203,15 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
                 "SwiftSpecForCausalLM.from_pretrained(pair_or_model_folder)."
             )
         check_model_supported(target, "target")
+        placement = resolve_placement(config.placement, target.config)
         if isinstance(draft, Eagle3Head):
-            check_head_fits(draft, target, config.placement)
+            check_head_fits(draft, target, placement)
         elif draft is not None:
             check_model_supported(draft, "draft")
             check_compatibility(target.config, draft.config, tokenizer, draft_tokenizer, architectures=False)
         self.target = target
         self.draft = draft  # None: draft-free mode, speculating from the text's own repetition
-        self.placement: Placement = resolve_placement(config.placement, target.config)
+        self.placement: Placement = placement
         if draft is None and self.placement.mode != "serial":
             raise ValueError(
                 f"placement={config.placement!r} runs a draft beside the target ({self.placement.mode}), but this model "

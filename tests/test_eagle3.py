@@ -134,8 +134,6 @@ def test_a_head_for_another_target_is_refused_by_name(tmp_path, target):
     wide = tiny_model("llama", seed=2, vocab_size=VOCAB, hidden=96)
     with pytest.raises(ValueError, match="width 64.*96 wide"):
         SwiftSpecForCausalLM.from_models(wide, random_head(target))
-    with pytest.raises(ValueError, match="serial engine only"):
-        SwiftSpecForCausalLM.from_models(target, random_head(target), placement={"target": ["cpu"], "draft": ["cpu"]})
     with pytest.raises(ValueError, match="compile=True.*EAGLE-3"):
         SwiftSpecForCausalLM.from_models(target, random_head(target), compile=True).generate(
             torch.tensor([[5, 6, 7]]), max_new_tokens=4, swiftspec=True)
@@ -335,3 +333,18 @@ def test_a_pair_repo_names_a_head_as_its_draft(tmp_path, target):
     save_eagle3_head(random_head(target, layer_ids=(0, 1, 5)), tmp_path / "other")
     with pytest.raises(PairConfigError, match=r"draft .*other.* layers \[0, 1, 5\]"):
         create_pair_repo(tmp_path / "pair2", str(tmp_path / "target"), str(tmp_path / "other"))
+
+
+def test_a_head_drafts_in_its_own_thread_losslessly(target, tmp_path):
+    """The asynchronous engine (a thread per model): the head starts from the prompt's states the target sends
+    after its prefill and follows each verdict's states; a head that reads the target's embeddings gets its own
+    copy when it is placed elsewhere, so placing it never moves the target's."""
+    write_eagle_authors_head(tmp_path / "head", target)
+    for head in (random_head(target, draft_vocab=48), load_eagle3_head(tmp_path / "head")):
+        model = SwiftSpecForCausalLM.from_models(target, head, placement={"target": ["cpu"], "draft": ["cpu"]},
+                                                 tree_budget=6, draft_depth=2)
+        prompt = torch.tensor([[5, 17, 33, 8, 5, 17, 40]])
+        expected = target.generate(prompt, max_new_tokens=20, do_sample=False)
+        assert torch.equal(model.generate(prompt, max_new_tokens=20, do_sample=False), expected)
+        assert model.swiftspec_stats.engine == "async-threads" and model.swiftspec_stats.draft_forwards > 0
+    assert head.embed_tokens is target.get_input_embeddings()  # same device: shared, not copied

@@ -30,7 +30,7 @@ from .workers import TargetWorker
 def run_draft(draft: Drafters, request: DecodeRequest, link) -> None:
     """The draft worker's loop; returns when the target says generation is finished (one sequence)."""
     policy, counters = request.policy, draft.counters
-    draft.start(request.prompt_ids())
+    draft.start(request.prompt_ids(), link.receive_prompt_states() if draft.reads_features else None)
     start = time.perf_counter()
     draft.top_up(min(policy.max_budget, FIRST_TREE))
     while True:
@@ -63,6 +63,8 @@ def run_draft(draft: Drafters, request: DecodeRequest, link) -> None:
 def run_target(target: TargetWorker, request: DecodeRequest, link, rows: BatchRows) -> None:
     """The target worker's loop: verify each subtree, answer at once, then emit the tokens."""
     target.prefill(request.prompt, request.contexts, request.attention_mask)
+    if target.tap is not None:  # an EAGLE-3 head starts from the prompt's hidden states
+        link.send_prompt_states(target.prompt_features)
     while rows.live:
         waiting = time.perf_counter()
         subtree = link.receive_subtree()

@@ -49,6 +49,7 @@ class ThreadLink:
         self.timeout_s, self.poll_s = timeout_s, poll_s
         self.proposals: queue.Queue = queue.Queue()
         self.verdicts: queue.Queue = queue.Queue()
+        self.prompt_states: queue.Queue = queue.Queue()
         self.stopped = threading.Event()
 
     # draft side
@@ -65,6 +66,10 @@ class ThreadLink:
     def receive_verdict(self) -> Verified:
         return self._get(self.verdicts, "target")
 
+    def receive_prompt_states(self) -> list:
+        """The target's hidden states at each prompt's positions, for a drafter that reads them (one per row)."""
+        return self._get(self.prompt_states, "target")
+
     def report_failure(self, worker: str, error: BaseException) -> None:
         self.proposals.put(Failure(worker, error))
 
@@ -74,6 +79,9 @@ class ThreadLink:
 
     def send_verdict(self, verified: Verified) -> None:
         self.verdicts.put(verified)
+
+    def send_prompt_states(self, states: list) -> None:
+        self.prompt_states.put(states)
 
     def close(self) -> None:
         """Tell the draft to stop at its next wait or step."""
