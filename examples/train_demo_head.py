@@ -10,6 +10,8 @@ distribution on the same standard-library training files the pair was trained on
 speculators format under head/, and the pair folder names the demo pair's target beside it, so
 `SwiftSpecForCausalLM.from_pretrained("swiftspec-demo-pystdlib-eagle3")` loads target + head with no
 network. Held-out tau and speed are measured against the demo draft model on the same prompts.
+The shipped head: `--threads 2`, 27 minutes on a shared 2-core CPU (600 steps drafted worse than the demo
+draft model; 1800 about as well; 4000 better).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def windows(tokens: torch.Tensor, length: int, batch: int, seed: int):
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--steps", type=int, default=4000)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--window", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8)
