@@ -21,6 +21,7 @@ def target():
     return tiny_model("llama", seed=0)
 
 
+@pytest.mark.floor  # transformers' custom_generate hand-off: also on the floor release
 @pytest.mark.parametrize("draft", ["model", "none", "head"])
 def test_the_callable_speculates_losslessly_with_any_drafter(target, draft, tmp_path):
     if draft == "head":
