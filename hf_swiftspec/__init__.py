@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 from .config import SwiftSpecConfig  # noqa: E402
 from .custom import custom_generate  # noqa: E402
 from .eagle3 import Eagle3Head, load_eagle3_head  # noqa: E402
+from .mtp import mtp_head  # noqa: E402
 from .engine import SwiftSpecWorkerError  # noqa: E402
 from .modeling import SwiftSpecForCausalLM  # noqa: E402
 from .stats import SwiftSpecStats  # noqa: E402
@@ -29,5 +30,5 @@ def register_auto_classes() -> None:
 # huggingface_hub's is replaced: bundled pair names resolve in hf_swiftspec's own loaders only.
 register_auto_classes()
 
-__all__ = ["custom_generate", "Eagle3Head", "load_eagle3_head", "SwiftSpecConfig", "SwiftSpecForCausalLM", "SwiftSpecStats", "SwiftSpecWorkerError", "register_auto_classes"]
+__all__ = ["custom_generate", "Eagle3Head", "load_eagle3_head", "mtp_head", "SwiftSpecConfig", "SwiftSpecForCausalLM", "SwiftSpecStats", "SwiftSpecWorkerError", "register_auto_classes"]
 __version__ = "0.1.0"

@@ -127,6 +127,7 @@ get_tokenizer_config = internal("models.auto.tokenization_auto", "get_tokenizer_
 ACT2FN = internal("activations", "ACT2FN")  # an EAGLE-3 head's layer (eagle3.py) is a llama layer
 LlamaRotaryEmbedding = internal("models.llama.modeling_llama", "LlamaRotaryEmbedding")
 apply_rotary_pos_emb = internal("models.llama.modeling_llama", "apply_rotary_pos_emb")
+MtpModel = internal("modeling_layers", "MtpModel")  # a model's own MTP layers, as generate(use_mtp=True) builds them
 
 
 def tensor_parallel_plan(model, degree: int) -> dict:

@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Callable
 
 from .config import SwiftSpecConfig, check_setting_names
-from .eagle3 import Eagle3Head
+from .eagle3 import DraftHead
 from .generation import split_stop_strings, stop_string_criteria, swiftspec_generate
 from .modeling import check_head_fits, check_member_type, check_model_supported
 from .pair.checks import check_compatibility
@@ -57,7 +57,7 @@ def custom_generate(
     config.validate_tree_settings()
     check_model_supported(model, "target")
     check_member_type(swiftspec_draft, "draft", required=False)
-    if isinstance(swiftspec_draft, Eagle3Head):
+    if isinstance(swiftspec_draft, DraftHead):
         check_head_fits(swiftspec_draft, model, None)
     elif swiftspec_draft is not None:
         check_model_supported(swiftspec_draft, "draft")

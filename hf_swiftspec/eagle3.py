@@ -222,9 +222,40 @@ class HeadOutput:
     hidden: torch.Tensor
 
 
-class Eagle3Head(nn.Module):
+class DraftHead(nn.Module):
+    """A draft that reads the target's hidden states (engine/heads.py drafts with it): an EAGLE-3 head, or a
+    model's own MTP layer (mtp.py).
+
+        hidden_size          width of its hidden inputs and outputs
+        architecture         its tree steps' needs (one full-attention layer)
+        tap(target)          the FeatureTap that hands it the target's states during one call
+        fuse(states)         the target's states (..., D) -> its hidden input (..., hidden_size)
+        forward(...)         HeadOutput: logits over its draft vocabulary, and its hidden output
+        target_ids(ids)      draft-vocabulary ids -> target ids
+        bind(target)         check that it fits `target`; returns itself
+    """
+
+    shares_embeddings = False
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(p for p in self.parameters() if p.is_floating_point()).dtype
+
+    @property
+    def architecture(self) -> Architecture:
+        """Its tree steps' needs: one full-attention layer, exact on trees."""
+        return Architecture(self.kind, ("full_attention",), (FULL,))
+
+
+class Eagle3Head(DraftHead):
     """An EAGLE-3 draft head (see the module docstring). `embed_tokens` is None until `bind` gives it
     the target's embeddings, when the checkpoint ships none."""
+
+    kind = "eagle3"
 
     def __init__(self, config: Eagle3Config, fc_bias: bool = False, own_embeddings: bool = True):
         super().__init__()
@@ -251,9 +282,11 @@ class Eagle3Head(nn.Module):
         return self.fc.weight.dtype
 
     @property
-    def architecture(self) -> Architecture:
-        """Its tree steps' needs: one full-attention layer, exact on trees."""
-        return Architecture("eagle3", ("full_attention",), (FULL,))
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    def tap(self, target) -> "FeatureTap":
+        return FeatureTap(target, self.layer_ids)
 
     def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary ids -> target ids."""

@@ -33,7 +33,7 @@ from .compat import (
 )
 from .config import SwiftSpecConfig
 from .drafting import Drafters, SuffixDrafter
-from .eagle3 import Eagle3Head, FeatureTap
+from .eagle3 import DraftHead
 from .engine import DecodeRequest, DecodeResult, DraftModelDrafter, TargetWorker, run_serial, run_threads
 from .engine.heads import Eagle3Drafter
 from .engine.static_round import StaticRounds, run_static, static_round_gaps, static_shape
@@ -154,10 +154,10 @@ def decode_adaptive(target, draft, request: DecodeRequest, config: SwiftSpecConf
                             architectures)
     with contextlib.ExitStack() as routes:  # each model attends the tree its way for this call only
         for worker in (workers[0], workers[1] and workers[1].model):
-            if worker is not None and not isinstance(worker.model, Eagle3Head):
+            if worker is not None and not isinstance(worker.model, DraftHead):
                 routes.enter_context(routed_attention(worker.model, worker.attention))
-        if isinstance(draft, Eagle3Head):  # the head reads the target's hidden states, for this call only
-            workers[0].tap = routes.enter_context(FeatureTap(target, draft.layer_ids))
+        if isinstance(draft, DraftHead):  # the head reads the target's hidden states, for this call only
+            workers[0].tap = routes.enter_context(draft.tap(target))
         if request.max_new_tokens:
             result = run_engine(placement, groups, *workers, request, config)
         else:
@@ -216,8 +216,8 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
         attention = resolve_attention(config.attention, target, target_arch)
         target_worker = TargetWorker(target, length + budget, attention, target_arch, batch_size)
     if role in (None, "draft"):
-        max_positions = context_limit(*(m for m in (target, draft) if m is not None and not isinstance(m, Eagle3Head)))
-        if isinstance(draft, Eagle3Head):
+        max_positions = context_limit(*(m for m in (target, draft) if m is not None and not isinstance(m, DraftHead)))
+        if isinstance(draft, DraftHead):
             model = Eagle3Drafter(draft, capacity=length + config.tree_capacity, tree_capacity=config.tree_capacity,
                                   width=1 if chain else config.draft_width,
                                   vocab_limit=target.config.get_text_config().vocab_size, max_positions=max_positions,
@@ -246,7 +246,7 @@ def draft_architecture(draft):
     """The draft's tree-step needs (probes.describe; an EAGLE-3 head's are its own), or None without one."""
     if draft is None:
         return None
-    return draft.architecture if isinstance(draft, Eagle3Head) else describe(draft, "draft")
+    return draft.architecture if isinstance(draft, DraftHead) else describe(draft, "draft")
 
 
 def attention_summary(workers, chain_reasons=()) -> str:

@@ -12,7 +12,7 @@ import torch
 from huggingface_hub import HfApi
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, GenerationMixin, PreTrainedModel
 
-from .eagle3 import Eagle3Head, load_eagle3_head
+from .eagle3 import DraftHead, Eagle3Head, load_eagle3_head
 from .probes import describe
 from .config import SwiftSpecConfig, check_setting_names
 from .generation import check_inputs, split_stop_strings, stop_string_criteria, swiftspec_generate
@@ -72,7 +72,7 @@ def check_member_type(model, role: str, required: bool) -> None:
     """A member must be a transformers model; name what was passed instead (a tokenizer, a path...)."""
     if model is None and not required:
         return
-    if role == "draft" and isinstance(model, Eagle3Head):
+    if role == "draft" and isinstance(model, DraftHead):
         return
     if not isinstance(model, PreTrainedModel):
         hint = " Pass it as tokenizer= instead." if hasattr(model, "encode") and hasattr(model, "decode") else ""
@@ -92,6 +92,8 @@ def own_location(model: PreTrainedModel | None, other: PreTrainedModel | None = 
         return None
     if isinstance(model, Eagle3Head):  # loaded from its folder as it is (load_eagle3_head)
         return model.name_or_path
+    if isinstance(model, DraftHead):  # a model's own MTP layer: no folder of its own
+        return None
     name = model.name_or_path
     if other is not None and model is not other and name == other.name_or_path:
         logger.warning(
@@ -148,20 +150,25 @@ def draft_own_tokenizer(target: PreTrainedModel, draft: PreTrainedModel, locatio
     return own
 
 
-def check_head_fits(head: Eagle3Head, target: PreTrainedModel, placement: Placement | None) -> None:
-    """An EAGLE-3 head drafts from the target's per-token hidden states, in one process (serially beside the
-    target, or in a thread on a device of its own): refuse a target or placement where it cannot, and a head
-    trained for another target (bind)."""
+def check_head_fits(head: DraftHead, target: PreTrainedModel, placement: Placement | None) -> None:
+    """A draft head (an EAGLE-3 head, a model's own MTP layer) drafts from the target's per-token hidden states,
+    in one process (serially beside the target; an EAGLE-3 head also in a thread on a device of its own): refuse
+    a target or placement where it cannot, and a head made for another target (bind)."""
     mode = placement.mode if placement is not None else "serial"
+    what = "An EAGLE-3 head" if isinstance(head, Eagle3Head) else "A model's own MTP layer"
     if mode == "distributed":
         raise ValueError(
-            "An EAGLE-3 head reads the target's hidden states in the target's process: it drafts serially or in a "
+            f"{what} reads the target's hidden states in the target's process: it drafts serially or in a "
             "thread (placement={'target': [...], 'draft': [...]} in one process), not under torchrun."
+        )
+    if mode == "threads" and not isinstance(head, Eagle3Head):
+        raise ValueError(
+            f"{what} shares the target's embeddings and head, so it drafts on the target's device, serially: drop placement."
         )
     architecture = describe(target, "target")
     if architecture.recurrent:
         raise ValueError(
-            f"The target ({architecture.model_type}) keeps recurrent states; an EAGLE-3 head drafts for attention "
+            f"The target ({architecture.model_type}) keeps recurrent states; a draft head drafts for attention "
             "targets only. Use a draft model or draft-free mode."
         )
     head.bind(target)
@@ -169,7 +176,7 @@ def check_head_fits(head: Eagle3Head, target: PreTrainedModel, placement: Placem
     if mode == "threads" and head.shares_embeddings and device != target.device:
         head.embed_tokens, head.shares_embeddings = copy.deepcopy(head.embed_tokens), False  # moving it must not move the target's
     if mode == "serial" and head.device != target.device:
-        raise ValueError(f"The EAGLE-3 head is on {head.device}, the target on {target.device}: move the head to the target's device.")
+        raise ValueError(f"The draft head is on {head.device}, the target on {target.device}: move the head to the target's device.")
 
 
 class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
@@ -204,7 +211,7 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
             )
         check_model_supported(target, "target")
         placement = resolve_placement(config.placement, target.config)
-        if isinstance(draft, Eagle3Head):
+        if isinstance(draft, DraftHead):
             check_head_fits(draft, target, placement)
         elif draft is not None:
             check_model_supported(draft, "draft")
@@ -268,7 +275,7 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
         check_member_type(target, "target", required=True)
         check_member_type(draft, "draft", required=False)
         config = SwiftSpecConfig(target=own_location(target), draft=own_location(draft, target), **settings)
-        if draft is not None and not isinstance(draft, Eagle3Head) and tokenizer is not None and draft_tokenizer is None:
+        if draft is not None and not isinstance(draft, DraftHead) and tokenizer is not None and draft_tokenizer is None:
             draft_tokenizer = draft_own_tokenizer(target, draft, config.draft)
         return cls(config, target, draft, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)
 

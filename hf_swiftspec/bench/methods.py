@@ -13,7 +13,7 @@ import torch
 
 from ..cli.options import default_device, load_pair
 from ..config import SwiftSpecConfig
-from ..eagle3 import Eagle3Head, is_eagle3_folder, load_eagle3_head
+from ..eagle3 import DraftHead, Eagle3Head, is_eagle3_folder, load_eagle3_head
 from ..modeling import SwiftSpecForCausalLM
 from ..pair import DEMO_PAIR_NAME, bundled_pair
 from ..pair.locate import HubOptions, member_folder, pair_members, resolve_pair_folder
@@ -343,7 +343,7 @@ def build_methods(models: BenchModels, config: BenchConfig, settings: dict, note
             "swiftspec_serial", SwiftSpecForCausalLM.from_models(target, draft, **settings), config.seed
         ),
         "swiftspec_async": lambda: async_method(models, settings, config.seed, notes),
-        "swiftspec_compiled": lambda: head_skipped("swiftspec_compiled", notes) if isinstance(draft, Eagle3Head)
+        "swiftspec_compiled": lambda: head_skipped("swiftspec_compiled", notes) if isinstance(draft, DraftHead)
         else swiftspec_method(
             "swiftspec_compiled", SwiftSpecForCausalLM.from_models(target, draft, **settings, compile=True), config.seed
         ),
@@ -355,14 +355,14 @@ def build_methods(models: BenchModels, config: BenchConfig, settings: dict, note
             config.seed,
         ),
     }
-    if isinstance(draft, Eagle3Head):
+    if isinstance(draft, DraftHead):
         builders["assisted"] = lambda: head_skipped("assisted", notes)
     built = [builders[name]() for name in config.methods] + list(config.extra_methods)
     return [m for m in built if isinstance(m, Method)], [m for m in built if isinstance(m, MethodResult)]
 
 
 def head_skipped(name: str, notes: list[str]) -> MethodResult:
-    note = "skipped: the draft is an EAGLE-3 head, which only swiftspec's adaptive round runs"
+    note = "skipped: the draft is a draft head (EAGLE-3 or MTP), which only swiftspec's adaptive round runs"
     notes.append(f"{name} {note}.")
     return skipped_result(name, note)
 

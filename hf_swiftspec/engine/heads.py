@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..eagle3 import Eagle3Head
+from ..eagle3 import DraftHead
 from ..step import RowQueries, run_head_step
 from ..tree import Subtree, reset_tree
 from ..verify import Verified
@@ -34,18 +34,18 @@ class Eagle3Drafter(DraftModelDrafter):
 
     reads_features = True
 
-    def __init__(self, model: Eagle3Head, capacity: int, tree_capacity: int, width: int, vocab_limit: int,
+    def __init__(self, model: DraftHead, capacity: int, tree_capacity: int, width: int, vocab_limit: int,
                  max_positions: int | None = None, batch_size: int = 1):
         super().__init__(model, capacity, tree_capacity, width, vocab_limit, "sdpa", model.architecture, max_positions,
                          batch_size)
-        H = model.config.hidden_size
+        H = model.hidden_size
         self.pending_inputs = [self.no_inputs() for _ in range(batch_size)]
         self.root_input = [torch.zeros(1, H, dtype=model.dtype, device=self.device) for _ in range(batch_size)]
         self.node_hidden = [torch.zeros(tree_capacity, H, dtype=model.dtype, device=self.device) for _ in range(batch_size)]
         self.last_hidden: list[torch.Tensor] = []
 
     def no_inputs(self) -> torch.Tensor:
-        return torch.zeros(0, self.model.config.hidden_size, dtype=self.model.dtype, device=self.device)
+        return torch.zeros(0, self.model.hidden_size, dtype=self.model.dtype, device=self.device)
 
     def start(self, prompts: list[list[int]], features: list[torch.Tensor] | None = None) -> None:
         """Begin a generation: per row the prompt (L token ids) and the target's states at each of its

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..architectures import FULL
-from ..eagle3 import Eagle3Head
+from ..eagle3 import DraftHead
 from ..config import STATIC_BUDGET, STATIC_DEPTH
 from ..probes import describe
 from ..static import StaticModel, bucket_capacity, chain_mask, step_mask, warm_steps
@@ -395,8 +395,9 @@ def static_round_gaps(target, draft, request: DecodeRequest, placement, config) 
     gaps = []
     if draft is None:
         gaps.append("it needs a draft model (draft-free mode grows no draft tree)")
-    elif isinstance(draft, Eagle3Head):
-        gaps.append("the draft is an EAGLE-3 head (it drafts in the adaptive round only)")
+    elif isinstance(draft, DraftHead):
+        kind = "an EAGLE-3 head" if draft.kind == "eagle3" else "a model's own MTP layer (mtp head)"
+        gaps.append(f"the draft is {kind} (it drafts in the adaptive round only)")
         draft = None
     if request.batch_size > 1:
         gaps.append(f"it decodes one sequence (got {request.batch_size} rows)")

@@ -1,0 +1,110 @@
+"""A model's own MTP layer drafts a token tree (hf_swiftspec/mtp.py): lossless on every MTP type of the
+installed transformers that builds as a tiny model, its root proposals equal transformers' own MtpModel
+layer forward (the layer `generate(use_mtp=True)` runs), sampling follows the target's distribution."""
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from hf_swiftspec import SwiftSpecForCausalLM
+from hf_swiftspec.compat import MtpModel
+from hf_swiftspec.engine.heads import Eagle3Drafter
+from hf_swiftspec.mtp import FinalStateTap, mtp_head
+from hf_swiftspec.tools import sweep
+from hf_swiftspec.tools.models import left_padded, tiny_model
+from test_sampling import ALPHA, exact_joint, pooled_chisquare, warpers
+
+# transformers 5.24's types with num_mtp_layers that build as tiny causal LMs and attend (bailing_hybrid is
+# hybrid recurrent: refused like any recurrent target; step3p7 and inkling do not build from AutoConfig here)
+CANDIDATES = ("deepseek_v3", "glm4_moe", "sarvam_mla", "sarvam_moe")
+
+
+def installed(model_type: str) -> bool:
+    try:
+        AutoConfig.for_model(model_type)
+    except ValueError:  # an older release (the floor has no sarvam types)
+        return False
+    return True
+
+
+MTP_TYPES = tuple(t for t in CANDIDATES if installed(t))
+PROMPT = torch.tensor([[5, 17, 33, 8, 5, 17, 40]])
+
+
+def with_mtp(model_type: str, seed: int = 0, **overrides):
+    """A tiny target and MTP layer 0 built for it in memory (as MtpModel.from_pretrained builds it, random)."""
+    torch.manual_seed(seed)
+    target = sweep.tiny_of_type(model_type, seed=seed, **overrides)
+    mtp = MtpModel(target, 1)
+    with torch.no_grad():  # some types' expert weights come out of MtpModel's own init uninitialised (nan, 1e29)
+        for tensor in mtp.layers.parameters():
+            if not torch.isfinite(tensor).all() or tensor.abs().max() > 10:
+                tensor.normal_(0, 0.02)
+    return target, mtp_head(target, mtp)
+
+
+@pytest.mark.parametrize("model_type", MTP_TYPES)
+def test_mtp_drafting_equals_target_generate(model_type):
+    target, head = with_mtp(model_type)
+    model = SwiftSpecForCausalLM.from_models(target, head, tree_budget=6, draft_depth=3)
+    expected = target.generate(PROMPT, max_new_tokens=12, do_sample=False)
+    assert torch.equal(model.generate(PROMPT, max_new_tokens=12, do_sample=False), expected)
+    assert model.swiftspec_stats.draft_forwards > 0
+
+
+def test_mtp_drafting_decodes_a_left_padded_batch():
+    target, head = with_mtp("deepseek_v3")
+    model = SwiftSpecForCausalLM.from_models(target, head, tree_budget=6, draft_depth=2)
+    ids, mask = left_padded([[5, 17, 33, 8, 5, 17], [40, 9, 12], [7, 7, 7, 7, 30]])
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, expected)
+
+
+@torch.no_grad()
+def test_root_proposals_are_transformers_own_mtp_layer_forward():
+    """The drafter's children of the root: the top-k of transformers' MtpModel.forward_layer(0, ...) over the
+    prompt (the main model's final states beside the next tokens), the forward use_mtp runs."""
+    target, head = with_mtp("deepseek_v3")
+    prompt = PROMPT[0].tolist()
+    with FinalStateTap(target) as tap:
+        target(PROMPT)
+        states = tap.take()[0]
+    drafter = Eagle3Drafter(head, capacity=64, tree_capacity=64, width=3, vocab_limit=target.config.vocab_size)
+    drafter.start([prompt], [states])
+    drafter.expand()
+    ids = PROMPT[:, 1:]
+    hidden = head.mtp.forward_layer(0, states[None, :-1], torch.arange(1, PROMPT.shape[1])[None], None, input_ids=ids)
+    logprobs, tokens = torch.log_softmax(head.mtp._project_to_logits(hidden[:, -1]).float(), -1)[0].topk(3)
+    tree = drafter.tree
+    order = tree.scores[1:4].argsort(descending=True) + 1
+    assert tree.tokens[order].tolist() == tokens.tolist()
+    assert torch.allclose(tree.scores[order], logprobs, atol=1e-4)
+
+
+def test_sampling_with_mtp_follows_the_target_distribution():
+    vocab = 12
+    target, head = with_mtp("glm4_moe", seed=3, vocab_size=vocab)
+    target.generation_config.eos_token_id = None
+    model = SwiftSpecForCausalLM.from_models(target, head, tree_budget=6, draft_depth=1, draft_width=3)
+    prompt, draws = torch.tensor([[3, 7, 5, 9]]), 1000
+    expected = exact_joint(target, prompt, warpers(1.0))
+    counts = torch.zeros(vocab * vocab, dtype=torch.float64)
+    for seed in range(draws):
+        out = model.generate(prompt, do_sample=True, max_new_tokens=2, generator=torch.Generator().manual_seed(seed))
+        t1, t2 = out[0, -2:].tolist()
+        counts[t1 * vocab + t2] += 1
+    assert pooled_chisquare(counts, expected.flatten() * draws) > ALPHA
+
+
+def test_mtp_refusals_name_the_fix():
+    with pytest.raises(ValueError, match="no MTP layers"):
+        mtp_head(tiny_model("llama"))
+    target, head = with_mtp("deepseek_v3")
+    with pytest.raises(ValueError, match="drafts on the target's device, serially"):
+        SwiftSpecForCausalLM.from_models(target, head, placement={"target": ["cpu"], "draft": ["cpu"]})
+    with pytest.raises(ValueError, match="compile=True.*mtp head"):
+        SwiftSpecForCausalLM.from_models(target, head, compile=True).generate(PROMPT, max_new_tokens=4)
+    other, _ = with_mtp("glm4_moe")
+    with pytest.raises(ValueError, match="belongs to a DeepseekV3ForCausalLM"):
+        SwiftSpecForCausalLM.from_models(other, head)
