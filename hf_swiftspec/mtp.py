@@ -78,7 +78,8 @@ class MtpHead(DraftHead):
     def forward(self, input_ids, position_ids, hidden_inputs, attention_mask=None, past_key_values=None,
                 logits_to_keep: int = 0, **kwargs) -> HeadOutput:
         embeds = self.mtp.embed_tokens(input_ids).to(self.dtype)
-        rotary = self.mtp.rotary_emb(embeds, position_ids=position_ids) if self.mtp.rotary_emb is not None else None
+        rope = {"layer_type": self.mtp.config.layer_types[0]} if getattr(self.mtp, "has_per_layer_rope", False) else {}
+        rotary = self.mtp.rotary_emb(embeds, position_ids=position_ids, **rope) if self.mtp.rotary_emb is not None else None
         hidden = self.layer(embeds, hidden_inputs.to(self.dtype), position_embeddings=rotary, position_ids=position_ids,
                             attention_mask=attention_mask, **{self.cache_name: past_key_values})
         if self.mtp.use_shared_post_norm:
@@ -98,4 +99,10 @@ def mtp_head(target, mtp: nn.Module | None = None) -> MtpHead:
         )
     if mtp is None:
         mtp = MtpModel.from_pretrained(target, device_map={"": target.device})
+    kind = (getattr(mtp.config, "layer_types", None) or ["full_attention"])[0]
+    if kind != "full_attention":
+        raise ValueError(
+            f"{type(target).__name__}'s MTP layer 0 is a {kind} layer; MTP drafting takes full-attention layers only "
+            "(its tree mask would not be the layer's). Draft with a draft model, an EAGLE-3 head, or draft-free."
+        )
     return MtpHead(target, mtp.eval())

@@ -14,8 +14,9 @@ from hf_swiftspec.tools import sweep
 from hf_swiftspec.tools.models import left_padded, tiny_model
 from test_sampling import ALPHA, exact_joint, pooled_chisquare, warpers
 
-# transformers 5.24's types with num_mtp_layers that build as tiny causal LMs and attend (bailing_hybrid is
-# hybrid recurrent: refused like any recurrent target; step3p7 and inkling do not build from AutoConfig here)
+# transformers 5.24's types with num_mtp_layers that build as tiny causal LMs with a full-attention MTP layer
+# (bailing_hybrid is hybrid recurrent, whose MtpModel does not build without mtp_layer_types; mellum's MTP layer
+# slides: refused below; step3p7 and inkling do not build as tiny causal LMs through the Auto classes)
 CANDIDATES = ("deepseek_v3", "glm4_moe", "sarvam_mla", "sarvam_moe")
 
 
@@ -105,6 +106,9 @@ def test_mtp_refusals_name_the_fix():
         SwiftSpecForCausalLM.from_models(target, head, placement={"target": ["cpu"], "draft": ["cpu"]})
     with pytest.raises(ValueError, match="compile=True.*mtp head"):
         SwiftSpecForCausalLM.from_models(target, head, compile=True).generate(PROMPT, max_new_tokens=4)
+    mellum = sweep.tiny_of_type("mellum", seed=0, num_mtp_layers=1)
+    with pytest.raises(ValueError, match="sliding_attention layer; MTP drafting takes full-attention layers only"):
+        mtp_head(mellum, MtpModel(mellum, 1))
     other, _ = with_mtp("glm4_moe")
     with pytest.raises(ValueError, match="belongs to a DeepseekV3ForCausalLM"):
         SwiftSpecForCausalLM.from_models(other, head)
