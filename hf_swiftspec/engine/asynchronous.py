@@ -65,6 +65,7 @@ def run_target(target: TargetWorker, request: DecodeRequest, link, rows: BatchRo
     target.prefill(request.prompt, request.contexts, request.attention_mask)
     if target.tap is not None:  # an EAGLE-3 head starts from the prompt's hidden states
         link.send_prompt_states(target.prompt_features)
+        target.prompt_features = None
     while rows.live:
         waiting = time.perf_counter()
         subtree = link.receive_subtree()

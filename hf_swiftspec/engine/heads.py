@@ -27,7 +27,8 @@ CHAIN_WITH_ROOT = 16  # pending tokens that run along with the root's expansion 
 class Eagle3Drafter(DraftModelDrafter):
     """An EAGLE-3 head's token tree per row (see the module docstring).
 
-    pending_inputs[b]: (len(pending[b]), H) the fused target states each pending token runs with
+    pending_inputs[b]: pieces of (len(pending[b]), H), the fused target states each pending token runs with,
+                       joined only when they run (a row that never drafts would copy its whole backlog each round)
     root_input[b]:     (1, H) the same for the root
     node_hidden[b]:    (tree capacity, H) the head's output at every node it ran, read by its children
     """
@@ -39,13 +40,18 @@ class Eagle3Drafter(DraftModelDrafter):
         super().__init__(model, capacity, tree_capacity, width, vocab_limit, "sdpa", model.architecture, max_positions,
                          batch_size)
         H = model.hidden_size
-        self.pending_inputs = [self.no_inputs() for _ in range(batch_size)]
+        self.pending_inputs: list[list[torch.Tensor]] = [[] for _ in range(batch_size)]
         self.root_input = [torch.zeros(1, H, dtype=model.dtype, device=self.device) for _ in range(batch_size)]
         self.node_hidden = [torch.zeros(tree_capacity, H, dtype=model.dtype, device=self.device) for _ in range(batch_size)]
         self.last_hidden: list[torch.Tensor] = []
 
     def no_inputs(self) -> torch.Tensor:
         return torch.zeros(0, self.model.hidden_size, dtype=self.model.dtype, device=self.device)
+
+    def joined_inputs(self, b: int) -> torch.Tensor:
+        """Row b's pending inputs as one (len(pending[b]), H) tensor."""
+        pieces = self.pending_inputs[b]
+        return torch.cat(pieces) if len(pieces) > 1 else pieces[0] if pieces else self.no_inputs()
 
     def start(self, prompts: list[list[int]], features: list[torch.Tensor] | None = None) -> None:
         """Begin a generation: per row the prompt (L token ids) and the target's states at each of its
@@ -57,7 +63,7 @@ class Eagle3Drafter(DraftModelDrafter):
             for b, (ids, states) in enumerate(zip(prompts, features)):
                 fused = self.model.fuse(states)
                 self.pending[b] = ids[1:-1]
-                self.pending_inputs[b] = fused[: len(ids) - 2] if len(ids) > 1 else self.no_inputs()
+                self.pending_inputs[b] = [fused[: len(ids) - 2]] if len(ids) > 1 else []
                 self.root_input[b] = fused[-2:-1] if len(ids) > 1 else torch.zeros_like(self.root_input[b])
                 self.committed[b] = list(ids)
                 reset_tree(self.trees[b], ids[-1])
@@ -76,12 +82,12 @@ class Eagle3Drafter(DraftModelDrafter):
 
     def chain_queries(self, b: int) -> RowQueries:
         rows = super().chain_queries(b)
-        rows.inputs = self.pending_inputs[b]
+        rows.inputs = self.joined_inputs(b)
         return rows
 
     def catch_up(self) -> None:
         super().catch_up()
-        self.pending_inputs = [self.no_inputs() for _ in self.pending_inputs]
+        self.pending_inputs = [[] for _ in self.pending_inputs]
 
     def expansion_queries(self, b: int, leaves: torch.Tensor) -> RowQueries:
         """The draft model's queries, with each query's hidden input: the pending tokens' and the root's
@@ -89,7 +95,7 @@ class Eagle3Drafter(DraftModelDrafter):
         fresh = bool(self.pending[b])
         rows = super().expansion_queries(b, leaves)
         if fresh:
-            rows.inputs = torch.cat([self.pending_inputs[b], self.root_input[b]])
+            rows.inputs = torch.cat([*self.pending_inputs[b], self.root_input[b]])
         else:
             parents = self.trees[b].parents[leaves]
             rows.inputs = torch.where(
@@ -100,7 +106,7 @@ class Eagle3Drafter(DraftModelDrafter):
     def ran_leaves(self, b: int, leaves: torch.Tensor, after: int) -> None:
         self.node_hidden[b][leaves] = self.last_hidden[b][after:]
         if after:
-            self.pending_inputs[b] = self.no_inputs()
+            self.pending_inputs[b] = []
 
     def children(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Best children over the head's draft vocabulary, as target ids."""
@@ -116,12 +122,12 @@ class Eagle3Drafter(DraftModelDrafter):
             fused = self.model.fuse(verified.features)  # (m, H): states of the root and the accepted nodes
         root_ran = tree.num_slots > 0 and bool(tree.expanded[0])
         if root_ran:
-            path, pending, inputs = tree.kv_slot[:1].clone(), [], [self.no_inputs()]
+            path, pending, inputs = tree.kv_slot[:1].clone(), [], []
         else:
             path, pending = None, self.pending[b] + [tree.root_token]
-            inputs = [self.pending_inputs[b], self.root_input[b]]
+            inputs = [*self.pending_inputs[b], self.root_input[b]]
         self.pending[b] = pending + verified.tokens[:-1]
-        self.pending_inputs[b] = torch.cat(inputs + [fused[:-1]])
+        self.pending_inputs[b] = inputs + [fused[:-1]]
         self.root_input[b] = fused[-1:]
         self.counters.reroot_misses += 1
         reset_tree(tree, verified.tokens[-1])

@@ -27,6 +27,7 @@ def run_serial(target: TargetWorker, draft: Drafters, request: DecodeRequest) ->
     start = time.perf_counter()
     target.prefill(request.prompt, request.contexts, request.attention_mask)
     draft.start(request.prompt_ids(), target.prompt_features)
+    target.prompt_features = None  # the head keeps what it needs of them (fused: a third of their width)
     while rows.live:
         # 1. draft: expand while more expansions are expected to raise tokens per second
         round_start = time.perf_counter()
