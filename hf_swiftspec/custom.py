@@ -25,10 +25,8 @@ from __future__ import annotations
 from typing import Callable
 
 from .config import SwiftSpecConfig, check_setting_names
-from .eagle3 import DraftHead
 from .generation import split_stop_strings, stop_string_criteria, swiftspec_generate
-from .modeling import check_head_fits, check_member_type, check_model_supported
-from .pair.checks import check_compatibility
+from .modeling import check_member_type, check_members
 from .policy import GoodputPolicy
 from .stats import SwiftSpecStats
 
@@ -53,15 +51,9 @@ def custom_generate(
     check_setting_names(settings, "custom_generate(swiftspec_settings=...)")
     if settings.get("placement") not in (None, "serial"):
         raise ValueError("custom_generate decodes on the serial engine; an asynchronous placement needs SwiftSpecForCausalLM.")
-    config = SwiftSpecConfig(**settings)
-    config.validate_tree_settings()
-    check_model_supported(model, "target")
+    config = SwiftSpecConfig(**settings)  # checks the tree settings
     check_member_type(swiftspec_draft, "draft", required=False)
-    if isinstance(swiftspec_draft, DraftHead):
-        check_head_fits(swiftspec_draft, model, None)
-    elif swiftspec_draft is not None:
-        check_model_supported(swiftspec_draft, "draft")
-        check_compatibility(model.config, swiftspec_draft.config, architectures=False)
+    check_members(model, swiftspec_draft, None)
     policy = swiftspec_policy or GoodputPolicy(tree_budget=config.tree_budget, draft_depth=config.draft_depth)
     try:
         output, stats = swiftspec_generate(

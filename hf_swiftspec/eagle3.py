@@ -226,7 +226,7 @@ class DraftHead(nn.Module):
     """A draft that reads the target's hidden states (engine/heads.py drafts with it): an EAGLE-3 head, or a
     model's own MTP layer (mtp.py).
 
-        hidden_size          width of its hidden inputs and outputs
+        hidden_size          width of its hidden inputs and outputs; device, dtype: those of its weights
         architecture         its tree steps' needs (one full-attention layer)
         tap(target)          the FeatureTap that hands it the target's states during one call
         fuse(states)         the target's states (..., D) -> its hidden input (..., hidden_size)
@@ -235,15 +235,7 @@ class DraftHead(nn.Module):
         bind(target)         check that it fits `target`; returns itself
     """
 
-    shares_embeddings = False
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(p for p in self.parameters() if p.is_floating_point()).dtype
+    shares_embeddings = False  # True once bound to a target whose embeddings it reads
 
     @property
     def architecture(self) -> Architecture:
@@ -271,7 +263,6 @@ class Eagle3Head(DraftHead):
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.layer_ids: tuple[int, ...] = config.layer_ids or ()
         self.name_or_path: str | None = None
-        self.shares_embeddings = False  # True once bound to a target whose embeddings it reads
 
     @property
     def device(self) -> torch.device:

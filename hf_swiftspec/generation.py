@@ -35,7 +35,7 @@ from .config import SwiftSpecConfig
 from .drafting import Drafters, SuffixDrafter
 from .eagle3 import DraftHead
 from .engine import DecodeRequest, DecodeResult, DraftModelDrafter, TargetWorker, run_serial, run_threads
-from .engine.heads import Eagle3Drafter
+from .engine.heads import HeadDrafter
 from .engine.static_round import StaticRounds, run_static, static_round_gaps, static_shape
 from .engine.request import RowResult
 from .engine.distributed import Groups, run_distributed
@@ -217,23 +217,21 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
         target_worker = TargetWorker(target, length + budget, attention, target_arch, batch_size)
     if role in (None, "draft"):
         max_positions = context_limit(*(m for m in (target, draft) if m is not None and not isinstance(m, DraftHead)))
-        if isinstance(draft, DraftHead):
-            model = Eagle3Drafter(draft, capacity=length + config.tree_capacity, tree_capacity=config.tree_capacity,
-                                  width=1 if chain else config.draft_width,
-                                  vocab_limit=target.config.get_text_config().vocab_size, max_positions=max_positions,
-                                  batch_size=batch_size)
+        tree = dict(
+            capacity=length + config.tree_capacity,
+            tree_capacity=config.tree_capacity,
+            width=1 if chain else config.draft_width,
+            vocab_limit=target.config.get_text_config().vocab_size,
+            max_positions=max_positions,
+            batch_size=batch_size,
+        )
+        if isinstance(draft, DraftHead):  # an EAGLE-3 head or an MTP layer: attends with its own sdpa
+            model = HeadDrafter(draft, **tree)
+        elif draft is not None:
+            draft_attention = resolve_attention(config.attention, draft, draft_arch)
+            model = DraftModelDrafter(draft, attention=draft_attention, architecture=draft_arch, **tree)
         else:
-            model = None if draft is None else DraftModelDrafter(
-                draft,
-                capacity=length + config.tree_capacity,
-                tree_capacity=config.tree_capacity,
-                width=1 if chain else config.draft_width,
-                vocab_limit=target.config.get_text_config().vocab_size,
-                attention=resolve_attention(config.attention, draft, draft_arch),
-                architecture=draft_arch,
-                max_positions=max_positions,
-                batch_size=batch_size,
-            )
+            model = None
         ngram_size = 0 if chain and draft is not None else config.ngram_size
         suffix = None if ngram_size == 0 else SuffixDrafter(
             ngram_size, batch_size, branching=not chain, corpus=corpus, history=history

@@ -179,6 +179,16 @@ def check_head_fits(head: DraftHead, target: PreTrainedModel, placement: Placeme
         raise ValueError(f"The draft head is on {head.device}, the target on {target.device}: move the head to the target's device.")
 
 
+def check_members(target, draft, placement: Placement | None, tokenizer=None, draft_tokenizer=None) -> None:
+    """Raise ValueError if the target, or the draft beside it (a model or a draft head), cannot speculate."""
+    check_model_supported(target, "target")
+    if isinstance(draft, DraftHead):
+        check_head_fits(draft, target, placement)
+    elif draft is not None:
+        check_model_supported(draft, "draft")
+        check_compatibility(target.config, draft.config, tokenizer, draft_tokenizer, architectures=False)
+
+
 class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
     """A target and a draft model; `generate(swiftspec=True)` speculates with a token tree, losslessly.
 
@@ -209,13 +219,8 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
                 "SwiftSpecForCausalLM needs a target model: use SwiftSpecForCausalLM.from_models(target[, draft]) or "
                 "SwiftSpecForCausalLM.from_pretrained(pair_or_model_folder)."
             )
-        check_model_supported(target, "target")
         placement = resolve_placement(config.placement, target.config)
-        if isinstance(draft, DraftHead):
-            check_head_fits(draft, target, placement)
-        elif draft is not None:
-            check_model_supported(draft, "draft")
-            check_compatibility(target.config, draft.config, tokenizer, draft_tokenizer, architectures=False)
+        check_members(target, draft, placement, tokenizer, draft_tokenizer)
         self.target = target
         self.draft = draft  # None: draft-free mode, speculating from the text's own repetition
         self.placement: Placement = placement

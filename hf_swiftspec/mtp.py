@@ -61,6 +61,14 @@ class MtpHead(DraftHead):
     def hidden_size(self) -> int:
         return self.mtp.config.hidden_size
 
+    @property
+    def device(self) -> torch.device:
+        return self.layer.eh_proj.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layer.eh_proj.weight.dtype
+
     def tap(self, target) -> FinalStateTap:
         return FinalStateTap(target)
 

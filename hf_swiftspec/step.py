@@ -70,7 +70,7 @@ def run_step(
     with `logits=False` (a catch-up: the head then runs on one query per row, not on every token of a
     prompt: 16 prompts of 256 tokens with a 49k-row head would be 0.8 GB of logits thrown away).
 
-    fallbacks: collects why kernel-routed layers ran their own attention instead.
+    fallbacks: collects why kernel-routed layers ran the model's own attention instead.
     """
     counts, input_ids, positions, layout, kwargs = step_arguments(model, cache, rows, attention, architecture)
     out = model_step(model, cache, input_ids, positions, keep=0 if logits else 1, **kwargs)  # (B, Q, V)

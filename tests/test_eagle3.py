@@ -13,7 +13,7 @@ from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.bench import BenchConfig, run_bench
 from hf_swiftspec.bench.methods import BenchModels
 from hf_swiftspec.eagle3 import Eagle3Config, Eagle3Head, FeatureTap, load_eagle3_head, save_eagle3_head
-from hf_swiftspec.engine.heads import Eagle3Drafter
+from hf_swiftspec.engine.heads import HeadDrafter
 from hf_swiftspec.pair import PairConfigError, create_pair_repo
 from hf_swiftspec.tools.eagle3_training import new_head_for, token_windows, train_head
 from hf_swiftspec.tools.models import left_padded, tiny_model, truncated_draft
@@ -158,7 +158,7 @@ def test_tree_nodes_score_as_plain_causal_forwards_of_the_head(target):
     with tap:
         target(torch.tensor([prompt]))
         states = tap.take()[0]  # (L, 3H)
-    drafter = Eagle3Drafter(head, capacity=64, tree_capacity=64, width=2, vocab_limit=VOCAB)
+    drafter = HeadDrafter(head, capacity=64, tree_capacity=64, width=2, vocab_limit=VOCAB)
     drafter.start([prompt], [states])
     for _ in range(3):
         drafter.expand()
@@ -208,13 +208,13 @@ def test_verified_tokens_run_with_the_target_states_of_the_token_before(target, 
     new root scores as a plain causal forward of the head over the whole sequence."""
     head = random_head(target, draft_vocab=48).bind(target)
     seen = []
-    original = Eagle3Drafter.reroot_row
+    original = HeadDrafter.reroot_row
 
     def recording(self, b, subtree, verified):
         seen.append((len(self.committed[b]) - len(verified.tokens), list(verified.tokens), verified.features.clone()))
         return original(self, b, subtree, verified)
 
-    monkeypatch.setattr(Eagle3Drafter, "reroot_row", recording)
+    monkeypatch.setattr(HeadDrafter, "reroot_row", recording)
     model = SwiftSpecForCausalLM.from_models(target, head, tree_budget=6, draft_depth=2)
     prompt = torch.tensor([[5, 17, 33, 8, 5, 17, 40]])
     out = model.generate(prompt, max_new_tokens=16, do_sample=False, swiftspec=True)
@@ -226,7 +226,7 @@ def test_verified_tokens_run_with_the_target_states_of_the_token_before(target, 
         assert out[0, first : first + len(tokens)].tolist() == tokens
         assert torch.allclose(features, states[first - 1 : first - 1 + len(tokens)], atol=1e-5)
 
-    drafter = Eagle3Drafter(head, capacity=64, tree_capacity=64, width=2, vocab_limit=VOCAB)
+    drafter = HeadDrafter(head, capacity=64, tree_capacity=64, width=2, vocab_limit=VOCAB)
     L = prompt.shape[1]
     drafter.start([prompt[0].tolist()], [states[:L]])
     drafter.expand()

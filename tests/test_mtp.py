@@ -8,7 +8,7 @@ from transformers import AutoConfig
 
 from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.compat import MtpModel
-from hf_swiftspec.engine.heads import Eagle3Drafter
+from hf_swiftspec.engine.heads import HeadDrafter
 from hf_swiftspec.mtp import FinalStateTap, mtp_head
 from hf_swiftspec.tools import sweep
 from hf_swiftspec.tools.models import left_padded, tiny_model
@@ -71,7 +71,7 @@ def test_root_proposals_are_transformers_own_mtp_layer_forward():
     with FinalStateTap(target) as tap:
         target(PROMPT)
         states = tap.take()[0]
-    drafter = Eagle3Drafter(head, capacity=64, tree_capacity=64, width=3, vocab_limit=target.config.vocab_size)
+    drafter = HeadDrafter(head, capacity=64, tree_capacity=64, width=3, vocab_limit=target.config.vocab_size)
     drafter.start([prompt], [states])
     drafter.expand()
     ids = PROMPT[:, 1:]

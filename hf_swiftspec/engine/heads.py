@@ -1,5 +1,5 @@
-"""Drafters that read the target's hidden states: an EAGLE-3 head (eagle3.py) growing the same token tree
-as a draft model.
+"""The drafter of a draft head, which reads the target's hidden states: an EAGLE-3 head (eagle3.py) or a
+model's own MTP layer (mtp.py), growing the same token tree as a draft model.
 
 It is a DraftModelDrafter whose forward takes, beside each token, a hidden input: for a committed token
 and the tree's root, the target's states at the token before it (fused by the head's fc), which the
@@ -24,8 +24,8 @@ from .workers import DraftModelDrafter
 CHAIN_WITH_ROOT = 16  # pending tokens that run along with the root's expansion rather than as a catch-up
 
 
-class Eagle3Drafter(DraftModelDrafter):
-    """An EAGLE-3 head's token tree per row (see the module docstring).
+class HeadDrafter(DraftModelDrafter):
+    """A draft head's token tree per row (see the module docstring).
 
     pending_inputs[b]: pieces of (len(pending[b]), H), the fused target states each pending token runs with,
                        joined only when they run (a row that never drafts would copy its whole backlog each round)
@@ -58,7 +58,10 @@ class Eagle3Drafter(DraftModelDrafter):
         positions (L, 3 * H_t). Token j runs with the states of token j - 1, so the first token has no
         entry of its own (the head's positions are the target's minus one, as it was trained)."""
         if features is None:
-            raise ValueError("an EAGLE-3 head drafts from the target's hidden states: it runs on the serial engine only")
+            raise ValueError(
+                "a draft head starts from the target's states at the prompt, which this engine did not hand over: heads "
+                "draft serially or in a thread of the same process, not under torchrun"
+            )
         with torch.no_grad():
             for b, (ids, states) in enumerate(zip(prompts, features)):
                 fused = self.model.fuse(states)

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from huggingface_hub import HfApi, snapshot_download, try_to_load_from_cache
+from huggingface_hub import HfApi, hf_hub_download, snapshot_download, try_to_load_from_cache
 from huggingface_hub.constants import HF_HUB_CACHE
 from huggingface_hub.errors import HFValidationError
 from transformers import AutoConfig, PreTrainedConfig
@@ -195,12 +195,15 @@ def member_head_config(member: PairMember, hub: HubOptions):
 
     if member.is_local:
         path = Path(member.location) / "config.json"
-    else:
-        cached = try_to_load_from_cache(member.location, "config.json", cache_dir=hub.cache_dir, revision=member.revision)
-        path = Path(cached) if isinstance(cached, str) else None
-        if path is None and not hub.local_files_only:
-            path = member_folder(member, hub) / "config.json"
-    if path is None or not path.is_file():
+    else:  # the config alone: the pair is checked before any weights load
+        try:
+            path = Path(hf_hub_download(
+                member.location, "config.json", revision=member.revision, cache_dir=hub.cache_dir, token=hub.token,
+                local_files_only=hub.local_files_only, force_download=hub.force_download,
+            ))
+        except (OSError, ValueError):  # unreachable: load_member_config says why, naming the entry
+            return None
+    if not path.is_file():
         return None
     data = json.loads(path.read_text())
     return Eagle3Config.from_dict(data) if eagle3_format(data) else None
