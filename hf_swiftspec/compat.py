@@ -24,6 +24,7 @@ What changed from 5.23 to 5.24 and where it is handled here:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
@@ -221,3 +222,38 @@ def can_set_attn_implementation(model) -> bool:
     if check is None:
         raise unsupported("PreTrainedModel._can_set_attn_implementation")
     return bool(check())
+
+
+# ---------------------------------------------------------------- transformers serve (5.23-5.24), for `swiftspec serve`
+
+
+def serving_available() -> bool:
+    """Whether transformers' server can run here (fastapi, uvicorn, pydantic, openai installed)."""
+    return internal("utils.import_utils", "is_serve_available")()
+
+
+def serving_server():
+    """transformers' `Serve` (cli/serve.py): builds the FastAPI app and runs uvicorn."""
+    return internal("cli.serve", "Serve")
+
+
+def serving_model_manager():
+    """transformers' `ModelManager` (cli/serving/model_manager.py), which `Serve` builds to load models."""
+    return internal("cli.serving.model_manager", "ModelManager")
+
+
+@contextlib.contextmanager
+def serving_built_with(manager_class, finish_app):
+    """While this block runs, transformers' `Serve` loads models with `manager_class` and passes the FastAPI
+    app it builds through `finish_app(app) -> app` before serving it. `Serve` has no argument for either
+    (5.23-5.24): it builds `ModelManager` and calls `build_server` by name from their modules when it
+    starts, so those two names are swapped for the block and restored afterwards."""
+    manager_module = importlib.import_module("transformers.cli.serving.model_manager")
+    server_module = importlib.import_module("transformers.cli.serving.server")
+    manager, build_server = manager_module.ModelManager, server_module.build_server
+    manager_module.ModelManager = manager_class
+    server_module.build_server = lambda *args, **kwargs: finish_app(build_server(*args, **kwargs))
+    try:
+        yield
+    finally:
+        manager_module.ModelManager, server_module.build_server = manager, build_server

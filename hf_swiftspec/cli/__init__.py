@@ -213,6 +213,17 @@ def run_generate(options: GenerateOptions) -> int:
     return 0 if identical in (None, True) else 1
 
 
+def run_serve(args) -> int:
+    from .serve import ServeOptions, serve  # transformers' server and its dependencies load only for this command
+
+    options = ServeOptions(
+        pair=args.pair, host=args.host, port=args.port, device=args.device, dtype=args.dtype, threads=args.threads,
+        log_level=args.log_level, enable_cors=args.enable_cors, settings=tree_overrides(args),
+    )
+    serve(options)
+    return 0
+
+
 # ---------------------------------------------------------------- pair create / check
 
 
@@ -323,6 +334,19 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--revision", default=None, help="revision of the pair repo")
     check.add_argument("--config-only", action="store_true", help="check only the pair's own files, not its members")
     check.add_argument("--offline", action="store_true", help="use only the Hugging Face cache")
+    srv = commands.add_parser(
+        "serve", help="serve a pair with transformers' OpenAI-compatible server (transformers serve), speculating"
+    )
+    srv.add_argument("pair", help="pair repo id, folder or bundled name, or a plain causal LM (draft-free)")
+    srv.add_argument("--host", default="localhost", help="listen address (default: %(default)s)")
+    srv.add_argument("--port", type=int, default=8000, help="listen port (default: %(default)s)")
+    srv.add_argument("--device", default=None, help="device for both models (default: cuda:0 if present, else cpu)")
+    srv.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 | auto (default: float32 on CPU, auto on GPU)")
+    srv.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+    srv.add_argument("--log-level", default="warning", help="transformers' log level (default: %(default)s)")
+    srv.add_argument("--enable-cors", action="store_true", help="permissive CORS, as transformers serve's flag")
+    add_tree_options(srv)
+
     from ..bench import add_bench_arguments  # the bench imports these options: the command wires it in late
 
     add_bench_arguments(
@@ -354,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
             from ..bench import bench_main
 
             return bench_main(args)
+        if args.command == "serve":
+            return run_serve(args)
         if args.pair_command == "create":
             return run_pair_create(args)
         return run_pair_check(args)

@@ -85,10 +85,13 @@ def load_dtype(name: str | None, device: str):
     return dtype
 
 
-def load_pair(location: str, name: str, device: str | None = None, dtype: str | None = None, **settings) -> SwiftSpecForCausalLM:
+def load_pair(
+    location: str, name: str, device: str | None = None, dtype: str | None = None, model_class=SwiftSpecForCausalLM,
+    **settings,
+) -> SwiftSpecForCausalLM:
     """A pair repo (id or folder) with its tokenizer; `name` is how errors call it, settings override its config."""
     device = device or default_device()
-    model = SwiftSpecForCausalLM.from_pretrained(location, dtype=load_dtype(dtype, device), device_map=device, **settings)
+    model = model_class.from_pretrained(location, dtype=load_dtype(dtype, device), device_map=device, **settings)
     if model.tokenizer is None:
         raise PairConfigError(
             f"The pair {name!r} ships no tokenizer (neither its repo nor its target has one); add one to the pair repo."

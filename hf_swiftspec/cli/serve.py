@@ -1,0 +1,144 @@
+"""`swiftspec serve PAIR`: transformers' own OpenAI-compatible server (`transformers serve`) with a pair
+loaded where it would load a plain model, so every request decodes by tree speculation.
+
+No server of our own: the endpoints (/v1/chat/completions, /v1/completions, /v1/responses,
+/v1/models, /health), chat templates, streaming and request validation are transformers'. Two
+things change: the server's model manager loads the pair (or a plain causal LM, which then
+speculates draft-free) and hands out the pair's tokenizer as the processor; and a request that
+generate() refuses (a ValueError: max_tokens below 1, a prompt longer than the model's context)
+gets a 400 with the reason in OpenAI's error shape, where transformers' server answers a bare 500.
+The server is pinned to the one model: a request naming another gets transformers' 400.
+
+Requests run one at a time through `pair.generate()` (transformers' sequential mode).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import compat
+from .options import load_pair, progress, resolve_device, set_threads
+from ..modeling import SwiftSpecForCausalLM
+from ..pair import PairConfigError
+from ..pair.checks import context_length
+
+
+@dataclass
+class ServeOptions:
+    """What `swiftspec serve` was asked for.
+
+    pair:     pair repo id, folder or bundled name, or a plain causal LM (draft-free)
+    settings: SwiftSpecConfig overrides (tree_budget, ...)
+    """
+
+    pair: str
+    host: str = "localhost"
+    port: int = 8000
+    device: str | None = None
+    dtype: str | None = None
+    threads: int | None = None
+    log_level: str = "warning"
+    enable_cors: bool = False
+    settings: dict = field(default_factory=dict)
+
+
+class ServedPair(SwiftSpecForCausalLM):
+    """The pair as the server runs it: generate() refuses a prompt the target cannot read (longer than its
+    context) by name, as a server must, where a direct call decodes on exactly as target.generate would."""
+
+    @torch.no_grad()
+    def generate(self, inputs: torch.Tensor | None = None, *args, **kwargs):
+        prompt = inputs if inputs is not None else kwargs.get("input_ids")
+        context = context_length(self.target.config)
+        if prompt is not None and context is not None and prompt.shape[-1] >= context:
+            raise ValueError(
+                f"The prompt has {prompt.shape[-1]} tokens; {self.config.name_or_path!r} reads at most {context} "
+                f"(its target's max_position_embeddings), leaving no room for an answer. Shorten the prompt."
+            )
+        return super().generate(inputs, *args, **kwargs)
+
+
+def split_revision(model_id_and_revision: str) -> tuple[str, str | None]:
+    """The server's name of a model -> (id or path, revision). transformers names Hub repos 'id@revision'
+    ('@main' by default); 5.24 keeps an existing local path as it is, 5.23 appends '@main' to it too."""
+    if os.path.exists(model_id_and_revision):
+        return model_id_and_revision, None
+    name, at, revision = model_id_and_revision.rpartition("@")
+    return (name, revision) if at else (model_id_and_revision, None)
+
+
+def pair_model_manager(options: ServeOptions, device: str) -> type:
+    """transformers' ModelManager, loading the served pair with hf_swiftspec's loader instead of
+    `getattr(transformers, config.architectures[0])` (which knows no pair)."""
+
+    class PairModelManager(compat.serving_model_manager()):
+        """Loads the pair once; its tokenizer is the processor (the server asks for the processor first)."""
+
+        def __init__(self, *args, **kwargs):
+            self.loading: dict[str, ServedPair] = {}
+            super().__init__(*args, **kwargs)
+
+        def _load_processor(self, model_id_and_revision: str, gguf_file: str | None = None):
+            if gguf_file is not None:
+                raise PairConfigError(f"{gguf_file!r}: swiftspec serve loads pairs and safetensors models, not GGUF files.")
+            name, revision = split_revision(model_id_and_revision)
+            settings = dict(options.settings)
+            if revision not in (None, "main"):
+                settings["revision"] = revision
+            model = load_pair(name, name, device, options.dtype, model_class=ServedPair, **settings)
+            self.loading[model_id_and_revision] = model
+            return model.tokenizer
+
+        def _load_model(self, model_id_and_revision: str, tqdm_class=None, progress_callback=None, gguf_file=None):
+            return self.loading.pop(model_id_and_revision)
+
+        def list_models(self, cache_dir: str | None = None) -> list[dict]:
+            """/v1/models: the served model alone, under the name requests give it (5.24's answer for a pinned
+            server; 5.23 scanned the Hub cache instead, and failed with a 500 where there is none)."""
+            owner = options.pair.split("/")[0] if "/" in options.pair and not os.path.exists(options.pair) else ""
+            return [{"id": options.pair, "object": "model", "created": 0, "owned_by": owner}]
+
+        get_gen_models = list_models  # 5.23's name for it
+
+    return PairModelManager
+
+
+def answer_refusals(app):
+    """A ValueError raised while handling a request (generate() refusing its arguments) answers 400 with
+    the message, in OpenAI's error shape; the server goes on serving."""
+    from fastapi.responses import JSONResponse
+
+    async def refused(_request, error: ValueError):
+        return JSONResponse(
+            {"error": {"message": str(error), "type": "invalid_request_error", "param": None, "code": None}},
+            status_code=400,
+        )
+
+    app.add_exception_handler(ValueError, refused)
+    return app
+
+
+def serve(options: ServeOptions, blocking: bool = True):
+    """Start transformers' server with the pair loaded (blocking: until interrupted). Returns
+    transformers' `Serve` object; with blocking=False it serves from a thread and `kill_server()` stops it."""
+    if not compat.serving_available():
+        raise PairConfigError(
+            "swiftspec serve needs transformers' server dependencies: pip install 'hf_swiftspec[serve]' "
+            "(fastapi, uvicorn, openai)."
+        )
+    device = resolve_device(options.device)
+    progress(set_threads(options.threads, device))
+    progress(f"loading {options.pair!r} on {device}; serving it at http://{options.host}:{options.port}/v1")
+    with compat.serving_built_with(pair_model_manager(options, device), answer_refusals):
+        return compat.serving_server()(
+            force_model=options.pair,
+            device=device,
+            host=options.host,
+            port=options.port,
+            log_level=options.log_level,
+            enable_cors=options.enable_cors,
+            non_blocking=not blocking,
+        )

@@ -1,0 +1,178 @@
+"""`swiftspec serve`: transformers' OpenAI-compatible server with the demo pair loaded, driven by the real
+`openai` client over HTTP on localhost. Every greedy answer is checked against the target alone
+(`target.generate` on the same tokens, decoded as the server decodes)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from hf_swiftspec import compat  # noqa: E402
+from hf_swiftspec.cli import main  # noqa: E402
+from hf_swiftspec.pair.locate import bundled_pair  # noqa: E402
+from hf_swiftspec.cli.serve import ServeOptions, serve, split_revision  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not compat.serving_available(), reason="transformers' server dependencies are not installed")
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}def answer():\n{% endif %}"
+)
+PROMPTS = [
+    "def read_config(path):\n",
+    "import os\n\ndef list_files(root):\n",
+    "class Stack:\n    def __init__(self):\n",
+    "def parse_args(argv):\n",
+    "for i in range(10):\n",
+    "def __repr__(self):\n",
+    "try:\n    import json\n",
+    "def main():\n    ",
+]
+NEW_TOKENS = 24
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def pair_folder(tmp_path_factory):
+    """The demo pair with a chat template added (its target is a code model that ships none)."""
+    demo = bundled_pair("swiftspec-demo-pystdlib")
+    folder = tmp_path_factory.mktemp("served") / "demo-chat"
+    folder.mkdir()
+    for name in ("config.json", "generation_config.json", "tokenizer.json"):
+        shutil.copy(demo / name, folder / name)
+    for member in ("target", "draft"):
+        (folder / member).symlink_to(demo / member, target_is_directory=True)
+    tokenizer_config = json.loads((demo / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "chat_template": CHAT_TEMPLATE}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reference(pair_folder):
+    """The target alone and the pair's tokenizer: what every greedy answer must equal."""
+    target = AutoModelForCausalLM.from_pretrained(pair_folder / "target", dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(pair_folder)
+
+    def answer(input_ids: torch.Tensor, max_new_tokens: int = NEW_TOKENS) -> str:
+        out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False)
+        return tokenizer.decode(out[0, input_ids.shape[1]:], skip_special_tokens=True)
+
+    return tokenizer, answer
+
+
+@pytest.fixture(scope="module")
+def server(pair_folder):
+    threads = torch.get_num_threads()
+    port = free_port()
+    running = serve(ServeOptions(pair=str(pair_folder), port=port, log_level="error"), blocking=False)
+    client = openai.OpenAI(base_url=f"http://localhost:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            client.models.list()
+            break
+        except openai.APIConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+    yield running, client, str(pair_folder)
+    running.kill_server()
+    torch.set_num_threads(threads)
+
+
+def served_model(running):
+    (timed,) = running._model_manager.loaded_models.values()
+    return timed.model
+
+
+def test_completions_equal_the_target_alone_and_speculate(server, reference):
+    running, client, name = server
+    tokenizer, answer = reference
+    assert [m.id for m in client.models.list().data] == [name]
+    for prompt in PROMPTS[:3]:
+        expected = answer(tokenizer(prompt, return_tensors="pt").input_ids)
+        reply = client.completions.create(model=name, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0)
+        assert reply.choices[0].text == expected
+        assert reply.usage.completion_tokens == NEW_TOKENS
+        stats = served_model(running).swiftspec_stats
+        assert stats.new_tokens == NEW_TOKENS and stats.target_forwards < NEW_TOKENS  # speculated, not plain steps
+        streamed = client.completions.create(model=name, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, stream=True)
+        assert "".join(chunk.choices[0].text for chunk in streamed) == expected
+
+
+def test_chat_completions_equal_the_target_alone(server, reference):
+    _, client, name = server
+    tokenizer, answer = reference
+    messages = [{"role": "user", "content": "sum a list of numbers"}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    expected = answer(ids)
+    reply = client.chat.completions.create(model=name, messages=messages, max_tokens=NEW_TOKENS, temperature=0)
+    assert reply.choices[0].message.content == expected
+    streamed = client.chat.completions.create(model=name, messages=messages, max_tokens=NEW_TOKENS, temperature=0, stream=True)
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices) == expected
+
+
+def test_concurrent_clients_get_their_own_answers(server, reference):
+    """16 clients x 2 requests at once, half streaming: none lost, none mixed with another's tokens."""
+    _, client, name = server
+    tokenizer, answer = reference
+    expected = {p: answer(tokenizer(p, return_tensors="pt").input_ids, 12) for p in PROMPTS}
+
+    def ask(job: int) -> tuple[str, str]:
+        prompt = PROMPTS[job % len(PROMPTS)]
+        if job % 2:
+            chunks = client.completions.create(model=name, prompt=prompt, max_tokens=12, temperature=0, stream=True)
+            return prompt, "".join(chunk.choices[0].text for chunk in chunks)
+        return prompt, client.completions.create(model=name, prompt=prompt, max_tokens=12, temperature=0).choices[0].text
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(ask, range(32), timeout=300))
+    assert len(answers) == 32
+    for prompt, text in answers:
+        assert text == expected[prompt]
+
+
+def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, reference):
+    _, client, name = server
+    tokenizer, answer = reference
+    with pytest.raises(openai.BadRequestError, match="reads at most 256"):
+        client.completions.create(model=name, prompt="x = 1\n" * 400, max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="max_new_tokens"):
+        client.completions.create(model=name, prompt="def f", max_tokens=-1)
+    with pytest.raises(openai.BadRequestError) as refused:  # transformers' own answer, {"detail": ...}
+        client.completions.create(model="some-org/another-model", prompt="def f", max_tokens=4)
+    assert "pinned" in refused.value.response.text
+    # a client that leaves mid-stream: the server cancels that generation and answers the next request
+    stream = client.completions.create(model=name, prompt="def f", max_tokens=200, temperature=0, stream=True)
+    next(iter(stream))
+    stream.close()
+    prompt = PROMPTS[0]
+    reply = client.completions.create(model=name, prompt=prompt, max_tokens=8, temperature=0)
+    assert reply.choices[0].text == answer(tokenizer(prompt, return_tensors="pt").input_ids, 8)
+
+
+def test_split_revision():
+    assert split_revision("org/pair@v1") == ("org/pair", "v1")
+    assert split_revision("org/pair") == ("org/pair", None)
+    assert split_revision(".") == (".", None)
+
+
+def test_serve_without_the_server_dependencies_says_what_to_install(monkeypatch, capsys):
+    monkeypatch.setattr(compat, "serving_available", lambda: False)
+    assert main(["serve", "swiftspec-demo-pystdlib"]) == 1
+    assert "pip install 'hf_swiftspec[serve]'" in capsys.readouterr().err
