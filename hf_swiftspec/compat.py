@@ -242,6 +242,16 @@ def serving_model_manager():
     return internal("cli.serving.model_manager", "ModelManager")
 
 
+def cb_request_status():
+    """transformers' continuous-batching `RequestStatus` (PENDING .. DECODING, FINISHED, FAILED)."""
+    return internal("generation.continuous_batching.requests", "RequestStatus")
+
+
+def cb_generation_output():
+    """transformers' continuous-batching `GenerationOutput`: what a batching manager hands its result handlers."""
+    return internal("generation.continuous_batching.requests", "GenerationOutput")
+
+
 @contextlib.contextmanager
 def serving_built_with(manager_class, finish_app):
     """While this block runs, transformers' `Serve` loads models with `manager_class` and passes the FastAPI

@@ -424,6 +424,21 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
     def get_input_embeddings(self):
         return self.target.get_input_embeddings()
 
+    def init_continuous_batching(self, *args, **kwargs):
+        """Not with speculation: transformers' manager would decode the target alone on its paged cache."""
+        raise NotImplementedError(
+            "SwiftSpecForCausalLM does not speculate under continuous batching (init_continuous_batching, "
+            "generate_batch, transformers serve --continuous-batching). Speculate on a batch with "
+            "model.generate(left-padded input_ids, attention_mask=...), or batch the target alone with "
+            "model.target.generate_batch(...)."
+        )
+
+    def continuous_batching_context_manager(self, *args, **kwargs):
+        self.init_continuous_batching()
+
+    def generate_batch(self, *args, **kwargs):
+        self.init_continuous_batching()
+
     @torch.no_grad()
     def generate(
         self,

@@ -199,3 +199,10 @@ def test_a_tokenizer_passed_as_a_model_is_named():
         SwiftSpecForCausalLM.from_models(char_tokenizer())
     with pytest.raises(TypeError, match=r"the draft must be a model .*got str\. Load it first"):
         SwiftSpecForCausalLM.from_models(tiny_model("llama"), "org/draft")
+
+
+@pytest.mark.parametrize("method", ["generate_batch", "init_continuous_batching", "continuous_batching_context_manager"])
+def test_continuous_batching_is_refused_not_run_without_speculation(model, method):
+    """transformers' continuous batching would decode the target alone through the pair's forward."""
+    with pytest.raises(NotImplementedError, match="model.target.generate_batch"):
+        getattr(model, method)([[1, 2, 3]])

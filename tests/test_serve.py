@@ -75,11 +75,12 @@ def reference(pair_folder):
     return tokenizer, answer
 
 
-@pytest.fixture(scope="module")
-def server(pair_folder):
+@pytest.fixture(scope="module", params=["sequential", "continuous-batching"])
+def server(pair_folder, request):
     threads = torch.get_num_threads()
     port = free_port()
-    running = serve(ServeOptions(pair=str(pair_folder), port=port, log_level="error"), blocking=False)
+    options = ServeOptions(pair=str(pair_folder), port=port, log_level="error", continuous_batching=request.param != "sequential")
+    running = serve(options, blocking=False)
     client = openai.OpenAI(base_url=f"http://localhost:{port}/v1", api_key="unused", max_retries=0, timeout=120)
     deadline = time.monotonic() + 60
     while True:
@@ -100,6 +101,12 @@ def served_model(running):
     return timed.model
 
 
+def router(running):
+    """With --continuous-batching, the pair's batching manager (None before the first request, or sequential)."""
+    manager = running._generation_state._cb_manager
+    return None if manager is None else manager._cb
+
+
 def test_completions_equal_the_target_alone_and_speculate(server, reference):
     running, client, name = server
     tokenizer, answer = reference
@@ -113,6 +120,8 @@ def test_completions_equal_the_target_alone_and_speculate(server, reference):
         assert stats.new_tokens == NEW_TOKENS and stats.target_forwards < NEW_TOKENS  # speculated, not plain steps
         streamed = client.completions.create(model=name, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, stream=True)
         assert "".join(chunk.choices[0].text for chunk in streamed) == expected
+    if router(running) is not None:  # one request at a time: each was alone, so each speculated
+        assert router(running).routed == {"speculate": 6, "batch": 0}
 
 
 def test_chat_completions_equal_the_target_alone(server, reference):
@@ -128,8 +137,9 @@ def test_chat_completions_equal_the_target_alone(server, reference):
 
 
 def test_concurrent_clients_get_their_own_answers(server, reference):
-    """16 clients x 2 requests at once, half streaming: none lost, none mixed with another's tokens."""
-    _, client, name = server
+    """16 clients x 2 requests at once, half streaming: none lost, none mixed with another's tokens. With
+    --continuous-batching, requests that arrive while others decode are batched (the target alone)."""
+    running, client, name = server
     tokenizer, answer = reference
     expected = {p: answer(tokenizer(p, return_tensors="pt").input_ids, 12) for p in PROMPTS}
 
@@ -145,6 +155,9 @@ def test_concurrent_clients_get_their_own_answers(server, reference):
     assert len(answers) == 32
     for prompt, text in answers:
         assert text == expected[prompt]
+    if router(running) is not None:
+        assert router(running).routed["batch"] > 0 and router(running).routed["speculate"] > 0
+        assert not router(running).requests  # every request finished is forgotten
 
 
 def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, reference):

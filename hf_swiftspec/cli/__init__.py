@@ -218,7 +218,8 @@ def run_serve(args) -> int:
 
     options = ServeOptions(
         pair=args.pair, host=args.host, port=args.port, device=args.device, dtype=args.dtype, threads=args.threads,
-        log_level=args.log_level, enable_cors=args.enable_cors, settings=tree_overrides(args),
+        log_level=args.log_level, enable_cors=args.enable_cors, continuous_batching=args.continuous_batching,
+        settings=tree_overrides(args),
     )
     serve(options)
     return 0
@@ -345,6 +346,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     srv.add_argument("--log-level", default="warning", help="transformers' log level (default: %(default)s)")
     srv.add_argument("--enable-cors", action="store_true", help="permissive CORS, as transformers serve's flag")
+    srv.add_argument(
+        "--continuous-batching", action="store_true",
+        help="a request that arrives alone speculates; one that arrives while others decode joins transformers' "
+        "continuous batch of the target (default: one request at a time, each speculating)",
+    )
     add_tree_options(srv)
 
     from ..bench import add_bench_arguments  # the bench imports these options: the command wires it in late

@@ -9,7 +9,9 @@ generate() refuses (a ValueError: max_tokens below 1, a prompt longer than the m
 gets a 400 with the reason in OpenAI's error shape, where transformers' server answers a bare 500.
 The server is pinned to the one model: a request naming another gets transformers' 400.
 
-Requests run one at a time through `pair.generate()` (transformers' sequential mode).
+Requests run one at a time through `pair.generate()` (transformers' sequential mode), or with
+`--continuous-batching` each request speculates when it is alone and joins transformers' continuous
+batch of the target when others are decoding (routing.py).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class ServeOptions:
     threads: int | None = None
     log_level: str = "warning"
     enable_cors: bool = False
+    continuous_batching: bool = False
     settings: dict = field(default_factory=dict)
 
 
@@ -49,16 +52,30 @@ class ServedPair(SwiftSpecForCausalLM):
     """The pair as the server runs it: generate() refuses a prompt the target cannot read (longer than its
     context) by name, as a server must, where a direct call decodes on exactly as target.generate would."""
 
+    def check_request(self, prompt_tokens: int, max_new_tokens: int | None = None) -> None:
+        """ValueError (the server's 400) for a prompt the target cannot read or a length below 1."""
+        context = context_length(self.target.config)
+        if context is not None and prompt_tokens >= context:
+            raise ValueError(
+                f"The prompt has {prompt_tokens} tokens; {self.config.name_or_path!r} reads at most {context} "
+                f"(its target's max_position_embeddings), leaving no room for an answer. Shorten the prompt."
+            )
+        if max_new_tokens is not None and max_new_tokens < 1:
+            raise ValueError(f"`max_new_tokens` must be greater than 0, but is {max_new_tokens}.")
+
     @torch.no_grad()
     def generate(self, inputs: torch.Tensor | None = None, *args, **kwargs):
         prompt = inputs if inputs is not None else kwargs.get("input_ids")
-        context = context_length(self.target.config)
-        if prompt is not None and context is not None and prompt.shape[-1] >= context:
-            raise ValueError(
-                f"The prompt has {prompt.shape[-1]} tokens; {self.config.name_or_path!r} reads at most {context} "
-                f"(its target's max_position_embeddings), leaving no room for an answer. Shorten the prompt."
-            )
+        if prompt is not None:
+            self.check_request(prompt.shape[-1])
         return super().generate(inputs, *args, **kwargs)
+
+    def init_continuous_batching(self, generation_config=None, continuous_batching_config=None, **kwargs):
+        """`swiftspec serve --continuous-batching`: a request speculates when it is alone, and joins
+        transformers' continuous batch of the target when others decode (cli/routing.py)."""
+        from .routing import SpeculationRouter
+
+        return SpeculationRouter(self, generation_config or self.generation_config, continuous_batching_config)
 
 
 def split_revision(model_id_and_revision: str) -> tuple[str, str | None]:
@@ -135,6 +152,7 @@ def serve(options: ServeOptions, blocking: bool = True):
     with compat.serving_built_with(pair_model_manager(options, device), answer_refusals):
         return compat.serving_server()(
             force_model=options.pair,
+            continuous_batching=options.continuous_batching,
             device=device,
             host=options.host,
             port=options.port,

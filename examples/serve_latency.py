@@ -1,0 +1,137 @@
+"""Latency and throughput of `swiftspec serve` against `transformers serve` with the target alone.
+
+Each server runs in its own process with one torch thread (swiftspec: --threads 1; transformers:
+OMP_NUM_THREADS=1), one after the other on the same machine. For 1, 4 and 16 concurrent clients,
+the clients send their share of the same prompts to a fresh server (non-streaming /v1/completions,
+greedy, a fixed max_tokens) with the real `openai` client; the table gives each request's latency (p50 / p99, seconds)
+and the total new tokens per second of the whole run, and checks that both servers answered every
+prompt with the same text.
+
+    python examples/serve_latency.py                                   # the demo pair, 32 prompts
+    python examples/serve_latency.py --clients 1,4 --requests 16 --max-tokens 48
+    python examples/serve_latency.py --target-cb --swiftspec-cb        # both with --continuous-batching
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+
+from hf_swiftspec.bench import load_prompts
+from hf_swiftspec.pair import bundled_pair
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def start(command: list[str], port: int, model: str) -> tuple[subprocess.Popen, openai.OpenAI]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    client = openai.OpenAI(base_url=f"http://localhost:{port}/v1", api_key="unused", max_retries=0, timeout=600)
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            client.completions.create(model=model, prompt="def f", max_tokens=2, temperature=0)
+            return process, client
+        except (openai.APIConnectionError, openai.InternalServerError):
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                raise RuntimeError(f"{' '.join(command)} did not start:\n{process.stderr.read()[-3000:]}")
+            time.sleep(0.5)
+
+
+def run_clients(client, model: str, prompts: list[str], clients: int, max_tokens: int) -> dict:
+    """Every prompt once, `clients` at a time: latencies, texts (by prompt index), wall time."""
+
+    def ask(index: int) -> tuple[int, float, str, int]:
+        start = time.perf_counter()
+        reply = client.completions.create(model=model, prompt=prompts[index], max_tokens=max_tokens, temperature=0)
+        return index, time.perf_counter() - start, reply.choices[0].text, reply.usage.completion_tokens
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = list(pool.map(ask, range(len(prompts))))
+    wall = time.perf_counter() - start
+    latencies = sorted(r[1] for r in results)
+    return {
+        "p50": statistics.median(latencies),
+        "p99": latencies[min(len(latencies) - 1, round(0.99 * (len(latencies) - 1)))],
+        "tokens_per_s": sum(r[3] for r in results) / wall,
+        "texts": {r[0]: r[2] for r in results},
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pair", default="swiftspec-demo-pystdlib")
+    parser.add_argument("--target", default=None, help="the target's folder (default: the pair's target/)")
+    parser.add_argument("--prompts", default="humaneval,spec_bench", help="bundled sets or files, comma-separated")
+    parser.add_argument("--clients", default="1,4,16")
+    parser.add_argument("--requests", type=int, default=32, help="requests per client count (default: %(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-prompt-chars", type=int, default=400, help="the demo target reads 256 tokens")
+    parser.add_argument("--target-cb", action="store_true", help="run the target with transformers' --continuous-batching")
+    parser.add_argument("--swiftspec-cb", action="store_true", help="run swiftspec serve with --continuous-batching")
+    args = parser.parse_args()
+    target = args.target or str(bundled_pair(args.pair) / "target")
+    counts = [int(c) for c in args.clients.split(",")]
+    texts = [p.text[-args.max_prompt_chars:] for source in args.prompts.split(",") for p in load_prompts(source)]
+    if len(texts) < args.requests + 4:
+        raise SystemExit(f"{args.prompts} has {len(texts)} prompts; {args.requests + 4} distinct ones are needed.")
+    warmup, prompts = texts[-4:], texts[: args.requests]
+    servers = {
+        "swiftspec serve": lambda port: [
+            sys.executable, "-m", "hf_swiftspec.cli", "serve", args.pair, "--port", str(port), "--threads", "1",
+            *(["--continuous-batching"] if args.swiftspec_cb else []),
+        ],
+        "transformers serve (target)": lambda port: [
+            str(Path(sys.executable).parent / "transformers"), "serve", target, "--port", str(port), "--device", "cpu",
+            "--dtype", "float32", *(["--continuous-batching"] if args.target_cb else []),
+        ],
+    }
+    results: dict[str, dict[int, dict]] = {name: {} for name in servers}
+    for n in counts:  # a fresh server for each count: swiftspec's suffix proposals copy from earlier answers
+        for name, command in servers.items():  # (model.output_history), so a second pass would copy its own
+            port = free_port()
+            model = args.pair if name.startswith("swiftspec") else target
+            process, client = start(command(port), port, model)
+            try:
+                run_clients(client, model, warmup, 1, args.max_tokens)
+                results[name][n] = run_clients(client, model, prompts, n, args.max_tokens)
+            finally:
+                process.terminate()
+                process.wait(30)
+    print(
+        f"{args.requests} requests of {args.max_tokens} new tokens ({args.prompts}), greedy, one torch thread per server; "
+        f"swiftspec {'--continuous-batching' if args.swiftspec_cb else 'sequential'}, "
+        f"target {'--continuous-batching' if args.target_cb else 'sequential'}"
+    )
+    print("| clients | server | p50 s | p99 s | tokens/s | speed-up (tokens/s) | p50 ratio | same text |")
+    print("|---|---|---|---|---|---|---|---|")
+    ours, theirs = results["swiftspec serve"], results["transformers serve (target)"]
+    for n in counts:
+        same = sum(ours[n]["texts"][i] == theirs[n]["texts"][i] for i in range(args.requests))
+        for name, by_clients in results.items():
+            r = by_clients[n]
+            extra = (
+                f"{ours[n]['tokens_per_s'] / theirs[n]['tokens_per_s']:.2f}x | {theirs[n]['p50'] / ours[n]['p50']:.2f}x lower | {same}/{args.requests}"
+                if by_clients is ours else " | | "
+            )
+            print(f"| {n} | {name} | {r['p50']:.2f} | {r['p99']:.2f} | {r['tokens_per_s']:.1f} | {extra} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

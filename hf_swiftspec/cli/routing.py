@@ -1,0 +1,235 @@
+"""`swiftspec serve --continuous-batching`: each request speculates when the server is idle and joins
+transformers' continuous batch of the target alone when others are decoding.
+
+SmartSpec's goodput rule at the scale of requests: a lone request is latency-bound, and a token tree
+verified in one forward multiplies its tokens per second; a busy batch is compute-bound, where
+verifying trees costs more than it returns, so the right speculation length there is zero. transformers'
+server talks to one batching manager (start, stop, add_request, register_result_handler,
+cancel_request, background_thread_status); `SpeculationRouter` is that manager for a pair. It owns
+transformers' own manager for the target (`target.init_continuous_batching`) and one thread that runs
+`pair.generate()` for the request it routes to speculation. Both decoders produce the target's own
+tokens (greedy) or draws from its distribution, so the route changes speed, not output.
+
+Route, decided once per request when it arrives: speculate if no other request is in flight (neither
+speculating nor batched), else batch. Requests that wait do not move between the two.
+"""
+
+from __future__ import annotations
+
+import copy
+import queue
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import compat
+
+
+@dataclass
+class RoutedRequest:
+    """One request the router took: where it runs, and who hears of its tokens.
+
+    input_ids: the prompt's token ids
+    handler:   (callback, event loop) the server registered; outputs are delivered on that loop
+    """
+
+    request_id: str
+    input_ids: list[int]
+    max_new_tokens: int | None
+    eos_token_id: int | list[int] | None
+    streaming: bool
+    speculate: bool
+    handler: tuple | None = None
+    added: bool = False
+    tokens: list[int] = field(default_factory=list)
+    registered: threading.Event = field(default_factory=threading.Event)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+def shared_weights_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A second module tree over the same parameter and buffer tensors, with its own config. The two routes
+    run concurrently, and each sets the attention implementation on its model's config (the batcher switches
+    to a paged one; a speculative generate() routes attention for its call): one object would let each change
+    the other's attention mid-forward. The copy costs the modules, not the weights."""
+    memo = {id(tensor): tensor for tensor in (*model.parameters(), *model.buffers())}
+    return copy.deepcopy(model, memo)
+
+
+class RequestCancelled(Exception):
+    """Raised inside the speculative generate() when its request was cancelled (its client left)."""
+
+
+class RouterStreamer:
+    """The streamer of one speculative generate(): keeps the new tokens, and for a streaming request hands
+    each round's tokens to the router as they are verified."""
+
+    def __init__(self, request: RoutedRequest, router: "SpeculationRouter"):
+        self.request, self.router, self.first = request, router, True
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.request.cancelled.is_set():
+            raise RequestCancelled(self.request.request_id)
+        if self.first:  # generate() puts the prompt first
+            self.first = False
+            return
+        self.request.tokens += value.reshape(-1).tolist()
+        if self.request.streaming:
+            self.router.deliver(self.request, compat.cb_request_status().DECODING)
+
+    def end(self) -> None:
+        pass
+
+
+class SpeculationRouter:
+    """The batching manager `transformers serve --continuous-batching` drives, for a pair (see the module
+    docstring). `batcher` is transformers' manager for the target alone."""
+
+    def __init__(self, pair, generation_config, continuous_batching_config=None):
+        self.pair = pair
+        self.generation_config = generation_config
+        self.batched_target = shared_weights_copy(pair.target)
+        self.batcher = self.batched_target.init_continuous_batching(
+            generation_config=generation_config, continuous_batching_config=continuous_batching_config
+        )
+        self.requests: dict[str, RoutedRequest] = {}
+        self.lock = threading.Lock()
+        self.queue: queue.Queue[RoutedRequest | None] = queue.Queue()
+        self.thread: threading.Thread | None = None
+        self.routed = {"speculate": 0, "batch": 0}  # requests each way since start (for tests and logs)
+
+    # ------------------------------------------------ what the server calls
+
+    @property
+    def background_thread_status(self):
+        return self.batcher.background_thread_status
+
+    @property
+    def batch_processor(self):
+        return self.batcher.batch_processor
+
+    def start(self) -> None:
+        self.batcher.start()
+        self.thread = threading.Thread(target=self.run_speculative, name="swiftspec-speculate", daemon=True)
+        self.thread.start()
+
+    def stop(self, block: bool = True, timeout: float | None = None) -> None:
+        self.queue.put(None)
+        self.batcher.stop(block=block, timeout=timeout)
+        if block and self.thread is not None:
+            self.thread.join(timeout)
+
+    def add_request(
+        self, input_ids: list[int], request_id: str | None = None, max_new_tokens: int | None = None,
+        streaming: bool = False, eos_token_id=None, **kwargs,
+    ) -> str | None:
+        try:
+            self.pair.check_request(len(input_ids), max_new_tokens)  # a ValueError here is the server's 400
+        except ValueError:
+            self.forget(request_id)
+            raise
+        with self.lock:
+            request_id = request_id or f"swiftspec_{sum(self.routed.values())}"
+            speculate = not kwargs and not any(r.added for r in self.requests.values() if r.request_id != request_id)
+            request = self.requests.get(request_id) or RoutedRequest(
+                request_id, list(input_ids), max_new_tokens, eos_token_id, streaming, speculate
+            )
+            request.input_ids, request.max_new_tokens, request.eos_token_id = list(input_ids), max_new_tokens, eos_token_id
+            request.streaming, request.speculate, request.added = streaming, speculate, True
+            self.requests[request_id] = request
+            self.routed["speculate" if speculate else "batch"] += 1
+        if speculate:
+            self.queue.put(request)
+            return request_id
+        if request.handler is not None:  # registered before it was added (the server's non-streaming order)
+            self.batcher.register_result_handler(request_id, self.batched_handler(request))
+        return self.batcher.add_request(
+            input_ids, request_id=request_id, max_new_tokens=max_new_tokens, streaming=streaming,
+            eos_token_id=eos_token_id, **kwargs,
+        )
+
+    def register_result_handler(self, request_id: str, callback) -> None:
+        """Called on the server's event loop, before add_request (non-streaming) or after it (streaming)."""
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        with self.lock:
+            request = self.requests.get(request_id)
+            if request is None:  # not added yet: the route is decided when it is
+                request = RoutedRequest(request_id, [], None, None, False, False)
+                self.requests[request_id] = request
+            request.handler = (callback, loop)
+            request.registered.set()
+            if not request.added:
+                return
+        if not request.speculate:
+            self.batcher.register_result_handler(request_id, self.batched_handler(request))
+
+    def cancel_request(self, request_id: str) -> None:
+        with self.lock:
+            request = self.requests.get(request_id)
+        if request is None:
+            return
+        if request.speculate:
+            request.cancelled.set()
+        else:
+            self.batcher.cancel_request(request_id)
+            self.forget(request_id)
+
+    # ------------------------------------------------ the two routes
+
+    def batched_handler(self, request: RoutedRequest):
+        callback, _loop = request.handler
+
+        def handle(output) -> None:
+            if output.is_finished():
+                self.forget(request.request_id)
+            callback(output)
+
+        return handle
+
+    def forget(self, request_id: str) -> None:
+        with self.lock:
+            self.requests.pop(request_id, None)
+
+    def run_speculative(self) -> None:
+        """The speculative route's thread: one pair.generate() at a time."""
+        status = compat.cb_request_status()
+        while (request := self.queue.get()) is not None:
+            request.registered.wait(timeout=30)  # a streaming request's handler comes just after add_request
+            try:
+                self.pair.generate(
+                    torch.tensor([request.input_ids], device=self.pair.device),
+                    attention_mask=torch.ones(1, len(request.input_ids), dtype=torch.long, device=self.pair.device),
+                    generation_config=self.request_config(request),
+                    streamer=RouterStreamer(request, self),
+                )
+                self.deliver(request, status.FINISHED)
+            except RequestCancelled:
+                self.forget(request.request_id)
+            except Exception as error:  # the request fails, with the reason; the server goes on
+                self.deliver(request, status.FAILED, error=f"{type(error).__name__}: {error}")
+
+    def request_config(self, request: RoutedRequest):
+        """The shared generation config with this request's length and stop tokens (what transformers'
+        continuous batching takes per request), using the cache (the server turns it off for its paged one)."""
+        config = copy.deepcopy(self.generation_config)
+        config.use_cache = True
+        if request.max_new_tokens is not None:
+            config.max_new_tokens = request.max_new_tokens
+        if request.eos_token_id is not None:
+            config.eos_token_id = request.eos_token_id
+        return config
+
+    def deliver(self, request: RoutedRequest, status, error: str | None = None) -> None:
+        """Hand the request's tokens so far to its handler, on the handler's event loop."""
+        output = compat.cb_generation_output()(
+            request_id=request.request_id, prompt_ids=request.input_ids, generated_tokens=list(request.tokens),
+            error=error, status=status,
+        )
+        if output.is_finished():
+            self.forget(request.request_id)
+        if request.handler is None:
+            return
+        callback, loop = request.handler
+        loop.call_soon_threadsafe(callback, output)
