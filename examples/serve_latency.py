@@ -108,7 +108,9 @@ def main() -> int:
             model = args.pair if name.startswith("swiftspec") else target
             process, client = start(command(port), port, model)
             try:
-                run_clients(client, model, warmup, 1, args.max_tokens)
+                # warm-up: 4 at once, so a batching server's first batch (transformers' continuous batching
+                # spends ~9 s on its first one here) is paid before the timing, by both servers alike
+                run_clients(client, model, warmup, len(warmup), args.max_tokens)
                 results[name][n] = run_clients(client, model, prompts, n, args.max_tokens)
             finally:
                 process.terminate()

@@ -121,7 +121,7 @@ def test_completions_equal_the_target_alone_and_speculate(server, reference):
         streamed = client.completions.create(model=name, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, stream=True)
         assert "".join(chunk.choices[0].text for chunk in streamed) == expected
     if router(running) is not None:  # one request at a time: each was alone, so each speculated
-        assert router(running).routed == {"speculate": 6, "batch": 0}
+        assert router(running).routed == {"speculate": 6, "batch": 0, "joined": 0}
 
 
 def test_chat_completions_equal_the_target_alone(server, reference):
@@ -158,6 +158,29 @@ def test_concurrent_clients_get_their_own_answers(server, reference):
     if router(running) is not None:
         assert router(running).routed["batch"] > 0 and router(running).routed["speculate"] > 0
         assert not router(running).requests  # every request finished is forgotten
+
+
+def test_a_speculating_request_joins_the_batch_when_others_arrive(server, reference):
+    """--continuous-batching: a long streamed answer starts alone (speculating); requests that arrive meanwhile
+    are batched, and it joins them, carrying its tokens so far. Its answer, streamed and whole, is still
+    the target's own, and so are the others'."""
+    running, client, name = server
+    if router(running) is None:
+        pytest.skip("sequential server: requests never batch")
+    tokenizer, answer = reference
+    long_prompt, others = PROMPTS[0], PROMPTS[1:4]
+    before = dict(router(running).routed)
+    stream = client.completions.create(model=name, prompt=long_prompt, max_tokens=160, temperature=0, stream=True)
+    chunks = iter(stream)
+    text = next(chunks).choices[0].text  # it is decoding, alone
+    with ThreadPoolExecutor(3) as pool:
+        replies = pool.map(lambda p: client.completions.create(model=name, prompt=p, max_tokens=8, temperature=0), others)
+        text += "".join(chunk.choices[0].text for chunk in chunks)
+        replies = [r.choices[0].text for r in replies]
+    routed = router(running).routed
+    assert routed["joined"] == before["joined"] + 1 and routed["batch"] == before["batch"] + 3
+    assert text == answer(tokenizer(long_prompt, return_tensors="pt").input_ids, 160)
+    assert replies == [answer(tokenizer(p, return_tensors="pt").input_ids, 8) for p in others]
 
 
 def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, reference):
