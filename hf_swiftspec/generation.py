@@ -124,6 +124,8 @@ def swiftspec_generate(
         corpus=swiftspec_corpus or [],
         history=swiftspec_history,
         on_tokens=(lambda tokens: swiftspec_streamer.put(torch.tensor(tokens))) if swiftspec_streamer else None,
+        keeps_scores=bool(generation_config.return_dict_in_generate and generation_config.output_scores),
+        keeps_logits=bool(generation_config.return_dict_in_generate and generation_config.output_logits),
     )
     request.policy.start_generation(request.max_new_tokens)
     if config.compile:

@@ -36,6 +36,10 @@ class DecodeRequest:
     corpus:         token sequences the suffix proposals may copy from, besides the context
     history:        earlier outputs of the same model object, also copied from (None: none)
     on_tokens:      called with each round's new token ids (a list) as soon as they are verified (batch 1)
+    keeps_scores / keeps_logits: whether each emitted token's (1, V) scores / logits are kept for the output
+                    (generate's return_dict_in_generate with output_scores / output_logits); kept for
+                    nothing else, they would hold tokens x V floats per row (262k vocabulary, 256 tokens:
+                    0.5 GB a row)
     """
 
     prompt: torch.Tensor
@@ -49,6 +53,8 @@ class DecodeRequest:
     corpus: list[list[int]] = field(default_factory=list)
     history: OutputHistory | None = None
     on_tokens: Callable[[list[int]], None] | None = None
+    keeps_scores: bool = True
+    keeps_logits: bool = True
 
     @property
     def batch_size(self) -> int:
@@ -139,11 +145,16 @@ class BatchRows:
     max_new_tokens: int
     pads_finished: bool
     live: list[int]
+    keeps_scores: bool = True
+    keeps_logits: bool = True
 
     @classmethod
     def start(cls, request: DecodeRequest) -> "BatchRows":
         result = DecodeResult(rows=[RowResult() for _ in range(request.batch_size)])
-        return cls(result, request.max_new_tokens, request.pads_finished, list(range(request.batch_size)))
+        return cls(
+            result, request.max_new_tokens, request.pads_finished, list(range(request.batch_size)),
+            request.keeps_scores, request.keeps_logits,
+        )
 
     @property
     def end(self) -> int | None:
@@ -168,8 +179,10 @@ class BatchRows:
             row = self.result.rows[self.live[b]]
             row.verifications += 1
             row.tokens += outcome.tokens
-            row.scores += outcome.scores
-            row.logits += outcome.logits
+            if self.keeps_scores:
+                row.scores += outcome.scores
+            if self.keeps_logits:
+                row.logits += outcome.logits
             if on_tokens is not None:
                 on_tokens(outcome.tokens)
             if outcome.finished and row.done_at is None:
