@@ -393,11 +393,17 @@ class GoodputPolicy:
         if self.plan.timing_plain and probing is None:
             return 1, expected[0] / (spent_s + times[0])
         if self.tree_budget is not None or (self.plan.probing if probing is None else probing):
-            T = len(expected) if self.tree_budget is not None else min(len(expected), self.probe_budget)
+            T = len(expected) if self.tree_budget is not None else min(len(expected), self.probe_size())
             return T, expected[T - 1] / (spent_s + times[T - 1])
         rates = [e / (spent_s + t) for e, t in zip(expected, times)]
         best = max(range(len(rates)), key=rates.__getitem__)
         return best + 1, rates[best]
+
+    def probe_size(self) -> int:
+        """Nodes per row a probe verifies: probe_budget query rows in all, split over the batch (at least 2 per
+        row). A probe of 8 nodes on each of 4 rows ran 32 query rows through the vocabulary head: on a 262k
+        vocabulary (Gemma-3 shape, CPU) several plain steps' worth, in a round that usually shows nothing pays."""
+        return max(2, self.probe_budget // max(self.plan.batch, 1))
 
     def keep_expanding(
         self, done: int, spent_s: float, rows: list[list[float]], probing: bool, catch_up: int = 0
