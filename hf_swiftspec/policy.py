@@ -61,6 +61,7 @@ SUPPORT_SCALE = (0.3, 0.6, 0.85, 1.0, 1.15)
 # tokens to catch up (its prompt) per new token the call may emit: a long prompt with a short answer decodes
 # without the draft (a 2-of-30-layer draft's prefill of 4k-8k tokens cost a 135M target's 16-token answer 7-12%).
 FIRST_CATCH_UP_PER_TOKEN = 32
+PROBE_SHARE = 0.05  # a probe may cost this share of its call decoded plainly (probe_affordable)
 DEPTH_BUCKETS = 4  # depth 1, 2, 3-4, 5+: once a copy is being accepted, its next token is a safer bet
 # A row whose suffix proposals keep missing at their first token builds one only every 2, 4, ... up to
 # this many rounds (building one costs about as much as a plain step's processing on a small model).
@@ -418,7 +419,7 @@ class GoodputPolicy:
         if done >= self.max_depth or self.plan.timing_plain:
             return False
         if probing:  # a forced expansion, if the call can repay the draft's catch-up (see repays_catch_up)
-            return done < self.probe_depth and self.repays_catch_up(catch_up)
+            return done < self.probe_depth and self.repays_catch_up(catch_up) and self.probe_affordable(catch_up)
         costs = self.costs
         if not costs.measured:  # the first round: measure one expansion, if the call can repay the catch-up
             return done < 1 and self.repays_catch_up(catch_up)
@@ -439,6 +440,18 @@ class GoodputPolicy:
         token the call may emit, so a long prompt with a short answer never pays for a draft prefill."""
         new_tokens = self.call.new_tokens
         return new_tokens is None or tokens <= FIRST_CATCH_UP_PER_TOKEN * new_tokens
+
+    def probe_affordable(self, catch_up: int) -> bool:
+        """Whether a probe, priced by what was measured (the draft's catch-up, an expansion, the probe's larger
+        verification over a plain one), costs at most PROBE_SHARE of the call decoded plainly (its
+        max_new_tokens plain steps). Unpriced (nothing measured yet, or no length said): allowed. On the
+        gemma-3-270m shape at 4 rows a probe cost ~320 ms, a 16-token call 3.5 s: every other call paid 9%."""
+        costs, new_tokens = self.costs, self.call.new_tokens
+        if new_tokens is None or self.catch_up_token_s is None or costs.expand_cost is None or not costs.verify_s:
+            return True
+        times = costs.verify_times(self.probe_size())
+        price = catch_up * self.catch_up_token_s + costs.expand_cost + times[-1] - times[0]
+        return price <= PROBE_SHARE * new_tokens * times[0]
 
     def overlap_depth(self) -> int:
         """Expansions that fit wholly in one verification (asynchronous engines, where drafting is

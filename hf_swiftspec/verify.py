@@ -251,7 +251,8 @@ def walk_rows(logits, children: dict, context, sampler: Sampler, stopping_criter
     depths = [0] * len(logits)
     for (parent, _), child in children.items():
         depths[child] = depths[parent] + 1  # children come after their parents
-    tokens, scores = sampler.choose_rows(context, logits.clone(), depths)  # (T,), (T, V)
+    # processors may write into the scores they get: give them a copy, or nothing to copy when there are none
+    tokens, scores = sampler.choose_rows(context, logits.clone() if sampler.logits_processor else logits, depths)
     return walk_to_stop(walk_path(tokens.tolist(), children, max_tokens), scores, logits, context, stopping_criteria,
                         max_tokens)  # fmt: skip
 
@@ -277,9 +278,10 @@ def walk_to_stop(out: Verified, scores: torch.Tensor, logits: torch.Tensor, cont
             del out.path[j + 1 :], out.tokens[j + 1 :]
             out.finished = True
             break
-    rows = torch.tensor(out.path, device=logits.device)
-    out.scores = list(scores[rows].unsqueeze(1).unbind(0))  # (1, V) each, like the node-by-node walk's
-    out.logits = list(logits[rows].unsqueeze(1).unbind(0))
+    # (1, V) views of each emitted token's row, like the node-by-node walk's; BatchRows copies the ones it keeps
+    # (only for generate's output_scores / output_logits), so a walk copies no vocabulary-wide row
+    out.scores = [scores[node : node + 1] for node in out.path]
+    out.logits = [logits[node : node + 1] for node in out.path]
     out.finished = out.finished or len(out.tokens) >= max_tokens
     return out
 

@@ -299,6 +299,28 @@ def test_a_cold_policy_prefills_the_draft_only_where_the_answer_can_repay_it():
         assert policy.keep_expanding(0, 0.0, rows, True, catch_up=prompt) is expands  # a probe alike
 
 
+def test_a_probe_costs_at_most_a_small_share_of_its_call():
+    """With its costs measured, a probe (the draft's catch-up, an expansion, the probe's larger verification
+    over a plain step) runs only where it costs at most PROBE_SHARE of the call decoded plainly."""
+    from hf_swiftspec.policy import PROBE_SHARE
+
+    rows = [[1.0, 0.5]]
+    policy = measured_policy(expand_ms=20, verify_ms=50, per_node_ms=5, acceptance=0.1)
+    policy.catch_up_token_s = 0.001  # 1 ms a token
+    plain = policy.costs.verify_times(1)[0]
+    probe = 0.020 + policy.costs.verify_times(policy.probe_size())[-1] - plain  # expansion + larger verification
+    for catch_up in (0, 100, 400):
+        price = probe + catch_up * 0.001
+        for new_tokens in (16, 64, 256):
+            policy.start_generation(new_tokens)
+            policy.plan_round(1, [0])
+            runs = policy.keep_expanding(0, 0.0, rows, True, catch_up=catch_up)
+            assert runs is (price <= PROBE_SHARE * new_tokens * plain), (catch_up, new_tokens)
+    policy.start_generation(None)  # no length said: nothing to price it against
+    policy.plan_round(1, [0])
+    assert policy.keep_expanding(0, 0.0, rows, True, catch_up=400)
+
+
 def test_a_long_prompt_with_a_short_answer_runs_no_draft_forward_and_stays_exact():
     target = tiny_model("llama", seed=0)
     model = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2))

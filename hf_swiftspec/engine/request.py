@@ -179,10 +179,10 @@ class BatchRows:
             row = self.result.rows[self.live[b]]
             row.verifications += 1
             row.tokens += outcome.tokens
-            if self.keeps_scores:
-                row.scores += outcome.scores
+            if self.keeps_scores:  # copies: a walk's rows are views into its whole (T, V) step
+                row.scores += [s.clone() for s in outcome.scores]
             if self.keeps_logits:
-                row.logits += outcome.logits
+                row.logits += [s.clone() for s in outcome.logits]
             if on_tokens is not None:
                 on_tokens(outcome.tokens)
             if outcome.finished and row.done_at is None:
