@@ -402,8 +402,7 @@ class GoodputPolicy:
 
     def probe_size(self) -> int:
         """Nodes per row a probe verifies: probe_budget query rows in all, split over the batch (at least 2 per
-        row). A probe of 8 nodes on each of 4 rows ran 32 query rows through the vocabulary head: on a 262k
-        vocabulary (Gemma-3 shape, CPU) several plain steps' worth, in a round that usually shows nothing pays."""
+        row), so a probe at 4 rows runs 8 query rows through the vocabulary head, not 32."""
         return max(2, self.probe_budget // max(self.plan.batch, 1))
 
     def keep_expanding(

@@ -40,11 +40,11 @@ class RoutedRequest:
     """
 
     request_id: str
-    input_ids: list[int]
-    max_new_tokens: int | None
-    eos_token_id: int | list[int] | None
-    streaming: bool
-    speculate: bool
+    input_ids: list[int] = field(default_factory=list)
+    max_new_tokens: int | None = None
+    eos_token_id: int | list[int] | None = None
+    streaming: bool = False
+    speculate: bool = False
     handler: tuple | None = None
     added: bool = False
     tokens: list[int] = field(default_factory=list)  # new tokens so far
@@ -145,9 +145,7 @@ class SpeculationRouter:
         with self.lock:
             request_id = request_id or f"swiftspec_{sum(self.routed.values())}"
             speculate = not kwargs and not any(r.added for r in self.requests.values() if r.request_id != request_id)
-            request = self.requests.get(request_id) or RoutedRequest(
-                request_id, list(input_ids), max_new_tokens, eos_token_id, streaming, speculate
-            )
+            request = self.requests.get(request_id) or RoutedRequest(request_id)
             request.input_ids, request.max_new_tokens, request.eos_token_id = list(input_ids), max_new_tokens, eos_token_id
             request.streaming, request.speculate, request.added = streaming, speculate, True
             self.requests[request_id] = request
@@ -172,7 +170,7 @@ class SpeculationRouter:
         with self.lock:
             request = self.requests.get(request_id)
             if request is None:  # not added yet: the route is decided when it is
-                request = RoutedRequest(request_id, [], None, None, False, False)
+                request = RoutedRequest(request_id)
                 self.requests[request_id] = request
             request.handler = (callback, loop)
             request.registered.set()
@@ -250,7 +248,8 @@ class SpeculationRouter:
             self.deliver(request, compat.cb_request_status().FINISHED)
             return
         request.speculate, request.handed_over = False, list(request.tokens)
-        self.routed["joined"] += 1
+        with self.lock:
+            self.routed["joined"] += 1
         _callback, loop = request.handler
 
         def join() -> None:  # on the server's loop: the batcher registers handlers there
