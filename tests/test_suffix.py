@@ -194,3 +194,24 @@ def test_a_proposal_followed_by_the_text_is_kept_and_equals_a_fresh_one(monkeypa
     assert kept.match == min(first.match + 1, MAX_MATCH)
     index.extend([99])  # the text leaves it: looked up anew (99 never occurred: nothing to propose)
     assert index.propose(8).tokens == []
+
+
+def test_a_deep_room_copies_no_more_than_a_proposal_can_keep(monkeypatch):
+    """max_depth is the room left in the context (thousands of tokens on a real model): a proposal of
+    max_nodes nodes is no deeper than max_nodes, so no occurrence is copied further, the proposal is the
+    one max_depth = max_nodes gives, and a proposal the text follows is kept as the room shrinks."""
+    import hf_swiftspec.suffix as suffix
+
+    text = [5, 6, 7, 8, 9, 10, 11, 12] * 6 + [5, 6, 7]
+    copied = []
+    build = suffix.build_trie
+    monkeypatch.setattr(suffix, "build_trie", lambda copies, *a: copied.extend(map(len, copies)) or build(copies, *a))
+    index, reference = SuffixIndex(max_n=3), SuffixIndex(max_n=3)
+    index.extend(text)
+    reference.extend(text)
+    deep = index.propose(8, max_depth=5000)
+    assert copied and max(copied) <= 8
+    assert deep == reference.propose(8, max_depth=8)
+    index.extend([8])
+    copied.clear()
+    assert index.propose(8, max_depth=4999).tokens[0] == 9 and not copied  # followed, not looked up again
