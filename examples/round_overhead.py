@@ -1,7 +1,7 @@
 """Time a speculative round outside the two models' forwards, on the bundled demo pair.
 
     python examples/round_overhead.py [--pair ID] [--max-new-tokens 128] [--repeats 3] [--round static]
-                                      [--always-trees]
+                                      [--always-trees] [--keep-history]
 
 Forward time is measured by hooks on both models (one torch thread); everything else in the
 decode loop (tree bookkeeping, the walk, commits, the policy) is the round's overhead, printed
@@ -82,6 +82,10 @@ def main() -> None:
     parser.add_argument("--pair", default="swiftspec-demo-pystdlib", help="pair id or folder, or shape:NAME")
     parser.add_argument("--round", choices=("adaptive", "static", "compiled"), default="adaptive")
     parser.add_argument("--always-trees", action="store_true", help="static rounds: never a plain round")
+    parser.add_argument("--keep-history", action="store_true",
+                        help="let each call copy the earlier calls' outputs (by default each call starts without them: "
+                        "every call decodes the same prompt, so the suffix proposals would copy the whole answer and "
+                        "a call would be a handful of rounds, its fixed costs counted per round)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.pair.startswith("shape:"):  # a random-weight pair in a real model's shape (hf_swiftspec.tools.models)
@@ -102,6 +106,8 @@ def main() -> None:
     model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)  # warm-up (compiles every step shape)
     for _ in range(args.repeats):
         totals: dict = {}
+        if not args.keep_history:
+            model.output_history.clear()
         if args.round == "adaptive":
             hooks = timed_forwards(model.target, totals, "target") + timed_forwards(model.draft, totals, "draft")
             try:

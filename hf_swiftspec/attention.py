@@ -206,6 +206,9 @@ def dense_tree_mask(layout: StepLayout, dtype: torch.dtype, rule: LayerMask = FU
     q = layout.q_positions
     B, Q = q.shape
     device = q.device
+    if B == 1 and Q == 1 and layout.starts[0] == 0 and layout.regions[0].shape == (1, 1) and rule.kind == "full" \
+            and layout.width == layout.prefix_lens[0] + 1:  # a plain step: its root sees every slot (and itself)
+        return torch.zeros(1, 1, 1, layout.width, dtype=dtype, device=device)
     slots = torch.arange(layout.width, device=device)
     starts = torch.tensor(layout.starts, device=device)[:, None]
     prefixes = torch.tensor(layout.prefix_lens, device=device)[:, None]

@@ -544,7 +544,8 @@ class GoodputPolicy:
         for calibration, (buckets, accepted) in ((self.draft, draft_seen), (self.suffix, suffix_seen)):
             if buckets:
                 calibration.observe(buckets, accepted)
-        self.refresh()
+        if draft_seen[0] or suffix_seen[0]:  # (the tables change only with what was observed)
+            self.refresh()
 
     def observe_batch_gain(self, outcomes: list[tuple[int, Proposal, Verified]]) -> None:
         """Fold in a tree round's worth beyond a plain step, predicted (B x the harmonic mean of each

@@ -127,3 +127,19 @@ def test_stats_say_which_layers_ran_their_own_attention():
     assert model.swiftspec_stats.attention == (
         f"target={backend} (own attention for attention sinks), draft={backend} (own attention for attention sinks)"
     )
+
+
+@pytest.mark.parametrize("starts, width", [((0,), 6), ((0,), 8), ((2,), 6)])
+def test_a_plain_steps_mask_lets_its_root_see_exactly_its_row(starts, width):
+    """A plain step's mask (one row, one query: the root, over a prefix of 5 committed slots) against one
+    written out by hand: every committed slot from the row's start, its own slot; nothing before the start
+    (left padding) or past its own slot (stale slots of a wider step)."""
+    from hf_swiftspec.architectures import FULL
+    from hf_swiftspec.attention import StepLayout, dense_tree_mask
+
+    prefix = 5
+    layout = StepLayout(list(starts), [prefix], [torch.ones(1, 1, dtype=torch.bool)], torch.tensor([[prefix]]),
+                        [None], width)
+    expected = torch.full((1, 1, 1, width), torch.finfo(torch.float32).min)
+    expected[..., starts[0] : prefix + 1] = 0.0
+    assert torch.equal(dense_tree_mask(layout, torch.float32, FULL), expected)
