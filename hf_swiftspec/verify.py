@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
@@ -258,15 +259,15 @@ def walk_rows(logits, children: dict, context, sampler: Sampler, stopping_criter
 
 
 def walk_to_stop(out: Verified, scores: torch.Tensor, logits: torch.Tensor, context: torch.Tensor,
-                 stopping_criteria: StoppingCriteriaList | tuple, max_tokens: int) -> Verified:
+                 stopping_criteria: "StoppingCriteriaList | StopRule", max_tokens: int) -> Verified:
     """The one stop rule: a walk cut where generate() would stop (an EOS token, max_length, any other
     criterion called on each prefix), with each emitted token's scores and logits (T, V rows of the
     walked nodes) and whether the row is done.
 
-    stopping_criteria: generate()'s criteria, or what split_criteria made of them (a caller walking every
-        round splits them once: reading the EOS ids is a host sync)."""
-    split = stopping_criteria if isinstance(stopping_criteria, tuple) else split_criteria(stopping_criteria)
-    eos, max_length, others = split
+    stopping_criteria: generate()'s criteria, or their StopRule (what every engine passes: split once per call)."""
+    eos, max_length, others = (
+        stopping_criteria if isinstance(stopping_criteria, StopRule) else split_criteria(stopping_criteria)
+    )
     if others:
         new = torch.tensor([out.tokens], dtype=context.dtype, device=context.device)
         full = torch.cat([context, new], dim=-1)
@@ -286,13 +287,29 @@ def walk_to_stop(out: Verified, scores: torch.Tensor, logits: torch.Tensor, cont
     return out
 
 
-def split_criteria(stopping_criteria: StoppingCriteriaList) -> tuple[set[int], float, StoppingCriteriaList]:
-    """(EOS token ids, the smallest max_length, the criteria left to call).
+class StopRule(NamedTuple):
+    """generate()'s stopping criteria as a walk applies them: EOS ids, the smallest max_length (the length
+    counts the whole sequence, left padding included, as transformers counts it), and the criteria left to
+    call (split_criteria makes one; once per call: reading the EOS ids is a host sync)."""
 
-    Only criteria of exactly transformers' EosTokenCriteria / MaxLengthCriteria type become a set
-    lookup / a length limit (the length counts the whole sequence, left padding included, as
-    transformers counts it); anything else, subclasses included, is called.
-    """
+    eos: set[int]
+    max_length: float
+    others: StoppingCriteriaList
+
+    def fires(self, sequence: torch.Tensor, token: int, scores: torch.Tensor) -> bool:
+        """Whether generate() stops once `token` ends `sequence` (1, L) (its scores (1, V))."""
+        return token in self.eos or sequence.shape[1] >= self.max_length or (
+            len(self.others) > 0 and bool(self.others(sequence, scores).any())
+        )
+
+
+NO_STOPS = StopRule(set(), float("inf"), StoppingCriteriaList())  # a row that is done only decodes on
+
+
+def split_criteria(stopping_criteria: StoppingCriteriaList) -> StopRule:
+    """The StopRule of generate()'s criteria. Only criteria of exactly transformers' EosTokenCriteria /
+    MaxLengthCriteria type become a set lookup / a length limit; anything else, subclasses included, is
+    called."""
     eos: set[int] = set()
     max_length = float("inf")
     others = StoppingCriteriaList()
@@ -303,11 +320,13 @@ def split_criteria(stopping_criteria: StoppingCriteriaList) -> tuple[set[int], f
             max_length = min(max_length, criterion.max_length)
         else:
             others.append(criterion)
-    return eos, max_length, others
+    return StopRule(eos, max_length, others)
 
 
 def walk_nodes(logits, children: dict, context, sampler: Sampler, stopping_criteria, max_tokens: int) -> Verified:
-    """The walk node by node, each node's processors fed the exact path that leads to it."""
+    """The walk node by node, each node's processors fed the exact path that leads to it (the stop rule
+    as walk_to_stop's)."""
+    stops = stopping_criteria if isinstance(stopping_criteria, StopRule) else split_criteria(stopping_criteria)
     out = Verified()
     node = 0
     while len(out.tokens) < max_tokens:
@@ -319,7 +338,7 @@ def walk_nodes(logits, children: dict, context, sampler: Sampler, stopping_crite
         out.path.append(node)
         out.scores.append(scores)
         out.logits.append(row)
-        if len(stopping_criteria) and bool(stopping_criteria(context, scores).any()):
+        if stops.fires(context, token_id, scores):
             out.finished = True
             return out
         node = children.get((node, token_id))

@@ -80,3 +80,26 @@ def test_editing_prompt_set_is_bundled():
     prompts = load_prompts("editing")
     assert len(prompts) == 18 and [p.category for p in prompts[:3]] == ["rename", "copy", "multiturn"]
     assert all(len(p.text) < 600 for p in prompts)  # they fit small contexts beside the output
+
+
+def test_a_round_reads_the_device_once():
+    """A draft-free round (its proposals built on the host) reads one thing from the device: the target's
+    choices after its nodes, for the walk. The stopping criteria are split once per call (reading the EOS ids
+    is a host sync). Two calls that differ only in length: their reads differ by their rounds."""
+    from test_static_round import SyncCounter
+
+    target = tiny_model("llama", seed=7)
+    target.generation_config.eos_token_id = 2  # a stopping criterion with ids to read
+    model = SwiftSpecForCausalLM.from_models(target)
+    prompt = cycling_prompt()
+    counted = []
+    for new_tokens in (12, 40):
+        model.output_history.clear()
+        model.generate(prompt, do_sample=False, max_new_tokens=new_tokens)
+        with SyncCounter() as counter:
+            model.output_history.clear()
+            model.generate(prompt, do_sample=False, max_new_tokens=new_tokens)
+        counted.append((sum(counter.calls.values()), model.swiftspec_stats.verify_steps))
+    (short_reads, short_rounds), (long_reads, long_rounds) = counted
+    assert long_rounds > short_rounds
+    assert long_reads - short_reads == long_rounds - short_rounds, counted

@@ -71,7 +71,7 @@ def run_target(target: TargetWorker, request: DecodeRequest, link, rows: BatchRo
         subtree = link.receive_subtree()
         target.counters.idle_s += time.perf_counter() - waiting
         (verified,) = target.verify(
-            [subtree], request.samplers, rows.criteria(request.stopping_criteria), rows.budgets(), walk=link.walk
+            [subtree], request.samplers, rows.criteria(), rows.budgets(), walk=link.walk
         )
         staying = rows.record([verified], request.on_tokens)
         rows.keep(staying)

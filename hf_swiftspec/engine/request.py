@@ -16,7 +16,7 @@ from ..policy import GoodputPolicy
 from ..stats import RoundRecord, SwiftSpecStats
 from ..suffix import OutputHistory
 from ..tree import Proposal
-from ..verify import Sampler, Verified
+from ..verify import NO_STOPS, Sampler, StopRule, Verified, split_criteria
 
 
 @dataclass
@@ -147,13 +147,14 @@ class BatchRows:
     live: list[int]
     keeps_scores: bool = True
     keeps_logits: bool = True
+    stops: StopRule = NO_STOPS  # the request's stopping criteria, split once (reading EOS ids is a host sync)
 
     @classmethod
     def start(cls, request: DecodeRequest) -> "BatchRows":
         result = DecodeResult(rows=[RowResult() for _ in range(request.batch_size)])
         return cls(
             result, request.max_new_tokens, request.pads_finished, list(range(request.batch_size)),
-            request.keeps_scores, request.keeps_logits,
+            request.keeps_scores, request.keeps_logits, split_criteria(request.stopping_criteria),
         )
 
     @property
@@ -167,10 +168,10 @@ class BatchRows:
         limit = self.end if self.end is not None else self.max_new_tokens
         return [limit - len(self.result.rows[i].tokens) for i in self.live]
 
-    def criteria(self, stopping_criteria: StoppingCriteriaList) -> list[StoppingCriteriaList]:
-        """Per live row, the criteria its walk stops at: none once the row is done (it only decodes on)."""
+    def criteria(self) -> list[StopRule]:
+        """Per live row, the rule its walk stops at: none once the row is done (it only decodes on)."""
         rows = self.result.rows
-        return [stopping_criteria if rows[i].done_at is None else StoppingCriteriaList() for i in self.live]
+        return [self.stops if rows[i].done_at is None else NO_STOPS for i in self.live]
 
     def record(self, verified: list[Verified | None], on_tokens=None) -> list[int]:
         """Fold in one round's walks (one per live row); returns the cache rows that keep decoding (in

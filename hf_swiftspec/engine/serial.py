@@ -47,7 +47,7 @@ def run_serial(target: TargetWorker, draft: Drafters, request: DecodeRequest) ->
         # 2. target: one forward over every row's subtree, walk each with its own choices, commit the paths
         subtrees = [p.subtree for p in proposals]
         verified = target.verify(
-            subtrees, [samplers[i] for i in rows.live], rows.criteria(request.stopping_criteria), rows.budgets()
+            subtrees, [samplers[i] for i in rows.live], rows.criteria(), rows.budgets()
         )
         outcomes = [(i, p, v) for i, p, v in zip(rows.live, proposals, verified)]
         keep = rows.record(verified, request.on_tokens)

@@ -118,7 +118,7 @@ def run_static(target: StaticModel, draft: StaticModel, request: DecodeRequest, 
     rows = BatchRows.start(request)
     sampler = request.samplers[0]
     target_counters, draft_counters = TargetCounters(), DraftCounters()
-    stops = split_criteria(request.stopping_criteria)  # once: reading the EOS ids is a host sync
+    stops = rows.stops  # split once per call (reading the EOS ids is a host sync)
     start = time.perf_counter()
     prompt = request.prompt_ids()[0]
     ngrams = SuffixDrafter(max(ngram_size, 1), corpus=request.corpus, history=request.history)
