@@ -1,18 +1,21 @@
-"""The static round: fixed tree shape, capturable steps, one host sync per round (`compile=True`).
+"""The static sides of the round (engine/rounds.py): fixed tree shape, capturable steps, one host sync per
+round (`compile=True`).
 
-Every round does the same work with the same shapes, so each forward can be one compiled graph
-(`static.py`) and nothing waits for the device until the round's end:
+The loop is the adaptive round's (propose, verify, accept, observe); what differs is what its phases run
+on. Every round does the same work with the same shapes, so each forward can be one compiled graph
+(`static.py`) and nothing waits for the device until the walk:
 
-    1. draft:  one chain forward over the tokens the last round emitted (padded to depth + 1; the
-               last one is the new root, whose draft children seed the tree), then depth - 1
-               expansions of the `width` best unexpanded leaves, best-first by cumulative log-prob;
-    2. target: one forward over the `budget` best nodes (root included) under their tree mask;
-    3. sync:   the one read of the round brings back the target's choice after every node (and the nodes);
-    4. walk:   the walk and the stop rule of every round (verify.walk_path, walk_to_stop): from the root,
-               along the children carrying the target's choices; padding is never entered;
-    5. commit: the path's target KV moves behind the prefix; the emitted tokens become the draft's
-               next chain (the draft runs them again rather than keeping its tree: a fixed-size chain
-               costs the same forward whatever was accepted).
+    1. propose: one draft chain forward over the tokens the last round emitted (padded to depth + 1; the
+                last one is the new root, whose draft children seed the tree), then depth - 1 expansions
+                of the `width` best unexpanded leaves, best-first by cumulative log-prob (tree.select_leaves);
+    2. verify:  one target forward over the `budget` best nodes (root included) under their tree mask; the
+                one read of the round brings back the target's choice after every node (and the nodes);
+                the walk and the stop rule of every round (verify.walk_path, walk_to_stop) from the root,
+                along the children carrying the target's choices (padding is never entered); the path's
+                target KV moves behind the prefix;
+    3. accept:  the emitted tokens become the draft's next chain (the draft runs them again rather than
+                keeping its tree: a fixed-size chain costs the same forward whatever was accepted);
+    4. observe: the shape chooser's rates.
 
 A round is one of three kinds, each of one shape: a tree round (the above, the n-gram proposal's
 nodes among the budget), an n-gram round (the root and the n-gram proposal padded to a fixed size,
@@ -51,6 +54,7 @@ from ..verify import (
     PATH_FREE_PROCESSORS, Sampler, Verified, apply_processors, children_of, split_criteria, walk_path, walk_to_stop,
 )
 from .request import BatchRows, DecodeRequest, DecodeResult
+from .rounds import Proposed, run_rounds
 
 PROBE_SHARE = 0.03  # the most time the shape chooser's losing probes may cost
 
@@ -112,65 +116,100 @@ class StaticSequence:
 
 def run_static(target: StaticModel, draft: StaticModel, request: DecodeRequest, shape: StaticShape,
                vocab_limit: int, ngram_size: int = 0, chooser: "ShapeChooser | None" = None) -> DecodeResult:
-    """The whole decode loop of the static round (one sequence). ngram_size: longest context suffix
+    """The round (engine/rounds.py) on the static sides (one sequence). ngram_size: longest context suffix
     matched for the n-gram proposal (shape.suffix > 0 only); chooser: tree or plain rounds (kept across
     calls by the model; default: a new one)."""
-    rows = BatchRows.start(request)
-    sampler = request.samplers[0]
-    target_counters, draft_counters = TargetCounters(), DraftCounters()
-    stops = rows.stops  # split once per call (reading the EOS ids is a host sync)
-    start = time.perf_counter()
-    prompt = request.prompt_ids()[0]
-    ngrams = SuffixDrafter(max(ngram_size, 1), corpus=request.corpus, history=request.history)
-    ngrams.start([prompt])
-    target.prefill(prompt[:-1])
-    target_counters.forwards += bool(prompt[:-1])
-    warm_steps(target, {shape.budget, 1 + shape.suffix, 1}, len(prompt) - 1, moves=True)
-    warm_steps(draft, {shape.chain, shape.width} if shape.depth > 1 else {shape.chain}, 0)
-    context = request.contexts[0] if request.contexts is not None else request.prompt
-    seq = StaticSequence(len(prompt) - 1, 0, list(prompt), context.to(target.device))  # the draft runs it when needed
-    tree = new_tree(prompt[-1], shape.nodes, draft.device)
-    chooser = chooser or ShapeChooser()
-    while rows.live:
-        round_start, compiled_before = time.perf_counter(), graphs_compiled()
-        suffix = ngrams.candidates(0, shape.suffix, shape.depth) if shape.suffix else SuffixTree()
-        kind = chooser.plan_round(round_kinds(bool(len(suffix))))
-        if kind == "tree":  # 1. the draft: its chain (caught up first if other rounds left it behind), its tree
-            draft_counters.forwards += catch_up(draft, seq, shape.chain) + shape.depth
-            grow_tree(draft, tree, seq, shape, vocab_limit)
-            draft_counters.expansions += shape.depth
-            draft_counters.rounds += 1
-            draft_counters.busy_s += time.perf_counter() - round_start
-            nodes = with_suffix(best_nodes(tree, shape.budget - len(suffix)), suffix)
+    return run_rounds(StaticSides(target, draft, shape, vocab_limit, ngram_size, chooser or ShapeChooser()), request)
+
+
+@dataclass
+class StaticProposed(Proposed):
+    """Phase 1's hand-off on the static sides: the nodes to verify (on the device), the kind of round, and
+    how many graphs torch.compile had built when the round began (a round that built one is not observed)."""
+
+    nodes: TreeNodes | None = None
+    kind: str = "plain"
+    graphs_before: int = 0
+
+
+class StaticSides:
+    """The round's phases over two StaticModels and the shape chooser (see the module docstring)."""
+
+    def __init__(self, target: StaticModel, draft: StaticModel, shape: StaticShape, vocab_limit: int, ngram_size: int,
+                 chooser: "ShapeChooser"):
+        self.target, self.draft, self.shape, self.vocab_limit, self.chooser = target, draft, shape, vocab_limit, chooser
+        self.ngram_size = ngram_size
+        self.name = "static (compiled)" if target.compiled else "static"
+        self.target_counters, self.draft_counters = TargetCounters(), DraftCounters()
+
+    def start(self, request: DecodeRequest) -> None:
+        target, draft, shape = self.target, self.draft, self.shape
+        self.sampler = request.samplers[0]
+        prompt = request.prompt_ids()[0]
+        self.ngrams = SuffixDrafter(max(self.ngram_size, 1), corpus=request.corpus, history=request.history)
+        self.ngrams.start([prompt])
+        target.prefill(prompt[:-1])
+        self.target_counters.forwards += bool(prompt[:-1])
+        warm_steps(target, {shape.budget, 1 + shape.suffix, 1}, len(prompt) - 1, moves=True)
+        warm_steps(draft, {shape.chain, shape.width} if shape.depth > 1 else {shape.chain}, 0)
+        context = request.contexts[0] if request.contexts is not None else request.prompt
+        # the draft runs the prompt when a tree round first needs it
+        self.seq = StaticSequence(len(prompt) - 1, 0, list(prompt), context.to(target.device))
+        self.tree = new_tree(prompt[-1], shape.nodes, draft.device)
+
+    def propose(self, rows: BatchRows) -> StaticProposed:
+        """1. a tree round: the draft's chain (caught up first if other rounds left it behind) and tree, its best
+        nodes and the n-gram proposal's; an n-gram round: the root and the n-gram proposal; a plain round: the root."""
+        proposed = StaticProposed([], rows=list(rows.live), graphs_before=graphs_compiled())
+        shape, seq = self.shape, self.seq
+        suffix = self.ngrams.candidates(0, shape.suffix, shape.depth) if shape.suffix else SuffixTree()
+        proposed.kind = self.chooser.plan_round(round_kinds(bool(len(suffix))))
+        if proposed.kind == "tree":
+            self.draft_counters.forwards += catch_up(self.draft, seq, shape.chain) + shape.depth
+            grow_tree(self.draft, self.tree, seq, shape, self.vocab_limit)
+            self.draft_counters.expansions += shape.depth
+            self.draft_counters.rounds += 1
+            self.draft_counters.busy_s += time.perf_counter() - proposed.started
+            proposed.nodes = with_suffix(best_nodes(self.tree, shape.budget - len(suffix)), suffix)
+            proposed.expansions = shape.depth
+            first_suffix = shape.budget - len(suffix)
         else:  # no draft: the root and the n-gram proposal, or the root alone
-            suffix = suffix if kind == "ngram" else SuffixTree()
-            nodes = with_suffix(root_only(seq.chain[-1], target.device), suffix, shape.suffix if suffix else 0)
-        verify_start = time.perf_counter()
-        logits = verify_nodes(target, nodes, seq.target_prefix)  # 2. the target
-        scores, choice = target_choice(logits, nodes, seq.context, sampler)
-        verified = walk(nodes, choice, scores, logits, seq.context, stops, rows.budgets()[0])  # 3, 4
-        commit_path(target, seq, verified.path, nodes.tokens.shape[0])  # 5. commit
+            suffix = suffix if proposed.kind == "ngram" else SuffixTree()
+            proposed.nodes = with_suffix(root_only(seq.chain[-1], self.target.device), suffix,
+                                         shape.suffix if suffix else 0)
+            first_suffix = 1
+        proposed.proposals = [static_proposal(proposed.nodes, first_suffix, len(suffix))]
+        return proposed
+
+    def verify(self, proposed: StaticProposed, rows: BatchRows) -> list[Verified]:
+        """2-5. the target's forward over the nodes, the round's one sync, the walk, the commit."""
+        verify_start, seq, nodes = time.perf_counter(), self.seq, proposed.nodes
+        logits = verify_nodes(self.target, nodes, seq.target_prefix)
+        scores, choice = target_choice(logits, nodes, seq.context, self.sampler)
+        verified = walk(nodes, choice, scores, logits, seq.context, rows.stops, rows.budgets()[0])
+        commit_path(self.target, seq, verified.path, nodes.tokens.shape[0])
         seq.context = torch.cat([seq.context, torch.tensor([verified.tokens], device=seq.context.device)], dim=1)
-        seq.chain = verified.tokens if kind == "tree" else seq.chain + verified.tokens
-        ngrams.accept([None], [verified])
-        target_counters.forwards += 1
-        target_counters.verify_steps += 1
-        target_counters.busy_s += time.perf_counter() - verify_start
-        if graphs_compiled() == compiled_before:  # a round that compiled a graph says nothing of its kind's speed
-            chooser.observe_round(kind, len(verified.tokens), time.perf_counter() - round_start)
-        keep = rows.record([verified], request.on_tokens)
-        first_suffix = shape.budget - len(suffix) if kind == "tree" else 1
-        rows.result.record_round([static_proposal(nodes, first_suffix, len(suffix))], [verified],
-                                 shape.depth if kind == "tree" else 0)
-        if not keep:
-            rows.live = []
-    result = rows.result
-    result.stats = SwiftSpecStats.collect(
-        "static (compiled)" if target.compiled else "static", result.new_tokens, time.perf_counter() - start,
-        target_counters, draft_counters,
-    )
-    result.stats.add_rounds(result.rounds)
-    return result
+        self.target_counters.forwards += 1
+        self.target_counters.verify_steps += 1
+        self.target_counters.busy_s += time.perf_counter() - verify_start
+        return [verified]
+
+    def accept(self, proposed: StaticProposed, verified: list[Verified], keep: list[int]) -> None:
+        """The emitted tokens become the draft's next chain (after a tree round, which ran the last one's), and
+        the n-gram index's."""
+        self.seq.chain = verified[0].tokens if proposed.kind == "tree" else self.seq.chain + verified[0].tokens
+        self.ngrams.accept([None], verified)
+
+    def observe(self, proposed: StaticProposed, verified: list[Verified], round_s: float, first: bool) -> None:
+        """4. the chooser's rate of this kind of round (a round that compiled a graph says nothing of its speed)."""
+        if graphs_compiled() == proposed.graphs_before:
+            self.chooser.observe_round(proposed.kind, len(verified[0].tokens), round_s)
+
+    def keep_rows(self, order: list[int]) -> None:
+        """One sequence: once it is done the call ends (never called with a row to keep)."""
+
+    def stats(self, new_tokens: int, wall_s: float) -> SwiftSpecStats:
+        return SwiftSpecStats.collect(self.name, new_tokens, wall_s, self.target_counters, self.draft_counters)
 
 
 def round_kinds(suffix: bool) -> list[str]:
@@ -276,7 +315,7 @@ def root_only(root: int, device) -> TreeNodes:
 
 
 def grow_tree(draft: StaticModel, tree: TokenTree, seq: StaticSequence, shape: StaticShape, vocab_limit: int) -> None:
-    """Step 1: the chain forward (the new root's children), then depth - 1 expansions; no host sync."""
+    """Phase 1: the chain forward (the new root's children), then depth - 1 expansions; no host sync."""
     device, C = draft.device, draft.capacity
     clear_tree(tree, seq.chain[-1])
     n, L, first = len(seq.chain), shape.chain, seq.draft_prefix
@@ -302,7 +341,7 @@ def top_children(logits: torch.Tensor, width: int, vocab_limit: int) -> tuple[to
 
 
 def best_nodes(tree: TokenTree, budget: int) -> TreeNodes:
-    """Step 2's nodes: the `budget` best by score (a connected subtree with the root: scores never rise
+    """Phase 1's nodes: the `budget` best by score (a connected subtree with the root: scores never rise
     along a path and ties go to the lower index, which a parent has), in index order."""
     ids, parents = best_node_ids(tree, budget)
     return TreeNodes(tree.tokens[ids], parents, tree.depths[ids], tree.ancestors[ids][:, ids],
@@ -352,7 +391,7 @@ def target_choice(logits: torch.Tensor, nodes: TreeNodes, context: torch.Tensor,
 
 
 def walk(nodes: TreeNodes, choice: torch.Tensor, scores, logits, context, stops: tuple, max_tokens: int) -> Verified:
-    """Steps 3 and 4: the round's one host sync brings back the target's choice after every node with the
+    """Phase 2's walk: the round's one host sync brings back the target's choice after every node with the
     nodes' tokens, parents and padding flags, then the walk and the stop rule every round shares
     (verify.walk_path, verify.walk_to_stop)."""
     T = choice.shape[0]
@@ -363,9 +402,9 @@ def walk(nodes: TreeNodes, choice: torch.Tensor, scores, logits, context, stops:
 
 
 def commit_path(target: StaticModel, seq: StaticSequence, path: list[int], size: int) -> None:
-    """Step 5: the path's KV moves to the slots after the prefix (nothing moves for a path already there).
-    The move has the round's size whatever was accepted (one compiled graph): slots past the path copy
-    onto themselves."""
+    """Phase 2's commit: the path's KV moves to the slots after the prefix (nothing moves for a path already
+    there). The move has the round's size whatever was accepted (one compiled graph): slots past the path
+    copy onto themselves."""
     m = len(path)
     if path != list(range(m)):
         index = path + list(range(m, size))
