@@ -179,6 +179,8 @@ class Architecture:
     chain_reason: why this model's steps must be chains, or None when trees are exact
     layer_states: per decoder layer, how many recurrent / convolution states it keeps (0: none)
     slot_limits:  rules its attention applies by cache slot (SlotLimit): trees are exact below them only
+    headless:     its forward takes logits_to_keep as row indices, so a forward run for its KV alone (a
+                  catch-up) skips the vocabulary head with an empty index (seen when it runs: probes.py)
     """
 
     model_type: str
@@ -188,6 +190,7 @@ class Architecture:
     chain_reason: str | None = None
     layer_states: tuple[int, ...] = ()
     slot_limits: tuple[SlotLimit, ...] = ()
+    headless: bool = False
 
     def limits_reached(self, slots: int) -> tuple[SlotLimit, ...]:
         """The slot limits a call whose steps fill up to `slots` slots per row reaches (empty: trees are exact)."""

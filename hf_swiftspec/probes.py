@@ -9,6 +9,7 @@ after a cached prefix, under the tree mask) runs at all. Each runs once per mode
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 
 import torch
@@ -26,7 +27,7 @@ from .attention import own_implementation
 from .cache import TreeCache
 from .compat import attn_implementation, prepare_inputs
 from .recurrent import new_cache, state_continuation_gap
-from .step import RowQueries, model_step, run_step
+from .step import NO_LOGITS, RowQueries, model_step, run_step
 
 
 def describe(model, role: str = "model") -> Architecture:
@@ -38,43 +39,57 @@ def describe(model, role: str = "model") -> Architecture:
     check_incremental_inputs(model, who)
     if architecture.recurrent:
         check_state_continues(model, who)
-    check_steps_run(model, architecture, who)
-    return architecture
+    headless = check_steps_run(model, architecture, who)
+    return dataclasses.replace(architecture, headless=headless) if headless else architecture
 
 
-_step_failures: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> None or why its steps fail
+_step_failures: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (why its steps fail or None, headless)
 
 
-def check_steps_run(model, architecture: Architecture, who: str) -> None:
+def check_steps_run(model, architecture: Architecture, who: str) -> bool:
     """Refuse a model whose forward fails on the kind of step speculation runs, before a generation
     fails inside it: after a 2-token prefill into the tree cache, a 2-token chain step with the 4D
     mask a tree step passes (chain-shaped models: no mask). Two forwards of 2 tokens, once per model
-    object; a model whose prefill itself fails here is left to fail where it fails."""
+    object; a model whose prefill itself fails here is left to fail where it fails. Returns whether
+    its forward skips the vocabulary head given an empty logits_to_keep index (Architecture.headless):
+    the probe's forwards do (a 262k-row head is half a 2-token forward of the gemma-3-270m shape)."""
     if model not in _step_failures:
         _step_failures[model] = step_failure(model, architecture)
-    failure = _step_failures[model]
+    failure, headless = _step_failures[model]
     if failure is not None:
         raise UnsupportedArchitecture(f"{who} {failure}. Use swiftspec=False for this model.")
+    return headless
 
 
-def step_failure(model, architecture: Architecture) -> str | None:
-    """check_steps_run's finding: None, or what fails (completing "The target (type) ...")."""
+def step_failure(model, architecture: Architecture) -> tuple[str | None, bool]:
+    """check_steps_run's finding: (None, or what fails (completing "The target (type) ..."), headless)."""
     vocab = model.config.get_text_config(decoder=True).vocab_size
     ids = ((torch.arange(4) * 7 + 3) % vocab)[None].to(model.device)  # any 4 distinct tokens
     positions = torch.arange(4, device=model.device)[None]
+    headless = True
 
     def prefill():
+        nonlocal headless
+        if headless:
+            try:  # a forward for its KV alone, no head: the catch-ups' (an error here may be the cache's: see below)
+                cache = new_cache(architecture, 8)
+                model_step(model, cache, ids[:, :2], positions[:, :2], keep=NO_LOGITS)
+                cache.seal_prefix()
+                return cache
+            except Exception:  # noqa: BLE001 - it takes no index for logits_to_keep, or fails anyway (next)
+                headless = False
         cache = new_cache(architecture, 8)
         model_step(model, cache, ids[:, :2], positions[:, :2], keep=1)
         cache.seal_prefix()
         return cache
 
     def step(cache, masked: bool) -> None:
+        keep_arch = dataclasses.replace(architecture, headless=headless)
         if masked:  # a 2-node chain under the tree mask (a dense one: the model's own attention)
             run_step(model, cache, [RowQueries.chain(ids[0, 2:].tolist(), 2, model.device)], own_implementation(model),
-                     architecture)  # fmt: skip
+                     keep_arch, logits=not headless)  # fmt: skip
         else:
-            model_step(model, cache, ids[:, 2:], positions[:, 2:])
+            model_step(model, cache, ids[:, 2:], positions[:, 2:], keep=NO_LOGITS if headless else 0)
 
     tree = architecture.shape == "tree"
     with torch.no_grad():
@@ -84,10 +99,10 @@ def step_failure(model, architecture: Architecture) -> str | None:
             return (
                 "fails on a prefill into swiftspec's tree cache, whose layers hold keys and values (and transformers' "
                 f"own state layers) ({type(error).__name__}: {first_line(error)}){kv_heads_hint(model)}"
-            )
+            ), False
         try:
             step(cache, masked=tree)
-            return None
+            return None, headless
         except Exception as error:  # noqa: BLE001 - named in the refusal
             failed = error
         try:
@@ -97,8 +112,8 @@ def step_failure(model, architecture: Architecture) -> str | None:
             masks_fail = False
     what = f"({type(failed).__name__}: {first_line(failed)}){kv_heads_hint(model)}"
     if masks_fail:
-        return f"fails when its attention is given an explicit 4D mask, which every tree step passes {what}"
-    return f"fails on a forward of several tokens after a cached prefix, which every verification runs {what}"
+        return f"fails when its attention is given an explicit 4D mask, which every tree step passes {what}", False
+    return f"fails on a forward of several tokens after a cached prefix, which every verification runs {what}", False
 
 
 def check_causal(model, who: str) -> None:

@@ -136,3 +136,56 @@ def test_held_out_failures_are_refusals_that_name_the_fix():
     with pytest.raises(ValueError, match=r"The target \(prophetnet\) fails on a forward of several tokens after a "
                        r"cached prefix.*use_cache. is only supported for .decoder_input_ids. of length 1"):
         SwiftSpecForCausalLM.from_models(prophetnet, perturbed_copy(prophetnet))
+
+
+def test_a_catch_up_runs_no_vocabulary_head():
+    """A forward the draft runs for its KV alone (its catch-up of the prompt) passes an empty logits_to_keep
+    index: its head multiplies no row (on a 262k vocabulary the head is half a small draft's forward), and
+    the output is still target.generate's."""
+    from hf_swiftspec import SwiftSpecForCausalLM
+    from hf_swiftspec.probes import describe
+    from hf_swiftspec.tools.models import tiny_model, truncated_draft
+
+    target = tiny_model("llama", seed=3)
+    target.generation_config.eos_token_id = None
+    draft = truncated_draft(target, 1)
+    assert describe(draft, "draft").headless
+    rows = []
+    hook = draft.lm_head.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[1]))
+    try:
+        pair = SwiftSpecForCausalLM.from_models(target, draft, tree_budget=4, draft_depth=2)
+        prompt = torch.randint(3, 98, (1, 24), generator=torch.Generator().manual_seed(2))
+        out = pair.generate(prompt, do_sample=False, max_new_tokens=16)
+    finally:
+        hook.remove()
+    assert out.tolist() == target.generate(prompt, do_sample=False, max_new_tokens=16).tolist()
+    assert 0 in rows and pair.swiftspec_stats.draft_forwards > 2  # the catch-up, headless; expansions with rows
+
+
+def test_a_forward_that_takes_no_index_to_keep_runs_its_head():
+    """A model whose forward takes logits_to_keep as a count only (an empty index raises) is not refused:
+    its catch-ups keep one row, as before, and it decodes exactly."""
+    import functools
+
+    from transformers import LlamaForCausalLM
+
+    from hf_swiftspec import SwiftSpecForCausalLM
+    from hf_swiftspec.probes import describe
+    from hf_swiftspec.tools.models import tiny_model, truncated_draft
+
+    class CountOnly(LlamaForCausalLM):
+        @functools.wraps(LlamaForCausalLM.forward)  # (its signature: the cache argument's name is read from it)
+        def forward(self, *args, **kwargs):
+            if not isinstance(kwargs.get("logits_to_keep", 0), int):
+                raise TypeError("logits_to_keep must be an int")
+            return super().forward(*args, **kwargs)
+
+    target = tiny_model("llama", seed=3)
+    target.generation_config.eos_token_id = None
+    draft = truncated_draft(target, 1)
+    draft.__class__ = CountOnly
+    assert not describe(draft, "draft").headless
+    pair = SwiftSpecForCausalLM.from_models(target, draft, tree_budget=4, draft_depth=2)
+    prompt = torch.randint(3, 98, (1, 24), generator=torch.Generator().manual_seed(2))
+    out = pair.generate(prompt, do_sample=False, max_new_tokens=16)
+    assert out.tolist() == target.generate(prompt, do_sample=False, max_new_tokens=16).tolist()
