@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 from ..drafting import Drafters
+from ..policy import GoodputPolicy
 from ..stats import SwiftSpecStats
 from ..tree import Proposal
 from ..verify import Verified
@@ -46,7 +47,7 @@ class AdaptiveSides:
 
     name = "serial"
 
-    def __init__(self, target: TargetWorker, draft: Drafters, policy):
+    def __init__(self, target: TargetWorker, draft: Drafters, policy: GoodputPolicy):
         self.target, self.draft, self.policy = target, draft, policy
         self.samplers: list = []
 

@@ -23,7 +23,7 @@ from ..policy import GoodputPolicy
 from ..probes import describe
 from ..recurrent import MAX_REPLAY, StateLog, new_cache
 from ..stats import DraftCounters, TargetCounters
-from ..step import RowQueries, model_step, run_step
+from ..step import NO_LOGITS, RowQueries, model_step, run_step
 from ..tree import (
     Subtree,
     TokenTree,
@@ -225,7 +225,8 @@ class TargetWorker:
             first = committed - rerun - self.cache.starts[0]
             ids = torch.tensor([self.replay], device=self.device)
             positions = torch.arange(first, first + rerun, device=self.device)[None]
-            model_step(self.model, self.cache, ids, positions, keep=1)  # a chain-shaped model: no mask
+            keep = NO_LOGITS if self.architecture.headless else 1  # run for its states alone: no head rows
+            model_step(self.model, self.cache, ids, positions, keep=keep)  # a chain-shaped model: no mask
             self.cache.seal_prefix()
             self.states.save(self.cache.length)
             self.replay = []
