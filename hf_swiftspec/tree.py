@@ -176,6 +176,13 @@ def add_children(tree: TokenTree, leaves: torch.Tensor, child_logprobs: torch.Te
     tree.size = end
 
 
+def top_children(logits: torch.Tensor, width: int, vocab_limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The children an expansion adds under each of its w leaves, from the draft's logits (w, V): the
+    `width` likeliest tokens below `vocab_limit` (ids the target can embed), as (log-probs, token ids),
+    (w, width) each: add_children's arguments. Every drafter of a model's tree grows it this way."""
+    return torch.log_softmax(logits[:, :vocab_limit], dim=-1).topk(width, dim=-1)
+
+
 def select_subtree(tree: TokenTree, budget: int) -> tuple[Subtree, list[float]]:
     """The best `budget` nodes by score (a connected subtree containing the root), in index order,
     with their scores.

@@ -17,7 +17,7 @@ import torch
 
 from ..eagle3 import DraftHead
 from ..step import RowQueries, run_head_step
-from ..tree import Subtree, reset_tree
+from ..tree import Subtree, reset_tree, top_children
 from ..verify import Verified
 from .workers import DraftModelDrafter
 
@@ -113,7 +113,7 @@ class HeadDrafter(DraftModelDrafter):
 
     def children(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Best children over the head's draft vocabulary, as target ids."""
-        logprobs, draft_ids = torch.log_softmax(logits, dim=-1).topk(self.width, dim=-1)
+        logprobs, draft_ids = top_children(logits, self.width, logits.shape[-1])
         return logprobs, self.model.target_ids(draft_ids)
 
     # ---- the verdict ---------------------------------------------------------------------------

@@ -1,20 +1,25 @@
 """The static sides of the round (engine/rounds.py): fixed tree shape, capturable steps, one host sync per
 round (`compile=True`).
 
-The loop is the adaptive round's (propose, verify, accept, observe); what differs is what its phases run
-on. Every round does the same work with the same shapes, so each forward can be one compiled graph
-(`static.py`) and nothing waits for the device until the walk:
+The loop is the adaptive round's (propose, verify, accept, observe), and so is the sides' make-up: a
+target (`SlotVerifier`, TargetWorker's counterpart), drafters behind drafting.Drafter (`SlotTreeDrafter`,
+DraftModelDrafter's counterpart, and the same SuffixDrafter) and a controller (`ShapeChooser`, the goodput
+policy's). What differs is what the phases run on. Every round does the same work with the same shapes,
+so each forward can be one compiled graph (`static.py`) and nothing waits for the device until the walk:
 
     1. propose: one draft chain forward over the tokens the last round emitted (padded to depth + 1; the
                 last one is the new root, whose draft children seed the tree), then depth - 1 expansions
-                of the `width` best unexpanded leaves, best-first by cumulative log-prob (tree.select_leaves);
+                of the `width` best unexpanded leaves, best-first by cumulative log-prob (tree.select_leaves,
+                tree.top_children, tree.add_children: the adaptive drafter's); the best nodes
+                (tree.best_node_ids) and the suffix proposal hung under the root by tree.merge_suffix;
     2. verify:  one target forward over the `budget` best nodes (root included) under their tree mask; the
                 one read of the round brings back the target's choice after every node (and the nodes);
                 the walk and the stop rule of every round (verify.walk_path, walk_to_stop) from the root,
                 along the children carrying the target's choices (padding is never entered); the path's
                 target KV moves behind the prefix;
-    3. accept:  the emitted tokens become the draft's next chain (the draft runs them again rather than
-                keeping its tree: a fixed-size chain costs the same forward whatever was accepted);
+    3. accept:  every drafter follows the emitted tokens; the draft model's become its next chain (it runs
+                them again rather than keeping its tree: a fixed-size chain costs the same forward whatever
+                was accepted);
     4. observe: the shape chooser's rates.
 
 A round is one of three kinds, each of one shape: a tree round (the above, the n-gram proposal's
@@ -47,8 +52,8 @@ from ..stats import DraftCounters, SwiftSpecStats, TargetCounters
 from ..drafting import SuffixDrafter
 from ..suffix import SuffixTree
 from ..tree import (
-    Proposal, Subtree, TokenTree, add_children, best_node_ids, clear_tree, expansion_inputs, new_tree, select_leaves,
-    subtree_mask,
+    Proposal, Subtree, add_children, best_node_ids, clear_tree, expansion_inputs, merge_suffix, new_tree,
+    select_leaves, subtree_mask, top_children,
 )
 from ..verify import (
     PATH_FREE_PROCESSORS, Sampler, Verified, apply_processors, children_of, split_criteria, walk_path, walk_to_stop,
@@ -104,22 +109,14 @@ class TreeNodes:
     proposed: torch.Tensor
 
 
-@dataclass
-class StaticSequence:
-    """Host bookkeeping of one sequence: committed slots in each cache, the draft's next chain."""
-
-    target_prefix: int
-    draft_prefix: int
-    chain: list[int]
-    context: torch.Tensor  # (1, L) what processors see: the prompt (padding included) and every emitted token
-
-
 def run_static(target: StaticModel, draft: StaticModel, request: DecodeRequest, shape: StaticShape,
                vocab_limit: int, ngram_size: int = 0, chooser: "ShapeChooser | None" = None) -> DecodeResult:
     """The round (engine/rounds.py) on the static sides (one sequence). ngram_size: longest context suffix
     matched for the n-gram proposal (shape.suffix > 0 only); chooser: tree or plain rounds (kept across
     calls by the model; default: a new one)."""
-    return run_rounds(StaticSides(target, draft, shape, vocab_limit, ngram_size, chooser or ShapeChooser()), request)
+    sides = StaticSides(SlotVerifier(target, shape), SlotTreeDrafter(draft, shape, vocab_limit), ngram_size,
+                        chooser or ShapeChooser())
+    return run_rounds(sides, request)
 
 
 @dataclass
@@ -133,72 +130,55 @@ class StaticProposed(Proposed):
 
 
 class StaticSides:
-    """The round's phases over two StaticModels and the shape chooser (see the module docstring)."""
+    """The round's phases over the static target, the drafters (the draft model's tree and the suffix
+    proposals, both `drafting.Drafter`s) and the shape chooser: the adaptive sides' composition (a
+    TargetWorker, Drafters, the goodput policy) on capturable steps (see the module docstring)."""
 
-    def __init__(self, target: StaticModel, draft: StaticModel, shape: StaticShape, vocab_limit: int, ngram_size: int,
-                 chooser: "ShapeChooser"):
-        self.target, self.draft, self.shape, self.vocab_limit, self.chooser = target, draft, shape, vocab_limit, chooser
+    def __init__(self, target: "SlotVerifier", drafter: "SlotTreeDrafter", ngram_size: int, chooser: "ShapeChooser"):
+        self.target, self.drafter, self.chooser, self.shape = target, drafter, chooser, target.shape
         self.ngram_size = ngram_size
-        self.name = "static (compiled)" if target.compiled else "static"
-        self.target_counters, self.draft_counters = TargetCounters(), DraftCounters()
+        self.name = "static (compiled)" if target.model.compiled else "static"
 
     def start(self, request: DecodeRequest) -> None:
-        target, draft, shape = self.target, self.draft, self.shape
-        self.sampler = request.samplers[0]
         prompt = request.prompt_ids()[0]
         self.ngrams = SuffixDrafter(max(self.ngram_size, 1), corpus=request.corpus, history=request.history)
-        self.ngrams.start([prompt])
-        target.prefill(prompt[:-1])
-        self.target_counters.forwards += bool(prompt[:-1])
-        warm_steps(target, {shape.budget, 1 + shape.suffix, 1}, len(prompt) - 1, moves=True)
-        warm_steps(draft, {shape.chain, shape.width} if shape.depth > 1 else {shape.chain}, 0)
+        self.drafters = [self.drafter, self.ngrams]
         context = request.contexts[0] if request.contexts is not None else request.prompt
-        # the draft runs the prompt when a tree round first needs it
-        self.seq = StaticSequence(len(prompt) - 1, 0, list(prompt), context.to(target.device))
-        self.tree = new_tree(prompt[-1], shape.nodes, draft.device)
+        self.target.prefill(prompt, context, request.samplers[0])
+        for drafter in self.drafters:
+            drafter.start([prompt])
 
     def propose(self, rows: BatchRows) -> StaticProposed:
-        """1. a tree round: the draft's chain (caught up first if other rounds left it behind) and tree, its best
-        nodes and the n-gram proposal's; an n-gram round: the root and the n-gram proposal; a plain round: the root."""
+        """1. a tree round: the draft's tree (tokens it sat out caught up first), its best nodes and the
+        n-gram proposal's; an n-gram round: the root and the n-gram proposal; a plain round: the root."""
         proposed = StaticProposed([], rows=list(rows.live), graphs_before=graphs_compiled())
-        shape, seq = self.shape, self.seq
+        shape = self.shape
         suffix = self.ngrams.candidates(0, shape.suffix, shape.depth) if shape.suffix else SuffixTree()
         proposed.kind = self.chooser.plan_round(round_kinds(bool(len(suffix))))
         if proposed.kind == "tree":
-            self.draft_counters.forwards += catch_up(self.draft, seq, shape.chain) + shape.depth
-            grow_tree(self.draft, self.tree, seq, shape, self.vocab_limit)
-            self.draft_counters.expansions += shape.depth
-            self.draft_counters.rounds += 1
-            self.draft_counters.busy_s += time.perf_counter() - proposed.started
-            proposed.nodes = with_suffix(best_nodes(self.tree, shape.budget - len(suffix)), suffix)
+            self.drafter.grow()
+            draft_nodes, size = self.drafter.nodes(shape.budget - len(suffix)), 0
             proposed.expansions = shape.depth
-            first_suffix = shape.budget - len(suffix)
-        else:  # no draft: the root and the n-gram proposal, or the root alone
+        else:  # no draft: the root and the n-gram proposal (padded to its fixed size), or the root alone
             suffix = suffix if proposed.kind == "ngram" else SuffixTree()
-            proposed.nodes = with_suffix(root_only(seq.chain[-1], self.target.device), suffix,
-                                         shape.suffix if suffix else 0)
-            first_suffix = 1
-        proposed.proposals = [static_proposal(proposed.nodes, first_suffix, len(suffix))]
+            draft_nodes, size = root_only(self.target.root, self.target.model.device), shape.suffix if len(suffix) else 0
+        merged = merge_suffix(Subtree([0], [self.target.root], [-1]), [0.0], [1.0], suffix.tokens, suffix.parents,
+                              [1.0] * len(suffix), [0] * len(suffix), suffix.match)  # the suffix's nodes, under the root
+        proposed.nodes = with_suffix(draft_nodes, merged, size)
+        proposed.proposals = [static_proposal(draft_nodes, merged, proposed.nodes)]
+        counters = self.drafter.counters
+        counters.rounds += 1
+        counters.busy_s += time.perf_counter() - proposed.started
         return proposed
 
     def verify(self, proposed: StaticProposed, rows: BatchRows) -> list[Verified]:
-        """2-5. the target's forward over the nodes, the round's one sync, the walk, the commit."""
-        verify_start, seq, nodes = time.perf_counter(), self.seq, proposed.nodes
-        logits = verify_nodes(self.target, nodes, seq.target_prefix)
-        scores, choice = target_choice(logits, nodes, seq.context, self.sampler)
-        verified = walk(nodes, choice, scores, logits, seq.context, rows.stops, rows.budgets()[0])
-        commit_path(self.target, seq, verified.path, nodes.tokens.shape[0])
-        seq.context = torch.cat([seq.context, torch.tensor([verified.tokens], device=seq.context.device)], dim=1)
-        self.target_counters.forwards += 1
-        self.target_counters.verify_steps += 1
-        self.target_counters.busy_s += time.perf_counter() - verify_start
-        return [verified]
+        """2. the target's forward over the nodes, the round's one sync, the walk, the commit."""
+        return [self.target.verify(proposed.nodes, rows.stops, rows.budgets()[0])]
 
     def accept(self, proposed: StaticProposed, verified: list[Verified], keep: list[int]) -> None:
-        """The emitted tokens become the draft's next chain (after a tree round, which ran the last one's), and
-        the n-gram index's."""
-        self.seq.chain = verified[0].tokens if proposed.kind == "tree" else self.seq.chain + verified[0].tokens
-        self.ngrams.accept([None], verified)
+        """3. every drafter follows the emitted tokens (the draft model runs them as its next chain)."""
+        for drafter in self.drafters:
+            drafter.accept([None], verified)
 
     def observe(self, proposed: StaticProposed, verified: list[Verified], round_s: float, first: bool) -> None:
         """4. the chooser's rate of this kind of round (a round that compiled a graph says nothing of its speed)."""
@@ -209,7 +189,123 @@ class StaticSides:
         """One sequence: once it is done the call ends (never called with a row to keep)."""
 
     def stats(self, new_tokens: int, wall_s: float) -> SwiftSpecStats:
-        return SwiftSpecStats.collect(self.name, new_tokens, wall_s, self.target_counters, self.draft_counters)
+        return SwiftSpecStats.collect(self.name, new_tokens, wall_s, self.target.counters, self.drafter.counters)
+
+
+class SlotVerifier:
+    """The target on the static sides (TargetWorker's counterpart): the prefill, then per round one forward
+    over the round's nodes under their tree mask, the round's one read, the walk, the commit.
+
+    prefix: committed target slots; root: the last emitted token (the next round's node 0);
+    context (1, L): what processors see, the prompt (padding included) and every emitted token.
+    """
+
+    def __init__(self, model: StaticModel, shape: StaticShape):
+        self.model, self.shape = model, shape
+        self.counters = TargetCounters()
+
+    def prefill(self, prompt: list[int], context: torch.Tensor, sampler: Sampler) -> None:
+        """Run all but the prompt's last token (the first root); compile the round's steps now."""
+        self.sampler, self.context = sampler, context.to(self.model.device)
+        self.prefix, self.root = len(prompt) - 1, prompt[-1]
+        self.model.prefill(prompt[:-1])
+        self.counters.forwards += bool(prompt[:-1])
+        warm_steps(self.model, {self.shape.budget, 1 + self.shape.suffix, 1}, self.prefix, moves=True)
+
+    def verify(self, nodes: TreeNodes, stops, max_tokens: int) -> Verified:
+        started = time.perf_counter()
+        logits = verify_nodes(self.model, nodes, self.prefix)
+        scores, choice = target_choice(logits, nodes, self.context, self.sampler)
+        verified = walk(nodes, choice, scores, logits, self.context, stops, max_tokens)
+        self.prefix = commit_path(self.model, self.prefix, verified.path, nodes.tokens.shape[0])
+        self.root = verified.tokens[-1]
+        emitted = torch.tensor([verified.tokens], device=self.context.device)
+        self.context = torch.cat([self.context, emitted], dim=1)
+        self.counters.forwards += 1
+        self.counters.verify_steps += 1
+        self.counters.busy_s += time.perf_counter() - started
+        return verified
+
+
+class SlotTreeDrafter:
+    """The draft model's token tree on the static sides (a `drafting.Drafter`, DraftModelDrafter's
+    counterpart). A tree round runs the tokens it has not run, the root last, as one chain padded to a
+    fixed size (the root's draft children seed the tree), then depth - 1 expansions of the `width` best
+    leaves (tree.select_leaves, tree.top_children); nothing waits for the device. It keeps no tree across
+    rounds: the verified tokens run as the next round's chain (a fixed-size chain costs the same forward
+    whatever was accepted).
+
+    prefix: committed draft slots; unrun: committed tokens the draft has not run, the root last (the
+    prompt at the start, then every emitted token since the last tree round).
+    """
+
+    def __init__(self, model: StaticModel, shape: StaticShape, vocab_limit: int):
+        self.model, self.shape, self.vocab_limit = model, shape, vocab_limit
+        self.counters = DraftCounters()
+
+    def start(self, prompts: list[list[int]], features=None) -> None:
+        shape = self.shape
+        warm_steps(self.model, {shape.chain, shape.width} if shape.depth > 1 else {shape.chain}, 0)
+        self.prefix, self.unrun = 0, list(prompts[0])  # the prompt runs when a tree round first needs it
+        self.tree = new_tree(prompts[0][-1], shape.nodes, self.model.device)
+
+    def grow(self) -> None:
+        """Phase 1 of a tree round: catch up, the chain forward, then depth - 1 expansions; no host sync."""
+        self.catch_up()
+        region = self.run_chain()
+        for _ in range(self.shape.depth - 1):
+            self.expand(region)
+        self.counters.forwards += self.shape.depth
+        self.counters.expansions += self.shape.depth
+
+    def catch_up(self) -> None:
+        """Run all but the last `chain` unrun tokens (the prompt, plain rounds' tokens) as one eager forward
+        into the prefix, so that the round's chain fits its fixed size."""
+        behind = self.unrun[: -self.shape.chain]
+        if behind:
+            self.model.extend(behind, self.prefix)
+            self.prefix += len(behind)
+            self.unrun = self.unrun[len(behind) :]
+            self.counters.forwards += 1
+
+    def run_chain(self) -> int:
+        """The unrun tokens as one chain of the fixed size; the root's children become the tree's first level.
+        Returns the first slot of the tree's region (after the padded chain's)."""
+        model, tree, L = self.model, self.tree, self.shape.chain
+        clear_tree(tree, self.unrun[-1])
+        n, first, device = len(self.unrun), self.prefix, model.device
+        tokens = torch.tensor([self.unrun + [0] * (L - n)], device=device)
+        slots = torch.arange(first, first + L, device=device)
+        logits = model.run(tokens, slots[None], slots, chain_mask(slots, model.capacity, model.model.dtype))
+        self.prefix, self.unrun = first + n, []  # the chain, root included, is committed now
+        add_children(tree, torch.zeros(1, dtype=torch.long, device=device),
+                     *top_children(logits[n - 1 : n], self.shape.width, self.vocab_limit))
+        tree.expanded[0] = True  # its KV sits in the prefix, not in the tree region
+        return first + L
+
+    def expand(self, region: int) -> None:
+        """One expansion of the `width` best unexpanded leaves, their KV in the tree region from `region` on."""
+        model, tree, width = self.model, self.tree, self.shape.width
+        leaves = select_leaves(tree, width, fixed=True)
+        slots = torch.arange(region + tree.num_slots, region + tree.num_slots + width, device=model.device)
+        input_ids, positions, region_mask = expansion_inputs(tree, leaves, self.prefix - 1)
+        mask = step_mask(self.prefix, region_mask, region, model.capacity, model.model.dtype)
+        logits = model.run(input_ids, positions, slots, mask)
+        add_children(tree, leaves, *top_children(logits, width, self.vocab_limit))
+
+    def nodes(self, budget: int) -> TreeNodes:
+        """The `budget` best nodes (tree.best_node_ids: a connected subtree with the root), in index order."""
+        ids, parents = best_node_ids(self.tree, budget)
+        tree = self.tree
+        return TreeNodes(tree.tokens[ids], parents, tree.depths[ids], tree.ancestors[ids][:, ids],
+                         torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device))
+
+    def accept(self, subtrees, verified: list[Verified | None]) -> None:
+        """The emitted tokens join the unrun ones (the next tree round's chain)."""
+        self.unrun = self.unrun + verified[0].tokens
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """One sequence: never called with a row to drop."""
 
 
 def round_kinds(suffix: bool) -> list[str]:
@@ -295,18 +391,6 @@ def graphs_compiled() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
-def catch_up(draft: StaticModel, seq: StaticSequence, chain: int) -> int:
-    """Run all but the last `chain` tokens the draft has not seen (the prompt, plain rounds' tokens) as one
-    eager forward into its prefix, so that the round's chain fits its fixed size. Returns forwards run."""
-    behind = seq.chain[:-chain]
-    if not behind:
-        return 0
-    draft.extend(behind, seq.draft_prefix)
-    seq.draft_prefix += len(behind)
-    seq.chain = seq.chain[len(behind) :]
-    return 1
-
-
 def root_only(root: int, device) -> TreeNodes:
     """A plain round's nodes: the root alone."""
     one = torch.ones(1, 1, dtype=torch.bool, device=device)
@@ -314,59 +398,26 @@ def root_only(root: int, device) -> TreeNodes:
     return TreeNodes(torch.tensor([root], device=device), zero - 1, zero, one, one[0])
 
 
-def grow_tree(draft: StaticModel, tree: TokenTree, seq: StaticSequence, shape: StaticShape, vocab_limit: int) -> None:
-    """Phase 1: the chain forward (the new root's children), then depth - 1 expansions; no host sync."""
-    device, C = draft.device, draft.capacity
-    clear_tree(tree, seq.chain[-1])
-    n, L, first = len(seq.chain), shape.chain, seq.draft_prefix
-    tokens = torch.tensor([seq.chain + [0] * (L - n)], device=device)
-    slots = torch.arange(first, first + L, device=device)
-    logits = draft.run(tokens, slots[None], slots, chain_mask(slots, C, draft.model.dtype))
-    seq.draft_prefix += n  # the chain, root included, is committed now
-    region = first + L  # the tree's KV slots start after the chain's
-    add_children(tree, torch.zeros(1, dtype=torch.long, device=device), *top_children(logits[n - 1 : n], shape.width, vocab_limit))
-    tree.expanded[0] = True  # its KV sits in the prefix, not in the tree region
-    for _ in range(shape.depth - 1):
-        leaves = select_leaves(tree, shape.width, fixed=True)
-        slots = torch.arange(region + tree.num_slots, region + tree.num_slots + shape.width, device=device)
-        input_ids, positions, region_mask = expansion_inputs(tree, leaves, seq.draft_prefix - 1)
-        mask = step_mask(seq.draft_prefix, region_mask, region, C, draft.model.dtype)
-        logits = draft.run(input_ids, positions, slots, mask)
-        add_children(tree, leaves, *top_children(logits, shape.width, vocab_limit))
-
-
-def top_children(logits: torch.Tensor, width: int, vocab_limit: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probs, tokens) (w, k) of the k = width likeliest draft tokens after each of w leaves."""
-    return torch.log_softmax(logits[:, :vocab_limit], dim=-1).topk(width, dim=-1)
-
-
-def best_nodes(tree: TokenTree, budget: int) -> TreeNodes:
-    """Phase 1's nodes: the `budget` best by score (a connected subtree with the root: scores never rise
-    along a path and ties go to the lower index, which a parent has), in index order."""
-    ids, parents = best_node_ids(tree, budget)
-    return TreeNodes(tree.tokens[ids], parents, tree.depths[ids], tree.ancestors[ids][:, ids],
-                     torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device))
-
-
-def with_suffix(nodes: TreeNodes, suffix: SuffixTree, size: int = 0) -> TreeNodes:
-    """The draft's nodes followed by the n-gram proposal's, hanging from the root (host lists in, no sync),
-    padded to `size` suffix nodes (padding: children of the root never accepted). A suffix node may
-    repeat a draft node (same token under the same parent): both then carry the same context, so
-    whichever the walk ends on, its path and KV are the same."""
-    S = max(len(suffix), size)
+def with_suffix(nodes: TreeNodes, suffix: Proposal, size: int = 0) -> TreeNodes:
+    """The draft's nodes (on the device) followed by the suffix proposal's, as tree.merge_suffix hung them
+    under the root alone (host lists in, no sync), padded to `size` suffix nodes (padding: children of
+    the root never accepted). A suffix node may repeat a draft node (same token under the same parent):
+    both then carry the same context, so whichever the walk ends on, its path and KV are the same."""
+    tokens, parents = suffix.subtree.tokens[1:], [p - 1 for p in suffix.subtree.parents[1:]]  # -1: the root
+    S = max(len(tokens), size)
     if not S:
         return nodes
     device, D = nodes.tokens.device, nodes.tokens.shape[0]
-    pad = S - len(suffix)
-    parents = suffix.parents + [-1] * pad
+    pad = S - len(tokens)
+    parents = parents + [-1] * pad
     ancestors, depths = subtree_mask([-1] + [p + 1 for p in parents], device)  # the root, then the suffix
     full = torch.zeros(D + S, D + S, dtype=torch.bool, device=device)
     full[:D, :D] = nodes.ancestors
     full[D:, 0] = True
     full[D:, D:] = ancestors[1:, 1:]
     parents = torch.tensor([p + D if p >= 0 else 0 for p in parents], device=device)
-    tokens = torch.tensor(suffix.tokens + [0] * pad, device=device)
-    proposed = torch.arange(S, device=device) < len(suffix)
+    tokens = torch.tensor(tokens + [0] * pad, device=device)
+    proposed = torch.arange(S, device=device) < S - pad
     return TreeNodes(torch.cat([nodes.tokens, tokens]), torch.cat([nodes.parents, parents]),
                      torch.cat([nodes.depths, depths[1:]]), full, torch.cat([nodes.proposed, proposed]))
 
@@ -401,24 +452,25 @@ def walk(nodes: TreeNodes, choice: torch.Tensor, scores, logits, context, stops:
     return walk_to_stop(out, scores, logits, context, stops, max_tokens)
 
 
-def commit_path(target: StaticModel, seq: StaticSequence, path: list[int], size: int) -> None:
-    """Phase 2's commit: the path's KV moves to the slots after the prefix (nothing moves for a path already
-    there). The move has the round's size whatever was accepted (one compiled graph): slots past the path
-    copy onto themselves."""
+def commit_path(target: StaticModel, prefix: int, path: list[int], size: int) -> int:
+    """Phase 2's commit: the path's KV moves to the slots after the `prefix` committed ones (nothing moves
+    for a path already there); returns the new prefix. The move has the round's size whatever was accepted
+    (one compiled graph): slots past the path copy onto themselves."""
     m = len(path)
     if path != list(range(m)):
         index = path + list(range(m, size))
-        src = seq.target_prefix + torch.tensor(index, device=target.device)
-        dst = torch.arange(seq.target_prefix, seq.target_prefix + size, device=target.device)
+        src = prefix + torch.tensor(index, device=target.device)
+        dst = torch.arange(prefix, prefix + size, device=target.device)
         target.move(target.cache.buffers, src, dst)
-    seq.target_prefix += m
+    return prefix + m
 
 
-def static_proposal(nodes: TreeNodes, first_suffix: int, suffix: int) -> Proposal:
-    """What the round's statistics record: T nodes, `suffix` of them from the n-gram proposal, from
-    index `first_suffix` on."""
-    T = nodes.tokens.shape[0]
-    buckets = [0 if first_suffix <= i < first_suffix + suffix else -1 for i in range(T)]
+def static_proposal(draft: TreeNodes, suffix: Proposal, nodes: TreeNodes) -> Proposal:
+    """What the round's statistics record of the T `nodes`: the draft's first (D of them), then the suffix
+    proposal's (their merge_suffix buckets), then padding."""
+    D, T = draft.tokens.shape[0], nodes.tokens.shape[0]
+    buckets = [-1] * D + suffix.suffix[1:]
+    buckets += [-1] * (T - len(buckets))
     return Proposal(Subtree([-1] * T, [0] * T, [-1] * T), [0.0] * T, [None] * T, buckets)
 
 

@@ -37,6 +37,7 @@ from ..tree import (
     select_leaves,
     select_subtree,
     subtree_mask,
+    top_children,
 )
 from ..verify import Sampler, Verified, verify_tree
 
@@ -334,8 +335,7 @@ class DraftModelDrafter:
 
     def children(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The `width` best children of each expanded leaf from its logits (w, V): (log-probs, token ids), (w, width) each."""
-        logprobs = torch.log_softmax(logits[:, : self.vocab_limit], dim=-1)
-        return logprobs.topk(self.width, dim=-1)
+        return top_children(logits, self.width, self.vocab_limit)
 
     def ran_leaves(self, b: int, leaves: torch.Tensor, after: int) -> None:
         """Row b's `leaves` ran in the last forward, after `after` pending tokens (a hook for drafters that
