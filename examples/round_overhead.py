@@ -71,7 +71,7 @@ def static_round(model, compiled: bool):
     model.config.compile = True
     if not compiled:  # the same round with eager steps: build the StaticModels uncompiled
         build = StaticModel.build.__func__
-        StaticModel.build = classmethod(lambda cls, m, n, compiled=True: build(cls, m, n, False))
+        StaticModel.build = classmethod(lambda cls, m, n, compiled=True, **kw: build(cls, m, n, False, **kw))
 
 
 def main() -> None:

@@ -22,6 +22,7 @@ from transformers import PreTrainedModel
 
 from .architectures import context_limit
 from .compat import Cache, CacheLayerMixin, forward_cache_argument
+from .step import NO_LOGITS
 
 MIN_CAPACITY = 512
 PREFILL_CHUNK = 1024  # prompt tokens per prefill forward
@@ -109,12 +110,14 @@ def move_slots(buffers: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor
 def forward_slots(model: PreTrainedModel, cache: SlotCache, input_ids, position_ids, slots, mask, keep: int = 0) -> torch.Tensor:
     """The capturable step: one forward of (1, Q) queries at `position_ids` (1, Q), writing their KV at
     `slots` (Q,), each seeing what `mask` (1, 1, Q, C) additive allows; returns float32 logits (Q, V)
-    (only the last `keep` queries' if keep > 0).
+    (only the last `keep` queries' if keep > 0; none with keep=NO_LOGITS, for a model that takes indices).
 
     Nothing in it reads a value on the host, and its shapes depend on Q and C only. It calls
     `model.forward`, not the module: hooks on the model itself would be traced into the graph (a
     counting hook made every call recompile); the engine counts its forwards itself."""
     cache.slots = slots
+    if keep == NO_LOGITS:
+        keep = torch.zeros(0, dtype=torch.long, device=input_ids.device)
     out = model.forward(
         input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=True, logits_to_keep=keep,
         **{cache.argument: cache},  # (resolved outside: a compiled step traces no signature lookups)
@@ -130,6 +133,7 @@ class StaticModel:
     cache: SlotCache
     compiled: bool = False
     last_position: int | None = None  # the model's last position (learned embeddings end there); None: no end
+    headless: bool = False  # a forward run for its KV alone skips the vocabulary head (Architecture.headless)
     step: object = field(init=False, repr=False)
     move: object = field(init=False, repr=False)
     device: torch.device = field(init=False)
@@ -141,10 +145,10 @@ class StaticModel:
         self.move = compiled_move() if self.compiled else move_slots
 
     @classmethod
-    def build(cls, model: PreTrainedModel, needed: int, compiled: bool = False) -> "StaticModel":
+    def build(cls, model: PreTrainedModel, needed: int, compiled: bool = False, headless: bool = False) -> "StaticModel":
         limit = context_limit(model)
         cache = SlotCache.for_model(model, bucket_capacity(needed))
-        return cls(model, cache, compiled, None if limit is None else limit - 1)
+        return cls(model, cache, compiled, None if limit is None else limit - 1, headless)
 
     @property
     def capacity(self) -> int:
@@ -171,7 +175,8 @@ class StaticModel:
     def extend(self, tokens: list[int], first: int) -> None:
         """Run tokens at positions and slots [first, first + n) as one causal chain after the committed
         slots [0, first), eagerly, PREFILL_CHUNK tokens a forward (each forward's mask is (chunk, C): one
-        (n, C) mask for an 8k-token prompt would take 0.5 GB)."""
+        (n, C) mask for an 8k-token prompt would take 0.5 GB). Run for the KV alone: no logits (one row
+        where the model's head takes only a count: a 262k-token head costs as much for one row as for none)."""
         device = self.device
         for start in range(0, len(tokens), PREFILL_CHUNK):
             chunk = tokens[start : start + PREFILL_CHUNK]
@@ -179,7 +184,7 @@ class StaticModel:
             with torch.no_grad():
                 forward_slots(
                     self.model, self.cache, torch.tensor([chunk], device=device), slots[None], slots,
-                    chain_mask(slots, self.capacity, self.model.dtype), keep=1,  # (not a 49k-row head per token)
+                    chain_mask(slots, self.capacity, self.model.dtype), keep=NO_LOGITS if self.headless else 1,
                 )
 
 

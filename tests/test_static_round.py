@@ -226,6 +226,32 @@ def test_a_prefill_in_chunks_decodes_the_same(monkeypatch):
     assert result.tokens == expected
 
 
+def test_forwards_run_for_their_kv_alone_skip_the_vocabulary_head(always_trees):
+    """The target's prefill and the draft's catch-up (StaticModel.extend) multiply no head row when the
+    model takes an index to keep (what compile=True builds: StaticRounds asks the probes), and the output
+    stays target.generate's; the round's own steps still get their logits."""
+    from hf_swiftspec.engine.static_round import StaticRounds
+
+    target, draft = pair()
+    assert StaticRounds().static_model("draft", draft, 64).headless
+    prompt = random_prompts([30], seed=15)[0]
+    expected = target.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, 30:].tolist()
+    shape = StaticShape(8, 3, 3)
+    steps = (StaticModel.build(target, shape.target_slots(54), headless=True),
+             StaticModel.build(draft, shape.draft_slots(54), headless=True))
+    rows = {"target": [], "draft": []}
+    hooks = [model.lm_head.register_forward_hook(lambda module, args, out, role=role: rows[role].append(args[0].shape[1]))
+             for role, model in (("target", target), ("draft", draft))]
+    try:
+        result = run_static(*steps, request_for(prompt, 24), shape, 98)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert result.tokens == expected
+    assert rows["target"][0] == 0 and rows["draft"][0] == 0  # the prefill; the draft's first catch-up (the prompt)
+    assert all(n > 0 for n in rows["target"][1:])
+
+
 def test_eos_stops_the_round_where_generate_stops():
     target, draft = pair()
     prompt = random_prompts([12], seed=7)[0]

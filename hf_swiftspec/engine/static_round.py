@@ -382,7 +382,8 @@ class StaticRounds:
         kept = self.models.get(role)
         if kept is None or kept.model is not model or kept.capacity != bucket_capacity(needed):
             self.models.pop(role, None)  # free its buffers before allocating the new ones
-            kept = self.models[role] = StaticModel.build(model, needed, compiled=True)
+            headless = describe(model, role).headless
+            kept = self.models[role] = StaticModel.build(model, needed, compiled=True, headless=headless)
         return kept
 
 
