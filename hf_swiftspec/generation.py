@@ -127,11 +127,12 @@ def swiftspec_generate(
         keeps_scores=bool(generation_config.return_dict_in_generate and generation_config.output_scores),
         keeps_logits=bool(generation_config.return_dict_in_generate and generation_config.output_logits),
     )
-    request.policy.start_generation(request.max_new_tokens)
     if config.compile:
         kept = swiftspec_policy if isinstance(swiftspec_policy, StaticRounds) else StaticRounds()
+        kept.chooser.start_generation(request.max_new_tokens)  # the controller's calls: as the policy's below
         result = decode_static(model, swiftspec_draft, request, config, swiftspec_placement, kept)
     else:
+        request.policy.start_generation(request.max_new_tokens)
         result = decode_adaptive(model, swiftspec_draft, request, config, swiftspec_placement, swiftspec_groups,
                                  chain_reasons, architectures)
     result.stats.draft_model = swiftspec_draft is not None

@@ -167,13 +167,19 @@ class Sampler:
             return torch.argmax(scores, dim=-1)
         return torch.argmax(scores.double() + self.gumbel(positions, scores.shape[-1], scores.device), dim=-1)
 
-    def choose_rows(self, context: torch.Tensor, logits: torch.Tensor, depths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def choose_rows(self, context: torch.Tensor, logits: torch.Tensor,
+                    depths: list[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """For path-free processors: next token (T,) and processed scores (T, V) of every row at once.
 
-        depths: each row's depth in the tree; its token is for position context length + depth.
+        depths: each row's depth in the tree (host ints; or a (T,) tensor, which is never read on the
+            host: a sampled row's noise is then drawn for every depth below T and indexed on the device);
+            its token is for position context length + depth.
         """
         scores = apply_processors(self.logits_processor, context, logits)
-        return self.pick(scores, [context.shape[1] + d for d in depths]), scores
+        if not self.do_sample or not isinstance(depths, torch.Tensor):
+            return self.pick(scores, [context.shape[1] + d for d in depths]), scores
+        noise = self.gumbel([context.shape[1] + d for d in range(depths.shape[0])], scores.shape[-1], scores.device)
+        return (scores.double() + noise[depths]).argmax(dim=-1), scores
 
     def choose(self, context: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Next token (1,) and processed scores (1, V) given context (1, L) and raw logits (1, V)."""

@@ -56,7 +56,7 @@ from ..tree import (
     select_leaves, subtree_mask, top_children,
 )
 from ..verify import (
-    PATH_FREE_PROCESSORS, Sampler, Verified, apply_processors, children_of, split_criteria, walk_path, walk_to_stop,
+    PATH_FREE_PROCESSORS, Sampler, Verified, children_of, split_criteria, walk_path, walk_to_stop,
 )
 from .request import BatchRows, DecodeRequest, DecodeResult
 from .rounds import Proposed, run_rounds
@@ -215,7 +215,9 @@ class SlotVerifier:
     def verify(self, nodes: TreeNodes, stops, max_tokens: int) -> Verified:
         started = time.perf_counter()
         logits = verify_nodes(self.model, nodes, self.prefix)
-        scores, choice = target_choice(logits, nodes, self.context, self.sampler)
+        # every node's choice at once, as the adaptive walk does for path-free processors (checked up front);
+        # the depths stay on the device (processors may write into their scores: a copy)
+        choice, scores = self.sampler.choose_rows(self.context, logits.clone(), nodes.depths)
         verified = walk(nodes, choice, scores, logits, self.context, stops, max_tokens)
         self.prefix = commit_path(self.model, self.prefix, verified.path, nodes.tokens.shape[0])
         self.root = verified.tokens[-1]
@@ -324,7 +326,13 @@ class ShapeChooser:
     observed). Every `probe_after` rounds of the best kind another is tried once (the one tried least
     recently); a probe that loses sets the wait so that such probes cost at most PROBE_SHARE of the
     time (a tree round of a draft that never helps costs 5x a plain step of a 30-layer model on a CPU:
-    ~170 rounds apart)."""
+    ~170 rounds apart).
+
+    Why a controller of its own, not the goodput policy: the policy sizes a round from the draft's scores,
+    read on the host while the tree grows; this round reads nothing before its verification, so all it
+    can choose is among kinds of round of fixed shapes, by what each has made. The engines make the same
+    calls of both (start_generation per call, plan_round per round, observe_round after it); what the calls
+    carry differs."""
 
     rates: dict = field(default_factory=dict)  # kind -> tokens per second: the mean of its first rounds, then
     counts: dict = field(default_factory=dict)  # a moving average (weight 0.3) over the rounds observed
@@ -429,17 +437,6 @@ def verify_nodes(target: StaticModel, nodes: TreeNodes, prefix: int) -> torch.Te
     slots = torch.arange(prefix, prefix + T, device=target.device)
     mask = step_mask(prefix, nodes.ancestors, prefix, target.capacity, target.model.dtype)
     return target.run(nodes.tokens[None], (prefix + nodes.depths)[None], slots, mask)
-
-
-def target_choice(logits: torch.Tensor, nodes: TreeNodes, context: torch.Tensor, sampler: Sampler):
-    """Processed scores (T, V) and the target's token after each node (T,): its argmax, or its draw
-    with the noise of the position after the node (the processors ignore the path: checked up front)."""
-    scores = apply_processors(sampler.logits_processor, context, logits.clone())
-    if not sampler.do_sample:
-        return scores, scores.argmax(dim=-1)
-    depth_room = nodes.tokens.shape[0]  # depths < T
-    noise = sampler.gumbel([context.shape[1] + d for d in range(depth_room)], scores.shape[-1], scores.device)
-    return scores, (scores.double() + noise[nodes.depths]).argmax(dim=-1)
 
 
 def walk(nodes: TreeNodes, choice: torch.Tensor, scores, logits, context, stops: tuple, max_tokens: int) -> Verified:
