@@ -9,6 +9,7 @@ like every method's.
 
     python examples/compare_versions.py --before HEAD~3 [swiftspec bench options, e.g. --pair shape:smollm2-135m
         --batch-sizes 1,4 --threads 1 --methods target,swiftspec_serial]
+    python examples/compare_versions.py --before HEAD~3 --before-compile --methods target,swiftspec_compiled
 """
 
 from __future__ import annotations
@@ -63,18 +64,20 @@ def before_method(package, models, settings: dict, seed: int, label: str) -> Met
         return restore
 
     return Method("swiftspec_before", label, generate, stats=lambda: model.swiftspec_stats,
-                  settings={"revision": label}, batched=True, checkpoint=checkpoint)
+                  settings={"revision": label}, batched=not settings.get("compile"), checkpoint=checkpoint)
 
 
 def main() -> None:
     outer = argparse.ArgumentParser(add_help=False)
     outer.add_argument("--before", required=True, help="the git revision to compare with (e.g. HEAD~3, a commit)")
+    outer.add_argument("--before-compile", action="store_true",
+                       help="time the earlier revision with compile=True (compare with --methods ...,swiftspec_compiled)")
     known, rest = outer.parse_known_args()
     args = build_parser().parse_args(rest)
     config = bench_config(args)
     package = import_revision(known.before)
     models = load_models(config, [])
-    settings = swiftspec_settings(models, config)
+    settings = swiftspec_settings(models, config) | ({"compile": True} if known.before_compile else {})
     extra = before_method(package, models, settings, config.seed, f"swiftspec at {known.before}")
     config = dataclasses.replace(config, models=models, extra_methods=(extra,))
     report = run_bench(config)
