@@ -176,7 +176,9 @@ class Sampler:
             its token is for position context length + depth.
         """
         scores = apply_processors(self.logits_processor, context, logits)
-        if not self.do_sample or not isinstance(depths, torch.Tensor):
+        if not self.do_sample:
+            return torch.argmax(scores, dim=-1), scores
+        if not isinstance(depths, torch.Tensor):
             return self.pick(scores, [context.shape[1] + d for d in depths]), scores
         noise = self.gumbel([context.shape[1] + d for d in range(depths.shape[0])], scores.shape[-1], scores.device)
         return (scores.double() + noise[depths]).argmax(dim=-1), scores
