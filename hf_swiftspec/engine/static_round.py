@@ -297,8 +297,8 @@ class SlotTreeDrafter:
 
     def nodes(self, budget: int) -> TreeNodes:
         """The `budget` best nodes (tree.best_node_ids: a connected subtree with the root), in index order."""
-        ids, parents = best_node_ids(self.tree, budget)
         tree = self.tree
+        ids, parents = best_node_ids(tree, budget)
         return TreeNodes(tree.tokens[ids], parents, tree.depths[ids], tree.ancestors[ids][:, ids],
                          torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device))
 
