@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# One 15-minute GPU lease, as one command: every phase of examples/gpu_session.py --plan lease under its own time
-# limit (a phase that runs over loses only itself), and the files a lease brings back (8 at most) gathered in $OUT.
+# One 15-minute GPU lease, as one command: every phase of examples/gpu_session.py --plan $PLAN (default: capture,
+# the replayed round's check) under its own time limit (a phase that runs over loses only itself), and the files a
+# lease brings back (8 at most) gathered in $OUT.
 #
-#   bash examples/gpu_lease.sh        # with OUT set; wheels in .whl/ (the tested transformers) are installed first
+#   bash examples/gpu_lease.sh                # with OUT set; wheels in .whl/ (the tested transformers) are installed first
+#   PLAN=lease PHASES="tests kernel" bash examples/gpu_lease.sh
 set -u
 : "${OUT:?set OUT to the results folder}"
 work=/tmp/gpu_session
@@ -23,14 +25,14 @@ gather() {  # what comes back: 8 files
 
 phase() {  # phase seconds
     local start=$SECONDS
-    timeout "$2" python3 examples/gpu_session.py --plan lease --phase "$1" --out "$work" >>"$OUT/log.txt" 2>&1
+    timeout "$2" python3 examples/gpu_session.py --plan "${PLAN:-capture}" --phase "$1" --out "$work" >>"$OUT/log.txt" 2>&1
     echo "== $1: exit $? after $((SECONDS - start)) s (limit $2 s)" | tee -a "$OUT/log.txt"
     gather
 }
 
-phase tests "${TESTS_S:-240}"
-phase kernel "${KERNEL_S:-75}"
-phase steps "${STEPS_S:-180}"
-phase e2e "${E2E_S:-120}"
+limits="tests=${TESTS_S:-150} kernel=${KERNEL_S:-75} steps=${STEPS_S:-180} e2e=${E2E_S:-180}"
+for name in ${PHASES:-tests steps e2e}; do
+    phase "$name" "$(echo "$limits" | tr ' ' '\n' | sed -n "s/^$name=//p")"
+done
 tail -n 3 "$work/tests.txt" 2>/dev/null
 cat "$work/kernel.md" "$work/steps.md" 2>/dev/null | grep -E "^\| (1024|4096|8192) " | head -40

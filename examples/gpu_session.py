@@ -64,6 +64,7 @@ from train_demo_pair import DemoSettings, ModelShape  # noqa: E402
 
 from hf_swiftspec.attention import routed_attention  # noqa: E402
 from hf_swiftspec.bench.command import device_description  # noqa: E402
+from hf_swiftspec.capture import Captures  # noqa: E402
 from hf_swiftspec.bench.limits import kv_bytes_per_token, measure_bandwidth_gbps, weight_bytes_read  # noqa: E402
 from hf_swiftspec.config import SwiftSpecConfig  # noqa: E402
 from hf_swiftspec.generation import build_workers  # noqa: E402
@@ -115,6 +116,9 @@ class Plan:
     bandwidth_mib: int  # size of the copy that measures the peak
     bench_pair: str | None = None  # bench this pair (None: the demo pair) instead of training one
     train: bool = True
+    # how the steps run: "model" / "kernel" (SwiftSpecConfig.attention, eager), "static" (static.py's steps),
+    # "captured" (the adaptive round's steps replayed, capture.py)
+    step_attentions: tuple[str, ...] = ("model", "kernel", "static")
 
 
 GPU = Plan(
@@ -172,6 +176,7 @@ SMOKE = Plan(
     bench_args=("--dtype", "float32", "--prompts", "humaneval", "--num-prompts", "1", "--max-new-tokens", "8",
                 "--assistant-tokens", "4", "--growth-check-tokens", "16", "--warmup", "0"),
     bandwidth_mib=64,
+    step_attentions=("model", "kernel", "static", "captured"),
 )
 
 
@@ -196,7 +201,18 @@ LEASE = replace(
                 "--max-new-tokens", "64", "--methods", "target,assisted,prompt_lookup,swiftspec_serial,swiftspec_async"),
     train=False,
 )
-PLANS = {"gpu": GPU, "lease": LEASE, "smoke": SMOKE}
+# The captured round (capture.py): its CUDA test, the 8B/1B steps eager and replayed, and the demo pair against
+# transformers' compiled static-cache decoding, eager swiftspec and the other peers.
+CAPTURE = replace(
+    LEASE,
+    tests=("-rfE", "--tb=short", "tests/test_capture.py"),
+    step_contexts=(1024, 8192),
+    step_attentions=("model", "captured"),
+    bench_args=("--dtype", "float32", "--prompts", "humaneval", "--prompts", "spec_bench", "--num-prompts", "4",
+                "--max-new-tokens", "64", "--methods",
+                "target,target_static,assisted,prompt_lookup,swiftspec_serial,swiftspec_eager"),
+)
+PLANS = {"gpu": GPU, "lease": LEASE, "capture": CAPTURE, "smoke": SMOKE}
 
 
 @dataclass
@@ -383,7 +399,10 @@ def steps_at(session: Session, target, draft, context: int, attention: str) -> l
     trees = session.plan.step_trees
     vocab = target.config.vocab_size
     prompt = torch.randint(3, vocab, (1, context), generator=torch.Generator().manual_seed(context))
-    target_worker, drafters = build_workers(target, draft, SwiftSpecConfig(attention=attention), context + max(trees), None)
+    captured = attention == "captured"
+    config = SwiftSpecConfig(attention="model" if captured else attention, capture=captured)
+    target_worker, drafters = build_workers(target, draft, config, context + max(trees), None,
+                                            captures=Captures() if captured else None)
     drafter = drafters.model  # the draft model's drafter (the suffix drafter runs no model)
     rows = []
     with routed_attention(target, target_worker.attention), routed_attention(draft, drafter.attention):
@@ -392,11 +411,12 @@ def steps_at(session: Session, target, draft, context: int, attention: str) -> l
         drafter.catch_up()  # the prompt into the draft's prefix
         drafter.expand()  # the root: its children are the leaves every timed expansion runs
         ms = expansion_ms(drafter, session)
-        rows.append(step_row(session, "draft_expand", draft, context, drafter.width, drafter.attention, ms))
+        label = lambda worker: f"{worker.attention} replayed" if worker.graphs is not None else worker.attention  # noqa: E731
+        rows.append(step_row(session, "draft_expand", draft, context, drafter.width, label(drafter), ms))
         target_worker.forward_subtrees([random_subtree(1, vocab, 0)])  # takes the prefill's root logits
         for T in trees:
             ms = verification_ms(target_worker, random_subtree(T, vocab, T), session)
-            rows.append(step_row(session, "verify", target, context, T, target_worker.attention, ms))
+            rows.append(step_row(session, "verify", target, context, T, label(target_worker), ms))
     return rows
 
 
@@ -460,7 +480,7 @@ def run_steps(session: Session) -> None:
     record = {"notes": notes, "peak_gbps": session.peak_gbps, "rows": [], "errors": [],
               "target_params": sum(p.numel() for p in target.parameters()),
               "draft_params": sum(p.numel() for p in draft.parameters())}
-    for context, attention in itertools.product(plan.step_contexts, ("model", "kernel", "static")):
+    for context, attention in itertools.product(plan.step_contexts, plan.step_attentions):
         if attention == "static" and context not in plan.static_contexts:
             continue
         try:

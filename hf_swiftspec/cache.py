@@ -24,6 +24,12 @@ scratch slot (one scatter). Which slots a query sees is the attention mask's bus
 sliding-window layers included: a window is applied by the mask, exactly, also to a tree that
 reaches past it. Shapes are learnt from the first forward, whose states the layers keep as
 they come; `advance` then packs them into the shared buffers.
+
+A step planned `fixed` (capture.py replays it as a CUDA graph) has shapes that depend on (B, Q) and
+the capacity alone: every query writes at the slot a (B, Q) device tensor names, and every layer
+returns its whole buffers, so the step attends all `capacity` slots and its mask says which count.
+Buffers taken from a `BufferPool` keep their addresses across generate() calls, which the graphs
+captured over them need.
 """
 
 from __future__ import annotations
@@ -77,20 +83,41 @@ class TreeCacheLayer(CacheLayerMixin):
         return self.owner.capacity
 
 
+class BufferPool:
+    """Buffers that outlive one generation, by (shape, dtype, device): a TreeCache packs into the one of
+    its shape instead of allocating, so forwards captured over it (capture.py) stay valid across calls.
+    Whoever holds the pool holds the memory; `clear()` lets it go."""
+
+    def __init__(self):
+        self.buffers: dict[tuple, torch.Tensor] = {}
+
+    def take(self, shape: list[int], like: torch.Tensor) -> torch.Tensor:
+        key = (tuple(shape), like.dtype, like.device)
+        if key not in self.buffers:
+            self.buffers[key] = like.new_zeros(shape)
+        return self.buffers[key]
+
+    def clear(self) -> None:
+        self.buffers.clear()
+
+
 class SlotBuffer:
     """Per-layer tensors of one shape, positions along `dim`, stacked in one (n, B, ...) tensor.
 
     parts: the tensors as the first forward left them (length L along `dim`); they become views
         of the buffer (capacity along `dim`), with their first L positions copied over.
     members: (layer, attribute) holding each part, re-pointed when rows are dropped.
+    pool: where the buffer comes from when it must keep its address across generations.
     """
 
-    def __init__(self, parts: list[torch.Tensor], dim: int, capacity: int, members: list[tuple[object, str]]):
+    def __init__(self, parts: list[torch.Tensor], dim: int, capacity: int, members: list[tuple[object, str]],
+                 pool: BufferPool | None = None):
         shape = list(parts[0].shape)
         length, shape[dim] = shape[dim], capacity
         if length > capacity:
             raise RuntimeError(f"TreeCache overflow: {length} positions > capacity {capacity}")
-        self.data = parts[0].new_zeros(len(parts), *shape)
+        shape = [len(parts), *shape]
+        self.data = pool.take(shape, parts[0]) if pool is not None else parts[0].new_zeros(shape)
         self.dim = dim + 1  # positions; the batch is dim 1
         self.members = members
         self.point_members()
@@ -129,12 +156,14 @@ class TreeCache(Cache):
         sliding: per layer, whether the model's own cache treats it as a sliding-window layer
             (transformers' mask helpers ask); the tree cache keeps their whole history either way.
         batch_size: rows.
+        pool: where to take the shared buffers from (they keep their addresses across generations).
 
     Per-row bookkeeping is host ints: `starts`, `prefix_lens`, `lengths` (see the module docstring).
     """
 
-    def __init__(self, num_layers: int, capacity: int, sliding: tuple[bool, ...] | None = None, batch_size: int = 1):
-        self.num_layers, self.capacity = num_layers, capacity
+    def __init__(self, num_layers: int, capacity: int, sliding: tuple[bool, ...] | None = None, batch_size: int = 1,
+                 pool: BufferPool | None = None):
+        self.num_layers, self.capacity, self.pool = num_layers, capacity, pool
         sliding = sliding or (False,) * num_layers
         self.buffers: list[SlotBuffer] = []
         self.starts = [0] * batch_size
@@ -142,6 +171,7 @@ class TreeCache(Cache):
         self.lengths = [0] * batch_size
         self._counts: list[int] | None = None  # real queries per row of the forward in flight
         self._index: torch.Tensor | None = None  # (B, Q) slot of each query, when rows write apart
+        self._fixed = False  # the step in flight attends every slot (capture.py)
         super().__init__(layers=[TreeCacheLayer(self, i, sliding[i]) for i in range(num_layers)])
 
     # ---- the batch-1 view, kept for a single sequence's code and messages
@@ -171,21 +201,28 @@ class TreeCache(Cache):
         return max(self.lengths)
 
     # ---- one forward
-    def plan_step(self, counts: list[int], queries: int, device: torch.device | str) -> None:
-        """Plan where the next forward of `queries` queries per row writes; counts[b]: row b's real ones."""
+    def plan_step(self, counts: list[int], queries: int, device: torch.device | str, fixed: bool = False) -> None:
+        """Plan where the next forward of `queries` queries per row writes; counts[b]: row b's real ones.
+        fixed: every query writes through the (B, Q) index and the step attends every slot (capture.py)."""
         if len(counts) != self.batch_size:
             raise RuntimeError(f"a step planned {len(counts)} rows for a TreeCache of {self.batch_size}")
         self._counts = list(counts)
         ends = [n + c for n, c in zip(self.lengths, counts)]
-        if max(ends) > self.scratch or (len(set(self.lengths)) == 1 and self.lengths[0] + queries > self.capacity):
+        if max(ends) > self.scratch or (
+            not fixed and len(set(self.lengths)) == 1 and self.lengths[0] + queries > self.capacity
+        ):
             raise RuntimeError(f"TreeCache overflow: {max(ends)} positions > capacity {self.scratch}")
         self._index = None
-        if len(set(self.lengths)) > 1 and self.buffers:
+        self._fixed = fixed and bool(self.buffers)
+        if (len(set(self.lengths)) > 1 or self._fixed) and self.buffers:
             slots = [[n + j if j < c else self.scratch for j in range(queries)] for n, c in zip(self.lengths, counts)]
             self._index = torch.tensor(slots, device=device)
 
     def step_end(self, queries: int) -> int:
-        """The KV length the forward in flight attends: up to the furthest row's last new slot."""
+        """The KV length the forward in flight attends: up to the furthest row's last new slot (every
+        slot in a fixed step)."""
+        if self._fixed:
+            return self.capacity
         if self._index is None:
             return self.lengths[0] + queries if len(set(self.lengths)) == 1 else max(self.lengths) + queries
         return max(n + c for n, c in zip(self.lengths, self._counts))
@@ -210,7 +247,7 @@ class TreeCache(Cache):
         first forward also packs the buffers). `n`: queries per row, when no step was planned."""
         counts = self._counts if self._counts is not None else [n] * self.batch_size
         self.lengths = [length + c for length, c in zip(self.lengths, counts)]
-        self._counts, self._index = None, None
+        self._counts, self._index, self._fixed = None, None, False
         if not self.buffers:
             self.pack()
 
@@ -225,7 +262,7 @@ class TreeCache(Cache):
                     groups.setdefault((shape, dim, part.dtype, part.device), []).append((layer, name))
         for (_, dim, _, _), members in groups.items():
             parts = [getattr(layer, name) for layer, name in members]
-            self.buffers.append(SlotBuffer(parts, dim, self.capacity, members))
+            self.buffers.append(SlotBuffer(parts, dim, self.capacity, members, self.pool))
 
     # ---- between forwards
     def commit(self, path_slots: torch.Tensor, keep_slots: torch.Tensor | None = None) -> None:

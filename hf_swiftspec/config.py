@@ -44,6 +44,10 @@ class SwiftSpecConfig(PreTrainedConfig):
             step one `torch.compile`d graph over fixed-size buffers, one host sync per round. One
             sequence, path-free processors, EOS/length criteria; generate() refuses anything else by
             name. The first call compiles every step shape (tens of seconds on a CPU).
+        capture: how the adaptive round runs its forwards (capture.py): "auto" (default) replays them as
+            CUDA graphs on CUDA and runs them eagerly elsewhere; False always eagerly; True replays on
+            CUDA and, on a CPU, runs a stand-in with a graph's semantics that checks the replayed path
+            (slower than eager: for tests). A bucket's first step captures it (about one forward more).
         worker_timeout_s: longest wait for the other worker of the asynchronous engine before
             generate() raises (a dead or stuck worker never hangs a call).
     """
@@ -67,6 +71,7 @@ class SwiftSpecConfig(PreTrainedConfig):
         worker_timeout_s: float = 60.0,
         attention: str = "auto",
         compile: bool = False,
+        capture: str | bool = "auto",
         **kwargs,
     ):
         self.target = target
@@ -84,6 +89,7 @@ class SwiftSpecConfig(PreTrainedConfig):
         self.worker_timeout_s = worker_timeout_s
         self.attention = attention
         self.compile = compile
+        self.capture = capture
         super().__init__(**kwargs)
         self.validate_tree_settings()
 
@@ -122,6 +128,8 @@ class SwiftSpecConfig(PreTrainedConfig):
             raise ValueError(f"SwiftSpecConfig.worker_timeout_s must be a positive number of seconds, got {self.worker_timeout_s!r}.")
         if not isinstance(self.compile, bool):
             raise ValueError(f"SwiftSpecConfig.compile must be True or False, got {self.compile!r}.")
+        if self.capture not in ("auto", True, False):
+            raise ValueError(f"SwiftSpecConfig.capture={self.capture!r}; use 'auto' (CUDA graphs on CUDA), True or False.")
         if self.attention not in ("auto", "kernel", "model"):
             raise ValueError(f"SwiftSpecConfig.attention={self.attention!r}; use 'auto', 'kernel' or 'model'.")
         # One round adds draft_width * draft_width children; the tree must also hold the subtree it sends.

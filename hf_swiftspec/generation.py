@@ -39,6 +39,7 @@ from .engine.heads import HeadDrafter
 from .engine.static_round import StaticRounds, run_static, static_round_gaps, static_shape
 from .engine.request import RowResult
 from .engine.distributed import Groups, run_distributed
+from .capture import Captures, StepGraphs, capacity_bucket, capture_backend, capture_gap
 from .placement import Placement
 from .config import MAX_BUDGET
 from .policy import GoodputPolicy
@@ -74,6 +75,7 @@ def swiftspec_generate(
     swiftspec_corpus: list[list[int]] | None = None,
     swiftspec_policy: GoodputPolicy | StaticRounds | None = None,
     swiftspec_history: OutputHistory | None = None,
+    swiftspec_captures: Captures | None = None,
     **model_kwargs,
 ) -> tuple[torch.LongTensor | GenerateDecoderOnlyOutput, SwiftSpecStats]:
     """`custom_generate` callable; `model` is the target. Returns (generate's output, stats).
@@ -133,8 +135,9 @@ def swiftspec_generate(
         result = decode_static(model, swiftspec_draft, request, config, swiftspec_placement, kept)
     else:
         request.policy.start_generation(request.max_new_tokens)
-        result = decode_adaptive(model, swiftspec_draft, request, config, swiftspec_placement, swiftspec_groups,
-                                 chain_reasons, architectures)
+        with (swiftspec_captures or Captures()).claimed() as ours:  # a concurrent call on the same pair: eager
+            result = decode_adaptive(model, swiftspec_draft, request, config, swiftspec_placement, swiftspec_groups,
+                                     chain_reasons, architectures, swiftspec_captures if ours else None)
     result.stats.draft_model = swiftspec_draft is not None
     if batch > 1:
         result.stats.row_tau = [row.tau for row in result.rows]
@@ -147,14 +150,15 @@ def swiftspec_generate(
 
 
 def decode_adaptive(target, draft, request: DecodeRequest, config: SwiftSpecConfig, placement, groups,
-                    chain_reasons: list[str] = (), architectures=None) -> DecodeResult:
+                    chain_reasons: list[str] = (), architectures=None, captures: Captures | None = None) -> DecodeResult:
     """The adaptive round (engine/serial.py, or an asynchronous engine) over the two workers; chains
     instead of trees where `chain_reasons` say this call needs them. architectures: the models' (probes.describe),
-    when the caller has them."""
+    when the caller has them. captures: the pair's replayed forwards, kept across calls (default: this call's)."""
     batch = request.batch_size
     length = request.prompt.shape[1] + request.max_new_tokens
+    serial = placement is None or placement.mode == "serial"
     workers = build_workers(target, draft, config, length, groups, batch, chain_reasons, request.corpus, request.history,
-                            architectures)
+                            architectures, (captures or Captures()) if serial else None)
     with contextlib.ExitStack() as routes:  # each model attends the tree its way for this call only
         for worker in (workers[0], workers[1] and workers[1].model):
             if worker is not None and not isinstance(worker.model, DraftHead):
@@ -202,13 +206,14 @@ def stop_length(stopping_criteria: StoppingCriteriaList, generation_config: Gene
 
 def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: Groups | None, batch_size: int = 1,
                   chain_reasons=(), corpus: list[list[int]] | None = None, history: OutputHistory | None = None,
-                  architectures=None):
+                  architectures=None, captures: Captures | None = None):
     """(TargetWorker, Drafters) with caches for `length` tokens per row; under torchrun only this rank's.
 
     The drafters: the draft model's (none in draft-free mode) and the suffix proposals (none with
     ngram_size 0; copying from `corpus` and `history` as well). Trees shrink to chains (draft width 1,
     no suffix branch beside the draft's chain) when either model places tokens by cache slot, or when
-    `chain_reasons` say this call reaches a slot limit.
+    `chain_reasons` say this call reaches a slot limit. captures: where each model's replayed forwards
+    are kept (config.capture decides whether it has any; None: every forward eager).
     """
     role = groups.role if groups is not None else None
     target_arch, draft_arch = architectures or (describe(target, "target"), draft_architecture(draft))
@@ -217,7 +222,9 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
     if role in (None, "target"):
         budget = config.tree_budget or MAX_BUDGET
         attention = resolve_attention(config.attention, target, target_arch)
-        target_worker = TargetWorker(target, length + budget, attention, target_arch, batch_size)
+        graphs = step_graphs(captures, "target", target, target_arch, config, reads_features=isinstance(draft, DraftHead))
+        capacity = length + budget if graphs is None else capacity_bucket(length + budget)
+        target_worker = TargetWorker(target, capacity, attention, target_arch, batch_size, graphs)
     if role in (None, "draft"):
         max_positions = context_limit(*(m for m in (target, draft) if m is not None and not isinstance(m, DraftHead)))
         tree = dict(
@@ -232,7 +239,10 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
             model = HeadDrafter(draft, **tree)
         elif draft is not None:
             draft_attention = resolve_attention(config.attention, draft, draft_arch)
-            model = DraftModelDrafter(draft, attention=draft_attention, architecture=draft_arch, **tree)
+            graphs = step_graphs(captures, "draft", draft, draft_arch, config)
+            if graphs is not None:
+                tree["capacity"] = capacity_bucket(tree["capacity"])
+            model = DraftModelDrafter(draft, attention=draft_attention, architecture=draft_arch, graphs=graphs, **tree)
         else:
             model = None
         ngram_size = 0 if chain and draft is not None else config.ngram_size
@@ -241,6 +251,16 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
         )
         draft_worker = Drafters(model, suffix, batch_size, max_positions, target.device)
     return target_worker, draft_worker
+
+
+def step_graphs(captures: Captures | None, role: str, model, architecture, config: SwiftSpecConfig,
+                reads_features: bool = False) -> StepGraphs | None:
+    """The model's replayed forwards for this call (capture.py), or None where its steps run eagerly: no
+    capture asked for or possible on its device, or a forward a replay cannot reproduce (below)."""
+    backend = capture_backend(config.capture, model.device)
+    if captures is None or backend is None or capture_gap(architecture, reads_features) is not None:
+        return None
+    return captures.for_model(role, backend)
 
 
 def draft_architecture(draft):
@@ -261,6 +281,10 @@ def attention_summary(workers, chain_reasons=()) -> str:
             part += f" (own attention for {', '.join(sorted(worker.attention_fallbacks))})"
         if worker.architecture.shape == "chain":
             part += f" (chain: {worker.architecture.chain_reason})"
+        graphs = getattr(worker, "graphs", None)
+        if graphs is not None:
+            part += f" (replayed, {graphs.backend}: {len(graphs.buckets)} graphs"
+            part += f"; eager: {', '.join(sorted(graphs.fallbacks))})" if graphs.fallbacks else ")"
         parts.append(part)
     return ", ".join(parts)
 

@@ -12,6 +12,7 @@ import torch
 from huggingface_hub import HfApi
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, GenerationMixin, PreTrainedModel
 
+from .capture import Captures
 from .eagle3 import DraftHead, Eagle3Head, load_eagle3_head
 from .probes import describe
 from .config import SwiftSpecConfig, check_setting_names
@@ -238,6 +239,7 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
         self.generation_config = target.generation_config  # one object: both paths use the same defaults
         self.swiftspec_stats: SwiftSpecStats | None = None
         self.policies: dict[tuple, GoodputPolicy] = {}  # what the goodput policy measured, per tree setting
+        self.captures = Captures()  # the models' replayed forwards and their KV buffers, kept across calls
         self._history: OutputHistory | None = None
 
     @property
@@ -493,6 +495,7 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
                 swiftspec_corpus=corpus,
                 swiftspec_policy=self.policy(),
                 swiftspec_history=self.output_history,
+                swiftspec_captures=self.captures,
                 **kwargs,
             )
         finally:

@@ -80,10 +80,11 @@ def add_state_layers(cache: TreeCache, layer_types: tuple[str, ...], layer_state
     return cache
 
 
-def new_cache(architecture: Architecture, capacity: int, batch_size: int = 1) -> TreeCache:
+def new_cache(architecture: Architecture, capacity: int, batch_size: int = 1, pool=None) -> TreeCache:
     """The tree cache a model's steps write into: `capacity` positions per row, plus the scratch slot
-    padding queries write into, and transformers' state layers at the layers that keep a recurrent state."""
-    cache = TreeCache(len(architecture.layer_types), capacity + 1, architecture.sliding, batch_size)
+    padding queries write into, and transformers' state layers at the layers that keep a recurrent state.
+    pool: a cache.BufferPool to pack into (buffers that keep their addresses for replayed steps)."""
+    cache = TreeCache(len(architecture.layer_types), capacity + 1, architecture.sliding, batch_size, pool)
     return add_state_layers(cache, architecture.layer_types, architecture.layer_states)
 
 

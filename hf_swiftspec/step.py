@@ -16,8 +16,9 @@ import torch
 from transformers import PreTrainedModel
 
 from .architectures import Architecture
-from .attention import StepLayout, tree_step_kwargs
+from .attention import KERNEL_BACKENDS, StepLayout, tree_step_kwargs
 from .cache import TreeCache
+from .capture import MAX_QUERIES, StepGraphs, query_bucket
 from .compat import forward_cache_argument
 
 NO_LOGITS = -1  # model_step's keep for a forward run for its KV alone (Architecture.headless)
@@ -67,15 +68,29 @@ def run_step(
     architecture: Architecture,
     fallbacks: set[str] | None = None,
     logits: bool = True,
+    graphs: StepGraphs | None = None,
 ) -> list[torch.Tensor]:
     """One forward over every row's queries; returns each row's float32 logits (n_b, V), or nothing
     with `logits=False` (a catch-up: the head then runs on one query per row, not on every token of a
     prompt: 16 prompts of 256 tokens with a 49k-row head would be 0.8 GB of logits thrown away).
 
     fallbacks: collects why kernel-routed layers ran the model's own attention instead.
+    graphs: the model's captured forwards (capture.py): the step is padded to its bucket and replayed,
+        unless it is larger than any bucket (then it runs eagerly, as without).
     """
-    counts, input_ids, positions, layout, kwargs = step_arguments(model, cache, rows, attention, architecture)
     keep = 0 if logits else NO_LOGITS if architecture.headless else 1
+    bucket = query_bucket(max(max(len(r) for r in rows), 1)) if graphs is not None and cache.buffers else None
+    if graphs is not None and cache.buffers and bucket is None:
+        graphs.fallbacks.add(f"steps of more than {MAX_QUERIES} queries a row ran eagerly")
+    if bucket is not None:  # every layer attends the whole cache through a dense mask, kernel or not
+        own = attention if attention not in KERNEL_BACKENDS else "sdpa"
+        counts, input_ids, positions, _, kwargs = step_arguments(model, cache, rows, own, architecture, bucket)
+        masks = kwargs["attention_mask"]
+        masks = {"": masks} if isinstance(masks, torch.Tensor) else masks
+        out = graphs.run(model, cache, input_ids, positions, masks, head_rows(keep, input_ids.device))
+        cache.advance(bucket)
+        return [out[b, : counts[b]] for b in range(len(rows))] if logits else []
+    counts, input_ids, positions, layout, kwargs = step_arguments(model, cache, rows, attention, architecture)
     out = model_step(model, cache, input_ids, positions, keep=keep, **kwargs)  # (B, Q, V)
     if fallbacks is not None:
         if "swiftspec_tree" in kwargs:
@@ -102,12 +117,13 @@ def run_head_step(model, cache: TreeCache, rows: list[RowQueries], architecture:
     return ([out.logits[b, : counts[b]].float() for b in range(len(rows))] if logits else []), hidden
 
 
-def step_arguments(model, cache: TreeCache, rows: list[RowQueries], attention: str, architecture: Architecture):
+def step_arguments(model, cache: TreeCache, rows: list[RowQueries], attention: str, architecture: Architecture,
+                   bucket: int | None = None):
     """Plan the cache's writes for one step and build its inputs: (counts, input_ids (B, Q), positions (B, Q),
-    the StepLayout, attention kwargs)."""
+    the StepLayout, attention kwargs). bucket: Q for a replayed step (a fixed plan over the whole cache)."""
     device = model.device
     counts = [len(r) for r in rows]
-    Q = max(max(counts), 1)
+    Q = bucket or max(max(counts), 1)
     if len(rows) == 1 and counts[0] == Q:
         input_ids, positions = rows[0].tokens[None], rows[0].positions[None]
     else:
@@ -116,7 +132,7 @@ def step_arguments(model, cache: TreeCache, rows: list[RowQueries], attention: s
         for b, row in enumerate(rows):
             input_ids[b, : counts[b]] = row.tokens
             positions[b, : counts[b]] = row.positions
-    cache.plan_step(counts, Q, device)
+    cache.plan_step(counts, Q, device, fixed=bucket is not None)
     layout = StepLayout(
         starts=cache.starts,
         prefix_lens=cache.prefix_lens,
@@ -126,6 +142,11 @@ def step_arguments(model, cache: TreeCache, rows: list[RowQueries], attention: s
         width=cache.step_end(Q),
     )
     return counts, input_ids, positions, layout, tree_step_kwargs(attention, architecture, layout, model.dtype)
+
+
+def head_rows(keep: int, device) -> int | torch.Tensor:
+    """The forward's logits_to_keep for model_step's `keep`: an empty index for NO_LOGITS."""
+    return torch.zeros(0, dtype=torch.long, device=device) if keep == NO_LOGITS else keep
 
 
 def model_step(model: PreTrainedModel, cache: TreeCache, input_ids, position_ids, attention_mask=None, keep: int = 0,
@@ -141,7 +162,7 @@ def model_step(model: PreTrainedModel, cache: TreeCache, input_ids, position_ids
         attention_mask=attention_mask,
         use_cache=True,
         **{forward_cache_argument(type(model)): cache},
-        logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device) if headless else keep,
+        logits_to_keep=head_rows(keep, input_ids.device),
         **kwargs,
     )
     cache.advance(input_ids.shape[1])

@@ -524,8 +524,11 @@ def test_without_the_demo_pair_an_in_memory_pair_runs_with_a_note(tiny_models, m
 
 def test_default_methods_follow_where_the_models_run(tiny_models):
     """On the CPU both models would share the cores, where the asynchronous engine has run at 0.5-0.6x: it runs
-    only when asked for, and the report says so; with a GPU (the draft may get another) it is in the default."""
+    only when asked for, and the report says so; with a GPU (the draft may get another) it is in the default, and so
+    is transformers' compiled static-cache decoding (on a CPU it would compile for minutes)."""
     report = run_bench(BenchConfig(models=tiny_models, prompts=("spec_bench",), output_dir=None, **{**FAST, "num_prompts": 1}))
     assert [m.name for m in report.sets[0].at(1)] == [m for m in bench.DEFAULT_METHODS if m != "swiftspec_async"]
     assert any("swiftspec_async was not run" in note and "--methods" in note for note in report.notes)
-    assert default_methods(torch.device("cuda", 0)) == (bench.DEFAULT_METHODS, None)
+    assert "target_static" not in [m.name for m in report.sets[0].at(1)]
+    methods, note = default_methods(torch.device("cuda", 0))
+    assert note is None and set(methods) == set(bench.DEFAULT_METHODS) | {"target_static"}

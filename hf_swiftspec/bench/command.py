@@ -68,8 +68,8 @@ from .schema import (
 def default_methods(where: torch.device | str) -> tuple[tuple[str, ...], str | None]:
     """(methods, note) when none are named: DEFAULT_METHODS, less swiftspec_async where the models run on
     the CPU (its two threads then share the interpreter and the cores, where it has run at 0.5-0.6x)."""
-    if torch.device(where).type != "cpu":
-        return DEFAULT_METHODS, None
+    if torch.device(where).type != "cpu":  # transformers' compiled static-cache decoding is the peer there
+        return DEFAULT_METHODS[:1] + ("target_static",) + DEFAULT_METHODS[1:], None
     methods = tuple(name for name in DEFAULT_METHODS if name != "swiftspec_async")
     return methods, (
         "swiftspec_async was not run: both models are on the CPU, where the asynchronous engine only shares its "

@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from transformers import CompileConfig
 
+from ..architectures import context_limit
 from ..cli.options import default_device, load_pair
 from ..config import SwiftSpecConfig
 from ..eagle3 import DraftHead, Eagle3Head, is_eagle3_folder, load_eagle3_head
@@ -201,6 +203,23 @@ def target_method(target) -> Method:
     )
 
 
+def target_static_method(target) -> Method:
+    """transformers' own fast decoding: generate() with a static cache, which compiles the forward (and
+    replays CUDA graphs on CUDA; on a CPU transformers compiles only when asked, as here). The cache is
+    sized for the target's context (at most 4096 tokens) so calls of other lengths compile nothing new."""
+    limit = min(context_limit(target) or 4096, 4096)
+    compiling = {}
+    if target.device.type == "cpu":  # elsewhere generate() compiles by itself, with its default settings
+        compiling["compile_config"] = CompileConfig()
+        compiling["compile_config"]._compile_all_devices = True  # transformers' own switch for compiling on a CPU
+
+    def generate(ids, **kwargs):
+        return target.generate(ids, cache_implementation="static", max_cache_len=limit, **compiling, **kwargs)
+
+    return Method("target_static", METHOD_LABELS["target_static"], generate, settings={"max_cache_len": limit},
+                  batched=True, models=(target,))
+
+
 def assisted_method(target, draft, candidates: tuple[int, ...]) -> Method:
     """transformers assisted generation; tune() keeps the fastest num_assistant_tokens on the warm-up prompt."""
     settings = {"num_assistant_tokens": max(candidates), "num_assistant_tokens_schedule": "constant"}
@@ -343,6 +362,10 @@ def build_methods(models: BenchModels, config: BenchConfig, settings: dict, note
             "swiftspec_serial", SwiftSpecForCausalLM.from_models(target, draft, **settings), config.seed
         ),
         "swiftspec_async": lambda: async_method(models, settings, config.seed, notes),
+        "target_static": lambda: target_static_method(target),
+        "swiftspec_eager": lambda: swiftspec_method(
+            "swiftspec_eager", SwiftSpecForCausalLM.from_models(target, draft, **settings, capture=False), config.seed
+        ),
         "swiftspec_compiled": lambda: head_skipped("swiftspec_compiled", notes) if isinstance(draft, DraftHead)
         else swiftspec_method(
             "swiftspec_compiled", SwiftSpecForCausalLM.from_models(target, draft, **settings, compile=True), config.seed

@@ -18,7 +18,10 @@ SCHEMA_VERSION = 5  # 5: BenchConfig.eagle3; 4: MethodResult.weights_mib; 3: a b
 DEFAULT_METHODS = ("target", "assisted", "prompt_lookup", "swiftspec_serial", "swiftspec_async")
 # Timed only when asked for (--methods): swiftspec_compiled compiles its steps first (tens of seconds on a CPU).
 # swiftspec_suffix: the same target draft-free (suffix proposals only); swiftspec_eagle3: with BenchConfig.eagle3's head.
-METHOD_NAMES = DEFAULT_METHODS + ("swiftspec_compiled", "swiftspec_suffix", "swiftspec_eagle3")
+# target_static: transformers' own fast decoding, a static cache with its forward compiled (CUDA graphs on CUDA),
+# timed by default off the CPU (on a CPU it compiles for minutes); swiftspec_eager: swiftspec_serial with capture=False.
+METHOD_NAMES = DEFAULT_METHODS + ("swiftspec_compiled", "swiftspec_suffix", "swiftspec_eagle3", "target_static",
+                                  "swiftspec_eager")
 METHOD_LABELS = {
     "target": "target.generate",
     "assisted": "assisted generation",
@@ -28,6 +31,8 @@ METHOD_LABELS = {
     "swiftspec_compiled": "swiftspec compiled (static round)",
     "swiftspec_suffix": "swiftspec, suffix proposals only",
     "swiftspec_eagle3": "swiftspec, EAGLE-3 head",
+    "target_static": "target.generate, static cache compiled",
+    "swiftspec_eager": "swiftspec serial, eager forwards",
 }
 
 

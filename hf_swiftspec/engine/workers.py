@@ -19,6 +19,7 @@ import torch
 from transformers import PreTrainedModel, StoppingCriteriaList
 
 from ..architectures import Architecture
+from ..capture import StepGraphs
 from ..policy import GoodputPolicy
 from ..probes import describe
 from ..recurrent import MAX_REPLAY, StateLog, new_cache
@@ -51,13 +52,14 @@ class TargetWorker:
 
     def __init__(
         self, model: PreTrainedModel, capacity: int, attention: str = "sdpa", architecture: Architecture | None = None,
-        batch_size: int = 1,
+        batch_size: int = 1, graphs: StepGraphs | None = None,
     ):
         self.model = model
         self.attention = attention
         self.architecture = architecture or describe(model, "target")
         self.device = model.device
-        self.cache = new_cache(self.architecture, capacity, batch_size)
+        self.graphs = graphs  # replayed forwards (capture.py), or None: every step eager
+        self.cache = new_cache(self.architecture, capacity, batch_size, graphs and graphs.pool)
         self.states = StateLog(self.cache)  # recurrent states: saved before each verification (recurrent.py)
         self.replay: list[int] = []  # accepted tokens whose states were rolled back: run before the next nodes
         self.attention_fallbacks: set[str] = set()  # why kernel-routed layers ran their own attention
@@ -164,7 +166,8 @@ class TargetWorker:
             # rolled back to after a partial acceptance (the root alone is always accepted: nothing to roll back)
             self.states.save(self.cache.length)
         if any(len(r) for r in rows):
-            logits = run_step(self.model, self.cache, rows, self.attention, self.architecture, self.attention_fallbacks)
+            logits = run_step(self.model, self.cache, rows, self.attention, self.architecture, self.attention_fallbacks,
+                              graphs=self.graphs)
             self.counters.forwards += 1
             if self.replay:  # the replayed tokens' rows: their logits were known
                 logits[0] = logits[0][len(self.replay) :]
@@ -257,14 +260,15 @@ class DraftModelDrafter:
     def __init__(
         self, model: PreTrainedModel, capacity: int, tree_capacity: int, width: int, vocab_limit: int,
         attention: str = "sdpa", architecture: Architecture | None = None, max_positions: int | None = None,
-        batch_size: int = 1,
+        batch_size: int = 1, graphs: StepGraphs | None = None,
     ):
         self.model = model
         self.max_positions = max_positions  # both models' context: no node is ever placed past it
         self.attention = attention
         self.architecture = architecture or describe(model, "draft")
         self.device = model.device
-        self.cache = new_cache(self.architecture, capacity, batch_size)
+        self.graphs = graphs  # replayed forwards (capture.py), or None: every step eager
+        self.cache = new_cache(self.architecture, capacity, batch_size, graphs and graphs.pool)
         self.states = StateLog(self.cache)  # recurrent states: saved after every forward (recurrent.py)
         self.attention_fallbacks: set[str] = set()  # why kernel-routed layers ran their own attention
         self.width = width
@@ -331,7 +335,7 @@ class DraftModelDrafter:
     def run(self, queries: list[RowQueries], logits: bool = True) -> list[torch.Tensor]:
         """One draft forward over every row's queries: each row's logits (n_b, V) (none if not `logits`)."""
         return run_step(self.model, self.cache, queries, self.attention, self.architecture, self.attention_fallbacks,
-                        logits=logits)
+                        logits=logits, graphs=self.graphs)
 
     def children(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The `width` best children of each expanded leaf from its logits (w, V): (log-probs, token ids), (w, width) each."""

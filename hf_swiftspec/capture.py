@@ -1,0 +1,252 @@
+"""Replayed forwards: a runner around the one round's steps (step.py) that captures each step's forward
+once per bucket and replays it, so a step costs one launch instead of one per kernel.
+
+On a GPU an eager transformers forward is bound by the host's launches (an 8B-shaped verification
+22.5 ms eager against 7.8 ms replayed on an H200); a CUDA graph replays every kernel of a forward
+in one launch. A graph replays fixed addresses and fixed shapes, so a replayed step:
+
+- is padded to a bucket: B rows of Q queries, Q the next power of two of the step's largest row
+  (padding queries write to the cache's scratch slot and are never seen);
+- is planned `fixed` by the TreeCache (cache.py): every query writes at the slot a (B, Q) device tensor
+  names and every layer attends all `capacity` slots, so nothing in it follows the prefix's length;
+- reads its inputs (ids, positions, write slots, the dense tree masks) from static buffers the runner
+  owns, copied in before each replay, and its KV from buffers taken from the runner's `BufferPool`,
+  whose addresses outlive one generate() call (graphs captured in one call serve the next).
+
+The round itself does not change: `run_step` hands a step to `StepGraphs.run`, which replays it when
+it can and says why not when it cannot (`StepGraphs.fallbacks`, shown in `swiftspec_stats.attention`);
+such a step runs eagerly as before. A model whose forward cannot be captured (recurrent states, a
+mask built by the model from cache lengths, hooks that must run) never gets a runner.
+
+Backends (`StepGraphs.backend`):
+  "cuda"     torch.cuda.CUDAGraph, one per bucket, captured the first time the bucket runs (after one
+             eager warm-up run on a side stream), sharing one memory pool per model.
+  "emulate"  CPU: a stand-in with a graph's semantics, for tests: "capturing" runs the step once and
+             keeps it; a "replay" runs it again with the cache's host bookkeeping put back as it was
+             at capture, so any input the runner failed to make static, or any host value the forward
+             reads, gives wrong tokens instead of passing unnoticed. Slower than eager; never a default.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import BufferPool, TreeCache
+from .compat import forward_cache_argument
+
+MAX_QUERIES = 64  # queries per row replayed at most; a larger step (a long catch-up) runs eagerly
+CAPTURE_CHOICES = ("auto", True, False)
+
+
+def query_bucket(queries: int) -> int | None:
+    """The bucket (a power of two) a step of `queries` queries per row is padded to; None past MAX_QUERIES."""
+    bucket = 1 << max(queries - 1, 0).bit_length()
+    return bucket if bucket <= MAX_QUERIES else None
+
+
+def capacity_bucket(needed: int) -> int:
+    """Positions per row a replayed cache holds: the next power of two from 256, so calls of similar
+    lengths share their buffers and graphs (a graph's shapes include the capacity)."""
+    return max(256, 1 << max(needed - 1, 0).bit_length())
+
+
+def capture_backend(choice, device: torch.device) -> str | None:
+    """The backend SwiftSpecConfig.capture asks for on `device`: "cuda", "emulate" or None (eager)."""
+    if choice not in CAPTURE_CHOICES:
+        raise ValueError(f"SwiftSpecConfig.capture={choice!r}; use 'auto' (CUDA graphs on CUDA), True or False.")
+    if choice is False:
+        return None
+    if device.type == "cuda":
+        return "cuda"
+    return "emulate" if choice is True else None
+
+
+def capture_gap(architecture, reads_features: bool = False) -> str | None:
+    """Why a model's steps cannot be replayed (they then run eagerly), or None."""
+    if architecture.shape == "chain":
+        return "its steps are chains, masked by the model from the cache's lengths"
+    if architecture.recurrent:
+        return "recurrent states are saved and rolled back around each step"
+    if architecture.slot_limits:
+        return "its attention applies rules by cache slot"
+    if reads_features:
+        return "a draft head reads its hidden states through hooks, which a replay does not run"
+    return None
+
+
+@dataclass
+class Bucket:
+    """One captured forward and the static tensors it reads and writes.
+
+    ids, positions: (B, Q) long; index: (B, Q) long, the slot each query writes;
+    masks: {name: (B, 1, Q, C)} additive, "" for a single mask; logits: (B, Q, V) float32, the output
+    """
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    index: torch.Tensor
+    masks: dict[str, torch.Tensor]
+    logits: torch.Tensor | None = None
+    graph: object = None
+    snapshot: tuple = ()  # "emulate": the cache's host bookkeeping at capture
+    replays: int = 0
+
+
+@dataclass
+class StepGraphs:
+    """One model's captured forwards, by bucket, and the buffers its TreeCache packs into.
+
+    backend: "cuda" or "emulate" (module docstring).
+    pool: the KV buffers; their addresses are part of every graph's key, so a cache that got other
+        buffers (another capacity, fewer rows) gets graphs of its own.
+    fallbacks: why steps ran eagerly instead (a bucket whose capture failed, a step past MAX_QUERIES).
+    """
+
+    backend: str
+    pool: BufferPool = field(default_factory=BufferPool)
+    buckets: dict[tuple, Bucket] = field(default_factory=dict)
+    refused: dict[tuple, str] = field(default_factory=dict)
+    fallbacks: set[str] = field(default_factory=set)
+    captures: int = 0
+    memory_pool: object = None
+
+    def bucket_key(self, cache: TreeCache, ids: torch.Tensor, masks: dict, keep) -> tuple:
+        buffers = tuple((b.data.data_ptr(), tuple(b.data.shape), b.data.stride()) for b in cache.buffers)
+        return tuple(ids.shape), tuple(sorted(masks)), str(keep), buffers
+
+    def run(self, model, cache: TreeCache, ids: torch.Tensor, positions: torch.Tensor, masks: dict, keep) -> torch.Tensor:
+        """Logits (B, Q, V) float32 of one planned fixed step (cache.plan_step(..., fixed=True)), replayed;
+        the caller advances the cache. masks: {name: (B, 1, Q, C)}, "" naming a single mask."""
+        key = self.bucket_key(cache, ids, masks, keep)
+        bucket = self.buckets.get(key)
+        if bucket is None and key not in self.refused:
+            bucket = self.capture(key, model, cache, ids, positions, masks, keep)
+            if bucket is not None:
+                return bucket.logits.clone()  # the capture ran the step itself
+        if bucket is None:
+            self.fallbacks.add(self.refused[key])
+            return forward(model, cache, ids, positions, masks, keep)
+        load(bucket, cache, ids, positions, masks)
+        self.replay(bucket, cache)
+        return bucket.logits.clone()  # the next replay of this bucket overwrites its output
+
+    def capture(self, key, model, cache, ids, positions, masks, keep) -> Bucket | None:
+        """A new bucket for this step, run once; None (and the reason kept) when its capture fails."""
+        bucket = Bucket(ids.clone(), positions.clone(), cache._index.clone(), {k: m.clone() for k, m in masks.items()})
+        cache._index = bucket.index  # the forward reads the static index from now on
+
+        def step(live: TreeCache = cache):  # a graph reads the buffers' addresses, whichever cache holds them
+            return forward(model, live, bucket.ids, bucket.positions, bucket.masks, keep)
+
+        try:
+            if self.backend == "cuda":
+                bucket.graph, bucket.logits = self.capture_cuda(step)
+            else:
+                bucket.logits = step()
+                bucket.graph, bucket.snapshot = step, host_state(cache)
+        except Exception as error:  # noqa: BLE001  (any failure: this bucket runs eagerly, and says why)
+            self.refused[key] = f"capture failed ({type(error).__name__}: {str(error).splitlines()[0][:120]})"
+            if self.backend == "cuda":
+                torch.cuda.synchronize(ids.device)
+            cache._index = bucket.index
+            self.fallbacks.add(self.refused[key])
+            bucket.logits = forward(model, cache, ids, positions, masks, keep)
+            return None
+        self.buckets[key] = bucket
+        self.captures += 1
+        return bucket
+
+    def capture_cuda(self, step):
+        """(graph, output) of `step`, captured after one eager warm-up on a side stream (which also writes
+        the step's KV: the replay writes the same)."""
+        if self.memory_pool is None:
+            self.memory_pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.memory_pool):
+            out = step()
+        graph.replay()
+        return graph, out
+
+    def replay(self, bucket: Bucket, cache: TreeCache) -> None:
+        bucket.replays += 1
+        if self.backend == "cuda":
+            bucket.graph.replay()
+            return
+        live = host_state(cache)  # "emulate": the forward sees the host values of its capture, as a graph would
+        set_host_state(cache, bucket.snapshot)
+        try:
+            bucket.logits.copy_(bucket.graph(cache))
+        finally:
+            set_host_state(cache, live)
+
+
+def forward(model, cache: TreeCache, ids, positions, masks: dict, keep) -> torch.Tensor:
+    """The step's forward as it is captured: (B, Q) ids at `positions`, writing where the cache's plan says;
+    float32 logits (B, Q, V) of the last `keep` queries (or none, for an index of none)."""
+    mask = masks[""] if "" in masks else masks
+    out = model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
+                logits_to_keep=keep, **{forward_cache_argument(type(model)): cache})
+    return out.logits.float()
+
+
+def load(bucket: Bucket, cache: TreeCache, ids, positions, masks: dict) -> None:
+    """Copy a step's live inputs into its bucket's static tensors."""
+    bucket.ids.copy_(ids)
+    bucket.positions.copy_(positions)
+    bucket.index.copy_(cache._index)
+    cache._index = bucket.index
+    for name, mask in masks.items():
+        bucket.masks[name].copy_(mask)
+
+
+HOST_STATE = ("starts", "prefix_lens", "lengths", "_counts")
+
+
+def host_state(cache: TreeCache) -> tuple:
+    return tuple(list(getattr(cache, name)) for name in HOST_STATE)
+
+
+def set_host_state(cache: TreeCache, state: tuple) -> None:
+    for name, value in zip(HOST_STATE, state):
+        setattr(cache, name, list(value))
+
+
+@dataclass
+class Captures:
+    """The runners of a pair's models (by role), kept with the pair so graphs captured by one generate()
+    call serve the next. One call uses them at a time: a concurrent call runs eagerly."""
+
+    graphs: dict[str, StepGraphs] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @contextlib.contextmanager
+    def claimed(self):
+        """Yields whether this call has the runners (False while another call uses them)."""
+        if not self.lock.acquire(blocking=False):
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            self.lock.release()
+
+    def for_model(self, role: str, backend: str | None) -> StepGraphs | None:
+        if backend is None:
+            return None
+        kept = self.graphs.get(role)
+        if kept is None or kept.backend != backend:
+            kept = self.graphs[role] = StepGraphs(backend)
+        return kept
+
+    def clear(self) -> None:
+        """Drop every graph and buffer (e.g. after moving the models)."""
+        self.graphs.clear()

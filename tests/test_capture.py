@@ -1,0 +1,163 @@
+"""Replayed forwards (capture.py): the one adaptive round with its steps padded to buckets, planned over the
+whole fixed-capacity cache and replayed from static buffers.
+
+On this CPU the replay is capture.py's "emulate" backend: a "replay" runs the forward again with the
+cache's host bookkeeping put back as it was at capture, and reads only the static buffers, so an input the
+runner forgot to make static, or a host value the forward depends on, changes tokens here (mutations
+checked: skipping the copy of the masks, or of the positions, into the buffers makes every greedy case
+below fail). CUDA graphs themselves run in the CUDA test at the end (GPU machines only).
+"""
+
+import pytest
+import torch
+
+from hf_swiftspec import SwiftSpecForCausalLM
+from hf_swiftspec.architectures import Architecture
+from hf_swiftspec.capture import MAX_QUERIES, StepGraphs, capacity_bucket, capture_backend, capture_gap, forward, query_bucket
+from hf_swiftspec.probes import describe
+from hf_swiftspec.recurrent import new_cache
+from hf_swiftspec.step import RowQueries, model_step, run_step, step_arguments
+from hf_swiftspec.tools import sweep
+from hf_swiftspec.tools.models import left_padded, random_prompts, sharpen, tiny_model, truncated_draft
+
+VOCAB = 98
+FIXED = dict(tree_budget=8, draft_depth=4)  # the draft runs every round (the policy drafts little on tiny models)
+
+
+def build(family: str):
+    if family == "llama":
+        target = tiny_model("llama", seed=0)
+        return target, truncated_draft(target, 2)
+    target = sweep.tiny_of_type("gemma3_text", seed=0, vocab_size=VOCAB)  # sliding-window layers: a mask per type
+    sharpen(target, 4.0)
+    return target, sweep.perturbed_copy(target)
+
+
+@pytest.fixture(scope="module")
+def pairs():
+    return {family: build(family) for family in ("llama", "gemma3")}
+
+
+def replays(model) -> dict[str, int]:
+    return {role: sum(b.replays for b in g.buckets.values()) for role, g in model.captures.graphs.items()}
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_replayed_round_equals_target_generate(pairs, family):
+    target, draft = pairs[family]
+    model = SwiftSpecForCausalLM.from_models(target, draft, capture=True, **FIXED)
+    for seed, lengths in enumerate([(7,), (30,), (3, 23, 9)]):  # 23 tokens reach past gemma3's 16-token window
+        ids, mask = left_padded(random_prompts(lengths, seed, VOCAB))
+        expected = target.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
+        actual = model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
+        assert actual.tolist() == expected.tolist(), (family, lengths)
+    done = replays(model)
+    assert done["target"] > 10 and done["draft"] > 10, done  # the steps were replayed, not run eagerly
+    assert "replayed, emulate" in model.swiftspec_stats.attention and model.swiftspec_stats.tau > 1.2
+
+
+def test_sampling_draws_as_the_eager_round(pairs):
+    """Same generator, same noise: the replayed round samples the eager round's tokens (whose distribution
+    test_sampling checks against the target's)."""
+    target, draft = pairs["llama"]
+    ids, mask = left_padded(random_prompts((5, 12), 3, VOCAB))
+    outs = []
+    for capture in (False, True):
+        model = SwiftSpecForCausalLM.from_models(target, draft, capture=capture, **FIXED)
+        generator = torch.Generator().manual_seed(7)
+        outs.append(model.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=True, top_k=20,
+                                   generator=generator).tolist())
+    assert outs[0] == outs[1]
+    assert sum(replays(model).values()) > 0
+
+
+def test_buffers_and_graphs_serve_later_calls(pairs):
+    """Every buffer a replay reads is allocated before its capture and keeps its address: later calls reuse
+    the pool's buffers and the graphs captured over them (a shape already captured is never captured again),
+    and a call that repeats an earlier one captures nothing new."""
+    target, draft = pairs["llama"]
+    model = SwiftSpecForCausalLM.from_models(target, draft, capture=True, **FIXED)
+    first = torch.tensor([random_prompts((9,), 0, VOCAB)[0]])
+    model.generate(first, max_new_tokens=48, do_sample=False)
+    graphs = model.captures.graphs
+    pointers = {role: [t.data_ptr() for t in g.pool.buffers.values()] for role, g in graphs.items()}
+    for seed in (1, 2):
+        prompt = torch.tensor([random_prompts((11,), seed, VOCAB)[0]])
+        out = model.generate(prompt, max_new_tokens=40, do_sample=False)
+        assert out.tolist() == target.generate(prompt, max_new_tokens=40, do_sample=False).tolist()
+    assert {role: [t.data_ptr() for t in g.pool.buffers.values()] for role, g in graphs.items()} == pointers
+    for g in graphs.values():  # one graph per step shape: the buffers under them never changed
+        assert len(g.buckets) == len({key[:3] for key in g.buckets}) <= 7, list(g.buckets)
+    captured, before = {role: g.captures for role, g in graphs.items()}, replays(model)
+    model.output_history.clear()  # the same call again: the same rounds
+    model.generate(first, max_new_tokens=48, do_sample=False)
+    model.output_history.clear()
+    model.generate(first, max_new_tokens=48, do_sample=False)
+    assert {role: g.captures for role, g in graphs.items()} == captured
+    assert all(replays(model)[role] > before[role] for role in before)
+
+
+def test_buckets_and_backends():
+    assert [query_bucket(n) for n in (1, 2, 3, 8, 9, 64)] == [1, 2, 4, 8, 16, 64]
+    assert query_bucket(MAX_QUERIES + 1) is None
+    assert capacity_bucket(10) == 256 and capacity_bucket(257) == 512
+    cpu = torch.device("cpu")
+    assert capture_backend("auto", cpu) is None and capture_backend(True, cpu) == "emulate"
+    assert capture_backend("auto", torch.device("cuda", 0)) == "cuda" and capture_backend(False, torch.device("cuda")) is None
+    with pytest.raises(ValueError, match="capture='yes'"):
+        capture_backend("yes", cpu)
+    with pytest.raises(ValueError, match="SwiftSpecConfig.capture"):
+        SwiftSpecForCausalLM.from_models(tiny_model("llama"), capture="always")
+
+
+def test_steps_that_cannot_replay_run_eagerly_and_say_why(pairs):
+    """Chain-shaped and recurrent models, and a target tapped by a draft head, never get graphs; a step
+    larger than every bucket (a long catch-up) runs eagerly and the stats say so."""
+    llama = describe(pairs["llama"][0], "target")
+    assert capture_gap(llama) is None
+    assert "chains" in capture_gap(Architecture("x", ("full_attention",), llama.layer_masks[:1], chain_reason="slots"))
+    assert "recurrent" in capture_gap(Architecture("x", ("mamba",), llama.layer_masks[:1], layer_states=(2,)))
+    assert "hooks" in capture_gap(llama, reads_features=True)
+    model = tiny_model("llama", seed=0, layers=1)
+    chain = [int(t) for t in torch.randint(3, VOCAB, (80,), generator=torch.Generator().manual_seed(0))]
+    outs = []
+    for graphs in (None, StepGraphs("emulate")):
+        cache = new_cache(llama, 128, pool=graphs and graphs.pool)
+        with torch.no_grad():
+            model_step(model, cache, torch.tensor([chain[:4]]), torch.arange(4)[None], keep=1)
+            rows = [RowQueries.chain(chain[4:], 4, "cpu")]  # 76 queries: past every bucket
+            outs.append(run_step(model, cache, rows, "sdpa", llama, graphs=graphs)[0])
+    assert f"more than {MAX_QUERIES} queries" in next(iter(graphs.fallbacks)) and not graphs.buckets
+    torch.testing.assert_close(outs[1], outs[0])
+
+
+def test_a_fixed_step_compiles_whole():
+    """A replayed step has no graph break and no host read: torch.compile(fullgraph=True) takes it whole, and
+    gives the eager step's logits."""
+    model = tiny_model("llama", seed=0, layers=1)
+    arch = describe(model, "target")
+    results = []
+    for compiled in (False, True):
+        cache = new_cache(arch, 64)
+        with torch.no_grad():
+            model_step(model, cache, torch.tensor([[5, 6, 7, 8]]), torch.arange(4)[None], keep=1)
+            row = RowQueries(torch.tensor([9, 10, 11]), torch.tensor([4, 5, 5]),
+                             torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool))
+            _, ids, positions, _, kwargs = step_arguments(model, cache, [row], "sdpa", arch, bucket=4)
+            step = torch.compile(forward, fullgraph=True, dynamic=False) if compiled else forward
+            results.append(step(model, cache, ids, positions, {"": kwargs["attention_mask"]}, 0)[0, :3])
+    torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_round_equals_target_generate(pairs):
+    device = torch.device("cuda")
+    target, draft = (m.to(device) for m in pairs["llama"])
+    model = SwiftSpecForCausalLM.from_models(target, draft)  # capture="auto": CUDA graphs on CUDA
+    for seed, lengths in enumerate([(7,), (30,), (3, 23, 9)]):
+        ids, mask = (t.to(device) for t in left_padded(random_prompts(lengths, seed, VOCAB)))
+        expected = target.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
+        actual = model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
+        assert actual.tolist() == expected.tolist(), lengths
+    assert "replayed, cuda" in model.swiftspec_stats.attention, model.swiftspec_stats.attention
+    assert sum(replays(model).values()) > 10
