@@ -14,7 +14,7 @@ kernel  kernels/benchmarks/bench_tree_attention.py for fp16 and bf16, 32 query h
 steps   step latencies of a Llama-3-8B-shaped target and a Llama-3.2-1B-shaped draft with RANDOM weights in
         bf16, at 1k and 8k tokens of context: one draft expansion (DraftModelDrafter.expand over 8 leaves) and target
         verifications of T = 1, 8, 16, 32 nodes (TargetWorker.forward_subtrees), eager, through the model's own
-        sdpa and through the Triton tree kernel; then the static round's steps (static.py, compile=True's) eager
+        sdpa and through the Triton tree kernel; then replayed as CUDA graphs (capture.py), eager layers and compiled
         and as CUDA graphs; each beside its HBM floor: (weight bytes + KV bytes read) / the measured bandwidth.
 e2e     trains a ~158M target and a ~15M draft on the standard library as examples/train_demo_pair.py trains the
         demo pair (bf16 autocast, 150 s + 60 s), then runs `swiftspec bench` (`python -m hf_swiftspec.bench`)
@@ -68,7 +68,6 @@ from hf_swiftspec.capture import Captures  # noqa: E402
 from hf_swiftspec.bench.limits import kv_bytes_per_token, measure_bandwidth_gbps, weight_bytes_read  # noqa: E402
 from hf_swiftspec.config import SwiftSpecConfig  # noqa: E402
 from hf_swiftspec.generation import build_workers  # noqa: E402
-from hf_swiftspec.static import StaticModel, step_mask  # noqa: E402
 from hf_swiftspec.tools.models import shaped_model  # noqa: E402
 from hf_swiftspec.tree import Subtree, subtree_mask  # noqa: E402
 
@@ -108,22 +107,21 @@ class Plan:
     step_contexts: tuple[int, ...]
     step_trees: tuple[int, ...]
     step_iters: tuple[int, int]
-    static_contexts: tuple[int, ...]  # where the static round's steps are timed (each shape compiles once)
-    static_trees: tuple[int, ...]
     # e2e
     demo: DemoSettings
     bench_args: tuple[str, ...]
     bandwidth_mib: int  # size of the copy that measures the peak
     bench_pair: str | None = None  # bench this pair (None: the demo pair) instead of training one
     train: bool = True
-    # how the steps run: "model" / "kernel" (SwiftSpecConfig.attention, eager), "static" (static.py's steps),
-    # "captured" (the adaptive round's steps replayed, capture.py)
-    step_attentions: tuple[str, ...] = ("model", "kernel", "static")
+    # how the steps run: "model" / "kernel" (SwiftSpecConfig.attention, eager), "captured" (replayed, capture.py,
+    # attention "auto": the kernel on CUDA), "captured-model" (replayed, sdpa with a dense mask), "compiled"
+    # (replayed, the decoder layers compiled: compile=True)
+    step_attentions: tuple[str, ...] = ("model", "kernel", "captured", "captured-model", "compiled")
 
 
 GPU = Plan(
     tests=("tests/test_cuda.py", "tests/test_tree_attention_kernel.py", "tests/test_attention_wiring.py", "tests/test_cli.py",
-           "tests/test_bench.py", "tests/test_static_round.py"),
+           "tests/test_bench.py", "tests/test_capture.py"),
     # bf16, GQA 4, head dim 128 (Llama-3-8B's attention) first: the configuration that matters most
     kernel_configs=tuple(itertools.product(("bf16", "fp16"), (32,), (8, 4, 32), (128, 64, 256))),
     kernel_prefixes=(512, 2048, 8192, 32768),
@@ -136,8 +134,6 @@ GPU = Plan(
     step_contexts=(1024, 8192),
     step_trees=(1, 8, 16, 32),
     step_iters=(5, 20),
-    static_contexts=(1024, 8192),
-    static_trees=(1, 8, 16, 32),
     # ~158M and ~15M parameters (heads of 64), 16k tokens a step; at a few steps a second the target sees
     # several passes over the ~3.4M-token corpus in 150 s.
     demo=DemoSettings(
@@ -166,8 +162,6 @@ SMOKE = Plan(
     step_contexts=(32, 96),
     step_trees=(1, 4, 8),
     step_iters=(1, 3),
-    static_contexts=(32, 96),
-    static_trees=(1, 4, 8),
     demo=DemoSettings(
         context=64, vocab_size=300, corpus_files=8, batch_size=2, target_steps=2, draft_steps=2, eval_windows=2,
         target_shape=ModelShape(hidden=64, layers=1, intermediate=128, heads=1),
@@ -176,18 +170,16 @@ SMOKE = Plan(
     bench_args=("--dtype", "float32", "--prompts", "humaneval", "--num-prompts", "1", "--max-new-tokens", "8",
                 "--assistant-tokens", "4", "--growth-check-tokens", "16", "--warmup", "0"),
     bandwidth_mib=64,
-    step_attentions=("model", "kernel", "static", "captured"),
 )
 
 
 # One 15-minute lease (a machine's start included): each phase a minute or two. The tests on CUDA, the kernel
-# at Llama-3-8B's heads (bf16, GQA 4, head dim 128), the 8B/1B steps (the static round's compiled at one context
-# and T = 8 only: torch.compile of a 32-layer model takes about a minute a shape), and the bundled demo pair
-# benched as it ships, not retrained.
+# at Llama-3-8B's heads (bf16, GQA 4, head dim 128), the 8B/1B steps, and the bundled demo pair benched as it
+# ships, not retrained.
 LEASE = replace(
     GPU,
     tests=("-rfE", "--tb=short", "tests/test_cuda.py",
-           "tests/test_static_round.py::test_cuda_graph_round_equals_eager_and_target_generate",
+           "tests/test_capture.py",
            "tests/test_tree_attention_kernel.py"),
     kernel_configs=(("bf16", 32, 8, 128),),
     kernel_prefixes=(1024, 4096, 8192),
@@ -195,8 +187,6 @@ LEASE = replace(
     kernel_iters=(5, 30),
     kernel_budget_s=60.0,
     step_iters=(3, 10),
-    static_contexts=(1024,),
-    static_trees=(8,),
     bench_args=("--dtype", "float32", "--prompts", "humaneval", "--prompts", "spec_bench", "--num-prompts", "4",
                 "--max-new-tokens", "64", "--methods", "target,assisted,prompt_lookup,swiftspec_serial,swiftspec_async"),
     train=False,
@@ -205,12 +195,12 @@ LEASE = replace(
 # transformers' compiled static-cache decoding, eager swiftspec and the other peers.
 CAPTURE = replace(
     LEASE,
-    tests=("-rfE", "--tb=short", "tests/test_capture.py"),
+    tests=("-rfE", "--tb=short", "tests/test_capture.py", "-k", "cuda"),
     step_contexts=(1024, 8192),
-    step_attentions=("model", "captured"),
+    step_attentions=("model", "captured", "captured-model", "compiled"),
     bench_args=("--dtype", "float32", "--prompts", "humaneval", "--prompts", "spec_bench", "--num-prompts", "4",
                 "--max-new-tokens", "64", "--methods",
-                "target,target_static,assisted,prompt_lookup,swiftspec_serial,swiftspec_eager"),
+                "target,target_static,prompt_lookup,swiftspec_serial,swiftspec_eager,swiftspec_compiled"),
 )
 PLANS = {"gpu": GPU, "lease": LEASE, "capture": CAPTURE, "smoke": SMOKE}
 
@@ -399,8 +389,9 @@ def steps_at(session: Session, target, draft, context: int, attention: str) -> l
     trees = session.plan.step_trees
     vocab = target.config.vocab_size
     prompt = torch.randint(3, vocab, (1, context), generator=torch.Generator().manual_seed(context))
-    captured = attention == "captured"
-    config = SwiftSpecConfig(attention="model" if captured else attention, capture=captured)
+    captured = attention in ("captured", "captured-model", "compiled")
+    config = SwiftSpecConfig(attention={"captured": "auto", "compiled": "auto"}.get(attention, attention.removeprefix(
+        "captured-")), capture=captured, compile=attention == "compiled")
     target_worker, drafters = build_workers(target, draft, config, context + max(trees), None,
                                             captures=Captures() if captured else None)
     drafter = drafters.model  # the draft model's drafter (the suffix drafter runs no model)
@@ -411,35 +402,13 @@ def steps_at(session: Session, target, draft, context: int, attention: str) -> l
         drafter.catch_up()  # the prompt into the draft's prefix
         drafter.expand()  # the root: its children are the leaves every timed expansion runs
         ms = expansion_ms(drafter, session)
-        label = lambda worker: f"{worker.attention} replayed" if worker.graphs is not None else worker.attention  # noqa: E731
+        label = lambda worker: worker.attention if worker.graphs is None else (  # noqa: E731
+            f"{worker.attention} replayed" + (", compiled" if worker.graphs.compile_layers else ""))
         rows.append(step_row(session, "draft_expand", draft, context, drafter.width, label(drafter), ms))
         target_worker.forward_subtrees([random_subtree(1, vocab, 0)])  # takes the prefill's root logits
         for T in trees:
             ms = verification_ms(target_worker, random_subtree(T, vocab, T), session)
             rows.append(step_row(session, "verify", target, context, T, label(target_worker), ms))
-    return rows
-
-
-def static_steps_at(session: Session, target, draft, context: int) -> list[dict]:
-    """The static round's steps (static.py) after a `context`-token prefill, eager and compiled (on CUDA: CUDA
-    graphs): the draft's expansion of 8 leaves and the target's verification of T nodes of a random tree."""
-    trees, rows = session.plan.static_trees, []
-    vocab = target.config.vocab_size
-    prompt = torch.randint(3, vocab, (context,), generator=torch.Generator().manual_seed(context)).tolist()
-    for compiled in (False, True):
-        for role, model, sizes in (("draft_expand", draft, (8,)), ("verify", target, trees)):
-            static = StaticModel.build(model, context + 64, compiled)
-            static.prefill(prompt)
-            for T in sizes:
-                subtree = random_subtree(T, vocab, T)
-                region, depths = subtree_mask(subtree.parents, session.device)
-                args = (torch.tensor([subtree.tokens], device=session.device), (context + depths)[None],
-                        torch.arange(context, context + T, device=session.device),
-                        step_mask(context, region, context, static.capacity, model.dtype))
-                ms = median_ms(lambda: static.run(*args), lambda: None, session.device, *session.plan.step_iters)
-                row = step_row(session, f"static {role}", model, context, T, "graph" if compiled else "eager", ms)
-                rows.append(row)
-            del static
     return rows
 
 
@@ -481,14 +450,9 @@ def run_steps(session: Session) -> None:
               "target_params": sum(p.numel() for p in target.parameters()),
               "draft_params": sum(p.numel() for p in draft.parameters())}
     for context, attention in itertools.product(plan.step_contexts, plan.step_attentions):
-        if attention == "static" and context not in plan.static_contexts:
-            continue
         try:
             with torch.no_grad():  # as generate() runs them
-                if attention == "static":
-                    record["rows"] += static_steps_at(session, target, draft, context)
-                else:
-                    record["rows"] += steps_at(session, target, draft, context, attention)
+                record["rows"] += steps_at(session, target, draft, context, attention)
         except Exception as error:
             record["errors"].append(f"context {context}, attention {attention}: {type(error).__name__}: {error}")
             traceback.print_exc()

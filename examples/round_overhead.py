@@ -1,15 +1,11 @@
 """Time a speculative round outside the two models' forwards, on the bundled demo pair.
 
-    python examples/round_overhead.py [--pair ID] [--max-new-tokens 128] [--repeats 3] [--round static]
-                                      [--always-trees] [--keep-history]
+    python examples/round_overhead.py [--pair ID] [--max-new-tokens 128] [--repeats 3] [--keep-history]
 
 Forward time is measured by hooks on both models (one torch thread); everything else in the
 decode loop (tree bookkeeping, the walk, commits, the policy) is the round's overhead, printed
-per round and as a fraction of the mean target verification forward.
-
---round static / compiled: the static round (compile=True's, eager or with compiled steps). Its
-steps call model.forward, which runs no module hooks, so its steps are timed around
-StaticModel.run and StaticModel.extend instead (its masks are built outside and count as overhead).
+per round and as a fraction of the mean target verification forward. The round runs its steps
+eagerly here (capture=False): a replayed step runs no module hooks.
 """
 
 from __future__ import annotations
@@ -20,7 +16,6 @@ import time
 import torch
 
 from hf_swiftspec import SwiftSpecForCausalLM
-from hf_swiftspec.static import StaticModel
 
 
 def timed_forwards(model, totals: dict, key: str):
@@ -37,51 +32,12 @@ def timed_forwards(model, totals: dict, key: str):
     return [model.register_forward_pre_hook(before), model.register_forward_hook(after)]
 
 
-class TimedSteps:
-    """While active, accumulate the wall time of every StaticModel step (run) and chain forward (extend:
-    the prefills, the draft's catch-ups) into totals["target"/"draft"]."""
-
-    def __init__(self, model, totals: dict):
-        self.roles = {id(model.target): "target", id(model.draft): "draft"}
-        self.totals = totals
-
-    def timed(self, method):
-        roles, totals = self.roles, self.totals
-
-        def timed_method(step, *args):
-            start = time.perf_counter()
-            out = method(step, *args)
-            seconds, count = totals.get(roles[id(step.model)], (0.0, 0))
-            totals[roles[id(step.model)]] = (seconds + time.perf_counter() - start, count + 1)
-            return out
-
-        return timed_method
-
-    def __enter__(self):
-        self.saved = StaticModel.run, StaticModel.extend
-        StaticModel.run, StaticModel.extend = (self.timed(m) for m in self.saved)
-        return self
-
-    def __exit__(self, *exc):
-        StaticModel.run, StaticModel.extend = self.saved
-
-
-def static_round(model, compiled: bool):
-    """Make `model` decode with the static round, its steps eager or compiled."""
-    model.config.compile = True
-    if not compiled:  # the same round with eager steps: build the StaticModels uncompiled
-        build = StaticModel.build.__func__
-        StaticModel.build = classmethod(lambda cls, m, n, compiled=True, **kw: build(cls, m, n, False, **kw))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prompt", default="def read_config(path):\n")
     parser.add_argument("--pair", default="swiftspec-demo-pystdlib", help="pair id or folder, or shape:NAME")
-    parser.add_argument("--round", choices=("adaptive", "static", "compiled"), default="adaptive")
-    parser.add_argument("--always-trees", action="store_true", help="static rounds: never a plain round")
     parser.add_argument("--keep-history", action="store_true",
                         help="let each call copy the earlier calls' outputs (by default each call starts without them: "
                         "every call decodes the same prompt, so the suffix proposals would copy the whole answer and "
@@ -96,28 +52,19 @@ def main() -> None:
         model.generation_config.eos_token_id = None  # random text: run to max_new_tokens
     else:
         model = SwiftSpecForCausalLM.from_pretrained(args.pair, dtype=torch.float32)
-    if args.round != "adaptive":
-        static_round(model, compiled=args.round == "compiled")
-        if args.always_trees:
-            from hf_swiftspec.engine.static_round import ShapeChooser
-
-            ShapeChooser.plan_round = lambda self, kinds: "tree"
+    model.config.capture = False  # hooks time the forwards: eager steps
     ids = model.tokenizer(args.prompt, return_tensors="pt").input_ids
-    model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)  # warm-up (compiles every step shape)
+    model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)  # warm-up
     for _ in range(args.repeats):
         totals: dict = {}
         if not args.keep_history:
             model.output_history.clear()
-        if args.round == "adaptive":
-            hooks = timed_forwards(model.target, totals, "target") + timed_forwards(model.draft, totals, "draft")
-            try:
-                model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
-            finally:
-                for hook in hooks:
-                    hook.remove()
-        else:
-            with TimedSteps(model, totals):
-                model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
+        hooks = timed_forwards(model.target, totals, "target") + timed_forwards(model.draft, totals, "draft")
+        try:
+            model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
+        finally:
+            for hook in hooks:
+                hook.remove()
         stats = model.swiftspec_stats
         target_s, target_n = totals["target"]
         draft_s, draft_n = totals.get("draft", (0.0, 0))

@@ -20,9 +20,11 @@ for the length of that generation only (`routed_attention`, which restores the u
         and the model builds its own causal (and windowed) mask from the cache, by slot.
 
     SwiftSpecConfig.attention:
-    "auto"   the model's own attention + dense mask. On an H200 (Llama-3-8B shape, bf16, README's GPU
-             section) an eager tree step is bound by the host's launches, and the kernel's Python launch
-             per layer cost more (+0.5 to +9.4 ms in 7 of 8 verifications) than its faster attention saved
+    "auto"   steps replayed as CUDA graphs (capture.py): the Triton kernel, whose launches a graph makes
+             free; eager steps: the model's own attention + dense mask. On an H200 (Llama-3-8B shape, bf16,
+             README's GPU section) an eager tree step is bound by the host's launches, and the kernel's
+             Python launch per layer cost more (+0.5 to +9.4 ms in 7 of 8 verifications) than its faster
+             attention saved
     "kernel" the Triton kernel wherever Triton runs (CUDA, or the CPU interpreter under
              TRITON_INTERPRET=1), else its plain-torch reference
     "model"  the model's own attention (sdpa or eager) with a dense additive 4D mask
@@ -63,20 +65,23 @@ class RuleMasks:
 class TreeStep:
     """What every layer's attention needs for one tree forward (built once per step).
 
-    prefix_len:  committed positions
+    prefix_len:  committed positions (None with `lengths`)
     rules:       {window rule: RuleMasks}
     layer_rules: per decoder layer, its window rule
     dense:       builds the dense additive mask of a rule, for layers the kernel cannot serve
     reference:   use the plain-torch reference instead of the Triton kernel
     fallbacks:   why layers ran their own attention in this step (filled while the step runs)
+    lengths:     (B, 2) int32 on the device, each row's prefix and tree region length, for a fixed step
+                 (capture.py) whose layers see the whole cache; then prefix_start is in slots
     """
 
-    prefix_len: int
+    prefix_len: int | None
     rules: dict[LayerMask, RuleMasks]
     layer_rules: tuple[LayerMask, ...]
     dense: object
     reference: bool = False
     fallbacks: set[str] = field(default_factory=set)
+    lengths: torch.Tensor | None = None
 
     def rule_of(self, module) -> LayerMask:
         layer_idx = getattr(module, "layer_idx", None)
@@ -108,13 +113,40 @@ def swiftspec_attention(module, query, key, value, attention_mask, scaling=None,
         mask = step.dense(rule)
         return own_attention(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
     masks = step.rules[rule]
-    attend = tree_attention_reference if step.reference else tree_attention
+    attend = tree_attention_reference if step.reference else eager_kernel
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = attend(
         query, key, value, step.prefix_len, masks.bits, scale,
-        prefix_start=masks.prefix_start, softcap=kwargs.get("softcap"),
+        prefix_start=masks.prefix_start, softcap=kwargs.get("softcap"), lengths=step.lengths,
     )  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
+
+
+def eager_kernel(query, key, value, prefix_len, bits, scale, *, prefix_start=None, softcap=None, lengths=None):
+    """tree_attention; a step with device lengths (a fixed step, capture.py) calls it as one opaque operator, so
+    compiled decoder layers trace it whole instead of breaking their graph around the launch, and a CUDA graph
+    captures its launch like any other."""
+    if lengths is None:
+        return tree_attention(query, key, value, prefix_len, bits, scale, prefix_start=prefix_start, softcap=softcap)
+    return tree_attention_op()(query, key, value, bits, scale, prefix_start, softcap, lengths)
+
+
+@functools.cache
+def tree_attention_op():
+    """swiftspec::tree_attention, registered with torch on first use: the kernel with per-row device lengths as
+    a custom operator (its fake implementation gives the output's shape to torch.compile)."""
+
+    @torch.library.custom_op("swiftspec::tree_attention", mutates_args=())
+    def op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bits: torch.Tensor, scale: float,
+           prefix_start: torch.Tensor | None, softcap: float | None, lengths: torch.Tensor) -> torch.Tensor:
+        return tree_attention(query, key, value, None, bits, scale, prefix_start=prefix_start, softcap=softcap,
+                              lengths=lengths)
+
+    @op.register_fake
+    def _(query, key, value, bits, scale, prefix_start, softcap, lengths):
+        return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+    return op
 
 
 def own_attention_of(module, own: str):
@@ -137,14 +169,18 @@ def register_tree_attention() -> None:
         AttentionMaskInterface.register(name, sdpa_mask if own == "sdpa" else eager_mask)
 
 
-def resolve_attention(choice: str, model, architecture: Architecture | None = None) -> str:
-    """The backend a model's tree steps use: "triton", "torch-reference", or its own ("sdpa"/"eager")."""
+def resolve_attention(choice: str, model, architecture: Architecture | None = None, replayed: bool = False) -> str:
+    """The backend a model's tree steps use: "triton", "torch-reference", or its own ("sdpa"/"eager").
+    replayed: its steps are CUDA graphs (capture.py), where "auto" takes the kernel: a launch costs nothing
+    there, and the steps see the whole cache, which sdpa reads through a dense mask."""
     if choice not in ATTENTION_CHOICES:
         raise ValueError(f"SwiftSpecConfig.attention={choice!r}; use one of {ATTENTION_CHOICES}.")
     own = own_implementation(model)
     kernel_ok = can_set_attn_implementation(model) and (architecture is None or architecture.shape == "tree")
     if kernel_ok and choice == "kernel":
         return "triton" if triton_available(model.device) else "torch-reference"
+    if kernel_ok and choice == "auto" and replayed and model.device.type == "cuda" and triton_available(model.device):
+        return "triton"
     return own
 
 
@@ -266,3 +302,48 @@ def rule_masks(rule: LayerMask, tree_mask: torch.Tensor, q_positions, kv_positio
         return RuleMasks(pack_tree_mask(tree_mask[None]), None)
     allowed = tree_mask & rule.visible(q_positions, kv_positions)
     return RuleMasks(pack_tree_mask(allowed[None]), rule.first_visible(q_positions).to(torch.int32)[None])
+
+
+def fixed_step_inputs(backend: str, architecture: Architecture, layout: StepLayout, dtype: torch.dtype,
+                      fallbacks: set[str]):
+    """A fixed step's attention (capture.py: its layers see all W = layout.width slots) as (tensors, build):
+    `tensors` {name: tensor} is what changes from step to step, `build(tensors)` the forward kwargs made of
+    them, so a replayed step can read static copies. Kernel backends: per-row device lengths, each rule's
+    bits over the W slots after a row's prefix and its first visible slot per query, and the dense masks for
+    layers the kernel cannot serve (their reasons go to `fallbacks`); other backends: the dense masks."""
+    rules = architecture.rules
+    tensors = {f"dense/{i}": dense_tree_mask(layout, dtype, rule) for i, rule in enumerate(rules)}
+    if backend not in KERNEL_BACKENDS:
+        def build(t: dict) -> dict:
+            masks = {rule: t[f"dense/{i}"] for i, rule in enumerate(rules)}
+            if len(rules) == 1:
+                return {"attention_mask": masks[rules[0]]}
+            return {"attention_mask": {layer_type: masks[rule] for layer_type, rule in architecture.masks.items()}}
+
+        return tensors, build
+    device = layout.q_positions.device
+    counts = [region.shape[0] for region in layout.regions]
+    lengths = [[p, region.shape[1]] for p, region in zip(layout.prefix_lens, layout.regions)]
+    tensors["lengths"] = torch.tensor(lengths, dtype=torch.int32, device=device)
+    starts = torch.tensor(layout.starts, device=device)[:, None]  # (B, 1) first committed slot
+    B, Q = layout.q_positions.shape
+    for i, rule in enumerate(rules):
+        allowed = torch.zeros(B, Q, layout.width, dtype=torch.bool, device=device)  # tree columns after each prefix
+        for b, region in enumerate(layout.regions):
+            if rule.kind != "full":
+                region = region & rule.visible(layout.q_positions[b, : counts[b]], layout.region_positions[b])
+            allowed[b, : counts[b], : region.shape[1]] = region
+        tensors[f"bits/{i}"] = pack_tree_mask(allowed)
+        # Padding queries see their row's committed slots: finite, and discarded.
+        tensors[f"start/{i}"] = (starts + rule.first_visible(layout.q_positions)).to(torch.int32)
+
+    def build(t: dict) -> dict:
+        dense = {rule: t[f"dense/{i}"] for i, rule in enumerate(rules)}
+        step = TreeStep(
+            None, {rule: RuleMasks(t[f"bits/{i}"], t[f"start/{i}"]) for i, rule in enumerate(rules)},
+            architecture.layer_masks, dense.__getitem__, reference=backend == "torch-reference", fallbacks=fallbacks,
+            lengths=t["lengths"],
+        )
+        return {"attention_mask": t["dense/0"], "swiftspec_tree": step}  # the kernel reads the step instead
+
+    return tensors, build

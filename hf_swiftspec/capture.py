@@ -21,10 +21,18 @@ mask built by the model from cache lengths, hooks that must run) never gets a ru
 Backends (`StepGraphs.backend`):
   "cuda"     torch.cuda.CUDAGraph, one per bucket, captured the first time the bucket runs (after one
              eager warm-up run on a side stream), sharing one memory pool per model.
+  "compiled" no graph (a CPU has none): each fixed step runs with its decoder layers compiled.
   "emulate"  CPU: a stand-in with a graph's semantics, for tests: "capturing" runs the step once and
              keeps it; a "replay" runs it again with the cache's host bookkeeping put back as it was
              at capture, so any input the runner failed to make static, or any host value the forward
              reads, gives wrong tokens instead of passing unnoticed. Slower than eager; never a default.
+
+With `compile_layers` (SwiftSpecConfig.compile) the forward a graph captures runs the model's decoder layers
+through torch.compile (the tree kernel, if any, as one custom operator in their graph): the elementwise kernels between the matrix products fuse, which a graph of
+eager kernels cannot do (one small kernel costs a few microseconds even replayed, and an 8B forward has about
+a thousand). Every decoder layer runs the same compiled code (the layers are alike), so compiling costs about
+one layer's per step shape (bucket) and model; the layers are compiled for the forward only and left as they
+were.
 """
 
 from __future__ import annotations
@@ -54,15 +62,16 @@ def capacity_bucket(needed: int) -> int:
     return max(256, 1 << max(needed - 1, 0).bit_length())
 
 
-def capture_backend(choice, device: torch.device) -> str | None:
-    """The backend SwiftSpecConfig.capture asks for on `device`: "cuda", "emulate" or None (eager)."""
+def capture_backend(choice, device: torch.device, compile_layers: bool = False) -> str | None:
+    """The backend SwiftSpecConfig.capture (and .compile) ask for on `device`: "cuda", "compiled", "emulate" or
+    None (eager steps, as without capture.py)."""
     if choice not in CAPTURE_CHOICES:
         raise ValueError(f"SwiftSpecConfig.capture={choice!r}; use 'auto' (CUDA graphs on CUDA), True or False.")
-    if choice is False:
-        return None
-    if device.type == "cuda":
+    if choice is not False and device.type == "cuda":
         return "cuda"
-    return "emulate" if choice is True else None
+    if choice is True:
+        return "emulate"
+    return "compiled" if compile_layers else None
 
 
 def capture_gap(architecture, reads_features: bool = False) -> str | None:
@@ -82,14 +91,13 @@ def capture_gap(architecture, reads_features: bool = False) -> str | None:
 class Bucket:
     """One captured forward and the static tensors it reads and writes.
 
-    ids, positions: (B, Q) long; index: (B, Q) long, the slot each query writes;
-    masks: {name: (B, 1, Q, C)} additive, "" for a single mask; logits: (B, Q, V) float32, the output
+    inputs: {name: tensor} static copies of what changes between steps (ids (B, Q), positions (B, Q), masks or
+        the kernel's lengths and bits: attention.fixed_step_inputs); index: (B, Q) long, the slot each query
+        writes; logits: (B, Q, V) float32, the output
     """
 
-    ids: torch.Tensor
-    positions: torch.Tensor
+    inputs: dict[str, torch.Tensor]
     index: torch.Tensor
-    masks: dict[str, torch.Tensor]
     logits: torch.Tensor | None = None
     graph: object = None
     snapshot: tuple = ()  # "emulate": the cache's host bookkeeping at capture
@@ -100,47 +108,62 @@ class Bucket:
 class StepGraphs:
     """One model's captured forwards, by bucket, and the buffers its TreeCache packs into.
 
-    backend: "cuda" or "emulate" (module docstring).
+    backend: "cuda", "compiled" or "emulate" (module docstring).
+    compile_layers: whether the captured forward runs the decoder layers compiled (module docstring).
     pool: the KV buffers; their addresses are part of every graph's key, so a cache that got other
         buffers (another capacity, fewer rows) gets graphs of its own.
     fallbacks: why steps ran eagerly instead (a bucket whose capture failed, a step past MAX_QUERIES).
     """
 
     backend: str
+    compile_layers: bool = False
     pool: BufferPool = field(default_factory=BufferPool)
     buckets: dict[tuple, Bucket] = field(default_factory=dict)
     refused: dict[tuple, str] = field(default_factory=dict)
     fallbacks: set[str] = field(default_factory=set)
     captures: int = 0
     memory_pool: object = None
+    compiled: dict = field(default_factory=dict)  # per decoder layer, its torch.compile'd call
 
-    def bucket_key(self, cache: TreeCache, ids: torch.Tensor, masks: dict, keep) -> tuple:
+    def forward(self, model, cache: TreeCache, kwargs: dict, keep) -> torch.Tensor:
+        """`forward` below, with the decoder layers compiled when compile_layers."""
+        if not self.compile_layers:
+            return forward(model, cache, kwargs, keep)
+        with compiled_layers(model, self.compiled), torch._dynamo.config.patch(recompile_limit=RECOMPILES):
+            return forward(model, cache, kwargs, keep)
+
+    def bucket_key(self, cache: TreeCache, tensors: dict, keep) -> tuple:
         buffers = tuple((b.data.data_ptr(), tuple(b.data.shape), b.data.stride()) for b in cache.buffers)
-        return tuple(ids.shape), tuple(sorted(masks)), str(keep), buffers
+        shapes = tuple((name, tuple(t.shape), t.dtype) for name, t in sorted(tensors.items()))
+        return shapes, str(keep), buffers
 
-    def run(self, model, cache: TreeCache, ids: torch.Tensor, positions: torch.Tensor, masks: dict, keep) -> torch.Tensor:
+    def run(self, model, cache: TreeCache, tensors: dict, build, keep) -> torch.Tensor:
         """Logits (B, Q, V) float32 of one planned fixed step (cache.plan_step(..., fixed=True)), replayed;
-        the caller advances the cache. masks: {name: (B, 1, Q, C)}, "" naming a single mask."""
-        key = self.bucket_key(cache, ids, masks, keep)
+        the caller advances the cache. tensors: {name: tensor} what changes between steps; build(tensors):
+        the forward's keyword arguments made of them (attention.fixed_step_inputs)."""
+        if self.backend == "compiled":
+            return self.forward(model, cache, build(tensors), keep)
+        key = self.bucket_key(cache, tensors, keep)
         bucket = self.buckets.get(key)
         if bucket is None and key not in self.refused:
-            bucket = self.capture(key, model, cache, ids, positions, masks, keep)
+            bucket = self.capture(key, model, cache, tensors, build, keep)
             if bucket is not None:
                 return bucket.logits.clone()  # the capture ran the step itself
         if bucket is None:
             self.fallbacks.add(self.refused[key])
-            return forward(model, cache, ids, positions, masks, keep)
-        load(bucket, cache, ids, positions, masks)
+            return self.forward(model, cache, build(tensors), keep)
+        load(bucket, cache, tensors)
         self.replay(bucket, cache)
         return bucket.logits.clone()  # the next replay of this bucket overwrites its output
 
-    def capture(self, key, model, cache, ids, positions, masks, keep) -> Bucket | None:
+    def capture(self, key, model, cache, tensors: dict, build, keep) -> Bucket | None:
         """A new bucket for this step, run once; None (and the reason kept) when its capture fails."""
-        bucket = Bucket(ids.clone(), positions.clone(), cache._index.clone(), {k: m.clone() for k, m in masks.items()})
+        bucket = Bucket({name: t.clone() for name, t in tensors.items()}, cache._index.clone())
         cache._index = bucket.index  # the forward reads the static index from now on
+        kwargs = build(bucket.inputs)
 
         def step(live: TreeCache = cache):  # a graph reads the buffers' addresses, whichever cache holds them
-            return forward(model, live, bucket.ids, bucket.positions, bucket.masks, keep)
+            return self.forward(model, live, kwargs, keep)
 
         try:
             if self.backend == "cuda":
@@ -151,10 +174,9 @@ class StepGraphs:
         except Exception as error:  # noqa: BLE001  (any failure: this bucket runs eagerly, and says why)
             self.refused[key] = f"capture failed ({type(error).__name__}: {str(error).splitlines()[0][:120]})"
             if self.backend == "cuda":
-                torch.cuda.synchronize(ids.device)
-            cache._index = bucket.index
+                torch.cuda.synchronize()
             self.fallbacks.add(self.refused[key])
-            bucket.logits = forward(model, cache, ids, positions, masks, keep)
+            bucket.logits = self.forward(model, cache, build(tensors), keep)
             return None
         self.buckets[key] = bucket
         self.captures += 1
@@ -189,23 +211,45 @@ class StepGraphs:
             set_host_state(cache, live)
 
 
-def forward(model, cache: TreeCache, ids, positions, masks: dict, keep) -> torch.Tensor:
-    """The step's forward as it is captured: (B, Q) ids at `positions`, writing where the cache's plan says;
-    float32 logits (B, Q, V) of the last `keep` queries (or none, for an index of none)."""
-    mask = masks[""] if "" in masks else masks
-    out = model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
-                logits_to_keep=keep, **{forward_cache_argument(type(model)): cache})
+def forward(model, cache: TreeCache, kwargs: dict, keep) -> torch.Tensor:
+    """The step's forward as it is captured: kwargs (input_ids (B, Q), position_ids (B, Q), the attention's)
+    writing where the cache's plan says; float32 logits (B, Q, V) of the last `keep` queries (or none, for an
+    index of none)."""
+    out = model(use_cache=True, logits_to_keep=keep, **{forward_cache_argument(type(model)): cache}, **kwargs)
     return out.logits.float()
 
 
-def load(bucket: Bucket, cache: TreeCache, ids, positions, masks: dict) -> None:
-    """Copy a step's live inputs into its bucket's static tensors."""
-    bucket.ids.copy_(ids)
-    bucket.positions.copy_(positions)
+RECOMPILES = 64  # compiled layer variants dynamo may keep while a step is captured: shapes, models, capacities
+
+
+@contextlib.contextmanager
+def compiled_layers(model, compiled: dict):
+    """Run `model`'s decoder layers (its `_no_split_modules` classes) through torch.compile inside the block
+    only: each layer's compiled call is made once and kept in `compiled`, and the layers are put back as they
+    were afterwards (also a layer the user compiled himself). A model naming no layer classes runs as it is."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    saved = [layer._compiled_call_impl for layer in layers]
+    for layer in layers:
+        if id(layer) not in compiled:
+            # Static shapes: one graph per step shape. Shapes marked dynamic let the target reuse a graph the draft's
+            # layer (the same class) had compiled, and with the tree kernel it gave wrong logits (seen on a CPU and
+            # an H200, float32: another token at the first verification).
+            compiled[id(layer)] = torch.compile(layer._call_impl, dynamic=False)
+        layer._compiled_call_impl = compiled[id(layer)]
+    try:
+        yield
+    finally:
+        for layer, old in zip(layers, saved):
+            layer._compiled_call_impl = old
+
+
+def load(bucket: Bucket, cache: TreeCache, tensors: dict) -> None:
+    """Copy a step's live inputs (and the cache's write slots) into its bucket's static tensors."""
+    for name, tensor in tensors.items():
+        bucket.inputs[name].copy_(tensor)
     bucket.index.copy_(cache._index)
     cache._index = bucket.index
-    for name, mask in masks.items():
-        bucket.masks[name].copy_(mask)
 
 
 HOST_STATE = ("starts", "prefix_lens", "lengths", "_counts")
@@ -239,12 +283,12 @@ class Captures:
         finally:
             self.lock.release()
 
-    def for_model(self, role: str, backend: str | None) -> StepGraphs | None:
+    def for_model(self, role: str, backend: str | None, compile_layers: bool = False) -> StepGraphs | None:
         if backend is None:
             return None
         kept = self.graphs.get(role)
-        if kept is None or kept.backend != backend:
-            kept = self.graphs[role] = StepGraphs(backend)
+        if kept is None or (kept.backend, kept.compile_layers) != (backend, compile_layers):
+            kept = self.graphs[role] = StepGraphs(backend, compile_layers)
         return kept
 
     def clear(self) -> None:

@@ -10,8 +10,6 @@ from transformers import PreTrainedConfig
 # Defaults, in one place (the engines and the policy import them from here).
 MAX_BUDGET = 32  # largest tree the goodput policy verifies when tree_budget is None
 MAX_DRAFT_WIDTH = 64  # leaves per expansion and children per leaf: more only adds nodes no budget can verify
-STATIC_BUDGET = 8  # compile=True's tree size when tree_budget is None (a fixed shape per round)
-STATIC_DEPTH = 4  # compile=True's draft forwards per round when draft_depth is None
 FIRST_TREE = 8  # nodes the asynchronous draft grows before its first proposal
 
 
@@ -38,16 +36,13 @@ class SwiftSpecConfig(PreTrainedConfig):
         attention: tree-step attention: "auto" (today the model's own attention with a dense mask:
             measured faster than the kernel's launches in eager steps on an H200), "kernel" (the
             Triton tree kernel wherever it runs, else its torch reference) or "model".
-        compile: decode with the static round (engine/static_round.py): fixed trees (tree_budget
-            nodes, default 8; draft_depth forwards, default 4; up to half the nodes from the n-gram
-            proposal), n-gram or plain rounds where those have made more tokens per second, every
-            step one `torch.compile`d graph over fixed-size buffers, one host sync per round. One
-            sequence, path-free processors, EOS/length criteria; generate() refuses anything else by
-            name. The first call compiles every step shape (tens of seconds on a CPU).
-        capture: how the adaptive round runs its forwards (capture.py): "auto" (default) replays them as
-            CUDA graphs on CUDA and runs them eagerly elsewhere; False always eagerly; True replays on
-            CUDA and, on a CPU, runs a stand-in with a graph's semantics that checks the replayed path
+        capture: how the round runs its forwards (capture.py): "auto" (default) replays them as CUDA
+            graphs on CUDA and runs them eagerly elsewhere; False always eagerly; True replays on CUDA
+            and, on a CPU, runs a stand-in with a graph's semantics that checks the replayed path
             (slower than eager: for tests). A bucket's first step captures it (about one forward more).
+        compile: run the models' decoder layers through torch.compile in the round's fixed steps (with
+            capture: inside the graphs; on a CPU without capture: each step compiled, no graph). The
+            first step of each new shape family compiles (seconds to a minute), once per process.
         worker_timeout_s: longest wait for the other worker of the asynchronous engine before
             generate() raises (a dead or stuck worker never hangs a call).
     """

@@ -19,8 +19,6 @@ and offers its candidates in its own terms, which the policy calibrates into P(a
                                            the target's hidden states
     SuffixDrafter (here)                   continuations of the context's repeated suffix (suffix.py), no
                                            model; candidates are a SuffixTree and its match
-    SlotTreeDrafter (engine/static_round)  compile=True's draft model: a fixed-shape tree grown with no host
-                                           read, its best nodes handed over on the device
 
 `Drafters` is what an engine talks to: the drafters of one generation (draft-free mode: no draft-model
 drafter), each row's root, the candidates of every drafter merged into one Proposal per row

@@ -36,14 +36,12 @@ from .drafting import Drafters, SuffixDrafter
 from .eagle3 import DraftHead
 from .engine import DecodeRequest, DecodeResult, DraftModelDrafter, TargetWorker, run_serial, run_threads
 from .engine.heads import HeadDrafter
-from .engine.static_round import StaticRounds, run_static, static_round_gaps, static_shape
 from .engine.request import RowResult
 from .engine.distributed import Groups, run_distributed
 from .capture import Captures, StepGraphs, capacity_bucket, capture_backend, capture_gap
 from .placement import Placement
 from .config import MAX_BUDGET
 from .policy import GoodputPolicy
-from .static import graph_limit
 from .stats import SwiftSpecStats
 from .suffix import OutputHistory
 from .verify import Sampler, batch_dependent
@@ -73,7 +71,7 @@ def swiftspec_generate(
     swiftspec_streamer=None,
     swiftspec_generator: torch.Generator | None = None,
     swiftspec_corpus: list[list[int]] | None = None,
-    swiftspec_policy: GoodputPolicy | StaticRounds | None = None,
+    swiftspec_policy: GoodputPolicy | None = None,
     swiftspec_history: OutputHistory | None = None,
     swiftspec_captures: Captures | None = None,
     **model_kwargs,
@@ -129,15 +127,10 @@ def swiftspec_generate(
         keeps_scores=bool(generation_config.return_dict_in_generate and generation_config.output_scores),
         keeps_logits=bool(generation_config.return_dict_in_generate and generation_config.output_logits),
     )
-    if config.compile:
-        kept = swiftspec_policy if isinstance(swiftspec_policy, StaticRounds) else StaticRounds()
-        kept.chooser.start_generation(request.max_new_tokens)  # the controller's calls: as the policy's below
-        result = decode_static(model, swiftspec_draft, request, config, swiftspec_placement, kept)
-    else:
-        request.policy.start_generation(request.max_new_tokens)
-        with (swiftspec_captures or Captures()).claimed() as ours:  # a concurrent call on the same pair: eager
-            result = decode_adaptive(model, swiftspec_draft, request, config, swiftspec_placement, swiftspec_groups,
-                                     chain_reasons, architectures, swiftspec_captures if ours else None)
+    request.policy.start_generation(request.max_new_tokens)
+    with (swiftspec_captures or Captures()).claimed() as ours:  # a concurrent call on the same pair: eager
+        result = decode_adaptive(model, swiftspec_draft, request, config, swiftspec_placement, swiftspec_groups,
+                                 chain_reasons, architectures, swiftspec_captures if ours else None)
     result.stats.draft_model = swiftspec_draft is not None
     if batch > 1:
         result.stats.row_tau = [row.tau for row in result.rows]
@@ -173,30 +166,6 @@ def decode_adaptive(target, draft, request: DecodeRequest, config: SwiftSpecConf
     return result
 
 
-def decode_static(target, draft, request: DecodeRequest, config: SwiftSpecConfig, placement,
-                  kept: StaticRounds) -> DecodeResult:
-    """compile=True: the static round (engine/static_round.py) with compiled steps, or a ValueError
-    naming what it cannot decode exactly."""
-    gaps = static_round_gaps(target, draft, request, placement, config)
-    if gaps:
-        raise ValueError(
-            f"compile=True cannot decode this call exactly: {'; '.join(gaps)}. Drop compile=True: the adaptive "
-            "round decodes all of these."
-        )
-    if not request.max_new_tokens:
-        return DecodeResult(rows=[RowResult()])
-    shape = static_shape(config, draft)
-    length = request.prompt.shape[1] + request.max_new_tokens
-    steps = kept.static_model("target", target, shape.target_slots(length)), kept.static_model(
-        "draft", draft, shape.draft_slots(length)
-    )
-    with graph_limit():
-        result = run_static(*steps, request, shape, target.config.get_text_config().vocab_size, config.ngram_size,
-                            kept.chooser)
-    result.stats.attention = f"target={own_implementation(target)}, draft={own_implementation(draft)} (static, compiled)"
-    return result
-
-
 def stop_length(stopping_criteria: StoppingCriteriaList, generation_config: GenerationConfig) -> int:
     """The sequence length generate() stops at: its MaxLengthCriteria's. A user's MaxLengthCriteria
     replaces the one generate() builds from max_length, so it may also lie beyond it."""
@@ -221,8 +190,8 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
     target_worker = draft_worker = None
     if role in (None, "target"):
         budget = config.tree_budget or MAX_BUDGET
-        attention = resolve_attention(config.attention, target, target_arch)
         graphs = step_graphs(captures, "target", target, target_arch, config, reads_features=isinstance(draft, DraftHead))
+        attention = resolve_attention(config.attention, target, target_arch, replayed=graphs is not None)
         capacity = length + budget if graphs is None else capacity_bucket(length + budget)
         target_worker = TargetWorker(target, capacity, attention, target_arch, batch_size, graphs)
     if role in (None, "draft"):
@@ -238,8 +207,8 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
         if isinstance(draft, DraftHead):  # an EAGLE-3 head or an MTP layer: attends with its own sdpa
             model = HeadDrafter(draft, **tree)
         elif draft is not None:
-            draft_attention = resolve_attention(config.attention, draft, draft_arch)
             graphs = step_graphs(captures, "draft", draft, draft_arch, config)
+            draft_attention = resolve_attention(config.attention, draft, draft_arch, replayed=graphs is not None)
             if graphs is not None:
                 tree["capacity"] = capacity_bucket(tree["capacity"])
             model = DraftModelDrafter(draft, attention=draft_attention, architecture=draft_arch, graphs=graphs, **tree)
@@ -257,10 +226,10 @@ def step_graphs(captures: Captures | None, role: str, model, architecture, confi
                 reads_features: bool = False) -> StepGraphs | None:
     """The model's replayed forwards for this call (capture.py), or None where its steps run eagerly: no
     capture asked for or possible on its device, or a forward a replay cannot reproduce (below)."""
-    backend = capture_backend(config.capture, model.device)
+    backend = capture_backend(config.capture, model.device, config.compile)
     if captures is None or backend is None or capture_gap(architecture, reads_features) is not None:
         return None
-    return captures.for_model(role, backend)
+    return captures.for_model(role, backend, config.compile)
 
 
 def draft_architecture(draft):
@@ -283,7 +252,9 @@ def attention_summary(workers, chain_reasons=()) -> str:
             part += f" (chain: {worker.architecture.chain_reason})"
         graphs = getattr(worker, "graphs", None)
         if graphs is not None:
-            part += f" (replayed, {graphs.backend}: {len(graphs.buckets)} graphs"
+            how = "compiled layers" if graphs.compile_layers else "eager layers"
+            part += f" (fixed steps, {how}" if graphs.backend == "compiled" else (
+                f" (replayed, {graphs.backend}: {len(graphs.buckets)} graphs, {how}")
             part += f"; eager: {', '.join(sorted(graphs.fallbacks))})" if graphs.fallbacks else ")"
         parts.append(part)
     return ", ".join(parts)

@@ -32,7 +32,6 @@ from .pair.locate import HubOptions, member_folder, member_head_config, resolve_
 from .pair.repo import read_pair_config
 from .pair.tokenizer import load_tokenizer
 from .placement import Placement, place_models, resolve_placement
-from .engine.static_round import StaticRounds
 from .policy import GoodputPolicy
 from .stats import SwiftSpecStats
 from .suffix import OutputHistory
@@ -252,15 +251,14 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
             self._history = OutputHistory(max_tokens=limit, max_n=max_n)
         return self._history
 
-    def policy(self) -> GoodputPolicy | StaticRounds:
-        """The goodput policy for the current tree settings (with compile=True: the static round's choice
-        of round and its models' slot caches); it keeps what it measured (step costs, acceptance) across
-        generate() calls, so only the first call pays for learning them."""
-        key = (self.config.tree_budget, self.config.draft_depth, self.placement.mode, self.config.compile)
+    def policy(self) -> GoodputPolicy:
+        """The goodput policy for the current tree settings and way of running steps (captured, compiled:
+        their costs differ); it keeps what it measured (step costs, acceptance) across generate() calls, so
+        only the first call pays for learning them."""
+        key = (self.config.tree_budget, self.config.draft_depth, self.placement.mode, self.config.compile,
+               self.config.capture)
         if key not in self.policies:
-            self.policies[key] = StaticRounds() if self.config.compile else GoodputPolicy(
-                tree_budget=self.config.tree_budget, draft_depth=self.config.draft_depth
-            )
+            self.policies[key] = GoodputPolicy(tree_budget=self.config.tree_budget, draft_depth=self.config.draft_depth)
         return self.policies[key]
 
     def reset_policy(self) -> None:

@@ -16,7 +16,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .architectures import Architecture
-from .attention import KERNEL_BACKENDS, StepLayout, tree_step_kwargs
+from .attention import StepLayout, fixed_step_inputs, tree_step_kwargs
 from .cache import TreeCache
 from .capture import MAX_QUERIES, StepGraphs, query_bucket
 from .compat import forward_cache_argument
@@ -82,12 +82,13 @@ def run_step(
     bucket = query_bucket(max(max(len(r) for r in rows), 1)) if graphs is not None and cache.buffers else None
     if graphs is not None and cache.buffers and bucket is None:
         graphs.fallbacks.add(f"steps of more than {MAX_QUERIES} queries a row ran eagerly")
-    if bucket is not None:  # every layer attends the whole cache through a dense mask, kernel or not
-        own = attention if attention not in KERNEL_BACKENDS else "sdpa"
-        counts, input_ids, positions, _, kwargs = step_arguments(model, cache, rows, own, architecture, bucket)
-        masks = kwargs["attention_mask"]
-        masks = {"": masks} if isinstance(masks, torch.Tensor) else masks
-        out = graphs.run(model, cache, input_ids, positions, masks, head_rows(keep, input_ids.device))
+    if bucket is not None:  # every layer sees the whole cache: the kernel through device lengths, sdpa a dense mask
+        counts, input_ids, positions, layout = step_layout(model, cache, rows, bucket)
+        tensors, build = fixed_step_inputs(attention, architecture, layout, model.dtype,
+                                           fallbacks if fallbacks is not None else set())
+        tensors |= {"input_ids": input_ids, "position_ids": positions}
+        out = graphs.run(model, cache, tensors, lambda t: {"input_ids": t["input_ids"], "position_ids": t["position_ids"],
+                                                           **build(t)}, head_rows(keep, input_ids.device))
         cache.advance(bucket)
         return [out[b, : counts[b]] for b in range(len(rows))] if logits else []
     counts, input_ids, positions, layout, kwargs = step_arguments(model, cache, rows, attention, architecture)
@@ -117,10 +118,16 @@ def run_head_step(model, cache: TreeCache, rows: list[RowQueries], architecture:
     return ([out.logits[b, : counts[b]].float() for b in range(len(rows))] if logits else []), hidden
 
 
-def step_arguments(model, cache: TreeCache, rows: list[RowQueries], attention: str, architecture: Architecture,
-                   bucket: int | None = None):
+def step_arguments(model, cache: TreeCache, rows: list[RowQueries], attention: str, architecture: Architecture):
     """Plan the cache's writes for one step and build its inputs: (counts, input_ids (B, Q), positions (B, Q),
-    the StepLayout, attention kwargs). bucket: Q for a replayed step (a fixed plan over the whole cache)."""
+    the StepLayout, attention kwargs)."""
+    counts, input_ids, positions, layout = step_layout(model, cache, rows)
+    return counts, input_ids, positions, layout, tree_step_kwargs(attention, architecture, layout, model.dtype)
+
+
+def step_layout(model, cache: TreeCache, rows: list[RowQueries], bucket: int | None = None):
+    """Plan the cache's writes for one step: (counts, input_ids (B, Q), positions (B, Q), the StepLayout).
+    bucket: Q for a fixed step (capture.py), planned over the whole cache."""
     device = model.device
     counts = [len(r) for r in rows]
     Q = bucket or max(max(counts), 1)
@@ -141,7 +148,7 @@ def step_arguments(model, cache: TreeCache, rows: list[RowQueries], attention: s
         region_positions=[r.region_positions for r in rows],
         width=cache.step_end(Q),
     )
-    return counts, input_ids, positions, layout, tree_step_kwargs(attention, architecture, layout, model.dtype)
+    return counts, input_ids, positions, layout
 
 
 def head_rows(keep: int, device) -> int | torch.Tensor:

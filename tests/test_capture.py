@@ -13,10 +13,11 @@ import torch
 
 from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.architectures import Architecture
+from hf_swiftspec.attention import fixed_step_inputs
 from hf_swiftspec.capture import MAX_QUERIES, StepGraphs, capacity_bucket, capture_backend, capture_gap, forward, query_bucket
 from hf_swiftspec.probes import describe
 from hf_swiftspec.recurrent import new_cache
-from hf_swiftspec.step import RowQueries, model_step, run_step, step_arguments
+from hf_swiftspec.step import RowQueries, model_step, run_step, step_layout
 from hf_swiftspec.tools import sweep
 from hf_swiftspec.tools.models import left_padded, random_prompts, sharpen, tiny_model, truncated_draft
 
@@ -42,18 +43,25 @@ def replays(model) -> dict[str, int]:
     return {role: sum(b.replays for b in g.buckets.values()) for role, g in model.captures.graphs.items()}
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_replayed_round_equals_target_generate(pairs, family):
+@pytest.mark.parametrize("family,attention", [
+    ("llama", "auto"), ("gemma3", "auto"), ("gemma3", "kernel"), pytest.param("llama", "kernel", marks=pytest.mark.slow),
+])
+def test_replayed_round_equals_target_generate(pairs, family, attention):
+    """attention="kernel": the Triton tree kernel (its interpreter here, so fewer calls) reads each row's lengths
+    from the device, over a padded batch and gemma3's sliding windows."""
     target, draft = pairs[family]
-    model = SwiftSpecForCausalLM.from_models(target, draft, capture=True, **FIXED)
-    for seed, lengths in enumerate([(7,), (30,), (3, 23, 9)]):  # 23 tokens reach past gemma3's 16-token window
+    model = SwiftSpecForCausalLM.from_models(target, draft, capture=True, attention=attention, **FIXED)
+    calls = [(7,), (30,), (3, 23, 9)] if attention == "auto" else [(3, 23, 9)]
+    for seed, lengths in enumerate(calls):  # 23 tokens reach past gemma3's 16-token window
         ids, mask = left_padded(random_prompts(lengths, seed, VOCAB))
         expected = target.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
         actual = model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
         assert actual.tolist() == expected.tolist(), (family, lengths)
     done = replays(model)
-    assert done["target"] > 10 and done["draft"] > 10, done  # the steps were replayed, not run eagerly
-    assert "replayed, emulate" in model.swiftspec_stats.attention and model.swiftspec_stats.tau > 1.2
+    assert min(done.values()) > 3 * len(calls), done  # the steps were replayed, not run eagerly
+    stats = model.swiftspec_stats
+    assert "replayed, emulate" in stats.attention and stats.tau > 1.2
+    assert stats.attention.startswith("target=triton" if attention == "kernel" else "target=sdpa"), stats.attention
 
 
 def test_sampling_draws_as_the_eager_round(pairs):
@@ -143,21 +151,58 @@ def test_a_fixed_step_compiles_whole():
             model_step(model, cache, torch.tensor([[5, 6, 7, 8]]), torch.arange(4)[None], keep=1)
             row = RowQueries(torch.tensor([9, 10, 11]), torch.tensor([4, 5, 5]),
                              torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool))
-            _, ids, positions, _, kwargs = step_arguments(model, cache, [row], "sdpa", arch, bucket=4)
+            _, ids, positions, layout = step_layout(model, cache, [row], bucket=4)
+            tensors, build = fixed_step_inputs("sdpa", arch, layout, model.dtype, set())
             step = torch.compile(forward, fullgraph=True, dynamic=False) if compiled else forward
-            results.append(step(model, cache, ids, positions, {"": kwargs["attention_mask"]}, 0)[0, :3])
+            kwargs = {"input_ids": ids, "position_ids": positions, **build(tensors)}
+            results.append(step(model, cache, kwargs, 0)[0, :3])
     torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-5)
 
 
+def test_compile_true_compiles_the_layers_for_the_call_only():
+    """compile=True on a CPU: the round's fixed steps with the decoder layers compiled; generate()'s output dict
+    (scores, logits) as target.generate's, and the user's layers left as they were."""
+    target, draft = tiny_model("llama", seed=0, layers=2), None
+    draft = truncated_draft(target, 1)
+    model = SwiftSpecForCausalLM.from_models(target, draft, compile=True, **FIXED)
+    prompt = torch.tensor([random_prompts((10,), 9, VOCAB)[0]])
+    kwargs = dict(max_new_tokens=24, do_sample=False, return_dict_in_generate=True, output_scores=True,
+                  output_logits=True)
+    expected, actual = target.generate(prompt, **kwargs), model.generate(prompt, **kwargs)
+    assert actual.sequences.tolist() == expected.sequences.tolist()
+    for ours, theirs in ((actual.scores, expected.scores), (actual.logits, expected.logits)):
+        torch.testing.assert_close(torch.stack(ours), torch.stack(theirs), rtol=1e-4, atol=1e-4)
+    assert "fixed steps, compiled layers" in model.swiftspec_stats.attention
+    assert all(layer._compiled_call_impl is None for m in (target, draft) for layer in m.model.layers)
+    assert len(model.captures.graphs["target"].compiled) == 2  # one compiled call per layer, kept for later calls
+
+
+def test_compiled_layers_with_the_kernel_for_two_models():
+    """compile=True with the tree kernel (as on CUDA) and a draft whose layers are of the target's class: each
+    model's steps give target.generate's tokens. (With shapes marked dynamic the target reused a graph compiled
+    for the draft and took another token at its first verification, on this CPU and on an H200.)"""
+    target = tiny_model("llama", seed=0, layers=2)
+    model = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 1), compile=True, attention="kernel",
+                                             **FIXED)
+    prompt = torch.tensor([random_prompts((7,), 0, VOCAB)[0]])
+    expected = target.generate(prompt, max_new_tokens=12, do_sample=False)
+    assert model.generate(prompt, max_new_tokens=12, do_sample=False).tolist() == expected.tolist()
+    assert model.swiftspec_stats.attention.startswith("target=triton (fixed steps, compiled layers)")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_cuda_graph_round_equals_target_generate(pairs):
+@pytest.mark.parametrize("attention,compiled", [("auto", False), ("model", False), ("auto", True)])
+def test_cuda_graph_round_equals_target_generate(pairs, attention, compiled):
+    """capture="auto" (the default): CUDA graphs, with the tree kernel ("auto") or sdpa and a dense mask."""
     device = torch.device("cuda")
     target, draft = (m.to(device) for m in pairs["llama"])
-    model = SwiftSpecForCausalLM.from_models(target, draft)  # capture="auto": CUDA graphs on CUDA
+    model = SwiftSpecForCausalLM.from_models(target, draft, compile=compiled, attention=attention, **FIXED)
     for seed, lengths in enumerate([(7,), (30,), (3, 23, 9)]):
         ids, mask = (t.to(device) for t in left_padded(random_prompts(lengths, seed, VOCAB)))
         expected = target.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
         actual = model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
         assert actual.tolist() == expected.tolist(), lengths
-    assert "replayed, cuda" in model.swiftspec_stats.attention, model.swiftspec_stats.attention
-    assert sum(replays(model).values()) > 10
+    stats = model.swiftspec_stats
+    assert "replayed, cuda" in stats.attention and "eager:" not in stats.attention, stats.attention
+    assert stats.attention.startswith("target=triton" if attention == "auto" else "target=sdpa"), stats.attention
+    assert min(replays(model).values()) > 10

@@ -86,7 +86,7 @@ def test_a_round_reads_the_device_once():
     """A draft-free round (its proposals built on the host) reads one thing from the device: the target's
     choices after its nodes, for the walk. The stopping criteria are split once per call (reading the EOS ids
     is a host sync). Two calls that differ only in length: their reads differ by their rounds."""
-    from test_static_round import SyncCounter
+    from sync_counter import SyncCounter
 
     target = tiny_model("llama", seed=7)
     target.generation_config.eos_token_id = 2  # a stopping criterion with ids to read

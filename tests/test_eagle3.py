@@ -135,9 +135,11 @@ def test_a_head_for_another_target_is_refused_by_name(tmp_path, target):
     wide = tiny_model("llama", seed=2, vocab_size=VOCAB, hidden=96)
     with pytest.raises(ValueError, match="width 64.*96 wide"):
         SwiftSpecForCausalLM.from_models(wide, random_head(target))
-    with pytest.raises(ValueError, match="compile=True.*EAGLE-3"):
-        SwiftSpecForCausalLM.from_models(target, random_head(target), compile=True).generate(
-            torch.tensor([[5, 6, 7]]), max_new_tokens=4, swiftspec=True)
+    # compile=True refuses nothing the round serves: a tapped target's steps run eagerly (the tap is a hook)
+    prompt = torch.tensor([[5, 6, 7]])
+    out = SwiftSpecForCausalLM.from_models(target, random_head(target), compile=True).generate(
+        prompt, max_new_tokens=6, swiftspec=True, do_sample=False)
+    assert out.tolist() == target.generate(prompt, max_new_tokens=6, do_sample=False).tolist()
     (tmp_path / "bin").mkdir()
     write_speculators_head(tmp_path / "bin", target)
     (tmp_path / "bin" / "model.safetensors").rename(tmp_path / "bin" / "pytorch_model.bin")

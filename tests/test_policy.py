@@ -218,7 +218,9 @@ def test_ngram_chain_is_lossless_and_used():
             model = SwiftSpecForCausalLM.from_models(target, draft, ngram_size=ngram_size)
             assert model.generate(prompt, do_sample=False, max_new_tokens=60, **kwargs).tolist() == expected
             from_chain = sum(r.ngram_accepted for r in model.swiftspec_stats.rounds)
-            assert from_chain > 10 if ngram_size else from_chain == 0
+            # The policy prices rounds by measured times: on this CPU the chain gave 40-42 tokens without the
+            # penalty and 12-13 with it, and a loaded machine once gave 10 or fewer; unused, it gives 0.
+            assert from_chain > 5 if ngram_size else from_chain == 0
 
 
 def test_user_corpus_feeds_the_chain():

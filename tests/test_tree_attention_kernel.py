@@ -366,3 +366,45 @@ def test_import_compiles_nothing_and_leaves_cuda_alone():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Lengths on the device (a captured step: one launch serves every step)
+# ---------------------------------------------------------------------------------------------
+
+
+def per_row_expected(q, k, v, rows, bits, scale, prefix_start=None):
+    """Each row b with (prefix p, region s) through the int-prefix reference on its own first p + s positions."""
+    out = torch.zeros_like(q)
+    for b, (p, s) in enumerate(rows):
+        start = None if prefix_start is None else prefix_start[b : b + 1]
+        out[b : b + 1] = tree_attention_reference(q[b : b + 1], k[b : b + 1, :, : p + s], v[b : b + 1, :, : p + s], p,
+                                                  bits[b : b + 1], scale, prefix_start=start)
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("num_splits", [None, 3])
+@pytest.mark.parametrize("window", [False, True])
+def test_device_lengths_match_each_row_alone(num_splits, window):
+    """Rows of one fixed-size cache (L = 300 positions) with their own prefix and region lengths, read from a
+    device tensor; junk after each row's region never counts. Equals each row's own int-prefix attention."""
+    gen = torch.Generator().manual_seed(11)
+    B, T, L, Hq, Hkv, D = 3, 8, 300, 4, 2, 32
+    rows = [(0, 8), (97, 20), (250, 30)]  # (prefix, region); the first row has no prefix at all
+    q, k, v = make_inputs(B, Hq, Hkv, T, D, L, 0, F32, gen)
+    k[:, :, -1] = float("nan")  # a slot no row reaches (a cache's scratch slot): must never be read
+    mask = torch.rand(B, T, 64, generator=gen) < 0.5
+    mask[:, :, 0] = True  # every query sees the root
+    bits = pack_tree_mask(mask).to(DEVICE)
+    start = None
+    if window:
+        start = torch.tensor([[0] * T, [50 + t for t in range(T)], [240] * T], dtype=torch.int32, device=DEVICE)
+    lengths = torch.tensor(rows, dtype=torch.int32, device=DEVICE)
+    scale = D**-0.5
+    expected = per_row_expected(q, k, v, rows, bits, scale, start)
+    reference = tree_attention_reference(q, k, v, None, bits, scale, prefix_start=start, lengths=lengths)
+    torch.testing.assert_close(reference, expected, atol=1e-5, rtol=1e-5)
+    out = tree_attention(q, k, v, None, bits, scale, prefix_start=start, lengths=lengths, num_splits=num_splits)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)

@@ -29,7 +29,6 @@ from .schema import METHOD_LABELS, BenchConfig, MethodResult, PairInfo
 UNBATCHED = {
     "assisted": "unsupported: transformers runs assisted generation at batch size 1 only",
     "prompt_lookup": "unsupported: transformers runs prompt lookup at batch size 1 only",
-    "swiftspec_compiled": "unsupported: compile=True decodes one sequence per call",
     "swiftspec_async": (
         "unsupported: generate() decodes a batch of prompts on the serial engine only and refuses one with an "
         "asynchronous placement (swiftspec_serial is the batched method)"
@@ -275,7 +274,7 @@ def swiftspec_method(name: str, model: SwiftSpecForCausalLM, seed: int) -> Metho
     )
     return Method(
         name, METHOD_LABELS[name], generate, stats=lambda: model.swiftspec_stats, settings={"placement": where},
-        batched=serial and not model.config.compile, checkpoint=checkpoint,
+        batched=serial, checkpoint=checkpoint,
         models=tuple(m for m in (model.target, model.draft) if m is not None),
     )
 
@@ -366,8 +365,7 @@ def build_methods(models: BenchModels, config: BenchConfig, settings: dict, note
         "swiftspec_eager": lambda: swiftspec_method(
             "swiftspec_eager", SwiftSpecForCausalLM.from_models(target, draft, **settings, capture=False), config.seed
         ),
-        "swiftspec_compiled": lambda: head_skipped("swiftspec_compiled", notes) if isinstance(draft, DraftHead)
-        else swiftspec_method(
+        "swiftspec_compiled": lambda: swiftspec_method(
             "swiftspec_compiled", SwiftSpecForCausalLM.from_models(target, draft, **settings, compile=True), config.seed
         ),
         "swiftspec_suffix": lambda: swiftspec_method(

@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 
 SCHEMA_VERSION = 5  # 5: BenchConfig.eagle3; 4: MethodResult.weights_mib; 3: a batch dimension (SetResult.batches), PromptRun.prompts / row_tokens / engine
 DEFAULT_METHODS = ("target", "assisted", "prompt_lookup", "swiftspec_serial", "swiftspec_async")
-# Timed only when asked for (--methods): swiftspec_compiled compiles its steps first (tens of seconds on a CPU).
+# Timed only when asked for (--methods): swiftspec_compiled (compile=True) compiles its layers first (tens of seconds
+# on a CPU).
 # swiftspec_suffix: the same target draft-free (suffix proposals only); swiftspec_eagle3: with BenchConfig.eagle3's head.
 # target_static: transformers' own fast decoding, a static cache with its forward compiled (CUDA graphs on CUDA),
 # timed by default off the CPU (on a CPU it compiles for minutes); swiftspec_eager: swiftspec_serial with capture=False.
@@ -28,7 +29,7 @@ METHOD_LABELS = {
     "prompt_lookup": "prompt lookup",
     "swiftspec_serial": "swiftspec serial",
     "swiftspec_async": "swiftspec async",
-    "swiftspec_compiled": "swiftspec compiled (static round)",
+    "swiftspec_compiled": "swiftspec serial, compiled layers",
     "swiftspec_suffix": "swiftspec, suffix proposals only",
     "swiftspec_eagle3": "swiftspec, EAGLE-3 head",
     "target_static": "target.generate, static cache compiled",

@@ -10,10 +10,9 @@
         sides.observe(proposed, verified, round_s) 4. the controller learns the round's costs and yield
         rows that finished leave both sides
 
-`RoundSides` is what the phases run on. Two implement it: the adaptive sides (engine/serial.py: the
-target's worker over its tree cache, the drafters, the goodput policy; every shape follows the prefix
-and the tree) and the static sides (engine/static_round.py, `compile=True`: fixed-capacity buffers,
-fixed shapes, capturable steps and one host sync per round, the shape chooser). The asynchronous engine
+`RoundSides` is what the phases run on: the adaptive sides (engine/serial.py: the target's worker over
+its tree cache, the drafters, the goodput policy). How each forward runs, eagerly or replayed from a
+captured graph, is the steps' business (step.py, capture.py), not the round's. The asynchronous engine
 runs the same workers on another schedule (the draft grows while the target verifies).
 """
 

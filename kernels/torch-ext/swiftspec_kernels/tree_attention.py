@@ -105,6 +105,7 @@ def tree_attention_reference(
     *,
     prefix_start: torch.Tensor | None = None,
     softcap: float | None = None,
+    lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Obviously-correct tree attention in fp32 (materialises the (B, Hq, T, L) scores).
 
@@ -118,19 +119,29 @@ def tree_attention_reference(
         prefix_start: int32 (B, T), the first prefix position each query sees (a window's start);
             None: all of them.
         softcap: if set, scores become softcap * tanh(scores / softcap) before the softmax.
+        lengths: int32 (B, 2) on the device, each row's (prefix length, tree region length): then prefix_len
+            is ignored (None) and row b's tree region is [lengths[b, 0], lengths[b, 0] + lengths[b, 1]);
+            positions after it are never attended (a fixed-size cache, read whole by a captured step).
 
     Returns:
         (B, Hq, T, D) in q.dtype. Rows that attend nothing are zeros.
     """
-    _check_shapes(q, k, v, prefix_len, tree_bits, prefix_start)
+    _check_shapes(q, k, v, prefix_len, tree_bits, prefix_start, lengths)
     B, Hq, T, _ = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     kf = k.float().repeat_interleave(Hq // Hkv, dim=1)  # (B, Hq, L, D)
     vf = v.float().repeat_interleave(Hq // Hkv, dim=1)  # (B, Hq, L, D)
-    prefix = torch.ones(B, T, prefix_len, dtype=torch.bool, device=q.device)
-    if prefix_start is not None:
-        prefix = torch.arange(prefix_len, device=q.device) >= prefix_start[..., None]  # (B, T, prefix_len)
-    allowed = torch.cat([prefix, unpack_tree_mask(tree_bits, L - prefix_len)], dim=-1)  # (B, T, L)
+    if lengths is None:
+        prefix = torch.ones(B, T, prefix_len, dtype=torch.bool, device=q.device)
+        if prefix_start is not None:
+            prefix = torch.arange(prefix_len, device=q.device) >= prefix_start[..., None]  # (B, T, prefix_len)
+        allowed = torch.cat([prefix, unpack_tree_mask(tree_bits, L - prefix_len)], dim=-1)  # (B, T, L)
+    else:
+        allowed = torch.zeros(B, T, L, dtype=torch.bool, device=q.device)
+        for b, (p, s) in enumerate(lengths.tolist()):
+            first = prefix_start[b, :, None] if prefix_start is not None else 0
+            allowed[b, :, :p] = torch.arange(p, device=q.device) >= first
+            allowed[b, :, p : p + s] = unpack_tree_mask(tree_bits[b : b + 1], s)[0]
     scores = (q.float() @ kf.transpose(-1, -2)) * scale  # (B, Hq, T, L)
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
@@ -187,7 +198,7 @@ def _attend_block(
 
 @_jit(do_not_specialize=["L", "prefix_len"])  # both change every step: do not recompile for them
 def _tree_attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, bits_ptr, start_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    q_ptr, k_ptr, v_ptr, bits_ptr, start_ptr, lengths_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_kl,
     stride_vb, stride_vh, stride_vl,
@@ -197,18 +208,25 @@ def _tree_attn_fwd_kernel(
     GROUP: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     WRITE_FINAL: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    HAS_START: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_START: tl.constexpr, SOFTCAP: tl.constexpr, DEVICE_LENGTHS: tl.constexpr,
 ):  # fmt: skip
     """One program: all GROUP query heads x T queries of one KV head, over one split of the prefix.
 
     Rows of the tile are the flattened (group, t) pairs, so each K/V block is read once for the
     whole GQA group instead of once per query head. The last split also covers the tree region.
     With HAS_START each row sees the prefix from its own start on (a window), and blocks before
-    the smallest start are skipped.
+    the smallest start are skipped. With DEVICE_LENGTHS each batch row's prefix length and tree
+    region length are read from `lengths_ptr` (B, 2) instead of the launch's prefix_len and L, so
+    one launch (a captured CUDA graph) serves every step; splits past a row's prefix do nothing.
     """
     tl.static_assert(BLOCK_N == 64)  # a tree block spans exactly two mask words
     pid_bh, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, kvh = (pid_bh // Hkv).to(tl.int64), pid_bh % Hkv  # int64: b * stride_kb can pass 2**31
+    if DEVICE_LENGTHS:
+        prefix_len = tl.load(lengths_ptr + 2 * b)
+        S = tl.load(lengths_ptr + 2 * b + 1)
+    else:
+        S = L - prefix_len
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < GROUP * T
     g, t = rows // T, rows % T
@@ -256,7 +274,6 @@ def _tree_attn_fwd_kernel(
     # 2j and 2j + 1 of each row and picks one by column, with no per-element gather.
     if split == num_splits - 1:
         bits_row = bits_ptr + b * stride_mb + t * stride_mt  # (BLOCK_M,)
-        S = L - prefix_len
         last_word = (S - 1) // 32  # the bits buffer may end right after it
         for c0 in range(0, S, BLOCK_N):
             col = c0 + cols  # tree column
@@ -296,10 +313,12 @@ def _tree_attn_combine_kernel(
     d = tl.arange(0, BLOCK_D)
     sp_ok, d_ok = sp < num_splits, d < D
     lse = tl.load(part_lse_ptr + r * num_splits + sp, mask=sp_ok, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, 0))  # padding splits (lse = -inf) weigh 0
+    top = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # padding splits (lse = -inf) weigh 0
     o_off = (r * num_splits + sp)[:, None] * D + d[None, :]
     o = tl.load(part_o_ptr + o_off, mask=sp_ok[:, None] & d_ok[None, :], other=0.0)
-    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    total = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * o, 0) / tl.where(total == 0.0, 1.0, total)  # a row that saw nothing: zeros
     tl.store(out_ptr + r * D + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
@@ -342,7 +361,7 @@ def triton_available(device: torch.device | str | None = None) -> bool:
     return torch.cuda.is_available()
 
 
-def _check_shapes(q, k, v, prefix_len, tree_bits, prefix_start=None) -> None:
+def _check_shapes(q, k, v, prefix_len, tree_bits, prefix_start=None, lengths=None) -> None:
     """Shape checks shared by the reference and the kernel."""
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
         raise ValueError(
@@ -362,12 +381,19 @@ def _check_shapes(q, k, v, prefix_len, tree_bits, prefix_start=None) -> None:
             f"query heads Hq={Hq} must be a multiple of KV heads Hkv={Hkv} (grouped-query "
             f"attention); check the head counts passed for this layer."
         )
-    if isinstance(prefix_len, bool) or not isinstance(prefix_len, int) or not 0 <= prefix_len <= L:
+    if lengths is not None:
+        if lengths.shape != (B, 2) or lengths.dtype != torch.int32:
+            raise ValueError(
+                f"lengths must be int32 (B={B}, 2): each row's (prefix length, tree region length), got dtype="
+                f"{lengths.dtype} shape={tuple(lengths.shape)}."
+            )
+        prefix_len = 0  # per row, on the device: the bits must cover every column after the shortest prefix
+    elif isinstance(prefix_len, bool) or not isinstance(prefix_len, int) or not 0 <= prefix_len <= L:
         raise ValueError(
             f"prefix_len={prefix_len!r} must be a Python int in [0, L={L}]; pass the committed "
-            f"length as an int (not a tensor, which would need a host sync)."
+            f"length as an int (not a tensor, which would need a host sync), or per-row `lengths` on the device."
         )
-    S = L - prefix_len
+    S = L - prefix_len if lengths is None else 0  # device lengths: the caller sizes the bits (W >= S_b / 32)
     need_words = (S + 31) // 32
     if tree_bits.dtype != torch.int32 or tree_bits.dim() != 3:
         raise ValueError(
@@ -458,6 +484,7 @@ def tree_attention(
     prefix_start: torch.Tensor | None = None,
     softcap: float | None = None,
     num_splits: int | None = None,
+    lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Fused tree attention (Triton); same contract as `tree_attention_reference`.
 
@@ -474,12 +501,17 @@ def tree_attention(
         softcap: if set, scores become softcap * tanh(scores / softcap) before the softmax.
         num_splits: how many programs share the prefix of one (batch, KV head) (tests,
             benchmarks); None picks it from prefix_len and the SM count.
+        lengths: int32 (B, 2) per-row (prefix length, tree region length) on the device, instead of
+            prefix_len (None): nothing in the launch then depends on them, so a CUDA graph captured once
+            serves every step; the prefix is split as if it filled all L positions.
 
     Returns:
         (B, Hq, T, D) contiguous, in q.dtype; rows that attend nothing are zeros.
     """
-    _check_shapes(q, k, v, prefix_len, tree_bits, prefix_start)
+    _check_shapes(q, k, v, prefix_len, tree_bits, prefix_start, lengths)
     _check_kernel_inputs(q, k, v, tree_bits)
+    if lengths is not None:
+        prefix_len = L = k.shape[2]  # the splits cover every position; each row stops at its own
     B, Hq, T, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     group = Hq // Hkv
@@ -508,9 +540,11 @@ def tree_attention(
     starts = prefix_start.to(q.device) if has_start else tree_bits  # never read without HAS_START
     # With a softcap the kernel caps natural-log scores, then moves them to the log2 domain itself.
     qk_scale = scale if softcap is not None else scale * math.log2(math.e)
+    device_lengths = lengths is not None
+    lengths = lengths if device_lengths else tree_bits  # never read without DEVICE_LENGTHS
 
     _tree_attn_fwd_kernel[(B * Hkv, num_splits, m_blocks)](
-        q, k, v, tree_bits, starts, out, part_o, part_lse,
+        q, k, v, tree_bits, starts, lengths, out, part_o, part_lse,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -519,6 +553,7 @@ def tree_attention(
         Hkv, T, L, prefix_len, split_len, num_splits, qk_scale, float(softcap or 1.0),
         GROUP=group, D=D, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_D=block_d,
         WRITE_FINAL=num_splits == 1, HAS_START=has_start, SOFTCAP=softcap is not None,
+        DEVICE_LENGTHS=device_lengths,
         # fp32 inputs would otherwise go through tf32 on tensor cores (~1e-3 relative error).
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST_DOT=_kernels_interpreted() and q.dtype == torch.bfloat16,
