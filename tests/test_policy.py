@@ -215,12 +215,12 @@ def test_ngram_chain_is_lossless_and_used():
     for kwargs in (dict(), dict(repetition_penalty=1.2)):
         expected = target.generate(prompt, do_sample=False, max_new_tokens=60, **kwargs).tolist()
         for ngram_size in (3, 0):
-            model = SwiftSpecForCausalLM.from_models(target, draft, ngram_size=ngram_size)
+            # Fixed trees: the policy prices rounds by measured times, and in the full suite (after tests that
+            # compile) it chose plain rounds often enough that the chain gave 10 tokens or fewer; here 41 / 13.
+            model = SwiftSpecForCausalLM.from_models(target, draft, ngram_size=ngram_size, tree_budget=8, draft_depth=1)
             assert model.generate(prompt, do_sample=False, max_new_tokens=60, **kwargs).tolist() == expected
             from_chain = sum(r.ngram_accepted for r in model.swiftspec_stats.rounds)
-            # The policy prices rounds by measured times: on this CPU the chain gave 40-42 tokens without the
-            # penalty and 12-13 with it, and a loaded machine once gave 10 or fewer; unused, it gives 0.
-            assert from_chain > 5 if ngram_size else from_chain == 0
+            assert from_chain > 10 if ngram_size else from_chain == 0
 
 
 def test_user_corpus_feeds_the_chain():

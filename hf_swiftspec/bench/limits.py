@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..cache import TreeCache
+from ..capture import capacity_bucket
 from ..compat import CACHE_ARGUMENTS
 from ..modeling import SwiftSpecForCausalLM
 from ..config import MAX_BUDGET
@@ -185,6 +186,9 @@ def memory_budget(models: BenchModels, settings: dict, ids: torch.Tensor, new_to
     draft_weights = parameter_bytes(models.draft) / MIB
     scratch = 1  # each cache's last slot takes the writes of a batch's padding queries
     target_extra, draft_extra = target.capacity - scratch - context, draft.capacity - scratch - context
+    budget = config.tree_budget or MAX_BUDGET  # None: the policy's largest tree
+    # A replayed round (capture.py) rounds each cache's capacity up to a power of two, so graphs serve other calls.
+    room = capacity_bucket(context + budget) - context if model.captures.graphs else budget
     return MemoryBudget(
         context_tokens=context,
         target_weights_mib=round(parameter_bytes(models.target) / MIB, 3),
@@ -195,10 +199,10 @@ def memory_budget(models: BenchModels, settings: dict, ids: torch.Tensor, new_to
         token_tree_mib=round(tree, 3),
         extra_mib=round(draft_weights + draft.mib + tree + target.mib - target_kv, 3),
         target_extra_slots=target_extra,
-        tree_budget=config.tree_budget or MAX_BUDGET,  # None: the policy's largest tree
+        tree_budget=budget,
         draft_extra_slots=draft_extra,
         tree_capacity=config.tree_capacity,
-        within_tree_region=target_extra <= (config.tree_budget or MAX_BUDGET) and draft.max_tree_slots <= config.tree_capacity,
+        within_tree_region=target_extra <= room and draft.max_tree_slots <= config.tree_capacity,
         no_growth=all(t.caches == 1 and t.buffers == 1 for t in (target, draft)),
         traces=[target, draft],
     )
