@@ -82,15 +82,8 @@ def run_step(
     bucket = query_bucket(max(max(len(r) for r in rows), 1)) if graphs is not None and cache.buffers else None
     if graphs is not None and cache.buffers and bucket is None:
         graphs.fallbacks.add(f"steps of more than {MAX_QUERIES} queries a row ran eagerly")
-    if bucket is not None:  # every layer sees the whole cache: the kernel through device lengths, sdpa a dense mask
-        counts, input_ids, positions, layout = step_layout(model, cache, rows, bucket)
-        tensors, build = fixed_step_inputs(attention, architecture, layout, model.dtype,
-                                           fallbacks if fallbacks is not None else set())
-        tensors |= {"input_ids": input_ids, "position_ids": positions}
-        out = graphs.run(model, cache, tensors, lambda t: {"input_ids": t["input_ids"], "position_ids": t["position_ids"],
-                                                           **build(t)}, head_rows(keep, input_ids.device))
-        cache.advance(bucket)
-        return [out[b, : counts[b]] for b in range(len(rows))] if logits else []
+    if bucket is not None:
+        return replayed_step(model, cache, rows, attention, architecture, fallbacks, keep, graphs, bucket)
     counts, input_ids, positions, layout, kwargs = step_arguments(model, cache, rows, attention, architecture)
     out = model_step(model, cache, input_ids, positions, keep=keep, **kwargs)  # (B, Q, V)
     if fallbacks is not None:
@@ -99,6 +92,23 @@ def run_step(
         elif attention in ("triton", "torch-reference") and not layout.single:
             fallbacks.add("batches of several rows")
     return [out[b, : counts[b]] for b in range(len(rows))] if logits else []
+
+
+def replayed_step(model, cache: TreeCache, rows: list[RowQueries], attention: str, architecture: Architecture,
+                  fallbacks: set[str] | None, keep: int, graphs: StepGraphs, bucket: int) -> list[torch.Tensor]:
+    """run_step as a fixed step of `bucket` queries a row, handed to `graphs` to replay: every layer sees the
+    whole cache (the kernel through per-row device lengths, sdpa through a dense mask)."""
+    counts, input_ids, positions, layout = step_layout(model, cache, rows, bucket)
+    tensors, build = fixed_step_inputs(attention, architecture, layout, model.dtype,
+                                       fallbacks if fallbacks is not None else set())
+    tensors |= {"input_ids": input_ids, "position_ids": positions}
+
+    def forward_kwargs(t: dict) -> dict:
+        return {"input_ids": t["input_ids"], "position_ids": t["position_ids"], **build(t)}
+
+    out = graphs.run(model, cache, tensors, forward_kwargs, head_rows(keep, input_ids.device))  # (B, Q, V)
+    cache.advance(bucket)
+    return [out[b, : counts[b]] for b in range(len(rows))] if keep == 0 else []
 
 
 def run_head_step(model, cache: TreeCache, rows: list[RowQueries], architecture: Architecture,
