@@ -10,6 +10,8 @@ pair's generate(swiftspec=True). Its own arguments (transformers passes them thr
     swiftspec_draft     a draft model, an EAGLE-3 head (load_eagle3_head), or None: suffix proposals only
     swiftspec_settings  SwiftSpecConfig fields (tree_budget, draft_width, ngram_size, ...)
     swiftspec_policy    a GoodputPolicy to keep what it measures across calls (default: a fresh one per call)
+    swiftspec_captures  a capture.Captures to keep the replayed steps' CUDA graphs across calls (default: each
+                        call captures its own)
     swiftspec_streamer  a streamer (transformers does not hand `streamer=` to custom decoding loops)
     swiftspec_generator a torch.Generator for sampling
     swiftspec_on_stats  called with the call's SwiftSpecStats
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from .capture import Captures
 from .config import SwiftSpecConfig, check_setting_names
 from .generation import split_stop_strings, stop_string_criteria, swiftspec_generate
 from .modeling import check_member_type, check_members
@@ -40,6 +43,7 @@ def custom_generate(
     swiftspec_draft=None,
     swiftspec_settings: dict | None = None,
     swiftspec_policy: GoodputPolicy | None = None,
+    swiftspec_captures: Captures | None = None,
     swiftspec_streamer=None,
     swiftspec_generator=None,
     swiftspec_on_stats: Callable[[SwiftSpecStats], None] | None = None,
@@ -59,7 +63,7 @@ def custom_generate(
         output, stats = swiftspec_generate(
             model, input_ids, logits_processor, stopping_criteria, generation_config,
             swiftspec_draft=swiftspec_draft, swiftspec_config=config, swiftspec_policy=policy,
-            swiftspec_streamer=swiftspec_streamer, swiftspec_generator=swiftspec_generator, **model_kwargs,
+            swiftspec_captures=swiftspec_captures, swiftspec_streamer=swiftspec_streamer, swiftspec_generator=swiftspec_generator, **model_kwargs,
         )
     finally:
         if swiftspec_streamer is not None:

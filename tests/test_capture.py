@@ -105,6 +105,26 @@ def test_buffers_and_graphs_serve_later_calls(pairs):
     assert all(replays(model)[role] > before[role] for role in before)
 
 
+def test_custom_generate_keeps_graphs_in_the_captures_it_is_given(pairs):
+    """A plain model's generate(custom_generate=...) replays too, and swiftspec_captures keeps its graphs for
+    the next call, as the pair keeps its own."""
+    from hf_swiftspec import custom_generate
+    from hf_swiftspec.capture import Captures
+
+    target, draft = pairs["llama"]
+    captures = Captures()
+    prompt = torch.tensor([random_prompts((9,), 4, VOCAB)[0]])
+    kwargs = dict(max_new_tokens=24, do_sample=False, custom_generate=custom_generate, swiftspec_draft=draft,
+                  swiftspec_settings={"capture": True, **FIXED}, swiftspec_captures=captures)
+    seen = []
+    for _ in range(2):  # the same call twice: the second captures nothing and replays what the first captured
+        out = target.generate(prompt, **kwargs)
+        assert out.tolist() == target.generate(prompt, max_new_tokens=24, do_sample=False).tolist()
+        graphs = captures.graphs["target"]
+        seen.append((graphs.captures, sum(b.replays for b in graphs.buckets.values())))
+    assert seen[1][0] == seen[0][0] > 0 and seen[1][1] > seen[0][1], seen
+
+
 def test_buckets_and_backends():
     assert [query_bucket(n) for n in (1, 2, 3, 8, 9, 64)] == [1, 2, 4, 8, 16, 64]
     assert query_bucket(MAX_QUERIES + 1) is None
