@@ -1,5 +1,6 @@
-"""The package's layers: no import cycle (module-level or inside functions), and the decoder never imports
-the tools around it (hf_swiftspec.tools, the bench, the command line)."""
+"""The package's layers: no import cycle (module-level, inside functions, or for annotations only under
+TYPE_CHECKING: a reader follows those too), and the decoder never imports the tools around it
+(hf_swiftspec.tools, the bench, the command line)."""
 
 from __future__ import annotations
 
@@ -19,24 +20,12 @@ def module_name(path: Path) -> str:
 MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
 
 
-def type_checking_only(tree: ast.Module) -> set[int]:
-    """Line numbers of imports under `if TYPE_CHECKING:` (annotations only: no import at run time)."""
-    lines = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
-            lines |= {n.lineno for child in node.body for n in ast.walk(child) if hasattr(n, "lineno")}
-    return lines
-
-
 def imports(name: str) -> set[str]:
     """The package's modules that `name` imports anywhere in its code (functions included)."""
     path = MODULES[name]
     tree = ast.parse(path.read_text())
-    skip = type_checking_only(tree)
     found = set()
     for node in ast.walk(tree):
-        if node.lineno in skip if hasattr(node, "lineno") else False:
-            continue
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]

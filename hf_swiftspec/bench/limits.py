@@ -9,7 +9,6 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,10 +19,8 @@ from ..modeling import SwiftSpecForCausalLM
 from ..config import MAX_BUDGET
 from ..tree import new_tree
 from .measure import MIB, generation_kwargs, synchronize
-from .schema import BenchConfig, CacheTrace, LimitReport, MemoryBudget, SetResult
+from .schema import BenchConfig, BenchModels, CacheTrace, LimitReport, MemoryBudget, SetResult
 
-if TYPE_CHECKING:
-    from .methods import BenchModels
 
 
 def parameter_bytes(model) -> int:

@@ -16,10 +16,9 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from .schema import MethodResult, OutputMismatchError, PromptInfo, PromptRun, Spread
+from .schema import Method, MethodResult, OutputMismatchError, PromptInfo, PromptRun, Spread
 
 if TYPE_CHECKING:
-    from .methods import Method
     from .prompts import PromptBatch
 
 

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
 
 import torch
 from transformers import CompileConfig
@@ -20,10 +18,9 @@ from ..modeling import SwiftSpecForCausalLM
 from ..pair import DEMO_PAIR_NAME, bundled_pair
 from ..pair.locate import HubOptions, member_folder, pair_members, resolve_pair_folder
 from ..pair.repo import load_pair_config
-from ..stats import SwiftSpecStats
 from ..tools.models import SHAPE_PREFIX
 from .measure import tokens_per_second
-from .schema import METHOD_LABELS, BenchConfig, MethodResult, PairInfo
+from .schema import METHOD_LABELS, BenchConfig, BenchModels, Method, MethodResult, PairInfo
 
 # Why a built-in method has no result at batch sizes above 1 (its MethodResult there says "unsupported").
 UNBATCHED = {
@@ -40,48 +37,6 @@ SWIFTSPEC_FIELDS = (
     "tree_budget", "draft_width", "draft_depth", "ngram_size", "suffix_cache_tokens", "tree_capacity", "attention",
     "worker_timeout_s",
 )
-
-
-@dataclass
-class BenchModels:
-    """A pair already in memory. tokenizer: the target's (None: hf_swiftspec.tools.models's character
-    tokenizer, fine for the random test pairs); settings: SwiftSpecConfig fields (tree_budget, ...)."""
-
-    target: Any
-    draft: Any
-    tokenizer: Any = None
-    name: str = "in-memory pair"
-    settings: dict = field(default_factory=dict)
-
-
-@dataclass
-class Method:
-    """One way of generating, timed side by side with the others.
-
-    generate(input_ids (B, L), attention_mask=(B, L), **generation_kwargs) -> sequences (B, L + n),
-        like target.generate; B > 1 (a left-padded batch) only where `batched`.
-    stats: the SwiftSpecStats of the last call, for tree speculation (None otherwise).
-    batched: it decodes a left-padded batch of prompts in one call, as target.generate does.
-    tune(input_ids, **generation_kwargs): run once per prompt set on the warm-up prompt, before
-        timing at batch size 1; may change `settings` (assisted generation picks
-        num_assistant_tokens there).
-    tuning: what tune measured, e.g. tokens/s per value tried.
-    checkpoint(): returns a function that puts back what the method keeps between calls as it is
-        now (swiftspec: the outputs its suffix proposals may copy), so every batch size starts from
-        the same state rather than from the answers it just gave the same prompts.
-    models: the models the method holds (its memory is their weights plus what its calls allocate).
-    """
-
-    name: str
-    label: str
-    generate: Callable[..., torch.Tensor]
-    stats: Callable[[], SwiftSpecStats | None] = lambda: None
-    settings: dict = field(default_factory=dict)
-    batched: bool = False
-    tune: Callable[..., None] | None = None
-    tuning: dict = field(default_factory=dict)
-    checkpoint: Callable[[], Callable[[], None]] = lambda: lambda: None
-    models: tuple = ()
 
 
 def load_models(config: BenchConfig, notes: list[str]) -> BenchModels:

@@ -1,5 +1,5 @@
 """The results.json schema: `BenchReport` and the dataclasses it holds, and `BenchConfig`, the run's
-settings as results.json records them. Keys only change with SCHEMA_VERSION (and the README's list).
+settings as results.json records them, with what a BenchConfig may carry in memory (`BenchModels`, `Method`). Keys only change with SCHEMA_VERSION (and the README's list).
 
 Units are in the names: *_mib are MiB (2**20 bytes: memory); weight_mb / kv_mb are MB (10**6 bytes,
 to divide by peak_gbps in 10**9 bytes/s); *_ms milliseconds; *_s seconds.
@@ -8,11 +8,11 @@ to divide by peak_gbps in 10**9 bytes/s); *_ms milliseconds; *_s seconds.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Callable
 
-if TYPE_CHECKING:
-    from .methods import BenchModels, Method
+import torch
 
+from ..stats import SwiftSpecStats
 
 SCHEMA_VERSION = 5  # 5: BenchConfig.eagle3; 4: MethodResult.weights_mib; 3: a batch dimension (SetResult.batches), PromptRun.prompts / row_tokens / engine
 DEFAULT_METHODS = ("target", "assisted", "prompt_lookup", "swiftspec_serial", "swiftspec_async")
@@ -40,6 +40,48 @@ METHOD_LABELS = {
 # `swiftspec bench --full` / BenchConfig.full(): the long run, with enough prompts and tokens for
 # stable means and a finer num_assistant_tokens search; several times the default run's work.
 FULL_RUN = {"num_prompts": 8, "max_new_tokens": 128, "assistant_tokens": (2, 4, 6, 8, 12)}
+
+
+@dataclass
+class BenchModels:
+    """A pair already in memory. tokenizer: the target's (None: hf_swiftspec.tools.models's character
+    tokenizer, fine for the random test pairs); settings: SwiftSpecConfig fields (tree_budget, ...)."""
+
+    target: Any
+    draft: Any
+    tokenizer: Any = None
+    name: str = "in-memory pair"
+    settings: dict = field(default_factory=dict)
+
+
+@dataclass
+class Method:
+    """One way of generating, timed side by side with the others.
+
+    generate(input_ids (B, L), attention_mask=(B, L), **generation_kwargs) -> sequences (B, L + n),
+        like target.generate; B > 1 (a left-padded batch) only where `batched`.
+    stats: the SwiftSpecStats of the last call, for tree speculation (None otherwise).
+    batched: it decodes a left-padded batch of prompts in one call, as target.generate does.
+    tune(input_ids, **generation_kwargs): run once per prompt set on the warm-up prompt, before
+        timing at batch size 1; may change `settings` (assisted generation picks
+        num_assistant_tokens there).
+    tuning: what tune measured, e.g. tokens/s per value tried.
+    checkpoint(): returns a function that puts back what the method keeps between calls as it is
+        now (swiftspec: the outputs its suffix proposals may copy), so every batch size starts from
+        the same state rather than from the answers it just gave the same prompts.
+    models: the models the method holds (its memory is their weights plus what its calls allocate).
+    """
+
+    name: str
+    label: str
+    generate: Callable[..., torch.Tensor]
+    stats: Callable[[], SwiftSpecStats | None] = lambda: None
+    settings: dict = field(default_factory=dict)
+    batched: bool = False
+    tune: Callable[..., None] | None = None
+    tuning: dict = field(default_factory=dict)
+    checkpoint: Callable[[], Callable[[], None]] = lambda: lambda: None
+    models: tuple = ()
 
 
 @dataclass
