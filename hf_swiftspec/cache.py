@@ -86,7 +86,7 @@ class TreeCacheLayer(CacheLayerMixin):
 class BufferPool:
     """Buffers that outlive one generation, by (shape, dtype, device): a TreeCache packs into the one of
     its shape instead of allocating, so forwards captured over it (capture.py) stay valid across calls.
-    Whoever holds the pool holds the memory; `clear()` lets it go."""
+    Whoever holds the pool holds the memory."""
 
     def __init__(self):
         self.buffers: dict[tuple, torch.Tensor] = {}
@@ -96,9 +96,6 @@ class BufferPool:
         if key not in self.buffers:
             self.buffers[key] = like.new_zeros(shape)
         return self.buffers[key]
-
-    def clear(self) -> None:
-        self.buffers.clear()
 
 
 class SlotBuffer:
@@ -214,7 +211,7 @@ class TreeCache(Cache):
             raise RuntimeError(f"TreeCache overflow: {max(ends)} positions > capacity {self.scratch}")
         self._index = None
         self._fixed = fixed and bool(self.buffers)
-        if (len(set(self.lengths)) > 1 or self._fixed) and self.buffers:
+        if self._fixed or (len(set(self.lengths)) > 1 and self.buffers):
             slots = [[n + j if j < c else self.scratch for j in range(queries)] for n, c in zip(self.lengths, counts)]
             self._index = torch.tensor(slots, device=device)
 

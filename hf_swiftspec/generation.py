@@ -128,9 +128,10 @@ def swiftspec_generate(
         keeps_logits=bool(generation_config.return_dict_in_generate and generation_config.output_logits),
     )
     request.policy.start_generation(request.max_new_tokens)
-    with (swiftspec_captures or Captures()).claimed() as ours:  # a concurrent call on the same pair: eager
+    captures = swiftspec_captures or Captures()
+    with captures.claimed() as ours:  # a concurrent call on the same pair captures graphs (and buffers) of its own
         result = decode_adaptive(model, swiftspec_draft, request, config, swiftspec_placement, swiftspec_groups,
-                                 chain_reasons, architectures, swiftspec_captures if ours else None)
+                                 chain_reasons, architectures, captures if ours else Captures())
     result.stats.draft_model = swiftspec_draft is not None
     if batch > 1:
         result.stats.row_tau = [row.tau for row in result.rows]
@@ -146,12 +147,12 @@ def decode_adaptive(target, draft, request: DecodeRequest, config: SwiftSpecConf
                     chain_reasons: list[str] = (), architectures=None, captures: Captures | None = None) -> DecodeResult:
     """The adaptive round (engine/serial.py, or an asynchronous engine) over the two workers; chains
     instead of trees where `chain_reasons` say this call needs them. architectures: the models' (probes.describe),
-    when the caller has them. captures: the pair's replayed forwards, kept across calls (default: this call's)."""
+    when the caller has them. captures: the pair's replayed forwards, kept across calls (None: every step eager)."""
     batch = request.batch_size
     length = request.prompt.shape[1] + request.max_new_tokens
     serial = placement is None or placement.mode == "serial"
     workers = build_workers(target, draft, config, length, groups, batch, chain_reasons, request.corpus, request.history,
-                            architectures, (captures or Captures()) if serial else None)
+                            architectures, captures if serial else None)
     with contextlib.ExitStack() as routes:  # each model attends the tree its way for this call only
         for worker in (workers[0], workers[1] and workers[1].model):
             if worker is not None and not isinstance(worker.model, DraftHead):
