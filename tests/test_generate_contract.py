@@ -10,7 +10,7 @@ from, teacher-forced through plain generate. `test_every_generation_config_field
 when a transformers release adds a GenerationConfig field or generate() argument that is neither a
 row here nor in NOT_APPLICABLE, so a new argument shows up as a failure, not a silent difference.
 
-README.md's list of supported arguments is rendered from this table (`python
+docs/source/en/generate.md's list of supported arguments is rendered from this table (`python
 tests/test_generate_contract.py` rewrites it; a test checks it is current).
 """
 
@@ -640,13 +640,13 @@ def test_a_streamer_is_refused_for_a_batch(pairs):
         speculative(model, case, dict(streamer=Collect()))
 
 
-# ---------------------------------------------------------------- the README's list, rendered from the table
+# ---------------------------------------------------------------- the docs' list, rendered from the table
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "source" / "en" / "generate.md"
 START, END = "<!-- generate-arguments:start -->", "<!-- generate-arguments:end -->"
 
 
-def readme_block() -> str:
+def page_block() -> str:
     plain_name = lambda row: re.sub(r" \((item|issue) [^)]*\)", "", row.name)  # noqa: E731
     exact = sorted({n for r in ROWS if not r.error and not r.warns for n in r.covers})
     code = lambda names: ", ".join(f"`{n}`" for n in names)  # noqa: E731
@@ -665,17 +665,17 @@ def readme_block() -> str:
     return "\n".join(lines)
 
 
-def test_readme_lists_the_contract():
-    text = README.read_text()
-    assert START in text and END in text, f"README.md needs a {START} ... {END} block"
+def test_the_generate_page_lists_the_contract():
+    text = PAGE.read_text()
+    assert START in text and END in text, f"{PAGE} needs a {START} ... {END} block"
     current = text[text.index(START) : text.index(END) + len(END)]
-    assert current == readme_block(), "README's generate arguments are stale: run python tests/test_generate_contract.py"
+    assert current == page_block(), f"{PAGE.name}'s generate arguments are stale: run python tests/test_generate_contract.py"
 
 
 if __name__ == "__main__":
-    text = README.read_text()
-    README.write_text(text[: text.index(START)] + readme_block() + text[text.index(END) + len(END) :])
-    print(f"rewrote the generate arguments in {README}")
+    text = PAGE.read_text()
+    PAGE.write_text(text[: text.index(START)] + page_block() + text[text.index(END) + len(END) :])
+    print(f"rewrote the generate arguments in {PAGE}")
 
 
 # ---------------------------------------------------------------- the same rows through custom_generate

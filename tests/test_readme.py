@@ -1,4 +1,6 @@
-"""The README's Python blocks run as pasted (a block starting `# requires: two GPUs` only where there are)."""
+"""The README and the documentation pages (docs/source/en): their Python blocks run as pasted (a block
+starting `# requires: two GPUs` only where there are), their links lead somewhere, their commands work,
+and what they say of the code (settings, the architecture table) is what the code is."""
 
 import re
 from pathlib import Path
@@ -6,44 +8,139 @@ from pathlib import Path
 import pytest
 import torch
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs" / "source" / "en"
+PAGES = [README, *sorted(DOCS.glob("*.md"))]
 
 
-def test_readme_has_python_blocks():
-    assert len(BLOCKS) >= 2
+def name(page: Path) -> str:
+    return str(page.relative_to(ROOT))
 
 
-def test_readme_python_blocks_run(capsys):
+def text(page: Path) -> str:
+    return page.read_text()
+
+
+def prose(page: Path) -> str:
+    """The page without its fenced code blocks, whitespace collapsed (a phrase may wrap anywhere)."""
+    return " ".join(re.sub(r"^```.*?^```", "", text(page), flags=re.S | re.M).split())
+
+
+def python_blocks(page: Path) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", text(page), flags=re.S | re.M)
+
+
+# What a page's blocks print, beyond the statistics line ("tau=") every page with a block prints.
+PRINTED = {
+    "README.md": ["def read_config(path):", "import os"],  # the completion, and the pipeline's
+    "docs/source/en/batches.md": ["def add(a, b):", "per row:"],
+    "docs/source/en/drafters.md": ["no draft model", "Eagle3Head"],
+    "docs/source/en/replayed_steps.md": ["compiled layers"],
+}
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if python_blocks(p)], ids=name)
+def test_python_blocks_run(page, capsys):
     """Each block runs alone, as pasted into a fresh interpreter (none continues another's names)."""
     threads = torch.get_num_threads()
-    models = []
+    models, ran = [], 0
     try:
-        for block in BLOCKS:
+        for block in python_blocks(page):
             if block.startswith("# requires: two GPUs") and torch.cuda.device_count() < 2:
                 continue
             namespace: dict = {}
-            exec(compile(block, str(README), "exec"), namespace)
+            exec(compile(block, str(page), "exec"), namespace)
+            ran += 1
             models += [v for v in namespace.values() if type(v).__name__ == "SwiftSpecForCausalLM"]
     finally:
         torch.set_num_threads(threads)
+    if not ran:
+        pytest.skip("every block needs two GPUs")
     printed = capsys.readouterr().out
-    assert "def read_config(path):" in printed and "import os" in printed and "tau=" in printed
-    assert models and all(m.swiftspec_stats is not None and m.swiftspec_stats.new_tokens > 0 for m in models)
+    for expected in ["tau=", *PRINTED.get(name(page), [])]:
+        assert expected in printed, f"{name(page)}'s blocks did not print {expected!r}:\n{printed[-3000:]}"
+    assert all(m.swiftspec_stats is not None and m.swiftspec_stats.new_tokens > 0 for m in models)
 
 
+def test_the_readme_runs_its_example():
+    assert python_blocks(README), "README.md lost its Python example"
 
-COMMANDS = [line.split("#")[0].split() for line in README.read_text().splitlines() if line.startswith("swiftspec generate")]
+
+# ---------------------------------------------------------------- links: one click from the README to each subject
 
 
-def test_readme_generate_examples_fit_the_demo_pairs_context():
+def anchors(page: Path) -> set[str]:
+    """The ids GitHub gives a page's headings: lower case, punctuation dropped, spaces to hyphens, repeats numbered."""
+    seen: dict[str, int] = {}
+    ids = set()
+    for heading in re.findall(r"^#{1,6} (.+)$", re.sub(r"^```.*?^```", "", text(page), flags=re.S | re.M), flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        ids.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+        seen[slug] = seen.get(slug, 0) + 1
+    return ids
+
+
+def links(page: Path) -> list[str]:
+    """Relative link targets in the page's prose (not in code blocks)."""
+    body = re.sub(r"^```.*?^```", "", text(page), flags=re.S | re.M)
+    return [t for t in re.findall(r"\]\(([^)\s]+)\)", body) if not re.match(r"[a-z]+:", t)]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=name)
+def test_every_relative_link_resolves(page):
+    for target in links(page):
+        path, _, anchor = target.partition("#")
+        resolved = (page.parent / path).resolve() if path else page
+        assert resolved.exists(), f"{name(page)} links to {target}, which does not exist"
+        if anchor:
+            assert resolved.suffix == ".md", f"{name(page)}: an anchor into {path}, which is not a page"
+            assert anchor in anchors(resolved), f"{name(page)} links to #{anchor}; {name(resolved)} has {sorted(anchors(resolved))}"
+
+
+def linked_pages(page: Path) -> set[Path]:
+    return {(page.parent / t.partition("#")[0]).resolve() for t in links(page) if t.partition("#")[0].endswith(".md")}
+
+
+def test_the_readme_links_every_docs_page_and_the_index_lists_them():
+    pages = {p.resolve() for p in DOCS.glob("*.md")}
+    assert len(pages) >= 10, "the documentation pages are missing"
+    assert pages <= linked_pages(README), f"not linked from README.md: {sorted(p.name for p in pages - linked_pages(README))}"
+    index = DOCS / "index.md"
+    assert pages - {index.resolve()} <= linked_pages(index), "index.md does not list every page"
+
+
+def test_the_toctree_names_every_page():
+    yaml = pytest.importorskip("yaml")
+    toc = yaml.safe_load((DOCS / "_toctree.yml").read_text())
+    local = [entry["local"] for section in toc for entry in section["sections"]]
+    assert sorted(local) == sorted(p.stem for p in DOCS.glob("*.md")) and len(set(local)) == len(local)
+
+
+# ---------------------------------------------------------------- commands
+
+
+def generate_commands() -> list[list[str]]:
+    """Every `swiftspec generate` command line the pages show, alone or after `&&`."""
+    commands = []
+    for page in PAGES:
+        for line in text(page).splitlines():
+            command = line.split("&&")[-1].strip()
+            if command.startswith("swiftspec generate"):
+                commands.append(command.split("#")[0].split())
+    return commands
+
+
+def test_generate_examples_fit_the_demo_pairs_context():
     """The README's `--max-new-tokens 256` example failed: the demo pair's context is 256 tokens, prompt included."""
     from hf_swiftspec.cli import build_parser, check_length, generate_options
     from hf_swiftspec.pair import context_length, resolve_pair
 
     demo = resolve_pair("swiftspec-demo-pystdlib")
-    assert COMMANDS and any("--max-new-tokens" in words for words in COMMANDS)
-    for words in COMMANDS:
+    commands = generate_commands()
+    assert ["swiftspec", "generate", "--compare"] in commands  # the README's main job
+    assert any("--max-new-tokens" in words for words in commands)
+    for words in commands:
         words = ["swiftspec-demo-pystdlib" if w == "ID" else w for w in words[1:] if w != "[PROMPT]"]
         options = generate_options(build_parser().parse_args(words))
         check_length(len(demo.tokenizer(options.prompt).input_ids), options.max_new_tokens,
@@ -52,19 +149,21 @@ def test_readme_generate_examples_fit_the_demo_pairs_context():
 
 def test_ci_runs_exactly_the_readmes_test_command():
     """.ci/run builds its own virtual environment and runs the README's test command in it, verbatim."""
-    ci = (README.parent / ".ci" / "run").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
     readme = README.read_text()
     commands = [line for line in readme.splitlines() if line.startswith("pip install") and "pytest" in line]
     assert len(commands) == 1, commands  # the README's one test command
     assert commands[0] in ci.splitlines() and "--index-url" not in commands[0]  # CI finds the CPU wheel on disk
     assert "python3 -m venv" in ci and ci.index("python3 -m venv") < ci.index(commands[0])
+    copies = {line for page in PAGES for line in text(page).splitlines() if line.startswith("pip install") and "pytest" in line}
+    assert copies == set(commands), f"a page shows another test command than the README's: {copies}"
 
 
-def test_readme_says_how_to_get_the_cpu_build_and_what_generate_does_not_do():
-    text = README.read_text()
-    assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in text
-    assert "applies no\nchat template" in text or "applies no chat template" in text
-    assert "rejects it" in text and "['swiftspec']" in text
+def test_the_docs_say_how_to_get_the_cpu_build_and_what_generate_does_not_do():
+    cpu = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+    assert cpu in text(DOCS / "installation.md") and cpu in prose(README)
+    assert "applies no chat template" in prose(DOCS / "cli.md")
+    assert "rejects it" in prose(DOCS / "generate.md") and "['swiftspec']" in prose(DOCS / "generate.md")
 
 
 def test_triton_is_an_extra_and_the_package_runs_without_it():
@@ -73,7 +172,7 @@ def test_triton_is_an_extra_and_the_package_runs_without_it():
     import sys
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
-    project = tomllib.loads((README.parent / "pyproject.toml").read_text())["project"]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert not any(dep.startswith("triton") for dep in project["dependencies"])
     assert any(dep.startswith("triton") for dep in project["optional-dependencies"]["gpu"])
     assert any(dep.startswith("triton") for dep in project["optional-dependencies"]["dev"])
@@ -93,15 +192,66 @@ def test_triton_is_an_extra_and_the_package_runs_without_it():
     assert "torch-reference" in proc.stdout
 
 
-def test_the_readme_says_what_exact_means_in_16_bit_and_its_script_runs():
+def test_the_docs_say_what_exact_means_in_16_bit_and_its_script_runs():
     """Issue 26 item 5: the README promised exact output with no dtype caveat; bfloat16 runs differed."""
     import subprocess
     import sys
 
-    text = README.read_text()
-    assert "### What \"exact\" means in float32 and in 16-bit" in text and "examples/dtype_divergence.py" in text
-    script = README.parent / "examples" / "dtype_divergence.py"
+    page = DOCS / "generate.md"
+    assert "## What \"exact\" means in float32 and in 16-bit" in text(page) and "examples/dtype_divergence.py" in text(page)
+    assert "docs/source/en/generate.md#what-exact-means-in-float32-and-in-16-bit" in links(README)
+    script = ROOT / "examples" / "dtype_divergence.py"
     proc = subprocess.run([sys.executable, str(script), "--num-prompts", "1", "--max-new-tokens", "6", "--prompts",
                            "humaneval"], capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "float32: 1/1 prompts identical to target.generate" in proc.stdout and "bfloat16: " in proc.stdout
+
+
+# ---------------------------------------------------------------- what the pages say of the code
+
+
+def test_the_settings_table_has_every_setting():
+    import inspect
+
+    from hf_swiftspec import SwiftSpecConfig
+
+    members = {"target", "draft", "target_revision", "draft_revision"}  # a pair repo's members, not settings
+    fields = set(inspect.signature(SwiftSpecConfig.__init__).parameters) - {"self", "kwargs"} - members
+    rows = re.findall(r"^\| `(\w+)` \|", text(DOCS / "settings.md"), flags=re.M)
+    assert sorted(rows) == sorted(fields), f"settings.md's table: {sorted(rows)}; SwiftSpecConfig: {sorted(fields)}"
+
+
+def test_the_architecture_table_is_the_sweeps():
+    """The table is written by `python -m hf_swiftspec.tools.sweep --page` (the whole sweep is slow); here its
+    rows agree with its own count line, and with transformers' causal-LM types when the release is the one swept."""
+    import transformers
+
+    from hf_swiftspec.tools import sweep
+
+    page = DOCS / "architectures.md"
+    body = text(page)
+    assert body.count(sweep.TABLE_START) == 1 and body.count(sweep.TABLE_END) == 1
+    block = body[body.index(sweep.TABLE_START) : body.index(sweep.TABLE_END)]
+    count = re.search(r"(\d+) causal-LM types in transformers ([\w.]+): (\d+) tree, (\d+) chain, (\d+) plain, "
+                      r"(\d+) refused, (\d+) skipped\.", block)  # fmt: skip
+    assert count, "the table lost its coverage line"
+    rows = re.findall(r"^\| `([^`]+)` \| (\w+) \|", block, flags=re.M)
+    types = [t for t, _ in rows]
+    assert types == sorted(types) and len(types) == int(count[1])
+    assert [sum(s == status for _, s in rows) for status in ("tree", "chain", "plain", "refused", "skipped")] == [
+        int(n) for n in count.groups()[2:]
+    ]
+    if count[2] == transformers.__version__:
+        assert set(types) == set(sweep.causal_lm_types()), "the table is stale: rerun the sweep (architectures.md says how)"
+
+
+def test_the_sweep_rewrites_the_architecture_page(tmp_path):
+    from hf_swiftspec.tools import sweep
+
+    copy = tmp_path / "architectures.md"
+    copy.write_text(text(DOCS / "architectures.md"))
+    outcome = sweep.Outcome(model_type="llama", status="tree", reason="", tau=3.0, notes="")
+    sweep.rewrite_page(copy, [outcome])
+    rewritten = copy.read_text()
+    assert "| `llama` | tree | tau 3.00 on the tiny sweep |" in rewritten and "| `gpt2` |" not in rewritten
+    assert rewritten.startswith(text(DOCS / "architectures.md")[: text(DOCS / "architectures.md").index(sweep.TABLE_START)])

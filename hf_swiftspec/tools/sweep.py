@@ -11,7 +11,7 @@ it with perturbed weights. A type's `Outcome` is one of
     wrong          anything else: a bug (tests fail on it)
 
 tests/test_architectures.py asserts these per type; `python -m hf_swiftspec.tools.sweep` runs the
-same sweep (or reads a saved one) and rewrites the architecture table in README.md.
+same sweep (or reads a saved one) and rewrites the architecture table in docs/source/en/architectures.md.
 """
 
 from __future__ import annotations
@@ -409,7 +409,7 @@ def first_line(error: BaseException, limit: int = 600) -> str:
     return text[:limit]
 
 
-# ---------------------------------------------------------------- the README table
+# ---------------------------------------------------------------- the architecture table (docs/source/en/architectures.md)
 
 TABLE_START = "<!-- architecture-table:start -->"
 TABLE_END = "<!-- architecture-table:end -->"
@@ -431,7 +431,7 @@ def transformers_version() -> str:
 
 
 def markdown_table(outcomes: list[Outcome]) -> str:
-    """The README's architecture table: one row per model type."""
+    """The architecture table of docs/source/en/architectures.md: one row per model type."""
     rows = ["| model type | speculation | why / notes |", "|---|---|---|"]
     for o in sorted(outcomes, key=lambda o: o.model_type):
         note = short_reason(o.reason)
@@ -462,13 +462,16 @@ def short_reason(reason: str, limit: int = 140) -> str:
     return reason if len(reason) <= limit else reason[: limit - 3] + "..."
 
 
-def rewrite_readme(readme: Path, outcomes: list[Outcome]) -> None:
-    text = readme.read_text()
+def rewrite_page(page: Path, outcomes: list[Outcome]) -> None:
+    text = page.read_text()
     block = f"{TABLE_START}\n{markdown_table(outcomes)}\n{TABLE_END}"
     pattern = re.compile(re.escape(TABLE_START) + ".*?" + re.escape(TABLE_END), re.S)
     if not pattern.search(text):
-        raise ValueError(f"{readme} has no {TABLE_START} ... {TABLE_END} block to rewrite; add one where the table goes.")
-    readme.write_text(pattern.sub(lambda _: block, text))
+        raise ValueError(
+            f"{page} has no {TABLE_START} ... {TABLE_END} block to rewrite: the table lives in "
+            "docs/source/en/architectures.md (--page docs/source/en/architectures.md)."
+        )
+    page.write_text(pattern.sub(lambda _: block, text))
 
 
 def save(outcomes: list[Outcome], path: Path) -> None:
@@ -483,7 +486,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, help="read the sweep from this JSON (the test writes it) instead of running it")
     parser.add_argument("--save", type=Path, help="write the sweep's results to this JSON")
-    parser.add_argument("--readme", type=Path, help="rewrite the architecture table in this README")
+    parser.add_argument("--page", type=Path, help="rewrite the architecture table in this page (docs/source/en/architectures.md)")
     parser.add_argument("types", nargs="*", help="model types to sweep (default: all)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -496,8 +499,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{model_type:28s} {outcomes[-1].status:8s} {outcomes[-1].reason}", file=sys.stderr, flush=True)
     if args.save:
         save(outcomes, args.save)
-    if args.readme:
-        rewrite_readme(args.readme, outcomes)
+    if args.page:
+        rewrite_page(args.page, outcomes)
     print(coverage_line(outcomes))
 
 
