@@ -22,7 +22,7 @@ for the length of that generation only (`routed_attention`, which restores the u
     SwiftSpecConfig.attention:
     "auto"   steps replayed as CUDA graphs (capture.py): the Triton kernel, whose launches a graph makes
              free; eager steps: the model's own attention + dense mask. On an H200 (Llama-3-8B shape, bf16,
-             README's GPU section) an eager tree step is bound by the host's launches, and the kernel's
+             docs/source/en/gpu_results.md) an eager tree step is bound by the host's launches, and the kernel's
              Python launch per layer cost more (+0.5 to +9.4 ms in 7 of 8 verifications) than its faster
              attention saved
     "kernel" the Triton kernel wherever Triton runs (CUDA, or the CPU interpreter under

@@ -27,8 +27,8 @@ from hf_swiftspec.tools.models import tiny_model, truncated_draft
 
 FAST = dict(num_prompts=2, max_new_tokens=8, assistant_tokens=(2, 4), growth_check_tokens=24, progress=False, peak_gbps=10.0)
 
-# The results.json keys, as documented in the README's bench section. Changing any of them is a
-# schema change: bump bench.SCHEMA_VERSION and the README with it.
+# The results.json keys, as documented in docs/source/en/bench.md's schema section. Changing any of them is a
+# schema change: bump bench.SCHEMA_VERSION and that page with it.
 REPORT_KEYS = {"schema_version", "environment", "pair", "config", "sets", "memory", "notes"}
 ENVIRONMENT_KEYS = {
     "created", "hf_swiftspec", "transformers", "torch", "python", "platform", "device", "threads", "cpu_count",
@@ -150,7 +150,7 @@ def test_results_json_has_exactly_the_documented_keys(finished):
 
 
 def test_the_documented_keys_are_the_dataclass_fields():
-    """The schema lives in bench's dataclasses; this keeps the test's (and README's) lists in step."""
+    """The schema lives in bench's dataclasses; this keeps the test's (and docs/source/en/bench.md's) lists in step."""
     for cls, keys in [
         (bench.BenchReport, REPORT_KEYS), (bench.Environment, ENVIRONMENT_KEYS), (bench.PairInfo, PAIR_KEYS),
         (bench.SetResult, SET_KEYS), (bench.BatchResult, BATCH_KEYS), (bench.PromptInfo, PROMPT_KEYS),
@@ -160,6 +160,19 @@ def test_the_documented_keys_are_the_dataclass_fields():
     ]:
         assert {f.name for f in fields(cls)} == keys, cls.__name__
     assert {f.name for f in fields(BenchConfig)} - {"models", "extra_methods"} == CONFIG_KEYS
+
+
+def test_the_bench_page_documents_every_key_at_this_schema_version():
+    import re
+    from pathlib import Path
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "source" / "en" / "bench.md"
+    schema = page.read_text().split("## The results schema (`results.json`)")[1]
+    assert f"schema_version {bench.SCHEMA_VERSION}" in schema, "bump the schema_version docs/source/en/bench.md names"
+    keys = (REPORT_KEYS | ENVIRONMENT_KEYS | PAIR_KEYS | SET_KEYS | BATCH_KEYS | PROMPT_KEYS | METHOD_KEYS | SPREAD_KEYS
+            | RUN_KEYS | LIMIT_KEYS | MEMORY_KEYS | TRACE_KEYS)  # fmt: skip
+    missing = keys - set(re.findall(r"\w+", schema))
+    assert not missing, f"docs/source/en/bench.md's schema lacks {sorted(missing)}"
 
 
 def flipped_method(target) -> Method:

@@ -16,7 +16,7 @@ from hf_swiftspec.tools.models import left_padded, random_prompts, tiny_model, t
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (examples/gpu_session.py --phase tests)")
 
-# One of each attention family the README claims (tests/test_architectures.py's REPRESENTATIVE, less the refused).
+# One of each attention family docs/source/en/architectures.md claims (tests/test_architectures.py's REPRESENTATIVE, less the refused).
 CUDA_TYPES = [
     "llama", "gpt2", "gemma3_text", "mistral", "qwen2", "llama4_text", "gpt_oss", "deepseek_v3", "deepseek_v32",
     "gpt_neo", "doge", "bloom", "mamba2", "qwen3_next", "lfm2",

@@ -1,5 +1,5 @@
 """The results.json schema: `BenchReport` and the dataclasses it holds, and `BenchConfig`, the run's
-settings as results.json records them, with what a BenchConfig may carry in memory (`BenchModels`, `Method`). Keys only change with SCHEMA_VERSION (and the README's list).
+settings as results.json records them, with what a BenchConfig may carry in memory (`BenchModels`, `Method`). Keys only change with SCHEMA_VERSION (and the list in docs/source/en/bench.md).
 
 Units are in the names: *_mib are MiB (2**20 bytes: memory); weight_mb / kv_mb are MB (10**6 bytes,
 to divide by peak_gbps in 10**9 bytes/s); *_ms milliseconds; *_s seconds.

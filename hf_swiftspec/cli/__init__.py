@@ -170,7 +170,7 @@ def statistics_line(model, run: RunStats, baseline: RunStats | None, identical: 
         if identical is False and model.target.dtype in (torch.bfloat16, torch.float16):
             same += (
                 f" (in {str(model.target.dtype).removeprefix('torch.')} a verification and a 1-token step round "
-                "differently, so near-tied tokens may part: README, 'What \"exact\" means'; float32 is exact)"
+                "differently, so near-tied tokens may part: docs/source/en/generate.md, 'What \"exact\" means'; float32 is exact)"
             )
         shortest = min(run.new_tokens, baseline.new_tokens)
         if shortest < MIN_TIMED_TOKENS:
