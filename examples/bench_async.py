@@ -11,6 +11,7 @@ The pair is the bundled demo pair (prompts: the bundled HumanEval excerpt), or w
 """
 
 import argparse
+import dataclasses
 import statistics
 import time
 from datetime import timedelta
@@ -20,6 +21,7 @@ import torch.distributed as dist
 
 from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.bench import load_prompts
+from hf_swiftspec.stats import OverlapBreakdown
 from hf_swiftspec.tools.models import agreeing_pair
 
 
@@ -32,6 +34,13 @@ def pair_and_prompts(name: str, count: int, prompt_len: int):
     pair = SwiftSpecForCausalLM.from_pretrained(name, dtype=torch.float32)
     texts = [prompt.text for prompt in load_prompts("humaneval", count)]
     return pair.target, pair.draft, [pair.tokenizer(t, return_tensors="pt").input_ids[:, -prompt_len:] for t in texts]
+
+
+def mean_overlap(overlaps: list[OverlapBreakdown]) -> OverlapBreakdown:
+    """The prompts' breakdowns averaged field by field (rounds summed)."""
+    fields = {f.name: statistics.mean(getattr(o, f.name) for o in overlaps) for f in dataclasses.fields(OverlapBreakdown)}
+    fields["rounds"], fields["message_bytes"] = sum(o.rounds for o in overlaps), overlaps[0].message_bytes
+    return OverlapBreakdown(**fields)
 
 
 def main() -> None:
@@ -67,7 +76,8 @@ def main() -> None:
     }
     times = {name: [] for name in methods}
     taus = {name: [] for name in methods}
-    idle = []
+    verify_ms = {name: [] for name in methods}
+    idle, overlaps = [], []
     for i, p in enumerate(prompts):
         outputs = {}
         for name, (fn, both_ranks) in methods.items():
@@ -79,23 +89,28 @@ def main() -> None:
                     times[name].append(time.perf_counter() - start)
                     model = {"swiftspec serial (1 core)": serial, "swiftspec async (2 processes)": asynchronous}.get(name)
                     if model is not None:
-                        taus[name].append(model.swiftspec_stats.tau)
+                        stats = model.swiftspec_stats
+                        taus[name].append(stats.tau)
+                        verify_ms[name].append(1e3 * stats.target_time_s / max(stats.verify_steps, 1))
                         if model is asynchronous:
-                            idle.append(model.swiftspec_stats.target_idle_fraction)
+                            idle.append(stats.target_idle_fraction)
+                            overlaps.append(stats.overlap)
         if rank == 0 and any(o.tolist() != outputs["target.generate"].tolist() for o in outputs.values()):
             raise SystemExit("outputs differ from target.generate: the run is invalid")
     if rank == 0:
         base = statistics.mean(times["target.generate"])
         print(f"{args.prompts} prompts x {args.max_new_tokens} new tokens, greedy, one thread per process; outputs identical")
-        print("| method | s/prompt (mean ± sd) | tok/s | speed-up vs target | tau | target idle |")
-        print("|---|---|---|---|---|---|")
+        print("| method | s/prompt (mean ± sd) | tok/s | speed-up vs target | tau | verify ms/round | target idle |")
+        print("|---|---|---|---|---|---|---|")
         for name, ts in times.items():
             mean, sd = statistics.mean(ts), statistics.stdev(ts) if len(ts) > 1 else 0.0
             tau = f"{statistics.mean(taus[name]):.2f}" if taus[name] else "-"
+            verify = f"{statistics.mean(verify_ms[name]):.1f}" if verify_ms[name] else "-"
             idle_s = f"{100 * statistics.mean(idle):.0f}%" if "async" in name else "-"
-            print(f"| {name} | {mean:.3f} ± {sd:.3f} | {args.max_new_tokens / mean:.1f} | {base / mean:.2f}x | {tau} | {idle_s} |")
+            print(f"| {name} | {mean:.3f} ± {sd:.3f} | {args.max_new_tokens / mean:.1f} | {base / mean:.2f}x | {tau} | {verify} | {idle_s} |")
         serial_mean = statistics.mean(times["swiftspec serial (1 core)"])
         print(f"async / serial speed-up: {serial_mean / statistics.mean(times['swiftspec async (2 processes)']):.2f}x")
+        print("async round, mean over prompts:", mean_overlap(overlaps).line())
     dist.destroy_process_group()
 
 

@@ -17,6 +17,7 @@ class TargetCounters:
     verify_steps: int = 0  # tree verifications
     busy_s: float = 0.0  # forward + walk + commit
     idle_s: float = 0.0  # waiting for a subtree (asynchronous engines)
+    verdict_s: float = 0.0  # sending verdicts (asynchronous engines)
     replayed_tokens: int = 0  # accepted tokens run again to roll recurrent states back (recurrent.py)
 
 
@@ -31,6 +32,64 @@ class DraftCounters:
     reroot_hits: int = 0  # the new root was already in the tree
     reroot_misses: int = 0  # a fresh tree was started
     busy_s: float = 0.0
+    # The asynchronous draft's round, phase by phase (seconds; see OverlapBreakdown):
+    grow_s: float = 0.0  # expanding while the verification was in flight (hidden)
+    wait_s: float = 0.0  # nothing left to grow: waiting for the verdict
+    overrun_s: float = 0.0  # finishing the expansion that was running when the verdict arrived
+    reroot_s: float = 0.0  # following the verdict: commit the accepted KV, keep the subtree below the new root
+    catch_up_s: float = 0.0  # expansions run before a subtree could be sent (a fresh tree, nothing to copy)
+    select_s: float = 0.0  # choosing the next subtree (its sending is part of the link's time)
+    grown_rounds: int = 0  # rounds that grew the tree while their verification was in flight
+
+
+@dataclass(frozen=True)
+class OverlapBreakdown:
+    """Where an asynchronous round's time goes, per round, in milliseconds.
+
+    The target's round is verify + idle. Its idle time is the draft's critical path (overrun +
+    reroot + catch_up + select) plus the two messages' trips (link: what is left of idle). grow and
+    wait happen while the target verifies: hidden, except that on devices that share memory
+    bandwidth (two processes on one CPU) the draft's growth slows the verification itself, which
+    shows as a larger `verify` than the serial round's at the same tree size. message_bytes: what
+    one round sends, both ways.
+    """
+
+    rounds: int
+    verify: float
+    idle: float
+    verdict: float  # the target sending its verdict
+    grow: float
+    wait: float
+    overrun: float
+    reroot: float
+    catch_up: float
+    select: float
+    message_bytes: int
+    grown_share: float  # of rounds that grew the tree in flight
+
+    @property
+    def link(self) -> float:
+        """The target's idle time the draft's work does not explain: the messages' trips, scheduling."""
+        return max(self.idle - self.overrun - self.reroot - self.catch_up - self.select, 0.0)
+
+    @classmethod
+    def of(cls, target: TargetCounters, draft: DraftCounters, message_bytes: int) -> "OverlapBreakdown":
+        n = max(target.verify_steps, 1)
+        ms = lambda seconds: 1e3 * seconds / n  # noqa: E731
+        return cls(
+            rounds=target.verify_steps, verify=ms(target.busy_s), idle=ms(target.idle_s), verdict=ms(target.verdict_s),
+            grow=ms(draft.grow_s), wait=ms(draft.wait_s), overrun=ms(draft.overrun_s), reroot=ms(draft.reroot_s),
+            catch_up=ms(draft.catch_up_s), select=ms(draft.select_s), message_bytes=message_bytes,
+            grown_share=draft.grown_rounds / max(draft.rounds, 1),
+        )
+
+    def line(self) -> str:
+        return (
+            f"per round (ms): verify {self.verify:.1f}, target idle {self.idle:.1f} = draft overrun {self.overrun:.1f} "
+            f"+ re-root {self.reroot:.1f} + catch-up {self.catch_up:.1f} + select {self.select:.1f} + link "
+            f"{self.link:.1f}; hidden: grow {self.grow:.1f}, wait {self.wait:.1f}; trees grown in flight in "
+            f"{100 * self.grown_share:.0f}% of rounds; {self.message_bytes} bytes a round"
+        )
 
 
 @dataclass(frozen=True)
@@ -71,12 +130,15 @@ class SwiftSpecStats:
     rounds: list[RoundRecord] = field(default_factory=list)  # the policy's choice per round
     row_tau: list[float] = field(default_factory=list)  # a batch's rows: each row's tokens per verification it took part in
     draft_model: bool = True  # False in draft-free mode: every proposal came from the suffix index
+    overlap: OverlapBreakdown | None = None  # asynchronous engines: where a round's time went
 
     @classmethod
     def collect(
-        cls, engine: str, new_tokens: int, wall_time_s: float, target: TargetCounters, draft: DraftCounters
+        cls, engine: str, new_tokens: int, wall_time_s: float, target: TargetCounters, draft: DraftCounters,
+        message_bytes: int | None = None,
     ) -> "SwiftSpecStats":
-        """The statistics of one generation from its workers' counters."""
+        """The statistics of one generation from its workers' counters (message_bytes: what one round of an
+        asynchronous engine sends, both ways; None for the serial engine, which has no overlap to break down)."""
         return cls(
             engine=engine,
             new_tokens=new_tokens,
@@ -92,6 +154,7 @@ class SwiftSpecStats:
             reroot_hits=draft.reroot_hits,
             reroot_misses=draft.reroot_misses,
             replayed_tokens=target.replayed_tokens,
+            overlap=None if message_bytes is None else OverlapBreakdown.of(target, draft, message_bytes),
         )
 
     def add_rounds(self, rounds: list[RoundRecord]) -> None:
@@ -139,9 +202,9 @@ class SwiftSpecStats:
             f"proposing {self.draft_time_s:.2f}s / verifying {self.target_time_s:.2f}s, "
             f"target idle {100 * self.target_idle_fraction:.0f}%, engine={self.engine}, attention={self.attention}"
         )
-        if not self.rounds:
-            return line
-        return (
-            f"{line}, mean tree {self.mean_tree_budget:.1f} nodes, {self.plain_rounds} plain rounds, "
-            f"n-gram share {100 * self.ngram_share:.0f}%"
-        )
+        if self.rounds:
+            line = (
+                f"{line}, mean tree {self.mean_tree_budget:.1f} nodes, {self.plain_rounds} plain rounds, "
+                f"n-gram share {100 * self.ngram_share:.0f}%"
+            )
+        return line if self.overlap is None else f"{line}\n{self.overlap.line()}"

@@ -5,6 +5,7 @@ Prints one JSON line per check to stdout, prefixed with RESULT.
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import signal
@@ -45,7 +46,8 @@ def greedy(placement, args):
             expected = reference.generate(p, do_sample=False, max_new_tokens=30, repetition_penalty=1.1)
             s = model.swiftspec_stats
             report(case="greedy", kind=kind, same=out.tolist() == expected.tolist(), tau=s.tau, engine=s.engine,
-                   in_flight=s.in_flight_expansions, idle=s.target_idle_fraction)
+                   in_flight=s.in_flight_expansions, idle=s.target_idle_fraction, verify_steps=s.verify_steps,
+                   overlap=dataclasses.asdict(s.overlap))
 
 
 def sample(placement, args):

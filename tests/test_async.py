@@ -120,3 +120,29 @@ def test_auto_placement_without_gpus_is_serial(llama_pair):
     model.generate(prompts(2)[1], max_new_tokens=5, do_sample=False)
     assert model.swiftspec_stats.engine == "serial"
     assert not hasattr(model, "hf_device_map") or model.hf_device_map is None
+
+
+def test_breakdown_says_where_the_target_waits(llama_pair):
+    """stats.overlap splits a round: a slow target shows as verification with the draft's growth hidden
+    under it; a slow draft shows as target idle time, explained by the draft's work on the critical path
+    (the expansion it was finishing, the catch-up of a fresh tree), not by the link."""
+    target, draft, _ = llama_pair
+    model = SwiftSpecForCausalLM.from_models(target, draft, placement=CPU_THREADS, tree_budget=6)
+    p = prompts(4)[3]
+    expected = target.generate(p, do_sample=False, max_new_tokens=24)
+    breakdowns = {}
+    for slow in ("target", "draft"):
+        hook = slow_down(target if slow == "target" else draft, 0.03)
+        try:
+            out = model.generate(p, do_sample=False, max_new_tokens=24)
+        finally:
+            hook.remove()
+        assert out.tolist() == expected.tolist()
+        stats = model.swiftspec_stats
+        breakdowns[slow] = overlap = stats.overlap
+        assert overlap.rounds == stats.verify_steps and overlap.message_bytes == 0  # threads hand objects over
+    slow_target, slow_draft = breakdowns["target"], breakdowns["draft"]
+    assert slow_target.verify >= 30 and slow_target.grow >= 20 and slow_target.idle < 0.5 * slow_target.verify
+    assert slow_draft.idle >= 15 and slow_draft.verify < 30
+    explained = slow_draft.overrun + slow_draft.catch_up + slow_draft.reroot + slow_draft.select
+    assert explained >= 0.7 * slow_draft.idle and slow_draft.link <= 0.3 * slow_draft.idle, slow_draft

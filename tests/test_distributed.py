@@ -58,6 +58,12 @@ def test_greedy_across_processes_equals_target(target, draft):
     assert sum(agreeing) / len(agreeing) > 1.2, agreeing
     # every rank, draft ranks included, returned the same tokens as the target leader
     assert all(r["same"] for r in results), [r for r in results if not r["same"]]
+    # the round's breakdown came back from the draft's process: its rounds are the target's verifications,
+    # its draft phases were timed over there, and one round sends a subtree and a verdict of 2 + 2 * 32 int32 each
+    for r in mine:
+        overlap = r["overlap"]
+        assert overlap["rounds"] == r["verify_steps"] and overlap["message_bytes"] == 2 * (2 + 2 * 32) * 4, r
+        assert overlap["verify"] > 0 and overlap["select"] > 0 and overlap["grow"] + overlap["wait"] > 0, overlap
 
 
 @pytest.mark.parametrize("case", ["fault-draft", "fault-target", "kill-draft"])

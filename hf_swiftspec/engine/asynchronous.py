@@ -28,19 +28,26 @@ from .workers import TargetWorker
 
 
 def run_draft(draft: Drafters, request: DecodeRequest, link) -> None:
-    """The draft worker's loop; returns when the target says generation is finished (one sequence)."""
+    """The draft worker's loop; returns when the target says generation is finished (one sequence).
+    Each phase's time goes to its DraftCounters field (stats.OverlapBreakdown)."""
     policy, counters = request.policy, draft.counters
     draft.start(request.prompt_ids(), link.receive_prompt_states() if draft.reads_features else None)
     start = time.perf_counter()
     draft.top_up(min(policy.max_budget, FIRST_TREE))
+    counters.catch_up_s += time.perf_counter() - start
     while True:
+        selecting = time.perf_counter()
         # Drafting is off the critical path here: the tree size is chosen by verification time alone.
         policy.plan_round(1, [0], probes=False)
         suffixes = draft.suffix_trees(policy.max_budget)
         if draft.fresh and not suffixes[0].tokens:  # a fresh tree and nothing to copy: one expansion first
+            catching_up = time.perf_counter()
             draft.top_up(2)
+            counters.catch_up_s += time.perf_counter() - catching_up
+            selecting += time.perf_counter() - catching_up
         candidates = draft.candidates(policy, suffixes)
         (proposal,) = draft.proposals(policy, candidates, spent_s=0.0, agree=link.agree)
+        counters.select_s += time.perf_counter() - selecting
         link.send_subtree(proposal.subtree)
         sent = time.perf_counter()
         counters.rounds += 1
@@ -51,13 +58,19 @@ def run_draft(draft: Drafters, request: DecodeRequest, link) -> None:
         drafted = time.perf_counter()
         verified = link.receive_verdict()
         start = time.perf_counter()
+        arrived = min(link.verdict_arrived_at(), start)
+        counters.grow_s += max(min(drafted, arrived) - sent, 0.0)
+        counters.overrun_s += max(drafted - arrived, 0.0)
+        counters.wait_s += start - drafted
         counters.busy_s += drafted - sent
         counters.in_flight_expansions += expansions
+        counters.grown_rounds += expansions > 0
         policy.observe_round(expansions, drafted - sent, len(proposal.subtree), start - sent)
         policy.observe_outcome(proposal, verified)
         if verified.finished:
             return
         draft.accept([proposal.subtree], [verified])  # the target waits from here to the next send: keep it short
+        counters.reroot_s += time.perf_counter() - start
 
 
 def run_target(target: TargetWorker, request: DecodeRequest, link, rows: BatchRows) -> None:
@@ -76,7 +89,9 @@ def run_target(target: TargetWorker, request: DecodeRequest, link, rows: BatchRo
         staying = rows.record([verified], request.on_tokens)
         rows.keep(staying)
         verified.finished = verified.finished or not staying
+        sending = time.perf_counter()
         link.send_verdict(verified)
+        target.counters.verdict_s += time.perf_counter() - sending
 
 
 def run_threads(target: TargetWorker, draft: Drafters, request: DecodeRequest, timeout_s: float) -> DecodeResult:
@@ -109,7 +124,8 @@ def run_threads(target: TargetWorker, draft: Drafters, request: DecodeRequest, t
         raise SwiftSpecWorkerError(f"the draft worker did not stop within {timeout_s:.0f}s after generation ended")
     result = rows.result
     result.stats = SwiftSpecStats.collect(
-        "async-threads", result.new_tokens, time.perf_counter() - start, target.counters, draft.counters
+        "async-threads", result.new_tokens, time.perf_counter() - start, target.counters, draft.counters,
+        message_bytes=0,  # the messages are Python objects handed between threads
     )
     return result
 

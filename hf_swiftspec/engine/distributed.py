@@ -2,7 +2,7 @@
 
 The world splits into a target group and a draft group, each tensor-parallel over its ranks.
 Only the two leaders (first rank of each group) talk across groups, point to point, in small
-int64 messages; each leader then broadcasts within its group. Every wait polls with a deadline
+int32 messages; each leader then broadcasts within its group. Every wait polls with a deadline
 (SwiftSpecConfig.worker_timeout_s): a failed worker sends a failure message, a dead one is
 noticed when its deadline passes, and either way every rank raises instead of hanging.
 
@@ -34,6 +34,7 @@ from .request import BatchRows
 
 GO, FINISHED, FAILED = 0, 1, -1
 ERROR_BYTES = 512
+MESSAGE_DTYPE = torch.int32  # token ids, tree indices and statuses all fit
 
 
 @dataclass
@@ -112,6 +113,7 @@ class Arrival:
     def __init__(self, work, timeout_s: float, what: str):
         self.error: BaseException | None = None
         self.done = threading.Event()
+        self.arrived_at = float("inf")  # perf_counter when the message was in (inf: not yet)
         self.thread = threading.Thread(target=self._wait, args=(work, timeout_s, what), daemon=True)
         self.thread.start()
 
@@ -120,6 +122,7 @@ class Arrival:
             wait(work, timeout_s, what)
         except BaseException as error:
             self.error = error
+        self.arrived_at = time.perf_counter()
         self.done.set()
 
     def result(self) -> None:
@@ -144,8 +147,13 @@ class DistLink:
     def size(self) -> int:
         return 2 + 2 * self.budget
 
+    @property
+    def round_bytes(self) -> int:
+        """What one round sends across groups: a subtree one way, a verdict back."""
+        return 2 * self.size * MESSAGE_DTYPE.itemsize
+
     def _tensor(self, n: int) -> torch.Tensor:
-        return torch.zeros(n, dtype=torch.long, device=self.groups.device)
+        return torch.zeros(n, dtype=MESSAGE_DTYPE, device=self.groups.device)
 
     def _recv(self, n: int, src: int, what: str) -> torch.Tensor:
         buf = self._tensor(n)
@@ -195,6 +203,10 @@ class DistLink:
     def verdict_ready(self) -> bool:
         # Only a lone draft rank may stop early: TP ranks must all expand the same number of times.
         return len(self.groups.draft_ranks) == 1 and self._verdict_work.done.is_set()
+
+    def verdict_arrived_at(self) -> float:
+        """When the verdict reached the draft leader (perf_counter; other ranks: when they receive it)."""
+        return self._verdict_work.arrived_at if self.groups.is_leader else time.perf_counter()
 
     def receive_verdict(self) -> Verified:
         if self.groups.is_leader:
@@ -318,6 +330,7 @@ def run_distributed(groups: Groups, target, draft, request, timeout_s: float):
         raise SwiftSpecWorkerError(f"the {groups.role} worker failed on rank {groups.rank}: {error!r}") from error
     result = rows.result
     result.stats = SwiftSpecStats.collect(
-        "async-distributed", result.new_tokens, time.perf_counter() - start, target_counters, draft_counters
+        "async-distributed", result.new_tokens, time.perf_counter() - start, target_counters, draft_counters,
+        message_bytes=link.round_bytes,
     )
     return result

@@ -51,6 +51,7 @@ class ThreadLink:
         self.verdicts: queue.Queue = queue.Queue()
         self.prompt_states: queue.Queue = queue.Queue()
         self.stopped = threading.Event()
+        self.verdict_sent_at = 0.0  # perf_counter when the last verdict was put (one clock: one process)
 
     # draft side
     def send_subtree(self, subtree: Subtree) -> None:
@@ -66,6 +67,10 @@ class ThreadLink:
     def receive_verdict(self) -> Verified:
         return self._get(self.verdicts, "target")
 
+    def verdict_arrived_at(self) -> float:
+        """When the verdict just received reached this worker (time.perf_counter)."""
+        return self.verdict_sent_at
+
     def receive_prompt_states(self) -> list:
         """The target's hidden states at each prompt's positions, for a drafter that reads them (one per row)."""
         return self._get(self.prompt_states, "target")
@@ -78,6 +83,7 @@ class ThreadLink:
         return self._get(self.proposals, "draft")
 
     def send_verdict(self, verified: Verified) -> None:
+        self.verdict_sent_at = time.perf_counter()
         self.verdicts.put(verified)
 
     def send_prompt_states(self, states: list) -> None:
