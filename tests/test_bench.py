@@ -55,8 +55,8 @@ METHOD_KEYS = {
 SPREAD_KEYS = {"mean", "sd", "min", "max"}
 RUN_KEYS = {
     "prompts", "seconds", "row_tokens", "new_tokens", "tokens_per_s", "speedup", "tau", "target_forwards",
-    "target_forwards_per_token", "target_idle_fraction", "verify_step_ms", "engine", "peak_memory_mib", "run_memory_mib",
-    "tree_budget", "draft_expansions", "plain_fraction", "ngram_share",
+    "target_forwards_per_token", "target_idle_fraction", "overlap", "verify_step_ms", "engine", "peak_memory_mib",
+    "run_memory_mib", "tree_budget", "draft_expansions", "plain_fraction", "ngram_share",
 }
 LIMIT_KEYS = {
     "method", "device", "peak_gbps", "peak_source", "weight_mb", "kv_mb", "context_tokens", "floor_ms",
@@ -112,6 +112,9 @@ def test_runs_every_method_on_every_set_and_writes_the_results(finished):
         assert by_name["target"].speedup.mean == 1.0
         assert by_name["swiftspec_async"].target_idle_fraction is not None
         assert by_name["swiftspec_serial"].target_idle_fraction is None
+        overlaps = [run.overlap for run in by_name["swiftspec_async"].runs]  # where each async round's time went
+        assert all(o["rounds"] > 0 and o["verify"] > 0 for o in overlaps), overlaps
+        assert all(run.overlap is None for run in by_name["swiftspec_serial"].runs)
         assert by_name["swiftspec_serial"].tree_budget.min >= 1 and by_name["target"].tree_budget is None  # the policy's choices
         assert by_name["swiftspec_serial"].engines == ["serial"] and by_name["target"].engines == []
         assert by_name["assisted"].settings["num_assistant_tokens"] in (2, 4)
@@ -132,7 +135,7 @@ def test_runs_every_method_on_every_set_and_writes_the_results(finished):
 def test_results_json_has_exactly_the_documented_keys(finished):
     _, out = finished
     data = json.loads((out / "results.json").read_text())
-    assert set(data) == REPORT_KEYS and data["schema_version"] == bench.SCHEMA_VERSION == 5
+    assert set(data) == REPORT_KEYS and data["schema_version"] == bench.SCHEMA_VERSION == 6
     assert set(data["environment"]) == ENVIRONMENT_KEYS
     assert set(data["pair"]) == PAIR_KEYS
     assert set(data["config"]) == CONFIG_KEYS

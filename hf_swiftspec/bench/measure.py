@@ -10,7 +10,7 @@ import resource
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -200,6 +200,7 @@ def timed_run(method: Method, batch: PromptBatch, harness: Harness) -> tuple[lis
         target_forwards=forwards,
         target_forwards_per_token=forwards / n if n else 0.0,
         target_idle_fraction=stats.target_idle_fraction if stats is not None and stats.engine != "serial" else None,
+        overlap=asdict(stats.overlap) if stats is not None and stats.overlap is not None else None,
         verify_step_ms=1000 * stats.target_time_s / stats.verify_steps if stats is not None and stats.verify_steps else None,
         engine=stats.engine if stats is not None else None,
         **policy_choices(stats),

@@ -14,7 +14,7 @@ import torch
 
 from ..stats import SwiftSpecStats
 
-SCHEMA_VERSION = 5  # 5: BenchConfig.eagle3; 4: MethodResult.weights_mib; 3: a batch dimension (SetResult.batches), PromptRun.prompts / row_tokens / engine
+SCHEMA_VERSION = 6  # 6: PromptRun.overlap; 5: BenchConfig.eagle3; 4: MethodResult.weights_mib; 3: a batch dimension (SetResult.batches), PromptRun.prompts / row_tokens / engine
 DEFAULT_METHODS = ("target", "assisted", "prompt_lookup", "swiftspec_serial", "swiftspec_async")
 # Timed only when asked for (--methods): swiftspec_compiled (compile=True) compiles its layers first (tens of seconds
 # on a CPU).
@@ -159,6 +159,7 @@ class PromptRun:
     target_forwards: int  # target forward calls, prefill included (one call computes every row)
     target_forwards_per_token: float  # target_forwards / new_tokens
     target_idle_fraction: float | None  # async tree speculation only
+    overlap: dict | None  # async tree speculation only: stats.OverlapBreakdown's fields (ms per round)
     verify_step_ms: float | None  # tree speculation: target time per verification of one row
     engine: str | None  # swiftspec: SwiftSpecStats.engine ("serial", or "target (batch: why)" where a batch fell back)
     tree_budget: float | None  # swiftspec: mean nodes verified per row and round (the policy's T, rounds weighted by rows)
