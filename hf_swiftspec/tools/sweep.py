@@ -65,10 +65,13 @@ TINY_OVERRIDES: dict[str, dict] = {
     "dots1": dict(n_shared_experts=1),  # None by default, which its MoE cannot multiply
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),  # per-layer types, in its own run-length form
     "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"]),  # the default has no attention
+    "lfm2": dict(layer_types=["conv", "full_attention"]),  # its default is full attention only; LFM2 checkpoints mix both
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),  # None by default
     "mamba2": dict(num_heads=8, n_groups=1),
     "musicgen": dict(decoder=dict(num_codebooks=1)),  # its decoder reads input_ids as (batch x codebooks, length)
     "musicgen_melody": dict(decoder=dict(num_codebooks=1)),  # num_heads x head_dim must equal hidden_size x expand
+    # sliding layers are off by default (use_sliding_window=False); as Qwen2 checkpoints that use them, past max_window_layers
+    "qwen2": dict(use_sliding_window=True, max_window_layers=1, layer_types=["full_attention", "sliding_attention"]),
     "qwen4_exp": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4),
     "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4),
     "reformer": dict(is_decoder=True, axial_pos_embds_dim=[32, 32], axial_pos_shape=[16, 32]),  # sums / products must match
@@ -409,6 +412,45 @@ def first_line(error: BaseException, limit: int = 600) -> str:
     return text[:limit]
 
 
+# ---------------------------------------------------------------- verdicts (what tests/test_architectures.py pins)
+
+# The whole sweep, committed: `python -m hf_swiftspec.tools.sweep --save hf_swiftspec/data/architecture_verdicts.json`
+VERDICTS = Path(__file__).resolve().parent.parent / "data" / "architecture_verdicts.json"
+# The mechanism a reason names, first match wins (a recurrent refusal may also name a failing forward). Verdicts
+# compare status and class, so a reworded reason changes none, and a type that moves to another mechanism does.
+REASON_CLASSES = (
+    ("recurrent state", r"keeps? a (recurrent|convolution) state"),
+    ("no position_ids", r"takes no position_ids"),
+    ("slot rule", r"cache slots?\b"),
+    ("no cache", r"takes no cache in its forward"),
+    ("own generate", r"has a generate\(\) of its own"),
+    ("whole sequence each step", r"takes the whole sequence at every step"),
+    ("multi-token forward fails", r"fails on a forward of several tokens"),
+    ("tree cache prefill fails", r"fails on a prefill into swiftspec's tree cache"),
+    ("cache layer beyond keys and values", r"cache layer keeps more than keys and values"),
+    ("window without a mask", r"sliding window in its cache but builds no sliding mask"),
+    ("own generate fails", r"^its own generate fails"),
+)
+
+
+def reason_class(reason: str) -> str:
+    """The REASON_CLASSES name of an Outcome's reason ("" for none, "unclassified" where no class matches); a type
+    whose own generate fails is classed with its error's type, e.g. "own generate fails (ImportError)"."""
+    if not reason:
+        return ""
+    for name, pattern in REASON_CLASSES:
+        if re.search(pattern, reason):
+            error = re.search(r"tiny config: (\w+)", reason) if name == "own generate fails" else None
+            return f"{name} ({error[1]})" if error else name
+    return "unclassified"
+
+
+def verdict(outcome: Outcome) -> str:
+    """The status with its reason's class: "tree", "chain: no position_ids", "refused: recurrent state"."""
+    kind = reason_class(outcome.reason)
+    return f"{outcome.status}: {kind}" if kind else outcome.status
+
+
 # ---------------------------------------------------------------- the architecture table (docs/source/en/architectures.md)
 
 TABLE_START = "<!-- architecture-table:start -->"
@@ -475,11 +517,20 @@ def rewrite_page(page: Path, outcomes: list[Outcome]) -> None:
 
 
 def save(outcomes: list[Outcome], path: Path) -> None:
-    path.write_text(json.dumps([asdict(o) for o in outcomes], indent=1) + "\n")
+    """The sweep as JSON: the transformers release it ran on, and every Outcome."""
+    data = {"transformers": transformers_version(), "outcomes": [asdict(o) for o in outcomes]}
+    path.write_text(json.dumps(data, indent=1) + "\n")
 
 
 def load(path: Path) -> list[Outcome]:
-    return [Outcome(**o) for o in json.loads(path.read_text())]
+    data = json.loads(path.read_text())
+    return [Outcome(**o) for o in (data["outcomes"] if isinstance(data, dict) else data)]  # (a list: saved before files named their release)
+
+
+def swept_release(path: Path) -> str | None:
+    """The transformers release a saved sweep ran on (None for a file saved without it)."""
+    data = json.loads(path.read_text())
+    return data.get("transformers") if isinstance(data, dict) else None
 
 
 def main(argv: list[str] | None = None) -> None:
