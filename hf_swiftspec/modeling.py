@@ -27,7 +27,7 @@ from .pair import (
     resolve_pair,
     write_pair_repo,
 )
-from .pair.loading import LoadArguments, split_load_kwargs, with_cpu_dtype
+from .pair.loading import LoadArguments, load_member_model, split_load_kwargs, with_cpu_dtype
 from .pair.locate import HubOptions, member_folder, member_head_config, resolve_pair_folder
 from .pair.repo import read_pair_config
 from .pair.tokenizer import load_tokenizer
@@ -219,7 +219,8 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
                 "SwiftSpecForCausalLM needs a target model: use SwiftSpecForCausalLM.from_models(target[, draft]) or "
                 "SwiftSpecForCausalLM.from_pretrained(pair_or_model_folder)."
             )
-        placement = resolve_placement(config.placement, target.config)
+        draft_config = draft.config if isinstance(draft, PreTrainedModel) else None  # (a head drafts serially)
+        placement = resolve_placement(config.placement, target.config, draft_config)
         check_members(target, draft, placement, tokenizer, draft_tokenizer)
         self.target = target
         self.draft = draft  # None: draft-free mode, speculating from the text's own repetition
@@ -318,7 +319,7 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
         )
         kwargs = with_cpu_dtype(load.member_kwargs, pair.config.placement)
         models = {
-            role: AutoModelForCausalLM.from_pretrained(member.location, revision=member.revision, **load.hub.as_kwargs(), **kwargs)
+            role: load_member_model(member, load.hub, kwargs)
             for role, member in pair.members.items() if not (role == "draft" and member_head_config(member, load.hub))
         }
         if "draft" not in models:  # an EAGLE-3 head: beside the target, in its dtype

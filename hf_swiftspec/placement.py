@@ -49,8 +49,9 @@ def distributed_world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def resolve_placement(spec, target_config=None) -> Placement:
-    """Turn a user's placement into a Placement, or raise ValueError naming what is impossible."""
+def resolve_placement(spec, target_config=None, draft_config=None) -> Placement:
+    """Turn a user's placement into a Placement, or raise ValueError naming what is impossible (with the models'
+    configs: a group whose size does not divide its model's heads, which its ranks shard)."""
     if spec is None or spec == "serial":
         return Placement("serial")
     world = distributed_world()
@@ -76,8 +77,9 @@ def resolve_placement(spec, target_config=None) -> Placement:
     else:
         placement = Placement("threads", *(tuple(device_of(m, role) for m in groups[role]) for role in ("target", "draft")))
         check_devices(placement)
-    if target_config is not None:
-        check_tensor_parallel(target_config, len(placement.target), "target")
+    for role, config in (("target", target_config), ("draft", draft_config)):
+        if config is not None:
+            check_tensor_parallel(config, len(getattr(placement, role)), role)
     return placement
 
 
@@ -122,6 +124,8 @@ def check_ranks(placement: Placement, world: int) -> None:
 
 def check_tensor_parallel(config, degree: int, role: str) -> None:
     """A group of `degree` ranks shards attention heads: both head counts must divide evenly."""
+    if degree == 1:  # nothing sharded (and a recurrent model's config may name no heads)
+        return
     config = config.get_text_config()
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads

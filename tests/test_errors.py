@@ -206,3 +206,25 @@ def test_continuous_batching_is_refused_not_run_without_speculation(model, metho
     """transformers' continuous batching would decode the target alone through the pair's forward."""
     with pytest.raises(NotImplementedError, match="model.target.generate_batch"):
         getattr(model, method)([[1, 2, 3]])
+
+
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        ({"target": [0, 1], "draft": [1]}, r"placement puts rank\(s\) \[1\] in both the target and the draft group; make them disjoint"),
+        ({"target": [0, 1], "draft": [5]}, r"placement names ranks \[5\], but the torchrun world has ranks 0\.\.4"),
+        # the query heads divide, the key/value heads do not
+        ({"target": [0, 1, 2, 3], "draft": [4]}, r"The target group has 4 ranks, which does not divide the target's 4 attention "
+                                                 r"heads and 2 key/value heads; use a group size that divides both"),
+        ({"target": [0, 1], "draft": [2, 3, 4]}, r"The draft group has 3 ranks, which does not divide the draft's 4 attention "
+                                                 r"heads and 2 key/value heads; use a group size that divides both"),
+    ],
+    ids=["overlap", "missing-rank", "target-heads", "draft-heads"],
+)
+def test_torchrun_placements_that_overlap_or_do_not_divide_the_heads(monkeypatch, spec, match):
+    """Under torchrun (a world of 5 ranks here) each group shards its model's heads over its ranks; refused before any
+    process group is made."""
+    monkeypatch.setattr("hf_swiftspec.placement.distributed_world", lambda: 5)
+    target = tiny_model("llama", seed=0)  # 4 attention heads, 2 key/value heads; its draft the same
+    with pytest.raises(ValueError, match=match):
+        SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 1), placement=spec)

@@ -185,6 +185,61 @@ def test_missing_member_names_the_field(tmp_path):
         SwiftSpecForCausalLM.from_pretrained(pair, local_files_only=True)
 
 
+def pickled_only(member: Path) -> None:
+    """The member's weights as pytorch_model.bin alone, as older checkpoints ship them."""
+    torch.save(AutoModelForCausalLM.from_pretrained(member).state_dict(), member / "pytorch_model.bin")
+    for weights in member.glob("*.safetensors"):
+        weights.unlink()
+
+
+def test_a_member_shipped_only_as_pickle_is_refused_naming_the_file_and_the_fix(tmp_path):
+    """Refused before any weights load (resolve_pair reads configs and tokenizers only); the fix it names works."""
+    pair = local_pair(tmp_path)
+    pickled_only(tmp_path / "draft")
+    fix = r"pair members load as safetensors only.*save_pretrained\(folder\) writes model\.safetensors; then name that folder"
+    with pytest.raises(PairConfigError, match=r"The draft from field 'draft'='\.\./draft' ships its weights only as pytorch_model\.bin: " + fix):
+        resolve_pair(pair)
+    AutoModelForCausalLM.from_pretrained(tmp_path / "draft").save_pretrained(tmp_path / "draft")
+    model = SwiftSpecForCausalLM.from_pretrained(pair)
+    ids = torch.tensor([[11, 12, 13]])
+    assert greedy(model, ids) == greedy(model.target, ids)
+
+
+def test_a_hub_member_without_safetensors_is_refused_naming_the_fix(tmp_path):
+    """A Hub member's files are not listed before loading: its load error is reworded (from the cache, offline)."""
+    pair = local_pair(tmp_path)
+    pickled_only(tmp_path / "draft")
+    write_cached_repo(tmp_path / "hub", "org/pickled-draft", tmp_path / "draft", DRAFT_SHA)
+    edit_config(pair, draft="org/pickled-draft", draft_revision=DRAFT_SHA)
+    with pytest.raises(PairConfigError, match=r"The draft from field 'draft'='org/pickled-draft' has no safetensors weights.*"
+                                              r"load as safetensors only.*save_pretrained\(folder\) writes model\.safetensors"):
+        SwiftSpecForCausalLM.from_pretrained(pair, cache_dir=tmp_path / "hub", local_files_only=True)
+
+
+def test_a_member_with_code_of_its_own_needs_trust_remote_code(tmp_path):
+    """A member whose config.json maps AutoConfig to a class in its own folder: refused, naming the class and
+    trust_remote_code=True, which then loads it (its model class is the folder's)."""
+    pair = local_pair(tmp_path)
+    target = tmp_path / "target"
+    (target / "configuration_tiny.py").write_text(
+        "from transformers import LlamaConfig\n\n\nclass TinyConfig(LlamaConfig):\n    model_type = 'tiny_custom'\n"
+    )
+    (target / "modeling_tiny.py").write_text(
+        "from transformers import LlamaForCausalLM\n\nfrom .configuration_tiny import TinyConfig\n\n\n"
+        "class TinyForCausalLM(LlamaForCausalLM):\n    config_class = TinyConfig\n"
+    )
+    auto_map = {"AutoConfig": "configuration_tiny.TinyConfig", "AutoModelForCausalLM": "modeling_tiny.TinyForCausalLM"}
+    edit_config(target, model_type="tiny_custom", auto_map=auto_map)
+    with pytest.raises(PairConfigError, match=r"The target from field 'target'='\.\./target' is a model of its own code "
+                                              r"\(configuration_tiny\.TinyConfig, in .*target\), which runs only with "
+                                              r"trust_remote_code=True: pass it to from_pretrained"):
+        SwiftSpecForCausalLM.from_pretrained(pair)
+    model = SwiftSpecForCausalLM.from_pretrained(pair, trust_remote_code=True)
+    assert type(model.target).__name__ == "TinyForCausalLM"
+    ids = torch.tensor([[11, 12, 13]])
+    assert greedy(model, ids) == greedy(model.target, ids)
+
+
 # ---------------------------------------------------------------- round trip and model card
 
 

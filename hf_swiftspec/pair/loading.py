@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from transformers import PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from ..placement import resolve_placement
-from .locate import HubOptions
+from .locate import HubOptions, PairMember, not_safetensors
 from .repo import pair_settings, pop_pair_settings
 
 # Arguments the Auto classes and pipeline() add that mean something for the pair repo itself, or nothing here.
@@ -49,6 +49,17 @@ def split_load_kwargs(kwargs: dict) -> LoadArguments:
         raise ValueError("Pair members load as safetensors only (pickle files can run code); drop use_safetensors.")
     kwargs.setdefault("trust_remote_code", False)
     return LoadArguments(hub, revision, subfolder, overrides, kwargs)
+
+
+def load_member_model(member: PairMember, hub: HubOptions, member_kwargs: dict) -> PreTrainedModel:
+    """A member's weights, as AutoModelForCausalLM loads them; weights missing as safetensors are said to be (a Hub
+    member that ships pytorch_model.bin only fails here: a local one was refused before any weights loaded)."""
+    try:
+        return AutoModelForCausalLM.from_pretrained(member.location, revision=member.revision, **hub.as_kwargs(), **member_kwargs)
+    except OSError as err:
+        if member_kwargs.get("use_safetensors") and ".safetensors" in str(err):
+            raise not_safetensors(member, "has no safetensors weights (no model.safetensors, nor its index)") from err
+        raise
 
 
 def reject_misspelt_settings(member_kwargs: dict) -> None:

@@ -215,7 +215,44 @@ def load_member_config(member: PairMember, hub: HubOptions, trust_remote_code: b
             member.location, revision=member.revision, trust_remote_code=trust_remote_code, **hub.as_kwargs()
         )
     except (OSError, ValueError, KeyError) as err:
+        code = None if trust_remote_code else remote_code(member, hub)
+        if code:
+            raise PairConfigError(
+                f"The {member.role} from field {member.role!r}={member.entry!r} is a model of its own code ({code}, in "
+                f"{member.location}), which runs only with trust_remote_code=True: pass it to from_pretrained once you have "
+                "read that code, or name a model transformers implements."
+            ) from err
         raise unreachable_member(member, hub, err) from err
+
+
+def remote_code(member: PairMember, hub: HubOptions) -> str | None:
+    """The class a member's config.json maps AutoConfig (or AutoModelForCausalLM) to in its own code, or None."""
+    try:
+        data, _ = PreTrainedConfig.get_config_dict(member.location, revision=member.revision, **hub.as_kwargs())
+    except (OSError, ValueError):
+        return None
+    auto_map = data.get("auto_map") or {}
+    return auto_map.get("AutoConfig") or auto_map.get("AutoModelForCausalLM")
+
+
+def check_member_weights(member: PairMember) -> None:
+    """Refuse a local member folder whose weights are in other formats only (members load as safetensors only), before
+    any weights load. A Hub member's files are not listed here: `not_safetensors` words its load error."""
+    folder = Path(member.location)
+    if not member.is_local or not folder.is_dir() or any(folder.glob("*.safetensors")):
+        return
+    others = sorted({p.name for pattern in FOREIGN_WEIGHTS for p in folder.glob(pattern)})
+    if others:
+        raise not_safetensors(member, f"ships its weights only as {', '.join(others[:3])}")
+
+
+def not_safetensors(member: PairMember, found: str) -> PairConfigError:
+    return PairConfigError(
+        f"The {member.role} from field {member.role!r}={member.entry!r} {found}: pair members load as safetensors only "
+        "(a pickle file can run code as it loads). Convert it once, from a source you trust: "
+        f"AutoModelForCausalLM.from_pretrained({member.location!r}).save_pretrained(folder) writes model.safetensors; "
+        f"then name that folder (it may be the same one) in field {member.role!r}."
+    )
 
 
 # ---------------------------------------------------------------- pinning revisions

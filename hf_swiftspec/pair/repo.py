@@ -30,6 +30,7 @@ from .locate import (
     ROLES,
     HubOptions,
     PairMember,
+    check_member_weights,
     load_member_config,
     member_head_config,
     pair_members,
@@ -153,6 +154,9 @@ def read_members(folder: Path, config: SwiftSpecConfig, hub: HubOptions, trust_r
         role: head.llama_config() if role == "draft" and head is not None else load_member_config(m, hub, trust_remote_code)
         for role, m in members.items()
     }
+    for role, m in members.items():
+        if not (role == "draft" and head):  # (a head's own loader refuses pickle files, naming them)
+            check_member_weights(m)
     sources = {role: (m.location, m.revision, hub) for role, m in members.items() if not (role == "draft" and head)}
     if own_tokenizer:
         sources["pair"] = (str(folder), None, HubOptions())
