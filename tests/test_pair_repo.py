@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import tomllib
 import types
 from pathlib import Path
 
@@ -17,8 +18,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.pair import (
+    DEMO_PAIR_NAME,
     PairCard,
     PairConfigError,
+    bundled_pair,
     bundled_pairs_dir,
     check_pair_files,
     create_pair_repo,
@@ -392,8 +395,18 @@ def test_resolve_pair_checks_without_loading_weights(tmp_path):
 # ---------------------------------------------------------------- the shipped pair repos
 
 
-def test_model_cards_folder_exists():
-    assert bundled_pairs_dir() is not None
+def test_every_bundled_pair_file_ships_in_the_package():
+    """The shipped-pair tests below are parametrised over bundled_pairs_dir() (without it they would collect
+    nothing); it holds the demo pair `swiftspec generate` loads by name, and pyproject's package data takes every
+    file of every pair folder, so an installed package has the pairs this checkout tests."""
+    root = bundled_pairs_dir()
+    assert root is not None and bundled_pair(DEMO_PAIR_NAME) == root / DEMO_PAIR_NAME
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    globs = pyproject["tool"]["setuptools"]["package-data"]["hf_swiftspec.model_cards"]
+    shipped = {path for glob in globs for path in root.glob(glob)}
+    files = {p for p in root.rglob("*") if p.is_file() and p.parent != root and "__pycache__" not in p.parts}
+    assert (root / DEMO_PAIR_NAME / "target" / "model.safetensors") in files
+    assert sorted(str(p.relative_to(root)) for p in files - shipped) == []
 
 
 @pytest.mark.parametrize("folder", sorted(p for p in (bundled_pairs_dir() or Path()).iterdir() if (p / "config.json").is_file()), ids=lambda p: p.name)
