@@ -400,12 +400,14 @@ def load_eagle3_head(folder, device=None, dtype: torch.dtype | None = None) -> E
     prefix = LAYER_PREFIX[config.format]
     state = {("midlayer." + k[len(prefix):] if k.startswith(prefix) else k): v for k, v in weights.items()}
     head = Eagle3Head(config, fc_bias="fc.bias" in state, own_embeddings="embed_tokens.weight" in state)
-    state.pop("t2d", None)  # the target->draft map: every draft id's target is in d2t
+    t2d = state.pop("t2d", None)  # the target ids some draft id maps to: d2t says the same, so it is only checked
     if "d2t" not in state:
         if config.draft_vocab_size != config.vocab_size:
             raise ValueError(f"{folder}: a draft vocabulary of {config.draft_vocab_size} (< {config.vocab_size}) needs a d2t tensor")
         state["d2t"] = torch.zeros(config.draft_vocab_size, dtype=torch.long)
     state["d2t"] = state["d2t"].long()
+    if t2d is not None:
+        check_t2d(folder, t2d, state["d2t"], config.vocab_size)
     expected = set(head.state_dict()) - {k for k in head.state_dict() if k.startswith("rotary.")}
     missing = sorted(expected - set(state))
     if missing:
@@ -416,6 +418,24 @@ def load_eagle3_head(folder, device=None, dtype: torch.dtype | None = None) -> E
     head.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False)
     head.name_or_path = str(folder)
     return head.to(device=device, dtype=dtype) if dtype is not None else head.to(device=device)
+
+
+def check_t2d(folder: Path, t2d: torch.Tensor, d2t: torch.Tensor, vocab_size: int) -> None:
+    """Refuse a head whose t2d ((V,) bool: which target ids have a draft id) disagrees with its d2t ((V_d,) offsets):
+    one of them was written for another head or vocabulary, or d2t holds target ids rather than offsets, and the
+    head would propose other tokens than it was trained to."""
+    if t2d.shape != (vocab_size,):
+        raise ValueError(f"{folder}: t2d has shape {tuple(t2d.shape)}, but the head's target vocabulary has {vocab_size} "
+                         "ids; re-export the head for this target (save_eagle3_head writes t2d from d2t).")  # fmt: skip
+    marked = set(t2d.bool().nonzero().flatten().tolist())
+    mapped = set((torch.arange(len(d2t)) + d2t).tolist())
+    if marked != mapped:
+        raise ValueError(
+            f"{folder}: the head's t2d and d2t disagree: t2d marks {len(marked)} target ids, d2t maps its {len(d2t)} draft "
+            f"ids to {len(mapped)} (marked only by t2d: {sorted(marked - mapped)[:5]}, only by d2t: "
+            f"{sorted(mapped - marked)[:5]}). Re-export the head from its training checkpoint (save_eagle3_head writes "
+            "t2d from d2t)."
+        )
 
 
 def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from test_sampling import ALPHA, exact_joint, pooled_chisquare, warpers
 
 from hf_swiftspec import SwiftSpecForCausalLM
@@ -61,7 +61,7 @@ def published_tensors(H, I, heads, kv, Ht, V, Vd, prefix, embeddings, fc_bias):
     d = H // heads
     tensors = {
         "fc.weight": r(H, 3 * Ht), "norm.weight": torch.ones(H), "lm_head.weight": r(Vd, H),
-        "d2t": torch.arange(Vd),  # draft id i is target id 2i "t2d": torch.zeros(V, dtype=torch.bool),
+        "d2t": torch.arange(Vd), "t2d": torch.isin(torch.arange(V), 2 * torch.arange(Vd)),  # draft id i: target id 2i
         f"{prefix}input_layernorm.weight": torch.ones(H), f"{prefix}hidden_norm.weight": torch.ones(H),
         f"{prefix}post_attention_layernorm.weight": torch.ones(H),
         f"{prefix}self_attn.q_proj.weight": r(heads * d, 2 * H), f"{prefix}self_attn.k_proj.weight": r(kv * d, 2 * H),
@@ -127,6 +127,25 @@ def test_published_formats_load_and_decode_losslessly(tmp_path, target, writer, 
     for name, tensor in head.state_dict().items():
         if not name.startswith("embed_tokens") or fmt == "speculators":
             assert torch.equal(again.state_dict()[name], tensor), name
+
+
+@pytest.mark.parametrize("writer", [write_eagle_authors_head, write_speculators_head])
+def test_t2d_is_checked_against_d2t(tmp_path, target, writer):
+    """Both formats ship t2d (which target ids have a draft id) beside d2t; the loader holds one to the other, so
+    a d2t of target ids read as offsets (or tensors of another head) is refused instead of drafting other tokens."""
+    writer(tmp_path / "head", target)
+    head = load_eagle3_head(tmp_path / "head")  # its t2d marks exactly d2t's targets, the even ids below 96
+    assert head.target_ids(torch.arange(48)).tolist() == list(range(0, 96, 2))
+    tensors = load_file(str(tmp_path / "head" / "model.safetensors"))
+    assert torch.equal(tensors["t2d"].nonzero().flatten(), torch.arange(0, 96, 2))
+    save_file({**tensors, "t2d": torch.arange(VOCAB) < 48}, str(tmp_path / "head" / "model.safetensors"))  # absolute ids
+    with pytest.raises(ValueError, match=r"t2d and d2t disagree: t2d marks 48 target ids, d2t maps its 48 draft ids to "
+                                         r"48 \(marked only by t2d: \[1, 3, 5, 7, 9\], only by d2t: \[48, 50, 52, 54, 56\]\)"
+                                         r"\. Re-export the head"):
+        load_eagle3_head(tmp_path / "head")
+    save_file({**tensors, "t2d": torch.ones(VOCAB + 30, dtype=torch.bool)}, str(tmp_path / "head" / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"t2d has shape \(128,\), but the head's target vocabulary has 98 ids"):
+        load_eagle3_head(tmp_path / "head")
 
 
 def test_a_head_for_another_target_is_refused_by_name(tmp_path, target):
