@@ -255,3 +255,46 @@ def test_the_sweep_rewrites_the_architecture_page(tmp_path):
     rewritten = copy.read_text()
     assert "| `llama` | tree | tau 3.00 on the tiny sweep |" in rewritten and "| `gpt2` |" not in rewritten
     assert rewritten.startswith(text(DOCS / "architectures.md")[: text(DOCS / "architectures.md").index(sweep.TABLE_START)])
+
+
+# The README's table of gains, row by row: the results.json behind it and the sets its cells cover.
+FIGURE_FILES = {
+    "2-core CPU, demo pair, HumanEval": ("examples/results/cpu-demo-pair", ["humaneval"]),
+    "2-core CPU, demo pair, Spec-Bench": ("examples/results/cpu-demo-pair", ["spec_bench"]),
+    "2-core CPU, demo pair, editing": ("examples/results/cpu-demo-pair", ["editing"]),
+    "2-core CPU, `shape:smollm2-135m`, 32 tokens, HumanEval / Spec-Bench": (
+        "examples/results/cpu-smollm2-135m-32", ["humaneval", "spec_bench"]),
+    "one NVIDIA H200, demo pair, HumanEval": ("examples/gpu_results/h200-2026-11-27/bench_demo_run1.json", ["humaneval"]),
+    "one NVIDIA H200, demo pair, Spec-Bench": ("examples/gpu_results/h200-2026-11-27/bench_demo_run1.json", ["spec_bench"]),
+}
+FIGURE_COLUMNS = ["target_static", "assisted", "prompt_lookup", "swiftspec_serial"]
+
+
+def test_readme_figures_are_the_result_files():
+    """Every speed-up in the README's table is the mean of the committed results.json it names (rounded
+    as shown), a "–" where that run had no such method; each CPU result directory keeps the command
+    that made it, and that command wrote to the same directory."""
+    import json
+
+    root = README.parent
+    rows = {cells[0]: cells[1:] for cells in (
+        [c.strip() for c in line.strip("|").split("|")] for line in README.read_text().splitlines()
+        if line.startswith("| 2-core CPU") or line.startswith("| one NVIDIA H200")
+    )}
+    assert set(rows) == set(FIGURE_FILES), set(rows) ^ set(FIGURE_FILES)
+    for label, (where, sets) in FIGURE_FILES.items():
+        path = root / where
+        if path.is_dir():
+            assert f"--out {where} " in (path / "command.txt").read_text() + " ", label
+            path = path / "results.json"
+        report = json.loads(path.read_text())
+        by_set = {s["name"]: {m["name"]: m for m in s["batches"][0]["methods"]} for s in report["sets"]}
+        for method, cell in zip(FIGURE_COLUMNS, rows[label]):
+            shown = [v.strip().strip("*").rstrip("x") for v in cell.split("/")]
+            if shown == ["–"]:
+                assert all(method not in by_set[s] or by_set[s][method]["status"] != "ok" for s in sets), (label, method)
+                continue
+            assert len(shown) == len(sets), (label, method, cell)
+            for name, value in zip(sets, shown):
+                result = by_set[name][method]
+                assert result["status"] == "ok" and f"{result['speedup']['mean']:.2f}" == value, (label, name, method, value)
