@@ -16,7 +16,9 @@ in one launch. A graph replays fixed addresses and fixed shapes, so a replayed s
 The round itself does not change: `run_step` hands a step to `StepGraphs.run`, which replays it when
 it can and says why not when it cannot (`StepGraphs.fallbacks`, shown in `swiftspec_stats.attention`);
 such a step runs eagerly as before. A model whose forward cannot be captured (recurrent states, a
-mask built by the model from cache lengths, hooks that must run) never gets a runner.
+mask built by the model from cache lengths) never gets a runner. A target tapped by a draft head (an
+EAGLE-3 head's or an MTP layer's hooks) replays too: its hooks run at capture only, so the captured
+step takes the tap's states as a second output, and each replay hands the tap a copy.
 
 Backends (`StepGraphs.backend`):
   "cuda"     torch.cuda.CUDAGraph, one per bucket, captured the first time the bucket runs (after one
@@ -74,7 +76,7 @@ def capture_backend(choice, device: torch.device, compile_layers: bool = False) 
     return "compiled" if compile_layers else None
 
 
-def capture_gap(architecture, reads_features: bool = False) -> str | None:
+def capture_gap(architecture) -> str | None:
     """Why a model's steps cannot be replayed (they then run eagerly), or None."""
     if architecture.shape == "chain":
         return "its steps are chains, masked by the model from the cache's lengths"
@@ -82,8 +84,6 @@ def capture_gap(architecture, reads_features: bool = False) -> str | None:
         return "recurrent states are saved and rolled back around each step"
     if architecture.slot_limits:
         return "its attention applies rules by cache slot"
-    if reads_features:
-        return "a draft head reads its hidden states through hooks, which a replay does not run"
     return None
 
 
@@ -99,6 +99,7 @@ class Bucket:
     inputs: dict[str, torch.Tensor]
     index: torch.Tensor
     logits: torch.Tensor | None = None
+    features: torch.Tensor | None = None  # a tapped target's hidden states (B, Q, D): the tap's take() at capture
     graph: object = None
     snapshot: tuple = ()  # "emulate": the cache's host bookkeeping at capture
     replays: int = 0
@@ -132,44 +133,57 @@ class StepGraphs:
         with compiled_layers(model, self.compiled), torch._dynamo.config.patch(recompile_limit=RECOMPILES):
             return forward(model, cache, kwargs, keep)
 
-    def bucket_key(self, cache: TreeCache, tensors: dict, keep) -> tuple:
+    def bucket_key(self, cache: TreeCache, tensors: dict, keep, tap=None) -> tuple:
         buffers = tuple((b.data.data_ptr(), tuple(b.data.shape), b.data.stride()) for b in cache.buffers)
         shapes = tuple((name, tuple(t.shape), t.dtype) for name, t in sorted(tensors.items()))
-        return shapes, str(keep), buffers
+        return shapes, str(keep), buffers, tap.key if tap is not None else None
 
-    def run(self, model, cache: TreeCache, tensors: dict, build, keep) -> torch.Tensor:
+    def run(self, model, cache: TreeCache, tensors: dict, build, keep, tap=None) -> torch.Tensor:
         """Logits (B, Q, V) float32 of one planned fixed step (cache.plan_step(..., fixed=True)), replayed;
         the caller advances the cache. tensors: {name: tensor} what changes between steps; build(tensors):
-        the forward's keyword arguments made of them (attention.fixed_step_inputs)."""
+        the forward's keyword arguments made of them (attention.fixed_step_inputs).
+
+        tap: a target's hidden-state tap for a draft head (eagle3.FeatureTap, mtp.FinalStateTap), or None. Its
+            hooks run at capture only, so the captured step takes its states into the bucket's static
+            `features`, and each replay hands the tap a copy (its next take() returns them)."""
         if self.backend == "compiled":
             return self.forward(model, cache, build(tensors), keep)
-        key = self.bucket_key(cache, tensors, keep)
+        key = self.bucket_key(cache, tensors, keep, tap)
         bucket = self.buckets.get(key)
         if bucket is None and key not in self.refused:
-            bucket = self.capture(key, model, cache, tensors, build, keep)
+            bucket = self.capture(key, model, cache, tensors, build, keep, tap)
             if bucket is not None:
-                return bucket.logits.clone()  # the capture ran the step itself
+                return self.outputs(bucket, tap)  # the capture ran the step itself
         if bucket is None:
             self.fallbacks.add(self.refused[key])
             return self.forward(model, cache, build(tensors), keep)
         load(bucket, cache, tensors)
-        self.replay(bucket, cache)
-        return bucket.logits.clone()  # the next replay of this bucket overwrites its output
+        self.replay(bucket, cache, tap)
+        return self.outputs(bucket, tap)
 
-    def capture(self, key, model, cache, tensors: dict, build, keep) -> Bucket | None:
+    @staticmethod
+    def outputs(bucket: Bucket, tap) -> torch.Tensor:
+        """The bucket's logits, and its features handed to the tap: copies, since the next replay of this
+        bucket overwrites both."""
+        if tap is not None:
+            tap.hand(bucket.features.clone())
+        return bucket.logits.clone()
+
+    def capture(self, key, model, cache, tensors: dict, build, keep, tap=None) -> Bucket | None:
         """A new bucket for this step, run once; None (and the reason kept) when its capture fails."""
         bucket = Bucket({name: t.clone() for name, t in tensors.items()}, cache._index.clone())
         cache._index = bucket.index  # the forward reads the static index from now on
         kwargs = build(bucket.inputs)
 
-        def step(live: TreeCache = cache):  # a graph reads the buffers' addresses, whichever cache holds them
-            return self.forward(model, live, kwargs, keep)
+        def step(live: TreeCache = cache, live_tap=tap):  # a graph reads the buffers' addresses, whichever cache holds them
+            logits = self.forward(model, live, kwargs, keep)
+            return logits, live_tap.take() if live_tap is not None else None  # the tap's states join the outputs
 
         try:
             if self.backend == "cuda":
-                bucket.graph, bucket.logits = self.capture_cuda(step)
+                bucket.graph, (bucket.logits, bucket.features) = self.capture_cuda(step)
             else:
-                bucket.logits = step()
+                bucket.logits, bucket.features = step()
                 bucket.graph, bucket.snapshot = step, host_state(cache)
         except Exception as error:  # noqa: BLE001  (any failure: this bucket runs eagerly, and says why)
             self.refused[key] = f"capture failed ({type(error).__name__}: {str(error).splitlines()[0][:120]})"
@@ -198,7 +212,7 @@ class StepGraphs:
         graph.replay()
         return graph, out
 
-    def replay(self, bucket: Bucket, cache: TreeCache) -> None:
+    def replay(self, bucket: Bucket, cache: TreeCache, tap=None) -> None:
         bucket.replays += 1
         if self.backend == "cuda":
             bucket.graph.replay()
@@ -206,7 +220,10 @@ class StepGraphs:
         live = host_state(cache)  # "emulate": the forward sees the host values of its capture, as a graph would
         set_host_state(cache, bucket.snapshot)
         try:
-            bucket.logits.copy_(bucket.graph(cache))
+            logits, features = bucket.graph(cache, tap)  # (its hooks run, but the step takes their states itself)
+            bucket.logits.copy_(logits)
+            if features is not None:
+                bucket.features.copy_(features)
         finally:
             set_host_state(cache, live)
 

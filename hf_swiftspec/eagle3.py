@@ -371,8 +371,20 @@ class FeatureTap:
             self.captured[i] = args[0] if args else kwargs["hidden_states"]
         return capture
 
+    @property
+    def key(self) -> tuple:
+        """What a replayed step's bucket must have captured for this tap (capture.py)."""
+        return type(self).__name__, self.layer_ids
+
+    def hand(self, states: torch.Tensor) -> None:
+        """The last forward's states, from a replay (whose hooks never run): the next take() returns them."""
+        self.captured = {"replayed": states}
+
     def take(self) -> torch.Tensor:
         """The last forward's states (B, Q, 3 * H)."""
+        if "replayed" in self.captured:
+            out, self.captured = self.captured["replayed"], {}
+            return out
         missing = [i for i in self.layer_ids if i not in self.captured]
         if missing:
             raise RuntimeError(f"the target's forward did not run its decoder layers {missing} through their modules")

@@ -191,7 +191,7 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
     target_worker = draft_worker = None
     if role in (None, "target"):
         budget = config.tree_budget or MAX_BUDGET
-        graphs = step_graphs(captures, "target", target, target_arch, config, reads_features=isinstance(draft, DraftHead))
+        graphs = step_graphs(captures, "target", target, target_arch, config)
         attention = resolve_attention(config.attention, target, target_arch, replayed=graphs is not None)
         capacity = length + budget if graphs is None else capacity_bucket(length + budget)
         target_worker = TargetWorker(target, capacity, attention, target_arch, batch_size, graphs)
@@ -223,12 +223,11 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
     return target_worker, draft_worker
 
 
-def step_graphs(captures: Captures | None, role: str, model, architecture, config: SwiftSpecConfig,
-                reads_features: bool = False) -> StepGraphs | None:
+def step_graphs(captures: Captures | None, role: str, model, architecture, config: SwiftSpecConfig) -> StepGraphs | None:
     """The model's replayed forwards for this call (capture.py), or None where its steps run eagerly: no
     capture asked for or possible on its device, or a forward a replay cannot reproduce (below)."""
     backend = capture_backend(config.capture, model.device, config.compile)
-    if captures is None or backend is None or capture_gap(architecture, reads_features) is not None:
+    if captures is None or backend is None or capture_gap(architecture) is not None:
         return None
     return captures.for_model(role, backend, config.compile)
 

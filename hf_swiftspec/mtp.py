@@ -37,6 +37,12 @@ class FinalStateTap:
     def capture(self, module, args, output) -> None:
         self.captured = output
 
+    key = ("FinalStateTap",)  # what a replayed step's bucket must have captured for this tap (capture.py)
+
+    def hand(self, states: torch.Tensor) -> None:
+        """The last forward's states, from a replay (whose hooks never run): the next take() returns them."""
+        self.captured = states
+
     def take(self) -> torch.Tensor:
         if self.captured is None:
             raise RuntimeError("the target's forward did not run its final norm")

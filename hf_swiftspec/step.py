@@ -69,6 +69,7 @@ def run_step(
     fallbacks: set[str] | None = None,
     logits: bool = True,
     graphs: StepGraphs | None = None,
+    tap=None,
 ) -> list[torch.Tensor]:
     """One forward over every row's queries; returns each row's float32 logits (n_b, V), or nothing
     with `logits=False` (a catch-up: the head then runs on one query per row, not on every token of a
@@ -77,13 +78,14 @@ def run_step(
     fallbacks: collects why kernel-routed layers ran the model's own attention instead.
     graphs: the model's captured forwards (capture.py): the step is padded to its bucket and replayed,
         unless it is larger than any bucket (then it runs eagerly, as without).
+    tap: the target's hidden-state tap for a draft head, which a replayed step hands its states (StepGraphs.run).
     """
     keep = 0 if logits else NO_LOGITS if architecture.headless else 1
     bucket = query_bucket(max(max(len(r) for r in rows), 1)) if graphs is not None and cache.buffers else None
     if graphs is not None and cache.buffers and bucket is None:
         graphs.fallbacks.add(f"steps of more than {MAX_QUERIES} queries a row ran eagerly")
     if bucket is not None:
-        return replayed_step(model, cache, rows, attention, architecture, fallbacks, keep, graphs, bucket)
+        return replayed_step(model, cache, rows, attention, architecture, fallbacks, keep, graphs, bucket, tap)
     counts, input_ids, positions, layout, kwargs = step_arguments(model, cache, rows, attention, architecture)
     out = model_step(model, cache, input_ids, positions, keep=keep, **kwargs)  # (B, Q, V)
     if fallbacks is not None:
@@ -95,7 +97,7 @@ def run_step(
 
 
 def replayed_step(model, cache: TreeCache, rows: list[RowQueries], attention: str, architecture: Architecture,
-                  fallbacks: set[str] | None, keep: int, graphs: StepGraphs, bucket: int) -> list[torch.Tensor]:
+                  fallbacks: set[str] | None, keep: int, graphs: StepGraphs, bucket: int, tap=None) -> list[torch.Tensor]:
     """run_step as a fixed step of `bucket` queries a row, handed to `graphs` to replay: every layer sees the
     whole cache (the kernel through per-row device lengths, sdpa through a dense mask)."""
     counts, input_ids, positions, layout = step_layout(model, cache, rows, bucket)
@@ -106,7 +108,7 @@ def replayed_step(model, cache: TreeCache, rows: list[RowQueries], attention: st
     def forward_kwargs(t: dict) -> dict:
         return {"input_ids": t["input_ids"], "position_ids": t["position_ids"], **build(t)}
 
-    out = graphs.run(model, cache, tensors, forward_kwargs, head_rows(keep, input_ids.device))  # (B, Q, V)
+    out = graphs.run(model, cache, tensors, forward_kwargs, head_rows(keep, input_ids.device), tap)  # (B, Q, V)
     cache.advance(bucket)
     return [out[b, : counts[b]] for b in range(len(rows))] if keep == 0 else []
 

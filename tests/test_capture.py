@@ -139,13 +139,12 @@ def test_buckets_and_backends():
 
 
 def test_steps_that_cannot_replay_run_eagerly_and_say_why(pairs):
-    """Chain-shaped and recurrent models, and a target tapped by a draft head, never get graphs; a step
-    larger than every bucket (a long catch-up) runs eagerly and the stats say so."""
+    """Chain-shaped and recurrent models never get graphs; a step larger than every bucket (a long catch-up)
+    runs eagerly and the stats say so."""
     llama = describe(pairs["llama"][0], "target")
     assert capture_gap(llama) is None
     assert "chains" in capture_gap(Architecture("x", ("full_attention",), llama.layer_masks[:1], chain_reason="slots"))
     assert "recurrent" in capture_gap(Architecture("x", ("mamba",), llama.layer_masks[:1], layer_states=(2,)))
-    assert "hooks" in capture_gap(llama, reads_features=True)
     model = tiny_model("llama", seed=0, layers=1)
     chain = [int(t) for t in torch.randint(3, VOCAB, (80,), generator=torch.Generator().manual_seed(0))]
     outs = []
@@ -157,6 +156,59 @@ def test_steps_that_cannot_replay_run_eagerly_and_say_why(pairs):
             outs.append(run_step(model, cache, rows, "sdpa", llama, graphs=graphs)[0])
     assert f"more than {MAX_QUERIES} queries" in next(iter(graphs.fallbacks)) and not graphs.buckets
     torch.testing.assert_close(outs[1], outs[0])
+
+
+def head_pairs():
+    """(target, EAGLE-3 head) and, where transformers has an MTP type, (target, MTP layer): heads that read
+    the target's hidden states through hooks on its layers or its final norm."""
+    from test_eagle3 import random_head
+    from test_mtp import MTP_TYPES, train_to_agree, with_mtp
+
+    target = tiny_model("llama", seed=1, layers=3)
+    yield "eagle3", target, random_head(target)
+    if MTP_TYPES:
+        target, head = with_mtp(MTP_TYPES[0])
+        train_to_agree(target, head)  # a random layer's proposals are accepted alike from stale states
+        yield "mtp", target, head
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
+def test_a_tapped_target_replays_and_hands_the_head_its_states(kind, monkeypatch):
+    """A replay runs no hooks: the captured step takes the tap's states into its bucket, and each replay hands
+    the tap a copy. Greedy tokens equal target.generate's, the target's steps replay, and every verification
+    hands the head the same states as eager steps do, so it drafts the same rounds (mutations checked: handing
+    nothing fails at the tap's take(); not copying the replayed states into the bucket fails the states)."""
+    from hf_swiftspec.engine.workers import TargetWorker
+
+    pairs = {name: (target, head) for name, target, head in head_pairs() if name == kind}
+    if kind not in pairs:
+        pytest.skip("no MTP model type in this transformers")
+    target, head = pairs[kind]
+    handed: list[torch.Tensor] = []  # every row's states each verification took from the tap
+    features_of = TargetWorker.features_of
+
+    def recording(self, *args):
+        out = features_of(self, *args)
+        handed.extend(f.clone() for f in out if f is not None)
+        return out
+
+    monkeypatch.setattr(TargetWorker, "features_of", recording)
+    prompt = torch.tensor([[5, 17, 33, 8, 5, 17, 40]])
+    expected = target.generate(prompt, max_new_tokens=30, do_sample=False)
+    rounds, states = {}, {}
+    for capture in (False, True):
+        handed.clear()
+        model = SwiftSpecForCausalLM.from_models(target, head, capture=capture, tree_budget=6, draft_depth=3)
+        for _ in range(2):  # the second call replays the first call's buckets
+            assert torch.equal(model.generate(prompt, max_new_tokens=30, do_sample=False), expected)
+        rounds[capture], states[capture] = model.swiftspec_stats.rounds, list(handed)
+        if capture:
+            assert "target=sdpa (replayed, emulate" in model.swiftspec_stats.attention
+            assert replays(model)["target"] > 10, replays(model)
+    assert rounds[True] == rounds[False] and len(states[True]) == len(states[False]) > 10
+    for replayed, eager in zip(states[True], states[False]):
+        torch.testing.assert_close(replayed, eager)
+    assert sum(r.accepted for r in rounds[True]) > 0  # the head's nodes were accepted
 
 
 def test_a_fixed_step_compiles_whole():

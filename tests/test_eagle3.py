@@ -154,7 +154,7 @@ def test_a_head_for_another_target_is_refused_by_name(tmp_path, target):
     wide = tiny_model("llama", seed=2, vocab_size=VOCAB, hidden=96)
     with pytest.raises(ValueError, match="width 64.*96 wide"):
         SwiftSpecForCausalLM.from_models(wide, random_head(target))
-    # compile=True refuses nothing the round serves: a tapped target's steps run eagerly (the tap is a hook)
+    # compile=True refuses nothing the round serves: a tapped target runs its layers compiled, the tap's hooks with them
     prompt = torch.tensor([[5, 6, 7]])
     out = SwiftSpecForCausalLM.from_models(target, random_head(target), compile=True).generate(
         prompt, max_new_tokens=6, swiftspec=True, do_sample=False)

@@ -167,7 +167,7 @@ class TargetWorker:
             self.states.save(self.cache.length)
         if any(len(r) for r in rows):
             logits = run_step(self.model, self.cache, rows, self.attention, self.architecture, self.attention_fallbacks,
-                              graphs=self.graphs)
+                              graphs=self.graphs, tap=self.tap)
             self.counters.forwards += 1
             if self.replay:  # the replayed tokens' rows: their logits were known
                 logits[0] = logits[0][len(self.replay) :]
