@@ -278,3 +278,21 @@ def test_cuda_graph_round_equals_target_generate(pairs, attention, compiled):
     assert "replayed, cuda" in stats.attention and "eager:" not in stats.attention, stats.attention
     assert stats.attention.startswith("target=triton" if attention == "auto" else "target=sdpa"), stats.attention
     assert min(replays(model).values()) > 10
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
+def test_cuda_graph_round_with_a_tapped_target_equals_target_generate(kind):
+    """An EAGLE-3 head's or MTP layer's target under CUDA graphs: the states each replay wrote reach the head."""
+    pairs = {name: (target, head) for name, target, head in head_pairs() if name == kind}
+    if kind not in pairs:
+        pytest.skip("no MTP model type in this transformers")
+    target, head = (m.to("cuda") for m in pairs[kind])
+    prompt = torch.tensor([[5, 17, 33, 8, 5, 17, 40]], device="cuda")
+    expected = target.generate(prompt, max_new_tokens=30, do_sample=False)
+    model = SwiftSpecForCausalLM.from_models(target, head, tree_budget=6, draft_depth=3)
+    for _ in range(2):
+        assert torch.equal(model.generate(prompt, max_new_tokens=30, do_sample=False), expected)
+    stats = model.swiftspec_stats
+    assert "target=triton (replayed, cuda" in stats.attention and "eager:" not in stats.attention, stats.attention
+    assert replays(model)["target"] > 10 and sum(r.accepted for r in stats.rounds) > 0
