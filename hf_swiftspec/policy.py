@@ -463,6 +463,15 @@ class GoodputPolicy:
         verify = costs.verify_times(self.last_budget)[-1]
         return max(1, min(self.max_depth, int(verify / costs.expand_cost)))
 
+    def expansion_fits(self, budget: int, elapsed_s: float) -> bool:
+        """Whether one more expansion, started `elapsed_s` after a subtree of `budget` nodes was sent, is expected
+        to end before its verdict comes back (asynchronous engines: one that ends later makes the target wait for
+        the next subtree). True until both an expansion and a verification were measured."""
+        costs = self.costs
+        if self.draft_depth is not None or not costs.measured:
+            return True
+        return elapsed_s + costs.expand_cost <= costs.verify_times(budget)[-1]
+
     # ---- after the round ----------------------------------------------------------------------
     def observe_gain(self, done: int, before: list[list[float]], after: list[list[float]], spent_s: float) -> None:
         """Fold in how much expansion number done + 1 raised, per row, the expected tokens of the best

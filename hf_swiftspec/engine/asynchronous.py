@@ -54,7 +54,8 @@ def run_draft(draft: Drafters, request: DecodeRequest, link) -> None:
         counters.busy_s += sent - start
         # While the target verifies, keep growing the whole tree: after the re-root, whatever
         # grew under the verified path is already there.
-        expansions = draft.grow(link.agree(policy.overlap_depth()), stop=link.verdict_ready)
+        expansions = draft.grow(link.agree(policy.overlap_depth()), stop=lambda: link.verdict_ready() or (
+            link.stops_alone and not policy.expansion_fits(len(proposal.subtree), time.perf_counter() - sent)))
         drafted = time.perf_counter()
         verified = link.receive_verdict()
         start = time.perf_counter()

@@ -200,6 +200,11 @@ class DistLink:
             return value
         return int(self._share(torch.full((1,), value, dtype=torch.long, device=self.groups.device), "choice"))
 
+    @property
+    def stops_alone(self) -> bool:
+        """Whether the draft may stop growing on its own clock: a lone draft rank (TP ranks expand alike)."""
+        return len(self.groups.draft_ranks) == 1
+
     def verdict_ready(self) -> bool:
         # Only a lone draft rank may stop early: TP ranks must all expand the same number of times.
         return len(self.groups.draft_ranks) == 1 and self._verdict_work.done.is_set()

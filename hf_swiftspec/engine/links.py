@@ -44,6 +44,7 @@ class ThreadLink:
     """
 
     walk = staticmethod(verify_tree)  # the target walks its own tree in-process
+    stops_alone = True  # one draft worker: it may stop growing on its own clock (no peer must expand alike)
 
     def __init__(self, timeout_s: float, poll_s: float = 0.05):
         self.timeout_s, self.poll_s = timeout_s, poll_s
