@@ -157,7 +157,7 @@ def decode_adaptive(target, draft, request: DecodeRequest, config: SwiftSpecConf
         for worker in (workers[0], workers[1] and workers[1].model):
             if worker is not None and not isinstance(worker.model, DraftHead):
                 routes.enter_context(routed_attention(worker.model, worker.attention))
-        if isinstance(draft, DraftHead):  # the head reads the target's hidden states, for this call only
+        if isinstance(draft, DraftHead) and workers[0] is not None:  # the head reads the target's states, this call only
             workers[0].tap = routes.enter_context(draft.tap(target))
         if request.max_new_tokens:
             result = run_engine(placement, groups, *workers, request, config)

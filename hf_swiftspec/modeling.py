@@ -151,17 +151,13 @@ def draft_own_tokenizer(target: PreTrainedModel, draft: PreTrainedModel, locatio
 
 
 def check_head_fits(head: DraftHead, target: PreTrainedModel, placement: Placement | None) -> None:
-    """A draft head (an EAGLE-3 head, a model's own MTP layer) drafts from the target's per-token hidden states,
-    in one process (serially beside the target; an EAGLE-3 head also in a thread on a device of its own): refuse
-    a target or placement where it cannot, and a head made for another target (bind)."""
+    """A draft head (an EAGLE-3 head, a model's own MTP layer) drafts from the target's per-token hidden states:
+    serially beside the target; an EAGLE-3 head also on a device of its own, in a thread or in a process of its
+    own (the states then cross process groups with each verdict). Refuse a target or placement where it cannot,
+    and a head made for another target (bind)."""
     mode = placement.mode if placement is not None else "serial"
     what = "An EAGLE-3 head" if isinstance(head, Eagle3Head) else "A model's own MTP layer"
-    if mode == "distributed":
-        raise ValueError(
-            f"{what} reads the target's hidden states in the target's process: it drafts serially or in a "
-            "thread (placement={'target': [...], 'draft': [...]} in one process), not under torchrun."
-        )
-    if mode == "threads" and not isinstance(head, Eagle3Head):
+    if mode != "serial" and not isinstance(head, Eagle3Head):
         raise ValueError(
             f"{what} shares the target's embeddings and head, so it drafts on the target's device, serially: drop placement."
         )
@@ -173,8 +169,9 @@ def check_head_fits(head: DraftHead, target: PreTrainedModel, placement: Placeme
         )
     head.bind(target)
     device = torch.device(placement.draft[0]) if mode == "threads" else target.device
-    if mode == "threads" and head.shares_embeddings and device != target.device:
-        head.embed_tokens, head.shares_embeddings = copy.deepcopy(head.embed_tokens), False  # moving it must not move the target's
+    if head.shares_embeddings and (mode == "distributed" or device != target.device):
+        # moving (or sharding) one must not move the other's: the draft's process moves the head, the target's the target
+        head.embed_tokens, head.shares_embeddings = copy.deepcopy(head.embed_tokens), False
     if mode == "serial" and head.device != target.device:
         raise ValueError(f"The draft head is on {head.device}, the target on {target.device}: move the head to the target's device.")
 

@@ -70,6 +70,45 @@ def sample(placement, args):
     report(case="sample", pvalue=float(pooled_chisquare(counts, expected)))
 
 
+def eagle3(placement, args):
+    """An EAGLE-3 head in the draft's process: greedy equals the target's own, and every hidden state the draft
+    rank received (the prompt's, and each verdict's accepted path) is the target's at that position, as a plain
+    causal forward of the whole sequence gives it (checked on the draft rank, which holds the target too)."""
+    from test_eagle3 import VOCAB, random_head
+
+    from hf_swiftspec.eagle3 import FeatureTap
+    from hf_swiftspec.engine.heads import HeadDrafter
+
+    target = tiny_model("llama", seed=1, vocab_size=VOCAB)
+    reference = copy.deepcopy(target)
+    model = SwiftSpecForCausalLM.from_models(target, random_head(target), placement=placement, worker_timeout_s=60)
+    received = []  # (position of the first row, states (m, D)) as the draft rank got them
+    start, reroot_row = HeadDrafter.start, HeadDrafter.reroot_row
+
+    def recording_start(self, prompts, features=None):
+        received.append((0, features[0].clone()))
+        return start(self, prompts, features)
+
+    def recording_reroot(self, b, subtree, verified):
+        received.append((len(self.committed[b]) - len(verified.tokens) - 1, verified.features.clone()))
+        return reroot_row(self, b, subtree, verified)
+
+    HeadDrafter.start, HeadDrafter.reroot_row = recording_start, recording_reroot
+    for p in prompts(args.prompts):
+        received.clear()
+        out = model.generate(p, do_sample=False, max_new_tokens=30)
+        expected = reference.generate(p, do_sample=False, max_new_tokens=30)
+        s = model.swiftspec_stats
+        error = None
+        if received:  # the draft rank: the target's states over the whole output, one plain forward
+            with torch.no_grad(), FeatureTap(reference, model.draft.layer_ids) as tap:
+                reference(out)
+                states = tap.take()[0]
+            error = max(float((got - states[first : first + len(got)]).abs().max()) for first, got in received)
+        report(case="eagle3", same=out.tolist() == expected.tolist(), tau=s.tau, engine=s.engine, states_error=error,
+               received=len(received), message_bytes=s.overlap.message_bytes)
+
+
 def fault(placement, args):
     model, _ = pair(placement, worker_timeout_s=args.timeout)
     victim = model.draft if args.case.endswith("draft") else model.target
@@ -110,7 +149,7 @@ def main():
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     placement = {"target": [int(r) for r in args.target.split(",")], "draft": [int(r) for r in args.draft.split(",")]}
-    {"greedy": greedy, "sample": sample}.get(args.case, fault)(placement, args)
+    {"greedy": greedy, "sample": sample, "eagle3": eagle3}.get(args.case, fault)(placement, args)
     sys.stdout.flush()
     os._exit(0)  # skip process-group teardown: after a fault a peer may be gone
 

@@ -66,6 +66,20 @@ def test_greedy_across_processes_equals_target(target, draft):
         assert overlap["verify"] > 0 and overlap["select"] > 0 and overlap["grow"] + overlap["wait"] > 0, overlap
 
 
+def test_an_eagle3_head_drafts_in_its_own_process():
+    """The target's hidden states cross process groups with each verdict: greedy equals the target's own, and
+    every state the draft rank received is the target's at its position (within float32 rounding)."""
+    results, codes, outputs = launch(2, "--case", "eagle3", "--target", "0", "--draft", "1", "--prompts", "4")
+    assert codes == [0, 0], outputs
+    target_side = [r for r in results if r["rank"] == 0]
+    draft_side = [r for r in results if r["rank"] == 1]
+    assert len(target_side) == len(draft_side) == 4 and all(r["same"] for r in results), results
+    assert all(r["engine"] == "async-distributed" for r in results)
+    assert all(r["received"] > 1 and r["states_error"] < 1e-4 for r in draft_side), draft_side
+    # a round sends its two 528-byte messages and the accepted path's states (at least the root's: 3 x 64 floats)
+    assert all(r["message_bytes"] >= 528 + 3 * 64 * 4 for r in target_side), target_side
+
+
 @pytest.mark.parametrize("case", ["fault-draft", "fault-target", "kill-draft"])
 def test_worker_failures_surface_on_every_live_rank(case):
     results, codes, outputs = launch(3, "--case", case, "--target", "0,1", "--draft", "2", "--timeout", "5")

@@ -11,6 +11,10 @@ noticed when its deadline passes, and either way every rank raises instead of ha
     counters message  DraftCounters' fields, in field order   draft leader -> target leader, at the end
     status: 0 go on, 1 finished, -1 the sender failed (a UTF-8 error text of ERROR_BYTES follows)
 
+With an EAGLE-3 head as the draft, the target's hidden states cross too, as float32 (what the head reads):
+once the prompt's, a verdict-sized [GO, L, D, ...] then (L, D), before the first subtree; and after each
+verdict that is not a failure, the accepted path's (m, D).
+
 Subtree and verdict messages have the same size, so a failure notice matches whatever
 broadcast a rank happens to be waiting in.
 """
@@ -142,6 +146,8 @@ class DistLink:
     _verdict_buf: torch.Tensor | None = None
     _verdict_work: object = None
     _depth: int = 0
+    state_width: int | None = None  # D of the target's hidden states a draft head reads (None: none cross)
+    state_bytes: int = 0  # hidden states sent or received, in bytes
 
     @property
     def size(self) -> int:
@@ -221,7 +227,27 @@ class DistLink:
             msg = self._tensor(self.size)
         msg = self._share(msg, "verdict")
         self._raise_if_failed(msg, self.groups.peer_leader, "target")
-        return self._decode_verdict(msg)
+        verified = self._decode_verdict(msg)
+        if self.state_width is not None:
+            verified.features = self._receive_states(len(verified.path), "the accepted path's hidden states")
+        return verified
+
+    def receive_prompt_states(self) -> list[torch.Tensor]:
+        """The target's hidden states at the prompt's positions (one sequence: a list of one (L, D))."""
+        what = "the prompt's hidden states"
+        header = self._recv(self.size, self.groups.peer_leader, what) if self.groups.is_leader else self._tensor(self.size)
+        header = self._share(header, what)  # [GO, L, D, ...]: a verdict's size, so a failure notice fits it
+        self._raise_if_failed(header, self.groups.peer_leader, "target")
+        length, self.state_width = header[1:3].tolist()
+        return [self._receive_states(length, what)]
+
+    def _receive_states(self, rows: int, what: str) -> torch.Tensor:
+        """(rows, state_width) float32 from the target leader, shared within the draft group."""
+        states = torch.zeros(rows, self.state_width, dtype=torch.float32, device=self.groups.device)
+        if self.groups.is_leader:
+            complete(lambda: dist.irecv(states, self.groups.peer_leader), self.timeout_s, f"{what} from the target leader")
+        self.state_bytes += states.numel() * states.element_size()
+        return self._share(states, what)
 
     def _encode(self, status: int, first: list[int], second: list[int]) -> torch.Tensor:
         B, n = self.budget, len(first)
@@ -273,6 +299,23 @@ class DistLink:
         self._share(msg, "verdict")
         self.tokens += verified.tokens
         self._send_to_peer(msg, "verdict")
+        if self.state_width is not None:
+            self._send_states(verified.features, "the accepted path's hidden states")
+
+    def send_prompt_states(self, states: list[torch.Tensor]) -> None:
+        """The target's hidden states at the prompt's positions (L, D), for the draft head (one sequence)."""
+        (prompt,) = states
+        self.state_width = prompt.shape[-1]
+        if self.groups.is_leader:
+            header = self._tensor(self.size)
+            header[0], header[1], header[2] = GO, *prompt.shape
+            self._send_to_peer(header, "the prompt's hidden states")
+            self._send_states(prompt, "the prompt's hidden states")
+
+    def _send_states(self, states: torch.Tensor, what: str) -> None:
+        states = states.to(device=self.groups.device, dtype=torch.float32).contiguous()
+        self.state_bytes += states.numel() * states.element_size()
+        self._send_to_peer(states, what)
 
     def receive_counters(self) -> DraftCounters:
         """The draft leader's counters (zeros on the other target ranks)."""
@@ -334,8 +377,9 @@ def run_distributed(groups: Groups, target, draft, request, timeout_s: float):
             raise
         raise SwiftSpecWorkerError(f"the {groups.role} worker failed on rank {groups.rank}: {error!r}") from error
     result = rows.result
+    rounds = max(target_counters.verify_steps or draft_counters.rounds, 1)
     result.stats = SwiftSpecStats.collect(
         "async-distributed", result.new_tokens, time.perf_counter() - start, target_counters, draft_counters,
-        message_bytes=link.round_bytes,
+        message_bytes=link.round_bytes + link.state_bytes // rounds,
     )
     return result

@@ -59,8 +59,8 @@ class HeadDrafter(DraftModelDrafter):
         entry of its own (the head's positions are the target's minus one, as it was trained)."""
         if features is None:
             raise ValueError(
-                "a draft head starts from the target's states at the prompt, which this engine did not hand over: heads "
-                "draft serially or in a thread of the same process, not under torchrun"
+                "a draft head starts from the target's states at the prompt, which this engine did not hand over "
+                "(every engine should: a bug in hf_swiftspec)"
             )
         with torch.no_grad():
             for b, (ids, states) in enumerate(zip(prompts, features)):
