@@ -6,7 +6,7 @@ from the target with transformers' own warpers (one case counts the two after th
 it: the adaptive policy's first round is plain). Bins expected below 5 are pooled. Each case fails
 at p < 1e-3, so the false-alarm rate of the whole file (18 cases) is below 2%. Two run the adaptive
 policy with an n-gram chain from a prompt that repeats itself; three run other architectures; eight
-(PROCESSORS) draw with each sampling processor the README lists, as the rows of one batched call.
+(PROCESSORS) draw with each sampling processor docs/source/en/generate.md lists, as the rows of one batched call.
 Four cases are marked slow (`-m slow`) to keep CI short: what they add over the default ones is
 top-k (also checked row for row by the vectorised-walk test), a random draft under the adaptive
 policy, and two more architectures (whose greedy decoding the architecture sweep checks).
@@ -172,7 +172,7 @@ def test_first_tokens_follow_target_distribution_across_architectures(model_type
     assert pvalue > ALPHA, f"p={pvalue:.2e}: {model_type} samples do not follow the target's distribution"
 
 
-# Every sampling processor the README lists as drawing from exactly the target's distribution: its generate()
+# Every sampling processor docs/source/en/generate.md lists as drawing from exactly the target's distribution: its generate()
 # arguments, and the processors transformers builds for them, built here (not by swiftspec) for the exact joint.
 # Each value bites hard on the 12-token model: the joint's support shrinks to 33-60 of its 144 pairs (repetition_penalty
 # keeps all 144 and moves chi2/N = 0.15 against the plain joint), so a processor skipped at a tree node fails.
