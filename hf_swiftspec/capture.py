@@ -18,7 +18,8 @@ it can and says why not when it cannot (`StepGraphs.fallbacks`, shown in `swifts
 such a step runs eagerly as before. A model whose forward cannot be captured (recurrent states, a
 mask built by the model from cache lengths) never gets a runner. A target tapped by a draft head (an
 EAGLE-3 head's or an MTP layer's hooks) replays too: its hooks run at capture only, so the captured
-step takes the tap's states as a second output, and each replay hands the tap a copy.
+step takes the tap's states as a second output, and each replay hands the tap a copy. A draft head's
+own steps replay the same way, its hidden output (what the tree's next depth reads) the second output.
 
 Backends (`StepGraphs.backend`):
   "cuda"     torch.cuda.CUDAGraph, one per bucket, captured the first time the bucket runs (after one
@@ -99,7 +100,7 @@ class Bucket:
     inputs: dict[str, torch.Tensor]
     index: torch.Tensor
     logits: torch.Tensor | None = None
-    features: torch.Tensor | None = None  # a tapped target's hidden states (B, Q, D): the tap's take() at capture
+    extra: torch.Tensor | None = None  # a tapped target's states (B, Q, D) (its tap's take()), or a draft head's hidden (B, Q, H)
     graph: object = None
     snapshot: tuple = ()  # "emulate": the cache's host bookkeeping at capture
     replays: int = 0
@@ -126,71 +127,75 @@ class StepGraphs:
     memory_pool: object = None
     compiled: dict = field(default_factory=dict)  # per decoder layer, its torch.compile'd call
 
-    def forward(self, model, cache: TreeCache, kwargs: dict, keep) -> torch.Tensor:
+    def forward(self, model, cache: TreeCache, kwargs: dict, keep, hidden: bool = False):
         """`forward` below, with the decoder layers compiled when compile_layers."""
         if not self.compile_layers:
-            return forward(model, cache, kwargs, keep)
+            return forward(model, cache, kwargs, keep, hidden)
         with compiled_layers(model, self.compiled), torch._dynamo.config.patch(recompile_limit=RECOMPILES):
-            return forward(model, cache, kwargs, keep)
+            return forward(model, cache, kwargs, keep, hidden)
 
     def bucket_key(self, cache: TreeCache, tensors: dict, keep, tap=None) -> tuple:
         buffers = tuple((b.data.data_ptr(), tuple(b.data.shape), b.data.stride()) for b in cache.buffers)
         shapes = tuple((name, tuple(t.shape), t.dtype) for name, t in sorted(tensors.items()))
         return shapes, str(keep), buffers, tap.key if tap is not None else None
 
-    def run(self, model, cache: TreeCache, tensors: dict, build, keep, tap=None) -> torch.Tensor:
-        """Logits (B, Q, V) float32 of one planned fixed step (cache.plan_step(..., fixed=True)), replayed;
-        the caller advances the cache. tensors: {name: tensor} what changes between steps; build(tensors):
-        the forward's keyword arguments made of them (attention.fixed_step_inputs).
+    def run(self, model, cache: TreeCache, tensors: dict, build, keep, tap=None,
+            hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits (B, Q, V) float32, hidden or None) of one planned fixed step (cache.plan_step(..., fixed=True)),
+        replayed; the caller advances the cache. tensors: {name: tensor} what changes between steps;
+        build(tensors): the forward's keyword arguments made of them (attention.fixed_step_inputs).
 
         tap: a target's hidden-state tap for a draft head (eagle3.FeatureTap, mtp.FinalStateTap), or None. Its
-            hooks run at capture only, so the captured step takes its states into the bucket's static
-            `features`, and each replay hands the tap a copy (its next take() returns them)."""
+            hooks run at capture only, so the captured step takes its states into the bucket's static `extra`,
+            and each replay hands the tap a copy (its next take() returns them).
+        hidden: the model is a draft head (eagle3.DraftHead): its hidden output (B, Q, H) comes back too."""
         if self.backend == "compiled":
-            return self.forward(model, cache, build(tensors), keep)
+            return self.forward(model, cache, build(tensors), keep, hidden)
         key = self.bucket_key(cache, tensors, keep, tap)
         bucket = self.buckets.get(key)
         if bucket is None and key not in self.refused:
-            bucket = self.capture(key, model, cache, tensors, build, keep, tap)
+            bucket = self.capture(key, model, cache, tensors, build, keep, tap, hidden)
             if bucket is not None:
                 return self.outputs(bucket, tap)  # the capture ran the step itself
         if bucket is None:
             self.fallbacks.add(self.refused[key])
-            return self.forward(model, cache, build(tensors), keep)
+            return self.forward(model, cache, build(tensors), keep, hidden)
         load(bucket, cache, tensors)
         self.replay(bucket, cache, tap)
         return self.outputs(bucket, tap)
 
     @staticmethod
-    def outputs(bucket: Bucket, tap) -> torch.Tensor:
-        """The bucket's logits, and its features handed to the tap: copies, since the next replay of this
-        bucket overwrites both."""
+    def outputs(bucket: Bucket, tap) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Copies of the bucket's outputs (the next replay of this bucket overwrites them); a tap's states go to
+        the tap instead."""
+        extra = bucket.extra.clone() if bucket.extra is not None else None
         if tap is not None:
-            tap.hand(bucket.features.clone())
-        return bucket.logits.clone()
+            tap.hand(extra)
+            extra = None
+        return bucket.logits.clone(), extra
 
-    def capture(self, key, model, cache, tensors: dict, build, keep, tap=None) -> Bucket | None:
+    def capture(self, key, model, cache, tensors: dict, build, keep, tap=None, hidden: bool = False) -> Bucket | None:
         """A new bucket for this step, run once; None (and the reason kept) when its capture fails."""
         bucket = Bucket({name: t.clone() for name, t in tensors.items()}, cache._index.clone())
         cache._index = bucket.index  # the forward reads the static index from now on
         kwargs = build(bucket.inputs)
 
         def step(live: TreeCache = cache, live_tap=tap):  # a graph reads the buffers' addresses, whichever cache holds them
-            logits = self.forward(model, live, kwargs, keep)
-            return logits, live_tap.take() if live_tap is not None else None  # the tap's states join the outputs
+            logits, extra = self.forward(model, live, kwargs, keep, hidden)
+            return logits, live_tap.take() if live_tap is not None else extra  # the tap's states join the outputs
 
         try:
             if self.backend == "cuda":
-                bucket.graph, (bucket.logits, bucket.features) = self.capture_cuda(step)
+                bucket.graph, (bucket.logits, bucket.extra) = self.capture_cuda(step)
             else:
-                bucket.logits, bucket.features = step()
+                bucket.logits, bucket.extra = step()
                 bucket.graph, bucket.snapshot = step, host_state(cache)
         except Exception as error:  # noqa: BLE001  (any failure: this bucket runs eagerly, and says why)
             self.refused[key] = f"capture failed ({type(error).__name__}: {str(error).splitlines()[0][:120]})"
             if self.backend == "cuda":
                 torch.cuda.synchronize()
             self.fallbacks.add(self.refused[key])
-            bucket.logits = self.forward(model, cache, build(tensors), keep)
+            bucket.logits, bucket.extra = self.forward(model, cache, build(tensors), keep, hidden)
             return None
         self.buckets[key] = bucket
         self.captures += 1
@@ -220,20 +225,23 @@ class StepGraphs:
         live = host_state(cache)  # "emulate": the forward sees the host values of its capture, as a graph would
         set_host_state(cache, bucket.snapshot)
         try:
-            logits, features = bucket.graph(cache, tap)  # (its hooks run, but the step takes their states itself)
+            logits, extra = bucket.graph(cache, tap)  # (a tap's hooks run, but the step takes their states itself)
             bucket.logits.copy_(logits)
-            if features is not None:
-                bucket.features.copy_(features)
+            if extra is not None:
+                bucket.extra.copy_(extra)
         finally:
             set_host_state(cache, live)
 
 
-def forward(model, cache: TreeCache, kwargs: dict, keep) -> torch.Tensor:
-    """The step's forward as it is captured: kwargs (input_ids (B, Q), position_ids (B, Q), the attention's)
-    writing where the cache's plan says; float32 logits (B, Q, V) of the last `keep` queries (or none, for an
-    index of none)."""
+def forward(model, cache: TreeCache, kwargs: dict, keep, hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The step's forward as it is captured: kwargs (input_ids (B, Q), position_ids (B, Q), the attention's, a
+    head's hidden_inputs) writing where the cache's plan says; (float32 logits (B, Q, V) of the last `keep`
+    queries (or none, for an index of none), a draft head's hidden output (B, Q, H) if `hidden`, else None)."""
+    if hidden:  # a draft head (eagle3.DraftHead): its own forward, which takes the cache as past_key_values
+        out = model(logits_to_keep=keep, past_key_values=cache, **kwargs)
+        return out.logits.float(), out.hidden
     out = model(use_cache=True, logits_to_keep=keep, **{forward_cache_argument(type(model)): cache}, **kwargs)
-    return out.logits.float()
+    return out.logits.float(), None
 
 
 RECOMPILES = 64  # compiled layer variants dynamo may keep while a step is captured: shapes, models, capacities

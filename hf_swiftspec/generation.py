@@ -206,7 +206,10 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
             batch_size=batch_size,
         )
         if isinstance(draft, DraftHead):  # an EAGLE-3 head or an MTP layer: attends with its own sdpa
-            model = HeadDrafter(draft, **tree)
+            graphs = step_graphs(captures, "draft", draft, draft_arch, config)
+            if graphs is not None:
+                tree["capacity"] = capacity_bucket(tree["capacity"])
+            model = HeadDrafter(draft, graphs=graphs, **tree)
         elif draft is not None:
             graphs = step_graphs(captures, "draft", draft, draft_arch, config)
             draft_attention = resolve_attention(config.attention, draft, draft_arch, replayed=graphs is not None)

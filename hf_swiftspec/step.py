@@ -108,26 +108,49 @@ def replayed_step(model, cache: TreeCache, rows: list[RowQueries], attention: st
     def forward_kwargs(t: dict) -> dict:
         return {"input_ids": t["input_ids"], "position_ids": t["position_ids"], **build(t)}
 
-    out = graphs.run(model, cache, tensors, forward_kwargs, head_rows(keep, input_ids.device), tap)  # (B, Q, V)
+    out, _ = graphs.run(model, cache, tensors, forward_kwargs, head_rows(keep, input_ids.device), tap)  # (B, Q, V)
     cache.advance(bucket)
     return [out[b, : counts[b]] for b in range(len(rows))] if keep == 0 else []
 
 
 def run_head_step(model, cache: TreeCache, rows: list[RowQueries], architecture: Architecture,
-                  logits: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                  logits: bool = True, graphs: StepGraphs | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """run_step for a draft head that reads hidden inputs beside the tokens (`RowQueries.inputs`) and
-    gives its hidden outputs back: per row (float32 logits (n_b, V) or nothing, hidden (n_b, H))."""
-    counts, input_ids, positions, _, kwargs = step_arguments(model, cache, rows, "sdpa", architecture)
-    Q, H = input_ids.shape[1], next(r.inputs for r in rows if r.inputs is not None).shape[-1]
-    inputs = torch.zeros(len(rows), Q, H, dtype=model.dtype, device=input_ids.device)
+    gives its hidden outputs back: per row (float32 logits (n_b, V) or nothing, hidden (n_b, H)).
+    graphs: the head's captured forwards (as run_step's), or None."""
+    longest = max(max(len(r) for r in rows), 1)
+    bucket = query_bucket(longest) if graphs is not None and cache.buffers else None
+    if graphs is not None and cache.buffers and bucket is None:
+        graphs.fallbacks.add(f"steps of more than {MAX_QUERIES} queries a row ran eagerly")
+    if bucket is not None:
+        counts, input_ids, positions, layout = step_layout(model, cache, rows, bucket)
+        tensors, build = fixed_step_inputs("sdpa", architecture, layout, model.dtype, set())
+        tensors |= {"input_ids": input_ids, "position_ids": positions, "hidden_inputs": head_inputs(model, rows, counts, bucket)}
+
+        def forward_kwargs(t: dict) -> dict:
+            return {"input_ids": t["input_ids"], "position_ids": t["position_ids"], "hidden_inputs": t["hidden_inputs"],
+                    **build(t)}
+
+        out_logits, out_hidden = graphs.run(model, cache, tensors, forward_kwargs, 0, hidden=True)  # every query's
+        cache.advance(bucket)
+    else:
+        counts, input_ids, positions, _, kwargs = step_arguments(model, cache, rows, "sdpa", architecture)
+        out = model(input_ids=input_ids, position_ids=positions, past_key_values=cache, logits_to_keep=0 if logits else 1,
+                    hidden_inputs=head_inputs(model, rows, counts, input_ids.shape[1]), **kwargs)
+        cache.advance(input_ids.shape[1])
+        out_logits, out_hidden = out.logits, out.hidden
+    hidden = [out_hidden[b, : counts[b]] for b in range(len(rows))]
+    return ([out_logits[b, : counts[b]].float() for b in range(len(rows))] if logits else []), hidden
+
+
+def head_inputs(model, rows: list[RowQueries], counts: list[int], Q: int) -> torch.Tensor:
+    """The rows' hidden inputs as one (B, Q, H) tensor, zeros past each row's own."""
+    H = next(r.inputs for r in rows if r.inputs is not None).shape[-1]
+    inputs = torch.zeros(len(rows), Q, H, dtype=model.dtype, device=model.device)
     for b, row in enumerate(rows):
         if counts[b]:
             inputs[b, : counts[b]] = row.inputs
-    out = model(input_ids=input_ids, position_ids=positions, hidden_inputs=inputs, past_key_values=cache,
-                logits_to_keep=0 if logits else 1, **kwargs)
-    cache.advance(Q)
-    hidden = [out.hidden[b, : counts[b]] for b in range(len(rows))]
-    return ([out.logits[b, : counts[b]].float() for b in range(len(rows))] if logits else []), hidden
+    return inputs
 
 
 def step_arguments(model, cache: TreeCache, rows: list[RowQueries], attention: str, architecture: Architecture):

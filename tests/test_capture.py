@@ -173,11 +173,13 @@ def head_pairs():
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "mtp"])
-def test_a_tapped_target_replays_and_hands_the_head_its_states(kind, monkeypatch):
+def test_a_head_and_the_target_it_taps_replay_as_eager_steps(kind, monkeypatch):
     """A replay runs no hooks: the captured step takes the tap's states into its bucket, and each replay hands
-    the tap a copy. Greedy tokens equal target.generate's, the target's steps replay, and every verification
-    hands the head the same states as eager steps do, so it drafts the same rounds (mutations checked: handing
-    nothing fails at the tap's take(); not copying the replayed states into the bucket fails the states)."""
+    the tap a copy; the head's own steps replay with its hidden output as a second output. Greedy tokens equal
+    target.generate's, both models replay, every verification hands the head the same states as eager steps do,
+    and every head forward gives the same logits and hidden outputs (mutations checked: handing nothing fails at
+    the tap's take(); not copying a replay's second output into the bucket fails the states)."""
+    from hf_swiftspec.engine.heads import HeadDrafter
     from hf_swiftspec.engine.workers import TargetWorker
 
     pairs = {name: (target, head) for name, target, head in head_pairs() if name == kind}
@@ -185,29 +187,39 @@ def test_a_tapped_target_replays_and_hands_the_head_its_states(kind, monkeypatch
         pytest.skip("no MTP model type in this transformers")
     target, head = pairs[kind]
     handed: list[torch.Tensor] = []  # every row's states each verification took from the tap
-    features_of = TargetWorker.features_of
+    drafted: list[torch.Tensor] = []  # every head forward's logits and hidden outputs, row by row
+    features_of, run = TargetWorker.features_of, HeadDrafter.run
 
     def recording(self, *args):
         out = features_of(self, *args)
         handed.extend(f.clone() for f in out if f is not None)
         return out
 
+    def recording_run(self, queries, logits=True):
+        out = run(self, queries, logits)
+        drafted.extend(t.clone() for t in [*out, *self.last_hidden])
+        return out
+
     monkeypatch.setattr(TargetWorker, "features_of", recording)
+    monkeypatch.setattr(HeadDrafter, "run", recording_run)
     prompt = torch.tensor([[5, 17, 33, 8, 5, 17, 40]])
     expected = target.generate(prompt, max_new_tokens=30, do_sample=False)
     rounds, states = {}, {}
     for capture in (False, True):
-        handed.clear()
+        handed.clear(), drafted.clear()
         model = SwiftSpecForCausalLM.from_models(target, head, capture=capture, tree_budget=6, draft_depth=3)
         for _ in range(2):  # the second call replays the first call's buckets
             assert torch.equal(model.generate(prompt, max_new_tokens=30, do_sample=False), expected)
-        rounds[capture], states[capture] = model.swiftspec_stats.rounds, list(handed)
+        rounds[capture], states[capture] = model.swiftspec_stats.rounds, (list(handed), list(drafted))
         if capture:
-            assert "target=sdpa (replayed, emulate" in model.swiftspec_stats.attention
-            assert replays(model)["target"] > 10, replays(model)
-    assert rounds[True] == rounds[False] and len(states[True]) == len(states[False]) > 10
-    for replayed, eager in zip(states[True], states[False]):
-        torch.testing.assert_close(replayed, eager)
+            attention = model.swiftspec_stats.attention
+            assert "target=sdpa (replayed, emulate" in attention and "draft=sdpa (replayed, emulate" in attention
+            assert min(replays(model).values()) > 10, replays(model)
+    assert rounds[True] == rounds[False]
+    for replayed, eager in zip(states[True], states[False], strict=True):  # the tap's states, then the head's outputs
+        assert len(replayed) == len(eager) > 10
+        for got, want in zip(replayed, eager):
+            torch.testing.assert_close(got, want)
     assert sum(r.accepted for r in rounds[True]) > 0  # the head's nodes were accepted
 
 
@@ -227,7 +239,7 @@ def test_a_fixed_step_compiles_whole():
             tensors, build = fixed_step_inputs("sdpa", arch, layout, model.dtype, set())
             step = torch.compile(forward, fullgraph=True, dynamic=False) if compiled else forward
             kwargs = {"input_ids": ids, "position_ids": positions, **build(tensors)}
-            results.append(step(model, cache, kwargs, 0)[0, :3])
+            results.append(step(model, cache, kwargs, 0)[0][0, :3])  # (logits, no hidden)
     torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-5)
 
 
@@ -283,7 +295,7 @@ def test_cuda_graph_round_equals_target_generate(pairs, attention, compiled):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("kind", ["eagle3", "mtp"])
 def test_cuda_graph_round_with_a_tapped_target_equals_target_generate(kind):
-    """An EAGLE-3 head's or MTP layer's target under CUDA graphs: the states each replay wrote reach the head."""
+    """An EAGLE-3 head or MTP layer and its target under CUDA graphs: the states each replay wrote reach the head."""
     pairs = {name: (target, head) for name, target, head in head_pairs() if name == kind}
     if kind not in pairs:
         pytest.skip("no MTP model type in this transformers")
@@ -294,5 +306,6 @@ def test_cuda_graph_round_with_a_tapped_target_equals_target_generate(kind):
     for _ in range(2):
         assert torch.equal(model.generate(prompt, max_new_tokens=30, do_sample=False), expected)
     stats = model.swiftspec_stats
-    assert "target=triton (replayed, cuda" in stats.attention and "eager:" not in stats.attention, stats.attention
-    assert replays(model)["target"] > 10 and sum(r.accepted for r in stats.rounds) > 0
+    assert "target=triton (replayed, cuda" in stats.attention and "draft=sdpa (replayed, cuda" in stats.attention
+    assert "eager:" not in stats.attention, stats.attention
+    assert min(replays(model).values()) > 10 and sum(r.accepted for r in stats.rounds) > 0
