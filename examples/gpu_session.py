@@ -192,15 +192,16 @@ LEASE = replace(
     train=False,
 )
 # The captured round (capture.py): its CUDA test, the 8B/1B steps eager and replayed, and the demo pair against
-# transformers' compiled static-cache decoding, eager swiftspec and the other peers.
+# transformers' compiled static-cache decoding, eager swiftspec and the other peers, with the bundled EAGLE-3 head
+# (its steps and its target's replayed).
 CAPTURE = replace(
     LEASE,
     tests=("-rfE", "--tb=short", "tests/test_capture.py", "-k", "cuda"),
     step_contexts=(1024, 8192),
     step_attentions=("model", "captured", "captured-model", "compiled"),
     bench_args=("--dtype", "float32", "--prompts", "humaneval", "--prompts", "spec_bench", "--num-prompts", "4",
-                "--max-new-tokens", "64", "--methods",
-                "target,target_static,prompt_lookup,swiftspec_serial,swiftspec_eager,swiftspec_compiled"),
+                "--max-new-tokens", "64", "--eagle3", "swiftspec-demo-pystdlib-eagle3", "--methods",
+                "target,target_static,prompt_lookup,swiftspec_serial,swiftspec_eager,swiftspec_compiled,swiftspec_eagle3"),
 )
 PLANS = {"gpu": GPU, "lease": LEASE, "capture": CAPTURE, "smoke": SMOKE}
 
