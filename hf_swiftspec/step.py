@@ -81,9 +81,7 @@ def run_step(
     tap: the target's hidden-state tap for a draft head, which a replayed step hands its states (StepGraphs.run).
     """
     keep = 0 if logits else NO_LOGITS if architecture.headless else 1
-    bucket = query_bucket(max(max(len(r) for r in rows), 1)) if graphs is not None and cache.buffers else None
-    if graphs is not None and cache.buffers and bucket is None:
-        graphs.fallbacks.add(f"steps of more than {MAX_QUERIES} queries a row ran eagerly")
+    bucket = replay_bucket(graphs, cache, rows)
     if bucket is not None:
         return replayed_step(model, cache, rows, attention, architecture, fallbacks, keep, graphs, bucket, tap)
     counts, input_ids, positions, layout, kwargs = step_arguments(model, cache, rows, attention, architecture)
@@ -94,6 +92,17 @@ def run_step(
         elif attention in ("triton", "torch-reference") and not layout.single:
             fallbacks.add("batches of several rows")
     return [out[b, : counts[b]] for b in range(len(rows))] if logits else []
+
+
+def replay_bucket(graphs: StepGraphs | None, cache: TreeCache, rows: list[RowQueries]) -> int | None:
+    """The queries a row of this step is padded to for a replay, or None: no graphs (or a cache without
+    buffers), or more queries than any bucket holds (the step then runs eagerly, and `graphs` says so)."""
+    if graphs is None or not cache.buffers:
+        return None
+    bucket = query_bucket(max(max(len(r) for r in rows), 1))
+    if bucket is None:
+        graphs.fallbacks.add(f"steps of more than {MAX_QUERIES} queries a row ran eagerly")
+    return bucket
 
 
 def replayed_step(model, cache: TreeCache, rows: list[RowQueries], attention: str, architecture: Architecture,
@@ -118,10 +127,7 @@ def run_head_step(model, cache: TreeCache, rows: list[RowQueries], architecture:
     """run_step for a draft head that reads hidden inputs beside the tokens (`RowQueries.inputs`) and
     gives its hidden outputs back: per row (float32 logits (n_b, V) or nothing, hidden (n_b, H)).
     graphs: the head's captured forwards (as run_step's), or None."""
-    longest = max(max(len(r) for r in rows), 1)
-    bucket = query_bucket(longest) if graphs is not None and cache.buffers else None
-    if graphs is not None and cache.buffers and bucket is None:
-        graphs.fallbacks.add(f"steps of more than {MAX_QUERIES} queries a row ran eagerly")
+    bucket = replay_bucket(graphs, cache, rows)
     if bucket is not None:
         counts, input_ids, positions, layout = step_layout(model, cache, rows, bucket)
         tensors, build = fixed_step_inputs("sdpa", architecture, layout, model.dtype, set())
