@@ -300,3 +300,12 @@ def test_readme_figures_are_the_result_files():
             for name, value in zip(sets, shown):
                 result = by_set[name][method]
                 assert result["status"] == "ok" and f"{result['speedup']['mean']:.2f}" == value, (label, name, method, value)
+
+
+def test_how_it_works_counts_lines_as_they_are():
+    """how_it_works.md gives each module's length in lines: each within 15% of the file's (they drift)."""
+    counts = re.findall(r"`([\w/]+\.py)` \((\d+)\)", text(DOCS / "how_it_works.md"))
+    assert len(counts) > 20
+    for name, shown in counts:
+        actual = len((README.parent / "hf_swiftspec" / name).read_text().splitlines())
+        assert abs(int(shown) - actual) <= 0.15 * actual, f"{name}: the page says {shown} lines, it has {actual}"
