@@ -212,7 +212,9 @@ class StepGraphs:
             step()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.memory_pool):
+        # thread_local: the asynchronous engine's other worker (a thread, or a thread waiting on a message) keeps
+        # launching and syncing on its own stream meanwhile; only this thread's calls could break this capture
+        with torch.cuda.graph(graph, pool=self.memory_pool, capture_error_mode="thread_local"):
             out = step()
         graph.replay()
         return graph, out

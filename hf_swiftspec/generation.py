@@ -150,9 +150,10 @@ def decode_adaptive(target, draft, request: DecodeRequest, config: SwiftSpecConf
     when the caller has them. captures: the pair's replayed forwards, kept across calls (None: every step eager)."""
     batch = request.batch_size
     length = request.prompt.shape[1] + request.max_new_tokens
-    serial = placement is None or placement.mode == "serial"
+    if groups is not None and len(groups.my_ranks) > 1:
+        captures = None  # a tensor-parallel forward's collectives stay eager: a capture failing on one rank would hang the rest
     workers = build_workers(target, draft, config, length, groups, batch, chain_reasons, request.corpus, request.history,
-                            architectures, captures if serial else None)
+                            architectures, captures)
     with contextlib.ExitStack() as routes:  # each model attends the tree its way for this call only
         for worker in (workers[0], workers[1] and workers[1].model):
             if worker is not None and not isinstance(worker.model, DraftHead):

@@ -40,14 +40,15 @@ def pair(placement, draft_kind="agreeing", **settings):
 
 def greedy(placement, args):
     for kind in ("agreeing", "random"):
-        model, reference = pair(placement, kind, worker_timeout_s=60)
+        model, reference = pair(placement, kind, worker_timeout_s=60, **({"capture": True} if args.capture else {}))
         for p in prompts(args.prompts):
             out = model.generate(p, do_sample=False, max_new_tokens=30, repetition_penalty=1.1)
             expected = reference.generate(p, do_sample=False, max_new_tokens=30, repetition_penalty=1.1)
             s = model.swiftspec_stats
             report(case="greedy", kind=kind, same=out.tolist() == expected.tolist(), tau=s.tau, engine=s.engine,
                    in_flight=s.in_flight_expansions, idle=s.target_idle_fraction, verify_steps=s.verify_steps,
-                   overlap=dataclasses.asdict(s.overlap))
+                   overlap=dataclasses.asdict(s.overlap), attention=s.attention,
+                   replays=sum(b.replays for g in model.captures.graphs.values() for b in g.buckets.values()))
 
 
 def sample(placement, args):
@@ -145,6 +146,7 @@ def main():
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--timeout", type=float, default=5)
     parser.add_argument("--draws", type=int, default=1500)
+    parser.add_argument("--capture", action="store_true", help="capture=True: each rank replays its steps")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))

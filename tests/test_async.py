@@ -152,3 +152,23 @@ def test_breakdown_says_where_the_target_waits(llama_pair):
     assert slow_draft.idle >= 15 and slow_draft.verify < 30
     explained = slow_draft.overrun + slow_draft.catch_up + slow_draft.reroot + slow_draft.select
     assert explained >= 0.7 * slow_draft.idle and slow_draft.link <= 0.3 * slow_draft.idle, slow_draft
+
+
+def test_replayed_steps_on_both_threads_equal_target_generate(llama_pair):
+    """capture=True with the draft in its own thread: each worker replays its own steps (this CPU's stand-in for
+    CUDA graphs) while the other runs, and the tokens are the target's own."""
+    target, draft, _ = llama_pair
+    model = SwiftSpecForCausalLM.from_models(target, draft, placement=CPU_THREADS, capture=True, tree_budget=6,
+                                             draft_width=4)
+    hook = slow_down(target, 0.02)  # verifications long enough for the draft to grow during them
+    try:
+        for p in prompts(4):
+            expected = target.generate(p, do_sample=False, max_new_tokens=30)
+            assert model.generate(p, do_sample=False, max_new_tokens=30).tolist() == expected.tolist()
+    finally:
+        hook.remove()
+    stats = model.swiftspec_stats
+    assert stats.engine == "async-threads" and stats.in_flight_expansions > 0
+    assert "target=sdpa (replayed, emulate" in stats.attention and "draft=sdpa (replayed, emulate" in stats.attention
+    replays = {role: sum(b.replays for b in g.buckets.values()) for role, g in model.captures.graphs.items()}
+    assert min(replays.values()) > 5, replays

@@ -66,6 +66,17 @@ def test_greedy_across_processes_equals_target(target, draft):
         assert overlap["verify"] > 0 and overlap["select"] > 0 and overlap["grow"] + overlap["wait"] > 0, overlap
 
 
+def test_replayed_steps_in_each_process_equal_target():
+    """capture=True across processes: each rank replays its own steps (this CPU's stand-in for CUDA graphs)."""
+    results, codes, outputs = launch(2, "--case", "greedy", "--target", "0", "--draft", "1", "--prompts", "3",
+                                     "--capture")
+    assert codes == [0, 0], outputs
+    assert len(results) == 12 and all(r["same"] for r in results), results
+    mine = {r["rank"]: r for r in results}
+    assert "target=sdpa (replayed, emulate" in mine[0]["attention"] and mine[0]["replays"] > 5, mine[0]
+    assert "draft=sdpa (replayed, emulate" in mine[1]["attention"] and mine[1]["replays"] > 5, mine[1]
+
+
 def test_an_eagle3_head_drafts_in_its_own_process():
     """The target's hidden states cross process groups with each verdict: greedy equals the target's own, and
     every state the draft rank received is the target's at its position (within float32 rounding)."""

@@ -102,7 +102,8 @@ def run_threads(target: TargetWorker, draft: Drafters, request: DecodeRequest, t
 
     def draft_main() -> None:
         try:
-            with stream_for(draft.device):
+            # grad mode is per thread: generate()'s no_grad does not reach this one (its forwards built autograd graphs)
+            with torch.no_grad(), stream_for(draft.device):
                 run_draft(draft, request, link)
         except LinkClosed:
             pass
