@@ -7,7 +7,8 @@ thread). Per prompt, interleaved: target.generate on rank 0 with one thread and 
 idle meanwhile); serial tree speculation on rank 0 (the draft on the target's core); asynchronous
 tree speculation with the draft on rank 1. Greedy outputs must be identical or the run fails.
 The pair is the bundled demo pair (prompts: the bundled HumanEval excerpt), or with
---pair agreeing, hf_swiftspec.tools.models.agreeing_pair on random prompts.
+--pair agreeing, hf_swiftspec.tools.models.agreeing_pair on random prompts, or with --pair shape:NAME a
+random-weight pair shaped like a real model (tools.models.REAL_SHAPES; its draft never agrees) on random prompts.
 """
 
 import argparse
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.bench import load_prompts
 from hf_swiftspec.stats import OverlapBreakdown
-from hf_swiftspec.tools.models import agreeing_pair
+from hf_swiftspec.tools.models import agreeing_pair, real_shaped_pair
 
 
 def pair_and_prompts(name: str, count: int, prompt_len: int):
@@ -31,6 +32,10 @@ def pair_and_prompts(name: str, count: int, prompt_len: int):
         target, draft = agreeing_pair()
         gen = torch.Generator().manual_seed(0)
         return target, draft, [torch.randint(3, 4096, (1, prompt_len), generator=gen) for _ in range(count)]
+    if name.startswith("shape:"):  # a random-weight pair in a real model's shape: its draft never agrees
+        target, draft = real_shaped_pair(name.removeprefix("shape:"))
+        gen, vocab = torch.Generator().manual_seed(0), target.config.vocab_size
+        return target, draft, [torch.randint(3, vocab, (1, prompt_len), generator=gen) for _ in range(count)]
     pair = SwiftSpecForCausalLM.from_pretrained(name, dtype=torch.float32)
     texts = [prompt.text for prompt in load_prompts("humaneval", count)]
     return pair.target, pair.draft, [pair.tokenizer(t, return_tensors="pt").input_ids[:, -prompt_len:] for t in texts]
@@ -45,7 +50,7 @@ def mean_overlap(overlaps: list[OverlapBreakdown]) -> OverlapBreakdown:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pair", default="swiftspec-demo-pystdlib", help="pair id or folder, or 'agreeing'")
+    parser.add_argument("--pair", default="swiftspec-demo-pystdlib", help="pair id or folder, 'agreeing', or shape:NAME")
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--prompt-len", type=int, default=96, help="prompt tokens kept (the last ones)")
     parser.add_argument("--max-new-tokens", type=int, default=128)

@@ -40,7 +40,7 @@ def pair(placement, draft_kind="agreeing", **settings):
 
 def greedy(placement, args):
     for kind in ("agreeing", "random"):
-        model, reference = pair(placement, kind, worker_timeout_s=60, **({"capture": True} if args.capture else {}))
+        model, reference = pair(placement, kind, worker_timeout_s=60, **({"capture": True, "draft_depth": 2} if args.capture else {}))
         for p in prompts(args.prompts):
             out = model.generate(p, do_sample=False, max_new_tokens=30, repetition_penalty=1.1)
             expected = reference.generate(p, do_sample=False, max_new_tokens=30, repetition_penalty=1.1)

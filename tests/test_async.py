@@ -69,7 +69,8 @@ def fail_after(model, calls):
 @pytest.mark.parametrize("worker", ["draft", "target"])
 def test_worker_failure_surfaces_and_the_next_call_works(llama_pair, worker):
     target, draft, _ = llama_pair
-    model = SwiftSpecForCausalLM.from_models(target, draft, placement=CPU_THREADS, worker_timeout_s=20)
+    # draft_depth: the draft expands every round, whether it pays or not (draft_pays), so its 4th forward comes
+    model = SwiftSpecForCausalLM.from_models(target, draft, placement=CPU_THREADS, worker_timeout_s=20, draft_depth=2)
     p = prompts(5)[4]
     hook = fail_after(target if worker == "target" else draft, 3)
     start = time.monotonic()
@@ -172,3 +173,36 @@ def test_replayed_steps_on_both_threads_equal_target_generate(llama_pair):
     assert "target=sdpa (replayed, emulate" in stats.attention and "draft=sdpa (replayed, emulate" in stats.attention
     replays = {role: sum(b.replays for b in g.buckets.values()) for role, g in model.captures.graphs.items()}
     assert min(replays.values()) > 5, replays
+
+
+def test_a_draft_that_never_agrees_neither_delays_nor_slows_the_target(llama_pair):
+    """Where the draft's proposals are never accepted (a random draft), the draft stops paying for itself: after
+    a verdict it sends the root alone rather than make the target wait for a fresh tree's catch-up, and it grows
+    the tree during one verification in PROBE_GROWTH_EVERY only. Before, each round waited for an expansion."""
+    from hf_swiftspec.engine.asynchronous import PROBE_GROWTH_EVERY
+
+    target, _, _ = llama_pair
+    random_draft = tiny_model("llama", seed=9, layers=1)
+    model = SwiftSpecForCausalLM.from_models(target, random_draft, placement=CPU_THREADS, ngram_size=0)
+    hooks = [slow_down(target, 0.01), slow_down(random_draft, 0.03)]
+    try:
+        p = prompts(4)[3]
+        out = model.generate(p, do_sample=False, max_new_tokens=40)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert out.tolist() == target.generate(p, do_sample=False, max_new_tokens=40).tolist()
+    overlap = model.swiftspec_stats.overlap
+    assert model.swiftspec_stats.tau < 1.2, model.swiftspec_stats.summary()  # it never agreed
+    assert overlap.catch_up < 10 and overlap.grown_share <= 2 / PROBE_GROWTH_EVERY + 0.1, overlap
+
+
+def test_draft_pays_while_its_rounds_repay_an_expansion():
+    from hf_swiftspec.policy import GoodputPolicy
+
+    policy = GoodputPolicy()
+    assert policy.draft_pays(1.0, 0.07)  # nothing measured yet: the draft runs
+    policy.costs.observe_expansions(0.02, 1)
+    assert not policy.draft_pays(1.0, 0.07) and not policy.draft_pays(1.25, 0.07)  # 1 + 0.02 / 0.07 = 1.29
+    assert policy.draft_pays(1.3, 0.07) and policy.draft_pays(3.0, 0.07)
+    assert GoodputPolicy(draft_depth=2).draft_pays(1.0, 0.07)  # a fixed depth is the user's choice

@@ -67,7 +67,8 @@ def test_greedy_across_processes_equals_target(target, draft):
 
 
 def test_replayed_steps_in_each_process_equal_target():
-    """capture=True across processes: each rank replays its own steps (this CPU's stand-in for CUDA graphs)."""
+    """capture=True across processes: each rank replays its own steps (this CPU's stand-in for CUDA graphs; draft_depth=2,
+    so the draft expands every round whether it pays or not)."""
     results, codes, outputs = launch(2, "--case", "greedy", "--target", "0", "--draft", "1", "--prompts", "3",
                                      "--capture")
     assert codes == [0, 0], outputs

@@ -35,12 +35,15 @@ def run_draft(draft: Drafters, request: DecodeRequest, link) -> None:
     start = time.perf_counter()
     draft.top_up(min(policy.max_budget, FIRST_TREE))
     counters.catch_up_s += time.perf_counter() - start
+    tokens = round_trips_s = 0.0  # this call's verified tokens and round trips, for draft_pays
     while True:
         selecting = time.perf_counter()
         # Drafting is off the critical path here: the tree size is chosen by verification time alone.
         policy.plan_round(1, [0], probes=False)
         suffixes = draft.suffix_trees(policy.max_budget)
-        if draft.fresh and not suffixes[0].tokens:  # a fresh tree and nothing to copy: one expansion first
+        drafting = draft_pays(policy, link, tokens, round_trips_s, counters.rounds)
+        if draft.fresh and not suffixes[0].tokens and drafting:
+            # a fresh tree and nothing to copy: one expansion first (else the root alone, a plain step)
             catching_up = time.perf_counter()
             draft.top_up(2)
             counters.catch_up_s += time.perf_counter() - catching_up
@@ -54,7 +57,8 @@ def run_draft(draft: Drafters, request: DecodeRequest, link) -> None:
         counters.busy_s += sent - start
         # While the target verifies, keep growing the whole tree: after the re-root, whatever
         # grew under the verified path is already there.
-        expansions = draft.grow(link.agree(policy.overlap_depth()), stop=lambda: link.verdict_ready() or (
+        growing = drafting or counters.rounds % PROBE_GROWTH_EVERY == 0  # now and then: has the text become predictable?
+        expansions = draft.grow(link.agree(policy.overlap_depth()) if growing else 0, stop=lambda: link.verdict_ready() or (
             link.stops_alone and not policy.expansion_fits(len(proposal.subtree), time.perf_counter() - sent)))
         drafted = time.perf_counter()
         verified = link.receive_verdict()
@@ -68,10 +72,22 @@ def run_draft(draft: Drafters, request: DecodeRequest, link) -> None:
         counters.grown_rounds += expansions > 0
         policy.observe_round(expansions, drafted - sent, len(proposal.subtree), start - sent)
         policy.observe_outcome(proposal, verified)
+        tokens, round_trips_s = tokens + len(verified.tokens), round_trips_s + (start - sent)
         if verified.finished:
             return
         draft.accept([proposal.subtree], [verified])  # the target waits from here to the next send: keep it short
         counters.reroot_s += time.perf_counter() - start
+
+
+PROBE_GROWTH_EVERY = 8  # rounds: where the draft does not pay, it still grows during one verification in this many
+
+
+def draft_pays(policy, link, tokens: float, round_trips_s: float, rounds: int) -> bool:
+    """policy.draft_pays on this call's rounds so far (tokens and round trips over `rounds`), the same on every
+    draft rank (the leader's choice)."""
+    if rounds == 0:
+        return True
+    return bool(link.agree(int(policy.draft_pays(tokens / rounds, round_trips_s / rounds))))
 
 
 def run_target(target: TargetWorker, request: DecodeRequest, link, rows: BatchRows) -> None:
