@@ -194,9 +194,7 @@ class StepGraphs:
             self.refused[key] = f"capture failed ({type(error).__name__}: {str(error).splitlines()[0][:120]})"
             if self.backend == "cuda":
                 torch.cuda.synchronize()
-            self.fallbacks.add(self.refused[key])
-            bucket.logits, bucket.extra = self.forward(model, cache, build(tensors), keep, hidden)
-            return None
+            return None  # run() adds the reason and runs the step eagerly
         self.buckets[key] = bucket
         self.captures += 1
         return bucket

@@ -106,19 +106,26 @@ def replay_bucket(graphs: StepGraphs | None, cache: TreeCache, rows: list[RowQue
 
 
 def replayed_step(model, cache: TreeCache, rows: list[RowQueries], attention: str, architecture: Architecture,
-                  fallbacks: set[str] | None, keep: int, graphs: StepGraphs, bucket: int, tap=None) -> list[torch.Tensor]:
+                  fallbacks: set[str] | None, keep: int, graphs: StepGraphs, bucket: int, tap=None,
+                  head: bool = False) -> list[torch.Tensor] | tuple[torch.Tensor, list[torch.Tensor]]:
     """run_step as a fixed step of `bucket` queries a row, handed to `graphs` to replay: every layer sees the
-    whole cache (the kernel through per-row device lengths, sdpa through a dense mask)."""
+    whole cache (the kernel through per-row device lengths, sdpa through a dense mask). head: a draft head's
+    step (run_head_step): its hidden inputs go in as well, and it returns (logits (B, Q, V), per row hidden)."""
     counts, input_ids, positions, layout = step_layout(model, cache, rows, bucket)
     tensors, build = fixed_step_inputs(attention, architecture, layout, model.dtype,
                                        fallbacks if fallbacks is not None else set())
     tensors |= {"input_ids": input_ids, "position_ids": positions}
+    if head:
+        tensors["hidden_inputs"] = head_inputs(model, rows, counts, bucket)
 
     def forward_kwargs(t: dict) -> dict:
-        return {"input_ids": t["input_ids"], "position_ids": t["position_ids"], **build(t)}
+        extra = {"hidden_inputs": t["hidden_inputs"]} if head else {}
+        return {"input_ids": t["input_ids"], "position_ids": t["position_ids"], **extra, **build(t)}
 
-    out, _ = graphs.run(model, cache, tensors, forward_kwargs, head_rows(keep, input_ids.device), tap)  # (B, Q, V)
+    out, hidden = graphs.run(model, cache, tensors, forward_kwargs, head_rows(keep, input_ids.device), tap, hidden=head)
     cache.advance(bucket)
+    if head:
+        return out, [hidden[b, : counts[b]] for b in range(len(rows))]
     return [out[b, : counts[b]] for b in range(len(rows))] if keep == 0 else []
 
 
@@ -127,25 +134,16 @@ def run_head_step(model, cache: TreeCache, rows: list[RowQueries], architecture:
     """run_step for a draft head that reads hidden inputs beside the tokens (`RowQueries.inputs`) and
     gives its hidden outputs back: per row (float32 logits (n_b, V) or nothing, hidden (n_b, H)).
     graphs: the head's captured forwards (as run_step's), or None."""
+    counts = [len(r) for r in rows]
     bucket = replay_bucket(graphs, cache, rows)
-    if bucket is not None:
-        counts, input_ids, positions, layout = step_layout(model, cache, rows, bucket)
-        tensors, build = fixed_step_inputs("sdpa", architecture, layout, model.dtype, set())
-        tensors |= {"input_ids": input_ids, "position_ids": positions, "hidden_inputs": head_inputs(model, rows, counts, bucket)}
-
-        def forward_kwargs(t: dict) -> dict:
-            return {"input_ids": t["input_ids"], "position_ids": t["position_ids"], "hidden_inputs": t["hidden_inputs"],
-                    **build(t)}
-
-        out_logits, out_hidden = graphs.run(model, cache, tensors, forward_kwargs, 0, hidden=True)  # every query's
-        cache.advance(bucket)
+    if bucket is not None:  # every query's logits: a padded step's last query is not a row's last
+        out_logits, hidden = replayed_step(model, cache, rows, "sdpa", architecture, None, 0, graphs, bucket, head=True)
     else:
         counts, input_ids, positions, _, kwargs = step_arguments(model, cache, rows, "sdpa", architecture)
         out = model(input_ids=input_ids, position_ids=positions, past_key_values=cache, logits_to_keep=0 if logits else 1,
                     hidden_inputs=head_inputs(model, rows, counts, input_ids.shape[1]), **kwargs)
         cache.advance(input_ids.shape[1])
-        out_logits, out_hidden = out.logits, out.hidden
-    hidden = [out_hidden[b, : counts[b]] for b in range(len(rows))]
+        out_logits, hidden = out.logits, [out.hidden[b, : counts[b]] for b in range(len(rows))]
     return ([out_logits[b, : counts[b]].float() for b in range(len(rows))] if logits else []), hidden
 
 
