@@ -115,6 +115,7 @@ class SlotBuffer:
             raise RuntimeError(f"TreeCache overflow: {length} positions > capacity {capacity}")
         shape = [len(parts), *shape]
         self.data = pool.take(shape, parts[0]) if pool is not None else parts[0].new_zeros(shape)
+        self.base = self.data  # rows beyond data's are room for rows that join (absorb)
         self.dim = dim + 1  # positions; the batch is dim 1
         self.members = members
         self.point_members()
@@ -142,6 +143,45 @@ class SlotBuffer:
                 self.data[:, i].narrow(self.dim - 1, 0, used).copy_(self.data[:, j].narrow(self.dim - 1, 0, used))
         self.data = self.data.narrow(1, 0, len(order))
         self.point_members()
+
+    def absorb(self, other: torch.Tensor | None, new_rows: int, used: int, other_used: int, capacity: int) -> None:
+        """Append `new_rows` rows after this buffer's: `other`'s data (n, new_rows, ...) (a buffer of the same
+        layers, maybe wider, holding anything in its first `other_used` positions only), or empty rows (None).
+        This buffer's rows hold anything in their first `used` positions only. They are not copied while
+        the buffer has room (it reserves twice the rows it needs when it grows) and other's positions fit;
+        else everything moves to a new buffer once. Every row then has `capacity` positions (at least)."""
+        rows = self.data.shape[1]
+        capacity = max(self.data.shape[self.dim], capacity)
+        self.reserve(rows + new_rows, capacity, keep=used)
+        rows_view = self.base.narrow(1, 0, rows + new_rows)
+        if other is not None:
+            into = rows_view.narrow(1, rows, new_rows).narrow(self.dim, 0, other_used)
+            into.copy_(other.narrow(self.dim, 0, other_used))
+        self.data = rows_view.narrow(self.dim, 0, capacity)
+        self.point_members()
+
+    def prepend(self, new_rows: int, used: int, capacity: int) -> None:
+        """Put `new_rows` empty rows in front of this buffer's (whose rows hold their first `used` positions),
+        all of at least `capacity` positions."""
+        old, rows = self.data, self.data.shape[1]
+        shape = list(old.shape)
+        shape[1], shape[self.dim] = 2 * (rows + new_rows), max(capacity, shape[self.dim])
+        self.base = old.new_zeros(shape)
+        self.base.narrow(1, new_rows, rows).narrow(self.dim, 0, used).copy_(old.narrow(self.dim, 0, used))
+        self.data = self.base.narrow(1, 0, rows + new_rows)
+        self.point_members()
+
+    def reserve(self, rows: int, capacity: int, keep: int) -> None:
+        """Make the underlying buffer hold `rows` rows of `capacity` positions, moving the current rows' first
+        `keep` positions if it must grow (to twice the rows asked for)."""
+        if rows <= self.base.shape[1] and capacity <= self.base.shape[self.dim]:
+            return
+        shape = list(self.base.shape)
+        shape[1], shape[self.dim] = 2 * rows, max(capacity, shape[self.dim])
+        base = self.base.new_zeros(shape)
+        current = self.data.shape[1]
+        base.narrow(1, 0, current).narrow(self.dim, 0, keep).copy_(self.data.narrow(self.dim, 0, keep))
+        self.base = base
 
 
 class TreeCache(Cache):
@@ -320,6 +360,27 @@ class TreeCache(Cache):
         if length > self.prefix_lens[row]:
             raise RuntimeError(f"TreeCache.truncate({length}) past row {row}'s committed prefix ({self.prefix_lens[row]})")
         self.prefix_lens[row] = self.lengths[row] = length
+
+    def absorb(self, other: "TreeCache") -> None:
+        """Append `other`'s rows (the same model's cache, its forwards run, no step in flight) after this
+        one's: rows joining a running batch. Both take the larger capacity (a wider one moves every row
+        once; the scratch slot moves to its end)."""
+        used, other_used = max(self.lengths, default=0), max(other.lengths, default=0)
+        self.capacity = max(self.capacity, other.capacity)
+        if self.buffers and other.buffers and len(other.buffers) != len(self.buffers):
+            raise RuntimeError(f"TreeCache.absorb: {len(other.buffers)} buffers into {len(self.buffers)}")
+        if not self.buffers and other.buffers:  # nothing run here yet: take other's layers and buffers over
+            for layer in other.layers:
+                layer.owner = self
+            self.layers, self.buffers = other.layers, other.buffers
+            for buffer in self.buffers:
+                buffer.prepend(self.batch_size, other_used, self.capacity)
+        else:
+            for b, mine in enumerate(self.buffers):
+                theirs = other.buffers[b].data if other.buffers else None
+                mine.absorb(theirs, other.batch_size, used, other_used, self.capacity)
+        for name in ("starts", "prefix_lens", "lengths"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def keep_rows(self, rows: list[int]) -> None:
         """Drop every batch row not in `rows`; row rows[i] becomes row i."""

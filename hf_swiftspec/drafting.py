@@ -8,6 +8,7 @@ follows the target's verdict afterwards. Every drafter implements `Drafter`:
     accept(subtrees, verified)     the target's verdict per row (None: the row sat the round out):
                                    follow the verified tokens
     keep_rows(rows)                the rows that keep decoding (row rows[i] becomes row i)
+    absorb(other)                  rows joining a running batch (other: the same drafter, started on theirs)
 
 and offers its candidates in its own terms, which the policy calibrates into P(accepted):
 
@@ -45,6 +46,9 @@ class Drafter(Protocol):
 
     def accept(self, subtrees: list[Subtree | None], verified: list[Verified | None]) -> object: ...
 
+    def absorb(self, other: "Drafter") -> None:
+        """Take `other`'s rows (a drafter of the same kind, started on their prompts) in after this one's."""
+
     def keep_rows(self, rows: list[int]) -> None: ...
 
 
@@ -75,6 +79,9 @@ class SuffixDrafter:
         for index, outcome in zip(self.indices, verified):
             if outcome is not None:
                 index.extend(outcome.tokens)
+
+    def absorb(self, other: "SuffixDrafter") -> None:
+        self.indices += other.indices
 
     def keep_rows(self, rows: list[int]) -> None:
         self.indices = [self.indices[b] for b in rows]
@@ -132,6 +139,15 @@ class Drafters:
         if self.suffix is not None:
             self.suffix.accept(subtrees, verified)
         return self.model.accept(subtrees, verified) if self.model is not None else 0
+
+    def absorb(self, other: "Drafters") -> None:
+        """Take `other`'s rows (drafters of the same pair, started on their prompts) in after this one's."""
+        self.roots += other.roots
+        self.lengths += other.lengths
+        for mine, theirs in zip(self.drafters, other.drafters):
+            mine.absorb(theirs)
+        if self.model is not None:
+            self.counters.forwards += other.counters.forwards
 
     def keep_rows(self, rows: list[int]) -> None:
         self.roots = [self.roots[b] for b in rows]

@@ -37,6 +37,7 @@ from .eagle3 import DraftHead
 from .engine import DecodeRequest, DecodeResult, DraftModelDrafter, TargetWorker, run_serial, run_threads
 from .engine.heads import HeadDrafter
 from .engine.request import RowResult
+from .engine.continuous import ContinuousEngine
 from .engine.distributed import Groups, run_distributed
 from .capture import Captures, StepGraphs, capacity_bucket, capture_backend, capture_gap
 from .placement import Placement
@@ -74,6 +75,7 @@ def swiftspec_generate(
     swiftspec_policy: GoodputPolicy | None = None,
     swiftspec_history: OutputHistory | None = None,
     swiftspec_captures: Captures | None = None,
+    swiftspec_engine=None,
     **model_kwargs,
 ) -> tuple[torch.LongTensor | GenerateDecoderOnlyOutput, SwiftSpecStats]:
     """`custom_generate` callable; `model` is the target. Returns (generate's output, stats).
@@ -81,6 +83,8 @@ def swiftspec_generate(
     input_ids (B, L): B > 1 for a batch of prompts (left-padded, with their attention_mask) or
     num_return_sequences copies of each; every row decodes as target.generate would decode it in
     that batch.
+    swiftspec_engine: (engine, key) to decode this one sequence in a running batch of other calls'
+    (engine/continuous.py: the server's), instead of in rounds of its own.
     """
     check_supported_options(generation_config, input_ids)
     check_model_kwargs(model_kwargs)
@@ -99,6 +103,11 @@ def swiftspec_generate(
         f"the target {limit.reason}, and this call's steps reach {slots} slots (only one-token steps are exact there)"
         for limit in reached if limit.beyond == "plain" or batch > 1
     ]
+    if swiftspec_engine is not None and (reasons or reached):
+        raise ValueError(
+            f"This request cannot join the server's speculating batch: {'; '.join(reasons) or reached[0].reason} "
+            f"(it reaches {slots} slots). Ask for fewer new tokens (max_tokens) or send a shorter prompt."
+        )
     if reasons:
         return decode_with_target_loop(
             model, input_ids, logits_processor, stopping_criteria, generation_config, swiftspec_streamer,
@@ -127,20 +136,31 @@ def swiftspec_generate(
         keeps_scores=bool(generation_config.return_dict_in_generate and generation_config.output_scores),
         keeps_logits=bool(generation_config.return_dict_in_generate and generation_config.output_logits),
     )
-    request.policy.start_generation(request.max_new_tokens)
-    captures = swiftspec_captures or Captures()
-    with captures.claimed() as ours:  # a concurrent call on the same pair captures graphs (and buffers) of its own
-        result = decode_adaptive(model, swiftspec_draft, request, config, swiftspec_placement, swiftspec_groups,
-                                 chain_reasons, architectures, captures if ours else Captures())
+    if swiftspec_engine is not None:
+        engine, key = swiftspec_engine
+        result = engine.decode(request, key)  # the engine remembers the output (its thread owns the history)
+    else:
+        request.policy.start_generation(request.max_new_tokens)
+        captures = swiftspec_captures or Captures()
+        with captures.claimed() as ours:  # a concurrent call on the same pair captures graphs (and buffers) of its own
+            result = decode_adaptive(model, swiftspec_draft, request, config, swiftspec_placement, swiftspec_groups,
+                                     chain_reasons, architectures, captures if ours else Captures())
+        remember_outputs(swiftspec_history, config, request, result)
     result.stats.draft_model = swiftspec_draft is not None
     if batch > 1:
         result.stats.row_tau = [row.tau for row in result.rows]
-    if swiftspec_history is not None:  # later requests may copy these outputs (and their lead-ins)
-        lead_in = config.ngram_size if config.ngram_size > 0 else 0
-        for ids, row in zip(request.prompt_ids(), result.rows):
-            if row.tokens:
-                swiftspec_history.add((ids[-lead_in:] if lead_in else []) + row.tokens[: result.end])
     return generate_output(input_ids, result, generation_config), result.stats
+
+
+def remember_outputs(history: OutputHistory | None, config: SwiftSpecConfig, request: DecodeRequest,
+                     result: DecodeResult) -> None:
+    """Keep the rows' outputs (and their lead-ins) in the history later requests' suffix proposals copy from."""
+    if history is None:
+        return
+    lead_in = config.ngram_size if config.ngram_size > 0 else 0
+    for ids, row in zip(request.prompt_ids(), result.rows):
+        if row.tokens:
+            history.add((ids[-lead_in:] if lead_in else []) + row.tokens[: result.end])
 
 
 def decode_adaptive(target, draft, request: DecodeRequest, config: SwiftSpecConfig, placement, groups,
@@ -166,6 +186,30 @@ def decode_adaptive(target, draft, request: DecodeRequest, config: SwiftSpecConf
             result = DecodeResult(rows=[RowResult() for _ in range(batch)])
     result.stats.attention = attention_summary(workers, chain_reasons)
     return result
+
+
+def continuous_engine(target, draft, config: SwiftSpecConfig, placement: Placement | None, groups: Groups | None,
+                      policy: GoodputPolicy, history: OutputHistory | None) -> ContinuousEngine:
+    """An engine decoding concurrent one-sequence generate() calls in one running batch (engine/continuous.py;
+    calls pass it as swiftspec_engine=(engine, key)). ValueError where the pair cannot share a batch."""
+    if (placement is not None and placement.mode != "serial") or groups is not None:
+        raise ValueError(
+            f"a running batch decodes serially on one device; this pair runs {placement.mode if placement else 'distributed'} "
+            "(load it with placement='serial')"
+        )
+    architectures = describe(target, "target"), draft_architecture(draft)
+    reasons = batch_exactness_gaps(architectures, [], [])
+    if reasons:
+        raise ValueError(f"this pair cannot decode rows in one batch: {'; '.join(reasons)}")
+
+    def build(request: DecodeRequest):
+        length = request.prompt.shape[1] + request.max_new_tokens
+        return build_workers(target, draft, config, length, None, 1, (), request.corpus, request.history, architectures)
+
+    def finish(request: DecodeRequest, result: DecodeResult) -> None:
+        remember_outputs(history, config, request, result)
+
+    return ContinuousEngine(target, draft, config, policy, build, finish)
 
 
 def stop_length(stopping_criteria: StoppingCriteriaList, generation_config: GenerationConfig) -> int:

@@ -16,7 +16,7 @@ from .capture import Captures
 from .eagle3 import DraftHead, Eagle3Head, load_eagle3_head
 from .probes import describe
 from .config import SwiftSpecConfig, check_setting_names
-from .generation import check_inputs, split_stop_strings, stop_string_criteria, swiftspec_generate
+from .generation import check_inputs, continuous_engine, split_stop_strings, stop_string_criteria, swiftspec_generate
 from .pair import (
     PairCard,
     PairConfigError,
@@ -258,6 +258,14 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
         if key not in self.policies:
             self.policies[key] = GoodputPolicy(tree_budget=self.config.tree_budget, draft_depth=self.config.draft_depth)
         return self.policies[key]
+
+    def continuous_engine(self):
+        """An engine that decodes concurrent generate() calls (one sequence each) in one running batch, each
+        speculating with trees the policy sizes for the batch it has: `generate(ids, swiftspec_engine=(engine,
+        request_id))` from each caller's thread (what `swiftspec serve --continuous-batching` does); close()
+        it when done. ValueError where the pair cannot batch (a recurrent model, a placement on two devices)."""
+        return continuous_engine(self.target, self.draft, self.config, self.placement, self.process_groups,
+                                 self.policy(), self.output_history)
 
     def reset_policy(self) -> None:
         """Forget what the policy measured (e.g. after moving the models or changing threads)."""

@@ -199,6 +199,12 @@ class CallState:
     row_yield: dict[int, tuple[float, float]] = field(default_factory=dict)
     new_tokens: int | None = None
 
+    def forget_rows(self, rows: list[int]) -> None:
+        """Drop what was kept for `rows` (requests that left a running batch: their ids do not come back)."""
+        for kept in (self.watching, self.suffix_every, self.suffix_wait, self.row_yield):
+            for row in rows:
+                kept.pop(row, None)
+
 
 @dataclass
 class RoundPlan:

@@ -8,6 +8,7 @@ import json
 import shutil
 import socket
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -20,6 +21,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from hf_swiftspec import compat  # noqa: E402
 from hf_swiftspec.cli import main  # noqa: E402
 from hf_swiftspec.pair.locate import bundled_pair  # noqa: E402
+from hf_swiftspec.cli import batching  # noqa: E402
+from hf_swiftspec.cli.routing import SpeculationRouter  # noqa: E402
 from hf_swiftspec.cli.serve import ServeOptions, serve, split_revision  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not compat.serving_available(), reason="transformers' server dependencies are not installed")
@@ -75,10 +78,18 @@ def reference(pair_folder):
     return tokenizer, answer
 
 
-@pytest.fixture(scope="module", params=["sequential", "continuous-batching"])
+@pytest.fixture(scope="module", params=["sequential", "continuous-batching", "router"])
 def server(pair_folder, request):
+    """The served demo pair: one request at a time, in one speculating batch, or (as for a pair whose models
+    cannot share a batch) routed: speculating alone, batched without speculation among others."""
     threads = torch.get_num_threads()
     port = free_port()
+    patch = pytest.MonkeyPatch()
+    if request.param == "router":
+        def cannot_batch(*args, **kwargs):
+            raise ValueError("this pair cannot decode rows in one batch (the test says so)")
+
+        patch.setattr(batching.SpeculatingBatcher, "__init__", cannot_batch)
     options = ServeOptions(pair=str(pair_folder), port=port, log_level="error", continuous_batching=request.param != "sequential")
     running = serve(options, blocking=False)
     client = openai.OpenAI(base_url=f"http://localhost:{port}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -93,6 +104,7 @@ def server(pair_folder, request):
             time.sleep(0.1)
     yield running, client, str(pair_folder)
     running.kill_server()
+    patch.undo()
     torch.set_num_threads(threads)
 
 
@@ -101,10 +113,25 @@ def served_model(running):
     return timed.model
 
 
-def router(running):
+def manager(running):
     """With --continuous-batching, the pair's batching manager (None before the first request, or sequential)."""
-    manager = running._generation_state._cb_manager
-    return None if manager is None else manager._cb
+    state = running._generation_state._cb_manager
+    return None if state is None else state._cb
+
+
+def batcher(running):
+    """The speculating batch's manager, if the server runs one."""
+    return manager(running) if isinstance(manager(running), batching.SpeculatingBatcher) else None
+
+
+def router(running):
+    """The router, if the server routes (a pair that cannot batch)."""
+    return manager(running) if isinstance(manager(running), SpeculationRouter) else None
+
+
+def speculation(usage) -> dict:
+    """What a response's usage says speculation did for it (swiftspec serve's addition to OpenAI's usage)."""
+    return usage.model_extra["speculation"]
 
 
 def test_completions_equal_the_target_alone_and_speculate(server, reference):
@@ -117,9 +144,18 @@ def test_completions_equal_the_target_alone_and_speculate(server, reference):
         assert reply.choices[0].text == expected
         assert reply.usage.completion_tokens == NEW_TOKENS
         stats = served_model(running).swiftspec_stats
-        assert stats.new_tokens == NEW_TOKENS and stats.target_forwards < NEW_TOKENS  # speculated, not plain steps
-        streamed = client.completions.create(model=name, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, stream=True)
+        assert stats.new_tokens == NEW_TOKENS and stats.verify_steps < NEW_TOKENS  # speculated, not plain steps
+        streamed = list(client.completions.create(model=name, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, stream=True))
         assert "".join(chunk.choices[0].text for chunk in streamed) == expected
+        if batcher(running) is not None:  # each response says what speculation did for it (the engine's)
+            figures = speculation(reply.usage)
+            assert figures["verifications"] == stats.verify_steps < NEW_TOKENS
+            assert figures["accepted_tokens"] + figures["verifications"] == NEW_TOKENS
+            assert 0 < figures["accepted_tokens"] <= figures["proposed_tokens"]
+            (last,) = [chunk for chunk in streamed if chunk.usage is not None]
+            assert speculation(last.usage)["accepted_tokens"] + speculation(last.usage)["verifications"] == NEW_TOKENS
+    if batcher(running) is not None:
+        assert batcher(running).engine.served == 6
     if router(running) is not None:  # one request at a time: each was alone, so each speculated
         assert router(running).routed == {"speculate": 6, "batch": 0, "joined": 0}
 
@@ -155,18 +191,21 @@ def test_concurrent_clients_get_their_own_answers(server, reference):
     assert len(answers) == 32
     for prompt, text in answers:
         assert text == expected[prompt]
+    if batcher(running) is not None:
+        assert max(batcher(running).engine.rounds_by_batch) > 1  # requests decoded together
+        assert not batcher(running).requests  # every request finished is forgotten
     if router(running) is not None:
         assert router(running).routed["batch"] > 0 and router(running).routed["speculate"] > 0
-        assert not router(running).requests  # every request finished is forgotten
+        assert not router(running).requests
 
 
-def test_a_speculating_request_joins_the_batch_when_others_arrive(server, reference):
-    """--continuous-batching: a long streamed answer starts alone (speculating); requests that arrive meanwhile
-    are batched, and it joins them, carrying its tokens so far. Its answer, streamed and whole, is still
-    the target's own, and so are the others'."""
+def test_a_routed_request_joins_the_batch_when_others_arrive(server, reference):
+    """A pair that cannot batch: a long streamed answer starts alone (speculating); requests that arrive
+    meanwhile are batched (the target alone), and it joins them, carrying its tokens so far. Its answer,
+    streamed and whole, is still the target's own, and so are the others'."""
     running, client, name = server
     if router(running) is None:
-        pytest.skip("sequential server: requests never batch")
+        pytest.skip("the server does not route")
     tokenizer, answer = reference
     long_prompt, others = PROMPTS[0], PROMPTS[1:4]
     before = dict(router(running).routed)
@@ -181,6 +220,32 @@ def test_a_speculating_request_joins_the_batch_when_others_arrive(server, refere
     assert routed["joined"] == before["joined"] + 1 and routed["batch"] == before["batch"] + 3
     assert text == answer(tokenizer(long_prompt, return_tensors="pt").input_ids, 160)
     assert replies == [answer(tokenizer(p, return_tensors="pt").input_ids, 8) for p in others]
+
+
+def test_a_speculating_request_goes_on_speculating_when_others_join(server, reference):
+    """--continuous-batching: a long streamed answer starts alone; requests that arrive meanwhile join its
+    running batch, all speculating there. Every answer, streamed and whole, is still the target's own, and
+    the server's totals count the rounds they shared."""
+    running, client, name = server
+    if batcher(running) is None:
+        pytest.skip("sequential server: requests never batch")
+    tokenizer, answer = reference
+    long_prompt, others = PROMPTS[0], PROMPTS[1:4]
+    stream = client.completions.create(model=name, prompt=long_prompt, max_tokens=160, temperature=0, stream=True)
+    chunks = iter(stream)
+    text = next(chunks).choices[0].text  # it is decoding, alone
+    with ThreadPoolExecutor(3) as pool:
+        replies = list(pool.map(lambda p: client.completions.create(model=name, prompt=p, max_tokens=8, temperature=0), others))
+        rest = list(chunks)
+        text += "".join(chunk.choices[0].text for chunk in rest)
+    assert text == answer(tokenizer(long_prompt, return_tensors="pt").input_ids, 160)
+    assert [r.choices[0].text for r in replies] == [answer(tokenizer(p, return_tensors="pt").input_ids, 8) for p in others]
+    (last,) = [chunk for chunk in rest if chunk.usage is not None]
+    assert speculation(last.usage)["accepted_tokens"] > 0  # it speculated, also while the others decoded beside it
+    with urllib.request.urlopen(f"{client.base_url}swiftspec/usage") as response:
+        totals = json.loads(response.read())
+    assert totals["requests"] == batcher(running).engine.served and totals["usage"]["accepted_tokens"] > 0
+    assert any(int(size) > 1 for size in totals["rounds_by_batch_size"])
 
 
 def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, reference):

@@ -10,12 +10,16 @@ gets a 400 with the reason in OpenAI's error shape, where transformers' server a
 The server is pinned to the one model: a request naming another gets transformers' 400.
 
 Requests run one at a time through `pair.generate()` (transformers' sequential mode), or with
-`--continuous-batching` each request speculates when it is alone and joins transformers' continuous
-batch of the target when others are decoding (routing.py).
+`--continuous-batching` every request speculates inside one running batch (batching.py), and each
+response's usage says what speculation did for it (`usage.speculation`: verifications, proposed and
+accepted tokens); GET /v1/swiftspec/usage gives the server's totals. A pair whose models cannot
+share a batch (recurrent or chain-shaped) keeps the older rule: a request speculates when alone and
+joins transformers' continuous batch of the target when others decode (routing.py).
 """
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 
@@ -24,6 +28,7 @@ import torch
 from .. import compat
 from .options import load_pair, progress, resolve_device, set_threads
 from ..modeling import SwiftSpecForCausalLM
+from .batching import SpeculatingBatcher, SpeculationUsage
 from ..pair import PairConfigError
 from ..pair.checks import context_length
 
@@ -70,12 +75,19 @@ class ServedPair(SwiftSpecForCausalLM):
             self.check_request(prompt.shape[-1])
         return super().generate(inputs, *args, **kwargs)
 
+    speculation_usage: SpeculationUsage | None = None  # where the server reads each request's figures
+
     def init_continuous_batching(self, generation_config=None, continuous_batching_config=None, **kwargs):
-        """`swiftspec serve --continuous-batching`: a request speculates when it is alone, and joins
-        transformers' continuous batch of the target when others decode (cli/routing.py)."""
+        """`swiftspec serve --continuous-batching`: every request speculates in one running batch (cli/batching.py);
+        for a pair that cannot batch, a request speculates alone or joins the target's batch (cli/routing.py)."""
         from .routing import SpeculationRouter
 
-        return SpeculationRouter(self, generation_config or self.generation_config, continuous_batching_config)
+        config = generation_config or self.generation_config
+        try:
+            return SpeculatingBatcher(self, config, self.speculation_usage)
+        except ValueError as reason:
+            progress(f"requests speculate alone and batch without speculation: {reason}")
+            return SpeculationRouter(self, config, continuous_batching_config)
 
 
 def split_revision(model_id_and_revision: str) -> tuple[str, str | None]:
@@ -87,7 +99,7 @@ def split_revision(model_id_and_revision: str) -> tuple[str, str | None]:
     return (name, revision) if at else (model_id_and_revision, None)
 
 
-def pair_model_manager(options: ServeOptions, device: str) -> type:
+def pair_model_manager(options: ServeOptions, device: str, usage: SpeculationUsage | None = None) -> type:
     """transformers' ModelManager, loading the served pair with hf_swiftspec's loader instead of
     `getattr(transformers, config.architectures[0])` (which knows no pair)."""
 
@@ -106,6 +118,7 @@ def pair_model_manager(options: ServeOptions, device: str) -> type:
             if revision not in (None, "main"):
                 settings["revision"] = revision
             model = load_pair(name, name, device, options.dtype, model_class=ServedPair, **settings)
+            model.speculation_usage = usage
             self.loading[model_id_and_revision] = model
             return model.tokenizer
 
@@ -138,6 +151,59 @@ def answer_refusals(app):
     return app
 
 
+def report_speculation(usage: SpeculationUsage):
+    """An app hook: each completion's usage gains `speculation` (what it did for that request: verifications,
+    proposed and accepted tokens, tokens per verification), streamed or not, and GET /v1/swiftspec/usage
+    answers the server's totals (requests, usage, rounds by batch size)."""
+    from fastapi.responses import JSONResponse, Response
+
+    def with_figures(payload: dict) -> dict:
+        figures = usage.of(payload.get("id", "")) if isinstance(payload.get("usage"), dict) else None
+        if figures is not None:
+            payload["usage"]["speculation"] = figures.as_dict()
+        return payload
+
+    def event_with_figures(line: bytes) -> bytes:
+        if not line.startswith(b"data: {") or b'"usage"' not in line:
+            return line
+        return b"data: " + json.dumps(with_figures(json.loads(line[6:]))).encode()
+
+    async def streamed(chunks):
+        pending = b""
+        async for chunk in chunks:
+            pending += chunk if isinstance(chunk, bytes) else chunk.encode()
+            *lines, pending = pending.split(b"\n")
+            if lines:
+                yield b"\n".join(event_with_figures(line) for line in lines) + b"\n"
+        if pending:
+            yield event_with_figures(pending)
+
+    def hook(app):
+        @app.get("/v1/swiftspec/usage")
+        def speculation_totals():
+            return JSONResponse(usage.totals())
+
+        @app.middleware("http")
+        async def add_figures(request, call_next):
+            response = await call_next(request)
+            if request.method != "POST" or not request.url.path.endswith("completions") or usage.engine is None:
+                return response
+            if response.headers.get("content-type", "").startswith("text/event-stream"):
+                response.body_iterator = streamed(response.body_iterator)
+                return response
+            body = b"".join([chunk async for chunk in response.body_iterator])
+            try:
+                body = json.dumps(with_figures(json.loads(body))).encode()
+            except (ValueError, AttributeError):
+                pass
+            headers = {k: v for k, v in response.headers.items() if k.lower() != "content-length"}
+            return Response(body, status_code=response.status_code, headers=headers, media_type=response.media_type)
+
+        return app
+
+    return hook
+
+
 def serve(options: ServeOptions, blocking: bool = True):
     """Start transformers' server with the pair loaded (blocking: until interrupted). Returns
     transformers' `Serve` object; with blocking=False it serves from a thread and `kill_server()` stops it."""
@@ -149,7 +215,9 @@ def serve(options: ServeOptions, blocking: bool = True):
     device = resolve_device(options.device)
     progress(set_threads(options.threads, device))
     progress(f"loading {options.pair!r} on {device}; serving it at http://{options.host}:{options.port}/v1")
-    with compat.serving_built_with(pair_model_manager(options, device), answer_refusals):
+    usage = SpeculationUsage()
+    finish_app = lambda app: report_speculation(usage)(answer_refusals(app))  # noqa: E731
+    with compat.serving_built_with(pair_model_manager(options, device, usage), finish_app):
         return compat.serving_server()(
             force_model=options.pair,
             continuous_batching=options.continuous_batching,

@@ -137,6 +137,12 @@ class HeadDrafter(DraftModelDrafter):
         reset_tree(tree, verified.tokens[-1])
         return path, None, False
 
+    def absorb(self, other: "HeadDrafter") -> None:
+        super().absorb(other)
+        self.pending_inputs += other.pending_inputs
+        self.root_input += other.root_input
+        self.node_hidden += other.node_hidden
+
     def keep_rows(self, rows: list[int]) -> None:
         super().keep_rows(rows)
         self.pending_inputs = [self.pending_inputs[b] for b in rows]

@@ -61,7 +61,7 @@ class AdaptiveSides:
         """1. draft: expand while more expansions are expected to raise tokens per second."""
         proposed = AdaptiveProposed([], rows=list(rows.live))
         plan = self.policy.plan_round(len(rows.live), rows.live)
-        if plan.quiet or (self.target.root_logits is not None and self.policy.tree_budget is None):
+        if plan.quiet or (self.target.roots_known and self.policy.tree_budget is None):
             # plain rounds of late: verify the roots, build no proposal. And round 1, whose roots' logits came
             # with the prefill: plain, it emits their tokens with no forward at all, where a tree pays a whole
             # forward (1.6-2x a plain step on a CPU) and, if it misses, emits just as much. Its tree is worth
@@ -97,6 +97,12 @@ class AdaptiveSides:
     def keep_rows(self, order: list[int]) -> None:
         self.target.keep_rows(order)
         self.draft.keep_rows(order)
+
+    def absorb(self, other: "AdaptiveSides") -> None:
+        """Take `other`'s rows (sides of the same pair, started on their prompts) in after this one's: rows
+        joining a running batch (engine/continuous.py)."""
+        self.target.absorb(other.target)
+        self.draft.absorb(other.draft)
 
     def stats(self, new_tokens: int, wall_s: float) -> SwiftSpecStats:
         return SwiftSpecStats.collect(self.name, new_tokens, wall_s, self.target.counters, self.draft.counters)

@@ -153,15 +153,14 @@ class TargetWorker:
         (row 0's after the tokens to replay, if any: only recurrent models have them)."""
         root_logits, self.root_logits = self.root_logits, None  # the prefill ran the roots: forward only below them
         root_features, self.root_features = self.root_features, None
-        first = 1 if root_logits is not None else 0
         rows, known = [], []
         for b, subtree in enumerate(subtrees):
             if subtree is None:
                 rows.append(RowQueries.none(self.device))
                 known.append(None)
                 continue
-            rows.append(self.subtree_queries(b, subtree, first))
-            known.append(root_logits[b] if first else None)
+            known.append(root_logits[b] if root_logits is not None else None)  # None: a row that joined earlier
+            rows.append(self.subtree_queries(b, subtree, 0 if known[b] is None else 1))
         if self.states.active and subtrees[0] is not None and len(subtrees[0]) > 1:
             # rolled back to after a partial acceptance (the root alone is always accepted: nothing to roll back)
             self.states.save(self.cache.length)
@@ -190,8 +189,9 @@ class TargetWorker:
             if subtree is None:
                 out.append(None)
                 continue
-            ran = states[b, : len(rows[b])] if states is not None else root_features[b][:0]
-            out.append(torch.cat([root_features[b], ran]) if root_features is not None else ran)
+            known = root_features[b] if root_features is not None else None
+            ran = states[b, : len(rows[b])] if states is not None else known[:0]
+            out.append(torch.cat([known, ran]) if known is not None else ran)
         return out
 
     def subtree_queries(self, b: int, subtree: Subtree, first: int) -> RowQueries:
@@ -235,6 +235,23 @@ class TargetWorker:
             self.states.save(self.cache.length)
             self.replay = []
             self.counters.forwards += 1
+
+    @property
+    def roots_known(self) -> bool:
+        """Whether every row's root logits came with its prefill (a round can emit them with no forward)."""
+        return self.root_logits is not None and all(logits is not None for logits in self.root_logits)
+
+    def absorb(self, other: "TargetWorker") -> None:
+        """Take `other`'s rows (the same model's worker, its prompts prefilled) in after this one's: rows
+        joining a running batch. Their roots' logits come along; the rows here have none pending."""
+        if self.states.active or other.states.active:
+            raise RuntimeError("rows cannot join a recurrent model's batch (its states roll back for one row)")
+        self.cache.absorb(other.cache)
+        mine, theirs = len(self.sequences), len(other.sequences)
+        self.sequences += other.sequences
+        self.root_logits = joined(self.root_logits, other.root_logits, mine, theirs)
+        self.root_features = joined(self.root_features, other.root_features, mine, theirs)
+        self.counters.forwards += other.counters.forwards
 
     def keep_rows(self, rows: list[int]) -> None:
         """Keep only the batch rows `rows`: row rows[i] becomes row i (cache.keep_order moves few)."""
@@ -456,12 +473,28 @@ class DraftModelDrafter:
             self.cache.truncate(start)
             self.pending[0] = self.committed[0][start : start + rerun] + self.pending[0]  # slots are positions
 
+    def absorb(self, other: "DraftModelDrafter") -> None:
+        """Take `other`'s rows (started on their prompts) in after this one's: rows joining a running batch."""
+        if self.states.active or other.states.active:
+            raise RuntimeError("rows cannot join a recurrent draft's batch (its states roll back for one row)")
+        self.cache.absorb(other.cache)
+        self.trees += other.trees
+        self.pending += other.pending
+        self.committed += other.committed
+
     def keep_rows(self, rows: list[int]) -> None:
         """Keep only the batch rows `rows`: row rows[i] becomes row i (cache.keep_order moves few)."""
         self.cache.keep_rows(rows)
         self.trees = [self.trees[b] for b in rows]
         self.pending = [self.pending[b] for b in rows]
         self.committed = [self.committed[b] for b in rows]
+
+
+def joined(mine: list | None, theirs: list | None, n_mine: int, n_theirs: int) -> list | None:
+    """Per-row values of two batches, one after the other (None: no row has one)."""
+    if mine is None and theirs is None:
+        return None
+    return (mine if mine is not None else [None] * n_mine) + (theirs if theirs is not None else [None] * n_theirs)
 
 
 def depth_room(max_positions: int | None, root_position: int) -> int | None:

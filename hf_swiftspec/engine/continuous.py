@@ -1,0 +1,365 @@
+"""Requests joining and leaving one running round: the engine `swiftspec serve --continuous-batching` runs.
+
+Each request is its own generate() call, on its own thread (the server's): generate() handles its
+arguments as for any call (generation.py builds its DecodeRequest: sampler, stopping criteria,
+max_new_tokens), then hands the request to `ContinuousEngine.decode` instead of running rounds of
+its own, and waits for its row. The engine's one thread runs the round of engine/rounds.py over
+every row it holds:
+
+    while the engine runs:
+        admit: each waiting request is prefilled alone on fresh sides (its target rows, its drafters),
+               which the running sides absorb (the rows already there are not copied: cache.absorb)
+        one round over every row: propose, verify (each row with its own sampler, stops and budget),
+               record, accept, observe; the policy sizes the round's trees for the batch it has
+        rows that finished, failed or were cancelled leave both sides; their generate() calls return
+
+So a request speculates whatever else is decoding: alone, its trees are the lone call's; among
+others, the goodput policy prices trees by this batch size's measured verification (plain
+rounds where a busy batch gains nothing from them). What each request's trees did comes back with
+its result (`RowUsage`), and the engine keeps the totals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+
+from ..attention import routed_attention
+from ..eagle3 import DraftHead
+from ..stats import SwiftSpecStats
+from ..verify import StopRule, Verified, split_criteria
+from .request import DecodeRequest, DecodeResult, RowResult
+from .serial import AdaptiveSides
+
+
+USAGE_KEPT = 4096  # finished requests whose usage stays readable by key (oldest dropped first)
+
+
+class BatchBroken(Exception):
+    """A row could not join the running batch after the sides began taking it in: every row fails."""
+
+
+class RequestCancelled(Exception):
+    """Raised by ContinuousEngine.decode for a request cancelled while it decoded (its client left)."""
+
+
+@dataclass
+class RowUsage:
+    """What speculation did for one request (or, summed, for every request an engine served).
+
+    verifications: target verifications the row took part in
+    proposed:      proposed tokens verified for it (tree nodes below its roots)
+    accepted:      of them, those the target accepted (it adds one token of its own per verification)
+    """
+
+    verifications: int = 0
+    proposed: int = 0
+    accepted: int = 0
+
+    @property
+    def tokens_per_verification(self) -> float:
+        return (self.accepted + self.verifications) / self.verifications if self.verifications else 0.0
+
+    def add(self, other: "RowUsage") -> None:
+        self.verifications += other.verifications
+        self.proposed += other.proposed
+        self.accepted += other.accepted
+
+    def as_dict(self) -> dict:
+        return {
+            "verifications": self.verifications, "proposed_tokens": self.proposed, "accepted_tokens": self.accepted,
+            "tokens_per_verification": round(self.tokens_per_verification, 3),
+        }
+
+
+@dataclass
+class Member:
+    """One request's row in the running batch (its generate() thread waits on `done`).
+
+    row_id: the row's id for the sides' samplers and the policy (never reused)
+    key:    the caller's name for the request (the server's request id), for cancel() and usage
+    """
+
+    request: DecodeRequest
+    row_id: int
+    key: str | None = None
+    stops: StopRule | None = None
+    result: RowResult = field(default_factory=RowResult)
+    usage: RowUsage = field(default_factory=RowUsage)
+    done: threading.Event = field(default_factory=threading.Event)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    joined_at: float = field(default_factory=time.perf_counter)
+
+    @property
+    def budget(self) -> int:
+        return self.request.max_new_tokens - len(self.result.tokens)
+
+
+@dataclass
+class RunningRows:
+    """The rows of the running batch as the sides read them (BatchRows' reading interface): `live` is each
+    cache row's row id, in cache order."""
+
+    members: dict[int, Member] = field(default_factory=dict)
+    live: list[int] = field(default_factory=list)
+
+    def criteria(self) -> list[StopRule]:
+        return [self.members[i].stops for i in self.live]
+
+    def budgets(self) -> list[int]:
+        return [self.members[i].budget for i in self.live]
+
+
+class ContinuousEngine:
+    """One running batch over a pair's target and draft (see the module docstring).
+
+    target, draft: the pair's models (draft None: draft-free, suffix proposals only)
+    config:        the pair's SwiftSpecConfig; policy: its GoodputPolicy (kept across requests)
+    build:         builds (TargetWorker, Drafters) for one request's row (generation.build_workers)
+    finish:        called on the engine's thread with (request, result) when a row is done (output history)
+    """
+
+    def __init__(self, target, draft, config, policy, build, finish=None):
+        self.target, self.draft, self.config, self.policy = target, draft, config, policy
+        self.build, self.finish = build, finish
+        self.waiting: queue.Queue[Member | None] = queue.Queue()
+        self.rows = RunningRows()
+        self.sides: AdaptiveSides | None = None
+        self.routes: contextlib.ExitStack | None = None
+        self.tap = None
+        self.next_id = 0
+        self.lock = threading.Lock()
+        self.by_key: dict[str, Member] = {}
+        self.usage = RowUsage()  # every finished request's, summed
+        self.usage_by_key: OrderedDict[str, RowUsage] = OrderedDict()  # the latest USAGE_KEPT finished requests'
+        self.served = 0
+        self.rounds_by_batch: Counter[int] = Counter()  # rounds run, by how many rows they verified
+        self.thread: threading.Thread | None = None
+        self.closed = False
+
+    # ------------------------------------------------------------------ callers' side
+    def decode(self, request: DecodeRequest, key: str | None = None) -> DecodeResult:
+        """Decode one request (batch 1) in the running batch; blocks until its row is done. Raises the row's
+        error, or RequestCancelled if cancel(key) was called meanwhile."""
+        if request.batch_size != 1:
+            raise ValueError(
+                f"the continuous engine takes one sequence per request, got {request.batch_size}; send each prompt "
+                "as its own request."
+            )
+        if request.max_new_tokens == 0:
+            return DecodeResult(rows=[RowResult()], end=0, stats=SwiftSpecStats(engine="continuous"))
+        with self.lock:
+            if self.closed:
+                raise RuntimeError("the continuous engine was closed; start a new one")
+            member = Member(request, self.next_id, key, split_criteria(request.stopping_criteria))
+            self.next_id += 1
+            if key is not None:
+                self.by_key[key] = member
+            self.start_thread()
+        self.waiting.put(member)
+        member.done.wait()
+        with self.lock:
+            if key is not None:
+                self.by_key.pop(key, None)
+        if member.error is not None:
+            raise member.error
+        if member.cancelled.is_set() and member.result.done_at is None:
+            raise RequestCancelled(key)
+        return self.result_of(member)
+
+    def cancel(self, key: str) -> bool:
+        """Cancel the request named `key`; it leaves the batch after the round in flight. False if unknown."""
+        with self.lock:
+            member = self.by_key.get(key)
+        if member is None:
+            return False
+        member.cancelled.set()
+        return True
+
+    def usage_of(self, key: str) -> RowUsage | None:
+        """What speculation did for the finished request `key` (None: unknown, or long forgotten)."""
+        with self.lock:
+            return self.usage_by_key.get(key)
+
+    def close(self) -> None:
+        """Stop the engine's thread once the rows it holds are done."""
+        with self.lock:
+            self.closed = True
+        self.waiting.put(None)
+        if self.thread is not None:
+            self.thread.join(timeout=60)
+
+    def start_thread(self) -> None:
+        if self.thread is None or not self.thread.is_alive():
+            self.thread = threading.Thread(target=self.run, name="swiftspec-continuous", daemon=True)
+            self.thread.start()
+
+    # ------------------------------------------------------------------ the engine's thread
+    def run(self) -> None:
+        import torch
+
+        with torch.no_grad():
+            while True:
+                if not self.admit(block=not self.rows.live):
+                    break
+                if self.rows.live:
+                    self.guarded(self.one_round)
+        self.end_batch()
+
+    def admit(self, block: bool) -> bool:
+        """Take in every request waiting (waiting for one when `block`); False once the engine closes."""
+        while True:
+            try:
+                member = self.waiting.get(block=block and not self.rows.live)
+            except queue.Empty:
+                return True
+            if member is None:
+                return bool(self.rows.live) and self.drain()
+            self.guarded(lambda m=member: self.join(m), members=[member])
+
+    def drain(self) -> bool:
+        """After close(): run the rows held to their end."""
+        while self.rows.live:
+            self.guarded(self.one_round)
+        return False
+
+    def join(self, member: Member) -> None:
+        """Prefill the request alone on fresh sides; the running sides take its row in."""
+        request = member.request
+        target_worker, drafters = self.build(request)
+        fresh = self.sides is None
+        if fresh:
+            self.start_batch(target_worker, drafters)
+        try:
+            target_worker.tap = self.tap
+            joining = AdaptiveSides(target_worker, drafters, self.policy)
+            joining.start(request)
+        except BaseException:
+            if fresh:
+                self.end_batch()
+            raise
+        if fresh:
+            self.sides = joining
+            self.sides.samplers = {}
+        else:
+            try:
+                self.sides.absorb(joining)
+            except Exception as error:
+                raise BatchBroken(error) from error
+        self.sides.samplers[member.row_id] = request.samplers[0]
+        self.rows.members[member.row_id] = member
+        self.rows.live.append(member.row_id)
+
+    def start_batch(self, target_worker, drafters) -> None:
+        """A batch begins: each model attends the tree its way (and a head reads the target's states) until it
+        ends; the policy starts a call."""
+        self.routes = contextlib.ExitStack()
+        for worker in (target_worker, drafters.model):
+            if worker is not None and not isinstance(worker.model, DraftHead):
+                self.routes.enter_context(routed_attention(worker.model, worker.attention))
+        self.tap = self.routes.enter_context(self.draft.tap(self.target)) if isinstance(self.draft, DraftHead) else None
+        self.policy.start_generation(None)
+
+    def end_batch(self) -> None:
+        """Every row left: drop the sides (caches) and put the models' attention back."""
+        self.sides, self.rows.live, self.tap = None, [], None
+        if self.routes is not None:
+            self.routes.close()
+            self.routes = None
+
+    def one_round(self) -> None:
+        """The round of engine/rounds.py over every row held, then the rows that are done leave."""
+        sides, rows = self.sides, self.rows
+        first = sides.target.roots_known
+        self.rounds_by_batch[len(rows.live)] += 1
+        proposed = sides.propose(rows)
+        verified = sides.verify(proposed, rows)
+        keep = self.record(proposed, verified)
+        sides.accept(proposed, verified, keep)
+        sides.observe(proposed, verified, time.perf_counter() - proposed.started, first=first)
+        if len(keep) < len(rows.live):
+            self.leave(keep)
+
+    def record(self, proposed, verified: list[Verified]) -> list[int]:
+        """Fold each row's walk into its member (its tokens streamed); the cache rows that keep decoding."""
+        keep = []
+        for b, outcome in enumerate(verified):
+            member = self.rows.members[self.rows.live[b]]
+            row, request = member.result, member.request
+            row.verifications += 1
+            row.tokens += outcome.tokens
+            if request.keeps_scores:
+                row.scores += [s.clone() for s in outcome.scores]
+            if request.keeps_logits:
+                row.logits += [s.clone() for s in outcome.logits]
+            member.usage.verifications += 1
+            member.usage.proposed += len(proposed.proposals[b].subtree) - 1
+            member.usage.accepted += len(outcome.path) - 1
+            try:
+                if request.on_tokens is not None:
+                    request.on_tokens(outcome.tokens)
+            except Exception as error:  # the request's own streamer failed: it alone ends
+                member.error = error
+            if outcome.finished or member.budget <= 0:
+                row.done_at = len(row.tokens)
+            if row.done_at is None and member.error is None and not member.cancelled.is_set():
+                keep.append(b)
+        return keep
+
+    def leave(self, keep: list[int]) -> None:
+        """Rows not in `keep` leave both sides; their callers wake."""
+        from ..cache import keep_order
+
+        leaving = [self.rows.live[b] for b in range(len(self.rows.live)) if b not in set(keep)]
+        order = keep_order(keep)
+        self.rows.live = [self.rows.live[b] for b in order]
+        if order:
+            self.sides.keep_rows(order)
+        else:
+            self.end_batch()
+        self.policy.call.forget_rows(leaving)
+        for row_id in leaving:
+            self.done(self.rows.members.pop(row_id))
+
+    def done(self, member: Member) -> None:
+        if member.error is None and member.result.done_at is not None:
+            with self.lock:
+                self.usage.add(member.usage)
+                self.served += 1
+                if member.key is not None:
+                    self.usage_by_key[member.key] = member.usage
+                    while len(self.usage_by_key) > USAGE_KEPT:
+                        self.usage_by_key.popitem(last=False)
+            if self.finish is not None:
+                self.finish(member.request, self.result_of(member))
+        member.done.set()
+
+    def guarded(self, step, members: list[Member] | None = None) -> None:
+        """Run `step`; if it fails, its rows (`members`, default every row held) fail with the error and the
+        batch starts afresh: the engine goes on serving."""
+        try:
+            step()
+        except Exception as error:
+            failed = list(members or [])
+            if members is None or isinstance(error, BatchBroken):
+                failed += [self.rows.members[i] for i in self.rows.live]
+                self.rows.members.clear()
+                self.end_batch()
+                error = error.__cause__ if isinstance(error, BatchBroken) else error
+            for member in failed:
+                member.error = error
+                member.done.set()
+
+    @staticmethod
+    def result_of(member: Member) -> DecodeResult:
+        row = member.result
+        stats = SwiftSpecStats(
+            engine="continuous", new_tokens=len(row.tokens), verify_steps=row.verifications,
+            wall_time_s=time.perf_counter() - member.joined_at,
+        )
+        return DecodeResult(rows=[row], end=len(row.tokens), stats=stats)

@@ -1,0 +1,274 @@
+"""The continuous engine (engine/continuous.py): requests join a running batch between rounds and leave
+when done, each decoding exactly as its own target.generate call would.
+
+Joins are made deterministic: a request's streamer, at its k-th round, starts the next request and holds
+the engine's thread until that request waits in the engine's queue, so it joins at the next round
+boundary, while the others are mid-answer. Greedy answers are checked against target.generate on each
+prompt alone; sampled answers against the same pair's lone speculative call with the same seed (the
+noise of a row is its seed's and position's alone, verify.Sampler), which follows the target's
+distribution (test_sampling.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from hf_swiftspec import SwiftSpecForCausalLM
+from hf_swiftspec.cache import TreeCache
+from hf_swiftspec.engine.continuous import RequestCancelled
+from hf_swiftspec.tools import sweep
+from hf_swiftspec.tools.models import random_prompts, sharpen, tiny_gpt2, tiny_model, truncated_draft
+
+VOCAB = 98
+PROMPTS = random_prompts((3, 23, 9, 1, 14, 30), 0, VOCAB)
+NEW = (20, 7, 33, 12, 1, 25)
+
+
+def pair_of(family: str, **settings) -> SwiftSpecForCausalLM:
+    if family == "llama":
+        target = tiny_model("llama", seed=0)
+        return SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), **settings)
+    if family == "draft-free":
+        return SwiftSpecForCausalLM.from_models(tiny_model("llama", seed=0), None, **settings)
+    if family == "gemma3":  # sliding-window layers beside full ones (window 16: the long prompts pass it)
+        target = sweep.tiny_of_type("gemma3_text", seed=0, vocab_size=VOCAB)
+        sharpen(target, 4.0)
+        return SwiftSpecForCausalLM.from_models(target, sweep.perturbed_copy(target), **settings)
+    if family == "gpt2":  # learned absolute positions
+        target = tiny_gpt2(VOCAB, n_positions=256)
+        return SwiftSpecForCausalLM.from_models(target, sweep.perturbed_copy(target), **settings)
+    if family == "eagle3":
+        from test_eagle3 import random_head
+
+        target = tiny_model("llama", seed=1, vocab_size=VOCAB)
+        return SwiftSpecForCausalLM.from_models(target, random_head(target, draft_vocab=48), **settings)
+    raise ValueError(family)
+
+
+class Relay:
+    """A streamer that, at its request's `at`-th round, starts `next_request` and holds the engine's thread
+    until that request waits in the engine's queue (so it joins at the next round boundary)."""
+
+    def __init__(self, engine, next_request: threading.Event | None, at: int):
+        self.engine, self.next_request, self.at, self.rounds = engine, next_request, at, 0
+
+    def put(self, value) -> None:
+        self.rounds += 1
+        if self.next_request is not None and self.rounds == self.at:
+            self.next_request.set()
+            deadline = time.monotonic() + 30
+            while self.engine.waiting.qsize() == 0 and time.monotonic() < deadline:
+                time.sleep(0.001)
+
+    def end(self) -> None:
+        pass
+
+
+def run_relay(pair, engine, prompts, news, at=(2, 1, 3, 2, 1, 2), **kwargs) -> dict[int, torch.Tensor]:
+    """Each request starts when the one before it is `at[i]` rounds in; returns each one's output."""
+    starts = [threading.Event() for _ in prompts]
+    starts[0].set()
+    out, errors = {}, {}
+
+    def request(i: int) -> None:
+        starts[i].wait(60)
+        nxt = starts[i + 1] if i + 1 < len(prompts) else None
+        try:
+            out[i] = pair.generate(
+                torch.tensor([prompts[i]]), max_new_tokens=news[i], streamer=Relay(engine, nxt, at[i]),
+                swiftspec_engine=(engine, f"request-{i}"), **kwargs,
+            )
+        except Exception as error:  # noqa: BLE001  (reported below)
+            errors[i] = error
+        finally:
+            if nxt is not None:
+                nxt.set()  # a request that ended before its k-th round still lets the next one start
+
+    threads = [threading.Thread(target=request, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not errors, errors
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "draft-free", "gemma3", "gpt2", "eagle3"])
+def test_requests_joining_a_running_batch_equal_target_generate(family):
+    pair = pair_of(family)
+    engine = pair.continuous_engine()
+    try:
+        out = run_relay(pair, engine, PROMPTS, NEW, do_sample=False)
+    finally:
+        engine.close()
+    for i, prompt in enumerate(PROMPTS):
+        expected = pair.target.generate(torch.tensor([prompt]), max_new_tokens=NEW[i], do_sample=False)
+        assert out[i].tolist() == expected.tolist(), f"request {i}"
+    assert max(engine.rounds_by_batch) >= 3, engine.rounds_by_batch  # rows did decode together
+    assert engine.served == len(PROMPTS)
+    assert engine.usage.verifications > 0 and engine.usage.accepted <= engine.usage.proposed
+
+
+def test_rows_stop_at_their_own_eos_and_lengths():
+    pair = pair_of("llama")
+    lone = [pair.target.generate(torch.tensor([p]), max_new_tokens=30, do_sample=False)[0, len(p):].tolist()
+            for p in PROMPTS[:4]]
+    eos = lone[0][5]  # request 0 stops where it first meets this token (the others too, if they do)
+    engine = pair.continuous_engine()
+    try:
+        out = run_relay(pair, engine, PROMPTS[:4], (30, 4, 30, 9), do_sample=False, eos_token_id=eos, pad_token_id=0)
+    finally:
+        engine.close()
+    for i, prompt in enumerate(PROMPTS[:4]):
+        expected = pair.target.generate(
+            torch.tensor([prompt]), max_new_tokens=(30, 4, 30, 9)[i], do_sample=False, eos_token_id=eos, pad_token_id=0
+        )
+        assert out[i].tolist() == expected.tolist(), f"request {i}"
+    assert out[0].shape[1] == len(PROMPTS[0]) + lone[0].index(eos) + 1 < len(PROMPTS[0]) + 30
+
+
+def test_sampled_rows_draw_what_a_lone_call_with_their_seed_draws():
+    pair = pair_of("llama")
+    kwargs = dict(do_sample=True, temperature=0.9, top_k=40)
+    lone = {}
+    for i, prompt in enumerate(PROMPTS):
+        lone[i] = pair.generate(torch.tensor([prompt]), max_new_tokens=NEW[i], generator=torch.Generator().manual_seed(i),
+                                swiftspec=True, **kwargs)
+    engine = pair.continuous_engine()
+    outs = {}
+    try:
+        starts = [threading.Event() for _ in PROMPTS]
+        starts[0].set()
+
+        def request(i):
+            starts[i].wait(60)
+            nxt = starts[i + 1] if i + 1 < len(PROMPTS) else None
+            try:
+                outs[i] = pair.generate(
+                    torch.tensor([PROMPTS[i]]), max_new_tokens=NEW[i], generator=torch.Generator().manual_seed(i),
+                    streamer=Relay(engine, nxt, 2), swiftspec_engine=(engine, i), **kwargs,
+                )
+            finally:
+                if nxt is not None:
+                    nxt.set()
+
+        threads = [threading.Thread(target=request, args=(i,)) for i in range(len(PROMPTS))]
+        [t.start() for t in threads]
+        [t.join(120) for t in threads]
+    finally:
+        engine.close()
+    assert {i: o.tolist() for i, o in outs.items()} == {i: o.tolist() for i, o in lone.items()}
+    assert max(engine.rounds_by_batch) >= 3
+
+
+def test_a_cancelled_request_leaves_and_the_others_finish_exactly():
+    pair = pair_of("llama")
+    engine = pair.continuous_engine()
+    results, errors = {}, {}
+    started = threading.Event()
+
+    class Canceller:
+        rounds = 0
+
+        def put(self, value):
+            Canceller.rounds += 1
+            if Canceller.rounds == 3:
+                started.set()
+                engine.cancel("doomed")
+
+        def end(self):
+            pass
+
+    def request(key, prompt, streamer=None):
+        try:
+            results[key] = pair.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, streamer=streamer,
+                                         swiftspec_engine=(engine, key))
+        except Exception as error:  # noqa: BLE001
+            errors[key] = error
+
+    doomed = threading.Thread(target=request, args=("doomed", PROMPTS[1], Canceller()))
+    doomed.start()
+    keeper = threading.Thread(target=request, args=("kept", PROMPTS[2]))
+    keeper.start()
+    doomed.join(60)
+    keeper.join(60)
+    engine.close()
+    assert isinstance(errors.get("doomed"), RequestCancelled)
+    expected = pair.target.generate(torch.tensor([PROMPTS[2]]), max_new_tokens=40, do_sample=False)
+    assert results["kept"].tolist() == expected.tolist()
+
+
+def test_a_failing_streamer_fails_its_request_alone():
+    pair = pair_of("llama")
+    engine = pair.continuous_engine()
+
+    class Broken:
+        def put(self, value):
+            raise OSError("client went away")
+
+        def end(self):
+            pass
+
+    with pytest.raises(OSError, match="client went away"):
+        pair.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=10, streamer=Broken(), swiftspec_engine=(engine, "a"))
+    out = pair.generate(torch.tensor([PROMPTS[1]]), max_new_tokens=10, do_sample=False, swiftspec_engine=(engine, "b"))
+    engine.close()
+    expected = pair.target.generate(torch.tensor([PROMPTS[1]]), max_new_tokens=10, do_sample=False)
+    assert out.tolist() == expected.tolist()
+
+
+def test_what_cannot_join_a_batch_is_refused_by_name():
+    pair = pair_of("llama")
+    engine = pair.continuous_engine()
+    with pytest.raises(ValueError, match="one sequence per request"):
+        pair.generate(torch.tensor([PROMPTS[0], PROMPTS[0]]), max_new_tokens=3, swiftspec_engine=(engine, "x"))
+    engine.close()
+    recurrent = sweep.tiny_of_type("bamba", layers=4)  # Mamba-2 layers and one attention layer
+    with pytest.raises(ValueError, match="cannot decode rows in one batch.*recurrent"):
+        SwiftSpecForCausalLM.from_models(recurrent, None).continuous_engine()
+
+
+def cache_rows(model, prompts: list[list[int]], capacity: int) -> TreeCache:
+    """A TreeCache holding each prompt's KV, prefilled alone and absorbed one after another."""
+    from hf_swiftspec.probes import describe
+    from hf_swiftspec.recurrent import new_cache
+    from hf_swiftspec.step import model_step
+
+    architecture = describe(model, "target")
+    joined = None
+    for i, prompt in enumerate(prompts):
+        cache = new_cache(architecture, capacity + 4 * i, 1)  # later rows ask for more room: the buffers grow
+        if prompt:
+            ids = torch.tensor([prompt])
+            model_step(model, cache, ids, torch.arange(len(prompt))[None], keep=1)
+            cache.seal_prefix()
+        if joined is None:
+            joined = cache
+        else:
+            joined.absorb(cache)
+    return joined
+
+
+@torch.no_grad()
+def test_absorbed_rows_hold_the_keys_and_values_their_own_prefill_wrote():
+    model = tiny_model("llama", seed=0)
+    prompts = [[], [5, 6, 7], [], [9] * 11, [3, 1]]  # rows with nothing run yet, before and after packed ones
+    joined = cache_rows(model, prompts, capacity=24)
+    assert joined.lengths == [len(p) for p in prompts] and joined.batch_size == len(prompts)
+    assert joined.capacity == 24 + 1 + 4 * (len(prompts) - 1)
+    for b, prompt in enumerate(prompts):
+        if not prompt:
+            continue
+        alone = cache_rows(model, [prompt], capacity=24)
+        for layer, own in zip(joined.layers, alone.layers):
+            assert torch.equal(layer.keys[b, :, : len(prompt)], own.keys[0, :, : len(prompt)])
+            assert torch.equal(layer.values[b, :, : len(prompt)], own.values[0, :, : len(prompt)])
+    joined.keep_rows([3, 1])  # rows leave, and one joins into the room they left
+    joined.absorb(cache_rows(model, [[4, 4, 4, 4]], capacity=24))
+    alone = cache_rows(model, [[9] * 11], capacity=24)
+    assert torch.equal(joined.layers[0].keys[0, :, :11], alone.layers[0].keys[0, :, :11])
+    assert joined.lengths == [11, 3, 4]
