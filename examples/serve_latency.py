@@ -10,6 +10,11 @@ prompt with the same text.
     python examples/serve_latency.py                                   # the demo pair, 32 prompts
     python examples/serve_latency.py --clients 1,4 --requests 16 --max-tokens 48
     python examples/serve_latency.py --target-cb --swiftspec-cb        # both with --continuous-batching
+    python examples/serve_latency.py --target-cb --swiftspec-cb --pair shape:smollm2-135m
+
+`--pair shape:NAME` serves random weights in a real model's shape (tools/models.REAL_SHAPES) with a
+draft of its first 2 layers and a character tokenizer, written to a temporary folder first: the
+costs of a real pair (its vocabulary head above all), not its acceptance.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,6 +34,7 @@ import openai
 
 from hf_swiftspec.bench import load_prompts
 from hf_swiftspec.pair import bundled_pair
+from hf_swiftspec.tools.models import SHAPE_PREFIX
 
 
 def free_port() -> int:
@@ -73,19 +80,33 @@ def run_clients(client, model: str, prompts: list[str], clients: int, max_tokens
     }
 
 
+def shape_pair_folder(shape: str, root: Path) -> str:
+    """A pair folder (and its target/, with the tokenizer, for transformers serve) of random weights in `shape`."""
+    from hf_swiftspec import SwiftSpecForCausalLM
+    from hf_swiftspec.tools.models import char_tokenizer, real_shaped_pair
+
+    target, draft = real_shaped_pair(shape)
+    tokenizer = char_tokenizer()
+    SwiftSpecForCausalLM.from_models(target, draft, tokenizer=tokenizer).save_pretrained(root, save_members=True)
+    tokenizer.save_pretrained(root / "target")
+    return str(root)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pair", default="swiftspec-demo-pystdlib")
     parser.add_argument("--target", default=None, help="the target's folder (default: the pair's target/)")
     parser.add_argument("--prompts", default="humaneval,spec_bench", help="bundled sets or files, comma-separated")
-    parser.add_argument("--clients", default="1,4,16")
+    parser.add_argument("--clients", default="1,2,4,8,16")
     parser.add_argument("--requests", type=int, default=32, help="requests per client count (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-prompt-chars", type=int, default=400, help="the demo target reads 256 tokens")
     parser.add_argument("--target-cb", action="store_true", help="run the target with transformers' --continuous-batching")
     parser.add_argument("--swiftspec-cb", action="store_true", help="run swiftspec serve with --continuous-batching")
     args = parser.parse_args()
-    target = args.target or str(bundled_pair(args.pair) / "target")
+    folder = tempfile.TemporaryDirectory()
+    pair = shape_pair_folder(args.pair[len(SHAPE_PREFIX):], Path(folder.name)) if args.pair.startswith(SHAPE_PREFIX) else args.pair
+    target = args.target or str((Path(pair) if Path(pair).is_dir() else bundled_pair(pair)) / "target")
     counts = [int(c) for c in args.clients.split(",")]
     texts = [p.text[-args.max_prompt_chars:] for source in args.prompts.split(",") for p in load_prompts(source)]
     if len(texts) < args.requests + 4:
@@ -93,7 +114,7 @@ def main() -> int:
     warmup, prompts = texts[-4:], texts[: args.requests]
     servers = {
         "swiftspec serve": lambda port: [
-            sys.executable, "-m", "hf_swiftspec.cli", "serve", args.pair, "--port", str(port), "--threads", "1",
+            sys.executable, "-m", "hf_swiftspec.cli", "serve", pair, "--port", str(port), "--threads", "1",
             *(["--continuous-batching"] if args.swiftspec_cb else []),
         ],
         "transformers serve (target)": lambda port: [
@@ -105,7 +126,7 @@ def main() -> int:
     for n in counts:  # a fresh server for each count: swiftspec's suffix proposals copy from earlier answers
         for name, command in servers.items():  # (model.output_history), so a second pass would copy its own
             port = free_port()
-            model = args.pair if name.startswith("swiftspec") else target
+            model = pair if name.startswith("swiftspec") else target
             process, client = start(command(port), port, model)
             try:
                 # warm-up: 4 at once, so a batching server's first batch (transformers' continuous batching
@@ -116,7 +137,7 @@ def main() -> int:
                 process.terminate()
                 process.wait(30)
     print(
-        f"{args.requests} requests of {args.max_tokens} new tokens ({args.prompts}), greedy, one torch thread per server; "
+        f"{args.pair}: {args.requests} requests of {args.max_tokens} new tokens ({args.prompts}), greedy, one torch thread per server; "
         f"swiftspec {'--continuous-batching' if args.swiftspec_cb else 'sequential'}, "
         f"target {'--continuous-batching' if args.target_cb else 'sequential'}"
     )

@@ -302,6 +302,44 @@ def test_readme_figures_are_the_result_files():
                 assert result["status"] == "ok" and f"{result['speedup']['mean']:.2f}" == value, (label, name, method, value)
 
 
+SERVING_FILES = {  # column: (results directory, the pair its output names)
+    "demo pair": ("examples/results/cpu-serve-demo", "swiftspec-demo-pystdlib"),
+    "`shape:smollm2-135m`": ("examples/results/cpu-serve-smollm2-135m", "shape:smollm2-135m"),
+}
+
+
+def serve_ratios(output: str) -> dict[int, tuple[str, str]]:
+    """examples/serve_latency.py's table: per client count, swiftspec's (p50 lower by, tokens/s) ratios."""
+    rows = {}
+    for line in output.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 8 and cells[1] == "swiftspec serve":
+            rows[int(cells[0])] = (cells[6].removesuffix(" lower"), cells[5])
+    return rows
+
+
+def test_the_serving_tables_are_the_output_files():
+    """The README's serving table is serve_latency.py's ratios in the committed outputs (made by the command
+    beside each); serving.md shows each output's table as it came."""
+    root = README.parent
+    header, _, *lines = [line for line in README.read_text().split("## Serving")[1].splitlines() if line.startswith("|")]
+    columns = [c.strip() for c in header.strip("|").split("|")][1:]
+    outputs = {label: (root / where / "output.txt").read_text() for label, (where, _) in SERVING_FILES.items()}
+    assert [c.rsplit(":", 1)[0] for c in columns] == list(SERVING_FILES)
+    shown = {int(cells[0]): cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")] for line in lines)}
+    for i, label in enumerate(SERVING_FILES):
+        ratios = serve_ratios(outputs[label])
+        assert sorted(ratios) == sorted(shown) == [1, 2, 4, 8, 16]
+        assert {n: cells[i] for n, cells in shown.items()} == {n: ", ".join(r) for n, r in ratios.items()}, label
+        where, pair = SERVING_FILES[label]
+        command = (root / where / "command.txt").read_text()
+        assert command.startswith("python examples/serve_latency.py --target-cb --swiftspec-cb")
+        assert outputs[label].startswith(f"{pair}: ") and (pair in command or "--pair" not in command)
+    page = text(DOCS / "serving.md")
+    for output in outputs.values():
+        assert output.strip().split("\n", 1)[1] in page
+
+
 def test_how_it_works_counts_lines_as_they_are():
     """how_it_works.md gives each module's length in lines: each within 15% of the file's (they drift)."""
     counts = re.findall(r"`([\w/]+\.py)` \((\d+)\)", text(DOCS / "how_it_works.md"))

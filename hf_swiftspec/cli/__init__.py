@@ -348,8 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--enable-cors", action="store_true", help="permissive CORS, as transformers serve's flag")
     srv.add_argument(
         "--continuous-batching", action="store_true",
-        help="a request that arrives alone speculates; one that arrives while others decode joins transformers' "
-        "continuous batch of the target (default: one request at a time, each speculating)",
+        help="every request speculates inside one running batch, joining and leaving it between rounds (a pair "
+        "that cannot batch: speculating alone, else in transformers' batch of the target); default: one "
+        "request at a time, each speculating",
     )
     add_tree_options(srv)
 

@@ -1,5 +1,6 @@
-"""`swiftspec serve --continuous-batching`: each request speculates when the server is idle and joins
-transformers' continuous batch of the target alone when others are decoding.
+"""`swiftspec serve --continuous-batching` for a pair whose models cannot share a speculating batch (a
+recurrent or chain-shaped model; every other pair runs batching.py): each request speculates when the
+server is idle and joins transformers' continuous batch of the target alone when others are decoding.
 
 SmartSpec's goodput rule at the scale of requests: a lone request is latency-bound, and a token tree
 verified in one forward multiplies its tokens per second; a busy batch is compute-bound, where
