@@ -97,7 +97,10 @@ def run_relay(pair, engine, prompts, news, at=(2, 1, 3, 2, 1, 2), **kwargs) -> d
     return out
 
 
-@pytest.mark.parametrize("family", ["llama", "draft-free", "gemma3", "gpt2", "eagle3"])
+@pytest.mark.parametrize("family", [
+    pytest.param("llama", marks=pytest.mark.floor),  # generate()'s hand-off to the engine: also on the floor release
+    "draft-free", "gemma3", "gpt2", "eagle3",
+])
 def test_requests_joining_a_running_batch_equal_target_generate(family):
     pair = pair_of(family)
     engine = pair.continuous_engine()
