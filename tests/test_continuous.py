@@ -275,3 +275,40 @@ def test_absorbed_rows_hold_the_keys_and_values_their_own_prefill_wrote():
     alone = cache_rows(model, [[9] * 11], capacity=24)
     assert torch.equal(joined.layers[0].keys[0, :, :11], alone.layers[0].keys[0, :, :11])
     assert joined.lengths == [11, 3, 4]
+
+
+def test_a_failing_round_fails_its_rows_and_the_engine_serves_on(monkeypatch):
+    """An error in a round (here the verification's) reaches every row's generate() as that error, never a
+    hang; the next request starts a fresh batch and decodes exactly."""
+    from hf_swiftspec.engine.serial import AdaptiveSides
+
+    pair = pair_of("llama")
+    engine = pair.continuous_engine()
+    verify = AdaptiveSides.verify
+    calls = []
+
+    def failing_once(self, proposed, rows):  # the first round the two requests share
+        calls.append(len(rows.live))
+        if calls.count(2) == 1 and calls[-1] == 2:
+            raise RuntimeError("device lost")
+        return verify(self, proposed, rows)
+
+    monkeypatch.setattr(AdaptiveSides, "verify", failing_once)
+    errors, second = {}, threading.Event()
+
+    def request(i, streamer=None):
+        if i == 2:
+            second.wait(60)
+        try:
+            pair.generate(torch.tensor([PROMPTS[i]]), max_new_tokens=30, streamer=streamer, swiftspec_engine=(engine, i))
+        except RuntimeError as error:
+            errors[i] = str(error)
+
+    run = [threading.Thread(target=request, args=(1, Relay(engine, second, 2))), threading.Thread(target=request, args=(2,))]
+    [t.start() for t in run]
+    [t.join(60) for t in run]
+    assert errors == {1: "device lost", 2: "device lost"}
+    out = pair.generate(torch.tensor([PROMPTS[3]]), max_new_tokens=12, do_sample=False, swiftspec_engine=(engine, 3))
+    engine.close()
+    expected = pair.target.generate(torch.tensor([PROMPTS[3]]), max_new_tokens=12, do_sample=False)
+    assert out.tolist() == expected.tolist()

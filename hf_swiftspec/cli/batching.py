@@ -54,8 +54,8 @@ class ServerStreamer:
     """One request's streamer: each round's tokens to the request's handler (streaming requests), and the
     tokens kept for the final output."""
 
-    def __init__(self, batcher: "SpeculatingBatcher", request: "ServedRequest"):
-        self.batcher, self.request, self.first = batcher, request, True
+    def __init__(self, manager, request: "ServedRequest"):
+        self.manager, self.request, self.first = manager, request, True  # manager: whose deliver() hands tokens over
 
     def put(self, value: torch.Tensor) -> None:
         if self.first:  # generate() puts the prompt first
@@ -63,7 +63,7 @@ class ServerStreamer:
             return
         self.request.tokens += value.reshape(-1).tolist()
         if self.request.streaming:
-            self.batcher.deliver(self.request, compat.cb_request_status().DECODING)
+            self.manager.deliver(self.request, compat.cb_request_status().DECODING)
 
     def end(self) -> None:
         pass
@@ -165,29 +165,38 @@ class SpeculatingBatcher:
             self.deliver(request, status.FAILED, error=f"{type(error).__name__}: {error}")
 
     def request_config(self, request: ServedRequest):
-        """The shared generation config with this request's length and stop tokens, using the cache (the
-        server turns it off for transformers' paged one)."""
-        config = copy.deepcopy(self.generation_config)
-        config.use_cache = True
-        if request.max_new_tokens is not None:
-            config.max_new_tokens = request.max_new_tokens
-        if request.eos_token_id is not None:
-            config.eos_token_id = request.eos_token_id
-        return config
+        return request_config(self.generation_config, request)
 
     def deliver(self, request: ServedRequest, status, error: str | None = None) -> None:
-        """Hand the request's tokens so far to its handler, on the handler's event loop."""
-        output = compat.cb_generation_output()(
-            request_id=request.request_id, prompt_ids=request.input_ids, generated_tokens=list(request.tokens),
-            error=error, status=status,
-        )
-        if output.is_finished():
+        """Hand the request's tokens so far to its handler (forgetting it once finished)."""
+        if hand_over(request, status, error).is_finished():
             self.forget(request.request_id)
-        if request.handler is None:
-            return
-        callback, loop = request.handler
-        loop.call_soon_threadsafe(callback, output)
 
     def forget(self, request_id: str | None) -> None:
         with self.lock:
             self.requests.pop(request_id, None)
+
+
+def request_config(shared, request):
+    """The server's shared generation config with a request's length and stop tokens (what transformers'
+    continuous batching takes per request), using the cache (the server turns it off for its paged one)."""
+    config = copy.deepcopy(shared)
+    config.use_cache = True
+    if request.max_new_tokens is not None:
+        config.max_new_tokens = request.max_new_tokens
+    if request.eos_token_id is not None:
+        config.eos_token_id = request.eos_token_id
+    return config
+
+
+def hand_over(request, status, error: str | None = None):
+    """Hand a request's tokens so far (request_id, input_ids, tokens, handler: a ServedRequest or the router's
+    RoutedRequest) to its handler, on the handler's event loop; returns the output handed over."""
+    output = compat.cb_generation_output()(
+        request_id=request.request_id, prompt_ids=request.input_ids, generated_tokens=list(request.tokens),
+        error=error, status=status,
+    )
+    if request.handler is not None:
+        callback, loop = request.handler
+        loop.call_soon_threadsafe(callback, output)
+    return output

@@ -30,27 +30,15 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import compat
+from .batching import ServedRequest, ServerStreamer, hand_over, request_config
 
 
 @dataclass
-class RoutedRequest:
-    """One request the router took: where it runs, and who hears of its tokens.
+class RoutedRequest(ServedRequest):
+    """One request the router took (batching.ServedRequest's fields): where it runs, and what it brought along."""
 
-    input_ids: the prompt's token ids
-    handler:   (callback, event loop) the server registered; outputs are delivered on that loop
-    """
-
-    request_id: str
-    input_ids: list[int] = field(default_factory=list)
-    max_new_tokens: int | None = None
-    eos_token_id: int | list[int] | None = None
-    streaming: bool = False
     speculate: bool = False
-    handler: tuple | None = None
-    added: bool = False
-    tokens: list[int] = field(default_factory=list)  # new tokens so far
-    handed_over: list[int] = field(default_factory=list)  # of them, those it brought when it joined the batch
-    registered: threading.Event = field(default_factory=threading.Event)
+    handed_over: list[int] = field(default_factory=list)  # of its tokens, those it brought when it joined the batch
     cancelled: threading.Event = field(default_factory=threading.Event)
     company: threading.Event = field(default_factory=threading.Event)  # others arrived: join the batch
 
@@ -72,27 +60,17 @@ class RequestJoinsBatch(Exception):
     """Raised inside the speculative generate() after a round, when other requests arrived."""
 
 
-class RouterStreamer:
-    """The streamer of one speculative generate(): keeps the new tokens, and for a streaming request hands
-    each round's tokens to the router as they are verified."""
-
-    def __init__(self, request: RoutedRequest, router: "SpeculationRouter"):
-        self.request, self.router, self.first = request, router, True
+class RouterStreamer(ServerStreamer):
+    """The streamer of one speculative generate() (batching.ServerStreamer) that also stops it when its request
+    was cancelled, or after a round once others arrived (it then joins the batch)."""
 
     def put(self, value: torch.Tensor) -> None:
         if self.request.cancelled.is_set():
             raise RequestCancelled(self.request.request_id)
-        if self.first:  # generate() puts the prompt first
-            self.first = False
-            return
-        self.request.tokens += value.reshape(-1).tolist()
-        if self.request.streaming:
-            self.router.deliver(self.request, compat.cb_request_status().DECODING)
-        if self.request.company.is_set():
+        prompt = self.first  # generate() puts the prompt first
+        super().put(value)
+        if not prompt and self.request.company.is_set():
             raise RequestJoinsBatch(self.request.request_id)
-
-    def end(self) -> None:
-        pass
 
 
 class SpeculationRouter:
@@ -226,7 +204,7 @@ class SpeculationRouter:
                     torch.tensor([request.input_ids], device=self.pair.device),
                     attention_mask=torch.ones(1, len(request.input_ids), dtype=torch.long, device=self.pair.device),
                     generation_config=self.request_config(request),
-                    streamer=RouterStreamer(request, self),
+                    streamer=RouterStreamer(self, request),
                 )
                 self.deliver(request, status.FINISHED)
             except RequestCancelled:
@@ -263,25 +241,9 @@ class SpeculationRouter:
         loop.call_soon_threadsafe(join)
 
     def request_config(self, request: RoutedRequest):
-        """The shared generation config with this request's length and stop tokens (what transformers'
-        continuous batching takes per request), using the cache (the server turns it off for its paged one)."""
-        config = copy.deepcopy(self.generation_config)
-        config.use_cache = True
-        if request.max_new_tokens is not None:
-            config.max_new_tokens = request.max_new_tokens
-        if request.eos_token_id is not None:
-            config.eos_token_id = request.eos_token_id
-        return config
+        return request_config(self.generation_config, request)
 
     def deliver(self, request: RoutedRequest, status, error: str | None = None) -> None:
-        """Hand the request's tokens so far to its handler, on the handler's event loop."""
-        output = compat.cb_generation_output()(
-            request_id=request.request_id, prompt_ids=request.input_ids, generated_tokens=list(request.tokens),
-            error=error, status=status,
-        )
-        if output.is_finished():
+        """Hand the request's tokens so far to its handler (forgetting it once finished)."""
+        if hand_over(request, status, error).is_finished():
             self.forget(request.request_id)
-        if request.handler is None:
-            return
-        callback, loop = request.handler
-        loop.call_soon_threadsafe(callback, output)

@@ -162,7 +162,10 @@ class ContinuousEngine:
                 self.by_key[key] = member
             self.start_thread()
         self.waiting.put(member)
-        member.done.wait()
+        while not member.done.wait(timeout=1.0):
+            if not self.thread.is_alive():  # run() fails what it holds before it ends: a bug if we get here
+                member.error = member.error or RuntimeError("the continuous engine's thread ended without this request")
+                break
         with self.lock:
             if key is not None:
                 self.by_key.pop(key, None)
@@ -203,13 +206,26 @@ class ContinuousEngine:
     def run(self) -> None:
         import torch
 
-        with torch.no_grad():
-            while True:
-                if not self.admit(block=not self.rows.live):
-                    break
-                if self.rows.live:
-                    self.guarded(self.one_round)
-        self.end_batch()
+        try:
+            with torch.no_grad():
+                while self.admit(block=not self.rows.live):
+                    if self.rows.live:
+                        self.guarded(self.one_round)
+        except BaseException as error:  # nothing may wait for a thread that is gone
+            self.fail(list(self.rows.members.values()) + self.waiting_members(), error)
+            raise
+        finally:
+            self.end_batch()
+
+    def waiting_members(self) -> list[Member]:
+        members = []
+        while True:
+            try:
+                member = self.waiting.get_nowait()
+            except queue.Empty:
+                return members
+            if member is not None:
+                members.append(member)
 
     def admit(self, block: bool) -> bool:
         """Take in every request waiting (waiting for one when `block`); False once the engine closes."""
@@ -348,12 +364,16 @@ class ContinuousEngine:
             failed = list(members or [])
             if members is None or isinstance(error, BatchBroken):
                 failed += [self.rows.members[i] for i in self.rows.live]
-                self.rows.members.clear()
                 self.end_batch()
                 error = error.__cause__ if isinstance(error, BatchBroken) else error
-            for member in failed:
-                member.error = error
-                member.done.set()
+            self.fail(failed, error)
+
+    def fail(self, members: list[Member], error: BaseException) -> None:
+        """The members fail with `error` (their generate() calls raise it) and leave."""
+        for member in members:
+            self.rows.members.pop(member.row_id, None)
+            member.error = error
+            member.done.set()
 
     @staticmethod
     def result_of(member: Member) -> DecodeResult:
