@@ -19,6 +19,7 @@ import torch
 
 from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.cache import TreeCache
+from hf_swiftspec.engine import continuous
 from hf_swiftspec.engine.continuous import RequestCancelled
 from hf_swiftspec.tools import sweep
 from hf_swiftspec.tools.models import random_prompts, sharpen, tiny_gpt2, tiny_model, truncated_draft
@@ -50,18 +51,19 @@ def pair_of(family: str, **settings) -> SwiftSpecForCausalLM:
 
 
 class Relay:
-    """A streamer that, at its request's `at`-th round, starts `next_request` and holds the engine's thread
-    until that request waits in the engine's queue (so it joins at the next round boundary)."""
+    """A streamer that, at its request's `at`-th put (the first is the prompt's), starts `next_request` and
+    holds its caller (the engine's thread, past the prompt) until the engine has that request (named
+    `next_key`), so that it joins at the next round boundary."""
 
-    def __init__(self, engine, next_request: threading.Event | None, at: int):
-        self.engine, self.next_request, self.at, self.rounds = engine, next_request, at, 0
+    def __init__(self, engine, next_request: threading.Event | None, at: int, next_key=None):
+        self.engine, self.next_request, self.at, self.next_key, self.rounds = engine, next_request, at, next_key, 0
 
     def put(self, value) -> None:
         self.rounds += 1
         if self.next_request is not None and self.rounds == self.at:
             self.next_request.set()
             deadline = time.monotonic() + 30
-            while self.engine.waiting.qsize() == 0 and time.monotonic() < deadline:
+            while self.next_key not in self.engine.by_key and time.monotonic() < deadline:
                 time.sleep(0.001)
 
     def end(self) -> None:
@@ -79,7 +81,7 @@ def run_relay(pair, engine, prompts, news, at=(2, 1, 3, 2, 1, 2), **kwargs) -> d
         nxt = starts[i + 1] if i + 1 < len(prompts) else None
         try:
             out[i] = pair.generate(
-                torch.tensor([prompts[i]]), max_new_tokens=news[i], streamer=Relay(engine, nxt, at[i]),
+                torch.tensor([prompts[i]]), max_new_tokens=news[i], streamer=Relay(engine, nxt, at[i], f"request-{i + 1}"),
                 swiftspec_engine=(engine, f"request-{i}"), **kwargs,
             )
         except Exception as error:  # noqa: BLE001  (reported below)
@@ -101,7 +103,9 @@ def run_relay(pair, engine, prompts, news, at=(2, 1, 3, 2, 1, 2), **kwargs) -> d
     pytest.param("llama", marks=pytest.mark.floor),  # generate()'s hand-off to the engine: also on the floor release
     "draft-free", "gemma3", "gpt2", "eagle3",
 ])
-def test_requests_joining_a_running_batch_equal_target_generate(family):
+@pytest.mark.parametrize("piece", [continuous.PREFILL_PIECE, 4])  # whole prompts; 4 tokens per prefill forward
+def test_requests_joining_a_running_batch_equal_target_generate(family, piece, monkeypatch):
+    monkeypatch.setattr(continuous, "PREFILL_PIECE", piece)
     pair = pair_of(family)
     engine = pair.continuous_engine()
     try:
@@ -114,6 +118,31 @@ def test_requests_joining_a_running_batch_equal_target_generate(family):
     assert max(engine.rounds_by_batch) >= 3, engine.rounds_by_batch  # rows did decode together
     assert engine.served == len(PROMPTS)
     assert engine.usage.verifications > 0 and engine.usage.accepted <= engine.usage.proposed
+
+
+def test_a_long_prompt_joins_a_piece_per_round_and_the_batch_decodes_meanwhile(monkeypatch):
+    """A 30-token prompt prefilled 4 tokens per forward joins over 8 forwards, one between two rounds of the
+    request already decoding (which runs 7 rounds meanwhile); both answers are target.generate's."""
+    from hf_swiftspec.engine.serial import AdaptiveSides
+
+    monkeypatch.setattr(continuous, "PREFILL_PIECE", 4)
+    target = tiny_model("llama", seed=0)
+    # a draft that seldom agrees, no suffix proposals: the first request takes about a round per token
+    pair = SwiftSpecForCausalLM.from_models(target, tiny_model("llama", seed=1, layers=1), ngram_size=0)
+    batch_sizes = []
+    verify = AdaptiveSides.verify
+    monkeypatch.setattr(AdaptiveSides, "verify", lambda self, p, rows: batch_sizes.append(len(rows.live)) or verify(self, p, rows))
+    engine = pair.continuous_engine()
+    prompts, news = [PROMPTS[0], PROMPTS[5]], (60, 20)  # 3 and 30 tokens
+    try:
+        out = run_relay(pair, engine, prompts, news, at=(2, 1), do_sample=False)
+    finally:
+        engine.close()
+    for i, prompt in enumerate(prompts):
+        expected = pair.target.generate(torch.tensor([prompt]), max_new_tokens=news[i], do_sample=False)
+        assert out[i].tolist() == expected.tolist(), f"request {i}"
+    alone_before = batch_sizes.index(2)
+    assert alone_before >= 1 + 7, batch_sizes  # the first request's round that started the second, then 7 more
 
 
 def test_rows_stop_at_their_own_eos_and_lengths():
@@ -153,7 +182,7 @@ def test_sampled_rows_draw_what_a_lone_call_with_their_seed_draws():
             try:
                 outs[i] = pair.generate(
                     torch.tensor([PROMPTS[i]]), max_new_tokens=NEW[i], generator=torch.Generator().manual_seed(i),
-                    streamer=Relay(engine, nxt, 2), swiftspec_engine=(engine, i), **kwargs,
+                    streamer=Relay(engine, nxt, 2, i + 1), swiftspec_engine=(engine, i), **kwargs,
                 )
             finally:
                 if nxt is not None:
@@ -304,7 +333,7 @@ def test_a_failing_round_fails_its_rows_and_the_engine_serves_on(monkeypatch):
         except RuntimeError as error:
             errors[i] = str(error)
 
-    run = [threading.Thread(target=request, args=(1, Relay(engine, second, 2))), threading.Thread(target=request, args=(2,))]
+    run = [threading.Thread(target=request, args=(1, Relay(engine, second, 2, 2))), threading.Thread(target=request, args=(2,))]
     [t.start() for t in run]
     [t.join(60) for t in run]
     assert errors == {1: "device lost", 2: "device lost"}

@@ -8,7 +8,9 @@ every row it holds:
 
     while the engine runs:
         admit: each waiting request is prefilled alone on fresh sides (its target rows, its drafters),
-               which the running sides absorb (the rows already there are not copied: cache.absorb)
+               PREFILL_PIECE tokens per forward, one forward between two rounds (a long prompt does not
+               hold the batch for its whole prefill); once prefilled, the running sides absorb its row
+               (the rows already there are not copied: cache.absorb)
         one round over every row: propose, verify (each row with its own sampler, stops and budget),
                record, accept, observe; the policy sizes the round's trees for the batch it has
         rows that finished, failed or were cancelled leave both sides; their generate() calls return
@@ -36,6 +38,7 @@ from .request import DecodeRequest, DecodeResult, RowResult
 from .serial import AdaptiveSides
 
 
+PREFILL_PIECE = 256  # prompt tokens a joining request prefills between two rounds of the running batch
 USAGE_KEPT = 4096  # finished requests whose usage stays readable by key (oldest dropped first)
 
 
@@ -76,7 +79,7 @@ class RowUsage:
         }
 
 
-@dataclass
+@dataclass(eq=False)
 class Member:
     """One request's row in the running batch (its generate() thread waits on `done`).
 
@@ -98,6 +101,15 @@ class Member:
     @property
     def budget(self) -> int:
         return self.request.max_new_tokens - len(self.result.tokens)
+
+
+@dataclass(eq=False)
+class Joining:
+    """A request on its way into the running batch: its own sides, prefilled a piece at a time (`pieces`)."""
+
+    member: Member
+    sides: AdaptiveSides
+    pieces: object  # AdaptiveSides.start_in_pieces's generator
 
 
 @dataclass
@@ -130,6 +142,7 @@ class ContinuousEngine:
         self.waiting: queue.Queue[Member | None] = queue.Queue()
         self.rows = RunningRows()
         self.sides: AdaptiveSides | None = None
+        self.joining: list[Joining] = []  # requests being prefilled, in arrival order
         self.routes: contextlib.ExitStack | None = None
         self.tap = None
         self.next_id = 0
@@ -161,7 +174,7 @@ class ContinuousEngine:
             if key is not None:
                 self.by_key[key] = member
             self.start_thread()
-        self.waiting.put(member)
+            self.waiting.put(member)  # under the lock: a request the engine knows by name is in its queue
         while not member.done.wait(timeout=1.0):
             if not self.thread.is_alive():  # run() fails what it holds before it ends: a bug if we get here
                 member.error = member.error or RuntimeError("the continuous engine's thread ended without this request")
@@ -208,11 +221,13 @@ class ContinuousEngine:
 
         try:
             with torch.no_grad():
-                while self.admit(block=not self.rows.live):
+                while self.admit(block=not (self.rows.live or self.joining)):
+                    self.prefill_pieces()
                     if self.rows.live:
                         self.guarded(self.one_round)
         except BaseException as error:  # nothing may wait for a thread that is gone
-            self.fail(list(self.rows.members.values()) + self.waiting_members(), error)
+            joining, self.joining = [j.member for j in self.joining], []
+            self.fail(list(self.rows.members.values()) + joining + self.waiting_members(), error)
             raise
         finally:
             self.end_batch()
@@ -231,43 +246,61 @@ class ContinuousEngine:
         """Take in every request waiting (waiting for one when `block`); False once the engine closes."""
         while True:
             try:
-                member = self.waiting.get(block=block and not self.rows.live)
+                member = self.waiting.get(block=block)
             except queue.Empty:
                 return True
             if member is None:
-                return bool(self.rows.live) and self.drain()
+                return self.drain()
             self.guarded(lambda m=member: self.join(m), members=[member])
+            block = False
 
     def drain(self) -> bool:
-        """After close(): run the rows held to their end."""
-        while self.rows.live:
-            self.guarded(self.one_round)
+        """After close(): run the rows held (and joining) to their end."""
+        while self.rows.live or self.joining:
+            self.prefill_pieces()
+            if self.rows.live:
+                self.guarded(self.one_round)
         return False
 
     def join(self, member: Member) -> None:
-        """Prefill the request alone on fresh sides; the running sides take its row in."""
-        request = member.request
-        target_worker, drafters = self.build(request)
-        fresh = self.sides is None
-        if fresh:
+        """Start the request on fresh sides of its own; prefill_pieces() prefills it."""
+        target_worker, drafters = self.build(member.request)
+        if self.routes is None:
             self.start_batch(target_worker, drafters)
+        target_worker.tap = self.tap
+        sides = AdaptiveSides(target_worker, drafters, self.policy)
+        self.joining.append(Joining(member, sides, sides.start_in_pieces(member.request, PREFILL_PIECE)))
+
+    def prefill_pieces(self) -> None:
+        """One prefill forward for each request joining (all of them, when no row decodes meanwhile); the
+        running sides take each prefilled one in."""
+        while self.joining:
+            for joining in list(self.joining):
+                self.guarded(lambda j=joining: self.prefill_piece(j), members=[joining.member])
+                if joining.member.done.is_set():  # it failed
+                    self.joining.remove(joining)
+            if self.rows.live:
+                return
+        if not self.rows.live:
+            self.end_batch()
+
+    def prefill_piece(self, joining: Joining) -> None:
         try:
-            target_worker.tap = self.tap
-            joining = AdaptiveSides(target_worker, drafters, self.policy)
-            joining.start(request)
-        except BaseException:
-            if fresh:
-                self.end_batch()
-            raise
-        if fresh:
-            self.sides = joining
+            next(joining.pieces)
+            return
+        except StopIteration:
+            pass
+        self.joining.remove(joining)
+        member = joining.member
+        if self.sides is None:
+            self.sides = joining.sides
             self.sides.samplers = {}
         else:
             try:
-                self.sides.absorb(joining)
+                self.sides.absorb(joining.sides)
             except Exception as error:
                 raise BatchBroken(error) from error
-        self.sides.samplers[member.row_id] = request.samplers[0]
+        self.sides.samplers[member.row_id] = member.request.samplers[0]
         self.rows.members[member.row_id] = member
         self.rows.live.append(member.row_id)
 
@@ -282,11 +315,11 @@ class ContinuousEngine:
         self.policy.start_generation(None)
 
     def end_batch(self) -> None:
-        """Every row left: drop the sides (caches) and put the models' attention back."""
-        self.sides, self.rows.live, self.tap = None, [], None
-        if self.routes is not None:
+        """Every row left: drop the sides (caches); with none joining either, put the models' attention back."""
+        self.sides, self.rows.live = None, []
+        if self.routes is not None and not self.joining:
             self.routes.close()
-            self.routes = None
+            self.routes, self.tap = None, None
 
     def one_round(self) -> None:
         """The round of engine/rounds.py over every row held, then the rows that are done leave."""

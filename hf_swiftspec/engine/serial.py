@@ -57,6 +57,14 @@ class AdaptiveSides:
         self.draft.start(request.prompt_ids(), self.target.prompt_features)
         self.target.prompt_features = None  # the head keeps what it needs of them (fused: a third of their width)
 
+    def start_in_pieces(self, request: DecodeRequest, piece: int):
+        """start() for one row, its prompt prefilled `piece` tokens per forward: a generator that yields
+        between the forwards (engine/continuous.py decodes a round of the running batch meanwhile)."""
+        self.samplers = list(request.samplers)
+        yield from self.target.prefill_pieces(request.prompt, piece, request.contexts)
+        self.draft.start(request.prompt_ids(), self.target.prompt_features)
+        self.target.prompt_features = None
+
     def propose(self, rows: BatchRows) -> AdaptiveProposed:
         """1. draft: expand while more expansions are expected to raise tokens per second."""
         proposed = AdaptiveProposed([], rows=list(rows.live))

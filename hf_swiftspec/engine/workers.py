@@ -98,11 +98,40 @@ class TargetWorker:
             starts = (L - attention_mask.long().sum(-1)).tolist()
         self.sequences = [c.to(self.device) for c in contexts] if contexts is not None else list(prompt.split(1))
         logits = model_step(self.model, self.cache, prompt, positions, attention_mask=attention_mask, keep=1)
+        states = self.tap.take() if self.tap is not None else None
+        self.prompt_prefilled(logits, [None if states is None else states[b, starts[b] :] for b in range(B)], starts)
+
+    def prefill_pieces(self, prompt: torch.Tensor, piece: int, contexts: list[torch.Tensor] | None = None):
+        """prefill() of one row without padding (1, L), `piece` tokens per forward: a generator that yields
+        after every forward but the last, so that a running batch decodes a round between them (a long
+        prompt joining it does not hold it for its whole prefill). It ends as prefill() ends: the prompt's
+        KV committed but its last token's, that token's logits kept, the prompt's states taken."""
+        prompt = prompt.to(self.device)
+        length = prompt.shape[1]
+        self.sequences = [c.to(self.device) for c in contexts] if contexts is not None else [prompt]
+        states = []
+        for start in range(0, length, piece):
+            end = min(start + piece, length)
+            positions = torch.arange(start, end, device=self.device)[None]
+            keep = 1 if end == length else NO_LOGITS if self.architecture.headless else 1
+            logits = model_step(self.model, self.cache, prompt[:, start:end], positions, keep=keep)
+            if self.tap is not None:
+                states.append(self.tap.take()[0])
+            if end == length:
+                break
+            self.cache.seal_prefix()
+            self.counters.forwards += 1
+            yield
+        self.prompt_prefilled(logits, [torch.cat(states) if states else None], [0])
+
+    def prompt_prefilled(self, logits: torch.Tensor, states: list[torch.Tensor | None], starts: list[int]) -> None:
+        """The prefill's end: each row's last prompt token becomes its first root (tree slot 0), its logits
+        (B, 1, V) kept for the first verification; states: per row the tap's (L_b, D) at the prompt (None
+        without a tap)."""
         self.root_logits = list(logits[:, -1].split(1))  # (1, V) per row
         if self.tap is not None:
-            states = self.tap.take()
-            self.prompt_features = [states[b, starts[b] :] for b in range(B)]
-            self.root_features = [f[-1:] for f in self.prompt_features]
+            self.prompt_features = states
+            self.root_features = [f[-1:] for f in states]
         self.cache.starts = starts
         self.cache.seal_prefix()
         self.cache.prefix_lens = [n - 1 for n in self.cache.prefix_lens]
