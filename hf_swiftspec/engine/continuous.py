@@ -17,8 +17,8 @@ every row it holds:
 
 So a request speculates whatever else is decoding: alone, its trees are the lone call's; among
 others, the goodput policy prices trees by this batch size's measured verification (plain
-rounds where a busy batch gains nothing from them). What each request's trees did comes back with
-its result (`RowUsage`), and the engine keeps the totals.
+rounds where a busy batch gains nothing from them). What each request's trees did is kept by its
+name (`usage_of(key)`: a `RowUsage`), and the engine keeps the totals.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from ..attention import routed_attention
+from ..cache import keep_order
 from ..eagle3 import DraftHead
 from ..stats import SwiftSpecStats
 from ..verify import StopRule, Verified, split_criteria
@@ -362,8 +363,6 @@ class ContinuousEngine:
 
     def leave(self, keep: list[int]) -> None:
         """Rows not in `keep` leave both sides; their callers wake."""
-        from ..cache import keep_order
-
         leaving = [self.rows.live[b] for b in range(len(self.rows.live)) if b not in set(keep)]
         order = keep_order(keep)
         self.rows.live = [self.rows.live[b] for b in order]
