@@ -160,17 +160,6 @@ class SlotBuffer:
         self.data = rows_view.narrow(self.dim, 0, capacity)
         self.point_members()
 
-    def prepend(self, new_rows: int, used: int, capacity: int) -> None:
-        """Put `new_rows` empty rows in front of this buffer's (whose rows hold their first `used` positions),
-        all of at least `capacity` positions."""
-        old, rows = self.data, self.data.shape[1]
-        shape = list(old.shape)
-        shape[1], shape[self.dim] = 2 * (rows + new_rows), max(capacity, shape[self.dim])
-        self.base = old.new_zeros(shape)
-        self.base.narrow(1, new_rows, rows).narrow(self.dim, 0, used).copy_(old.narrow(self.dim, 0, used))
-        self.data = self.base.narrow(1, 0, rows + new_rows)
-        self.point_members()
-
     def reserve(self, rows: int, capacity: int, keep: int) -> None:
         """Make the underlying buffer hold `rows` rows of `capacity` positions, moving the current rows' first
         `keep` positions if it must grow (to twice the rows asked for)."""
@@ -365,20 +354,16 @@ class TreeCache(Cache):
         """Append `other`'s rows (the same model's cache, its forwards run, no step in flight) after this
         one's: rows joining a running batch. Both take the larger capacity (a wider one moves every row
         once; the scratch slot moves to its end)."""
+        if other.buffers and len(other.buffers) != len(self.buffers):  # (a running target's cache has run its
+            raise RuntimeError(  # prefills; a joining draft's has run nothing yet)
+                f"TreeCache.absorb: {len(other.buffers)} buffers into {len(self.buffers)} (rows that ran a forward "
+                "join a cache that has run one too)"
+            )
         used, other_used = max(self.lengths, default=0), max(other.lengths, default=0)
         self.capacity = max(self.capacity, other.capacity)
-        if self.buffers and other.buffers and len(other.buffers) != len(self.buffers):
-            raise RuntimeError(f"TreeCache.absorb: {len(other.buffers)} buffers into {len(self.buffers)}")
-        if not self.buffers and other.buffers:  # nothing run here yet: take other's layers and buffers over
-            for layer in other.layers:
-                layer.owner = self
-            self.layers, self.buffers = other.layers, other.buffers
-            for buffer in self.buffers:
-                buffer.prepend(self.batch_size, other_used, self.capacity)
-        else:
-            for b, mine in enumerate(self.buffers):
-                theirs = other.buffers[b].data if other.buffers else None
-                mine.absorb(theirs, other.batch_size, used, other_used, self.capacity)
+        for b, mine in enumerate(self.buffers):
+            theirs = other.buffers[b].data if other.buffers else None
+            mine.absorb(theirs, other.batch_size, used, other_used, self.capacity)
         for name in ("starts", "prefix_lens", "lengths"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 

@@ -209,7 +209,7 @@ def continuous_engine(target, draft, config: SwiftSpecConfig, placement: Placeme
     def finish(request: DecodeRequest, result: DecodeResult) -> None:
         remember_outputs(history, config, request, result)
 
-    return ContinuousEngine(target, draft, config, policy, build, finish)
+    return ContinuousEngine(target, draft, policy, build, finish)
 
 
 def stop_length(stopping_criteria: StoppingCriteriaList, generation_config: GenerationConfig) -> int:

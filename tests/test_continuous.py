@@ -288,7 +288,7 @@ def cache_rows(model, prompts: list[list[int]], capacity: int) -> TreeCache:
 @torch.no_grad()
 def test_absorbed_rows_hold_the_keys_and_values_their_own_prefill_wrote():
     model = tiny_model("llama", seed=0)
-    prompts = [[], [5, 6, 7], [], [9] * 11, [3, 1]]  # rows with nothing run yet, before and after packed ones
+    prompts = [[2], [5, 6, 7], [], [9] * 11, [], [3, 1]]  # rows with nothing run yet (a joining draft's) among them
     joined = cache_rows(model, prompts, capacity=24)
     assert joined.lengths == [len(p) for p in prompts] and joined.batch_size == len(prompts)
     assert joined.capacity == 24 + 1 + 4 * (len(prompts) - 1)

@@ -7,7 +7,8 @@ the server's shared sampling settings (what transformers' continuous batching ta
 decodes in the pair's continuous engine (engine/continuous.py): it joins the running batch between
 rounds, speculates there with trees the goodput policy sizes for the batch it has, and leaves when
 done or cancelled. Its tokens reach the server's handler as they are verified (streaming) or at the
-end; what speculation did for it is kept by request id (`SpeculationUsage`) for the response's usage.
+end; the engine keeps by request id what speculation did for it, which the response's usage reads
+(`SpeculationUsage`).
 
 A pair whose models cannot share a batch (a recurrent or chain-shaped model) keeps routing.py's rule.
 """

@@ -132,13 +132,13 @@ class ContinuousEngine:
     """One running batch over a pair's target and draft (see the module docstring).
 
     target, draft: the pair's models (draft None: draft-free, suffix proposals only)
-    config:        the pair's SwiftSpecConfig; policy: its GoodputPolicy (kept across requests)
+    policy:        the pair's GoodputPolicy (kept across requests)
     build:         builds (TargetWorker, Drafters) for one request's row (generation.build_workers)
     finish:        called on the engine's thread with (request, result) when a row is done (output history)
     """
 
-    def __init__(self, target, draft, config, policy, build, finish=None):
-        self.target, self.draft, self.config, self.policy = target, draft, config, policy
+    def __init__(self, target, draft, policy, build, finish=None):
+        self.target, self.draft, self.policy = target, draft, policy
         self.build, self.finish = build, finish
         self.waiting: queue.Queue[Member | None] = queue.Queue()
         self.rows = RunningRows()
@@ -341,12 +341,7 @@ class ContinuousEngine:
         for b, outcome in enumerate(verified):
             member = self.rows.members[self.rows.live[b]]
             row, request = member.result, member.request
-            row.verifications += 1
-            row.tokens += outcome.tokens
-            if request.keeps_scores:
-                row.scores += [s.clone() for s in outcome.scores]
-            if request.keeps_logits:
-                row.logits += [s.clone() for s in outcome.logits]
+            row.add(outcome, request.keeps_scores, request.keeps_logits)
             member.usage.verifications += 1
             member.usage.proposed += len(proposed.proposals[b].subtree) - 1
             member.usage.accepted += len(outcome.path) - 1
@@ -363,7 +358,8 @@ class ContinuousEngine:
 
     def leave(self, keep: list[int]) -> None:
         """Rows not in `keep` leave both sides; their callers wake."""
-        leaving = [self.rows.live[b] for b in range(len(self.rows.live)) if b not in set(keep)]
+        staying = set(keep)
+        leaving = [row_id for b, row_id in enumerate(self.rows.live) if b not in staying]
         order = keep_order(keep)
         self.rows.live = [self.rows.live[b] for b in order]
         if order:

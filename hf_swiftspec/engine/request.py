@@ -87,6 +87,16 @@ class RowResult:
     done_at: int | None = None
     verifications: int = 0
 
+    def add(self, outcome: Verified, keeps_scores: bool, keeps_logits: bool) -> None:
+        """Fold in one verification's walk (its scores and logits only where the call keeps them: copies, a
+        walk's rows are views into its whole (T, V) step)."""
+        self.verifications += 1
+        self.tokens += outcome.tokens
+        if keeps_scores:
+            self.scores += [s.clone() for s in outcome.scores]
+        if keeps_logits:
+            self.logits += [s.clone() for s in outcome.logits]
+
     @property
     def tau(self) -> float:
         """The row's tokens per verification it took part in."""
@@ -178,12 +188,7 @@ class BatchRows:
         increasing order; `keep` then drops the others)."""
         for b, outcome in enumerate(verified):
             row = self.result.rows[self.live[b]]
-            row.verifications += 1
-            row.tokens += outcome.tokens
-            if self.keeps_scores:  # copies: a walk's rows are views into its whole (T, V) step
-                row.scores += [s.clone() for s in outcome.scores]
-            if self.keeps_logits:
-                row.logits += [s.clone() for s in outcome.logits]
+            row.add(outcome, self.keeps_scores, self.keeps_logits)
             if on_tokens is not None:
                 on_tokens(outcome.tokens)
             if outcome.finished and row.done_at is None:
