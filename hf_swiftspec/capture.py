@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -63,6 +64,10 @@ def capacity_bucket(needed: int) -> int:
     """Positions per row a replayed cache holds: the next power of two from 256, so calls of similar
     lengths share their buffers and graphs (a graph's shapes include the capacity)."""
     return max(256, 1 << max(needed - 1, 0).bit_length())
+
+
+REUSE = 4  # a replayed cache takes buffers (and their graphs) captured at up to this many times the positions it needs
+WHOLE_CONTEXT = 1024  # a model whose whole context (plus the tree's room) fits this gets one capacity for every call
 
 
 def capture_backend(choice, device: torch.device, compile_layers: bool = False) -> str | None:
@@ -115,6 +120,8 @@ class StepGraphs:
     pool: the KV buffers; their addresses are part of every graph's key, so a cache that got other
         buffers (another capacity, fewer rows) gets graphs of its own.
     fallbacks: why steps ran eagerly instead (a bucket whose capture failed, a step past MAX_QUERIES).
+    setup_s: seconds spent on steps that captured (or, "compiled", first compiled) their bucket: not what a step
+        costs, so the goodput policy learns nothing from a round that paid some (engine/serial.py).
     """
 
     backend: str
@@ -126,6 +133,9 @@ class StepGraphs:
     captures: int = 0
     memory_pool: object = None
     compiled: dict = field(default_factory=dict)  # per decoder layer, its torch.compile'd call
+    capacities: set = field(default_factory=set)  # positions per row of the caches packed into `pool` so far
+    compiled_keys: set = field(default_factory=set)  # "compiled": the step shapes run (and so compiled) so far
+    setup_s: float = 0.0
 
     def forward(self, model, cache: TreeCache, kwargs: dict, keep, hidden: bool = False):
         """`forward` below, with the decoder layers compiled when compile_layers."""
@@ -133,6 +143,18 @@ class StepGraphs:
             return forward(model, cache, kwargs, keep, hidden)
         with compiled_layers(model, self.compiled), torch._dynamo.config.patch(recompile_limit=RECOMPILES):
             return forward(model, cache, kwargs, keep, hidden)
+
+    def capacity_for(self, needed: int, whole: int | None = None) -> int:
+        """Positions per row for a replayed cache that needs `needed`: the smallest capacity this runner already
+        has buffers (and graphs) at, if at most REUSE times `needed`, so a call of another length captures nothing
+        new; else capacity_bucket(needed), or capacity_bucket(whole) where `whole` (the model's context plus the
+        tree's room) is at most WHOLE_CONTEXT: then every call shares one capacity, captured by the first."""
+        fits = [c for c in self.capacities if needed <= c <= REUSE * needed]
+        if fits:
+            return min(fits)
+        capacity = capacity_bucket(whole if whole is not None and needed <= whole <= WHOLE_CONTEXT else needed)
+        self.capacities.add(capacity)
+        return capacity
 
     def bucket_key(self, cache: TreeCache, tensors: dict, keep, tap=None) -> tuple:
         buffers = tuple((b.data.data_ptr(), tuple(b.data.shape), b.data.stride()) for b in cache.buffers)
@@ -149,12 +171,17 @@ class StepGraphs:
             hooks run at capture only, so the captured step takes its states into the bucket's static `extra`,
             and each replay hands the tap a copy (its next take() returns them).
         hidden: the model is a draft head (eagle3.DraftHead): its hidden output (B, Q, H) comes back too."""
-        if self.backend == "compiled":
-            return self.forward(model, cache, build(tensors), keep, hidden)
         key = self.bucket_key(cache, tensors, keep, tap)
+        if self.backend == "compiled":
+            if key in self.compiled_keys:
+                return self.forward(model, cache, build(tensors), keep, hidden)
+            self.compiled_keys.add(key)
+            with self.setting_up():
+                return self.forward(model, cache, build(tensors), keep, hidden)
         bucket = self.buckets.get(key)
         if bucket is None and key not in self.refused:
-            bucket = self.capture(key, model, cache, tensors, build, keep, tap, hidden)
+            with self.setting_up():
+                bucket = self.capture(key, model, cache, tensors, build, keep, tap, hidden)
             if bucket is not None:
                 return self.outputs(bucket, tap)  # the capture ran the step itself
         if bucket is None:
@@ -163,6 +190,15 @@ class StepGraphs:
         load(bucket, cache, tensors)
         self.replay(bucket, cache, tap)
         return self.outputs(bucket, tap)
+
+    @contextlib.contextmanager
+    def setting_up(self):
+        """Adds the block's time to setup_s (a capture's, a first compile's)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.setup_s += time.perf_counter() - start
 
     @staticmethod
     def outputs(bucket: Bucket, tap) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -39,7 +39,7 @@ from .engine.heads import HeadDrafter
 from .engine.request import RowResult
 from .engine.continuous import ContinuousEngine
 from .engine.distributed import Groups, run_distributed
-from .capture import Captures, StepGraphs, capacity_bucket, capture_backend, capture_gap
+from .capture import Captures, StepGraphs, capture_backend, capture_gap
 from .placement import Placement
 from .config import MAX_BUDGET
 from .policy import GoodputPolicy
@@ -238,7 +238,7 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
         budget = config.tree_budget or MAX_BUDGET
         graphs = step_graphs(captures, "target", target, target_arch, config)
         attention = resolve_attention(config.attention, target, target_arch, replayed=graphs is not None)
-        capacity = length + budget if graphs is None else capacity_bucket(length + budget)
+        capacity = length + budget if graphs is None else replayed_capacity(graphs, length + budget, context_limit(target), budget)
         target_worker = TargetWorker(target, capacity, attention, target_arch, batch_size, graphs)
     if role in (None, "draft"):
         max_positions = context_limit(*(m for m in (target, draft) if m is not None and not isinstance(m, DraftHead)))
@@ -253,13 +253,13 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
         if isinstance(draft, DraftHead):  # an EAGLE-3 head or an MTP layer: attends with its own sdpa
             graphs = step_graphs(captures, "draft", draft, draft_arch, config)
             if graphs is not None:
-                tree["capacity"] = capacity_bucket(tree["capacity"])
+                tree["capacity"] = replayed_capacity(graphs, tree["capacity"], max_positions, config.tree_capacity)
             model = HeadDrafter(draft, graphs=graphs, **tree)
         elif draft is not None:
             graphs = step_graphs(captures, "draft", draft, draft_arch, config)
             draft_attention = resolve_attention(config.attention, draft, draft_arch, replayed=graphs is not None)
             if graphs is not None:
-                tree["capacity"] = capacity_bucket(tree["capacity"])
+                tree["capacity"] = replayed_capacity(graphs, tree["capacity"], max_positions, config.tree_capacity)
             model = DraftModelDrafter(draft, attention=draft_attention, architecture=draft_arch, graphs=graphs, **tree)
         else:
             model = None
@@ -269,6 +269,12 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
         )
         draft_worker = Drafters(model, suffix, batch_size, max_positions, target.device)
     return target_worker, draft_worker
+
+
+def replayed_capacity(graphs: StepGraphs, needed: int, context: int | None, room: int) -> int:
+    """A replayed cache's positions per row (StepGraphs.capacity_for): `needed`, or the model's whole `context`
+    plus the tree's `room`."""
+    return graphs.capacity_for(needed, context and context + room)
 
 
 def step_graphs(captures: Captures | None, role: str, model, architecture, config: SwiftSpecConfig) -> StepGraphs | None:

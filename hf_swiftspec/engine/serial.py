@@ -36,6 +36,7 @@ class AdaptiveProposed(Proposed):
     expanding_s: float = 0.0
     catch_up_s: float = 0.0
     caught_up: int = 0  # tokens the catch-up ran
+    setup_before: float = 0.0  # the sides' capture time (setup_s) when the round began
 
     @property
     def subtrees(self):
@@ -67,7 +68,7 @@ class AdaptiveSides:
 
     def propose(self, rows: BatchRows) -> AdaptiveProposed:
         """1. draft: expand while more expansions are expected to raise tokens per second."""
-        proposed = AdaptiveProposed([], rows=list(rows.live))
+        proposed = AdaptiveProposed([], rows=list(rows.live), setup_before=self.setup_s())
         plan = self.policy.plan_round(len(rows.live), rows.live)
         if plan.quiet or (self.target.roots_known and self.policy.tree_budget is None):
             # plain rounds of late: verify the roots, build no proposal. And round 1, whose roots' logits came
@@ -92,15 +93,22 @@ class AdaptiveSides:
         self.draft.accept(proposed.subtrees, [v if b in staying else None for b, v in enumerate(verified)])
 
     def observe(self, proposed: AdaptiveProposed, verified: list[Verified], round_s: float, first: bool) -> None:
-        """4. the policy: the round's costs (round 1's roots came with the prefill: it times no verification)
-        and what each row's proposal yielded."""
-        verify_s = None if first else round_s - proposed.expanding_s - proposed.catch_up_s
+        """4. the policy: the round's costs (round 1's roots came with the prefill: it times no verification;
+        a round that captured or compiled a step's bucket times that too, not a step) and what each row's
+        proposal yielded."""
+        untimed = first or self.setup_s() > proposed.setup_before
+        verify_s = None if untimed else round_s - proposed.expanding_s - proposed.catch_up_s
         self.policy.observe_round(
             proposed.expansions, proposed.expanding_s, max(len(s) for s in proposed.subtrees), verify_s,
             tokens=sum(len(v.tokens) for v in verified), catch_up_s=proposed.catch_up_s,
             catch_up_tokens=proposed.caught_up,
         )
         self.policy.observe_outcomes(list(zip(proposed.rows, proposed.proposals, verified)))
+
+    def setup_s(self) -> float:
+        """Seconds both sides' replayed steps spent capturing (or compiling) buckets so far (capture.py)."""
+        runners = (self.target.graphs, getattr(self.draft.model, "graphs", None))
+        return sum(g.setup_s for g in runners if g is not None)
 
     def keep_rows(self, order: list[int]) -> None:
         self.target.keep_rows(order)
