@@ -180,11 +180,13 @@ def decode_adaptive(target, draft, request: DecodeRequest, config: SwiftSpecConf
                 routes.enter_context(routed_attention(worker.model, worker.attention))
         if isinstance(draft, DraftHead) and workers[0] is not None:  # the head reads the target's states, this call only
             workers[0].tap = routes.enter_context(draft.tap(target))
+        setup = setup_s(workers)
         if request.max_new_tokens:
             result = run_engine(placement, groups, *workers, request, config)
         else:
             result = DecodeResult(rows=[RowResult() for _ in range(batch)])
     result.stats.attention = attention_summary(workers, chain_reasons)
+    result.stats.capture_s = setup_s(workers) - setup
     return result
 
 
@@ -291,6 +293,12 @@ def draft_architecture(draft):
     if draft is None:
         return None
     return draft.architecture if isinstance(draft, DraftHead) else describe(draft, "draft")
+
+
+def setup_s(workers) -> float:
+    """Seconds the workers' replayed steps spent capturing (or first compiling) buckets so far (capture.py)."""
+    runners = (getattr(w, "graphs", None) for w in (workers[0], workers[1] and workers[1].model) if w is not None)
+    return sum(g.setup_s for g in runners if g is not None)
 
 
 def attention_summary(workers, chain_reasons=()) -> str:

@@ -131,6 +131,7 @@ class SwiftSpecStats:
     row_tau: list[float] = field(default_factory=list)  # a batch's rows: each row's tokens per verification it took part in
     draft_model: bool = True  # False in draft-free mode: every proposal came from the suffix index
     overlap: OverlapBreakdown | None = None  # asynchronous engines: where a round's time went
+    capture_s: float = 0.0  # of wall_time_s, capturing (or first compiling) steps' buckets: mostly a first call's cost
 
     @classmethod
     def collect(
@@ -202,6 +203,8 @@ class SwiftSpecStats:
             f"proposing {self.draft_time_s:.2f}s / verifying {self.target_time_s:.2f}s, "
             f"target idle {100 * self.target_idle_fraction:.0f}%, engine={self.engine}, attention={self.attention}"
         )
+        if self.capture_s:
+            line = f"{line}, capturing {self.capture_s:.2f}s"
         if self.rounds:
             line = (
                 f"{line}, mean tree {self.mean_tree_budget:.1f} nodes, {self.plain_rounds} plain rounds, "

@@ -102,6 +102,7 @@ def test_buffers_and_graphs_serve_later_calls(pairs):
     model.output_history.clear()
     model.generate(first, max_new_tokens=48, do_sample=False)
     assert {role: g.captures for role, g in graphs.items()} == captured
+    assert model.swiftspec_stats.capture_s == 0.0  # nothing captured: nothing to say
     assert all(replays(model)[role] > before[role] for role in before)
 
 
@@ -129,6 +130,9 @@ def test_the_policy_prices_steps_without_their_capture(pairs, monkeypatch):
     assert costs.verify_s and max(costs.verify_s.values()) < 0.5, costs.verify_s
     assert costs.expand_s is None or costs.expand_s < 0.5, costs.expand_s
     assert min(g.setup_s for g in model.captures.graphs.values()) > 1.0
+    stats = model.swiftspec_stats  # the call's own capture time, in its stats
+    assert stats.capture_s == pytest.approx(sum(g.setup_s for g in model.captures.graphs.values()))
+    assert stats.capture_s > 2.0 and "capturing" in stats.summary()
 
 
 def test_calls_of_other_lengths_share_the_captured_capacity(pairs):
