@@ -266,8 +266,8 @@ FIGURE_FILES = {
     "2-core CPU, demo pair, editing": ("examples/results/cpu-demo-pair", ["editing"]),
     "2-core CPU, `shape:smollm2-135m`, 32 tokens, HumanEval / Spec-Bench": (
         "examples/results/cpu-smollm2-135m-32", ["humaneval", "spec_bench"]),
-    "one NVIDIA H200, demo pair, HumanEval": ("examples/gpu_results/h200-2026-11-27/bench_demo_run1.json", ["humaneval"]),
-    "one NVIDIA H200, demo pair, Spec-Bench": ("examples/gpu_results/h200-2026-11-27/bench_demo_run1.json", ["spec_bench"]),
+    "one NVIDIA H200, demo pair, HumanEval": ("examples/gpu_results/h200-2026-11-27/bench_demo_run4.json", ["humaneval"]),
+    "one NVIDIA H200, demo pair, Spec-Bench": ("examples/gpu_results/h200-2026-11-27/bench_demo_run4.json", ["spec_bench"]),
 }
 FIGURE_COLUMNS = ["target_static", "assisted", "prompt_lookup", "swiftspec_serial"]
 
