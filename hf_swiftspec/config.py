@@ -45,6 +45,11 @@ class SwiftSpecConfig(PreTrainedConfig):
             first step of each new shape family compiles (seconds to a minute), once per process.
         worker_timeout_s: longest wait for the other worker of the asynchronous engine before
             generate() raises (a dead or stuck worker never hangs a call).
+        serial_fallback: with the draft on a device (and thread) of its own in this process, time the serial
+            round on the same workers too and run whichever decodes faster (choice.py): overlap pays
+            only where the draft is a sizeable share of a round. None (default): on for placement="auto",
+            off for a placement you named (the asynchronous engine, as asked); True / False: on / off.
+            `swiftspec_stats.engine_choice` says which engine a call ran and why.
     """
 
     model_type = "swiftspec"
@@ -67,6 +72,7 @@ class SwiftSpecConfig(PreTrainedConfig):
         attention: str = "auto",
         compile: bool = False,
         capture: str | bool = "auto",
+        serial_fallback: bool | None = None,
         **kwargs,
     ):
         self.target = target
@@ -85,6 +91,7 @@ class SwiftSpecConfig(PreTrainedConfig):
         self.attention = attention
         self.compile = compile
         self.capture = capture
+        self.serial_fallback = serial_fallback
         super().__init__(**kwargs)
         self.validate_tree_settings()
 
@@ -121,6 +128,10 @@ class SwiftSpecConfig(PreTrainedConfig):
             self.worker_timeout_s > 0
         ):
             raise ValueError(f"SwiftSpecConfig.worker_timeout_s must be a positive number of seconds, got {self.worker_timeout_s!r}.")
+        if self.serial_fallback not in (None, True, False):
+            raise ValueError(
+                f"SwiftSpecConfig.serial_fallback={self.serial_fallback!r}; use None (on for placement='auto'), True or False."
+            )
         if not isinstance(self.compile, bool):
             raise ValueError(f"SwiftSpecConfig.compile must be True or False, got {self.compile!r}.")
         if self.capture not in ("auto", True, False):

@@ -38,6 +38,7 @@ from .engine import DecodeRequest, DecodeResult, DraftModelDrafter, TargetWorker
 from .engine.heads import HeadDrafter
 from .engine.request import RowResult
 from .engine.continuous import ContinuousEngine
+from .choice import ASYNC
 from .engine.distributed import Groups, run_distributed
 from .capture import Captures, StepGraphs, capture_backend, capture_gap
 from .placement import Placement
@@ -323,12 +324,35 @@ def attention_summary(workers, chain_reasons=()) -> str:
 
 
 def run_engine(placement, groups, target, draft, request: DecodeRequest, config) -> DecodeResult:
-    """Serial on one device; asynchronous when the draft has its own device, thread or process."""
+    """Serial on one device; asynchronous when the draft has its own device, thread or process (in this process,
+    with serial_fallback: whichever of the two decodes this pair faster, choice.py)."""
     if placement is None or placement.mode == "serial":
         return run_serial(target, draft, request)
     if placement.mode == "threads":
+        if falls_back(config, placement):
+            return run_chosen(target, draft, request, config)
         return run_threads(target, draft, request, timeout_s=config.worker_timeout_s)
     return run_distributed(groups, target, draft, request, timeout_s=config.worker_timeout_s)
+
+
+def falls_back(config, placement: Placement) -> bool:
+    """Whether this call may run the serial round instead of the asynchronous engine (SwiftSpecConfig.serial_fallback)."""
+    choice = getattr(config, "serial_fallback", None)
+    return placement.auto if choice is None else choice
+
+
+def run_chosen(target: TargetWorker, draft: Drafters, request: DecodeRequest, config) -> DecodeResult:
+    """The call on the engine the pair's EngineChoice picks (kept with its goodput policy), timed for the next pick."""
+    choice = request.policy.engines
+    engine = choice.pick()
+    start = time.perf_counter()
+    if engine == ASYNC:
+        result = run_threads(target, draft, request, timeout_s=config.worker_timeout_s)
+    else:
+        result = run_serial(target, draft, request)
+    choice.observe(engine, result.new_tokens, time.perf_counter() - start)
+    result.stats.engine_choice = choice.describe(engine)
+    return result
 
 
 def generate_output(input_ids: torch.Tensor, result: DecodeResult, generation_config: GenerationConfig):

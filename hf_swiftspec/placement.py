@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
@@ -36,6 +36,7 @@ class Placement:
     mode: str
     target: tuple = ()
     draft: tuple = ()
+    auto: bool = False  # resolved from placement="auto": swiftspec chose the devices (and may choose the engine)
 
     @property
     def device_map(self) -> dict[str, str] | None:
@@ -54,19 +55,14 @@ def resolve_placement(spec, target_config=None, draft_config=None) -> Placement:
     configs: a group whose size does not divide its model's heads, which its ranks shard)."""
     if spec is None or spec == "serial":
         return Placement("serial")
-    world = distributed_world()
     if spec == "auto":
-        if world >= 2:
-            spec = {"target": list(range(world - 1)), "draft": [world - 1]}
-        elif torch.cuda.device_count() >= 2:
-            spec = {"target": [0], "draft": [torch.cuda.device_count() - 1]}
-        else:
-            return Placement("serial")
+        return replace(resolve_placement(auto_spec(), target_config, draft_config), auto=True)
     if not isinstance(spec, dict) or set(spec) != {"target", "draft"}:
         raise ValueError(
             f"placement={spec!r} is not understood: use None, 'serial', 'auto', or "
             "{'target': [...], 'draft': [...]} with device indices (or ranks under torchrun)."
         )
+    world = distributed_world()
     groups = {role: list(spec[role]) if isinstance(spec[role], (list, tuple)) else [spec[role]] for role in spec}
     for role, members in groups.items():
         if not members:
@@ -81,6 +77,17 @@ def resolve_placement(spec, target_config=None, draft_config=None) -> Placement:
         if config is not None:
             check_tensor_parallel(config, len(getattr(placement, role)), role)
     return placement
+
+
+def auto_spec():
+    """What placement="auto" means here: under torchrun the last rank drafts and the others verify; else with two
+    GPUs or more, the target on cuda:0 and the draft on the last; else "serial"."""
+    world = distributed_world()
+    if world >= 2:
+        return {"target": list(range(world - 1)), "draft": [world - 1]}
+    if torch.cuda.device_count() >= 2:
+        return {"target": [0], "draft": [torch.cuda.device_count() - 1]}
+    return "serial"
 
 
 def device_of(member, role: str) -> torch.device:

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 
 from .config import MAX_BUDGET
 from .costs import CostModel
+from .choice import EngineChoice
 from .suffix import SuffixTree
 from .tree import Proposal
 from .verify import Verified
@@ -253,6 +254,7 @@ class GoodputPolicy:
     gains_seen: list[int] = field(init=False)
     last_budget: int = 1
     catch_up_token_s: float | None = None  # seconds per token the draft runs to catch up (the prompt, plain rounds)
+    engines: EngineChoice = field(default_factory=EngineChoice)  # a two-device placement's engine per call (choice.py)
     # ---- one call, one round
     call: CallState = field(default_factory=CallState)
     plan: RoundPlan = field(default_factory=RoundPlan)

@@ -131,6 +131,7 @@ class SwiftSpecStats:
     row_tau: list[float] = field(default_factory=list)  # a batch's rows: each row's tokens per verification it took part in
     draft_model: bool = True  # False in draft-free mode: every proposal came from the suffix index
     overlap: OverlapBreakdown | None = None  # asynchronous engines: where a round's time went
+    engine_choice: str | None = None  # with serial_fallback: which engine this call ran, and why (choice.py)
     capture_s: float = 0.0  # of wall_time_s, capturing (or first compiling) steps' buckets: mostly a first call's cost
 
     @classmethod
@@ -205,6 +206,8 @@ class SwiftSpecStats:
         )
         if self.capture_s:
             line = f"{line}, capturing {self.capture_s:.2f}s"
+        if self.engine_choice:
+            line = f"{line}, engine choice: {self.engine_choice}"
         if self.rounds:
             line = (
                 f"{line}, mean tree {self.mean_tree_budget:.1f} nodes, {self.plain_rounds} plain rounds, "

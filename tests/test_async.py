@@ -206,3 +206,65 @@ def test_draft_pays_while_its_rounds_repay_an_expansion():
     assert not policy.draft_pays(1.0, 0.07) and not policy.draft_pays(1.25, 0.07)  # 1 + 0.02 / 0.07 = 1.29
     assert policy.draft_pays(1.3, 0.07) and policy.draft_pays(3.0, 0.07)
     assert GoodputPolicy(draft_depth=2).draft_pays(1.0, 0.07)  # a fixed depth is the user's choice
+
+
+def test_engine_choice_measures_both_then_runs_the_faster_and_retries_the_other():
+    from hf_swiftspec.choice import ASYNC, RETRY_EVERY, SERIAL, EngineChoice
+
+    choice = EngineChoice()
+    assert choice.pick() == ASYNC and "measuring" in choice.describe(ASYNC)
+    choice.observe(ASYNC, 64, 1.0)
+    assert choice.pick() == SERIAL
+    choice.observe(SERIAL, 64, 0.5)  # serial twice as fast
+    picks = [choice.pick() for _ in range(2 * RETRY_EVERY)]
+    assert picks.count(ASYNC) == 2 and picks.count(SERIAL) == 2 * RETRY_EVERY - 2, picks
+    assert choice.describe(SERIAL) == (
+        "serial: the asynchronous engine measured 0.50x the serial round's tokens per second on this pair (over 1 and 1 calls)"
+    )
+    assert choice.describe(ASYNC).startswith(f"async-threads: retried one call in {RETRY_EVERY}")
+    for _ in range(3):  # the asynchronous engine turns faster: it is chosen again
+        choice.observe(ASYNC, 64, 0.1)
+    assert choice.ranked() == (ASYNC, SERIAL)
+    choice.observe(SERIAL, 0, 1.0)  # a call that made nothing teaches nothing
+    assert choice.calls[SERIAL] == 1
+
+
+def test_serial_fallback_runs_the_faster_engine_exactly_and_says_so(llama_pair, monkeypatch):
+    """With serial_fallback, a placement's calls run the asynchronous engine once, the serial round once, then
+    whichever was faster (here the serial round: the asynchronous engine is made 0.5 s slower a call), the other
+    one call in 8; every output equal to target.generate's, and the stats say which engine ran and why."""
+    import hf_swiftspec.generation as generation
+
+    target, draft, _ = llama_pair
+    real = generation.run_threads
+
+    def slow_threads(*args, **kwargs):
+        time.sleep(0.5)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(generation, "run_threads", slow_threads)
+    model = SwiftSpecForCausalLM.from_models(target, draft, placement=CPU_THREADS, serial_fallback=True)
+    engines = []
+    for p in prompts(8, seed=3) + prompts(2, seed=4):
+        expected = target.generate(p, do_sample=False, max_new_tokens=24)
+        assert model.generate(p, do_sample=False, max_new_tokens=24).tolist() == expected.tolist()
+        stats = model.swiftspec_stats
+        engines.append(stats.engine)
+        assert stats.engine_choice.startswith(stats.engine) and "engine choice" in stats.summary()
+    assert engines[:2] == ["async-threads", "serial"], engines
+    assert engines[2:] == ["serial"] * 5 + ["async-threads"] + ["serial"] * 2, engines
+    assert "measured" in model.swiftspec_stats.engine_choice
+
+
+def test_serial_fallback_is_on_for_auto_placement_only():
+    from hf_swiftspec.generation import falls_back
+    from hf_swiftspec.placement import Placement
+
+    config = SwiftSpecForCausalLM.from_models(tiny_model("llama"), tiny_model("llama", layers=1)).config
+    threads = Placement("threads", ("cpu",), ("cpu",))
+    assert not falls_back(config, threads) and falls_back(config, Placement("threads", ("cpu",), ("cpu",), auto=True))
+    config.serial_fallback = True
+    assert falls_back(config, threads)
+    assert resolve_placement("auto").auto  # (serial on a machine with fewer than two GPUs, outside torchrun)
+    with pytest.raises(ValueError, match="serial_fallback='yes'"):
+        SwiftSpecForCausalLM.from_models(tiny_model("llama"), tiny_model("llama", layers=1), serial_fallback="yes")

@@ -1,0 +1,65 @@
+"""Which engine a two-device placement's calls run: the asynchronous one (draft and target each on their
+own device and thread) or the serial round on the same workers, whichever decoded faster on this pair.
+
+Overlap hides the draft's time, so it pays only where the draft is a sizeable share of a serial round.
+Measured on the project's 2-core CPU machine (examples/bench_async.py, demo pair): the serial round spent
+3% of its time in the draft (0.4 ms a round against 9.6 ms verifying), and the asynchronous engine ran
+0.86-1.01x the serial round; on a pair whose draft agrees and costs more it ran 1.49x. So where the
+placement asks for it (`SwiftSpecConfig.serial_fallback`), the first call runs asynchronously, the second
+serially, and later calls the engine that measured more tokens per second, retrying the other one call
+in RETRY_EVERY so a change (longer prompts, another kind of text) is noticed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ASYNC, SERIAL = "async-threads", "serial"
+RETRY_EVERY = 8  # calls: the engine not chosen runs one call in this many
+SMOOTHING = 0.5  # weight of a call's tokens per second in its engine's running average
+
+
+@dataclass
+class EngineChoice:
+    """Tokens per second each engine measured on this pair, averaged over calls, and the choice they make.
+
+    rates: engine -> running average of new tokens per second of its calls; calls: engine -> calls run.
+    """
+
+    rates: dict[str, float] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
+    picks: int = 0
+
+    def pick(self) -> str:
+        """The engine of the next call: each one once first (asynchronous, then serial), then the faster, the
+        other every RETRY_EVERY calls."""
+        self.picks += 1
+        for engine in (ASYNC, SERIAL):
+            if engine not in self.rates:
+                return engine
+        best, other = self.ranked()
+        return other if self.picks % RETRY_EVERY == 0 else best
+
+    def ranked(self) -> tuple[str, str]:
+        """(faster, slower) by the rates measured; ties go to the asynchronous engine the placement asked for."""
+        return (ASYNC, SERIAL) if self.rates[ASYNC] >= self.rates[SERIAL] else (SERIAL, ASYNC)
+
+    def observe(self, engine: str, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        rate = tokens / seconds
+        old = self.rates.get(engine)
+        self.rates[engine] = rate if old is None else (1 - SMOOTHING) * old + SMOOTHING * rate
+        self.calls[engine] = self.calls.get(engine, 0) + 1
+
+    def describe(self, engine: str) -> str:
+        """Why this call ran `engine` (SwiftSpecStats.engine_choice)."""
+        if len(self.rates) < 2:
+            return f"{engine}: measuring each engine once (asynchronous first, then serial)"
+        best, _ = self.ranked()
+        ratio = self.rates[ASYNC] / self.rates[SERIAL]
+        measured = (f"the asynchronous engine measured {ratio:.2f}x the serial round's tokens per second on this pair "
+                    f"(over {self.calls[ASYNC]} and {self.calls[SERIAL]} calls)")
+        if engine == best:
+            return f"{engine}: {measured}"
+        return f"{engine}: retried one call in {RETRY_EVERY}; {measured}"
