@@ -5,9 +5,11 @@ Overlap hides the draft's time, so it pays only where the draft is a sizeable sh
 Measured on the project's 2-core CPU machine (examples/bench_async.py, demo pair): the serial round spent
 3% of its time in the draft (0.4 ms a round against 9.6 ms verifying), and the asynchronous engine ran
 0.86-1.01x the serial round; on a pair whose draft agrees and costs more it ran 1.49x. So where the
-placement asks for it (`SwiftSpecConfig.serial_fallback`), the first call runs asynchronously, the second
-serially, and later calls the engine that measured more tokens per second, retrying the other one call
-in RETRY_EVERY so a change (longer prompts, another kind of text) is noticed.
+placement asks for it (`SwiftSpecConfig.serial_fallback`), the first MEASURED_CALLS calls of each engine
+alternate (asynchronous first), and later calls run the engine that measured more tokens per second, the
+other one call in RETRY_EVERY so a change (longer prompts, another kind of text) is noticed. A call's
+tokens per second depends on how predictable its text is, so one call of each decides badly: on the demo
+pair a single slow serial call kept the asynchronous engine (0.80x the serial round there) for five calls.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 
 ASYNC, SERIAL = "async-threads", "serial"
 RETRY_EVERY = 8  # calls: the engine not chosen runs one call in this many
+MEASURED_CALLS = 2  # calls of each engine, alternating, before the rates choose
 SMOOTHING = 0.5  # weight of a call's tokens per second in its engine's running average
 
 
@@ -31,12 +34,12 @@ class EngineChoice:
     picks: int = 0
 
     def pick(self) -> str:
-        """The engine of the next call: each one once first (asynchronous, then serial), then the faster, the
-        other every RETRY_EVERY calls."""
+        """The engine of the next call: the two alternately (asynchronous first) until each ran MEASURED_CALLS calls,
+        then the faster, the other every RETRY_EVERY calls."""
         self.picks += 1
-        for engine in (ASYNC, SERIAL):
-            if engine not in self.rates:
-                return engine
+        runs = {engine: self.calls.get(engine, 0) for engine in (ASYNC, SERIAL)}
+        if min(runs.values()) < MEASURED_CALLS:
+            return ASYNC if runs[ASYNC] <= runs[SERIAL] else SERIAL
         best, other = self.ranked()
         return other if self.picks % RETRY_EVERY == 0 else best
 
@@ -54,8 +57,8 @@ class EngineChoice:
 
     def describe(self, engine: str) -> str:
         """Why this call ran `engine` (SwiftSpecStats.engine_choice)."""
-        if len(self.rates) < 2:
-            return f"{engine}: measuring each engine once (asynchronous first, then serial)"
+        if min(self.calls.get(e, 0) for e in (ASYNC, SERIAL)) < MEASURED_CALLS:
+            return f"{engine}: measuring both engines, {MEASURED_CALLS} calls each, alternately"
         best, _ = self.ranked()
         ratio = self.rates[ASYNC] / self.rates[SERIAL]
         measured = (f"the asynchronous engine measured {ratio:.2f}x the serial round's tokens per second on this pair "
