@@ -206,7 +206,7 @@ def timed_run(method: Method, batch: PromptBatch, harness: Harness) -> tuple[lis
         **policy_choices(stats),
         peak_memory_mib=peak,
         run_memory_mib=extra,
-        capture_s=stats.capture_s if stats is not None else None,
+        capture_s=getattr(stats, "capture_s", None),  # (None also for an earlier revision's stats: compare_versions.py)
     )
 
 
