@@ -173,10 +173,9 @@ class StepGraphs:
         hidden: the model is a draft head (eagle3.DraftHead): its hidden output (B, Q, H) comes back too."""
         key = self.bucket_key(cache, tensors, keep, tap)
         if self.backend == "compiled":
-            if key in self.compiled_keys:
-                return self.forward(model, cache, build(tensors), keep, hidden)
+            first = key not in self.compiled_keys
             self.compiled_keys.add(key)
-            with self.setting_up():
+            with self.setting_up() if first else contextlib.nullcontext():
                 return self.forward(model, cache, build(tensors), keep, hidden)
         bucket = self.buckets.get(key)
         if bucket is None and key not in self.refused:

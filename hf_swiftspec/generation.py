@@ -36,6 +36,7 @@ from .drafting import Drafters, SuffixDrafter
 from .eagle3 import DraftHead
 from .engine import DecodeRequest, DecodeResult, DraftModelDrafter, TargetWorker, run_serial, run_threads
 from .engine.heads import HeadDrafter
+from .engine.serial import setup_s
 from .engine.request import RowResult
 from .engine.continuous import ContinuousEngine
 from .choice import ASYNC
@@ -181,13 +182,13 @@ def decode_adaptive(target, draft, request: DecodeRequest, config: SwiftSpecConf
                 routes.enter_context(routed_attention(worker.model, worker.attention))
         if isinstance(draft, DraftHead) and workers[0] is not None:  # the head reads the target's states, this call only
             workers[0].tap = routes.enter_context(draft.tap(target))
-        setup = setup_s(workers)
+        setup = setup_s(*workers)
         if request.max_new_tokens:
             result = run_engine(placement, groups, *workers, request, config)
         else:
             result = DecodeResult(rows=[RowResult() for _ in range(batch)])
     result.stats.attention = attention_summary(workers, chain_reasons)
-    result.stats.capture_s = setup_s(workers) - setup
+    result.stats.capture_s = setup_s(*workers) - setup
     return result
 
 
@@ -296,12 +297,6 @@ def draft_architecture(draft):
     return draft.architecture if isinstance(draft, DraftHead) else describe(draft, "draft")
 
 
-def setup_s(workers) -> float:
-    """Seconds the workers' replayed steps spent capturing (or first compiling) buckets so far (capture.py)."""
-    runners = (getattr(w, "graphs", None) for w in (workers[0], workers[1] and workers[1].model) if w is not None)
-    return sum(g.setup_s for g in runners if g is not None)
-
-
 def attention_summary(workers, chain_reasons=()) -> str:
     """How each model attended: its backend, the layers that fell back, and chains where trees could not be."""
     parts = [f"chains for this call ({'; '.join(chain_reasons)})"] if chain_reasons else []
@@ -337,8 +332,7 @@ def run_engine(placement, groups, target, draft, request: DecodeRequest, config)
 
 def falls_back(config, placement: Placement) -> bool:
     """Whether this call may run the serial round instead of the asynchronous engine (SwiftSpecConfig.serial_fallback)."""
-    choice = getattr(config, "serial_fallback", None)
-    return placement.auto if choice is None else choice
+    return placement.auto if config.serial_fallback is None else config.serial_fallback
 
 
 def run_chosen(target: TargetWorker, draft: Drafters, request: DecodeRequest, config) -> DecodeResult:

@@ -146,7 +146,7 @@ def test_calls_of_other_lengths_share_the_captured_capacity(pairs):
     assert small.capacity_for(40, whole=300) == 512 and small.capacity_for(10, whole=300) == 512
     assert StepGraphs("emulate").capacity_for(40, whole=5000) == 256
     model = SwiftSpecForCausalLM.from_models(target, draft, capture=True, **FIXED)
-    prompts = [torch.tensor([random_prompts((n,), n, VOCAB)[0]]) for n in (200, 9)]  # alone: 512 and 256 positions
+    prompts = [torch.tensor([random_prompts((n,), n, VOCAB)[0]]) for n in (240, 9)]  # alone: 512 and 256 positions
     for prompt in prompts:
         out = model.generate(prompt, max_new_tokens=20, do_sample=False)
         assert out.tolist() == target.generate(prompt, max_new_tokens=20, do_sample=False).tolist()

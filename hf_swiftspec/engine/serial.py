@@ -106,9 +106,7 @@ class AdaptiveSides:
         self.policy.observe_outcomes(list(zip(proposed.rows, proposed.proposals, verified)))
 
     def setup_s(self) -> float:
-        """Seconds both sides' replayed steps spent capturing (or compiling) buckets so far (capture.py)."""
-        runners = (self.target.graphs, getattr(self.draft.model, "graphs", None))
-        return sum(g.setup_s for g in runners if g is not None)
+        return setup_s(self.target, self.draft)
 
     def keep_rows(self, order: list[int]) -> None:
         self.target.keep_rows(order)
@@ -122,6 +120,13 @@ class AdaptiveSides:
 
     def stats(self, new_tokens: int, wall_s: float) -> SwiftSpecStats:
         return SwiftSpecStats.collect(self.name, new_tokens, wall_s, self.target.counters, self.draft.counters)
+
+
+def setup_s(target: TargetWorker | None, draft: Drafters | None) -> float:
+    """Seconds the workers' replayed steps spent capturing (or first compiling) buckets so far (capture.py); a
+    worker this rank does not hold is None."""
+    runners = (getattr(w, "graphs", None) for w in (target, draft and draft.model) if w is not None)
+    return sum(g.setup_s for g in runners if g is not None)
 
 
 def expand_and_choose(draft: Drafters, policy, rows: list[int], probing: bool, proposed: AdaptiveProposed) -> None:
