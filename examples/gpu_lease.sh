@@ -5,6 +5,7 @@
 #
 #   bash examples/gpu_lease.sh                # with OUT set; wheels in .whl/ (the tested transformers) are installed first
 #   PLAN=lease PHASES="tests kernel" bash examples/gpu_lease.sh
+#   PLAN=trained PHASES="tests e2e" E2E_S=400 bash examples/gpu_lease.sh   # a 158M/15M pair trained, then benched
 set -u
 : "${OUT:?set OUT to the results folder}"
 work=/tmp/gpu_session
@@ -35,4 +36,5 @@ for name in ${PHASES:-tests steps e2e}; do
     phase "$name" "$(echo "$limits" | tr ' ' '\n' | sed -n "s/^$name=//p")"
 done
 tail -n 3 "$work/tests.txt" 2>/dev/null
+[ -f "$work/e2e.json" ] && { echo "== e2e.json"; cat "$work/e2e.json"; } >>"$OUT/log.txt"  # a trained pair's facts (9th file)
 cat "$work/kernel.md" "$work/steps.md" 2>/dev/null | grep -E "^\| (1024|4096|8192) " | head -40

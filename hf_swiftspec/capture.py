@@ -70,6 +70,12 @@ REUSE = 4  # a replayed cache takes buffers (and their graphs) captured at up to
 WHOLE_CONTEXT = 1024  # a model whose whole context (plus the tree's room) fits this gets one capacity for every call
 
 
+def largest_capacity(needed: int, whole: int | None = None) -> int:
+    """The most positions StepGraphs.capacity_for can give a cache that needs `needed` (`whole`: as there)."""
+    shared = whole if whole is not None and needed <= whole <= WHOLE_CONTEXT else needed
+    return max(REUSE * needed, capacity_bucket(shared))
+
+
 def capture_backend(choice, device: torch.device, compile_layers: bool = False) -> str | None:
     """The backend SwiftSpecConfig.capture (and .compile) ask for on `device`: "cuda", "compiled", "emulate" or
     None (eager steps, as without capture.py)."""

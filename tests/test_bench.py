@@ -12,6 +12,7 @@ from hf_swiftspec import bench
 from hf_swiftspec.bench import methods, prompts
 from hf_swiftspec.bench.command import default_methods
 from hf_swiftspec.cache import TreeCache
+from hf_swiftspec.capture import WHOLE_CONTEXT, capacity_bucket
 from hf_swiftspec.bench import (
     BenchConfig,
     BenchModels,
@@ -411,6 +412,18 @@ def test_caches_keep_one_buffer_over_a_long_generation(tiny_models):
     assert target.capacity == 9 + 300 + 6 + 1 and target.max_length <= target.capacity  # + the scratch slot
     assert 0 < draft.max_tree_slots <= budget.tree_capacity
     assert budget.extra_mib > budget.draft_weights_mib > 0
+
+
+def test_memory_check_allows_a_replayed_cache_its_shared_capacity(tiny_models):
+    """Replayed steps (capture.py; "emulate" on a CPU) give the target's cache a capacity shared between calls
+    (StepGraphs.capacity_for: the whole context's bucket for a small model), not the call's own bucket; the check
+    counts that as within the tree region, and still catches a cache past it."""
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13]])
+    budget = memory_budget(tiny_models, {"tree_budget": 6, "draft_width": 4, "capture": True}, ids, 40)
+    whole = tiny_models.target.config.max_position_embeddings + 6
+    assert whole <= WHOLE_CONTEXT and budget.traces[0].capacity == capacity_bucket(whole) + 1  # + the scratch slot
+    assert budget.target_extra_slots > capacity_bucket(9 + 40 + 6) - 49  # past the call's own bucket
+    assert budget.no_growth and budget.within_tree_region
 
 
 def test_memory_check_notices_a_reallocated_buffer(tiny_models, monkeypatch):

@@ -95,8 +95,8 @@ def memory_lines(memory: MemoryBudget) -> list[str]:
             f"{t.max_length} of {t.capacity} positions and {t.max_tree_slots} tree slots in use."
         )
     lines += [
-        f"- Within the tree region (target ≤ tree_budget={memory.tree_budget} extra slots, or up to its power-of-two "
-        f"bucket where steps are replayed; draft tree ≤ tree_capacity="
+        f"- Within the tree region (target ≤ tree_budget={memory.tree_budget} extra slots, or a capacity shared "
+        f"between calls where steps are replayed; draft tree ≤ tree_capacity="
         f"{memory.tree_capacity}): {'yes' if memory.within_tree_region else '**no**'}; growth: {verdict}.",
         "",
     ]
