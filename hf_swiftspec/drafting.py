@@ -182,6 +182,15 @@ class Drafters:
             done += 1
         return done
 
+    def graft(self, subtrees: list[Subtree | None]) -> int:
+        """Bring every row's subtree, just sent, into its draft tree and run its unrun nodes (see
+        DraftModelDrafter.graft): once a row's root has run, with a draft model that needs nothing but
+        tokens. Returns the forwards run."""
+        model = self.model
+        if model is None or model.reads_features:  # a head drafts from the target's states at each node
+            return 0
+        return sum(model.graft(b, subtree) for b, subtree in enumerate(subtrees) if subtree is not None)
+
     def top_up(self, budget: int) -> int:
         """Expand until every row's tree holds at least `budget` nodes (or cannot grow). Returns the
         expansions run."""

@@ -176,6 +176,26 @@ def add_children(tree: TokenTree, leaves: torch.Tensor, child_logprobs: torch.Te
     tree.size = end
 
 
+def graft_node(tree: TokenTree, parent: int, token: int) -> int:
+    """Append one unexpanded node carrying `token` under `parent` (a token another drafter proposed there);
+    returns its index. Its score is its weakest sibling's (the draft did not rank it among its top children,
+    so its own log-prob is at most that), or the parent's without one, until a forward that ran the parent
+    gives the real one."""
+    node = tree.size
+    if node >= tree.capacity:
+        raise RuntimeError(f"token tree overflow: {node + 1} nodes > capacity {tree.capacity}")
+    live = slice(0, node)
+    siblings = torch.where(tree.parents[live] == parent, tree.scores[live], tree.scores[parent])
+    tree.tokens[node] = token
+    tree.parents[node] = parent
+    tree.depths[node] = tree.depths[parent] + 1
+    tree.scores[node] = siblings.min()
+    tree.ancestors[node] = tree.ancestors[parent]
+    tree.ancestors[node, node] = True
+    tree.size = node + 1
+    return node
+
+
 def top_children(logits: torch.Tensor, width: int, vocab_limit: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The children an expansion adds under each of its w leaves, from the draft's logits (w, V): the
     `width` likeliest tokens below `vocab_limit` (ids the target can embed), as (log-probs, token ids),

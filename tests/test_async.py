@@ -51,6 +51,35 @@ def test_draft_expands_while_the_target_verifies(llama_pair):
     assert stats.reroot_hits + stats.reroot_misses == stats.verify_steps - 1
 
 
+def test_the_verdict_leaves_before_the_target_commits(llama_pair, monkeypatch):
+    """The target answers as soon as its walk is done, so the draft re-roots while the target commits the
+    accepted KV; the output still equals target.generate's and the call ends on the walk's last verdict."""
+    from hf_swiftspec.cache import TreeCache
+    from hf_swiftspec.engine.links import ThreadLink
+
+    target, draft, _ = llama_pair
+    events, commit, send = [], TreeCache.commit_rows, ThreadLink.send_verdict
+    main = threading.main_thread()
+
+    def commit_rows(self, *args, **kwargs):
+        if threading.current_thread() is main:  # the target's worker (the draft's runs on its own thread)
+            events.append("commit")
+        return commit(self, *args, **kwargs)
+
+    def send_verdict(self, verified):
+        events.append("verdict")
+        return send(self, verified)
+
+    monkeypatch.setattr(TreeCache, "commit_rows", commit_rows)
+    monkeypatch.setattr(ThreadLink, "send_verdict", send_verdict)
+    model = SwiftSpecForCausalLM.from_models(target, draft, placement=CPU_THREADS)
+    p = prompts(4)[3]
+    out = model.generate(p, do_sample=False, max_new_tokens=30)
+    assert out.tolist() == target.generate(p, do_sample=False, max_new_tokens=30).tolist()
+    rounds = model.swiftspec_stats.verify_steps
+    assert rounds > 3 and events == ["verdict", "commit"] * rounds
+
+
 class Boom(RuntimeError):
     pass
 

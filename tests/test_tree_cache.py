@@ -10,7 +10,7 @@ from hf_swiftspec.engine.workers import DraftModelDrafter, TargetWorker
 from hf_swiftspec.step import RowQueries, model_step, run_step
 from hf_swiftspec.tree import Subtree, select_subtree, subtree_mask
 from hf_swiftspec.tools.models import left_padded
-from hf_swiftspec.verify import Sampler
+from hf_swiftspec.verify import Sampler, Verified
 
 ATOL = 2e-5
 
@@ -145,6 +145,66 @@ def test_draft_keeps_surviving_kv_across_reroots(llama_pair):
         hits += draft.accept([subtree], verified)
         assert draft.cache.prefix_len == target_w.cache.prefix_len == sequence.shape[1] - 1 - len(draft.pending[0])
     assert hits > 0  # the surviving-subtree path was exercised
+
+
+def node_path(tree, node):
+    """Tokens from the tree's root down to `node`."""
+    path = []
+    while node >= 0:
+        path.append(int(tree.tokens[node]))
+        node = int(tree.parents[node])
+    return path[::-1]
+
+
+def test_grafted_nodes_run_as_per_branch_causal_forwards(llama_pair):
+    """graft (asynchronous engines): a sent subtree's nodes that only another drafter proposed (node id -1) join
+    the draft tree and run with its unrun nodes in one forward. Against fresh causal forwards: each run node's
+    children are the draft's best tokens but the grafted one, with its log-probs; a grafted node under a run
+    node scores its log-prob; no token sits twice under one parent; a verdict down the grafted chain re-roots
+    on it (a hit) and the next expansion still matches."""
+    _, draft_model, _ = llama_pair
+    draft = DraftModelDrafter(draft_model, capacity=512, tree_capacity=400, width=2, vocab_limit=98)
+    draft.start([[5, 6, 7, 8, 9]])
+    draft.expand()
+    draft.expand()
+    tree = draft.tree
+    sub, _ = select_subtree(tree, 4)
+    expanded_before = tree.expanded[: tree.size].clone()
+    taken = set(tree.tokens[: tree.size].tolist())
+    chain = [next(t for t in range(3, 98) if t not in taken)]  # a suffix chain under the root, not a draft child,
+    for _ in range(2):  # then the draft's own best tokens: the forward's children must leave them out
+        chain.append(int(causal_logits(draft_model, draft.committed[0] + chain)[-1][:98].argmax()))
+    n, before = len(sub), tree.size
+    subtree = Subtree(sub.node_ids + [-1] * 3, sub.tokens + chain, sub.parents + [0, n, n + 1])
+    assert draft.graft(0, subtree) == 1
+    ids = draft.grafted[0]
+    assert ids == sub.node_ids + [before, before + 1, before + 2] and bool(tree.expanded[torch.tensor(ids)].all())
+    ran = [node for node in ids if node >= before or not expanded_before[node]]
+    prefix = draft.committed[0][:-1]
+    for node in ran:
+        fresh = torch.log_softmax(causal_logits(draft_model, prefix + node_path(tree, node))[-1][:98], -1)
+        children = (tree.parents[: tree.size] == node).nonzero().flatten()
+        tokens = tree.tokens[children].tolist()
+        assert len(tokens) == len(set(tokens))
+        grafted = [c for c in children.tolist() if before <= c < before + 3]
+        own = [c for c in children.tolist() if c not in grafted]
+        skip = fresh.clone()
+        skip[tree.tokens[grafted]] = float("-inf")
+        assert sorted(tree.tokens[own].tolist()) == sorted(skip.topk(2).indices.tolist())
+        for child in children:
+            got = tree.scores[child] - tree.scores[node]
+            torch.testing.assert_close(got, fresh[tree.tokens[child]], atol=ATOL, rtol=0)
+    last = before + 2
+    bonus = int(tree.tokens[(tree.parents[: tree.size] == last).nonzero()[0, 0]])
+    hits = draft.accept([subtree], [Verified(tokens=chain + [bonus], path=[0, n, n + 1, n + 2])])
+    assert hits == 1 and draft.committed[0][-5:] == [9] + chain + [bonus]
+    assert draft.cache.prefix_len == len(draft.committed[0]) - 1 and draft.grafted[0] is None
+    before = tree.size
+    assert draft.expand() > 0
+    for leaf in tree.parents[before : tree.size].unique().tolist():
+        fresh = torch.log_softmax(causal_logits(draft_model, draft.committed[0][:-1] + node_path(tree, leaf))[-1], -1)
+        children = torch.arange(before, tree.size)[tree.parents[before : tree.size] == leaf]
+        torch.testing.assert_close(tree.scores[children] - tree.scores[leaf], fresh[tree.tokens[children]], atol=ATOL, rtol=0)
 
 
 def test_subtree_mask_is_ancestor_or_self():

@@ -58,8 +58,12 @@ def run_draft(draft: Drafters, request: DecodeRequest, link) -> None:
         # While the target verifies, keep growing the whole tree: after the re-root, whatever
         # grew under the verified path is already there.
         growing = drafting or counters.rounds % PROBE_GROWTH_EVERY == 0  # now and then: has the text become predictable?
-        expansions = draft.grow(link.agree(policy.overlap_depth()) if growing else 0, stop=lambda: link.verdict_ready() or (
-            link.stops_alone and not policy.expansion_fits(len(proposal.subtree), time.perf_counter() - sent)))
+        stop = lambda: link.verdict_ready() or (  # noqa: E731
+            link.stops_alone and not policy.expansion_fits(len(proposal.subtree), time.perf_counter() - sent))
+        # First the subtree in flight: its nodes join the tree and run, so any verdict re-roots on a run node.
+        expansions = draft.grow(1, stop=stop) if growing and draft.fresh else 0  # the root runs first
+        expansions += draft.graft([proposal.subtree]) if growing and not stop() else 0
+        expansions += draft.grow(link.agree(policy.overlap_depth()) - expansions if growing else 0, stop=stop)
         drafted = time.perf_counter()
         verified = link.receive_verdict()
         start = time.perf_counter()
@@ -91,7 +95,14 @@ def draft_pays(policy, link, tokens: float, round_trips_s: float, rounds: int) -
 
 
 def run_target(target: TargetWorker, request: DecodeRequest, link, rows: BatchRows) -> None:
-    """The target worker's loop: verify each subtree, answer at once, then emit the tokens."""
+    """The target worker's loop: verify each subtree, answer as soon as the walk is done (before the commit:
+    the draft re-roots meanwhile), then emit the tokens. One sequence: the walk's `finished` is the row's end."""
+
+    def answer(verdicts: list) -> None:
+        sending = time.perf_counter()
+        link.send_verdict(verdicts[0])
+        target.counters.verdict_s += time.perf_counter() - sending
+
     target.prefill(request.prompt, request.contexts, request.attention_mask)
     if target.tap is not None:  # an EAGLE-3 head starts from the prompt's hidden states
         link.send_prompt_states(target.prompt_features)
@@ -101,14 +112,9 @@ def run_target(target: TargetWorker, request: DecodeRequest, link, rows: BatchRo
         subtree = link.receive_subtree()
         target.counters.idle_s += time.perf_counter() - waiting
         (verified,) = target.verify(
-            [subtree], request.samplers, rows.criteria(), rows.budgets(), walk=link.walk
+            [subtree], request.samplers, rows.criteria(), rows.budgets(), walk=link.walk, walked=answer
         )
-        staying = rows.record([verified], request.on_tokens)
-        rows.keep(staying)
-        verified.finished = verified.finished or not staying
-        sending = time.perf_counter()
-        link.send_verdict(verified)
-        target.counters.verdict_s += time.perf_counter() - sending
+        rows.keep(rows.record([verified], request.on_tokens))
 
 
 def run_threads(target: TargetWorker, draft: Drafters, request: DecodeRequest, timeout_s: float) -> DecodeResult:

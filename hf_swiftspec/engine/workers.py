@@ -30,6 +30,7 @@ from ..tree import (
     TokenTree,
     add_children,
     expansion_inputs,
+    graft_node,
     locate_child,
     new_tree,
     reroot,
@@ -144,12 +145,15 @@ class TargetWorker:
         stopping_criteria: list[StoppingCriteriaList],
         max_tokens: list[int],
         walk=verify_tree,
+        walked=None,
     ) -> list[Verified | None]:
         """Forward every row's subtree (T_b nodes) over its prefix in one step, walk each, commit the
         accepted paths. A row whose subtree is None sits the step out (and gets None).
 
         walk: verify_tree, or (on a tensor-parallel rank that is not the leader) a function
             with its signature that returns the leader's walk.
+        walked: called with the verdicts once the walks are done, before the commit (the asynchronous
+            engine sends them from there: the draft follows them while this worker commits).
         """
         start = time.perf_counter()
         replayed = len(self.replay)  # run in front of row 0's nodes, in its tree slots [0, replayed)
@@ -166,6 +170,8 @@ class TargetWorker:
             new = torch.tensor([outcome.tokens], dtype=self.sequences[b].dtype, device=self.device)
             self.sequences[b] = torch.cat([self.sequences[b], new], dim=1)
             verified.append(outcome)
+        if walked is not None:
+            walked(verified)
         paths = [v.path if v else None for v in verified]
         if replayed and paths[0] is not None:
             paths[0] = list(range(replayed)) + [i + replayed for i in paths[0]]
@@ -322,6 +328,7 @@ class DraftModelDrafter:
         self.trees: list[TokenTree] = [new_tree(0, tree_capacity, self.device) for _ in range(batch_size)]
         self.pending: list[list[int]] = [[] for _ in range(batch_size)]
         self.committed: list[list[int]] = [[] for _ in range(batch_size)]  # every committed token, the root's too
+        self.grafted: list[list[int] | None] = [None] * batch_size  # per row, the sent subtree's nodes in its tree (graft)
         self.counters = DraftCounters()
 
     @property
@@ -335,6 +342,7 @@ class DraftModelDrafter:
         for b, ids in enumerate(prompts):
             self.pending[b] = ids[:-1]
             self.committed[b] = list(ids)
+            self.grafted[b] = None
             reset_tree(self.trees[b], ids[-1])
 
     @property
@@ -377,6 +385,50 @@ class DraftModelDrafter:
             add_children(self.trees[b], leaves, *self.children(logits[b][pending_of[b] :]))
             expanded += leaves.shape[0]
         return expanded
+
+    def graft(self, b: int, subtree: Subtree) -> int:
+        """Make every node of row b's subtree, just sent for verification, a node of its tree, and run those
+        the draft has not run in one forward (asynchronous engines, while the target verifies): whichever
+        path the target accepts then ends at an expanded node, and the re-root finds the new root among
+        its children unless the draft did not rank the target's token among its top `width`. Nodes only
+        another drafter proposed (node id -1: a suffix proposal) join the tree here, their scores from the
+        forward that ran their parents. Returns the forwards run (0 or 1: nothing to run, no room, a row
+        whose root has not run yet, or a recurrent draft)."""
+        tree = self.trees[b]
+        if self.pending[b] or self.states.active or not bool(tree.expanded[0]):
+            return 0
+        ids, added = list(subtree.node_ids), []
+        for i in range(1, len(ids)):
+            parent = ids[subtree.parents[i]]
+            if ids[i] >= 0 or parent < 0 or tree.size >= tree.capacity:
+                ids[i] = ids[i] if parent >= 0 else -1  # below a node that found no room: none of it joins
+                continue
+            child, _ = locate_child(tree, parent, subtree.tokens[i])
+            ids[i] = child if child is not None else graft_node(tree, parent, subtree.tokens[i])
+            added += [] if child is not None else [ids[i]]
+        self.grafted[b] = ids
+        nodes = torch.tensor([n for n in ids if n >= 0], dtype=torch.long, device=self.device)
+        ran, depths = torch.stack([tree.expanded[nodes].long(), tree.depths[nodes]]).tolist()
+        room = self.depth_room(b)
+        run = [n for n, done, d in zip(nodes.tolist(), ran, depths) if not done and (room is None or d < room)]
+        if not run or not room_for_expansion(tree, len(run), self.width):
+            return 0
+        leaves = torch.tensor(run, dtype=torch.long, device=self.device)
+        queries = [RowQueries.none(self.device) for _ in self.trees]
+        queries[b] = self.expansion_queries(b, leaves)
+        logits = self.run(queries)[b]
+        self.counters.forwards += 1
+        self.counters.expansions += 1
+        self.ran_leaves(b, leaves, 0)
+        logprobs = torch.log_softmax(logits[:, : self.vocab_limit].float(), dim=-1)
+        row_of = {n: j for j, n in enumerate(run)}
+        for node in added:  # parents first: a grafted chain's scores add up
+            parent, token = int(tree.parents[node]), int(tree.tokens[node])
+            if parent in row_of:
+                tree.scores[node] = tree.scores[parent] + logprobs[row_of[parent], token]
+                logprobs[row_of[parent], token] = float("-inf")  # the draft's own children leave this token out
+        add_children(tree, leaves, *logprobs.topk(self.width, dim=-1))
+        return 1
 
     def run(self, queries: list[RowQueries], logits: bool = True) -> list[torch.Tensor]:
         """One draft forward over every row's queries: each row's logits (n_b, V) (none if not `logits`)."""
@@ -464,12 +516,13 @@ class DraftModelDrafter:
     def reroot_row(self, b: int, subtree: Subtree, verified: Verified) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:
         """accept for row b: (its path slots to commit, the tree slots to keep, whether it was a hit)."""
         tree = self.trees[b]
+        ids, self.grafted[b] = self.grafted[b] or subtree.node_ids, None  # the sent nodes in this tree (graft)
         if tree.num_slots == 0:  # the draft has run nothing of this tree: every verified token is pending
             self.counters.reroot_misses += 1
             self.pending[b] += [subtree.tokens[i] for i in verified.path]
             reset_tree(tree, verified.tokens[-1])
             return None, None, False
-        path = [subtree.node_ids[i] for i in verified.path]  # draft-tree nodes: root + accepted
+        path = [ids[i] for i in verified.path]  # draft-tree nodes: root + accepted
         in_tree = path[: next((j for j, node in enumerate(path) if node < 0), len(path))]
         ids = torch.tensor(in_tree, dtype=torch.long, device=self.device)
         expanded = tree.expanded[ids].tolist()
@@ -510,6 +563,7 @@ class DraftModelDrafter:
         self.trees += other.trees
         self.pending += other.pending
         self.committed += other.committed
+        self.grafted += other.grafted
 
     def keep_rows(self, rows: list[int]) -> None:
         """Keep only the batch rows `rows`: row rows[i] becomes row i (cache.keep_order moves few)."""
@@ -517,6 +571,7 @@ class DraftModelDrafter:
         self.trees = [self.trees[b] for b in rows]
         self.pending = [self.pending[b] for b in rows]
         self.committed = [self.committed[b] for b in rows]
+        self.grafted = [self.grafted[b] for b in rows]
 
 
 def joined(mine: list | None, theirs: list | None, n_mine: int, n_theirs: int) -> list | None:
