@@ -129,16 +129,21 @@ class Drafters:
         if self.model is not None:
             self.model.start(prompts, features)
 
-    def accept(self, subtrees: list[Subtree | None], verified: list[Verified | None]) -> int:
+    def accept(self, subtrees: list[Subtree | None], verified: list[Verified | None], defer: bool = False) -> int:
         """Hand every drafter the target's verdict per row (None: the row sat the round out). Returns how
-        many rows' new roots the draft model's tree already held."""
+        many rows' new roots the draft model's tree already held. defer: the draft model's re-roots may wait
+        for settle() (DraftModelDrafter.accept)."""
         for b, outcome in enumerate(verified):
             if outcome is not None:
                 self.roots[b] = outcome.tokens[-1]
                 self.lengths[b] += len(outcome.tokens)
         if self.suffix is not None:
             self.suffix.accept(subtrees, verified)
-        return self.model.accept(subtrees, verified) if self.model is not None else 0
+        return self.model.accept(subtrees, verified, defer) if self.model is not None else 0
+
+    def settle(self, sent: list[Subtree | None]) -> list[Subtree | None]:
+        """The re-roots accept(defer=True) left, after `sent` went out; `sent` renumbered for the trees after."""
+        return self.model.settle(sent) if self.model is not None else sent
 
     def absorb(self, other: "Drafters") -> None:
         """Take `other`'s rows (drafters of the same pair, started on their prompts) in after this one's."""

@@ -203,25 +203,34 @@ def top_children(logits: torch.Tensor, width: int, vocab_limit: int) -> tuple[to
     return torch.log_softmax(logits[:, :vocab_limit], dim=-1).topk(width, dim=-1)
 
 
-def select_subtree(tree: TokenTree, budget: int) -> tuple[Subtree, list[float]]:
+def select_subtree(tree: TokenTree, budget: int, root: int = 0) -> tuple[Subtree, list[float]]:
     """The best `budget` nodes by score (a connected subtree containing the root), in index order,
     with their scores.
 
-    One host sync (none for a lone root): the target's verification walk needs tokens and parents
-    on the host.
+    root: the node to select below as if the tree were re-rooted there (scores relative to it), before
+    reroot() moves it to index 0 (the asynchronous draft chooses the next subtree before it re-roots).
+    One host sync (none for a lone root; two below another root): the target's verification walk needs
+    tokens and parents on the host.
     """
     if tree.size == 1:
         return Subtree(node_ids=[0], tokens=[tree.root_token], parents=[-1]), [0.0]
-    node_ids, parents_local = best_node_ids(tree, budget)
-    rows = torch.stack([node_ids, tree.tokens[node_ids], parents_local, tree.scores[node_ids].double()])
+    node_ids, parents_local = best_node_ids(tree, budget, root)
+    scores = tree.scores[node_ids] - tree.scores[root] if root else tree.scores[node_ids]
+    rows = torch.stack([node_ids, tree.tokens[node_ids], parents_local, scores.double()])
     ids, tokens, parents, scores = rows.tolist()
     return Subtree(node_ids=[int(i) for i in ids], tokens=[int(t) for t in tokens], parents=[int(p) for p in parents]), scores
 
 
-def best_node_ids(tree: TokenTree, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+def best_node_ids(tree: TokenTree, budget: int, root: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """On the device, no sync: the best `budget` nodes by score, in index order (T,) (topological:
-    parents precede children), and each one's parent as an index into them (T,) (-1 for the root)."""
-    order = torch.sort(tree.scores[: tree.size], descending=True, stable=True).indices
+    parents precede children), and each one's parent as an index into them (T,) (-1 for the root).
+    Below another `root` (select_subtree), only the nodes under it: one sync, how many."""
+    scores = tree.scores[: tree.size]
+    if root:
+        below = tree.ancestors[: tree.size, root]
+        scores = torch.where(below, scores, float("-inf"))
+        budget = min(budget, int(below.sum()))
+    order = torch.sort(scores, descending=True, stable=True).indices
     node_ids = order[:budget].sort().values
     local = torch.full((tree.size,), -1, dtype=torch.long, device=node_ids.device)
     local[node_ids] = torch.arange(node_ids.shape[0], device=node_ids.device)

@@ -207,6 +207,51 @@ def test_grafted_nodes_run_as_per_branch_causal_forwards(llama_pair):
         torch.testing.assert_close(tree.scores[children] - tree.scores[leaf], fresh[tree.tokens[children]], atol=ATOL, rtol=0)
 
 
+def test_a_deferred_reroot_chooses_and_keeps_what_a_reroot_does(llama_pair):
+    """accept(defer=True) (asynchronous engines): the next subtree is chosen below the new root where it stands
+    and sent before the re-root; it equals the subtree an immediate re-root gives, and after settle() the trees,
+    the cache's committed KV and the next expansion (against a fresh causal forward) are the same too."""
+    target, draft_model, _ = llama_pair
+    prompt = torch.randint(3, 98, (1, 9), generator=torch.Generator().manual_seed(2))
+    target_w = TargetWorker(target, capacity=256)
+    now, later = (DraftModelDrafter(draft_model, capacity=512, tree_capacity=400, width=3, vocab_limit=98) for _ in "ab")
+    target_w.prefill(prompt)
+    for draft in (now, later):
+        draft.start(prompt.tolist())
+        for _ in range(3):
+            draft.expand()
+    sampler, deferred = Sampler(LogitsProcessorList(), do_sample=False), 0
+    subtree = select_subtree(now.tree, 8)[0]
+    for _ in range(10):
+        verified = target_w.verify([subtree], [sampler], [StoppingCriteriaList()], [100])
+        hits = now.accept([subtree], verified)
+        assert later.accept([subtree], verified, defer=True) == hits
+        deferred += later.unsettled is not None
+        chosen = select_subtree(now.tree, 8)
+        early, scores = select_subtree(later.tree, 8, later.new_roots[0])  # node ids of the tree before its re-root
+        assert (early.tokens, early.parents) == (chosen[0].tokens, chosen[0].parents)
+        torch.testing.assert_close(torch.tensor(scores), torch.tensor(chosen[1]), atol=1e-6, rtol=0)
+        (sent,) = later.settle([early])
+        assert sent.tokens == chosen[0].tokens and sent.parents == chosen[0].parents
+        assert sent.node_ids == chosen[0].node_ids  # renumbered for the re-rooted tree
+        size = now.tree.size
+        assert later.tree.size == size and later.tree.tokens[:size].tolist() == now.tree.tokens[:size].tolist()
+        assert later.cache.prefix_len == now.cache.prefix_len and later.pending == now.pending
+        length = now.cache.length
+        for got, want in zip(later.cache.buffers, now.cache.buffers):
+            torch.testing.assert_close(got.data[..., :length, :], want.data[..., :length, :], atol=0, rtol=0)
+        subtree = chosen[0]
+        for draft in (now, later):
+            for _ in range(4):
+                draft.expand()
+    assert deferred >= 3  # re-roots really waited
+    leaf = int(later.tree.parents[later.tree.size - 1])
+    fresh = torch.log_softmax(causal_logits(draft_model, later.committed[0][:-1] + node_path(later.tree, leaf))[-1], -1)
+    children = (later.tree.parents[: later.tree.size] == leaf).nonzero().flatten()
+    torch.testing.assert_close(later.tree.scores[children] - later.tree.scores[leaf], fresh[later.tree.tokens[children]],
+                               atol=ATOL, rtol=0)
+
+
 def test_subtree_mask_is_ancestor_or_self():
     mask, depths = subtree_mask([-1, 0, 0, 1, 3, 2], "cpu")
     assert depths.tolist() == [0, 1, 1, 2, 3, 2]

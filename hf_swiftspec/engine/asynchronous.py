@@ -55,6 +55,7 @@ def run_draft(draft: Drafters, request: DecodeRequest, link) -> None:
         sent = time.perf_counter()
         counters.rounds += 1
         counters.busy_s += sent - start
+        (in_flight,) = draft.settle([proposal.subtree])  # the last verdict's re-root, now off the critical path
         # While the target verifies, keep growing the whole tree: after the re-root, whatever
         # grew under the verified path is already there.
         growing = drafting or counters.rounds % PROBE_GROWTH_EVERY == 0  # now and then: has the text become predictable?
@@ -62,7 +63,7 @@ def run_draft(draft: Drafters, request: DecodeRequest, link) -> None:
             link.stops_alone and not policy.expansion_fits(len(proposal.subtree), time.perf_counter() - sent))
         # First the subtree in flight: its nodes join the tree and run, so any verdict re-roots on a run node.
         expansions = draft.grow(1, stop=stop) if growing and draft.fresh else 0  # the root runs first
-        expansions += draft.graft([proposal.subtree]) if growing and not stop() else 0
+        expansions += draft.graft([in_flight]) if growing and not stop() else 0
         expansions += draft.grow(link.agree(policy.overlap_depth()) - expansions if growing else 0, stop=stop)
         drafted = time.perf_counter()
         verified = link.receive_verdict()
@@ -79,7 +80,7 @@ def run_draft(draft: Drafters, request: DecodeRequest, link) -> None:
         tokens, round_trips_s = tokens + len(verified.tokens), round_trips_s + (start - sent)
         if verified.finished:
             return
-        draft.accept([proposal.subtree], [verified])  # the target waits from here to the next send: keep it short
+        draft.accept([proposal.subtree], [verified], defer=True)  # the target waits from here to the next send
         counters.reroot_s += time.perf_counter() - start
 
 

@@ -329,6 +329,8 @@ class DraftModelDrafter:
         self.pending: list[list[int]] = [[] for _ in range(batch_size)]
         self.committed: list[list[int]] = [[] for _ in range(batch_size)]  # every committed token, the root's too
         self.grafted: list[list[int] | None] = [None] * batch_size  # per row, the sent subtree's nodes in its tree (graft)
+        self.new_roots: list[int] = [0] * batch_size  # per row, the node its deferred re-root keeps (accept, settle)
+        self.unsettled: tuple | None = None  # what accept(defer=True) left to settle()
         self.counters = DraftCounters()
 
     @property
@@ -482,10 +484,10 @@ class DraftModelDrafter:
     def candidates(self, b: int, max_nodes: int, policy: GoodputPolicy) -> tuple[Subtree, list[float], list[float]]:
         """Row b's best `max_nodes` nodes (a connected subtree with the root), their draft scores and the
         policy's calibrated P(accepted) of each (one host sync)."""
-        subtree, scores = select_subtree(self.trees[b], max_nodes)
+        subtree, scores = select_subtree(self.trees[b], max_nodes, self.new_roots[b])
         return subtree, scores, policy.draft_probs(scores)
 
-    def accept(self, subtrees: list[Subtree | None], verified: list[Verified | None]) -> int:
+    def accept(self, subtrees: list[Subtree | None], verified: list[Verified | None], defer: bool = False) -> int:
         """Per row, follow the verified tokens, commit their KV, keep the subtree under the new root
         (rows with None are left as they are). Returns how many rows' new roots were already in
         their trees.
@@ -493,28 +495,58 @@ class DraftModelDrafter:
         A row's accepted path starts with the nodes the draft has run on (its KV is committed) and may
         end with nodes it has not: draft leaves, or nodes another drafter proposed (node id -1).
         Their tokens become pending.
+
+        defer: where every row's new root is in its tree and has run, leave the re-roots and the commit to settle():
+            the next subtree is chosen below the new roots where they stand (`new_roots`) and sent first
+            (the asynchronous draft's critical path). Nothing else may touch the trees or the cache before.
         """
         paths: list[torch.Tensor | None] = []
-        keeps: list[torch.Tensor | None] = []
+        roots: list[int | None] = []
         hits = 0
-        ran = self.cache.length
         for b, (subtree, outcome) in enumerate(zip(subtrees, verified)):
             if outcome is None:
                 paths.append(None)
-                keeps.append(None)
+                roots.append(None)
                 continue
             self.committed[b] += outcome.tokens
-            path, keep, hit = self.reroot_row(b, subtree, outcome)
+            path, root, hit = self.reroot_row(b, subtree, outcome)
             paths.append(path)
-            keeps.append(keep)
+            roots.append(root)
             hits += hit
-        self.cache.commit_rows(paths, keeps)
-        if self.states.active and verified[0] is not None:  # one row (recurrent.py)
-            self.follow_accepted_path(ran)
+        self.unsettled = (paths, roots, self.cache.length, verified[0] is not None)
+        self.new_roots = [root or 0 for root in roots]
+        grown = all(root is None or bool(self.trees[b].expanded[root]) for b, root in enumerate(roots))
+        if not defer or hits < sum(v is not None for v in verified) or not grown or self.states.active:
+            self.settle()  # a fresh tree, or a new root not run yet: the next subtree needs an expansion first
         return hits
 
-    def reroot_row(self, b: int, subtree: Subtree, verified: Verified) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:
-        """accept for row b: (its path slots to commit, the tree slots to keep, whether it was a hit)."""
+    def settle(self, sent: list[Subtree | None] | None = None) -> list[Subtree | None] | None:
+        """What accept(defer=True) left: keep each row's subtree under its new root, commit the verified KV.
+        sent: the subtrees chosen meanwhile, returned with their node ids renumbered for the re-rooted trees."""
+        if self.unsettled is None:
+            return sent
+        (paths, roots, ran, followed), self.unsettled = self.unsettled, None
+        keeps, out = [], list(sent) if sent is not None else None
+        for b, root in enumerate(roots):
+            if root is None:  # no verdict, or a fresh tree (reroot_row reset it)
+                keeps.append(None)
+                continue
+            tree = self.trees[b]
+            if out is not None and out[b] is not None:
+                kept = {old: new for new, old in enumerate(tree.ancestors[: tree.size, root].nonzero().flatten().tolist())}
+                out[b] = Subtree([kept.get(node, -1) for node in out[b].node_ids], out[b].tokens, out[b].parents)
+                self.grafted[b] = out[b].node_ids  # the next verdict's path, in this tree
+            keeps.append(reroot(tree, root))
+            tree.root_token = self.committed[b][-1]
+        self.new_roots = [0] * len(self.trees)
+        self.cache.commit_rows(paths, keeps)
+        if self.states.active and followed:  # one row (recurrent.py)
+            self.follow_accepted_path(ran)
+        return out
+
+    def reroot_row(self, b: int, subtree: Subtree, verified: Verified) -> tuple[torch.Tensor | None, int | None, bool]:
+        """accept for row b: (its path slots to commit, the node that becomes its root (None: the tree was
+        reset), whether it was a hit)."""
         tree = self.trees[b]
         ids, self.grafted[b] = self.grafted[b] or subtree.node_ids, None  # the sent nodes in this tree (graft)
         if tree.num_slots == 0:  # the draft has run nothing of this tree: every verified token is pending
@@ -530,11 +562,9 @@ class DraftModelDrafter:
         path_slots = tree.kv_slot[ids[:k]]
         if k == len(path):  # the whole path was run on: the new root may already be in the tree
             child, _ = locate_child(tree, path[-1], verified.tokens[-1])
-            if child is not None:
-                keep = reroot(tree, child)
-                tree.root_token = verified.tokens[-1]
+            if child is not None:  # accept (or settle) keeps the subtree under it
                 self.counters.reroot_hits += 1
-                return path_slots, keep, True
+                return path_slots, child, True
         self.counters.reroot_misses += 1
         unrun = [subtree.tokens[i] for i in verified.path[k:]]
         self.pending[b] = (self.pending[b] if k == 0 else []) + unrun  # the root's expansion consumes pending
@@ -564,6 +594,7 @@ class DraftModelDrafter:
         self.pending += other.pending
         self.committed += other.committed
         self.grafted += other.grafted
+        self.new_roots += other.new_roots
 
     def keep_rows(self, rows: list[int]) -> None:
         """Keep only the batch rows `rows`: row rows[i] becomes row i (cache.keep_order moves few)."""
@@ -572,6 +603,7 @@ class DraftModelDrafter:
         self.pending = [self.pending[b] for b in rows]
         self.committed = [self.committed[b] for b in rows]
         self.grafted = [self.grafted[b] for b in rows]
+        self.new_roots = [self.new_roots[b] for b in rows]
 
 
 def joined(mine: list | None, theirs: list | None, n_mine: int, n_theirs: int) -> list | None:
