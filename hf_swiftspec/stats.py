@@ -17,6 +17,7 @@ class TargetCounters:
     verify_steps: int = 0  # tree verifications
     busy_s: float = 0.0  # forward + walk + commit
     idle_s: float = 0.0  # waiting for a subtree (asynchronous engines)
+    first_wait_s: float = 0.0  # of idle_s, waiting for the first (the draft's start: its prompt, its first tree)
     verdict_s: float = 0.0  # sending verdicts (asynchronous engines)
     replayed_tokens: int = 0  # accepted tokens run again to roll recurrent states back (recurrent.py)
 
@@ -38,6 +39,7 @@ class DraftCounters:
     overrun_s: float = 0.0  # finishing the expansion that was running when the verdict arrived
     reroot_s: float = 0.0  # following the verdict: commit the accepted KV, keep the subtree below the new root
     catch_up_s: float = 0.0  # expansions run before a subtree could be sent (a fresh tree, nothing to copy)
+    start_s: float = 0.0  # the prompt and the first tree, before the first subtree (while the target prefills)
     select_s: float = 0.0  # choosing the next subtree (its sending is part of the link's time)
     grown_rounds: int = 0  # rounds that grew the tree while their verification was in flight
 
@@ -47,7 +49,9 @@ class OverlapBreakdown:
     """Where an asynchronous round's time goes, per round, in milliseconds.
 
     The target's round is verify + idle. Its idle time is the draft's critical path (overrun +
-    reroot + catch_up + select) plus the two messages' trips (link: what is left of idle). grow and
+    reroot + catch_up + select) plus the two messages' trips (link: what is left of idle); the call's
+    start is apart (start: the draft's prompt and first tree, once a call, in ms; start_wait: how much of
+    it the target, prefilling meanwhile, waited for). grow and
     wait happen while the target verifies: hidden, except that on devices that share memory
     bandwidth (two processes on one CPU) the draft's growth slows the verification itself, which
     shows as a larger `verify` than the serial round's at the same tree size. message_bytes: what
@@ -66,6 +70,8 @@ class OverlapBreakdown:
     select: float
     message_bytes: int
     grown_share: float  # of rounds that grew the tree in flight
+    start: float = 0.0
+    start_wait: float = 0.0
 
     @property
     def link(self) -> float:
@@ -77,7 +83,8 @@ class OverlapBreakdown:
         n = max(target.verify_steps, 1)
         ms = lambda seconds: 1e3 * seconds / n  # noqa: E731
         return cls(
-            rounds=target.verify_steps, verify=ms(target.busy_s), idle=ms(target.idle_s), verdict=ms(target.verdict_s),
+            rounds=target.verify_steps, verify=ms(target.busy_s), idle=ms(target.idle_s - target.first_wait_s),
+            verdict=ms(target.verdict_s), start=1e3 * draft.start_s, start_wait=1e3 * target.first_wait_s,
             grow=ms(draft.grow_s), wait=ms(draft.wait_s), overrun=ms(draft.overrun_s), reroot=ms(draft.reroot_s),
             catch_up=ms(draft.catch_up_s), select=ms(draft.select_s), message_bytes=message_bytes,
             grown_share=draft.grown_rounds / max(draft.rounds, 1),
@@ -88,7 +95,8 @@ class OverlapBreakdown:
             f"per round (ms): verify {self.verify:.1f}, target idle {self.idle:.1f} = draft overrun {self.overrun:.1f} "
             f"+ re-root {self.reroot:.1f} + catch-up {self.catch_up:.1f} + select {self.select:.1f} + link "
             f"{self.link:.1f}; hidden: grow {self.grow:.1f}, wait {self.wait:.1f}; trees grown in flight in "
-            f"{100 * self.grown_share:.0f}% of rounds; {self.message_bytes} bytes a round"
+            f"{100 * self.grown_share:.0f}% of rounds; {self.message_bytes} bytes a round; per call: the draft's "
+            f"start {self.start:.1f}, the target waited {self.start_wait:.1f} of it"
         )
 
 

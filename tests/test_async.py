@@ -182,6 +182,9 @@ def test_breakdown_says_where_the_target_waits(llama_pair):
     assert slow_draft.idle >= 15 and slow_draft.verify < 30
     explained = slow_draft.overrun + slow_draft.catch_up + slow_draft.reroot + slow_draft.select
     assert explained >= 0.7 * slow_draft.idle and slow_draft.link <= 0.3 * slow_draft.idle, slow_draft
+    # the call's start, apart from the rounds: a slow draft's prompt and first tree keep the target waiting
+    assert slow_draft.start >= 30 and slow_draft.start_wait >= 0.5 * slow_draft.start
+    assert slow_target.start_wait < 5 < 30 <= slow_target.verify  # a fast draft is ready before the target's prefill ends
 
 
 def test_replayed_steps_on_both_threads_equal_target_generate(llama_pair):

@@ -34,7 +34,7 @@ def run_draft(draft: Drafters, request: DecodeRequest, link) -> None:
     draft.start(request.prompt_ids(), link.receive_prompt_states() if draft.reads_features else None)
     start = time.perf_counter()
     draft.top_up(min(policy.max_budget, FIRST_TREE))
-    counters.catch_up_s += time.perf_counter() - start
+    counters.start_s += time.perf_counter() - start
     tokens = round_trips_s = 0.0  # this call's verified tokens and round trips, for draft_pays
     while True:
         selecting = time.perf_counter()
@@ -112,6 +112,8 @@ def run_target(target: TargetWorker, request: DecodeRequest, link, rows: BatchRo
         waiting = time.perf_counter()
         subtree = link.receive_subtree()
         target.counters.idle_s += time.perf_counter() - waiting
+        if not target.counters.verify_steps:
+            target.counters.first_wait_s = time.perf_counter() - waiting
         (verified,) = target.verify(
             [subtree], request.samplers, rows.criteria(), rows.budgets(), walk=link.walk, walked=answer
         )
