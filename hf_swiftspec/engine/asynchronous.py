@@ -2,9 +2,10 @@
 target verifies the subtree it was sent. Same workers as engine/serial.py; only the schedule
 differs:
 
-    draft:  propose S_n -> expand up to d times while S_n is verified -> receive verdict ->
-            re-root (the tree keeps what it grew meanwhile) -> top up -> propose S_n+1
-    target: receive S_n -> forward + walk + commit -> send verdict -> emit tokens
+    draft:  propose S_n -> settle the last re-root -> graft S_n (its nodes join the tree and run) ->
+            expand up to d times while S_n is verified -> receive verdict -> follow it (the re-root
+            itself waits) -> propose S_n+1 below the new root (a fresh tree expands first)
+    target: receive S_n -> forward + walk -> send verdict -> commit -> emit tokens
 
 `run_draft` and `run_target` are transport-free; `run_threads` runs them in one process. They
 decode one sequence (a batch of prompts takes the serial engine, which batches every forward).
@@ -59,8 +60,11 @@ def run_draft(draft: Drafters, request: DecodeRequest, link) -> None:
         # While the target verifies, keep growing the whole tree: after the re-root, whatever
         # grew under the verified path is already there.
         growing = drafting or counters.rounds % PROBE_GROWTH_EVERY == 0  # now and then: has the text become predictable?
-        stop = lambda: link.verdict_ready() or (  # noqa: E731
-            link.stops_alone and not policy.expansion_fits(len(proposal.subtree), time.perf_counter() - sent))
+
+        def stop() -> bool:  # the verdict is in, or (a lone draft rank) one more expansion would end after it
+            return link.verdict_ready() or (
+                link.stops_alone and not policy.expansion_fits(len(proposal.subtree), time.perf_counter() - sent))
+
         # First the subtree in flight: its nodes join the tree and run, so any verdict re-roots on a run node.
         expansions = draft.grow(1, stop=stop) if growing and draft.fresh else 0  # the root runs first
         expansions += draft.graft([in_flight]) if growing and not stop() else 0
