@@ -343,11 +343,11 @@ def subtree_mask(parents: list[int], device: torch.device | str) -> tuple[torch.
 
 
 def locate_child(tree: TokenTree, node: int, token: int) -> tuple[int | None, bool]:
-    """(index of `node`'s child carrying `token` or None, whether `node` is expanded); one host sync."""
+    """(index of `node`'s child carrying `token` or None, whether that child is expanded); one host sync."""
     hit = (tree.parents[: tree.size] == node) & (tree.tokens[: tree.size] == token)
     first = torch.where(hit.any(), hit.int().argmax(), -1)
-    child, expanded = torch.stack([first, tree.expanded[node].long()]).tolist()
-    return (child if child >= 0 else None), bool(expanded)
+    child, expanded = torch.stack([first, tree.expanded[first.clamp(min=0)].long()]).tolist()
+    return (child if child >= 0 else None), child >= 0 and bool(expanded)
 
 
 def reroot(tree: TokenTree, new_root: int) -> torch.Tensor:

@@ -252,6 +252,39 @@ def test_a_deferred_reroot_chooses_and_keeps_what_a_reroot_does(llama_pair):
                                atol=ATOL, rtol=0)
 
 
+def test_a_hit_on_an_unrun_leaf_resets_the_tree_as_a_reroot_would(llama_pair):
+    """A new root that is an unexpanded leaf keeps only itself: reroot_row resets the tree instead (cheaper, on
+    the asynchronous draft's critical path), which leaves every live field as reroot() leaves it, and the
+    re-root still counts as a hit; locate_child says whether the child it finds has run."""
+    import dataclasses
+
+    from hf_swiftspec.tree import locate_child, reroot
+
+    _, draft_model, _ = llama_pair
+    draft = DraftModelDrafter(draft_model, capacity=512, tree_capacity=400, width=3, vocab_limit=98)
+    draft.start([[5, 6, 7, 8]])
+    for _ in range(3):
+        draft.expand()
+    tree = draft.tree
+    leaf = int((~tree.expanded[: tree.size]).nonzero()[-1, 0])
+    parent, token = int(tree.parents[leaf]), int(tree.tokens[leaf])
+    assert locate_child(tree, parent, token) == (leaf, False)
+    grown = int(tree.expanded[1 : tree.size].nonzero()[0, 0]) + 1
+    assert locate_child(tree, int(tree.parents[grown]), int(tree.tokens[grown])) == (grown, True)
+    expected = dataclasses.replace(tree, **{f.name: getattr(tree, f.name).detach().clone()
+                                            for f in dataclasses.fields(tree) if isinstance(getattr(tree, f.name), torch.Tensor)})
+    reroot(expected, leaf)
+    path = node_path(tree, leaf)[1:]  # the tokens below the root, the leaf's last
+    local = {node: i for i, node in enumerate(n for n in range(tree.size) if tree.ancestors[leaf, n])}
+    subtree = Subtree(sorted(local), [int(tree.tokens[n]) for n in sorted(local)],
+                      [local.get(int(tree.parents[n]), -1) for n in sorted(local)])
+    hits = draft.accept([subtree], [Verified(tokens=path, path=list(range(len(path))))])
+    assert hits == 1 and tree.size == expected.size == 1 and tree.num_slots == expected.num_slots == 0
+    for name in ("tokens", "parents", "depths", "scores", "expanded", "kv_slot"):
+        assert getattr(tree, name)[:1].tolist() == getattr(expected, name)[:1].tolist(), name
+    assert tree.root_token == token and draft.committed[0][-1] == token
+
+
 def test_subtree_mask_is_ancestor_or_self():
     mask, depths = subtree_mask([-1, 0, 0, 1, 3, 2], "cpu")
     assert depths.tolist() == [0, 1, 1, 2, 3, 2]

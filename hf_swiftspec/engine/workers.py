@@ -496,7 +496,8 @@ class DraftModelDrafter:
         end with nodes it has not: draft leaves, or nodes another drafter proposed (node id -1).
         Their tokens become pending.
 
-        defer: where every row's new root is in its tree and has run, leave the re-roots and the commit to settle():
+        defer: where every row's new root is in its tree and has run (a fresh tree needs an expansion first,
+            which needs the commit), leave the re-roots and the commit to settle():
             the next subtree is chosen below the new roots where they stand (`new_roots`) and sent first
             (the asynchronous draft's critical path). Nothing else may touch the trees or the cache before.
         """
@@ -515,9 +516,9 @@ class DraftModelDrafter:
             hits += hit
         self.unsettled = (paths, roots, self.cache.length, verified[0] is not None)
         self.new_roots = [root or 0 for root in roots]
-        grown = all(root is None or bool(self.trees[b].expanded[root]) for b, root in enumerate(roots))
-        if not defer or hits < sum(v is not None for v in verified) or not grown or self.states.active:
-            self.settle()  # a fresh tree, or a new root not run yet: the next subtree needs an expansion first
+        fresh = any(root is None for root, outcome in zip(roots, verified) if outcome is not None)
+        if not defer or fresh or self.states.active:
+            self.settle()  # a fresh tree: the next subtree needs an expansion first
         return hits
 
     def settle(self, sent: list[Subtree | None] | None = None) -> list[Subtree | None] | None:
@@ -561,9 +562,12 @@ class DraftModelDrafter:
         k = next((j for j, e in enumerate(expanded) if not e), len(expanded))  # nodes with draft KV
         path_slots = tree.kv_slot[ids[:k]]
         if k == len(path):  # the whole path was run on: the new root may already be in the tree
-            child, _ = locate_child(tree, path[-1], verified.tokens[-1])
+            child, grown = locate_child(tree, path[-1], verified.tokens[-1])
             if child is not None:  # accept (or settle) keeps the subtree under it
                 self.counters.reroot_hits += 1
+                if not grown:  # a leaf: its subtree is itself, which a reset keeps for less
+                    reset_tree(tree, verified.tokens[-1])
+                    return path_slots, None, True
                 return path_slots, child, True
         self.counters.reroot_misses += 1
         unrun = [subtree.tokens[i] for i in verified.path[k:]]
