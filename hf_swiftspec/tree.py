@@ -350,13 +350,19 @@ def locate_child(tree: TokenTree, node: int, token: int) -> tuple[int | None, bo
     return (child if child >= 0 else None), child >= 0 and bool(expanded)
 
 
-def reroot(tree: TokenTree, new_root: int) -> torch.Tensor:
-    """Keep only the subtree under `new_root` (which must be a live node), in place.
+def kept_nodes(tree: TokenTree, new_root: int) -> torch.Tensor:
+    """The nodes (n,) reroot(tree, new_root) keeps, increasing, the new root first: node kept[i] becomes i."""
+    return tree.ancestors[: tree.size, new_root].nonzero().flatten()
+
+
+def reroot(tree: TokenTree, new_root: int, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Keep only the subtree under `new_root` (which must be a live node), in place (`keep`: kept_nodes'
+    answer, if the caller has it).
 
     Returns the old KV slots (K,) of the surviving expanded nodes, in their new slot order, so the
     draft cache can move their KV behind the new prefix in the same gather as the verified path.
     """
-    keep = tree.ancestors[: tree.size, new_root].nonzero().flatten()  # (n,) increasing, root first
+    keep = kept_nodes(tree, new_root) if keep is None else keep  # (n,) increasing, root first
     n = keep.shape[0]
     remap = torch.full((tree.size,), -1, dtype=torch.long, device=keep.device)
     remap[keep] = torch.arange(n, device=keep.device)

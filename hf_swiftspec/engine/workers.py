@@ -31,6 +31,7 @@ from ..tree import (
     add_children,
     expansion_inputs,
     graft_node,
+    kept_nodes,
     locate_child,
     new_tree,
     reroot,
@@ -403,11 +404,13 @@ class DraftModelDrafter:
         for i in range(1, len(ids)):
             parent = ids[subtree.parents[i]]
             if ids[i] >= 0 or parent < 0 or tree.size >= tree.capacity:
-                ids[i] = ids[i] if parent >= 0 else -1  # below a node that found no room: none of it joins
-                continue
-            child, _ = locate_child(tree, parent, subtree.tokens[i])
-            ids[i] = child if child is not None else graft_node(tree, parent, subtree.tokens[i])
-            added += [] if child is not None else [ids[i]]
+                continue  # a tree node already; or below a node that found no room, or none left: stays -1
+            # the token may sit under a draft node the subtree left out; a grafted parent has no children yet
+            child = None if parent in added else locate_child(tree, parent, subtree.tokens[i])[0]
+            if child is None:
+                child = graft_node(tree, parent, subtree.tokens[i])
+                added.append(child)
+            ids[i] = child
         self.grafted[b] = ids
         nodes = torch.tensor([n for n in ids if n >= 0], dtype=torch.long, device=self.device)
         ran, depths = torch.stack([tree.expanded[nodes].long(), tree.depths[nodes]]).tolist()
@@ -532,12 +535,12 @@ class DraftModelDrafter:
             if root is None:  # no verdict, or a fresh tree (reroot_row reset it)
                 keeps.append(None)
                 continue
-            tree = self.trees[b]
+            tree, kept = self.trees[b], kept_nodes(self.trees[b], root)
             if out is not None and out[b] is not None:
-                kept = {old: new for new, old in enumerate(tree.ancestors[: tree.size, root].nonzero().flatten().tolist())}
-                out[b] = Subtree([kept.get(node, -1) for node in out[b].node_ids], out[b].tokens, out[b].parents)
+                renumbered = {old: new for new, old in enumerate(kept.tolist())}
+                out[b] = Subtree([renumbered.get(node, -1) for node in out[b].node_ids], out[b].tokens, out[b].parents)
                 self.grafted[b] = out[b].node_ids  # the next verdict's path, in this tree
-            keeps.append(reroot(tree, root))
+            keeps.append(reroot(tree, root, kept))
             tree.root_token = self.committed[b][-1]
         self.new_roots = [0] * len(self.trees)
         self.cache.commit_rows(paths, keeps)
@@ -549,13 +552,13 @@ class DraftModelDrafter:
         """accept for row b: (its path slots to commit, the node that becomes its root (None: the tree was
         reset), whether it was a hit)."""
         tree = self.trees[b]
-        ids, self.grafted[b] = self.grafted[b] or subtree.node_ids, None  # the sent nodes in this tree (graft)
+        nodes, self.grafted[b] = self.grafted[b] or subtree.node_ids, None  # the sent nodes in this tree (graft)
         if tree.num_slots == 0:  # the draft has run nothing of this tree: every verified token is pending
             self.counters.reroot_misses += 1
             self.pending[b] += [subtree.tokens[i] for i in verified.path]
             reset_tree(tree, verified.tokens[-1])
             return None, None, False
-        path = [ids[i] for i in verified.path]  # draft-tree nodes: root + accepted
+        path = [nodes[i] for i in verified.path]  # draft-tree nodes: root + accepted
         in_tree = path[: next((j for j, node in enumerate(path) if node < 0), len(path))]
         ids = torch.tensor(in_tree, dtype=torch.long, device=self.device)
         expanded = tree.expanded[ids].tolist()
