@@ -5,7 +5,8 @@
 Rank 0 holds the target group, rank 1 the draft group (torchrun gives each process one
 thread). Per prompt, interleaved: target.generate on rank 0 with one thread and with two (rank 1
 idle meanwhile); serial tree speculation on rank 0 (the draft on the target's core); asynchronous
-tree speculation with the draft on rank 1. Greedy outputs must be identical or the run fails.
+tree speculation with the draft on rank 1; the same with serial_fallback=True (each call runs whichever of the
+two measured faster, the serial one on rank 0). Greedy outputs must be identical or the run fails.
 The pair is the bundled demo pair (prompts: the bundled HumanEval excerpt), or with
 --pair agreeing, hf_swiftspec.tools.models.agreeing_pair on random prompts, or with --pair shape:NAME a
 random-weight pair shaped like a real model (tools.models.REAL_SHAPES; its draft never agrees) on random prompts.
@@ -64,6 +65,7 @@ def main() -> None:
     target.generation_config.eos_token_id = None  # every run generates exactly max_new_tokens
     serial = SwiftSpecForCausalLM.from_models(target, draft)
     asynchronous = SwiftSpecForCausalLM.from_models(target, draft, placement={"target": [0], "draft": [1]})
+    fallback = SwiftSpecForCausalLM.from_models(target, draft, placement={"target": [0], "draft": [1]}, serial_fallback=True)
     kwargs = dict(do_sample=False, max_new_tokens=args.max_new_tokens)
 
     def two_threads(p):
@@ -78,7 +80,9 @@ def main() -> None:
         "target.generate (2 threads)": (two_threads, False),
         "swiftspec serial (1 core)": (lambda p: serial.generate(p, **kwargs), False),
         "swiftspec async (2 processes)": (lambda p: asynchronous.generate(p, **kwargs), True),
+        "swiftspec serial_fallback (2 processes)": (lambda p: fallback.generate(p, **kwargs), True),
     }
+    engines = []  # the engine of each of serial_fallback's timed calls
     times = {name: [] for name in methods}
     taus = {name: [] for name in methods}
     verify_ms = {name: [] for name in methods}
@@ -92,11 +96,14 @@ def main() -> None:
                 outputs[name] = fn(p)
                 if i and rank == 0:  # prompt 0 is the warm-up
                     times[name].append(time.perf_counter() - start)
-                    model = {"swiftspec serial (1 core)": serial, "swiftspec async (2 processes)": asynchronous}.get(name)
+                    model = {"swiftspec serial (1 core)": serial, "swiftspec async (2 processes)": asynchronous,
+                             "swiftspec serial_fallback (2 processes)": fallback}.get(name)
                     if model is not None:
                         stats = model.swiftspec_stats
                         taus[name].append(stats.tau)
                         verify_ms[name].append(1e3 * stats.target_time_s / max(stats.verify_steps, 1))
+                        if model is fallback:
+                            engines.append(stats.engine)
                         if model is asynchronous:
                             idle.append(stats.target_idle_fraction)
                             overlaps.append(stats.overlap)
@@ -111,10 +118,12 @@ def main() -> None:
             mean, sd = statistics.mean(ts), statistics.stdev(ts) if len(ts) > 1 else 0.0
             tau = f"{statistics.mean(taus[name]):.2f}" if taus[name] else "-"
             verify = f"{statistics.mean(verify_ms[name]):.1f}" if verify_ms[name] else "-"
-            idle_s = f"{100 * statistics.mean(idle):.0f}%" if "async" in name else "-"
+            idle_s = f"{100 * statistics.mean(idle):.0f}%" if "async (" in name else "-"
             print(f"| {name} | {mean:.3f} ± {sd:.3f} | {args.max_new_tokens / mean:.1f} | {base / mean:.2f}x | {tau} | {verify} | {idle_s} |")
         serial_mean = statistics.mean(times["swiftspec serial (1 core)"])
         print(f"async / serial speed-up: {serial_mean / statistics.mean(times['swiftspec async (2 processes)']):.2f}x")
+        print(f"serial_fallback / serial speed-up: {serial_mean / statistics.mean(times['swiftspec serial_fallback (2 processes)']):.2f}x"
+              f" (engines, in order: {', '.join(engines)})")
         print("async round, mean over prompts:", mean_overlap(overlaps).line())
     dist.destroy_process_group()
 

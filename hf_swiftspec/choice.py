@@ -1,5 +1,6 @@
 """Which engine a two-device placement's calls run: the asynchronous one (draft and target each on their
-own device and thread) or the serial round on the same workers, whichever decoded faster on this pair.
+own device and thread, or in their own torchrun processes) or the serial round (on the same workers in one
+process; under torchrun on the target's rank, the draft model beside it), whichever decoded faster on this pair.
 
 Overlap hides the draft's time, so it pays only where the draft is a sizeable share of a serial round.
 Measured on the project's 2-core CPU machine (examples/bench_async.py, demo pair): the serial round spent
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-ASYNC, SERIAL = "async-threads", "serial"
+ASYNC, SERIAL = "async", "serial"  # the two engines a call may run (their stats name the asynchronous one more precisely)
 RETRY_EVERY = 8  # calls: the engine not chosen runs one call in this many
 MEASURED_CALLS = 2  # calls of each engine, alternating, before the rates choose
 SMOOTHING = 0.5  # weight of a call's tokens per second in its engine's running average
@@ -55,14 +56,15 @@ class EngineChoice:
         self.rates[engine] = rate if old is None else (1 - SMOOTHING) * old + SMOOTHING * rate
         self.calls[engine] = self.calls.get(engine, 0) + 1
 
-    def describe(self, engine: str) -> str:
-        """Why this call ran `engine` (SwiftSpecStats.engine_choice)."""
+    def describe(self, engine: str, name: str | None = None) -> str:
+        """Why this call ran `engine` (SwiftSpecStats.engine_choice), which its stats call `name`."""
+        name = name or engine
         if min(self.calls.get(e, 0) for e in (ASYNC, SERIAL)) < MEASURED_CALLS:
-            return f"{engine}: measuring both engines, {MEASURED_CALLS} calls each, alternately"
+            return f"{name}: measuring both engines, {MEASURED_CALLS} calls each, alternately"
         best, _ = self.ranked()
         ratio = self.rates[ASYNC] / self.rates[SERIAL]
         measured = (f"the asynchronous engine measured {ratio:.2f}x the serial round's tokens per second on this pair "
                     f"(over {self.calls[ASYNC]} and {self.calls[SERIAL]} calls)")
         if engine == best:
-            return f"{engine}: {measured}"
-        return f"{engine}: retried one call in {RETRY_EVERY}; {measured}"
+            return f"{name}: {measured}"
+        return f"{name}: retried one call in {RETRY_EVERY}; {measured}"

@@ -45,10 +45,12 @@ class SwiftSpecConfig(PreTrainedConfig):
             first step of each new shape family compiles (seconds to a minute), once per process.
         worker_timeout_s: longest wait for the other worker of the asynchronous engine before
             generate() raises (a dead or stuck worker never hangs a call).
-        serial_fallback: with the draft on a device (and thread) of its own in this process, time the serial
-            round on the same workers too and run whichever decodes faster (choice.py): overlap pays
-            only where the draft is a sizeable share of a round. None (default): on for placement="auto",
-            off for a placement you named (the asynchronous engine, as asked); True / False: on / off.
+        serial_fallback: with the draft on a device (and thread) of its own in this process, or in its own
+            torchrun processes beside a target group of one rank, time the serial round too (on the same
+            workers; under torchrun on the target's rank, which then holds the draft model as well) and run
+            whichever decodes faster (choice.py): overlap pays only where the draft is a sizeable share of a
+            round. None (default): on for placement="auto", off for a placement you named (the asynchronous
+            engine, as asked); True / False: on / off.
             `swiftspec_stats.engine_choice` says which engine a call ran and why.
     """
 

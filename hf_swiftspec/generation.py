@@ -39,8 +39,8 @@ from .engine.heads import HeadDrafter
 from .engine.serial import setup_s
 from .engine.request import RowResult
 from .engine.continuous import ContinuousEngine
-from .choice import ASYNC
-from .engine.distributed import Groups, run_distributed
+from .choice import SERIAL
+from .engine.distributed import Groups, agree_engine, run_distributed, run_serial_distributed
 from .capture import Captures, StepGraphs, capture_backend, capture_gap
 from .placement import Placement
 from .config import MAX_BUDGET
@@ -174,8 +174,9 @@ def decode_adaptive(target, draft, request: DecodeRequest, config: SwiftSpecConf
     length = request.prompt.shape[1] + request.max_new_tokens
     if groups is not None and len(groups.my_ranks) > 1:
         captures = None  # a tensor-parallel forward's collectives stay eager: a capture failing on one rank would hang the rest
+    engine = engine_for_call(placement, groups, request, config)
     workers = build_workers(target, draft, config, length, groups, batch, chain_reasons, request.corpus, request.history,
-                            architectures, captures)
+                            architectures, captures, draft_here=engine == SERIAL)
     with contextlib.ExitStack() as routes:  # each model attends the tree its way for this call only
         for worker in (workers[0], workers[1] and workers[1].model):
             if worker is not None and not isinstance(worker.model, DraftHead):
@@ -184,7 +185,7 @@ def decode_adaptive(target, draft, request: DecodeRequest, config: SwiftSpecConf
             workers[0].tap = routes.enter_context(draft.tap(target))
         setup = setup_s(*workers)
         if request.max_new_tokens:
-            result = run_engine(placement, groups, *workers, request, config)
+            result = run_engine(placement, groups, *workers, request, config, engine)
         else:
             result = DecodeResult(rows=[RowResult() for _ in range(batch)])
     result.stats.attention = attention_summary(workers, chain_reasons)
@@ -225,8 +226,9 @@ def stop_length(stopping_criteria: StoppingCriteriaList, generation_config: Gene
 
 def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: Groups | None, batch_size: int = 1,
                   chain_reasons=(), corpus: list[list[int]] | None = None, history: OutputHistory | None = None,
-                  architectures=None, captures: Captures | None = None):
-    """(TargetWorker, Drafters) with caches for `length` tokens per row; under torchrun only this rank's.
+                  architectures=None, captures: Captures | None = None, draft_here: bool = False):
+    """(TargetWorker, Drafters) with caches for `length` tokens per row; under torchrun only this rank's (and the
+    Drafters on a target rank too with `draft_here`: a serial call's, serial_fallback).
 
     The drafters: the draft model's (none in draft-free mode) and the suffix proposals (none with
     ngram_size 0; copying from `corpus` and `history` as well). Trees shrink to chains (draft width 1,
@@ -244,7 +246,7 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
         attention = resolve_attention(config.attention, target, target_arch, replayed=graphs is not None)
         capacity = length + budget if graphs is None else replayed_capacity(graphs, length + budget, context_limit(target), budget)
         target_worker = TargetWorker(target, capacity, attention, target_arch, batch_size, graphs)
-    if role in (None, "draft"):
+    if role in (None, "draft") or draft_here:
         max_positions = context_limit(*(m for m in (target, draft) if m is not None and not isinstance(m, DraftHead)))
         tree = dict(
             capacity=length + config.tree_capacity,
@@ -318,35 +320,59 @@ def attention_summary(workers, chain_reasons=()) -> str:
     return ", ".join(parts)
 
 
-def run_engine(placement, groups, target, draft, request: DecodeRequest, config) -> DecodeResult:
-    """Serial on one device; asynchronous when the draft has its own device, thread or process (in this process,
-    with serial_fallback: whichever of the two decodes this pair faster, choice.py)."""
+def run_engine(placement, groups, target, draft, request: DecodeRequest, config, engine: str | None = None) -> DecodeResult:
+    """Serial on one device; asynchronous when the draft has its own device, thread or process. With serial_fallback
+    (`engine`: engine_for_call's), the engine chosen for this call, timed for the next choice (choice.py)."""
     if placement is None or placement.mode == "serial":
         return run_serial(target, draft, request)
-    if placement.mode == "threads":
-        if falls_back(config, placement):
-            return run_chosen(target, draft, request, config)
-        return run_threads(target, draft, request, timeout_s=config.worker_timeout_s)
-    return run_distributed(groups, target, draft, request, timeout_s=config.worker_timeout_s)
+    start = time.perf_counter()
+    timeout_s = config.worker_timeout_s
+    if engine == SERIAL:
+        result = run_serial(target, draft, request) if groups is None else run_serial_distributed(
+            groups, target, draft, request, timeout_s)
+    elif placement.mode == "threads":
+        result = run_threads(target, draft, request, timeout_s=timeout_s)
+    else:
+        result = run_distributed(groups, target, draft, request, timeout_s=timeout_s)
+    if engine is not None:
+        note_engine(request.policy.engines, engine, result, time.perf_counter() - start, groups)
+    return result
 
 
 def falls_back(config, placement: Placement) -> bool:
-    """Whether this call may run the serial round instead of the asynchronous engine (SwiftSpecConfig.serial_fallback)."""
+    """Whether this call may run the serial round instead of the asynchronous engine (SwiftSpecConfig.serial_fallback):
+    on for placement="auto" unless set; under torchrun only with a target group of one rank (check_serial_fallback)."""
+    if placement.mode == "distributed" and len(placement.target) > 1:
+        return False
     return placement.auto if config.serial_fallback is None else config.serial_fallback
 
 
-def run_chosen(target: TargetWorker, draft: Drafters, request: DecodeRequest, config) -> DecodeResult:
-    """The call on the engine the pair's EngineChoice picks (kept with its goodput policy), timed for the next pick."""
-    choice = request.policy.engines
-    engine = choice.pick()
-    start = time.perf_counter()
-    if engine == ASYNC:
-        result = run_threads(target, draft, request, timeout_s=config.worker_timeout_s)
-    else:
-        result = run_serial(target, draft, request)
-    choice.observe(engine, result.new_tokens, time.perf_counter() - start)
-    result.stats.engine_choice = choice.describe(engine)
-    return result
+def check_serial_fallback(config, placement: Placement) -> None:
+    """serial_fallback=True where it cannot be: ValueError naming the fix."""
+    if config.serial_fallback and placement.mode == "distributed" and len(placement.target) > 1:
+        raise ValueError(
+            f"serial_fallback=True runs the serial round on the target's rank, but placement={config.placement!r} "
+            f"shards the target over ranks {list(placement.target)}, whose trees would have to agree step by step. "
+            "Give the target group one rank, or leave serial_fallback unset (off for this placement)."
+        )
+
+
+def engine_for_call(placement: Placement | None, groups: Groups | None, request: DecodeRequest, config) -> str | None:
+    """With serial_fallback, the engine this call runs (choice.ASYNC or SERIAL, the pair's EngineChoice pick; under
+    torchrun the target rank's, told to every rank); None where the placement's own engine runs."""
+    if placement is None or placement.mode == "serial" or not falls_back(config, placement):
+        return None
+    pick = request.policy.engines.pick() if groups is None or groups.role == "target" else None
+    return pick if groups is None else agree_engine(groups, pick, request, config.worker_timeout_s)
+
+
+def note_engine(choice, engine: str, result: DecodeResult, seconds: float, groups: Groups | None) -> None:
+    """Time the call for the next pick (where the pick is made: the target's rank) and say why it ran this engine."""
+    if groups is not None and groups.role == "draft":
+        result.stats.engine_choice = f"{result.stats.engine}: the target's rank chose it (its engine_choice says why)"
+        return
+    choice.observe(engine, result.new_tokens, seconds)
+    result.stats.engine_choice = choice.describe(engine, result.stats.engine)
 
 
 def generate_output(input_ids: torch.Tensor, result: DecodeResult, generation_config: GenerationConfig):

@@ -16,7 +16,10 @@ from .capture import Captures
 from .eagle3 import DraftHead, Eagle3Head, load_eagle3_head
 from .probes import describe
 from .config import SwiftSpecConfig, check_setting_names
-from .generation import check_inputs, continuous_engine, split_stop_strings, stop_string_criteria, swiftspec_generate
+from .generation import (
+    check_inputs, check_serial_fallback, continuous_engine, falls_back, split_stop_strings, stop_string_criteria,
+    swiftspec_generate,
+)
 from .pair import (
     PairCard,
     PairConfigError,
@@ -228,7 +231,9 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
                 "has no draft: draft-free mode speculates from the text's own repetition on the serial engine. Drop "
                 "placement, or pass a draft model."
             )
-        self.process_groups = place_models(self.placement, target, draft, config.worker_timeout_s)
+        check_serial_fallback(config, self.placement)
+        self.process_groups = place_models(self.placement, target, draft, config.worker_timeout_s,
+                                           draft_beside_target=falls_back(config, self.placement))
         if self.placement.device_map is not None:
             self.hf_device_map = self.placement.device_map  # pipeline() must not move models placed apart
         self.tokenizer = tokenizer

@@ -143,9 +143,10 @@ def check_tensor_parallel(config, degree: int, role: str) -> None:
         )
 
 
-def place_models(placement: Placement, target, draft, timeout_s: float) -> Groups | None:
+def place_models(placement: Placement, target, draft, timeout_s: float, draft_beside_target: bool = False) -> Groups | None:
     """Move each model onto its group's device; under torchrun also build the process groups and
-    shard each group's model over its ranks. Collective: every rank must call it in step."""
+    shard each group's model over its ranks (with `draft_beside_target`, the draft also goes to the one
+    target rank's device, for serial_fallback's serial calls). Collective: every rank must call it in step."""
     if placement.mode == "threads":
         target.to(placement.target[0])
         draft.to(placement.draft[0])
@@ -162,6 +163,8 @@ def place_models(placement: Placement, target, draft, timeout_s: float) -> Group
             model.to(device)
             if group is not None:
                 shard(model, DeviceMesh.from_group(group, device.type), len(ranks))
+    if draft_beside_target and groups.role == "target":
+        draft.to(device)
     return groups
 
 

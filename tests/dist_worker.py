@@ -51,6 +51,29 @@ def greedy(placement, args):
                    replays=sum(b.replays for g in model.captures.graphs.values() for b in g.buckets.values()))
 
 
+def fallback(placement, args):
+    """serial_fallback=True across processes: the calls alternate engines (two each), then run the faster, here the
+    serial round on the target's rank (each asynchronous call is made 0.5 s slower there); every rank returns the
+    target's own tokens whichever engine ran."""
+    import hf_swiftspec.generation as generation
+
+    real = generation.run_distributed
+
+    def slow(groups, *rest, **kwargs):
+        if groups.role == "target":
+            time.sleep(0.5)
+        return real(groups, *rest, **kwargs)
+
+    generation.run_distributed = slow
+    model, reference = pair(placement, serial_fallback=True, worker_timeout_s=60)
+    for p in prompts(args.prompts):
+        out = model.generate(p, do_sample=False, max_new_tokens=30)
+        expected = reference.generate(p, do_sample=False, max_new_tokens=30)
+        s = model.swiftspec_stats
+        report(case="fallback", same=out.tolist() == expected.tolist(), engine=s.engine, choice=s.engine_choice,
+               tau=s.tau, new_tokens=s.new_tokens)
+
+
 def sample(placement, args):
     """Chi-square of the first two sampled tokens against the target's exact joint distribution."""
     from test_sampling import VOCAB, exact_joint, pooled_chisquare, warpers
@@ -111,7 +134,20 @@ def eagle3(placement, args):
 
 
 def fault(placement, args):
-    model, _ = pair(placement, worker_timeout_s=args.timeout)
+    serial = args.case.endswith("-serial")  # the failure in a serial call (serial_fallback), the draft ranks following
+    model, _ = pair(placement, worker_timeout_s=args.timeout, serial_fallback=serial or None)
+    engines = []  # the engine of each call on this rank
+    if serial and dist.get_rank() in model.placement.target:  # as if the serial round had measured faster
+        choice = model.policy().engines
+        choice.calls, choice.rates = {"async": 2, "serial": 2}, {"async": 1.0, "serial": 2.0}
+    import hf_swiftspec.generation as generation
+
+    for name in ("run_distributed", "run_serial_distributed"):
+        def recorded(*a, _real=getattr(generation, name), _name=name, **k):
+            engines.append(_name)
+            return _real(*a, **k)
+        setattr(generation, name, recorded)
+    args.case = args.case.removesuffix("-serial")
     victim = model.draft if args.case.endswith("draft") else model.target
     role = "draft" if args.case.endswith("draft") else "target"
     calls = {"n": 0}
@@ -130,7 +166,7 @@ def fault(placement, args):
         model.generate(prompts(4)[3], do_sample=False, max_new_tokens=40)
         report(case=args.case, raised=None)
     except SwiftSpecWorkerError as error:
-        report(case=args.case, raised=str(error), seconds=time.monotonic() - start)
+        report(case=args.case, raised=str(error), seconds=time.monotonic() - start, engines=engines)
     try:
         model.generate(prompts(2)[1], do_sample=False, max_new_tokens=5)
         report(case=args.case + "-again", raised=None)
@@ -151,7 +187,7 @@ def main():
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     placement = {"target": [int(r) for r in args.target.split(",")], "draft": [int(r) for r in args.draft.split(",")]}
-    {"greedy": greedy, "sample": sample, "eagle3": eagle3}.get(args.case, fault)(placement, args)
+    {"greedy": greedy, "sample": sample, "eagle3": eagle3, "fallback": fallback}.get(args.case, fault)(placement, args)
     sys.stdout.flush()
     os._exit(0)  # skip process-group teardown: after a fault a peer may be gone
 

@@ -257,7 +257,7 @@ def test_engine_choice_measures_both_then_runs_the_faster_and_retries_the_other(
     assert choice.describe(SERIAL) == (
         "serial: the asynchronous engine measured 0.50x the serial round's tokens per second on this pair (over 2 and 2 calls)"
     )
-    assert choice.describe(ASYNC).startswith(f"async-threads: retried one call in {RETRY_EVERY}")
+    assert choice.describe(ASYNC, "async-threads").startswith(f"async-threads: retried one call in {RETRY_EVERY}")
     for _ in range(3):  # the asynchronous engine turns faster: it is chosen again
         choice.observe(ASYNC, 64, 0.1)
     assert choice.ranked() == (ASYNC, SERIAL)
@@ -293,7 +293,9 @@ def test_serial_fallback_runs_the_faster_engine_exactly_and_says_so(llama_pair, 
 
 
 def test_serial_fallback_is_on_for_auto_placement_only():
-    from hf_swiftspec.generation import falls_back
+    from dataclasses import replace
+
+    from hf_swiftspec.generation import check_serial_fallback, falls_back
     from hf_swiftspec.placement import Placement
 
     config = SwiftSpecForCausalLM.from_models(tiny_model("llama"), tiny_model("llama", layers=1)).config
@@ -302,5 +304,13 @@ def test_serial_fallback_is_on_for_auto_placement_only():
     config.serial_fallback = True
     assert falls_back(config, threads)
     assert resolve_placement("auto").auto  # (serial on a machine with fewer than two GPUs, outside torchrun)
+    # under torchrun only beside a target group of one rank: a sharded target's ranks would have to agree on every tree
+    lone, sharded = Placement("distributed", (0,), (1,)), Placement("distributed", (0, 1), (2,), auto=True)
+    assert falls_back(config, lone) and not falls_back(config, sharded)
+    with pytest.raises(ValueError, match=r"shards the target over ranks \[0, 1\].*Give the target group one rank"):
+        check_serial_fallback(config, sharded)
+    config.serial_fallback = None
+    check_serial_fallback(config, sharded)  # (the default: off there, as the stats' engine says)
+    assert not falls_back(config, sharded) and falls_back(config, replace(lone, auto=True))
     with pytest.raises(ValueError, match="serial_fallback='yes'"):
         SwiftSpecForCausalLM.from_models(tiny_model("llama"), tiny_model("llama", layers=1), serial_fallback="yes")

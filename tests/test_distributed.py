@@ -99,11 +99,40 @@ def test_worker_failures_surface_on_every_live_rank(case):
     first = {r["rank"]: r for r in results if r["case"] == case}
     again = {r["rank"]: r for r in results if r["case"] == case + "-again"}
     for rank in live:
-        assert first[rank]["raised"], (rank, outputs[rank][-2000:])
+        assert first[rank]["raised"] and first[rank]["engines"] == ["run_distributed"], (rank, outputs[rank][-2000:])
         assert first[rank]["seconds"] < 30  # worker_timeout_s is 5: bounded, with room for a loaded CI machine
         assert "restart the torchrun job" in (again[rank]["raised"] or "").lower(), again
     role = "draft" if case.endswith("draft") else "target"
     assert role in first[0]["raised"]
+
+
+def test_serial_fallback_across_processes_runs_the_faster_engine_exactly():
+    """serial_fallback=True under torchrun: two calls of each engine alternately, then the faster (the serial round on
+    the target's rank: each asynchronous call is made 0.5 s slower there); the draft rank follows the serial calls'
+    tokens, so both ranks return target.generate's tokens on every call, and both say which engine ran."""
+    results, codes, outputs = launch(2, "--case", "fallback", "--target", "0", "--draft", "1", "--prompts", "6")
+    assert codes == [0, 0], outputs
+    by_rank = {rank: [r for r in results if r["rank"] == rank] for rank in (0, 1)}
+    assert all(len(rows) == 6 for rows in by_rank.values()) and all(r["same"] for r in results), results
+    engines = [r["engine"] for r in by_rank[0]]
+    assert engines == ["async-distributed", "serial"] * 2 + ["serial"] * 2, engines
+    assert [r["engine"] for r in by_rank[1]] == engines  # the draft rank ran what the target's rank chose
+    assert "measured" in by_rank[0][-1]["choice"] and "target's rank chose" in by_rank[1][-1]["choice"]
+    assert [r["new_tokens"] for r in by_rank[1]] == [r["new_tokens"] for r in by_rank[0]]
+    assert all(r["tau"] > 1 for r in by_rank[0] if r["engine"] == "serial"), by_rank[0]  # the draft drafted there
+
+
+def test_a_target_failure_in_a_serial_call_surfaces_on_the_draft_rank():
+    """A serial call (serial_fallback) that fails on the target's rank raises on the draft rank too, which was only
+    following its tokens, and both refuse the next call."""
+    results, codes, outputs = launch(2, "--case", "fault-target-serial", "--target", "0", "--draft", "1", "--timeout", "5")
+    first = {r["rank"]: r for r in results if r["case"] == "fault-target"}
+    again = {r["rank"]: r for r in results if r["case"] == "fault-target-again"}
+    for rank in (0, 1):
+        assert first[rank]["raised"] and first[rank]["seconds"] < 30, (rank, outputs[rank][-2000:])
+        assert "restart the torchrun job" in (again[rank]["raised"] or "").lower(), again
+    assert "injected failure in the target" in first[1]["raised"], first[1]
+    assert first[0]["engines"] == first[1]["engines"] == ["run_serial_distributed"], first
 
 
 def test_sampling_across_processes_follows_the_target_distribution():

@@ -11,6 +11,12 @@ noticed when its deadline passes, and either way every rank raises instead of ha
     counters message  DraftCounters' fields, in field order   draft leader -> target leader, at the end
     status: 0 go on, 1 finished, -1 the sender failed (a UTF-8 error text of ERROR_BYTES follows)
 
+With serial_fallback (choice.py) each call starts with the target leader's engine, [GO, engine, ...], to the
+draft leader. A serial call runs the serial round on the target's rank, the draft model beside it; the draft
+ranks only follow its tokens, so that every rank returns the same:
+    tokens message    [GO, n, tokens (n <= B), ...]          target leader -> draft leader, each round
+    end message       [FINISHED, 1, end, ...]                target leader -> draft leader, last
+
 With an EAGLE-3 head as the draft, the target's hidden states cross too, as float32 (what the head reads):
 once the prompt's, a verdict-sized [GO, L, D, ...] then (L, D), before the first subtree; and after each
 verdict that is not a failure, the accepted path's (m, D).
@@ -21,22 +27,26 @@ broadcast a rank happens to be waiting in.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from dataclasses import astuple, dataclass, field
+from dataclasses import astuple, dataclass, field, replace
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from ..choice import ASYNC, SERIAL
 from ..stats import DraftCounters, SwiftSpecStats, TargetCounters
 from ..tree import Subtree
 from ..verify import Verified, verify_tree
 from .asynchronous import run_draft, run_target
 from .links import PeerFailed, SwiftSpecWorkerError
-from .request import BatchRows
+from .request import BatchRows, DecodeRequest, DecodeResult
+from .serial import run_serial
 
 GO, FINISHED, FAILED = 0, 1, -1
+ENGINE_CODES = (ASYNC, SERIAL)  # an engine choice's message carries the engine's index here
 ERROR_BYTES = 512
 MESSAGE_DTYPE = torch.int32  # token ids, tree indices and statuses all fit
 
@@ -148,6 +158,7 @@ class DistLink:
     _depth: int = 0
     state_width: int | None = None  # D of the target's hidden states a draft head reads (None: none cross)
     state_bytes: int = 0  # hidden states sent or received, in bytes
+    _posted: list = field(default_factory=list)  # (Work, message, what) of sends not waited for yet (a serial call's)
 
     @property
     def size(self) -> int:
@@ -254,7 +265,7 @@ class DistLink:
         msg = self._tensor(self.size)
         msg[0], msg[1] = status, n
         msg[2 : 2 + n] = torch.tensor(first, dtype=torch.long)
-        msg[2 + B : 2 + B + n] = torch.tensor(second, dtype=torch.long)
+        msg[2 + B : 2 + B + len(second)] = torch.tensor(second, dtype=torch.long)
         return msg
 
     def _decode(self, msg: torch.Tensor) -> tuple[int, list[int], list[int]]:
@@ -326,6 +337,54 @@ class DistLink:
         kinds = astuple(DraftCounters())
         return DraftCounters(*(type(kind)(value) for kind, value in zip(kinds, buf.tolist())))
 
+    # ---- a call's engine, and a serial call (serial_fallback) ---------------------------------
+    def agree_engine(self, engine: str | None) -> str:
+        """The target leader's `engine` for this call (choice.ASYNC or SERIAL; ignored on the other ranks), on every rank."""
+        g = self.groups
+        msg = self._tensor(self.size)
+        if g.role == "target":
+            if g.is_leader:
+                msg[0], msg[1] = GO, ENGINE_CODES.index(engine)
+                self._send_to_peer(msg, "engine choice")
+            return ENGINE_CODES[int(self._share(msg, "engine choice")[1])]
+        if g.is_leader:
+            msg = self._recv(self.size, g.peer_leader, "engine choice from the target leader")
+        msg = self._share(msg, "engine choice")
+        self._raise_if_failed(msg, g.peer_leader, "target")
+        return ENGINE_CODES[int(msg[1])]
+
+    def stream_tokens(self, tokens: list[int]) -> None:
+        """Target leader, serial call: one round's new tokens to the draft leader (B at most a message), posted
+        and not waited for (end_stream waits): the serial round does not stop for the message."""
+        if self.groups.is_leader:
+            for first in range(0, len(tokens), self.budget):
+                self._post_to_peer(self._encode(GO, tokens[first : first + self.budget], []), "tokens")
+
+    def end_stream(self, end: int) -> None:
+        """Target leader, serial call: the row's end (new tokens it keeps), then every posted send waited for."""
+        if self.groups.is_leader:
+            self._post_to_peer(self._encode(FINISHED, [end], []), "end of the tokens")
+        for work, _, what in self._posted:
+            wait(work, self.timeout_s, what)
+        self._posted.clear()
+
+    def follow_tokens(self) -> list[int]:
+        """Draft ranks, serial call: the target leader's tokens, up to the end it sends last."""
+        tokens = []
+        while True:
+            g = self.groups
+            msg = self._recv(self.size, g.peer_leader, "tokens from the target leader") if g.is_leader else self._tensor(self.size)
+            msg = self._share(msg, "tokens")
+            self._raise_if_failed(msg, g.peer_leader, "target")
+            status, chunk, _ = self._decode(msg)
+            if status == FINISHED:
+                return tokens[: chunk[0]]
+            tokens += chunk
+
+    def _post_to_peer(self, msg: torch.Tensor, what: str) -> None:
+        what = f"delivery of the {what} to the {self.groups.peer_role} leader"
+        self._posted.append((post(lambda: dist.isend(msg, self.groups.peer_leader), self.timeout_s, what), msg, what))
+
     # ---- failures ---------------------------------------------------------------------------
     def fail(self, error: BaseException) -> None:
         """Tell everyone who may be waiting on this rank that it failed (best effort, bounded)."""
@@ -345,20 +404,48 @@ class DistLink:
             pass  # the peer is gone too; our own exception is already on its way up
 
 
-def run_distributed(groups: Groups, target, draft, request, timeout_s: float):
-    """Run this rank's worker for one generation; every rank returns the same tokens.
-
-    target / draft: this rank's TargetWorker or Drafters (the other is None).
-    """
+def check_usable(groups: Groups) -> None:
     if groups.broken:
         raise SwiftSpecWorkerError(
             f"an earlier generate() failed on this job ({groups.broken}); its process groups may hold stale "
             "messages. Restart the torchrun job (reload the model) to generate again."
         )
+
+
+@contextlib.contextmanager
+def failures_told(groups: Groups, link: DistLink):
+    """A failure on this rank is told to every rank waiting on it (link.fail) and raised as SwiftSpecWorkerError;
+    a peer's failure marks the groups broken."""
+    try:
+        yield
+    except PeerFailed as error:
+        groups.broken = str(error)
+        raise
+    except Exception as error:
+        link.fail(error)
+        if isinstance(error, SwiftSpecWorkerError):
+            raise
+        raise SwiftSpecWorkerError(f"the {groups.role} worker failed on rank {groups.rank}: {error!r}") from error
+
+
+def agree_engine(groups: Groups, engine: str | None, request: DecodeRequest, timeout_s: float) -> str:
+    """The engine of this call, the target leader's `engine` (choice.py), on every rank."""
+    check_usable(groups)
+    link = DistLink(groups, request.policy.max_budget, timeout_s)
+    with failures_told(groups, link):
+        return link.agree_engine(engine)
+
+
+def run_distributed(groups: Groups, target, draft, request, timeout_s: float):
+    """Run this rank's worker for one generation; every rank returns the same tokens.
+
+    target / draft: this rank's TargetWorker or Drafters (the other is None).
+    """
+    check_usable(groups)
     link = DistLink(groups, request.policy.max_budget, timeout_s)
     rows = BatchRows.start(request)
     start = time.perf_counter()
-    try:
+    with failures_told(groups, link):
         if groups.role == "target":
             run_target(target, request, link, rows)
             target_counters, draft_counters = target.counters, link.receive_counters()
@@ -368,18 +455,31 @@ def run_distributed(groups: Groups, target, draft, request, timeout_s: float):
             rows.result.rows[0].tokens = list(link.tokens)
             rows.result.end = len(link.tokens)
             target_counters, draft_counters = TargetCounters(), draft.counters
-    except PeerFailed as error:
-        groups.broken = str(error)
-        raise
-    except Exception as error:
-        link.fail(error)
-        if isinstance(error, SwiftSpecWorkerError):
-            raise
-        raise SwiftSpecWorkerError(f"the {groups.role} worker failed on rank {groups.rank}: {error!r}") from error
     result = rows.result
     rounds = max(target_counters.verify_steps or draft_counters.rounds, 1)
     result.stats = SwiftSpecStats.collect(
         "async-distributed", result.new_tokens, time.perf_counter() - start, target_counters, draft_counters,
         message_bytes=link.round_bytes + link.state_bytes // rounds,
     )
+    return result
+
+
+def run_serial_distributed(groups: Groups, target, draft, request: DecodeRequest, timeout_s: float) -> DecodeResult:
+    """A serial call under torchrun (serial_fallback): the target's rank runs the serial round with the draft model
+    beside it (target, draft: that rank's TargetWorker and Drafters); the draft ranks (target, draft: None) follow its
+    tokens, so every rank returns the same. The draft ranks' stats hold only the tokens and the wall time."""
+    check_usable(groups)
+    link = DistLink(groups, request.policy.max_budget, timeout_s)
+    start = time.perf_counter()
+    with failures_told(groups, link):
+        if groups.role == "target":
+            shown = request.on_tokens
+            result = run_serial(target, draft, replace(request, on_tokens=lambda tokens: (
+                link.stream_tokens(tokens), shown and shown(tokens))))
+            link.end_stream(result.end)
+            return result
+        tokens = link.follow_tokens()
+    result = BatchRows.start(request).result
+    result.rows[0].tokens, result.end = tokens, len(tokens)
+    result.stats = SwiftSpecStats(engine="serial", new_tokens=result.new_tokens, wall_time_s=time.perf_counter() - start)
     return result
