@@ -71,7 +71,7 @@ def fallback(placement, args):
         expected = reference.generate(p, do_sample=False, max_new_tokens=30)
         s = model.swiftspec_stats
         report(case="fallback", same=out.tolist() == expected.tolist(), engine=s.engine, choice=s.engine_choice,
-               tau=s.tau, new_tokens=s.new_tokens)
+               tau=s.tau, new_tokens=s.new_tokens, draft_forwards=s.draft_forwards)
 
 
 def sample(placement, args):
@@ -105,7 +105,8 @@ def eagle3(placement, args):
 
     target = tiny_model("llama", seed=1, vocab_size=VOCAB)
     reference = copy.deepcopy(target)
-    model = SwiftSpecForCausalLM.from_models(target, random_head(target), placement=placement, worker_timeout_s=60)
+    model = SwiftSpecForCausalLM.from_models(target, random_head(target), placement=placement, worker_timeout_s=60,
+                                             serial_fallback=args.fallback)
     received = []  # (position of the first row, states (m, D)) as the draft rank got them
     start, reroot_row = HeadDrafter.start, HeadDrafter.reroot_row
 
@@ -130,7 +131,7 @@ def eagle3(placement, args):
                 states = tap.take()[0]
             error = max(float((got - states[first : first + len(got)]).abs().max()) for first, got in received)
         report(case="eagle3", same=out.tolist() == expected.tolist(), tau=s.tau, engine=s.engine, states_error=error,
-               received=len(received), message_bytes=s.overlap.message_bytes)
+               received=len(received), message_bytes=s.overlap and s.overlap.message_bytes, draft_forwards=s.draft_forwards)
 
 
 def fault(placement, args):
@@ -183,6 +184,7 @@ def main():
     parser.add_argument("--timeout", type=float, default=5)
     parser.add_argument("--draws", type=int, default=1500)
     parser.add_argument("--capture", action="store_true", help="capture=True: each rank replays its steps")
+    parser.add_argument("--fallback", action="store_true", help="serial_fallback=True (the eagle3 case)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
