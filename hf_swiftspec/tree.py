@@ -350,6 +350,37 @@ def locate_child(tree: TokenTree, node: int, token: int) -> tuple[int | None, bo
     return (child if child >= 0 else None), child >= 0 and bool(expanded)
 
 
+@dataclass
+class PathFacts:
+    """What re-rooting along an accepted path needs of the tree, read in one host sync (path_facts).
+
+    ran:   how many of the path's first nodes the draft has run (their KV is in the tree region)
+    slots: those nodes' KV slots (ran,)
+    child: the last node's child carrying the next token (None: none, or the path left the tree or its run part)
+    child_ran: whether that child has run
+    """
+
+    ran: int
+    slots: list[int]
+    child: int | None
+    child_ran: bool
+
+
+def path_facts(tree: TokenTree, path: list[int], token: int) -> PathFacts:
+    """PathFacts of `path` (node ids, root first; -1 for a node the tree does not hold, which ends its
+    run part) and `token`, the target's next one. One host sync: the tree's nodes read at once (a few
+    hundred ints), then looked up on the host instead of a dozen small device ops."""
+    parents, tokens, expanded, slots = torch.stack(
+        [tree.parents[: tree.size], tree.tokens[: tree.size], tree.expanded[: tree.size].long(), tree.kv_slot[: tree.size]]
+    ).tolist()
+    ran = next((j for j, node in enumerate(path) if node < 0 or not expanded[node]), len(path))
+    child = None
+    if ran == len(path):
+        last = path[-1]
+        child = next((i for i in range(last + 1, len(parents)) if parents[i] == last and tokens[i] == token), None)
+    return PathFacts(ran, [slots[node] for node in path[:ran]], child, child is not None and bool(expanded[child]))
+
+
 def kept_nodes(tree: TokenTree, new_root: int) -> torch.Tensor:
     """The nodes (n,) reroot(tree, new_root) keeps, increasing, the new root first: node kept[i] becomes i."""
     return tree.ancestors[: tree.size, new_root].nonzero().flatten()

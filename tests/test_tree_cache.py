@@ -285,6 +285,40 @@ def test_a_hit_on_an_unrun_leaf_resets_the_tree_as_a_reroot_would(llama_pair):
     assert tree.root_token == token and draft.committed[0][-1] == token
 
 
+def test_path_facts_read_the_tree_as_node_by_node_lookups_do(llama_pair):
+    """path_facts (one host read, on the asynchronous draft's critical path) against per-node tensor lookups: how
+    many of a path's first nodes ran and their KV slots, and the next token's child, for every node's path in a
+    grown tree, with the child's token, another token, and paths that leave the tree (-1) or its run part."""
+    from hf_swiftspec.tree import path_facts
+
+    _, draft_model, _ = llama_pair
+    draft = DraftModelDrafter(draft_model, capacity=512, tree_capacity=400, width=3, vocab_limit=98)
+    draft.start([[5, 6, 7, 8]])
+    for _ in range(3):
+        draft.expand()
+    tree = draft.tree
+    children = {}
+    for node in range(1, tree.size):
+        children.setdefault(int(tree.parents[node]), []).append(node)
+    checked = set()
+    for node in range(tree.size):
+        path = [node]
+        while path[0] > 0:
+            path.insert(0, int(tree.parents[path[0]]))
+        for tail in ([], [-1]):
+            for token in [int(tree.tokens[c]) for c in children.get(node, [])[:2]] + [97]:
+                full = path + tail
+                ran = next((j for j, n in enumerate(full) if n < 0 or not bool(tree.expanded[n])), len(full))
+                child = None if ran < len(full) else next(
+                    (c for c in children.get(full[-1], []) if int(tree.tokens[c]) == token), None)
+                expected = (ran, [int(tree.kv_slot[n]) for n in full[:ran]], child,
+                            child is not None and bool(tree.expanded[child]))
+                facts = path_facts(tree, full, token)
+                assert (facts.ran, facts.slots, facts.child, facts.child_ran) == expected, (full, token)
+                checked.add((ran == len(full), child is not None, expected[3]))
+    assert checked >= {(True, True, True), (True, True, False), (True, False, False), (False, False, False)}, checked
+
+
 def test_subtree_mask_is_ancestor_or_self():
     mask, depths = subtree_mask([-1, 0, 0, 1, 3, 2], "cpu")
     assert depths.tolist() == [0, 1, 1, 2, 3, 2]

@@ -34,6 +34,7 @@ from ..tree import (
     kept_nodes,
     locate_child,
     new_tree,
+    path_facts,
     reroot,
     reset_tree,
     room_for_expansion,
@@ -558,20 +559,16 @@ class DraftModelDrafter:
             self.pending[b] += [subtree.tokens[i] for i in verified.path]
             reset_tree(tree, verified.tokens[-1])
             return None, None, False
-        path = [nodes[i] for i in verified.path]  # draft-tree nodes: root + accepted
-        in_tree = path[: next((j for j, node in enumerate(path) if node < 0), len(path))]
-        ids = torch.tensor(in_tree, dtype=torch.long, device=self.device)
-        expanded = tree.expanded[ids].tolist()
-        k = next((j for j, e in enumerate(expanded) if not e), len(expanded))  # nodes with draft KV
-        path_slots = tree.kv_slot[ids[:k]]
-        if k == len(path):  # the whole path was run on: the new root may already be in the tree
-            child, grown = locate_child(tree, path[-1], verified.tokens[-1])
-            if child is not None:  # accept (or settle) keeps the subtree under it
-                self.counters.reroot_hits += 1
-                if not grown:  # a leaf: its subtree is itself, which a reset keeps for less
-                    reset_tree(tree, verified.tokens[-1])
-                    return path_slots, None, True
-                return path_slots, child, True
+        path = [nodes[i] for i in verified.path]  # draft-tree nodes: root + accepted (-1: not in this tree)
+        facts = path_facts(tree, path, verified.tokens[-1])
+        k = facts.ran  # nodes with draft KV
+        path_slots = torch.tensor(facts.slots, dtype=torch.long, device=self.device)
+        if facts.child is not None:  # the whole path was run on and the new root is in the tree: a hit
+            self.counters.reroot_hits += 1
+            if not facts.child_ran:  # a leaf: its subtree is itself, which a reset keeps for less
+                reset_tree(tree, verified.tokens[-1])
+                return path_slots, None, True
+            return path_slots, facts.child, True
         self.counters.reroot_misses += 1
         unrun = [subtree.tokens[i] for i in verified.path[k:]]
         self.pending[b] = (self.pending[b] if k == 0 else []) + unrun  # the root's expansion consumes pending
