@@ -199,7 +199,7 @@ class SwiftSpecStats:
 
     def summary(self) -> str:
         """One line for logs and the command line; the policy's trees only where rounds were recorded
-        (the distributed engine does not bring them back from the draft's rank).
+        (every engine records them; under torchrun a sharded target group's ranks other than its leader have none).
 
         "proposing" is the time spent building proposals (draft forwards, suffix lookups, the policy's
         choice), "verifying" the target's (its forwards, the walks, the commits).

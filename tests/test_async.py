@@ -49,6 +49,11 @@ def test_draft_expands_while_the_target_verifies(llama_pair):
     stats = model.swiftspec_stats
     assert stats.in_flight_expansions > 0
     assert stats.reroot_hits + stats.reroot_misses == stats.verify_steps - 1
+    # a record per round, as the serial round keeps them: its tree, its expansions in flight, what it accepted
+    rounds = stats.rounds
+    assert len(rounds) == stats.verify_steps and sum(r.expansions for r in rounds) == stats.in_flight_expansions
+    assert sum(r.accepted for r in rounds) + len(rounds) == stats.new_tokens, rounds
+    assert stats.mean_tree_budget > 1 and "mean tree" in stats.summary()
 
 
 def test_the_verdict_leaves_before_the_target_commits(llama_pair, monkeypatch):

@@ -64,6 +64,9 @@ def test_greedy_across_processes_equals_target(target, draft):
         overlap = r["overlap"]
         assert overlap["rounds"] == r["verify_steps"] and overlap["message_bytes"] == 2 * (2 + 2 * 32) * 4, r
         assert overlap["verify"] > 0 and overlap["select"] > 0 and overlap["grow"] + overlap["wait"] > 0, overlap
+        # and the draft's per-round records: one a verification, each with what it accepted (fields as RoundRecord)
+        rounds = r["rounds"]
+        assert len(rounds) == r["verify_steps"] and sum(a for _, _, a, _, _ in rounds) + len(rounds) == r["new_tokens"], r
 
 
 def test_replayed_steps_in_each_process_equal_target():

@@ -22,15 +22,16 @@ import torch
 from ..config import FIRST_TREE
 from ..stats import SwiftSpecStats
 from .links import LinkClosed, SwiftSpecWorkerError, ThreadLink
-from .request import BatchRows, DecodeRequest, DecodeResult
+from .request import BatchRows, DecodeRequest, DecodeResult, round_record
 from ..drafting import Drafters
 from .workers import TargetWorker
 
 
 
-def run_draft(draft: Drafters, request: DecodeRequest, link) -> None:
+def run_draft(draft: Drafters, request: DecodeRequest, link, records: list | None = None) -> None:
     """The draft worker's loop; returns when the target says generation is finished (one sequence).
-    Each phase's time goes to its DraftCounters field (stats.OverlapBreakdown)."""
+    Each phase's time goes to its DraftCounters field (stats.OverlapBreakdown); each round's RoundRecord to
+    `records` (its expansions: those run while its subtree was verified)."""
     policy, counters = request.policy, draft.counters
     draft.start(request.prompt_ids(), link.receive_prompt_states() if draft.reads_features else None)
     start = time.perf_counter()
@@ -81,6 +82,8 @@ def run_draft(draft: Drafters, request: DecodeRequest, link) -> None:
         counters.grown_rounds += expansions > 0
         policy.observe_round(expansions, drafted - sent, len(proposal.subtree), start - sent)
         policy.observe_outcome(proposal, verified)
+        if records is not None:
+            records.append(round_record([proposal], [verified], expansions))
         tokens, round_trips_s = tokens + len(verified.tokens), round_trips_s + (start - sent)
         if verified.finished:
             return
@@ -128,12 +131,13 @@ def run_threads(target: TargetWorker, draft: Drafters, request: DecodeRequest, t
     """Target in the calling thread, draft in a worker thread (on its own CUDA stream)."""
     rows = BatchRows.start(request)
     link = ThreadLink(timeout_s)
+    records = []  # the draft's RoundRecords, read once its thread has stopped
 
     def draft_main() -> None:
         try:
             # grad mode is per thread: generate()'s no_grad does not reach this one (its forwards built autograd graphs)
             with torch.no_grad(), stream_for(draft.device):
-                run_draft(draft, request, link)
+                run_draft(draft, request, link, records)
         except LinkClosed:
             pass
         except BaseException as error:  # surfaces in generate() through the link
@@ -158,6 +162,7 @@ def run_threads(target: TargetWorker, draft: Drafters, request: DecodeRequest, t
         "async-threads", result.new_tokens, time.perf_counter() - start, target.counters, draft.counters,
         message_bytes=0,  # the messages are Python objects handed between threads
     )
+    result.stats.add_rounds(records)
     return result
 
 

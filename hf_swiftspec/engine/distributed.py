@@ -9,6 +9,7 @@ noticed when its deadline passes, and either way every rank raises instead of ha
     subtree message   [status, T, tokens (B), parents (B)]    draft leader -> target leader
     verdict message   [status, m, tokens (B), path (B)]       target leader -> draft leader
     counters message  DraftCounters' fields, in field order   draft leader -> target leader, at the end
+    rounds message    [n], then n RoundRecords' fields (n, 5)  draft leader -> target leader, last
     status: 0 go on, 1 finished, -1 the sender failed (a UTF-8 error text of ERROR_BYTES follows)
 
 With serial_fallback (choice.py) each call starts with the target leader's engine, [GO, engine, ...], to the
@@ -37,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ..choice import ASYNC, SERIAL
-from ..stats import DraftCounters, SwiftSpecStats, TargetCounters
+from ..stats import DraftCounters, RoundRecord, SwiftSpecStats, TargetCounters
 from ..tree import Subtree
 from ..verify import Verified, verify_tree
 from .asynchronous import run_draft, run_target
@@ -284,6 +285,14 @@ class DistLink:
             msg = torch.tensor(astuple(counters), dtype=torch.float64, device=self.groups.device)
             self._send_to_peer(msg, "draft counters")
 
+    def send_rounds(self, records: list[RoundRecord]) -> None:
+        """The draft's RoundRecords (what the target's rank reports in its stats), after the counters."""
+        if self.groups.is_leader:
+            self._send_to_peer(torch.tensor([len(records)], dtype=MESSAGE_DTYPE, device=self.groups.device), "round count")
+            if records:
+                rows = torch.tensor([astuple(r) for r in records], dtype=MESSAGE_DTYPE, device=self.groups.device)
+                self._send_to_peer(rows, "round records")
+
     # ---- target side ------------------------------------------------------------------------
     def receive_subtree(self) -> Subtree:
         if self.groups.is_leader:
@@ -336,6 +345,17 @@ class DistLink:
         complete(lambda: dist.irecv(buf, self.groups.peer_leader), self.timeout_s, "counters from the draft leader")
         kinds = astuple(DraftCounters())
         return DraftCounters(*(type(kind)(value) for kind, value in zip(kinds, buf.tolist())))
+
+    def receive_rounds(self) -> list[RoundRecord]:
+        """The draft leader's RoundRecords (none on the other target ranks)."""
+        if not self.groups.is_leader:
+            return []
+        n = int(self._recv(1, self.groups.peer_leader, "round count from the draft leader")[0])
+        if n == 0:
+            return []
+        rows = torch.zeros(n, len(astuple(RoundRecord(0, 0, 0, 0))), dtype=MESSAGE_DTYPE, device=self.groups.device)
+        complete(lambda: dist.irecv(rows, self.groups.peer_leader), self.timeout_s, "round records from the draft leader")
+        return [RoundRecord(*row) for row in rows.tolist()]
 
     # ---- a call's engine, and a serial call (serial_fallback) ---------------------------------
     def agree_engine(self, engine: str | None) -> str:
@@ -444,14 +464,17 @@ def run_distributed(groups: Groups, target, draft, request, timeout_s: float):
     check_usable(groups)
     link = DistLink(groups, request.policy.max_budget, timeout_s)
     rows = BatchRows.start(request)
+    records = []  # the draft's RoundRecords
     start = time.perf_counter()
     with failures_told(groups, link):
         if groups.role == "target":
             run_target(target, request, link, rows)
             target_counters, draft_counters = target.counters, link.receive_counters()
+            records = link.receive_rounds()
         else:
-            run_draft(draft, request, link)
+            run_draft(draft, request, link, records)
             link.send_counters(draft.counters)
+            link.send_rounds(records)
             rows.result.rows[0].tokens = list(link.tokens)
             rows.result.end = len(link.tokens)
             target_counters, draft_counters = TargetCounters(), draft.counters
@@ -461,6 +484,7 @@ def run_distributed(groups: Groups, target, draft, request, timeout_s: float):
         "async-distributed", result.new_tokens, time.perf_counter() - start, target_counters, draft_counters,
         message_bytes=link.round_bytes + link.state_bytes // rounds,
     )
+    result.stats.add_rounds(records)
     return result
 
 

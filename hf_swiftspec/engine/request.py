@@ -124,22 +124,25 @@ class DecodeResult:
 
     def record_round(self, proposals: list[Proposal], verified: list[Verified | None], expansions: int) -> None:
         """Keep what the policy chose this round and where the accepted tokens came from."""
-        accepted = ngram = 0
-        for proposal, outcome in zip(proposals, verified):
-            if outcome is None:
-                continue
-            path = outcome.path[1:]  # the root's token is the target's own, not a proposal
-            accepted += len(path)
-            ngram += sum(1 for i in path if proposal.suffix[i] >= 0)
-        self.rounds.append(
-            RoundRecord(
-                budget=max(len(p.subtree) for p in proposals),
-                expansions=expansions,
-                accepted=accepted,
-                ngram_accepted=ngram,
-                rows=sum(v is not None for v in verified),
-            )
-        )
+        self.rounds.append(round_record(proposals, verified, expansions))
+
+
+def round_record(proposals: list[Proposal], verified: list[Verified | None], expansions: int) -> RoundRecord:
+    """What the policy chose in one round (one proposal per row) and where its accepted tokens came from."""
+    accepted = ngram = 0
+    for proposal, outcome in zip(proposals, verified):
+        if outcome is None:
+            continue
+        path = outcome.path[1:]  # the root's token is the target's own, not a proposal
+        accepted += len(path)
+        ngram += sum(1 for i in path if proposal.suffix[i] >= 0)
+    return RoundRecord(
+        budget=max(len(p.subtree) for p in proposals),
+        expansions=expansions,
+        accepted=accepted,
+        ngram_accepted=ngram,
+        rows=sum(v is not None for v in verified),
+    )
 
 
 @dataclass
