@@ -252,6 +252,16 @@ def test_a_deferred_reroot_chooses_and_keeps_what_a_reroot_does(llama_pair):
                                atol=ATOL, rtol=0)
 
 
+def grown_drafter(llama_pair):
+    """A drafter that expanded its tree three times (width 3) from a 4-token prompt."""
+    _, draft_model, _ = llama_pair
+    draft = DraftModelDrafter(draft_model, capacity=512, tree_capacity=400, width=3, vocab_limit=98)
+    draft.start([[5, 6, 7, 8]])
+    for _ in range(3):
+        draft.expand()
+    return draft
+
+
 def test_a_hit_on_an_unrun_leaf_resets_the_tree_as_a_reroot_would(llama_pair):
     """A new root that is an unexpanded leaf keeps only itself: reroot_row resets the tree instead (cheaper, on
     the asynchronous draft's critical path), which leaves every live field as reroot() leaves it, and the
@@ -260,11 +270,7 @@ def test_a_hit_on_an_unrun_leaf_resets_the_tree_as_a_reroot_would(llama_pair):
 
     from hf_swiftspec.tree import locate_child, reroot
 
-    _, draft_model, _ = llama_pair
-    draft = DraftModelDrafter(draft_model, capacity=512, tree_capacity=400, width=3, vocab_limit=98)
-    draft.start([[5, 6, 7, 8]])
-    for _ in range(3):
-        draft.expand()
+    draft = grown_drafter(llama_pair)
     tree = draft.tree
     leaf = int((~tree.expanded[: tree.size]).nonzero()[-1, 0])
     parent, token = int(tree.parents[leaf]), int(tree.tokens[leaf])
@@ -291,11 +297,7 @@ def test_path_facts_read_the_tree_as_node_by_node_lookups_do(llama_pair):
     grown tree, with the child's token, another token, and paths that leave the tree (-1) or its run part."""
     from hf_swiftspec.tree import path_facts
 
-    _, draft_model, _ = llama_pair
-    draft = DraftModelDrafter(draft_model, capacity=512, tree_capacity=400, width=3, vocab_limit=98)
-    draft.start([[5, 6, 7, 8]])
-    for _ in range(3):
-        draft.expand()
+    draft = grown_drafter(llama_pair)
     tree = draft.tree
     children = {}
     for node in range(1, tree.size):

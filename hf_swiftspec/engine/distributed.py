@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from dataclasses import astuple, dataclass, field, replace
+from dataclasses import astuple, dataclass, field, fields, replace
 from datetime import timedelta
 
 import torch
@@ -353,7 +353,7 @@ class DistLink:
         n = int(self._recv(1, self.groups.peer_leader, "round count from the draft leader")[0])
         if n == 0:
             return []
-        rows = torch.zeros(n, len(astuple(RoundRecord(0, 0, 0, 0))), dtype=MESSAGE_DTYPE, device=self.groups.device)
+        rows = torch.zeros(n, len(fields(RoundRecord)), dtype=MESSAGE_DTYPE, device=self.groups.device)
         complete(lambda: dist.irecv(rows, self.groups.peer_leader), self.timeout_s, "round records from the draft leader")
         return [RoundRecord(*row) for row in rows.tolist()]
 
@@ -390,9 +390,8 @@ class DistLink:
 
     def follow_tokens(self) -> list[int]:
         """Draft ranks, serial call: the target leader's tokens, up to the end it sends last."""
-        tokens = []
+        tokens, g = [], self.groups
         while True:
-            g = self.groups
             msg = self._recv(self.size, g.peer_leader, "tokens from the target leader") if g.is_leader else self._tensor(self.size)
             msg = self._share(msg, "tokens")
             self._raise_if_failed(msg, g.peer_leader, "target")
