@@ -342,12 +342,12 @@ def subtree_mask(parents: list[int], device: torch.device | str) -> tuple[torch.
     return mask, torch.tensor(depths, device=device)
 
 
-def locate_child(tree: TokenTree, node: int, token: int) -> tuple[int | None, bool]:
-    """(index of `node`'s child carrying `token` or None, whether that child is expanded); one host sync."""
+def locate_child(tree: TokenTree, node: int, token: int) -> int | None:
+    """Index of `node`'s child carrying `token`, or None; one host sync (a re-root reads the whole path at
+    once instead: path_facts)."""
     hit = (tree.parents[: tree.size] == node) & (tree.tokens[: tree.size] == token)
-    first = torch.where(hit.any(), hit.int().argmax(), -1)
-    child, expanded = torch.stack([first, tree.expanded[first.clamp(min=0)].long()]).tolist()
-    return (child if child >= 0 else None), child >= 0 and bool(expanded)
+    child = int(torch.where(hit.any(), hit.int().argmax(), -1))
+    return child if child >= 0 else None
 
 
 @dataclass

@@ -252,6 +252,14 @@ def test_a_deferred_reroot_chooses_and_keeps_what_a_reroot_does(llama_pair):
                                atol=ATOL, rtol=0)
 
 
+def node_ids_to(tree, node):
+    """Node ids from the tree's root down to `node`."""
+    path = [node]
+    while path[0] > 0:
+        path.insert(0, int(tree.parents[path[0]]))
+    return path
+
+
 def grown_drafter(llama_pair):
     """A drafter that expanded its tree three times (width 3) from a 4-token prompt."""
     _, draft_model, _ = llama_pair
@@ -265,18 +273,20 @@ def grown_drafter(llama_pair):
 def test_a_hit_on_an_unrun_leaf_resets_the_tree_as_a_reroot_would(llama_pair):
     """A new root that is an unexpanded leaf keeps only itself: reroot_row resets the tree instead (cheaper, on
     the asynchronous draft's critical path), which leaves every live field as reroot() leaves it, and the
-    re-root still counts as a hit; locate_child says whether the child it finds has run."""
+    re-root still counts as a hit; path_facts says whether the child it finds has run."""
     import dataclasses
 
-    from hf_swiftspec.tree import locate_child, reroot
+    from hf_swiftspec.tree import path_facts, reroot
 
     draft = grown_drafter(llama_pair)
     tree = draft.tree
     leaf = int((~tree.expanded[: tree.size]).nonzero()[-1, 0])
     parent, token = int(tree.parents[leaf]), int(tree.tokens[leaf])
-    assert locate_child(tree, parent, token) == (leaf, False)
+    facts = path_facts(tree, node_ids_to(tree, parent), token)
+    assert (facts.child, facts.child_ran) == (leaf, False)
     grown = int(tree.expanded[1 : tree.size].nonzero()[0, 0]) + 1
-    assert locate_child(tree, int(tree.parents[grown]), int(tree.tokens[grown])) == (grown, True)
+    facts = path_facts(tree, node_ids_to(tree, int(tree.parents[grown])), int(tree.tokens[grown]))
+    assert (facts.child, facts.child_ran) == (grown, True)
     expected = dataclasses.replace(tree, **{f.name: getattr(tree, f.name).detach().clone()
                                             for f in dataclasses.fields(tree) if isinstance(getattr(tree, f.name), torch.Tensor)})
     reroot(expected, leaf)
@@ -304,9 +314,7 @@ def test_path_facts_read_the_tree_as_node_by_node_lookups_do(llama_pair):
         children.setdefault(int(tree.parents[node]), []).append(node)
     checked = set()
     for node in range(tree.size):
-        path = [node]
-        while path[0] > 0:
-            path.insert(0, int(tree.parents[path[0]]))
+        path = node_ids_to(tree, node)
         for tail in ([], [-1]):
             for token in [int(tree.tokens[c]) for c in children.get(node, [])[:2]] + [97]:
                 full = path + tail

@@ -407,7 +407,7 @@ class DraftModelDrafter:
             if ids[i] >= 0 or parent < 0 or tree.size >= tree.capacity:
                 continue  # a tree node already; or below a node that found no room, or none left: stays -1
             # the token may sit under a draft node the subtree left out; a grafted parent has no children yet
-            child = None if parent in added else locate_child(tree, parent, subtree.tokens[i])[0]
+            child = None if parent in added else locate_child(tree, parent, subtree.tokens[i])
             if child is None:
                 child = graft_node(tree, parent, subtree.tokens[i])
                 added.append(child)
