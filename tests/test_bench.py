@@ -559,5 +559,24 @@ def test_default_methods_follow_where_the_models_run(tiny_models):
     assert [m.name for m in report.sets[0].at(1)] == [m for m in bench.DEFAULT_METHODS if m != "swiftspec_async"]
     assert any("swiftspec_async was not run" in note and "--methods" in note for note in report.notes)
     assert "target_static" not in [m.name for m in report.sets[0].at(1)]
+    assert "assisted_static" not in [m.name for m in report.sets[0].at(1)]
     methods, note = default_methods(torch.device("cuda", 0))
-    assert note is None and set(methods) == set(bench.DEFAULT_METHODS) | {"target_static"}
+    assert note is None and set(methods) == set(bench.DEFAULT_METHODS) | {"target_static", "assisted_static"}
+
+
+def test_assisted_generation_with_a_static_cache_is_timed_beside_the_others(tiny_models, monkeypatch):
+    """The peer transformers >= 5.24 offers a GPU user: assisted generation over a static cache. Its outputs are
+    checked against target.generate's as every method's are (the run fails otherwise); a batch is unsupported, as
+    for assisted generation. Compiling is left out here (on a CPU it takes minutes): the wiring is what is tested."""
+    monkeypatch.setattr(methods, "static_cache_settings", lambda target: {"cache_implementation": "static",
+                                                                           "max_cache_len": 128})
+    calls = []
+    draft_forward = tiny_models.draft.forward
+    monkeypatch.setattr(tiny_models.draft, "forward", lambda *a, **k: calls.append(1) or draft_forward(*a, **k))
+    report = run_bench(BenchConfig(models=tiny_models, prompts=("humaneval",), methods=("target", "assisted_static"),
+                                   output_dir=None, batch_sizes=(1, 2), **{**FAST, "num_prompts": 1}))
+    at_one = {m.name: m for m in report.sets[0].at(1)}
+    assert at_one["assisted_static"].status == "ok" and at_one["assisted_static"].settings["max_cache_len"] == 128
+    assert calls, "the draft never ran: this was not assisted generation"
+    at_two = {m.name: m for m in report.sets[0].at(2)}
+    assert at_two["assisted_static"].status == "unsupported"

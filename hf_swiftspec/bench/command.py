@@ -69,7 +69,7 @@ def default_methods(where: torch.device | str) -> tuple[tuple[str, ...], str | N
     """(methods, note) when none are named: DEFAULT_METHODS, less swiftspec_async where the models run on
     the CPU (its two threads then share the interpreter and the cores, where it has run at 0.5-0.6x)."""
     if torch.device(where).type != "cpu":  # transformers' compiled static-cache decoding is the peer there
-        return DEFAULT_METHODS[:1] + ("target_static",) + DEFAULT_METHODS[1:], None
+        return DEFAULT_METHODS[:1] + ("target_static",) + DEFAULT_METHODS[1:2] + ("assisted_static",) + DEFAULT_METHODS[2:], None
     methods = tuple(name for name in DEFAULT_METHODS if name != "swiftspec_async")
     return methods, (
         "swiftspec_async was not run: both models are on the CPU, where the asynchronous engine only shares its "

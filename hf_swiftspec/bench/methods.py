@@ -26,6 +26,7 @@ from .schema import METHOD_LABELS, BenchConfig, BenchModels, Method, MethodResul
 UNBATCHED = {
     "assisted": "unsupported: transformers runs assisted generation at batch size 1 only",
     "prompt_lookup": "unsupported: transformers runs prompt lookup at batch size 1 only",
+    "assisted_static": "unsupported: transformers runs assisted generation at batch size 1 only",
     "swiftspec_async": (
         "unsupported: generate() decodes a batch of prompts on the serial engine only and refuses one with an "
         "asynchronous placement (swiftspec_serial is the batched method)"
@@ -157,21 +158,42 @@ def target_method(target) -> Method:
     )
 
 
-def target_static_method(target) -> Method:
-    """transformers' own fast decoding: generate() with a static cache, which compiles the forward (and
-    replays CUDA graphs on CUDA; on a CPU transformers compiles only when asked, as here). The cache is
-    sized for the target's context (at most 4096 tokens) so calls of other lengths compile nothing new."""
-    limit = min(context_limit(target) or 4096, 4096)
-    compiling = {}
+def static_cache_settings(target) -> dict:
+    """generate() arguments for transformers' own fast decoding: a static cache sized for the target's context (at
+    most 4096 tokens, so calls of other lengths compile nothing new), its forward compiled (CUDA graphs on CUDA; on a
+    CPU transformers compiles only when asked, as here)."""
+    settings = {"cache_implementation": "static", "max_cache_len": min(context_limit(target) or 4096, 4096)}
     if target.device.type == "cpu":  # elsewhere generate() compiles by itself, with its default settings
-        compiling["compile_config"] = CompileConfig()
-        compiling["compile_config"]._compile_all_devices = True  # transformers' own switch for compiling on a CPU
+        settings["compile_config"] = CompileConfig()
+        settings["compile_config"]._compile_all_devices = True  # transformers' own switch for compiling on a CPU
+    return settings
+
+
+def target_static_method(target) -> Method:
+    """transformers' own fast decoding: generate() with a static cache, which compiles the forward."""
+    static = static_cache_settings(target)
 
     def generate(ids, **kwargs):
-        return target.generate(ids, cache_implementation="static", max_cache_len=limit, **compiling, **kwargs)
+        return target.generate(ids, **static, **kwargs)
 
-    return Method("target_static", METHOD_LABELS["target_static"], generate, settings={"max_cache_len": limit},
-                  batched=True, models=(target,))
+    return Method("target_static", METHOD_LABELS["target_static"], generate,
+                  settings={"max_cache_len": static["max_cache_len"]}, batched=True, models=(target,))
+
+
+def assisted_static_method(target, draft, num_assistant_tokens: int) -> Method:
+    """transformers' assisted generation with a static cache (since 5.24 it compiles the target after prefill; the
+    draft runs eagerly): the peer a GPU user of transformers' own speculation compares against. A fixed
+    num_assistant_tokens (the largest of --assistant-tokens): tuning it would compile once per candidate."""
+    static = static_cache_settings(target)
+    settings = {"num_assistant_tokens": num_assistant_tokens, "num_assistant_tokens_schedule": "constant",
+                "max_cache_len": static["max_cache_len"]}
+
+    def generate(ids, **kwargs):
+        with assistant_settings(draft, num_assistant_tokens):
+            return target.generate(ids, assistant_model=draft, **static, **kwargs)
+
+    return Method("assisted_static", METHOD_LABELS["assisted_static"], generate, settings=settings,
+                  models=(target, draft))
 
 
 def assisted_method(target, draft, candidates: tuple[int, ...]) -> Method:
@@ -317,6 +339,8 @@ def build_methods(models: BenchModels, config: BenchConfig, settings: dict, note
         ),
         "swiftspec_async": lambda: async_method(models, settings, config.seed, notes),
         "target_static": lambda: target_static_method(target),
+        "assisted_static": lambda: assisted_static_method(target, draft, max(config.assistant_tokens))
+        if draft is not None else no_draft("assisted_static", notes),
         "swiftspec_eager": lambda: swiftspec_method(
             "swiftspec_eager", SwiftSpecForCausalLM.from_models(target, draft, **settings, capture=False), config.seed
         ),
@@ -333,6 +357,7 @@ def build_methods(models: BenchModels, config: BenchConfig, settings: dict, note
     }
     if isinstance(draft, DraftHead):
         builders["assisted"] = lambda: head_skipped("assisted", notes)
+        builders["assisted_static"] = lambda: head_skipped("assisted_static", notes)
     built = [builders[name]() for name in config.methods] + list(config.extra_methods)
     return [m for m in built if isinstance(m, Method)], [m for m in built if isinstance(m, MethodResult)]
 

@@ -20,9 +20,11 @@ DEFAULT_METHODS = ("target", "assisted", "prompt_lookup", "swiftspec_serial", "s
 # on a CPU).
 # swiftspec_suffix: the same target draft-free (suffix proposals only); swiftspec_eagle3: with BenchConfig.eagle3's head.
 # target_static: transformers' own fast decoding, a static cache with its forward compiled (CUDA graphs on CUDA),
-# timed by default off the CPU (on a CPU it compiles for minutes); swiftspec_eager: swiftspec_serial with capture=False.
+# timed by default off the CPU (on a CPU it compiles for minutes); assisted_static: assisted generation with that
+# static cache (transformers >= 5.24 compiles the target after prefill), by default off the CPU too;
+# swiftspec_eager: swiftspec_serial with capture=False.
 METHOD_NAMES = DEFAULT_METHODS + ("swiftspec_compiled", "swiftspec_suffix", "swiftspec_eagle3", "target_static",
-                                  "swiftspec_eager")
+                                  "swiftspec_eager", "assisted_static")
 METHOD_LABELS = {
     "target": "target.generate",
     "assisted": "assisted generation",
@@ -33,6 +35,7 @@ METHOD_LABELS = {
     "swiftspec_suffix": "swiftspec, suffix proposals only",
     "swiftspec_eagle3": "swiftspec, EAGLE-3 head",
     "target_static": "target.generate, static cache compiled",
+    "assisted_static": "assisted generation, static cache compiled",
     "swiftspec_eager": "swiftspec serial, eager forwards",
 }
 
