@@ -1,0 +1,175 @@
+"""Every measured figure on a documentation page is a number in a committed result file.
+
+How a page ties its figures (follow this when you write a page with measurements):
+
+* Put the figures in one block (a paragraph, a table or a list: lines up to the next blank line) and write,
+  on the line just above it, ``<!-- figures: PATH [PATH ...] -->``. Each PATH is a file or folder under
+  ``examples/results/`` or ``examples/gpu_results/`` (a folder stands for every file in it), and the folder
+  that holds it keeps a ``command.txt``: the command that wrote it.
+* A measured figure is a decimal number (``2.31``, ``tau 3.26``, ``1.29-1.33``) or a whole number with a
+  unit (``13%``, ``16 ms``, ``4x``, ``666 tokens/s``, ``528 bytes``) in the page's prose or tables; code
+  blocks and inline code are not prose (a command's flags and a setting's default live there).
+* Each figure of a block must appear, as a number, in one of the block's files (a JSON file also offers each
+  numeric value, and any file's number, rounded to the figure's decimals), so a figure that differs from its file fails here, naming
+  the page and the figure. A figure in a block without the comment fails too: tie it, or say what the
+  command measures and how to run it instead of a number.
+* Numbers that are not measurements (a version, a goal, a setting's value in prose) go in ``NOT_MEASURED``
+  below, as the phrase that holds them on that page; a phrase that left its page fails, so the list stays short.
+"""
+
+import json
+import re
+from dataclasses import dataclass
+from decimal import ROUND_HALF_UP, Decimal
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs" / "source" / "en"
+PAGES = sorted(DOCS.glob("*.md"))
+RESULT_ROOTS = ("examples/results/", "examples/gpu_results/")
+
+# Phrases whose numbers are not measurements, per page (exact text of the page's prose, whitespace collapsed).
+NOT_MEASURED: dict[str, list[str]] = {
+    "docs/source/en/gpu_results.md": [  # the goals an issue set, and sizes the code fixes
+        "(goal 2x", "(goal 1.5x", "(goal: 2x", "The goals (1.5x and 2x of the floor)", "(the goal was 1.3x)",
+        "(verification within 1.5x of its floor, expansion within 2x)", "(the goal was 1.5x", "up to 4x what it needs",
+    ],
+}
+
+MARKER = re.compile(r"^<!-- figures: (.+?) -->$")
+NUMBER = r"\d+(?:\.\d+)?"
+# a unit written against the number (4x, 13%) or after a space (16 ms, 666 tokens/s); "2 x 32" is no figure
+UNIT = r"(?:(?:x|×|%)|\s?(?:ms|µs|us|s|tok/s|tokens/s|tokens a second|GB/s|GB|GiB|MB|MiB|KB|bytes))(?![\w/])"
+# a whole number (or a range of them) with a unit, or a decimal that is not a version such as 2.13.0
+# (a number after a letter and a hyphen is part of a name: Llama-3.2-1B, gemma-3-270m)
+FIGURE = re.compile(rf"(?<![\w.])(?<![A-Za-z]-){NUMBER}(?:[-–]{NUMBER})?{UNIT}|(?<![\w.])(?<![A-Za-z]-)\d+\.\d+(?![\d.]*\d)")
+
+
+def name(page: Path) -> str:
+    return str(page.relative_to(ROOT))
+
+
+def without_code(lines: list[str]) -> list[str]:
+    """The page's lines with fenced code blocks blanked (kept as blank lines, so blocks stay apart)."""
+    out, fenced = [], False
+    for line in lines:
+        if line.startswith("```"):
+            fenced = not fenced
+            out.append("")
+        else:
+            out.append("" if fenced else line)
+    return out
+
+
+
+
+@dataclass(frozen=True)
+class Block:
+    """A paragraph, table or list of a page (lines up to a blank line) and the result files its marker names."""
+
+    page: Path
+    line: int  # 1-based, the block's first line after its marker
+    text: str  # whitespace collapsed
+    files: tuple[str, ...]  # repository-relative; empty where the block has no marker
+
+
+def blocks(page: Path) -> list[Block]:
+    lines = without_code(page.read_text().splitlines())
+    found, start = [], None
+    for i, line in enumerate([*lines, ""]):
+        if line.strip() and start is None:
+            start = i
+        elif not line.strip() and start is not None:
+            group, first = lines[start:i], start
+            marker = MARKER.match(group[0].strip())
+            files = tuple(marker.group(1).split()) if marker else ()
+            if marker:
+                group, first = group[1:], first + 1
+                assert group, f"{name(page)}:{start + 1}: a figures marker with no block under it"
+            found.append(Block(page, first + 1, " ".join(" ".join(group).split()), files))
+            start = None
+    return found
+
+
+def figures(block: Block) -> list[str]:
+    """The block's measured figures as written (`1.29-1.33 ms`, `2.03x`, `tau 3.26` gives `3.26`)."""
+    text = re.sub(r"<!--.*?-->", " ", block.text)
+    text = re.sub(r"`[^`]*`", " ", text)  # inline code: commands, flags, settings
+    text = re.sub(r"\]\([^)]*\)", "]", text)  # link targets
+    for phrase in NOT_MEASURED.get(name(block.page), []):
+        text = text.replace(phrase, " ")
+    return [m.group(0) for m in FIGURE.finditer(text)]
+
+
+@cache
+def numbers_in(path: Path) -> frozenset[str]:
+    """Every number a result file states, rounded to as many decimals as it has or fewer; a JSON value to 0-4."""
+    text = path.read_text(errors="replace")
+    found = set()
+    for number in re.findall(NUMBER, text):  # each as written and rounded to fewer decimals (393.8 is also "394")
+        decimals = len(number.partition(".")[2])
+        found.update(str(Decimal(number).quantize(Decimal(10) ** -d, ROUND_HALF_UP)) for d in range(decimals + 1))
+    if path.suffix == ".json":
+        def walk(value):
+            if isinstance(value, dict):
+                for v in value.values():
+                    walk(v)
+            elif isinstance(value, list):
+                for v in value:
+                    walk(v)
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                found.update(f"{value:.{d}f}" for d in range(5))
+        walk(json.loads(text))
+    return frozenset(found)
+
+
+def backing_files(block: Block) -> list[Path]:
+    paths = []
+    for where in block.files:
+        path = ROOT / where
+        paths += sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    return paths
+
+
+@pytest.mark.parametrize("page", PAGES, ids=name)
+def test_every_figure_is_in_its_result_file(page):
+    problems = []
+    for block in blocks(page):
+        shown = figures(block)
+        if block.files and not shown:
+            problems.append(f"{name(page)}:{block.line}: a figures marker over a block with no figure")
+        if not shown:
+            continue
+        if not block.files:
+            problems += [f"{name(page)}:{block.line}: {figure!r} has no result file (no figures marker above its block)"
+                         for figure in shown]
+            continue
+        known = frozenset().union(*(numbers_in(p) for p in backing_files(block)))
+        for figure in shown:
+            missing = [n for n in re.findall(NUMBER, figure) if n not in known]
+            if missing:
+                problems.append(f"{name(page)}:{block.line}: {figure!r} is not in {', '.join(block.files)}")
+    assert not problems, "\n".join(problems)
+
+
+def test_each_result_file_is_committed_beside_its_command():
+    """A marker names files under examples/results or examples/gpu_results, each with the command that wrote it."""
+    for page in PAGES:
+        for block in blocks(page):
+            for where in block.files:
+                path = ROOT / where
+                assert where.startswith(RESULT_ROOTS), f"{name(page)}:{block.line}: {where} is not a result file"
+                assert path.exists(), f"{name(page)}:{block.line}: {where} does not exist"
+                folder = path if path.is_dir() else path.parent
+                command = folder / "command.txt"
+                assert command.exists() and command.read_text().strip(), f"{where}: no command.txt beside it"
+
+
+def test_the_not_measured_phrases_are_on_their_pages():
+    for page, phrases in NOT_MEASURED.items():
+        prose = " ".join(" ".join(without_code((ROOT / page).read_text().splitlines())).split())
+        for phrase in phrases:
+            assert phrase in prose, f"{page} no longer says {phrase!r}: drop it from NOT_MEASURED"
