@@ -126,14 +126,27 @@ def figures(block: Block) -> list[str]:
     return [m.group(0) for m in FIGURE.finditer(text)]
 
 
+# A figure with one of these units matches only numbers written with it in a file that writes any so
+# (results.md's "2.31 ± 1.40×", output.txt's "13%"); a file whose ratios are bare columns matches any number.
+TYPED = {"x": r"[x×]", "×": r"[x×]", "%": r"%"}
+
+
+def rounded(number: str) -> set[str]:
+    """The number as written and rounded half-up to fewer decimals (393.8 is also "394")."""
+    decimals = len(number.partition(".")[2])
+    return {str(Decimal(number).quantize(Decimal(10) ** -d, ROUND_HALF_UP)) for d in range(decimals + 1)}
+
+
 @cache
-def numbers_in(path: Path) -> frozenset[str]:
-    """Every number a result file states, rounded to as many decimals as it has or fewer; a JSON value to 0-4."""
+def numbers_in(path: Path, unit: str = "") -> frozenset[str]:
+    """Every number a result file states, rounded as above; a JSON file's numeric values also at 0-4 decimals.
+    With a TYPED unit: the numbers written with that unit (after an optional "± sd"), where the file has any."""
     text = path.read_text(errors="replace")
-    found = set()
-    for number in re.findall(NUMBER, text):  # each as written and rounded to fewer decimals (393.8 is also "394")
-        decimals = len(number.partition(".")[2])
-        found.update(str(Decimal(number).quantize(Decimal(10) ** -d, ROUND_HALF_UP)) for d in range(decimals + 1))
+    if unit in TYPED:
+        typed = set().union(*(rounded(m[1]) for m in re.finditer(rf"({NUMBER})(?: ± {NUMBER})?\s?{TYPED[unit]}", text)))
+        if typed:
+            return frozenset(typed)
+    found = set().union(*(rounded(n) for n in re.findall(NUMBER, text)))
     if path.suffix == ".json":
         def walk(value):
             if isinstance(value, dict):
@@ -146,6 +159,10 @@ def numbers_in(path: Path) -> frozenset[str]:
                 found.update(f"{value:.{d}f}" for d in range(5))
         walk(json.loads(text))
     return frozenset(found)
+
+
+def unit_of(figure: str) -> str:
+    return figure[-1] if figure[-1] in TYPED else ""
 
 
 def backing_files(block: Block) -> list[Path]:
@@ -177,8 +194,8 @@ def problems(page: Path, text: str | None = None) -> list[str]:
             found += [f"{name(page)}:{block.line}: {figure!r} has no result file (no figures marker above its block)"
                       for figure in shown]
             continue
-        known = frozenset().union(*(numbers_in(p) for p in backing_files(block)))
         for figure in shown:
+            known = frozenset().union(*(numbers_in(p, unit_of(figure)) for p in backing_files(block)))
             if any(n not in known for n in re.findall(NUMBER, figure)):
                 found.append(f"{name(page)}:{block.line}: {figure!r} is not in {', '.join(block.files)}")
     return found
