@@ -4,15 +4,19 @@ How a page ties its figures (follow this when you write a page with measurements
 
 * Put the figures in one block (a paragraph, a table or a list: lines up to the next blank line) and write,
   on the line just above it, ``<!-- figures: PATH [PATH ...] -->``. Each PATH is a file or folder under
-  ``examples/results/`` or ``examples/gpu_results/`` (a folder stands for every file in it), and the folder
-  that holds it keeps a ``command.txt``: the command that wrote it.
+  ``examples/results/`` or ``examples/gpu_results/`` (a folder stands for its text files; its results.json
+  only where it has no results.md), and the folder that holds it keeps a ``command.txt``: the command that
+  wrote it.
 * A measured figure is a decimal number (``2.31``, ``tau 3.26``, ``1.29-1.33``) or a whole number with a
   unit (``13%``, ``16 ms``, ``4x``, ``666 tokens/s``, ``528 bytes``) in the page's prose or tables; code
-  blocks and inline code are not prose (a command's flags and a setting's default live there).
-* Each figure of a block must appear, as a number, in one of the block's files (a JSON file also offers each
-  numeric value, and any file's number, rounded to the figure's decimals), so a figure that differs from its file fails here, naming
-  the page and the figure. A figure in a block without the comment fails too: tie it, or say what the
-  command measures and how to run it instead of a number.
+  blocks, inline code and GENERATED regions are not prose (a command's flags and a setting's default live
+  in code; a generated table has its own test).
+* Each figure of a block must appear in one of the block's files: as a number, rounded half-up to the
+  figure's decimals (a JSON file's values too); a speed-up (``x``) or a percent as a number the file writes
+  with that unit, where the file writes any so. A figure that differs from its file fails here, naming the
+  page and the figure, and so does a figure in a block without the comment: tie it, or say what the
+  command measures and how to run it instead of a number. (A changed figure can still match another
+  number of the same files by chance: name the few files a block comes from, not a whole lease.)
 * Numbers that are not measurements (a version, a goal, a setting's value in prose) go in ``NOT_MEASURED``
   below, as the phrase that holds them on that page; a phrase that left its page fails, so the list stays short.
 """
