@@ -40,6 +40,7 @@ NOT_MEASURED: dict[str, list[str]] = {
     "docs/source/en/gpu_results.md": [  # the goals an issue set, and sizes the code fixes
         "(goal 2x", "(goal 1.5x", "(goal: 2x", "The goals (1.5x and 2x of the floor)", "(the goal was 1.3x)",
         "(verification within 1.5x of its floor, expansion within 2x)", "(the goal was 1.5x", "up to 4x what it needs",
+        "outlives its printed summary by 15 s",  # gpu_session.py's grace
     ],
     "docs/source/en/bench.md": ["= 10^6 bytes"],
     "docs/source/en/drafters.md": ["arXiv 2411.04975"],
