@@ -1,0 +1,472 @@
+"""`swiftspec distill`: train a draft that agrees with the user's own target, and write a pair folder.
+
+    distill(DistillConfig(target="my/target", output="my-pair", draft="early-exit:2", data=("chat.jsonl",)))
+
+1. check every input (numbers, the draft's vocabulary, the data, the output folder) before any weights load;
+2. load the target and the starting draft: an early exit of the target (its embeddings, first k layers,
+   final norm and head), a smaller causal LM sharing its tokenizer, or a new EAGLE-3 head;
+3. tokenise the data (chat templates applied), or have the target continue the prompts (self-distillation);
+4. train (distill_train.py: top-k KL to the target, checkpoints, --resume, Ctrl-C);
+5. measure the starting and the trained draft on held-out data: teacher-forced top-1 agreement, and tau
+   from the pair's own greedy generate with fixed tree settings (deterministic), checked against
+   target.generate token for token;
+6. write the pair folder (swiftspec pair create's layout: config.json, tokenizer, generation config, a
+   model card with the figures, the draft under draft/) and optionally push it to the Hub.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import resource
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..eagle3 import save_eagle3_head
+from ..pair import HubOptions, PairCard, PairConfigError, check_compatibility, load_tokenizer
+from .distill_data import (
+    Dataset,
+    DistillError,
+    even_windows,
+    read_records,
+    self_distilled,
+    split_records,
+    token_stream,
+    tokenise,
+    render,
+    encode,
+)
+from .distill_train import HeadStudent, ModelStudent, TrainSettings, World, train
+from .eagle3_training import new_head_for
+from .models import truncated_draft
+
+DRAFT_KINDS = "early-exit:K (the target's first K layers), eagle3 (a new EAGLE-3 head), or a causal LM's Hub id or folder"
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """The held-out measurement; fixed tree settings (draft_depth too) so that tau is deterministic."""
+
+    prompts: int = 16  # held-out prompts whose greedy continuation gives tau
+    new_tokens: int = 64
+    prompt_tokens: int = 32  # a plain held-out text's prompt: its first tokens (at most half of it)
+    windows: int = 16  # held-out windows for teacher-forced agreement
+    tree_budget: int = 8
+    draft_width: int = 2
+    draft_depth: int = 4
+    ngram_size: int = 0  # 0: the draft's proposals alone, so tau measures the draft
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """Everything `swiftspec distill` does; the command's defaults come from here."""
+
+    target: str
+    output: str
+    data: tuple[str, ...] = ()
+    draft: str = "early-exit:1"  # DRAFT_KINDS
+    train: TrainSettings = TrainSettings()
+    eval: EvalSettings = EvalSettings()
+    self_distill_tokens: int = 0  # > 0: train on the target's own greedy continuations of the records' prompts
+    heldout_percent: int = 10
+    eval_prompts_file: str | None = None  # held-out prompts for tau (text lines or jsonl); default: from the data
+    head_hidden: int | None = None  # EAGLE-3 head width (default: the target's)
+    head_depth: int = 3  # levels of training-time test
+    save_every: int = 100
+    resume: bool = False
+    force: bool = False  # write into a non-empty folder
+    device: str | None = None  # default: cuda (this rank's) when present, else cpu
+    dtype: str | None = None  # default: float32 on CPU, bfloat16 on GPU
+    push_to_hub: str | None = None  # a Hub repo id to upload the pair to
+    private: bool = False
+    verbose: bool = True
+    command: str | None = None  # how the run was started, for the model card
+
+
+@dataclass
+class Evaluation:
+    """A draft measured on held-out data."""
+
+    agreement: float  # teacher-forced: the draft's argmax is the target's, share of held-out positions
+    kl: float  # the training objective on the held-out windows
+    tau: float  # tokens per target verification, greedy, EvalSettings' tree
+    new_tokens: int
+    verify_steps: int
+    prompts: int
+    identical: bool  # every continuation equalled target.generate's
+
+
+@dataclass
+class DistillResult:
+    folder: Path
+    steps: int
+    train_tokens: int
+    heldout_sequences: int
+    before: Evaluation
+    after: Evaluation
+    seconds_per_step: float
+    peak_rss_mib: float
+    extra: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- checks, before any weights load
+
+
+def check_numbers(config: DistillConfig) -> None:
+    t, e = config.train, config.eval
+    positive = {"--steps": t.steps, "--batch": t.batch, "--top-k": t.top_k, "--save-every": config.save_every,
+                "--eval-prompts": e.prompts, "--eval-new-tokens": e.new_tokens, "--eval-windows": e.windows,
+                "--head-depth": config.head_depth}
+    for flag, value in positive.items():
+        if value < 1:
+            raise DistillError(f"{flag} {value}: must be at least 1.")
+    if t.lr <= 0:
+        raise DistillError(f"--lr {t.lr}: must be positive.")
+    shortest = config.head_depth + 2 if config.draft == "eagle3" else 2
+    if t.window < shortest:
+        raise DistillError(f"--window {t.window}: must be at least {shortest} tokens.")
+    if not 1 <= config.heldout_percent <= 50:
+        raise DistillError(f"--heldout-percent {config.heldout_percent}: must be between 1 and 50.")
+    if config.self_distill_tokens < 0:
+        raise DistillError(f"--self-distill {config.self_distill_tokens}: a number of new tokens, 0 (off) or more.")
+
+
+def early_exit_layers(spec: str) -> int | None:
+    """K of "early-exit:K" ("early-exit" alone: 1), or None for another kind of draft."""
+    match = re.fullmatch(r"early-exit(?::(\d+))?", spec)
+    if match is None:
+        if spec.startswith("early-exit"):
+            raise DistillError(f"--draft {spec!r}: write early-exit:K with K the number of the target's layers to keep.")
+        return None
+    layers = int(match.group(1) or 1)
+    if layers < 1:
+        raise DistillError(f"--draft {spec!r}: keep at least one layer (early-exit:1).")
+    return layers
+
+
+def check_output(folder: Path, config: DistillConfig) -> None:
+    """The output folder must be writable, and new, empty, ours to resume, or replaced with --force."""
+    if folder.exists() and not folder.is_dir():
+        raise DistillError(f"output {folder} exists and is not a folder; give a new folder for the pair.")
+    if folder.is_dir() and any(folder.iterdir()) and not (config.resume or config.force):
+        raise DistillError(
+            f"output {folder} is not empty; give a new folder, --resume to continue a run there, or --force to write over it."
+        )
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / ".distill-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise DistillError(f"output {folder} cannot be written ({err.strerror or err}); give a folder you can write to.") from err
+
+
+def check_push(config: DistillConfig) -> None:
+    """--push-to-hub needs a valid repo id and a target on the Hub (a local target would load nowhere else)."""
+    if config.push_to_hub is None:
+        return
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(config.push_to_hub)
+    except HFValidationError as err:
+        raise DistillError(f"--push-to-hub {config.push_to_hub!r} is not a Hub repo id ({err}); e.g. you/my-pair.") from err
+    if Path(config.target).exists():
+        raise DistillError(
+            f"--push-to-hub: the target {config.target!r} is a local folder, which the pushed pair could not load from "
+            "anywhere else. Push the target first and distill from its Hub id, or leave out --push-to-hub."
+        )
+
+
+def target_config_and_tokenizer(target: str):
+    from transformers import AutoConfig
+
+    try:
+        target_config = AutoConfig.from_pretrained(target)
+    except (OSError, ValueError) as err:
+        raise DistillError(f"--target {target!r}: cannot read its config ({str(err).splitlines()[0]}); give a Hub id or a model folder.") from err
+    tokenizer = load_tokenizer(target, None, HubOptions())
+    if tokenizer is None:
+        raise DistillError(f"--target {target!r} ships no tokenizer; distill needs one to read the data.")
+    return target_config, tokenizer
+
+
+def check_draft_model(spec: str, target_config, tokenizer) -> None:
+    """A draft model must share the target's vocabulary (same tokens, same ids): refused from configs and
+    tokenizers, before any weights load."""
+    from transformers import AutoConfig
+
+    try:
+        draft_config = AutoConfig.from_pretrained(spec)
+    except (OSError, ValueError) as err:
+        raise DistillError(f"--draft {spec!r}: not {DRAFT_KINDS} ({str(err).splitlines()[0]}).") from err
+    try:
+        check_compatibility(target_config, draft_config, tokenizer, load_tokenizer(spec, None, HubOptions()))
+    except PairConfigError as err:
+        raise DistillError(f"--draft {spec!r} cannot draft for the target: {err}") from err
+
+
+# ---------------------------------------------------------------- models and data
+
+
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    if name is None:
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise DistillError(f"--dtype {name!r} is not a floating torch dtype; use float32, bfloat16 or float16.")
+    return dtype
+
+
+def resolve_device(name: str | None, world: World) -> torch.device:
+    if name is not None:
+        return torch.device(name)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def load_target(location: str, device: torch.device, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(location, dtype=dtype).to(device).eval()
+    target.requires_grad_(False)
+    return target
+
+
+def starting_draft(config: DistillConfig, target, device: torch.device):
+    """The draft to train, in float32 (the optimizer's master weights)."""
+    layers = early_exit_layers(config.draft)
+    if layers is not None:
+        total = target.config.get_text_config(decoder=True).num_hidden_layers
+        if layers >= total:
+            raise DistillError(f"--draft early-exit:{layers}: the target has {total} layers; keep fewer (early-exit:1 to {total - 1}).")
+        try:
+            draft = truncated_draft(target, layers)
+            draft.name_or_path = draft.config.name_or_path = ""  # built in memory: the pair stores it under draft/, not at the target's path
+        except AttributeError as err:
+            raise DistillError(f"--draft early-exit: cannot cut {type(target).__name__}'s layers ({err}); use another --draft.") from err
+        return draft.float().requires_grad_(True)
+    if config.draft == "eagle3":
+        return new_head_for(target, hidden=config.head_hidden, seed=config.train.seed).to(device=device, dtype=torch.float32)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(config.draft, dtype=torch.float32).to(device)
+
+
+def prepare_data(config: DistillConfig, records, tokenizer, target) -> Dataset:
+    train_records, heldout_records = split_records(records, config.heldout_percent)
+    if config.self_distill_tokens:
+        train = self_distilled(train_records, tokenizer, target, config.self_distill_tokens)
+        heldout = self_distilled(heldout_records, tokenizer, target, config.self_distill_tokens)
+    else:
+        train = [tokenise(r, tokenizer) for r in train_records]
+        heldout = [tokenise(r, tokenizer) for r in heldout_records]
+    return Dataset(train, heldout, tuple(config.data))
+
+
+def eval_prompts(config: DistillConfig, data: Dataset, tokenizer) -> list[list[int]]:
+    """Held-out prompts: from --eval-prompts-file, else each held-out record's prompt (a text's first tokens)."""
+    if config.eval_prompts_file:
+        templated = bool(getattr(tokenizer, "chat_template", None))
+        records = read_records([config.eval_prompts_file])
+        prompts = [encode(tokenizer, render(r, tokenizer, True)[0] or r.text, templated and r.messages is not None) for r in records]
+    else:
+        prompts = [s.ids[: s.prompt] if s.prompt else s.ids[: max(min(config.eval.prompt_tokens, len(s.ids) // 2), 1)]
+                   for s in data.heldout]
+    return [p for p in prompts if p][: config.eval.prompts]
+
+
+# ---------------------------------------------------------------- held-out measurement
+
+
+@torch.no_grad()
+def evaluate(student, tokenizer, windows: torch.Tensor, prompts: list[list[int]], settings: EvalSettings) -> Evaluation:
+    """Teacher-forced agreement and KL on `windows` (C, L), and tau on `prompts` from the pair's greedy
+    generate with settings' fixed tree, each continuation checked against target.generate."""
+    from contextlib import nullcontext
+
+    from ..modeling import SwiftSpecForCausalLM
+
+    target, draft = student.target, student.module
+    draft.eval()
+    scores = [student.step(windows[i : i + 4].to(target.device), nullcontext()) for i in range(0, len(windows), 4)]
+    sizes = [len(windows[i : i + 4]) for i in range(0, len(windows), 4)]
+    kl = sum(float(s[0]) * n for s, n in zip(scores, sizes)) / sum(sizes)
+    agree = sum(float(s[1]) * n for s, n in zip(scores, sizes)) / sum(sizes)
+    pair = SwiftSpecForCausalLM.from_models(
+        target, draft, tokenizer=tokenizer, tree_budget=settings.tree_budget, draft_width=settings.draft_width,
+        draft_depth=settings.draft_depth, ngram_size=settings.ngram_size,
+    )
+    new_tokens = verify_steps = 0
+    identical = True
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device=target.device)
+        kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=settings.new_tokens, do_sample=False)
+        expected = target.generate(ids, **kwargs)
+        out = pair.generate(ids, **kwargs)
+        identical &= out.tolist() == expected.tolist()
+        new_tokens += pair.swiftspec_stats.new_tokens
+        verify_steps += pair.swiftspec_stats.verify_steps
+    return Evaluation(agree, kl, new_tokens / max(verify_steps, 1), new_tokens, verify_steps, len(prompts), identical)
+
+
+def draft_in_target_dtype(student):
+    """The draft for measuring: itself in float32 runs, else a copy in the target's dtype (the float32
+    master weights stay for training)."""
+    if student.target.dtype == torch.float32:
+        return student
+    twin = copy.copy(student)
+    twin.module = copy.deepcopy(student.module).to(student.target.dtype)
+    return twin
+
+
+# ---------------------------------------------------------------- the pair folder
+
+
+def card_for(config: DistillConfig, result: DistillResult) -> PairCard:
+    b, a, e = result.before, result.after, config.eval
+    table = (
+        "| draft | top-1 agreement | held-out KL | tau |\n|---|---|---|---|\n"
+        f"| starting draft ({config.draft}) | {b.agreement:.1%} | {b.kl:.3f} | {b.tau:.2f} |\n"
+        f"| distilled, {result.steps} steps | {a.agreement:.1%} | {a.kl:.3f} | {a.tau:.2f} |"
+    )
+    measured = (
+        f"{table}\n\nTop-1 agreement: teacher-forced, the draft's most likely next token is the target's, over "
+        f"{e.windows} held-out windows of {config.train.window} tokens. tau: tokens per target verification in greedy "
+        f"generation of {e.new_tokens} new tokens from {a.prompts} held-out prompts (tree_budget={e.tree_budget}, "
+        f"draft_width={e.draft_width}, draft_depth={e.draft_depth}, ngram_size={e.ngram_size}: fixed, so deterministic); "
+        f"output identical to target.generate: {a.identical}."
+    )
+    t = config.train
+    data = ", ".join(f"`{Path(p).name}`" for p in config.data)
+    source = (f"the target's own greedy continuations ({config.self_distill_tokens} tokens) of the prompts in {data}"
+              if config.self_distill_tokens else data)
+    training = (
+        f"Distilled with `swiftspec distill` from {source}: {result.train_tokens:,} training tokens, "
+        f"{result.heldout_sequences} held-out records ({config.heldout_percent}% by a hash of their content). "
+        f"{result.steps} steps of {t.batch} x {t.window}-token windows, AdamW (lr {t.lr}, warm-up {t.warmup}, cosine), "
+        f"KL to the target's top-{t.top_k} next-token distribution plus a tail bucket"
+        + (f", {config.head_depth} levels of EAGLE-3's training-time test" if config.draft == "eagle3" else "")
+        + f", seed {t.seed}."
+    )
+    sections = [("Measured on held-out data", measured), ("Training", training)]
+    if config.command:
+        sections.append(("Reproduce", f"```bash\n{config.command}\n```"))
+    return PairCard(
+        title=f"SwiftSpec pair: {config.target} with a distilled draft",
+        summary=(f"Lossless tree speculative decoding for `{config.target}` with a draft distilled to agree with it "
+                 f"({'an EAGLE-3 head' if config.draft == 'eagle3' else config.draft}). Outputs are exactly the target's own."),
+        tags=("distilled",), sections=tuple(sections),
+    )
+
+
+def write_pair(config: DistillConfig, student, tokenizer, result: DistillResult) -> Path:
+    """The pair folder: draft/ (the draft model with the tokenizer, or the head in the speculators layout),
+    config.json naming the target (a folder relative to the pair, or a pinned Hub id), README.md, tokenizer."""
+    from ..modeling import SwiftSpecForCausalLM
+
+    folder = Path(config.output)
+    draft = student.module
+    if config.draft == "eagle3":
+        save_eagle3_head(draft, folder / "draft", "speculators")
+    else:
+        draft.save_pretrained(folder / "draft")
+        tokenizer.save_pretrained(folder / "draft")
+    pair = SwiftSpecForCausalLM.from_models(student.target, draft, tokenizer=tokenizer, tree_budget=config.eval.tree_budget,
+                                            draft_width=config.eval.draft_width)
+    local = Path(config.target).is_dir()
+    pair.config.target = os.path.relpath(Path(config.target).resolve(), folder.resolve()) if local else config.target
+    pair.config.draft = "draft"
+    pair.pair_folder = folder
+    pair.save_pretrained(folder, card=card_for(config, result), pin_revisions=not local,
+                         load_id=config.push_to_hub or str(folder))
+    (folder / "distill.json").write_text(json.dumps(result_json(config, result), indent=1) + "\n")
+    return folder
+
+
+def result_json(config: DistillConfig, result: DistillResult) -> dict:
+    return {
+        "target": config.target, "draft": config.draft, "data": list(config.data),
+        "self_distill_tokens": config.self_distill_tokens, "train": asdict(config.train), "eval": asdict(config.eval),
+        "steps": result.steps, "train_tokens": result.train_tokens, "heldout_records": result.heldout_sequences,
+        "before": asdict(result.before), "after": asdict(result.after),
+        "measured_on_a_shared_loaded_machine": {"seconds_per_step": round(result.seconds_per_step, 3),
+                                                "peak_rss_mib": round(result.peak_rss_mib, 1)},
+    }
+
+
+def push(folder: Path, repo_id: str, private: bool) -> None:
+    """Upload the pair folder (not its checkpoints) to the Hub repo `repo_id`."""
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    api.create_repo(repo_id, private=private, exist_ok=True)
+    api.upload_folder(repo_id=repo_id, folder_path=str(folder), ignore_patterns=["checkpoints/*", ".*"],
+                      commit_message="Upload a SwiftSpec pair with a distilled draft")
+
+
+# ---------------------------------------------------------------- the whole run
+
+
+def fingerprint(config: DistillConfig) -> dict:
+    """What a checkpoint must have been trained with for --resume to continue it."""
+    return {"target": config.target, "draft": config.draft, "data": list(config.data), "head_depth": config.head_depth,
+            "self_distill_tokens": config.self_distill_tokens, "heldout_percent": config.heldout_percent,
+            "head_hidden": config.head_hidden, "dtype": config.dtype, **asdict(config.train)}
+
+
+def distill(config: DistillConfig, on_step=None) -> DistillResult:
+    """Run `swiftspec distill` (see the module docstring); returns what it measured and where it wrote.
+    on_step(history) runs after each training step (tests interrupt a run from it)."""
+    check_numbers(config)
+    early_exit_layers(config.draft)
+    check_push(config)
+    folder = Path(config.output)
+    world = World.from_env()
+    if world.writes:
+        check_output(folder, config)
+    records = read_records(config.data)
+    split_records(records, config.heldout_percent)  # refuses too few records now, not after loading
+    target_config, tokenizer = target_config_and_tokenizer(config.target)
+    if early_exit_layers(config.draft) is None and config.draft != "eagle3":
+        check_draft_model(config.draft, target_config, tokenizer)
+
+    device = resolve_device(config.device, world)
+    dtype = resolve_dtype(config.dtype, device)
+    target = load_target(config.target, device, dtype)
+    draft = starting_draft(config, target, device)
+    student = (HeadStudent(draft, target, config.train.top_k, config.head_depth) if config.draft == "eagle3"
+               else ModelStudent(draft, target, config.train.top_k))
+    data = prepare_data(config, records, tokenizer, target)
+    stream = token_stream(data.train, tokenizer.eos_token_id)
+    if stream.numel() <= config.train.window:
+        raise DistillError(
+            f"the training data holds {stream.numel()} tokens, fewer than one --window of {config.train.window}: "
+            "give more data or a shorter --window."
+        )
+    heldout = token_stream(data.heldout, tokenizer.eos_token_id)
+    windows = even_windows(heldout, config.eval.windows, min(config.train.window, heldout.numel()))
+    prompts = eval_prompts(config, data, tokenizer)
+
+    before = evaluate(draft_in_target_dtype(student), tokenizer, windows, prompts, config.eval) if world.writes else None
+    history = train(student, stream, config.train, folder / "checkpoints", fingerprint(config), resume=config.resume,
+                    save_every=config.save_every, dtype=dtype, world=world, on_step=on_step, verbose=config.verbose)
+    result = None
+    if world.writes:
+        after = evaluate(draft_in_target_dtype(student), tokenizer, windows, prompts, config.eval)
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+        result = DistillResult(folder, history.step, int(stream.numel()), len(data.heldout), before, after,
+                               history.seconds_per_step, rss)
+        if config.dtype is not None or dtype != torch.float32:
+            student.module.to(dtype)
+        write_pair(config, student, tokenizer, result)
+        if config.push_to_hub:
+            push(folder, config.push_to_hub, config.private)
+    world.barrier()
+    return result
+
