@@ -242,9 +242,6 @@ def starting_draft(config: DistillConfig, target, device: torch.device):
     """The draft to train, in float32 (the optimizer's master weights)."""
     layers = early_exit_layers(config.draft)
     if layers is not None:
-        total = target.config.get_text_config(decoder=True).num_hidden_layers
-        if layers >= total:
-            raise DistillError(f"--draft early-exit:{layers}: the target has {total} layers; keep fewer (early-exit:1 to {total - 1}).")
         try:
             draft = truncated_draft(target, layers)
             draft.name_or_path = draft.config.name_or_path = ""  # built in memory: the pair stores it under draft/, not at the target's path
@@ -433,7 +430,12 @@ def distill(config: DistillConfig, on_step=None) -> DistillResult:
     records = read_records(config.data)
     split_records(records, config.heldout_percent)  # refuses too few records now, not after loading
     target_config, tokenizer = target_config_and_tokenizer(config.target)
-    if early_exit_layers(config.draft) is None and config.draft != "eagle3":
+    layers = early_exit_layers(config.draft)
+    if layers is not None:
+        total = target_config.get_text_config(decoder=True).num_hidden_layers
+        if layers >= total:
+            raise DistillError(f"--draft early-exit:{layers}: the target has {total} layers; keep fewer (early-exit:1 to {total - 1}).")
+    elif config.draft != "eagle3":
         check_draft_model(config.draft, target_config, tokenizer)
 
     device = resolve_device(config.device, world)

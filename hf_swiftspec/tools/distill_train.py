@@ -60,9 +60,10 @@ def topk_kl(logits: torch.Tensor, teacher: TopK) -> torch.Tensor:
     in_topk = torch.zeros_like(logq, dtype=torch.bool).scatter_(-1, teacher.ids, True)
     logq_tail = logq.masked_fill(in_topk, -math.inf).logsumexp(-1)  # (B, T)
     p_k = teacher.logprobs.exp()
-    p_tail = (1 - p_k.sum(-1)).clamp_min(0)
+    p_tail = (-torch.expm1(teacher.logprobs.logsumexp(-1))).clamp_min(0)  # 1 - sum(p_k), without cancellation
     head = (p_k * (teacher.logprobs - logq_k)).sum(-1)
-    tail = torch.xlogy(p_tail, p_tail) - p_tail * logq_tail.clamp_min(-1e4)  # clamp: a tail of -inf (k = V) has p 0
+    # k = V leaves no tail: the student's is log(0), the teacher's rounding noise, and their term is 0
+    tail = torch.xlogy(p_tail, p_tail) - p_tail * logq_tail.nan_to_num(neginf=0.0)
     return (head + tail).mean()
 
 
