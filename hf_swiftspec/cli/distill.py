@@ -33,6 +33,10 @@ def add_distill_parser(commands) -> None:
                         help="train on the target's own greedy continuations (N new tokens) of the records' prompts")
     parser.add_argument("--heldout-percent", type=int, default=defaults.heldout_percent,
                         help="records held out for the final measurement (default: %(default)s)")
+    parser.add_argument("--heldout-data", nargs="+", default=[], metavar="FILE",
+                        help="held-out records in files of their own (then --data is all training)")
+    parser.add_argument("--compare-draft", nargs="+", default=[], metavar="ID_OR_DIR", dest="compare_drafts",
+                        help="other draft models to measure beside the distilled one, on the same held-out data")
     parser.add_argument("--eval-prompts-file", default=None, metavar="FILE",
                         help="held-out prompts for tau (text or .jsonl; default: the held-out records' prompts)")
     for name, kind in TRAIN_FLAGS.items():
@@ -61,6 +65,7 @@ def distill_config(args: argparse.Namespace) -> DistillConfig:
     return DistillConfig(
         target=args.target, output=args.output, data=tuple(args.data), draft=args.draft, train=train, eval=evaluation,
         self_distill_tokens=args.self_distill_tokens, heldout_percent=args.heldout_percent,
+        heldout_data=tuple(args.heldout_data), compare_drafts=tuple(args.compare_drafts),
         eval_prompts_file=args.eval_prompts_file, head_hidden=args.head_hidden, head_depth=args.head_depth,
         save_every=args.save_every, resume=args.resume, force=args.force, device=args.device, dtype=args.dtype,
         push_to_hub=args.push_to_hub, private=args.private, verbose=not args.quiet,
@@ -82,5 +87,7 @@ def run_distill(args: argparse.Namespace) -> int:
     print(f"wrote pair {result.folder} ({result.steps} steps, {result.train_tokens:,} training tokens)")
     print(f"held-out top-1 agreement {b.agreement:.1%} -> {a.agreement:.1%}; tau {b.tau:.2f} -> {a.tau:.2f} "
           f"({a.new_tokens} tokens from {a.prompts} held-out prompts); identical to target.generate: {a.identical}")
+    for name, other in result.compared.items():
+        print(f"beside it, {name}: top-1 agreement {other.agreement:.1%}, tau {other.tau:.2f}; identical: {other.identical}")
     print(f"measured on a shared, loaded machine: {result.seconds_per_step:.3f} s/step, peak RSS {result.peak_rss_mib:.0f} MiB")
     return 0 if a.identical else 1

@@ -16,49 +16,33 @@
 
 from __future__ import annotations
 
-import copy
-import json
 import os
 import re
 import resource
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from ..eagle3 import save_eagle3_head
-from ..pair import HubOptions, PairCard, PairConfigError, check_compatibility, load_tokenizer
+from ..pair import HubOptions, PairConfigError, check_compatibility, load_tokenizer
 from .distill_data import (
     Dataset,
     DistillError,
+    encode,
     even_windows,
     read_records,
+    render,
     self_distilled,
     split_records,
     token_stream,
     tokenise,
-    render,
-    encode,
 )
+from .distill_report import DistillResult, EvalSettings, draft_in_target_dtype, evaluate, push, write_pair
 from .distill_train import HeadStudent, ModelStudent, TrainSettings, World, train
 from .eagle3_training import new_head_for
 from .models import truncated_draft
 
 DRAFT_KINDS = "early-exit:K (the target's first K layers), eagle3 (a new EAGLE-3 head), or a causal LM's Hub id or folder"
-
-
-@dataclass(frozen=True)
-class EvalSettings:
-    """The held-out measurement; fixed tree settings (draft_depth too) so that tau is deterministic."""
-
-    prompts: int = 16  # held-out prompts whose greedy continuation gives tau
-    new_tokens: int = 64
-    prompt_tokens: int = 32  # a plain held-out text's prompt: its first tokens (at most half of it)
-    windows: int = 16  # held-out windows for teacher-forced agreement
-    tree_budget: int = 8
-    draft_width: int = 2
-    draft_depth: int = 4
-    ngram_size: int = 0  # 0: the draft's proposals alone, so tau measures the draft
 
 
 @dataclass(frozen=True)
@@ -73,6 +57,8 @@ class DistillConfig:
     eval: EvalSettings = EvalSettings()
     self_distill_tokens: int = 0  # > 0: train on the target's own greedy continuations of the records' prompts
     heldout_percent: int = 10
+    heldout_data: tuple[str, ...] = ()  # held-out records in files of their own (then `data` is all training)
+    compare_drafts: tuple[str, ...] = ()  # other draft models measured beside, on the same held-out data
     eval_prompts_file: str | None = None  # held-out prompts for tau (text lines or jsonl); default: from the data
     head_hidden: int | None = None  # EAGLE-3 head width (default: the target's)
     head_depth: int = 3  # levels of training-time test
@@ -85,32 +71,6 @@ class DistillConfig:
     private: bool = False
     verbose: bool = True
     command: str | None = None  # how the run was started, for the model card
-
-
-@dataclass
-class Evaluation:
-    """A draft measured on held-out data."""
-
-    agreement: float  # teacher-forced: the draft's argmax is the target's, share of held-out positions
-    kl: float  # the training objective on the held-out windows
-    tau: float  # tokens per target verification, greedy, EvalSettings' tree
-    new_tokens: int
-    verify_steps: int
-    prompts: int
-    identical: bool  # every continuation equalled target.generate's
-
-
-@dataclass
-class DistillResult:
-    folder: Path
-    steps: int
-    train_tokens: int
-    heldout_sequences: int
-    before: Evaluation
-    after: Evaluation
-    seconds_per_step: float
-    peak_rss_mib: float
-    extra: dict = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- checks, before any weights load
@@ -255,8 +215,15 @@ def starting_draft(config: DistillConfig, target, device: torch.device):
     return AutoModelForCausalLM.from_pretrained(config.draft, dtype=torch.float32).to(device)
 
 
+def split(config: DistillConfig, records) -> tuple[list, list]:
+    """(training, held-out) records: --heldout-data's files, else a hash-chosen share of --data."""
+    if config.heldout_data:
+        return records, read_records(config.heldout_data)
+    return split_records(records, config.heldout_percent)
+
+
 def prepare_data(config: DistillConfig, records, tokenizer, target) -> Dataset:
-    train_records, heldout_records = split_records(records, config.heldout_percent)
+    train_records, heldout_records = split(config, records)
     if config.self_distill_tokens:
         train = self_distilled(train_records, tokenizer, target, config.self_distill_tokens)
         heldout = self_distilled(heldout_records, tokenizer, target, config.self_distill_tokens)
@@ -278,135 +245,6 @@ def eval_prompts(config: DistillConfig, data: Dataset, tokenizer) -> list[list[i
     return [p for p in prompts if p][: config.eval.prompts]
 
 
-# ---------------------------------------------------------------- held-out measurement
-
-
-@torch.no_grad()
-def evaluate(student, tokenizer, windows: torch.Tensor, prompts: list[list[int]], settings: EvalSettings) -> Evaluation:
-    """Teacher-forced agreement and KL on `windows` (C, L), and tau on `prompts` from the pair's greedy
-    generate with settings' fixed tree, each continuation checked against target.generate."""
-    from contextlib import nullcontext
-
-    from ..modeling import SwiftSpecForCausalLM
-
-    target, draft = student.target, student.module
-    draft.eval()
-    scores = [student.step(windows[i : i + 4].to(target.device), nullcontext()) for i in range(0, len(windows), 4)]
-    sizes = [len(windows[i : i + 4]) for i in range(0, len(windows), 4)]
-    kl = sum(float(s[0]) * n for s, n in zip(scores, sizes)) / sum(sizes)
-    agree = sum(float(s[1]) * n for s, n in zip(scores, sizes)) / sum(sizes)
-    pair = SwiftSpecForCausalLM.from_models(
-        target, draft, tokenizer=tokenizer, tree_budget=settings.tree_budget, draft_width=settings.draft_width,
-        draft_depth=settings.draft_depth, ngram_size=settings.ngram_size,
-    )
-    new_tokens = verify_steps = 0
-    identical = True
-    for prompt in prompts:
-        ids = torch.tensor([prompt], device=target.device)
-        kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=settings.new_tokens, do_sample=False)
-        expected = target.generate(ids, **kwargs)
-        out = pair.generate(ids, **kwargs)
-        identical &= out.tolist() == expected.tolist()
-        new_tokens += pair.swiftspec_stats.new_tokens
-        verify_steps += pair.swiftspec_stats.verify_steps
-    return Evaluation(agree, kl, new_tokens / max(verify_steps, 1), new_tokens, verify_steps, len(prompts), identical)
-
-
-def draft_in_target_dtype(student):
-    """The draft for measuring: itself in float32 runs, else a copy in the target's dtype (the float32
-    master weights stay for training)."""
-    if student.target.dtype == torch.float32:
-        return student
-    twin = copy.copy(student)
-    twin.module = copy.deepcopy(student.module).to(student.target.dtype)
-    return twin
-
-
-# ---------------------------------------------------------------- the pair folder
-
-
-def card_for(config: DistillConfig, result: DistillResult) -> PairCard:
-    b, a, e = result.before, result.after, config.eval
-    table = (
-        "| draft | top-1 agreement | held-out KL | tau |\n|---|---|---|---|\n"
-        f"| starting draft ({config.draft}) | {b.agreement:.1%} | {b.kl:.3f} | {b.tau:.2f} |\n"
-        f"| distilled, {result.steps} steps | {a.agreement:.1%} | {a.kl:.3f} | {a.tau:.2f} |"
-    )
-    measured = (
-        f"{table}\n\nTop-1 agreement: teacher-forced, the draft's most likely next token is the target's, over "
-        f"{e.windows} held-out windows of {config.train.window} tokens. tau: tokens per target verification in greedy "
-        f"generation of {e.new_tokens} new tokens from {a.prompts} held-out prompts (tree_budget={e.tree_budget}, "
-        f"draft_width={e.draft_width}, draft_depth={e.draft_depth}, ngram_size={e.ngram_size}: fixed, so deterministic); "
-        f"output identical to target.generate: {a.identical}."
-    )
-    t = config.train
-    data = ", ".join(f"`{Path(p).name}`" for p in config.data)
-    source = (f"the target's own greedy continuations ({config.self_distill_tokens} tokens) of the prompts in {data}"
-              if config.self_distill_tokens else data)
-    training = (
-        f"Distilled with `swiftspec distill` from {source}: {result.train_tokens:,} training tokens, "
-        f"{result.heldout_sequences} held-out records ({config.heldout_percent}% by a hash of their content). "
-        f"{result.steps} steps of {t.batch} x {t.window}-token windows, AdamW (lr {t.lr}, warm-up {t.warmup}, cosine), "
-        f"KL to the target's top-{t.top_k} next-token distribution plus a tail bucket"
-        + (f", {config.head_depth} levels of EAGLE-3's training-time test" if config.draft == "eagle3" else "")
-        + f", seed {t.seed}."
-    )
-    sections = [("Measured on held-out data", measured), ("Training", training)]
-    if config.command:
-        sections.append(("Reproduce", f"```bash\n{config.command}\n```"))
-    return PairCard(
-        title=f"SwiftSpec pair: {config.target} with a distilled draft",
-        summary=(f"Lossless tree speculative decoding for `{config.target}` with a draft distilled to agree with it "
-                 f"({'an EAGLE-3 head' if config.draft == 'eagle3' else config.draft}). Outputs are exactly the target's own."),
-        tags=("distilled",), sections=tuple(sections),
-    )
-
-
-def write_pair(config: DistillConfig, student, tokenizer, result: DistillResult) -> Path:
-    """The pair folder: draft/ (the draft model with the tokenizer, or the head in the speculators layout),
-    config.json naming the target (a folder relative to the pair, or a pinned Hub id), README.md, tokenizer."""
-    from ..modeling import SwiftSpecForCausalLM
-
-    folder = Path(config.output)
-    draft = student.module
-    if config.draft == "eagle3":
-        save_eagle3_head(draft, folder / "draft", "speculators")
-    else:
-        draft.save_pretrained(folder / "draft")
-        tokenizer.save_pretrained(folder / "draft")
-    pair = SwiftSpecForCausalLM.from_models(student.target, draft, tokenizer=tokenizer, tree_budget=config.eval.tree_budget,
-                                            draft_width=config.eval.draft_width)
-    local = Path(config.target).is_dir()
-    pair.config.target = os.path.relpath(Path(config.target).resolve(), folder.resolve()) if local else config.target
-    pair.config.draft = "draft"
-    pair.pair_folder = folder
-    pair.save_pretrained(folder, card=card_for(config, result), pin_revisions=not local,
-                         load_id=config.push_to_hub or str(folder))
-    (folder / "distill.json").write_text(json.dumps(result_json(config, result), indent=1) + "\n")
-    return folder
-
-
-def result_json(config: DistillConfig, result: DistillResult) -> dict:
-    return {
-        "target": config.target, "draft": config.draft, "data": list(config.data),
-        "self_distill_tokens": config.self_distill_tokens, "train": asdict(config.train), "eval": asdict(config.eval),
-        "steps": result.steps, "train_tokens": result.train_tokens, "heldout_records": result.heldout_sequences,
-        "before": asdict(result.before), "after": asdict(result.after),
-        "measured_on_a_shared_loaded_machine": {"seconds_per_step": round(result.seconds_per_step, 3),
-                                                "peak_rss_mib": round(result.peak_rss_mib, 1)},
-    }
-
-
-def push(folder: Path, repo_id: str, private: bool) -> None:
-    """Upload the pair folder (not its checkpoints) to the Hub repo `repo_id`."""
-    from huggingface_hub import HfApi
-
-    api = HfApi()
-    api.create_repo(repo_id, private=private, exist_ok=True)
-    api.upload_folder(repo_id=repo_id, folder_path=str(folder), ignore_patterns=["checkpoints/*", ".*"],
-                      commit_message="Upload a SwiftSpec pair with a distilled draft")
-
-
 # ---------------------------------------------------------------- the whole run
 
 
@@ -414,7 +252,7 @@ def fingerprint(config: DistillConfig) -> dict:
     """What a checkpoint must have been trained with for --resume to continue it."""
     return {"target": config.target, "draft": config.draft, "data": list(config.data), "head_depth": config.head_depth,
             "self_distill_tokens": config.self_distill_tokens, "heldout_percent": config.heldout_percent,
-            "head_hidden": config.head_hidden, "dtype": config.dtype, **asdict(config.train)}
+            "head_hidden": config.head_hidden, "heldout_data": list(config.heldout_data), "dtype": config.dtype, **asdict(config.train)}
 
 
 def distill(config: DistillConfig, on_step=None) -> DistillResult:
@@ -428,7 +266,7 @@ def distill(config: DistillConfig, on_step=None) -> DistillResult:
     if world.writes:
         check_output(folder, config)
     records = read_records(config.data)
-    split_records(records, config.heldout_percent)  # refuses too few records now, not after loading
+    split(config, records)  # refuses too few records now, not after loading
     target_config, tokenizer = target_config_and_tokenizer(config.target)
     layers = early_exit_layers(config.draft)
     if layers is not None:
@@ -437,6 +275,8 @@ def distill(config: DistillConfig, on_step=None) -> DistillResult:
             raise DistillError(f"--draft early-exit:{layers}: the target has {total} layers; keep fewer (early-exit:1 to {total - 1}).")
     elif config.draft != "eagle3":
         check_draft_model(config.draft, target_config, tokenizer)
+    for other in config.compare_drafts:
+        check_draft_model(other, target_config, tokenizer)
 
     device = resolve_device(config.device, world)
     dtype = resolve_dtype(config.dtype, device)
@@ -461,9 +301,11 @@ def distill(config: DistillConfig, on_step=None) -> DistillResult:
     result = None
     if world.writes:
         after = evaluate(draft_in_target_dtype(student), tokenizer, windows, prompts, config.eval)
+        compared = {other: evaluate(ModelStudent(load_target(other, device, dtype), target, config.train.top_k),
+                                    tokenizer, windows, prompts, config.eval) for other in config.compare_drafts}
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
         result = DistillResult(folder, history.step, int(stream.numel()), len(data.heldout), before, after,
-                               history.seconds_per_step, rss)
+                               history.seconds_per_step, rss, compared)
         if config.dtype is not None or dtype != torch.float32:
             student.module.to(dtype)
         write_pair(config, student, tokenizer, result)
