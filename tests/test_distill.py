@@ -283,3 +283,35 @@ def test_the_command_distills_and_reports(target_dir, data_file, tmp_path, capsy
     report = json.loads((out / "distill.json").read_text())
     assert report["steps"] == 20 and f"tau {report['before']['tau']:.2f} -> {report['after']['tau']:.2f}" in printed
     assert math.isfinite(report["after"]["kl"])
+
+
+# ---------------------------------------------------------------- several processes
+
+
+def test_two_ranks_train_one_draft_and_rank_0_alone_writes(target_dir, data_file, tmp_path):
+    """Two CPU ranks (gloo, as torchrun starts them) split each step's windows and average gradients: they end
+    with the weights of one process training on the whole batch (up to float rounding); rank 0 alone writes."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    flags = ["--target", str(target_dir), "--data", str(data_file), "--steps", "6", "--batch", "4", "--window", "32",
+             "--eval-prompts", "1", "--eval-new-tokens", "4", "--eval-windows", "2", "--quiet", "--threads", "1"]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "hf_swiftspec.cli", "distill", str(tmp_path / "ranks"), *flags]
+    procs = [subprocess.Popen(command, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outputs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert "wrote pair" in outputs[0] and "wrote pair" not in outputs[1]
+    assert main(["distill", str(tmp_path / "alone"), *flags]) == 0
+    ranks = load_file(str(tmp_path / "ranks" / "draft" / "model.safetensors"))
+    alone = load_file(str(tmp_path / "alone" / "draft" / "model.safetensors"))
+    start = truncated_draft(load_target(target_dir), 1).state_dict()
+    for name in alone:
+        torch.testing.assert_close(ranks[name], alone[name], atol=1e-4, rtol=1e-3)
+    assert any(not torch.equal(alone[name], start[name]) for name in alone)  # it trained
