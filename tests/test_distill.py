@@ -22,6 +22,7 @@ from hf_swiftspec.tools import distill as distill_module
 from hf_swiftspec.tools.distill import DistillConfig, EvalSettings, distill
 from hf_swiftspec.tools.distill_data import DistillError, Record, self_distilled, tokenise
 from hf_swiftspec.tools.distill_train import TopK, TrainSettings, teacher_topk, topk_kl
+from hf_swiftspec.tools.eagle3_training import new_head_for
 from hf_swiftspec.tools.models import char_tokenizer, tiny_model, truncated_draft
 
 WORDS = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "print", "x", "y", "(", ")", ":"]
@@ -160,6 +161,12 @@ def test_an_eagle3_head_loads_through_the_eagle3_path(target_dir, data_file, tmp
     ids = tokenizer(word_texts(1, seed=5)[0][:20], return_tensors="pt").input_ids
     expected = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False)
     assert pair.generate(ids, max_new_tokens=30, do_sample=False).tolist() == expected.tolist()
+    # The trained head was written: it drafts for the target better than an untrained one
+    texts = word_texts(4, seed=99)
+    fresh = new_head_for(target, seed=0)
+    tau_fresh = heldout_tau(SwiftSpecForCausalLM.from_models(target, fresh, tokenizer=tokenizer, **TREE), tokenizer, texts)
+    tau_head = heldout_tau(SwiftSpecForCausalLM.from_models(target, head, tokenizer=tokenizer, **TREE), tokenizer, texts)
+    assert tau_head > tau_fresh + 0.5, (tau_fresh, tau_head)
 
 
 # ---------------------------------------------------------------- the objective and the data
