@@ -169,6 +169,21 @@ def test_an_eagle3_head_loads_through_the_eagle3_path(target_dir, data_file, tmp
     assert tau_head > tau_fresh + 0.5, (tau_fresh, tau_head)
 
 
+def test_a_bfloat16_run_writes_a_bfloat16_draft_that_decodes_as_the_target(target_dir, data_file, tmp_path):
+    """--dtype bfloat16 (the GPU default): the target runs in bf16, the draft trains in float32 under autocast
+    and is written in bf16; the pair still decodes exactly as the target (loaded in float32 on a CPU)."""
+    out = tmp_path / "bf16"
+    result = distill(config(target_dir, data_file, out, dtype="bfloat16",
+                            train=TrainSettings(steps=30, batch=4, window=32, lr=3e-3, warmup=5)))
+    assert result.after.agreement > result.before.agreement
+    assert json.loads((out / "draft" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert all(v.dtype == torch.bfloat16 for v in load_file(str(out / "draft" / "model.safetensors")).values())
+    pair, target, tokenizer = SwiftSpecForCausalLM.from_pretrained(out), load_target(target_dir), char_tokenizer()
+    ids = tokenizer(word_texts(1, seed=3)[0][:20], return_tensors="pt").input_ids
+    expected = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False)
+    assert pair.generate(ids, max_new_tokens=30, do_sample=False).tolist() == expected.tolist()
+
+
 # ---------------------------------------------------------------- the objective and the data
 
 
