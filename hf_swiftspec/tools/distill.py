@@ -5,11 +5,12 @@
 1. check every input (numbers, the draft's vocabulary, the data, the output folder) before any weights load;
 2. load the target and the starting draft: an early exit of the target (its embeddings, first k layers,
    final norm and head), a smaller causal LM sharing its tokenizer, or a new EAGLE-3 head;
-3. tokenise the data (chat templates applied), or have the target continue the prompts (self-distillation);
+3. tokenise the data (distill_data.py: chat templates applied), or have the target continue the prompts
+   (self-distillation);
 4. train (distill_train.py: top-k KL to the target, checkpoints, --resume, Ctrl-C);
-5. measure the starting and the trained draft on held-out data: teacher-forced top-1 agreement, and tau
-   from the pair's own greedy generate with fixed tree settings (deterministic), checked against
-   target.generate token for token;
+5. measure the starting and the trained draft on held-out data (distill_report.py): teacher-forced top-1
+   agreement, and tau from the pair's own greedy generate with fixed tree settings (deterministic),
+   checked against target.generate token for token;
 6. write the pair folder (swiftspec pair create's layout: config.json, tokenizer, generation config, a
    model card with the figures, the draft under draft/) and optionally push it to the Hub.
 """
@@ -182,7 +183,7 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
     return dtype
 
 
-def resolve_device(name: str | None, world: World) -> torch.device:
+def resolve_device(name: str | None) -> torch.device:
     if name is not None:
         return torch.device(name)
     if torch.cuda.is_available():
@@ -255,20 +256,17 @@ def fingerprint(config: DistillConfig) -> dict:
             "head_hidden": config.head_hidden, "heldout_data": list(config.heldout_data), "dtype": config.dtype, **asdict(config.train)}
 
 
-def distill(config: DistillConfig, on_step=None) -> DistillResult:
-    """Run `swiftspec distill` (see the module docstring); returns what it measured and where it wrote.
-    on_step(history) runs after each training step (tests interrupt a run from it)."""
+def check_inputs(config: DistillConfig, world: World) -> tuple[list, object]:
+    """Every check that needs no weights (DistillError naming the value and the fix); returns the data's
+    records and the target's tokenizer."""
     check_numbers(config)
-    early_exit_layers(config.draft)
+    layers = early_exit_layers(config.draft)
     check_push(config)
-    folder = Path(config.output)
-    world = World.from_env()
     if world.writes:
-        check_output(folder, config)
+        check_output(Path(config.output), config)
     records = read_records(config.data)
     split(config, records)  # refuses too few records now, not after loading
     target_config, tokenizer = target_config_and_tokenizer(config.target)
-    layers = early_exit_layers(config.draft)
     if layers is not None:
         total = target_config.get_text_config(decoder=True).num_hidden_layers
         if layers >= total:
@@ -277,8 +275,20 @@ def distill(config: DistillConfig, on_step=None) -> DistillResult:
         check_draft_model(config.draft, target_config, tokenizer)
     for other in config.compare_drafts:
         check_draft_model(other, target_config, tokenizer)
+    return records, tokenizer
 
-    device = resolve_device(config.device, world)
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def distill(config: DistillConfig, on_step=None) -> DistillResult | None:
+    """Run `swiftspec distill` (see the module docstring); returns what it measured and where it wrote (None
+    on ranks other than 0). on_step(history) runs after each training step (tests interrupt a run from it)."""
+    world = World.from_env()
+    records, tokenizer = check_inputs(config, world)
+    folder = Path(config.output)
+    device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     target = load_target(config.target, device, dtype)
     draft = starting_draft(config, target, device)
@@ -303,14 +313,11 @@ def distill(config: DistillConfig, on_step=None) -> DistillResult:
         after = evaluate(draft_in_target_dtype(student), tokenizer, windows, prompts, config.eval)
         compared = {other: evaluate(ModelStudent(load_target(other, device, dtype), target, config.train.top_k),
                                     tokenizer, windows, prompts, config.eval) for other in config.compare_drafts}
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
         result = DistillResult(folder, history.step, int(stream.numel()), len(data.heldout), before, after,
-                               history.seconds_per_step, rss, compared)
-        if config.dtype is not None or dtype != torch.float32:
-            student.module.to(dtype)
+                               history.seconds_per_step, peak_rss_mib(), compared)
+        student.module.to(dtype)  # trained in float32 (the optimizer's weights), written in the run's dtype
         write_pair(config, student, tokenizer, result)
         if config.push_to_hub:
             push(folder, config.push_to_hub, config.private)
     world.barrier()
     return result
-
