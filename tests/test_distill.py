@@ -146,6 +146,22 @@ def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(target_dir,
         distill(config(target_dir, data_file, tmp_path / "cut", resume=True, train=replace(steps["train"], lr=1e-3)))
 
 
+def test_a_smaller_model_learns_the_targets_own_continuations_of_prompts(target_dir, tmp_path):
+    """--draft a separate model sharing the tokenizer, trained by self-distillation on prompt records."""
+    small = tmp_path / "small"
+    tiny_model("llama", layers=1, hidden=32, seed=3).save_pretrained(small)
+    char_tokenizer().save_pretrained(small)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t[:24]}) + "\n" for t in word_texts(30, seed=1)))
+    out = tmp_path / "self"
+    result = distill(config(target_dir, prompts, out, draft=str(small), self_distill_tokens=40,
+                            train=TrainSettings(steps=60, batch=4, window=32, lr=3e-3, warmup=5)))
+    assert result.after.agreement > result.before.agreement + 0.1 and result.after.tau > result.before.tau
+    assert result.after.identical
+    assert "greedy continuations (40 tokens)" in (out / "README.md").read_text()
+    assert result.train_tokens >= (30 - result.heldout_sequences) * 41  # prompts of 25 tokens did not train alone
+
+
 def test_an_eagle3_head_loads_through_the_eagle3_path(target_dir, data_file, tmp_path):
     out = tmp_path / "head-pair"
     result = distill(config(target_dir, data_file, out, draft="eagle3",
@@ -204,14 +220,23 @@ def test_self_distillation_trains_on_the_targets_own_continuations(target_dir):
     target, tokenizer = load_target(target_dir), char_tokenizer()
     records = [Record("r0", "def x(self): return"), Record("r1", "class y:\n    import"),
                Record("r2", None, ({"role": "user", "content": "print x"},))]
-    sequences = self_distilled(records, tokenizer, target, new_tokens=12, batch=2)
-    for record, sequence in zip(records, sequences):
-        text = record.text if record.text is not None else record.messages[0]["content"]
-        ids = tokenizer(text).input_ids
-        prompt = ids[: len(ids) // 2] if record.text is not None else ids
-        own = target.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                              max_new_tokens=12, do_sample=False)
-        assert sequence.ids == own[0].tolist() and sequence.prompt == len(prompt)
+
+    def check(sequences):
+        for record, sequence in zip(records, sequences):
+            text = record.text if record.text is not None else record.messages[0]["content"]
+            ids = tokenizer(text).input_ids
+            prompt = ids[: len(ids) // 2] if record.text is not None else ids
+            own = target.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                  max_new_tokens=12, do_sample=False)
+            assert sequence.ids == own[0].tolist() and sequence.prompt == len(prompt)
+
+    first = self_distilled(records, tokenizer, target, new_tokens=12, batch=2)
+    check(first)
+    # A row that stops early (its 4th new token made the stop token) ends there, not padded to its batch's length
+    target.generation_config.eos_token_id = first[0].ids[first[0].prompt + 3]
+    stopped = self_distilled(records, tokenizer, target, new_tokens=12, batch=2)
+    assert len(stopped[0].ids) <= first[0].prompt + 4
+    check(stopped)
 
 
 def test_conversations_go_through_the_chat_template():
@@ -299,9 +324,12 @@ def test_push_to_hub_arguments_are_checked_before_training(repo, target, named, 
 def test_the_command_distills_and_reports(target_dir, data_file, tmp_path, capsys):
     out = tmp_path / "cli-pair"
     code = main(["distill", str(out), "--target", str(target_dir), "--data", str(data_file), "--steps", "20",
-                 "--batch", "4", "--window", "32", "--eval-prompts", "3", "--eval-new-tokens", "16", "--quiet"])
-    printed = capsys.readouterr().out
+                 "--batch", "4", "--window", "32", "--eval-prompts", "3", "--eval-new-tokens", "16"])
+    captured = capsys.readouterr()
+    printed = captured.out
     assert code == 0, printed
+    progress = [line for line in captured.err.replace("\r", "\n").splitlines() if line.startswith("distill: step 20/20")]
+    assert progress and all(word in progress[-1] for word in ("loss", "top-1 agreement", "s/step", "ETA")), captured.err
     report = json.loads((out / "distill.json").read_text())
     assert report["steps"] == 20 and f"tau {report['before']['tau']:.2f} -> {report['after']['tau']:.2f}" in printed
     assert math.isfinite(report["after"]["kl"])

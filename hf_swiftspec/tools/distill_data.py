@@ -186,6 +186,7 @@ def self_distilled(records: list[Record], tokenizer, target, new_tokens: int, ba
             ids = encode(tokenizer, record.text, False)
             prompts.append(ids[: max(len(ids) // 2, 1)])
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    stops = stop_ids(target, tokenizer)
     sequences = []
     for start in range(0, len(prompts), batch):
         rows = prompts[start : start + batch]
@@ -195,8 +196,23 @@ def self_distilled(records: list[Record], tokenizer, target, new_tokens: int, ba
         out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
                               pad_token_id=pad)
         for row, prompt in zip(out[:, width:].tolist(), rows):
-            sequences.append(Sequence(prompt + row, len(prompt)))
+            sequences.append(Sequence(prompt + until_stop(row, stops), len(prompt)))
     return sequences
+
+
+def stop_ids(target, tokenizer) -> set[int]:
+    """The ids generate() stops a row at (the target's generation config, else the tokenizer's EOS)."""
+    eos = target.generation_config.eos_token_id
+    eos = tokenizer.eos_token_id if eos is None else eos
+    return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+
+def until_stop(row: list[int], stops: set[int]) -> list[int]:
+    """A batched row up to its first stop token (kept): after it generate() pads the finished row."""
+    for i, token in enumerate(row):
+        if token in stops:
+            return row[: i + 1]
+    return row
 
 
 def token_stream(sequences: list[Sequence], eos: int | None) -> torch.Tensor:
