@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import re
 import resource
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -38,40 +38,13 @@ from .distill_data import (
     token_stream,
     tokenise,
 )
-from .distill_report import DistillResult, EvalSettings, draft_in_target_dtype, evaluate, push, write_pair
-from .distill_train import HeadStudent, ModelStudent, TrainSettings, World, train
+from .distill_config import DRAFT_KINDS, DistillConfig, EvalSettings
+from .distill_report import DistillResult, draft_in_target_dtype, evaluate, push, write_pair
+from .distill_train import HeadStudent, ModelStudent, World, train
 from .eagle3_training import new_head_for
 from .models import truncated_draft
 
-DRAFT_KINDS = "early-exit:K (the target's first K layers), eagle3 (a new EAGLE-3 head), or a causal LM's Hub id or folder"
-
-
-@dataclass(frozen=True)
-class DistillConfig:
-    """Everything `swiftspec distill` does; the command's defaults come from here."""
-
-    target: str
-    output: str
-    data: tuple[str, ...] = ()
-    draft: str = "early-exit:1"  # DRAFT_KINDS
-    train: TrainSettings = TrainSettings()
-    eval: EvalSettings = EvalSettings()
-    self_distill_tokens: int = 0  # > 0: train on the target's own greedy continuations of the records' prompts
-    heldout_percent: int = 10
-    heldout_data: tuple[str, ...] = ()  # held-out records in files of their own (then `data` is all training)
-    compare_drafts: tuple[str, ...] = ()  # other draft models measured beside, on the same held-out data
-    eval_prompts_file: str | None = None  # held-out prompts for tau (text lines or jsonl); default: from the data
-    head_hidden: int | None = None  # EAGLE-3 head width (default: the target's)
-    head_depth: int = 3  # levels of training-time test
-    save_every: int = 100
-    resume: bool = False
-    force: bool = False  # write into a non-empty folder
-    device: str | None = None  # default: cuda (this rank's) when present, else cpu
-    dtype: str | None = None  # default: float32 on CPU, bfloat16 on GPU
-    push_to_hub: str | None = None  # a Hub repo id to upload the pair to
-    private: bool = False
-    verbose: bool = True
-    command: str | None = None  # how the run was started, for the model card
+__all__ = ["DRAFT_KINDS", "DistillConfig", "EvalSettings", "distill"]
 
 
 # ---------------------------------------------------------------- checks, before any weights load

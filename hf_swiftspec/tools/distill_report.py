@@ -9,29 +9,12 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..eagle3 import save_eagle3_head
 from ..pair import PairCard
-
-if TYPE_CHECKING:
-    from .distill import DistillConfig
-
-
-@dataclass(frozen=True)
-class EvalSettings:
-    """The held-out measurement; fixed tree settings (draft_depth too) so that tau is deterministic."""
-
-    prompts: int = 16  # held-out prompts whose greedy continuation gives tau
-    new_tokens: int = 64
-    prompt_tokens: int = 32  # a plain held-out text's prompt: its first tokens (at most half of it)
-    windows: int = 16  # held-out windows for teacher-forced agreement
-    tree_budget: int = 8
-    draft_width: int = 2
-    draft_depth: int = 4
-    ngram_size: int = 0  # 0: the draft's proposals alone, so tau measures the draft
+from .distill_config import DistillConfig, EvalSettings
 
 
 @dataclass
