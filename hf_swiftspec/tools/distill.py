@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import re
-import resource
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -252,7 +252,13 @@ def check_inputs(config: DistillConfig, world: World) -> tuple[list, object]:
 
 
 def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    """This process's peak resident memory so far (0.0 where the resource module is missing: Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return 0.0
+    scale = 1024 * 1024 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / scale
 
 
 def distill(config: DistillConfig, on_step=None) -> DistillResult | None:
