@@ -5,6 +5,7 @@
     swiftspec pair create --target T --draft D DIR write a pair repo (config, tokenizer, model card)
     swiftspec pair check ID_OR_DIR                 check a pair without loading any weights
     swiftspec bench [--pair ID] [--prompts FILE]   time swiftspec against the peers, side by side
+    swiftspec distill --target T --data F DIR      train a draft that agrees with T, write a pair repo
 
 Without --pair, `generate` uses the demo pair that ships with hf_swiftspec (a tiny Python
 code-completion pair), so it works offline on any machine. Progress and errors go to stderr,
@@ -354,6 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_tree_options(srv)
 
+    from .distill import add_distill_parser
+
+    add_distill_parser(commands)
     from ..bench import add_bench_arguments  # the bench imports these options: the command wires it in late
 
     add_bench_arguments(
@@ -387,6 +391,10 @@ def main(argv: list[str] | None = None) -> int:
             return bench_main(args)
         if args.command == "serve":
             return run_serve(args)
+        if args.command == "distill":
+            from .distill import run_distill
+
+            return run_distill(args)
         if args.pair_command == "create":
             return run_pair_create(args)
         return run_pair_check(args)

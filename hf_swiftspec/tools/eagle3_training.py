@@ -91,17 +91,32 @@ def target_states(target, layer_ids, ids: torch.Tensor) -> tuple[torch.Tensor, t
 
 
 def ttt_loss(head: Eagle3Head, ids, states, probs, depth: int, decay: float) -> torch.Tensor:
-    """Soft cross-entropy of `depth` levels of training-time test (see the module docstring).
+    """Soft cross-entropy of `depth` levels of training-time test (see the module docstring and ttt_levels);
+    probs (B, N, V): the target's next-token probabilities."""
+    M = ids.shape[1] - depth
+    d2t_ids = head.target_ids(torch.arange(head.config.draft_vocab_size, device=ids.device))
+    total = 0.0
+    for s, logits in enumerate(ttt_levels(head, ids, states, depth), start=1):
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        labels = probs[:, s : s + M][..., d2t_ids]
+        labels = labels / labels.sum(-1, keepdim=True).clamp_min(1e-9)
+        total = total + decay ** (s - 1) * -(labels * logprobs).sum(-1).mean()
+    return total
 
-    Level s (1-based) at window position j: token x_{j+s} with hidden input f_j (s = 1) or the level s - 1
-    output at j, position j + s - 1; it predicts x_{j+s+1}, whose target distribution is probs[j + s].
+
+def ttt_levels(head: Eagle3Head, ids: torch.Tensor, states: torch.Tensor, depth: int) -> Iterator[torch.Tensor]:
+    """The head's logits (B, M, V_draft), M = N - depth, at each of `depth` levels of training-time test.
+
+    ids (B, N): the token window; states (B, N, 3H): the target's states at head.layer_ids. Level s
+    (1-based) at window position j: token x_{j+s} with hidden input f_j (s = 1) or the level s - 1 output
+    at j, position j + s - 1; it predicts x_{j+s+1}, whose target distribution is the target's at
+    position j + s (so level s's labels are the target's [:, s : s + M]).
     """
     B, N = ids.shape
     M = N - depth
     attn = head.midlayer.self_attn
-    d2t_ids = head.target_ids(torch.arange(head.config.draft_vocab_size, device=ids.device))
     hidden = head.fuse(states[:, :M])
-    keys, values, total = [], [], 0.0
+    keys, values = [], []
     for s in range(1, depth + 1):
         tokens = ids[:, s : s + M]
         embeds = head.embed_tokens(tokens)
@@ -122,11 +137,7 @@ def ttt_loss(head: Eagle3Head, ids, states, probs, depth: int, decay: float) -> 
         out = F.scaled_dot_product_attention(q, K, V, attn_mask=ttt_mask(M, s, ids.device))
         hidden = residual + attn.o_proj(out.transpose(1, 2).reshape(B, M, -1))
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        logprobs = torch.log_softmax(head.lm_head(head.norm(hidden)).float(), dim=-1)
-        labels = probs[:, s : s + M][..., d2t_ids]
-        labels = labels / labels.sum(-1, keepdim=True).clamp_min(1e-9)
-        total = total + decay ** (s - 1) * -(labels * logprobs).sum(-1).mean()
-    return total
+        yield head.lm_head(head.norm(hidden))
 
 
 def ttt_mask(M: int, level: int, device) -> torch.Tensor:

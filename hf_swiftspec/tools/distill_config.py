@@ -1,0 +1,53 @@
+"""What `swiftspec distill` is asked to do: DistillConfig (with TrainSettings and EvalSettings), which the
+command's options fill and a checkpoint's settings are compared with on --resume."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .distill_train import TrainSettings
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """The held-out measurement; fixed tree settings (draft_depth too) so that tau is deterministic."""
+
+    prompts: int = 16  # held-out prompts whose greedy continuation gives tau
+    new_tokens: int = 64
+    prompt_tokens: int = 32  # a plain held-out text's prompt: its first tokens (at most half of it)
+    windows: int = 16  # held-out windows for teacher-forced agreement
+    tree_budget: int = 8
+    draft_width: int = 2
+    draft_depth: int = 4
+    ngram_size: int = 0  # 0: the draft's proposals alone, so tau measures the draft
+
+
+DRAFT_KINDS = "early-exit:K (the target's first K layers), eagle3 (a new EAGLE-3 head), or a causal LM's Hub id or folder"
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """Everything `swiftspec distill` does; the command's defaults come from here."""
+
+    target: str
+    output: str
+    data: tuple[str, ...] = ()
+    draft: str = "early-exit:1"  # DRAFT_KINDS
+    train: TrainSettings = TrainSettings()
+    eval: EvalSettings = EvalSettings()
+    self_distill_tokens: int = 0  # > 0: train on the target's own greedy continuations of the records' prompts
+    heldout_percent: int = 10
+    heldout_data: tuple[str, ...] = ()  # held-out records in files of their own (then `data` is all training)
+    compare_drafts: tuple[str, ...] = ()  # other draft models measured beside, on the same held-out data
+    eval_prompts_file: str | None = None  # held-out prompts for tau (text lines or jsonl); default: from the data
+    head_hidden: int | None = None  # EAGLE-3 head width (default: the target's)
+    head_depth: int = 3  # levels of training-time test
+    save_every: int = 100
+    resume: bool = False
+    force: bool = False  # write into a non-empty folder
+    device: str | None = None  # default: cuda (this rank's) when present, else cpu
+    dtype: str | None = None  # default: float32 on CPU, bfloat16 on GPU
+    push_to_hub: str | None = None  # a Hub repo id to upload the pair to
+    private: bool = False
+    verbose: bool = True
+    command: str | None = None  # how the run was started, for the model card

@@ -1,0 +1,382 @@
+"""The training loop of `swiftspec distill`: the objective (KL to the target's top-k next-token
+distribution), students (a draft model, an EAGLE-3 head), checkpoints that resume exactly, a progress
+line, and rank 0 alone writing under torchrun.
+
+The objective: at each position the target's distribution is kept as its k most likely tokens plus one
+tail bucket holding the rest of its mass, and the student's distribution is folded the same way (its
+probability of those k tokens, and of everything else); the loss is the KL divergence between the two
+(k + 1)-way distributions. What the teacher contributes per position is k values and k ids instead of
+a vocabulary-sized row, and with k = V it is the full KL.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import load_file, load_model, save_file, save_model
+
+from ..eagle3 import FeatureTap
+from .distill_data import DistillError, random_windows
+from .eagle3_training import ttt_levels
+
+
+# ---------------------------------------------------------------- the objective
+
+
+@dataclass
+class TopK:
+    """The target's next-token distribution, kept as its k likeliest tokens."""
+
+    logprobs: torch.Tensor  # (B, T, k) float32, descending
+    ids: torch.Tensor  # (B, T, k)
+
+    def __getitem__(self, index) -> "TopK":
+        return TopK(self.logprobs[index], self.ids[index])
+
+
+def teacher_topk(logits: torch.Tensor, k: int) -> TopK:
+    """logits (B, T, V) -> the top-k of their log-softmax, in float32."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    values, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+    return TopK(values, ids)
+
+
+def topk_kl(logits: torch.Tensor, teacher: TopK) -> torch.Tensor:
+    """Mean over positions of KL(teacher || student) over the teacher's top-k tokens and one tail bucket.
+
+    logits (B, T, V): the student's; teacher: (B, T, k)."""
+    logq = torch.log_softmax(logits.float(), dim=-1)
+    logq_k = logq.gather(-1, teacher.ids)  # (B, T, k)
+    in_topk = torch.zeros_like(logq, dtype=torch.bool).scatter_(-1, teacher.ids, True)
+    logq_tail = logq.masked_fill(in_topk, -math.inf).logsumexp(-1)  # (B, T)
+    p_k = teacher.logprobs.exp()
+    p_tail = (-torch.expm1(teacher.logprobs.logsumexp(-1))).clamp_min(0)  # 1 - sum(p_k), without cancellation
+    head = (p_k * (teacher.logprobs - logq_k)).sum(-1)
+    # k = V leaves no tail: the student's is log(0), the teacher's rounding noise, and their term is 0
+    tail = torch.xlogy(p_tail, p_tail) - p_tail * logq_tail.nan_to_num(neginf=0.0)
+    return (head + tail).mean()
+
+
+def agreement(logits: torch.Tensor, teacher: TopK) -> torch.Tensor:
+    """Share of positions where the student's argmax is the target's (its top-1)."""
+    return (logits.argmax(-1) == teacher.ids[..., 0]).float().mean()
+
+
+# ---------------------------------------------------------------- students
+
+
+class ModelStudent:
+    """A draft causal LM learning the target's distribution position by position."""
+
+    kind = "model"
+
+    def __init__(self, draft, target, top_k: int):
+        self.module, self.target, self.top_k = draft, target, top_k
+        self.vocab = min(target.get_output_embeddings().weight.shape[0], draft.get_output_embeddings().weight.shape[0])
+
+    def trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+
+    @torch.no_grad()
+    def teacher(self, ids: torch.Tensor) -> TopK:
+        return teacher_topk(self.target(ids).logits[..., : self.vocab], self.top_k)
+
+    def step(self, ids: torch.Tensor, autocast) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss, top-1 agreement) on windows ids (B, N)."""
+        teacher = self.teacher(ids)
+        with autocast:
+            logits = self.module(ids).logits[..., : self.vocab]
+        return topk_kl(logits, teacher), agreement(logits.detach(), teacher)
+
+
+class HeadStudent:
+    """An EAGLE-3 head learning the target's distribution through `depth` levels of training-time test
+    (eagle3_training.ttt_levels); agreement is depth 1's."""
+
+    kind = "eagle3"
+
+    def __init__(self, head, target, top_k: int, depth: int = 3, decay: float = 0.8):
+        if head.config.draft_vocab_size != head.config.vocab_size:
+            raise DistillError("distill trains EAGLE-3 heads over the target's full vocabulary (draft_vocab_size = vocab_size).")
+        self.module, self.target, self.top_k, self.depth, self.decay = head, target, top_k, depth, decay
+
+    def trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
+        shared = getattr(self.module, "shares_embeddings", False)
+        return [(n, p) for n, p in self.module.named_parameters() if not (shared and n.startswith("embed_tokens"))]
+
+    @torch.no_grad()
+    def teacher(self, ids: torch.Tensor) -> tuple[torch.Tensor, TopK]:
+        """(the target's states at the head's layers (B, N, 3H), its top-k (B, N, k))."""
+        with FeatureTap(self.target, self.module.layer_ids) as tap:
+            logits = self.target(ids).logits
+            return tap.take(), teacher_topk(logits, self.top_k)
+
+    def step(self, ids: torch.Tensor, autocast) -> tuple[torch.Tensor, torch.Tensor]:
+        states, teacher = self.teacher(ids)
+        M = ids.shape[1] - self.depth
+        total, first = 0.0, None
+        with autocast:
+            for s, logits in enumerate(ttt_levels(self.module, ids, states, self.depth), start=1):
+                level = teacher[:, s : s + M]
+                total = total + self.decay ** (s - 1) * topk_kl(logits, level)
+                if first is None:
+                    first = agreement(logits.detach(), level)
+        return total, first
+
+
+# ---------------------------------------------------------------- settings, world, progress
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """What decides the trained weights (a checkpoint records them; --resume refuses others)."""
+
+    steps: int = 400
+    batch: int = 8  # windows per step, over all ranks
+    window: int = 128  # tokens per window
+    lr: float = 3e-3
+    warmup: int = 20
+    weight_decay: float = 0.0
+    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
+    top_k: int = 64
+    seed: int = 0
+
+    def learning_rate(self, step: int) -> float:
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        progress = min((step - self.warmup) / max(self.steps - self.warmup, 1), 1.0)
+        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place among torchrun / accelerate launch ranks (rank 0 of 1 without them)."""
+
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def writes(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls) -> "World":
+        size = int(os.environ.get("WORLD_SIZE", "1"))
+        if size > 1:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+            return cls(dist.get_rank(), dist.get_world_size())
+        return cls()
+
+    def average_gradients(self, params) -> None:
+        """Every rank ends the step with the mean gradient, so all ranks hold the same weights."""
+        if self.size == 1:
+            return
+        import torch.distributed as dist
+
+        for p in params:
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad.div_(self.size)
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+
+@dataclass
+class History:
+    """Per-step figures, saved in checkpoints so that a resumed run reports the whole run."""
+
+    step: int = 0
+    losses: list[float] = field(default_factory=list)
+    agreements: list[float] = field(default_factory=list)
+    seconds: float = 0.0  # wall time of the steps taken, over all resumed segments (a report, never a decision)
+    timed_steps: int = 0
+
+    @property
+    def seconds_per_step(self) -> float:
+        return self.seconds / max(self.timed_steps, 1)
+
+    def recent(self, n: int = 50) -> tuple[float, float]:
+        tail = slice(-n, None)
+        losses, agree = self.losses[tail], self.agreements[tail]
+        return sum(losses) / max(len(losses), 1), sum(agree) / max(len(agree), 1)
+
+
+class Progress:
+    """One line on stderr, rewritten in place on a terminal (a line every `every` steps elsewhere):
+    step, loss and agreement over the last 50 steps, time per step, ETA."""
+
+    def __init__(self, total: int, first: int, enabled: bool, every: int = 25):
+        self.total, self.first, self.enabled, self.every = total, first, enabled, every
+        self.start = time.monotonic()
+        self.tty = sys.stderr.isatty()
+
+    def update(self, history: History) -> None:
+        if not self.enabled or not (self.tty or history.step % self.every == 0 or history.step == self.total):
+            return
+        loss, agree = history.recent()
+        per_step = (time.monotonic() - self.start) / max(history.step - self.first, 1)
+        eta = per_step * (self.total - history.step)
+        line = (f"distill: step {history.step}/{self.total}  loss {loss:.4f}  top-1 agreement {agree:.1%}  "
+                f"{per_step:.2f} s/step  ETA {int(eta // 60)}m{int(eta % 60):02d}s")
+        print(f"\r{line}" if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
+
+    def note(self, message: str) -> None:
+        if self.enabled:
+            print(("\n" if self.tty else "") + f"distill: {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+CHECKPOINT_FILES = ("weights.safetensors", "optimizer.safetensors", "trainer_state.json")
+
+
+def checkpoint_folders(root: Path) -> list[Path]:
+    """Complete checkpoints under root, oldest first."""
+    found = [p for p in root.glob("step-*") if all((p / f).is_file() for f in CHECKPOINT_FILES)] if root.is_dir() else []
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def save_checkpoint(root: Path, module, optimizer, data_rng: torch.Generator, history: History, fingerprint: dict,
+                    keep: int = 2) -> Path:
+    """root/step-N: the weights, the optimizer's tensors and both random states (safetensors), and the step,
+    history and settings (json). Written beside and moved into place, so a crash leaves no half checkpoint."""
+    folder = root / f"step-{history.step:07d}"
+    partial = root / f".{folder.name}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    save_model(module, str(partial / "weights.safetensors"))
+    state = optimizer.state_dict()
+    tensors = {f"optimizer.{i}.{name}": value.detach().cpu().contiguous() for i, slots in state["state"].items()
+               for name, value in slots.items()}
+    tensors["rng.torch"] = torch.get_rng_state()
+    tensors["rng.data"] = data_rng.get_state()
+    save_file(tensors, str(partial / "optimizer.safetensors"))
+    meta = {"step": history.step, "history": asdict(history), "param_groups": state["param_groups"], "settings": fingerprint}
+    (partial / "trainer_state.json").write_text(json.dumps(meta, indent=1) + "\n")
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(partial, folder)
+    for old in checkpoint_folders(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return folder
+
+
+def load_checkpoint(folder: Path, module, optimizer, data_rng: torch.Generator, fingerprint: dict) -> History:
+    """Restore what save_checkpoint wrote; DistillError if it was written with other settings."""
+    meta = json.loads((folder / "trainer_state.json").read_text())
+    differ = {k: (meta["settings"].get(k), v) for k, v in fingerprint.items() if meta["settings"].get(k) != v}
+    if differ:
+        listed = "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in differ.items())
+        raise DistillError(
+            f"--resume: the checkpoint {folder} was written by a run with other settings ({listed}). Resume with the "
+            "same settings, or write to a new output folder."
+        )
+    load_model(module, str(folder / "weights.safetensors"))
+    tensors = load_file(str(folder / "optimizer.safetensors"))
+    slots: dict[int, dict] = {}
+    for key, value in tensors.items():
+        if key.startswith("optimizer."):
+            _, index, name = key.split(".", 2)
+            slots.setdefault(int(index), {})[name] = value
+    optimizer.load_state_dict({"state": slots, "param_groups": meta["param_groups"]})
+    torch.set_rng_state(tensors["rng.torch"])
+    data_rng.set_state(tensors["rng.data"])
+    return History(**meta["history"])
+
+
+# ---------------------------------------------------------------- the loop
+
+
+def make_optimizer(student, settings: TrainSettings) -> torch.optim.Optimizer:
+    named = student.trainable()
+    decay = [p for n, p in named if p.dim() >= 2]
+    rest = [p for n, p in named if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": settings.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=settings.lr, betas=(0.9, 0.95),
+    )
+
+
+def autocast_for(dtype: torch.dtype, device: torch.device):
+    """bf16 / fp16 forwards with float32 weights and optimizer (mixed precision); float32: plain."""
+    return torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
+
+
+def train(student, stream: torch.Tensor, settings: TrainSettings, checkpoints: Path, fingerprint: dict,
+          resume: bool = False, save_every: int = 100, dtype: torch.dtype = torch.float32, world: World = World(),
+          on_step: Callable[[History], None] | None = None, verbose: bool = True) -> History:
+    """Train `student` on windows of `stream` (N,) for settings.steps steps; returns the run's history.
+
+    Every `save_every` steps, at the end, and on KeyboardInterrupt (Ctrl-C, then re-raised) rank 0 writes
+    a checkpoint under `checkpoints`; resume=True starts from the latest one there and, with the same
+    settings and seed, ends with exactly the weights of an uninterrupted run. on_step(history) runs after
+    each step (tests interrupt a run from it).
+    """
+    module = student.module
+    device = next(module.parameters()).device
+    torch.manual_seed(settings.seed)
+    data_rng = torch.Generator().manual_seed(settings.seed)
+    optimizer = make_optimizer(student, settings)
+    params = [p for _, p in student.trainable()]
+    history = History()
+    if resume:
+        found = checkpoint_folders(checkpoints)
+        if found:
+            history = load_checkpoint(found[-1], module, optimizer, data_rng, fingerprint)
+    progress = Progress(settings.steps, history.step, verbose and world.writes)
+    if history.step:
+        progress.note(f"resumed from {found[-1]} at step {history.step}")
+    autocast = autocast_for(dtype, device)
+    module.train()
+
+    def checkpoint() -> None:
+        if world.writes:
+            where = save_checkpoint(checkpoints, module, optimizer, data_rng, history, fingerprint)
+            progress.note(f"checkpoint {where}")
+
+    try:
+        while history.step < settings.steps:
+            started = time.monotonic()
+            for group in optimizer.param_groups:
+                group["lr"] = settings.learning_rate(history.step)
+            ids = random_windows(stream, settings.batch, settings.window, data_rng)[world.rank :: world.size].to(device)
+            loss, agree = student.step(ids, autocast)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            world.average_gradients(params)
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            history.step += 1
+            history.timed_steps += 1
+            history.seconds += time.monotonic() - started
+            history.losses.append(loss.item())
+            history.agreements.append(agree.item())
+            progress.update(history)
+            if on_step is not None:
+                on_step(history)
+            if history.step % save_every == 0 and history.step < settings.steps:
+                checkpoint()
+    except KeyboardInterrupt:
+        progress.note(f"interrupted at step {history.step}; writing a last checkpoint (continue with --resume)")
+        checkpoint()
+        raise
+    checkpoint()
+    module.eval()
+    return history
