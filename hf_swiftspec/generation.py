@@ -325,7 +325,8 @@ def run_engine(placement, groups, target, draft, request: DecodeRequest, config,
     (`engine`: engine_for_call's), the engine chosen for this call, timed for the next choice (choice.py)."""
     if placement is None or placement.mode == "serial":
         return run_serial(target, draft, request)
-    start = time.perf_counter()
+    clock = request.policy.engines.clock
+    start = clock()
     timeout_s = config.worker_timeout_s
     if engine == SERIAL:
         result = run_serial(target, draft, request) if groups is None else run_serial_distributed(
@@ -335,7 +336,7 @@ def run_engine(placement, groups, target, draft, request: DecodeRequest, config,
     else:
         result = run_distributed(groups, target, draft, request, timeout_s=timeout_s)
     if engine is not None:
-        note_engine(request.policy.engines, engine, result, time.perf_counter() - start, groups)
+        note_engine(request.policy.engines, engine, result, clock() - start, groups)
     return result
 
 
