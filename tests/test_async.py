@@ -10,6 +10,8 @@ from hf_swiftspec.engine import SwiftSpecWorkerError
 from hf_swiftspec.placement import resolve_placement
 from hf_swiftspec.tools.models import tiny_model, truncated_draft
 
+from fixed_costs import given_costs
+
 CPU_THREADS = {"target": ["cpu"], "draft": ["cpu"]}
 
 
@@ -58,17 +60,6 @@ def verdicts_wait_for_the_draft(monkeypatch):
     monkeypatch.setattr(ThreadLink, "send_subtree", send_subtree)
     monkeypatch.setattr(ThreadLink, "receive_subtree", receive_subtree)
     monkeypatch.setattr(ThreadLink, "receive_verdict", receive_verdict)
-
-
-def given_costs(model, expand_s: float, verify_s: dict[int, float]):
-    """Fixed step prices for the pair's policy, which rounds' measurements leave alone (CostModel.given)."""
-    from hf_swiftspec.costs import CostModel
-    from hf_swiftspec.policy import BatchSize
-
-    policy = model.policy()
-    policy.batches[1] = BatchSize(CostModel(batch=1, expand_s=expand_s, verify_s=dict(verify_s), given=True),
-                                  probe_interval=policy.probe_every)
-    return policy
 
 
 def test_draft_expands_while_the_target_verifies(llama_pair, verdicts_wait_for_the_draft):
