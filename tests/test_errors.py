@@ -166,7 +166,7 @@ def test_a_member_whose_folder_now_holds_another_model_is_not_named(tmp_path):
     from transformers import AutoModelForCausalLM
 
     draft = truncated_draft(AutoModelForCausalLM.from_pretrained(tmp_path / "target"), 1)
-    draft.config._name_or_path = str(tmp_path / "target-copy")
+    draft.name_or_path = draft.config._name_or_path = str(tmp_path / "target-copy")
     target.save_pretrained(tmp_path / "target-copy")  # the folder the draft names holds a 2-layer model
     pair = SwiftSpecForCausalLM.from_models(target, draft, tokenizer=tok)
     assert pair.config.draft is None and pair.config.target == str(tmp_path / "target")

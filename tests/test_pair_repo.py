@@ -691,3 +691,18 @@ def test_a_pair_of_one_tokenizer_loads_it_once(monkeypatch):
     assert len(loads) == 1, loads
     assert compared == []
     assert model.tokenizer("def f():").input_ids == AutoTokenizer.from_pretrained(model.pair_folder / "target")("def f():").input_ids
+
+
+def test_an_early_exit_of_a_loaded_target_pairs_without_a_puzzling_notice(tmp_path, caplog):
+    """truncated_draft cut from a target loaded from its folder: the pair is made without a notice that the draft "was
+    built in memory" (it printed one, naming the target's folder), and the draft names no folder, so saving the pair
+    says how to store its weights instead of pointing at the target's."""
+    tiny_model("llama", seed=0).save_pretrained(tmp_path / "target")
+    target = AutoModelForCausalLM.from_pretrained(tmp_path / "target")
+    with caplog.at_level(logging.WARNING, logger="hf_swiftspec"):
+        pair = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 1))
+    assert caplog.text == "" and pair.draft.name_or_path == ""
+    with pytest.raises(ValueError, match="the draft was built in memory"):
+        pair.save_pretrained(tmp_path / "pair")
+    pair.save_pretrained(tmp_path / "pair", save_members=True)
+    assert (tmp_path / "pair" / "draft" / "config.json").is_file()
