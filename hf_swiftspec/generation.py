@@ -138,6 +138,7 @@ def swiftspec_generate(
         keeps_scores=bool(generation_config.return_dict_in_generate and generation_config.output_scores),
         keeps_logits=bool(generation_config.return_dict_in_generate and generation_config.output_logits),
     )
+    copyable = swiftspec_history.tokens if swiftspec_history is not None and config.ngram_size else 0
     if swiftspec_engine is not None:
         engine, key = swiftspec_engine
         result = engine.decode(request, key)  # the engine remembers the output (its thread owns the history)
@@ -149,6 +150,7 @@ def swiftspec_generate(
                                      chain_reasons, architectures, captures if ours else Captures())
         remember_outputs(swiftspec_history, config, request, result)
     result.stats.draft_model = swiftspec_draft is not None
+    result.stats.history_tokens = copyable
     if batch > 1:
         result.stats.row_tau = [row.tau for row in result.rows]
     return generate_output(input_ids, result, generation_config), result.stats
