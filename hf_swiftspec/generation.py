@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import numbers
 import time
 import warnings
 
@@ -487,6 +488,8 @@ def check_inputs(inputs, kwargs: dict, generation_config: GenerationConfig | Non
 
     Each error names the argument and what to pass instead.
     """
+    check_prompt_shape(inputs if inputs is not None else kwargs.get("input_ids"))
+    check_length_arguments(kwargs, generation_config, default)
     if kwargs.get("inputs_embeds") is not None:
         with_ids = inputs is not None or kwargs.get("input_ids") is not None
         given = "input_ids together with inputs_embeds" if with_ids else "inputs_embeds"
@@ -525,6 +528,41 @@ def check_inputs(inputs, kwargs: dict, generation_config: GenerationConfig | Non
             "full-precision tree caches (a quantized cache changes the tokens; a paged one turns generate() into "
             "continuous batching). Drop the argument, or pass swiftspec=False."
         )
+
+
+LENGTH_ARGUMENTS = ("max_new_tokens", "min_new_tokens", "max_length", "min_length")
+
+
+def check_prompt_shape(ids) -> None:
+    """input_ids must be a (batch, length) tensor of token ids: a 1-D one failed deep inside transformers
+    (IndexError), a list with a TypeError that did not say which argument."""
+    if ids is None:
+        return
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(
+            f"input_ids must be a torch.Tensor of token ids, shape (batch, length); got a {type(ids).__name__}. "
+            "Pass tokenizer(text, return_tensors='pt').input_ids, or torch.tensor([ids]) for one list of ids."
+        )
+    if ids.dim() != 2:
+        fix = "input_ids[None] (or input_ids.unsqueeze(0)) for one prompt" if ids.dim() == 1 else "a (batch, length) tensor"
+        raise ValueError(
+            f"input_ids must have shape (batch, length); got a {ids.dim()}-D tensor of shape {tuple(ids.shape)}. "
+            f"Pass {fix}."
+        )
+
+
+def check_length_arguments(kwargs: dict, generation_config: GenerationConfig | None, default: GenerationConfig) -> None:
+    """max_new_tokens and the other lengths must be whole numbers: "5" failed inside transformers with a TypeError
+    comparing str and int that named none of them."""
+    for name in LENGTH_ARGUMENTS:
+        value = requested(name, kwargs, generation_config, default)
+        if value is None or (isinstance(value, numbers.Integral) and not isinstance(value, bool)):
+            continue
+        try:
+            hint = f" Pass {name}={int(value)}." if isinstance(value, (str, float)) and int(value) == float(value) else ""
+        except ValueError:
+            hint = ""
+        raise TypeError(f"{name}={value!r} must be an int (a number of tokens), not a {type(value).__name__}.{hint}")
 
 
 def requested(name: str, kwargs: dict, generation_config: GenerationConfig | None, default: GenerationConfig):
