@@ -128,6 +128,25 @@ def test_every_cpu_block_runs_one_thread_per_model():
     assert not missing, missing
 
 
+def test_the_own_model_recipe_states_its_result_file():
+    """drafters.md's "your own model" table is examples/results/cpu-own-model-recipe/results.json, tau for tau."""
+    import json
+
+    folder = ROOT / "examples" / "results" / "cpu-own-model-recipe"
+    results = json.loads((folder / "results.json").read_text())
+    assert "own_model_recipe.py" in (folder / "command.txt").read_text() and results["settings"] == dict(
+        tree_budget=8, draft_depth=4)
+    section = text(DOCS / "drafters.md").split("## Your own model, no trained draft", 1)[1]
+    table = {cells[0]: cells[1:] for cells in (
+        [c.strip() for c in line.strip("|").split("|")] for line in section.splitlines() if line.startswith("| ")
+    )}
+    for row in results["rows"]:
+        column = 0 if row["prompts"].startswith("free text") else 1
+        assert table[row["drafter"]][column] == f"{row['tau']:.2f}", (row, table)
+        assert row["identical"], row
+    assert len(table) == 1 + len({row["drafter"] for row in results["rows"]})  # the header and one row each
+
+
 def test_the_readme_runs_its_example(capsys, monkeypatch):
     """The README's example, as pasted: it prints the pair's completion and the pipeline's, each exactly what the
     target alone completes, and the statistics line; every greedy call equals target.generate's."""
