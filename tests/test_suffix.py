@@ -94,7 +94,8 @@ def test_later_requests_copy_earlier_outputs():
     verifications, the same tokens; clearing the history gives the first call's count back."""
     target = tiny_model("llama", seed=5)
     target.generation_config.eos_token_id = None
-    model = SwiftSpecForCausalLM.from_models(target)
+    # a fixed tree size: the verification counts below then follow the proposals, not this machine's step timings
+    model = SwiftSpecForCausalLM.from_models(target, tree_budget=16)
     prompt = torch.randint(3, 98, (1, 12), generator=torch.Generator().manual_seed(2))
     expected = target.generate(prompt, do_sample=False, max_new_tokens=40).tolist()
     steps, copyable = [], []
