@@ -15,6 +15,8 @@ pair a single slow serial call kept the asynchronous engine (0.80x the serial ro
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 ASYNC, SERIAL = "async", "serial"  # the two engines a call may run (their stats name the asynchronous one more precisely)
@@ -28,11 +30,13 @@ class EngineChoice:
     """Tokens per second each engine measured on this pair, averaged over calls, and the choice they make.
 
     rates: engine -> running average of new tokens per second of its calls; calls: engine -> calls run.
+    clock: what a call is timed with (seconds); a test gives one that advances by fixed costs per engine.
     """
 
     rates: dict[str, float] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
     picks: int = 0
+    clock: Callable[[], float] = time.perf_counter
 
     def pick(self) -> str:
         """The engine of the next call: the two alternately (asynchronous first) until each ran MEASURED_CALLS calls,

@@ -36,6 +36,7 @@ class CostModel:
     expand_s: float | None = None
     verify_s: dict[int, float] = field(default_factory=dict)
     shape: "CostModel | None" = None  # another batch size's model: how cost grows past the sizes measured here
+    given: bool = False  # the costs were set by the caller (a test's fixed prices): what rounds measure leaves them
     version: int = 0  # bumped by every verification measured, so prices cached from it are renewed
     _times: list[float] | None = None
     _priced: tuple[int, int] = (-1, -1)  # (version, shape's version) the cached prices came from
@@ -56,10 +57,12 @@ class CostModel:
         return self.expand_cost is not None and bool(self.verify_s or (self.shape is not None and self.shape.measured))
 
     def observe_expansions(self, seconds: float, count: int) -> None:
-        if count:
+        if count and not self.given:
             self.expand_s = self._average(self.expand_s, seconds / count)
 
     def observe_verify(self, budget: int, seconds: float) -> None:
+        if self.given:
+            return
         self.verify_s[budget] = self._average(self.verify_s.get(budget), seconds)
         self.version += 1
 

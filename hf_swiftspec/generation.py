@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import numbers
 import time
 import warnings
 
@@ -138,6 +139,7 @@ def swiftspec_generate(
         keeps_scores=bool(generation_config.return_dict_in_generate and generation_config.output_scores),
         keeps_logits=bool(generation_config.return_dict_in_generate and generation_config.output_logits),
     )
+    copyable = swiftspec_history.tokens if swiftspec_history is not None and config.ngram_size else 0
     if swiftspec_engine is not None:
         engine, key = swiftspec_engine
         result = engine.decode(request, key)  # the engine remembers the output (its thread owns the history)
@@ -149,6 +151,7 @@ def swiftspec_generate(
                                      chain_reasons, architectures, captures if ours else Captures())
         remember_outputs(swiftspec_history, config, request, result)
     result.stats.draft_model = swiftspec_draft is not None
+    result.stats.history_tokens = copyable
     if batch > 1:
         result.stats.row_tau = [row.tau for row in result.rows]
     return generate_output(input_ids, result, generation_config), result.stats
@@ -325,7 +328,8 @@ def run_engine(placement, groups, target, draft, request: DecodeRequest, config,
     (`engine`: engine_for_call's), the engine chosen for this call, timed for the next choice (choice.py)."""
     if placement is None or placement.mode == "serial":
         return run_serial(target, draft, request)
-    start = time.perf_counter()
+    clock = request.policy.engines.clock
+    start = clock()
     timeout_s = config.worker_timeout_s
     if engine == SERIAL:
         result = run_serial(target, draft, request) if groups is None else run_serial_distributed(
@@ -335,7 +339,7 @@ def run_engine(placement, groups, target, draft, request: DecodeRequest, config,
     else:
         result = run_distributed(groups, target, draft, request, timeout_s=timeout_s)
     if engine is not None:
-        note_engine(request.policy.engines, engine, result, time.perf_counter() - start, groups)
+        note_engine(request.policy.engines, engine, result, clock() - start, groups)
     return result
 
 
@@ -484,6 +488,8 @@ def check_inputs(inputs, kwargs: dict, generation_config: GenerationConfig | Non
 
     Each error names the argument and what to pass instead.
     """
+    check_prompt_shape(inputs if inputs is not None else kwargs.get("input_ids"))
+    check_length_arguments(kwargs, generation_config, default)
     if kwargs.get("inputs_embeds") is not None:
         with_ids = inputs is not None or kwargs.get("input_ids") is not None
         given = "input_ids together with inputs_embeds" if with_ids else "inputs_embeds"
@@ -522,6 +528,41 @@ def check_inputs(inputs, kwargs: dict, generation_config: GenerationConfig | Non
             "full-precision tree caches (a quantized cache changes the tokens; a paged one turns generate() into "
             "continuous batching). Drop the argument, or pass swiftspec=False."
         )
+
+
+LENGTH_ARGUMENTS = ("max_new_tokens", "min_new_tokens", "max_length", "min_length")
+
+
+def check_prompt_shape(ids) -> None:
+    """input_ids must be a (batch, length) tensor of token ids: a 1-D one failed deep inside transformers
+    (IndexError), a list with a TypeError that did not say which argument."""
+    if ids is None:
+        return
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(
+            f"input_ids must be a torch.Tensor of token ids, shape (batch, length); got a {type(ids).__name__}. "
+            "Pass tokenizer(text, return_tensors='pt').input_ids, or torch.tensor([ids]) for one list of ids."
+        )
+    if ids.dim() != 2:
+        fix = "input_ids[None] (or input_ids.unsqueeze(0)) for one prompt" if ids.dim() == 1 else "a (batch, length) tensor"
+        raise ValueError(
+            f"input_ids must have shape (batch, length); got a {ids.dim()}-D tensor of shape {tuple(ids.shape)}. "
+            f"Pass {fix}."
+        )
+
+
+def check_length_arguments(kwargs: dict, generation_config: GenerationConfig | None, default: GenerationConfig) -> None:
+    """max_new_tokens and the other lengths must be whole numbers: "5" failed inside transformers with a TypeError
+    comparing str and int that named none of them."""
+    for name in LENGTH_ARGUMENTS:
+        value = requested(name, kwargs, generation_config, default)
+        if value is None or (isinstance(value, numbers.Integral) and not isinstance(value, bool)):
+            continue
+        try:
+            hint = f" Pass {name}={int(value)}." if isinstance(value, (str, float)) and int(value) == float(value) else ""
+        except ValueError:
+            hint = ""
+        raise TypeError(f"{name}={value!r} must be an int (a number of tokens), not a {type(value).__name__}.{hint}")
 
 
 def requested(name: str, kwargs: dict, generation_config: GenerationConfig | None, default: GenerationConfig):

@@ -100,8 +100,9 @@ def own_location(model: PreTrainedModel | None, other: PreTrainedModel | None = 
     name = model.name_or_path
     if other is not None and model is not other and name == other.name_or_path:
         logger.warning(
-            "The draft's name_or_path %r is the target's: the draft was built in memory (e.g. from the target's config), "
-            "so the pair does not name a folder for it (save_pretrained(save_members=True) stores its weights).", name,
+            "The draft's name_or_path %r is the target's, so that folder does not hold the draft (it was made from the "
+            "target in memory, e.g. from its config): the pair names no folder for it, and save_pretrained(save_members=True) "
+            "stores its weights.", name,
         )
         return None
     stored = stored_config(name)

@@ -1,7 +1,6 @@
 """The asynchronous engine (threads in one process): lossless, really overlapped, fails loudly."""
 
 import threading
-import time
 
 import pytest
 import torch
@@ -10,6 +9,8 @@ from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.engine import SwiftSpecWorkerError
 from hf_swiftspec.placement import resolve_placement
 from hf_swiftspec.tools.models import tiny_model, truncated_draft
+
+from fixed_costs import given_costs
 
 CPU_THREADS = {"target": ["cpu"], "draft": ["cpu"]}
 
@@ -32,19 +33,40 @@ def test_async_threads_greedy_equals_target(arch, draft_kind):
         assert model.swiftspec_stats.engine == "async-threads"
 
 
-def slow_down(model, seconds):
-    return model.register_forward_hook(lambda *args: time.sleep(seconds))
+@pytest.fixture
+def verdicts_wait_for_the_draft(monkeypatch):
+    """Each verification starts once the draft, having sent its subtree, has grown what it would grow in flight and
+    waits for the verdict: the draft's in-flight growth then follows from the order of events, not from how long a
+    verification takes on this machine (a loaded CI runner could otherwise answer before the draft's first expansion).
+    The wait is bounded only so that a broken engine fails instead of hanging."""
+    from hf_swiftspec.engine.links import ThreadLink
+
+    waiting = threading.Event()  # the draft reached receive_verdict since its last subtree was sent
+    send, receive, verdict = ThreadLink.send_subtree, ThreadLink.receive_subtree, ThreadLink.receive_verdict
+
+    def send_subtree(self, subtree):
+        waiting.clear()
+        return send(self, subtree)
+
+    def receive_subtree(self):
+        subtree = receive(self)
+        waiting.wait(timeout=60)
+        return subtree
+
+    def receive_verdict(self):
+        waiting.set()
+        return verdict(self)
+
+    monkeypatch.setattr(ThreadLink, "send_subtree", send_subtree)
+    monkeypatch.setattr(ThreadLink, "receive_subtree", receive_subtree)
+    monkeypatch.setattr(ThreadLink, "receive_verdict", receive_verdict)
 
 
-def test_draft_expands_while_the_target_verifies(llama_pair):
+def test_draft_expands_while_the_target_verifies(llama_pair, verdicts_wait_for_the_draft):
     target, draft, _ = llama_pair
     model = SwiftSpecForCausalLM.from_models(target, draft, placement=CPU_THREADS)
-    hook = slow_down(target, 0.02)
-    try:
-        p = prompts(4)[3]
-        out = model.generate(p, do_sample=False, max_new_tokens=30)
-    finally:
-        hook.remove()
+    p = prompts(4)[3]
+    out = model.generate(p, do_sample=False, max_new_tokens=30)
     assert out.tolist() == target.generate(p, do_sample=False, max_new_tokens=30).tolist()
     stats = model.swiftspec_stats
     assert stats.in_flight_expansions > 0
@@ -107,13 +129,11 @@ def test_worker_failure_surfaces_and_the_next_call_works(llama_pair, worker):
     model = SwiftSpecForCausalLM.from_models(target, draft, placement=CPU_THREADS, worker_timeout_s=20, draft_depth=2)
     p = prompts(5)[4]
     hook = fail_after(target if worker == "target" else draft, 3)
-    start = time.monotonic()
-    try:
+    try:  # (the peer is told at once, not after worker_timeout_s: the Failure message; no clock needed to see it)
         with pytest.raises(SwiftSpecWorkerError, match=f"the {worker} worker failed: Boom") as info:
             model.generate(p, do_sample=False, max_new_tokens=40)
     finally:
         hook.remove()
-    assert time.monotonic() - start < 10
     assert isinstance(info.value.__cause__, Boom)
     assert model.generate(p, do_sample=False, max_new_tokens=20).tolist() == target.generate(
         p, do_sample=False, max_new_tokens=20
@@ -123,11 +143,13 @@ def test_worker_failure_surfaces_and_the_next_call_works(llama_pair, worker):
 def test_silent_draft_times_out(llama_pair):
     target, draft, _ = llama_pair
     model = SwiftSpecForCausalLM.from_models(target, draft, placement=CPU_THREADS, worker_timeout_s=1)
-    hook = slow_down(draft, 3)  # the first subtree arrives after the timeout
+    release = threading.Event()
+    hook = draft.register_forward_hook(lambda *args: release.wait(60))  # no subtree comes until the test is over
     try:
         with pytest.raises(SwiftSpecWorkerError, match="draft worker sent nothing for 1s"):
             model.generate(prompts(1)[0], do_sample=False, max_new_tokens=5)
     finally:
+        release.set()
         hook.remove()
         # the stuck draft thread is left behind (a daemon): let it end here, not mid-forward at interpreter exit
         # ("terminate called without an active exception" when this test ran shortly before the end)
@@ -163,48 +185,63 @@ def test_auto_placement_without_gpus_is_serial(llama_pair):
     assert not hasattr(model, "hf_device_map") or model.hf_device_map is None
 
 
-def test_breakdown_says_where_the_target_waits(llama_pair):
-    """stats.overlap splits a round: a slow target shows as verification with the draft's growth hidden
-    under it; a slow draft shows as target idle time, explained by the draft's work on the critical path
-    (the expansion it was finishing, the catch-up of a fresh tree), not by the link."""
+def test_breakdown_says_where_the_target_waits():
+    """stats.overlap splits a round from its workers' counters (given here, as a slow target's and a slow draft's
+    calls would fill them): a slow target shows as verification with the draft's growth hidden under it; a slow
+    draft as target idle time, explained by the draft's work on the critical path (the expansion it was finishing,
+    the catch-up of a fresh tree, the re-root, the choice), what is left being the link; the call's start apart.
+    Which engine phase fills which counter is checked on a real call in the next test."""
+    from hf_swiftspec.stats import DraftCounters, OverlapBreakdown, TargetCounters
+
+    slow_target = OverlapBreakdown.of(
+        TargetCounters(verify_steps=10, busy_s=0.50, idle_s=0.012, first_wait_s=0.002),
+        DraftCounters(rounds=10, grow_s=0.30, wait_s=0.19, reroot_s=0.004, select_s=0.003, start_s=0.004,
+                      grown_rounds=10), message_bytes=0)
+    assert (slow_target.verify, slow_target.grow, slow_target.wait) == pytest.approx((50.0, 30.0, 19.0))
+    assert slow_target.idle == pytest.approx(1.0) and slow_target.link == pytest.approx(0.3)
+    assert slow_target.start_wait == pytest.approx(2.0) and slow_target.grown_share == 1.0
+    slow_draft = OverlapBreakdown.of(
+        TargetCounters(verify_steps=10, busy_s=0.10, idle_s=0.26, first_wait_s=0.04),
+        DraftCounters(rounds=10, grow_s=0.10, overrun_s=0.12, catch_up_s=0.05, reroot_s=0.02, select_s=0.02,
+                      start_s=0.05, grown_rounds=4), message_bytes=264)
+    assert slow_draft.idle == pytest.approx(22.0) and slow_draft.verify == pytest.approx(10.0)
+    assert (slow_draft.overrun, slow_draft.catch_up, slow_draft.reroot, slow_draft.select) == pytest.approx(
+        (12.0, 5.0, 2.0, 2.0))
+    assert slow_draft.link == pytest.approx(1.0)  # idle the draft's work does not explain
+    assert (slow_draft.start, slow_draft.start_wait) == pytest.approx((50.0, 40.0)) and slow_draft.grown_share == 0.4
+    line = slow_draft.line()
+    assert "target idle 22.0 = draft overrun 12.0 + re-root 2.0 + catch-up 5.0 + select 2.0 + link 1.0" in line
+    assert "264 bytes a round" in line and "the target waited 40.0 of it" in line
+
+
+def test_the_breakdown_is_the_calls_counters(llama_pair, verdicts_wait_for_the_draft):
+    """On a real call, the breakdown is what the workers counted: its rounds are the verifications, its verify and idle
+    the target's busy and idle time, its share of grown rounds the rounds whose records say they expanded in flight."""
     target, draft, _ = llama_pair
     model = SwiftSpecForCausalLM.from_models(target, draft, placement=CPU_THREADS, tree_budget=6)
     p = prompts(4)[3]
-    expected = target.generate(p, do_sample=False, max_new_tokens=24)
-    breakdowns = {}
-    for slow in ("target", "draft"):
-        hook = slow_down(target if slow == "target" else draft, 0.03)
-        try:
-            out = model.generate(p, do_sample=False, max_new_tokens=24)
-        finally:
-            hook.remove()
-        assert out.tolist() == expected.tolist()
-        stats = model.swiftspec_stats
-        breakdowns[slow] = overlap = stats.overlap
-        assert overlap.rounds == stats.verify_steps and overlap.message_bytes == 0  # threads hand objects over
-    slow_target, slow_draft = breakdowns["target"], breakdowns["draft"]
-    assert slow_target.verify >= 30 and slow_target.grow >= 20 and slow_target.idle < 0.5 * slow_target.verify
-    assert slow_draft.idle >= 15 and slow_draft.verify < 30
-    explained = slow_draft.overrun + slow_draft.catch_up + slow_draft.reroot + slow_draft.select
-    assert explained >= 0.7 * slow_draft.idle and slow_draft.link <= 0.3 * slow_draft.idle, slow_draft
-    # the call's start, apart from the rounds: a slow draft's prompt and first tree keep the target waiting
-    assert slow_draft.start >= 30 and slow_draft.start_wait >= 0.5 * slow_draft.start
-    assert slow_target.start_wait < 5 < 30 <= slow_target.verify  # a fast draft is ready before the target's prefill ends
+    out = model.generate(p, do_sample=False, max_new_tokens=24)
+    assert out.tolist() == target.generate(p, do_sample=False, max_new_tokens=24).tolist()
+    stats = model.swiftspec_stats
+    overlap = stats.overlap
+    assert overlap.rounds == stats.verify_steps and overlap.message_bytes == 0  # threads hand objects over
+    assert overlap.verify * overlap.rounds == pytest.approx(1e3 * stats.target_time_s)
+    assert overlap.idle * overlap.rounds + overlap.start_wait == pytest.approx(1e3 * stats.target_idle_s)
+    grown = sum(r.expansions > 0 for r in stats.rounds)
+    assert grown > 0 and overlap.grown_share == pytest.approx(grown / len(stats.rounds)), stats.rounds
+    assert min(overlap.verify, overlap.grow, overlap.select, overlap.start) > 0, overlap  # each phase was timed
+    assert overlap.line() in stats.summary()
 
 
-def test_replayed_steps_on_both_threads_equal_target_generate(llama_pair):
+def test_replayed_steps_on_both_threads_equal_target_generate(llama_pair, verdicts_wait_for_the_draft):
     """capture=True with the draft in its own thread: each worker replays its own steps (this CPU's stand-in for
     CUDA graphs) while the other runs, and the tokens are the target's own."""
     target, draft, _ = llama_pair
     model = SwiftSpecForCausalLM.from_models(target, draft, placement=CPU_THREADS, capture=True, tree_budget=6,
                                              draft_width=4)
-    hook = slow_down(target, 0.02)  # verifications long enough for the draft to grow during them
-    try:
-        for p in prompts(4):
-            expected = target.generate(p, do_sample=False, max_new_tokens=30)
-            assert model.generate(p, do_sample=False, max_new_tokens=30).tolist() == expected.tolist()
-    finally:
-        hook.remove()
+    for p in prompts(4):
+        expected = target.generate(p, do_sample=False, max_new_tokens=30)
+        assert model.generate(p, do_sample=False, max_new_tokens=30).tolist() == expected.tolist()
     stats = model.swiftspec_stats
     assert stats.engine == "async-threads" and stats.in_flight_expansions > 0
     assert "target=sdpa (replayed, emulate" in stats.attention and "draft=sdpa (replayed, emulate" in stats.attention
@@ -212,26 +249,38 @@ def test_replayed_steps_on_both_threads_equal_target_generate(llama_pair):
     assert min(replays.values()) > 5, replays
 
 
-def test_a_draft_that_never_agrees_neither_delays_nor_slows_the_target(llama_pair):
-    """Where the draft's proposals are never accepted (a random draft), the draft stops paying for itself: after
-    a verdict it sends the root alone rather than make the target wait for a fresh tree's catch-up, and it grows
-    the tree during one verification in PROBE_GROWTH_EVERY only. Before, each round waited for an expansion."""
+def test_a_draft_that_does_not_pay_sends_the_root_alone_and_grows_one_round_in_eight(
+    llama_pair, verdicts_wait_for_the_draft, monkeypatch
+):
+    """Where the draft's proposals do not repay its expansions (a random draft, priced here at 1 s an expansion
+    against a 10 s verification: given costs, so the decision does not hang on this machine's speed), after the
+    first round the draft neither runs a fresh tree's catch-up expansion before sending (it sends the root alone,
+    a plain step, instead of making the target wait) nor grows the tree during verifications, except during one in
+    PROBE_GROWTH_EVERY. Before, each round waited for an expansion."""
+    from hf_swiftspec.drafting import Drafters
     from hf_swiftspec.engine.asynchronous import PROBE_GROWTH_EVERY
 
     target, _, _ = llama_pair
     random_draft = tiny_model("llama", seed=9, layers=1)
     model = SwiftSpecForCausalLM.from_models(target, random_draft, placement=CPU_THREADS, ngram_size=0)
-    hooks = [slow_down(target, 0.01), slow_down(random_draft, 0.03)]
-    try:
-        p = prompts(4)[3]
-        out = model.generate(p, do_sample=False, max_new_tokens=40)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    given_costs(model, expand_s=1.0, verify_s={1: 10.0, 2: 10.0})
+    top_ups, top_up = [], Drafters.top_up
+
+    def recording_top_up(self, budget):
+        top_ups.append(budget)
+        return top_up(self, budget)
+
+    monkeypatch.setattr(Drafters, "top_up", recording_top_up)
+    p = prompts(4)[3]
+    out = model.generate(p, do_sample=False, max_new_tokens=40)
     assert out.tolist() == target.generate(p, do_sample=False, max_new_tokens=40).tolist()
-    overlap = model.swiftspec_stats.overlap
-    assert model.swiftspec_stats.tau < 1.2, model.swiftspec_stats.summary()  # it never agreed
-    assert overlap.catch_up < 10 and overlap.grown_share <= 2 / PROBE_GROWTH_EVERY + 0.1, overlap
+    stats = model.swiftspec_stats
+    assert stats.tau < 1.2, stats.summary()  # it never agreed (nothing here depends on the clock)
+    catch_ups = len(top_ups) - 1  # the first top-up is the call's first tree, while the target prefills
+    assert catch_ups <= 1, top_ups  # the first round's alone: nothing measured yet, so the draft tries
+    grown = [i for i, r in enumerate(stats.rounds) if r.expansions > 0]
+    assert len(grown) <= 1 + len(stats.rounds) // PROBE_GROWTH_EVERY, (grown, stats.rounds)
+    assert grown and all(i == 0 or (i + 1) % PROBE_GROWTH_EVERY == 0 for i in grown), grown  # the probes' rounds
 
 
 def test_draft_pays_while_its_rounds_repay_an_expansion():
@@ -270,21 +319,37 @@ def test_engine_choice_measures_both_then_runs_the_faster_and_retries_the_other(
     assert choice.calls[SERIAL] == 2
 
 
-def test_serial_fallback_runs_the_faster_engine_exactly_and_says_so(llama_pair, monkeypatch):
+class CostClock:
+    """A clock that moves only by the costs a test charges it: calls timed by it last what the test says they do."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("async_s, serial_s", [(1.0, 0.5), (0.5, 1.0)], ids=["serial-faster", "async-faster"])
+def test_serial_fallback_runs_the_faster_engine_exactly_and_says_so(llama_pair, monkeypatch, async_s, serial_s):
     """With serial_fallback, a placement's calls run the asynchronous engine and the serial round alternately, two
-    calls each, then whichever was faster (here the serial round: the asynchronous engine is made 0.5 s slower a call), the other
-    one call in 8; every output equal to target.generate's, and the stats say which engine ran and why."""
+    calls each, then whichever was faster, the other one call in 8; every output equal to target.generate's, and the
+    stats say which engine ran and why. The engine choice's clock is given: each call of an engine costs a fixed
+    time (both directions), so which one is faster is the test's, not this machine's load."""
     import hf_swiftspec.generation as generation
 
     target, draft, _ = llama_pair
-    real = generation.run_threads
+    clock = CostClock()
 
-    def slow_threads(*args, **kwargs):
-        time.sleep(0.5)
-        return real(*args, **kwargs)
+    def charged(run, seconds):
+        def run_and_charge(*args, **kwargs):
+            clock.now += seconds
+            return run(*args, **kwargs)
+        return run_and_charge
 
-    monkeypatch.setattr(generation, "run_threads", slow_threads)
+    monkeypatch.setattr(generation, "run_threads", charged(generation.run_threads, async_s))
+    monkeypatch.setattr(generation, "run_serial", charged(generation.run_serial, serial_s))
     model = SwiftSpecForCausalLM.from_models(target, draft, placement=CPU_THREADS, serial_fallback=True)
+    model.policy().engines.clock = clock
     engines = []
     for p in prompts(8, seed=3) + prompts(2, seed=4):
         expected = target.generate(p, do_sample=False, max_new_tokens=24)
@@ -292,8 +357,9 @@ def test_serial_fallback_runs_the_faster_engine_exactly_and_says_so(llama_pair, 
         stats = model.swiftspec_stats
         engines.append(stats.engine)
         assert stats.engine_choice.startswith(stats.engine) and "engine choice" in stats.summary()
+    faster, slower = ("serial", "async-threads") if serial_s < async_s else ("async-threads", "serial")
     assert engines[:4] == ["async-threads", "serial"] * 2, engines
-    assert engines[4:] == ["serial"] * 3 + ["async-threads"] + ["serial"] * 2, engines
+    assert engines[4:] == [faster] * 3 + [slower] + [faster] * 2, engines
     assert "measured" in model.swiftspec_stats.engine_choice
 
 

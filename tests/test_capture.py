@@ -109,30 +109,42 @@ def test_buffers_and_graphs_serve_later_calls(pairs):
 def test_the_policy_prices_steps_without_their_capture(pairs, monkeypatch):
     """A round that captured a bucket timed the capture, not a step: the policy learns nothing from it (seen on an
     H200: buckets first met in a timed call were priced at their capture, 23 ms a verification against 1.4 ms
-    replayed, and the policy kept to plain rounds from then on). Here each capture sleeps a second longer; every
-    round that captured is left out, so no price reaches it, while rounds that only replayed are still priced."""
-    import time
+    replayed, and the policy kept to plain rounds from then on). Every round that captured reaches the policy with no
+    verification time, while rounds that only replayed are priced (checked round by round, not by how long a capture
+    took on this machine)."""
+    from hf_swiftspec.policy import GoodputPolicy
 
     target, draft = pairs["llama"]
     model = SwiftSpecForCausalLM.from_models(target, draft, capture=True, tree_budget=8)  # the policy sizes depth
-    original = StepGraphs.capture
+    captured = {"now": False}  # whether the round under way captured a bucket
+    rounds = []  # (captured, verify_s) of each round the policy observed
+    capture, plan_round, observe_round = StepGraphs.capture, GoodputPolicy.plan_round, GoodputPolicy.observe_round
 
-    def slow_capture(self, *args, **kwargs):
-        time.sleep(1.0)
-        return original(self, *args, **kwargs)
+    def recording_capture(self, *args, **kwargs):
+        captured["now"] = True
+        return capture(self, *args, **kwargs)
 
-    monkeypatch.setattr(StepGraphs, "capture", slow_capture)
+    def recording_plan(self, *args, **kwargs):
+        captured["now"] = False
+        return plan_round(self, *args, **kwargs)
+
+    def recording_observe(self, expansions, draft_s, budget, verify_s, *args, **kwargs):
+        rounds.append((captured["now"], verify_s))
+        return observe_round(self, expansions, draft_s, budget, verify_s, *args, **kwargs)
+
+    monkeypatch.setattr(StepGraphs, "capture", recording_capture)
+    monkeypatch.setattr(GoodputPolicy, "plan_round", recording_plan)
+    monkeypatch.setattr(GoodputPolicy, "observe_round", recording_observe)
     prompt = torch.tensor([random_prompts((9,), 5, VOCAB)[0]])
     out = model.generate(prompt, max_new_tokens=40, do_sample=False)
     assert out.tolist() == target.generate(prompt, max_new_tokens=40, do_sample=False).tolist()
-    assert sum(g.captures for g in model.captures.graphs.values()) > 1
-    costs = model.policy().at(1).costs
-    assert costs.verify_s and max(costs.verify_s.values()) < 0.5, costs.verify_s
-    assert costs.expand_s is None or costs.expand_s < 0.5, costs.expand_s
-    assert min(g.setup_s for g in model.captures.graphs.values()) > 1.0
+    capturing = [verify_s for was, verify_s in rounds if was]
+    assert len(capturing) > 1 and all(v is None for v in capturing), rounds
+    assert any(verify_s is not None for was, verify_s in rounds if not was), rounds  # the others are priced
+    assert min(g.setup_s for g in model.captures.graphs.values()) > 0
     stats = model.swiftspec_stats  # the call's own capture time, in its stats
     assert stats.capture_s == pytest.approx(sum(g.setup_s for g in model.captures.graphs.values()))
-    assert stats.capture_s > 2.0 and "capturing" in stats.summary()
+    assert "capturing" in stats.summary()
 
 
 def test_calls_of_other_lengths_share_the_captured_capacity(pairs):

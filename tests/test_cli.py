@@ -106,6 +106,28 @@ def test_argparse_defaults_are_the_function_defaults():
     assert generate_options(build_parser().parse_args(["generate"])) == GenerateOptions()
 
 
+@pytest.mark.parametrize(
+    "argv, usage, named",
+    [
+        (["generate", "--bogus-flag"], "usage: swiftspec generate", "unrecognized arguments: --bogus-flag; `swiftspec generate --help`"),
+        (["generate", "--max-tokens", "5"], "usage: swiftspec generate", "--max-tokens (did you mean --max-new-tokens?)"),
+        (["pair", "check", ".", "--bogus"], "usage: swiftspec pair check", "unrecognized arguments: --bogus"),
+    ],
+)
+def test_an_unknown_flag_shows_its_subcommands_usage_and_names_the_flag(argv, usage, named, capsys):
+    """`swiftspec generate --bogus-flag` printed the top-level usage (swiftspec {generate,pair,...})."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith(usage) and named in err, err
+
+
+def test_a_misspelt_bundled_pair_is_one_sentence_with_a_suggestion(capsys):
+    assert main(["generate", "--pair", "swiftspec-demo-pystdlb", *FAST]) == 1
+    err = capsys.readouterr().err
+    assert "did you mean 'swiftspec-demo-pystdlib'" in err and "Error" not in err.replace("swiftspec: error", ""), err
+
+
 def test_errors_are_readable_with_a_nonzero_exit(tmp_path, capsys):
     assert main(["generate", "--pair", str(tmp_path / "missing")]) == 1
     err = capsys.readouterr().err

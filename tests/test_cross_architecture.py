@@ -38,7 +38,7 @@ def decode_like_target(target, draft, **settings):
 
 def test_llama_draft_for_a_qwen2_target():
     target = tiny_of_type("qwen2")
-    stats = decode_like_target(target, perturbed_copy(llama_from_qwen2(target)))
+    stats = decode_like_target(target, perturbed_copy(llama_from_qwen2(target)), tree_budget=8)  # fixed trees: tau
     assert stats.tau > 1.5  # the draft really is another architecture that agrees with the target
 
 

@@ -121,6 +121,46 @@ def test_empty_prompt_is_refused_before_any_worker_runs(model):
         model.generate(torch.tensor([[0, 0]]), attention_mask=torch.tensor([[0, 0]]), max_new_tokens=3)
 
 
+@pytest.mark.parametrize(
+    "ids, kwargs, error, match",
+    [
+        (torch.tensor([[4, 5, 6]]), dict(max_new_tokens="5"), TypeError, r"max_new_tokens='5' must be an int .* Pass max_new_tokens=5\."),
+        (torch.tensor([[4, 5, 6]]), dict(max_new_tokens=2.5), TypeError, r"max_new_tokens=2.5 must be an int"),
+        (torch.tensor([[4, 5, 6]]), dict(min_new_tokens="2", max_new_tokens=4), TypeError, r"min_new_tokens='2' must be an int"),
+        (torch.tensor([4, 5, 6]), dict(max_new_tokens=3), ValueError,
+         r"input_ids must have shape \(batch, length\); got a 1-D tensor of shape \(3,\)\. Pass input_ids\[None\]"),
+        ([[4, 5, 6]], dict(max_new_tokens=3), TypeError, r"input_ids must be a torch.Tensor .*got a list"),
+    ],
+    ids=["max_new_tokens-str", "max_new_tokens-float", "min_new_tokens-str", "1-D input_ids", "list input_ids"],
+)
+def test_bad_generate_arguments_are_named_before_transformers_runs(model, monkeypatch, ids, kwargs, error, match):
+    """generate(max_new_tokens="5") and a 1-D prompt failed inside transformers (TypeError, IndexError) naming neither."""
+    from transformers import GenerationMixin
+
+    def reached(*args, **kwargs):
+        raise AssertionError("transformers' generate was reached")
+
+    monkeypatch.setattr(GenerationMixin, "generate", reached)
+    with pytest.raises(error, match=match):
+        model.generate(ids, **kwargs)
+
+
+def test_a_misspelt_bundled_pair_name_is_a_suggestion_not_a_hub_request(monkeypatch):
+    """A bundled pair's name with a typo ended in a garbled sentence and a connection error; it is now refused before
+    any Hub request, with the closest bundled names."""
+    from hf_swiftspec.pair import PairConfigError, locate
+
+    def hub(*args, **kwargs):
+        raise AssertionError("the Hub was asked")
+
+    monkeypatch.setattr(locate, "snapshot_download", hub)
+    with pytest.raises(PairConfigError, match=r"'swiftspec-demo-pystdlb' is neither a local folder nor a pair bundled "
+                                              r"with hf_swiftspec: did you mean 'swiftspec-demo-pystdlib'"):
+        SwiftSpecForCausalLM.from_pretrained("swiftspec-demo-pystdlb")
+    with pytest.raises(AssertionError, match="the Hub was asked"):  # a name close to none is still looked up
+        SwiftSpecForCausalLM.from_pretrained("someone/their-pair")
+
+
 def test_misspelt_setting_is_named_with_the_closest_field():
     target = tiny_model("llama")
     with pytest.raises(ValueError, match=r"unknown setting 'tree_budgt'; did you mean 'tree_budget'\?"):
@@ -166,7 +206,7 @@ def test_a_member_whose_folder_now_holds_another_model_is_not_named(tmp_path):
     from transformers import AutoModelForCausalLM
 
     draft = truncated_draft(AutoModelForCausalLM.from_pretrained(tmp_path / "target"), 1)
-    draft.config._name_or_path = str(tmp_path / "target-copy")
+    draft.name_or_path = draft.config._name_or_path = str(tmp_path / "target-copy")
     target.save_pretrained(tmp_path / "target-copy")  # the folder the draft names holds a 2-layer model
     pair = SwiftSpecForCausalLM.from_models(target, draft, tokenizer=tok)
     assert pair.config.draft is None and pair.config.target == str(tmp_path / "target")

@@ -259,6 +259,10 @@ ROWS = [
     Row("cache_implementation='paged'", ("cache_implementation", "continuous_batching_config"),
         lambda c: dict(cache_implementation="paged"), inert="continuous batching gives the same greedy tokens",
         error="cache_implementation='paged' is not supported"),
+    # bad values: named, with the fix, before transformers fails on them (a TypeError comparing str and int)
+    Row("max_new_tokens as a string", ("max_new_tokens",), lambda c: dict(max_new_tokens=str(NEW)),
+        inert="plain generate fails inside transformers on it",
+        error=f"max_new_tokens='{NEW}' must be an int .* Pass max_new_tokens={NEW}"),
     # documented refusals
     Row("num_beams > 1", ("num_beams", "length_penalty", "early_stopping"),
         lambda c: dict(num_beams=3, length_penalty=0.5, early_stopping=True), inert="beam search may find the greedy tokens",

@@ -132,7 +132,7 @@ def test_pair_loads_by_hub_id_offline(hub_home):
 
 BUNDLED_NO_NETWORK_SCRIPT = textwrap.dedent(
     """
-    import json, time, torch
+    import json, torch
     torch.set_num_threads(1)
     from huggingface_hub.utils import get_session
     requests = []
@@ -146,14 +146,13 @@ BUNDLED_NO_NETWORK_SCRIPT = textwrap.dedent(
     from hf_swiftspec import SwiftSpecForCausalLM
     from hf_swiftspec.pair import bundled_pair
     from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
-    start = time.perf_counter()
     folder = bundled_pair("swiftspec-demo-pystdlib")  # transformers' loaders take the bundled folder
     pipe = pipeline("text-generation", model=folder)
     text = pipe("import os\\n", max_new_tokens=8, do_sample=False)[0]["generated_text"]
     AutoTokenizer.from_pretrained(folder)
     AutoModelForCausalLM.from_pretrained(folder)
     SwiftSpecForCausalLM.from_pretrained("swiftspec-demo-pystdlib")  # hf_swiftspec's own loader takes the name
-    print("RESULT " + json.dumps(dict(requests=requests, seconds=time.perf_counter() - start, text=text)))
+    print("RESULT " + json.dumps(dict(requests=requests, text=text)))
     """
 )
 
@@ -171,7 +170,8 @@ def test_a_bundled_pair_never_touches_the_network(tmp_path):
                           timeout=40, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.split("RESULT ", 1)[1])
-    assert result["requests"] == [] and result["seconds"] < 20 and result["text"].startswith("import os\n")
+    # no request at all (a refused one is counted too): what the 46 s of retries were, without timing them
+    assert result["requests"] == [] and result["text"].startswith("import os\n")
 
 
 def test_hub_arguments_reach_the_pair_and_both_members(hub_home):
@@ -407,6 +407,21 @@ def test_every_bundled_pair_file_ships_in_the_package():
     files = {p for p in root.rglob("*") if p.is_file() and p.parent != root and "__pycache__" not in p.parts}
     assert (root / DEMO_PAIR_NAME / "target" / "model.safetensors") in files
     assert sorted(str(p.relative_to(root)) for p in files - shipped) == []
+
+
+def test_the_python_floor_admits_only_pythons_the_code_imports_on():
+    """requires-python's floor is what CI runs (.ci/run builds every environment with the machine's python3, 3.11),
+    so no Python it admits fails at import: tomllib, imported at module level here and elsewhere, is 3.11's (on 3.10,
+    which the floor once admitted, this module failed at collection)."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    spec = tomllib.loads((root / "pyproject.toml").read_text())["project"]["requires-python"]
+    floor = tuple(int(x) for x in re.fullmatch(r">=(\d+)\.(\d+)", spec).groups())
+    sources = [*root.joinpath("tests").glob("*.py"), *root.joinpath("hf_swiftspec").rglob("*.py")]
+    uses_tomllib = [p.name for p in sources if re.search(r"^import tomllib", p.read_text(), re.M)]
+    assert not uses_tomllib or floor >= (3, 11), (spec, uses_tomllib)
+    assert sys.version_info[:2] >= floor  # and this interpreter is one it admits
 
 
 @pytest.mark.parametrize("folder", sorted(p for p in (bundled_pairs_dir() or Path()).iterdir() if (p / "config.json").is_file()), ids=lambda p: p.name)
@@ -676,3 +691,18 @@ def test_a_pair_of_one_tokenizer_loads_it_once(monkeypatch):
     assert len(loads) == 1, loads
     assert compared == []
     assert model.tokenizer("def f():").input_ids == AutoTokenizer.from_pretrained(model.pair_folder / "target")("def f():").input_ids
+
+
+def test_an_early_exit_of_a_loaded_target_pairs_without_a_puzzling_notice(tmp_path, caplog):
+    """truncated_draft cut from a target loaded from its folder: the pair is made without a notice that the draft "was
+    built in memory" (it printed one, naming the target's folder), and the draft names no folder, so saving the pair
+    says how to store its weights instead of pointing at the target's."""
+    tiny_model("llama", seed=0).save_pretrained(tmp_path / "target")
+    target = AutoModelForCausalLM.from_pretrained(tmp_path / "target")
+    with caplog.at_level(logging.WARNING, logger="hf_swiftspec"):
+        pair = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 1))
+    assert caplog.text == "" and pair.draft.name_or_path == ""
+    with pytest.raises(ValueError, match="the draft was built in memory"):
+        pair.save_pretrained(tmp_path / "pair")
+    pair.save_pretrained(tmp_path / "pair", save_members=True)
+    assert (tmp_path / "pair" / "draft" / "config.json").is_file()

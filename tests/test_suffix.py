@@ -94,16 +94,21 @@ def test_later_requests_copy_earlier_outputs():
     verifications, the same tokens; clearing the history gives the first call's count back."""
     target = tiny_model("llama", seed=5)
     target.generation_config.eos_token_id = None
-    model = SwiftSpecForCausalLM.from_models(target)
+    # a fixed tree size: the verification counts below then follow the proposals, not this machine's step timings
+    model = SwiftSpecForCausalLM.from_models(target, tree_budget=16)
     prompt = torch.randint(3, 98, (1, 12), generator=torch.Generator().manual_seed(2))
     expected = target.generate(prompt, do_sample=False, max_new_tokens=40).tolist()
-    steps = []
+    steps, copyable = [], []
     for clear in (False, False, True):
         if clear:
             model.output_history.clear()
         assert model.generate(prompt, do_sample=False, max_new_tokens=40).tolist() == expected
         steps.append(model.swiftspec_stats.verify_steps)
+        copyable.append(model.swiftspec_stats.history_tokens)
+        said = "tokens of earlier calls' outputs (model.output_history.clear() to time a call alone)"
+        assert (said in model.swiftspec_stats.summary()) == bool(copyable[-1])  # a timed repeat says what it reused
     assert steps[1] < steps[0] / 2 and steps[2] > steps[1], steps
+    assert copyable == [0, model.output_history.tokens, 0] and copyable[1] > 40, copyable
     assert model.output_history.tokens <= model.config.suffix_cache_tokens
     off = SwiftSpecForCausalLM.from_models(target, suffix_cache_tokens=0)
     for _ in range(2):

@@ -15,6 +15,7 @@ the completion and the statistics to stdout; failures exit with status 1.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import sys
 import time
@@ -379,8 +380,30 @@ def quiet_progress_bars() -> None:
     disable_progress_bars()
 
 
+def command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the (sub)command `args` ran (`swiftspec generate ...`: generate's), whose usage an error shows."""
+    for action in parser._actions:  # (argparse keeps its subcommands there; no public accessor)
+        if isinstance(action, argparse._SubParsersAction) and getattr(args, action.dest, None) in action.choices:
+            return command_parser(action.choices[getattr(args, action.dest)], args)
+    return parser
+
+
+def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
+    """argparse's parse_args, except that an unknown flag is reported by the subcommand it was given to: its usage,
+    the flag, and its closest options (argparse's top-level parser would show `swiftspec`'s usage instead)."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        command = command_parser(parser, args)
+        options = [o for action in command._actions for o in action.option_strings if o.startswith("--")]
+        close = [m for flag in unknown for m in difflib.get_close_matches(flag.split("=")[0], options, n=2, cutoff=0.6)]
+        hint = f" (did you mean {' or '.join(close)}?)" if close else f"; `{command.prog} --help` lists its options"
+        command.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_arguments(argv)
     quiet_progress_bars()
     try:
         if args.command == "generate":

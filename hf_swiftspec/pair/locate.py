@@ -11,6 +11,7 @@ folder first, then as local folders or Hub ids.
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import os
@@ -75,6 +76,28 @@ def bundled_pair(name: str) -> Path | None:
     return folder if (folder / "config.json").is_file() else None
 
 
+def bundled_names() -> list[str]:
+    """The names of the pairs that ship with hf_swiftspec."""
+    root = bundled_pairs_dir()
+    return sorted(p.name for p in root.iterdir() if (p / "config.json").is_file()) if root is not None else []
+
+
+def misspelt_bundled_pair(name: str) -> PairConfigError | None:
+    """The error for a name without an owner that is close to a bundled pair's (a typo, most likely), said before any
+    Hub request (a pair repo on the Hub is named owner/name); None when no bundled name is close."""
+    if "/" in name:
+        return None
+    names = bundled_names()
+    close = [n for n in difflib.get_close_matches(name.lower(), [n.lower() for n in names], n=2, cutoff=0.75)]
+    if not close:
+        return None
+    guesses = " or ".join(repr(next(n for n in names if n.lower() == c)) for c in close)
+    return PairConfigError(
+        f"{name!r} is neither a local folder nor a pair bundled with hf_swiftspec: did you mean {guesses}? "
+        "(a pair repo on the Hub is named owner/name)"
+    )
+
+
 def looks_like_path(name: str) -> bool:
     """True for strings only a filesystem path can be (./x, ../x, /x, ~/x, a/b/c, C:\\x)."""
     return not HUB_ID.match(name) or name.startswith((".", "~"))
@@ -90,6 +113,9 @@ def resolve_pair_folder(name_or_path, revision: str | None = None, hub: HubOptio
         return Path(bundled, subfolder)
     if looks_like_path(name):
         raise PairConfigError(f"No pair folder at {name!r}: the path does not exist.")
+    misspelt = misspelt_bundled_pair(name)
+    if misspelt is not None:
+        raise misspelt
     try:
         snapshot = snapshot_download(
             repo_id=name,
@@ -105,7 +131,8 @@ def resolve_pair_folder(name_or_path, revision: str | None = None, hub: HubOptio
     except (OSError, ValueError) as err:
         at = f" at revision {revision!r}" if revision else ""
         raise PairConfigError(
-            f"Cannot find the pair repo {name!r}{at}: it is not a local folder, and {first_line(err)}. Check the id; "
+            f"Cannot find the pair repo {name!r}{at}: it is neither a local folder nor a bundled pair, and the Hub did not "
+            f"give it ({first_line(err)}). Check the id; "
             f"offline (HF_HUB_OFFLINE=1 or local_files_only=True) it must already be in the Hugging Face cache "
             f"({hub.cache_dir or HF_HUB_CACHE})."
         ) from err

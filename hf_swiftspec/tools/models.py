@@ -57,10 +57,14 @@ def sharpen(model, scale: float = 4.0) -> None:
 
 
 def truncated_draft(target, keep_layers: int = 1):
-    """A draft made of the target's own embedding, first layers, final norm and head: agrees often."""
+    """A draft made of the target's own embedding, first layers, final norm and head (an early exit): agrees often.
+
+    It is no longer the model in the target's folder, so it names no folder (a pair saves its weights with
+    save_pretrained(save_members=True)); it shares the target's tokenizer."""
     draft = copy.deepcopy(target)
     draft.model.layers = draft.model.layers[:keep_layers]
     draft.config.num_hidden_layers = keep_layers
+    draft.name_or_path = draft.config._name_or_path = ""  # not the target folder's model: it names none
     if getattr(draft.config, "layer_types", None) is not None:
         draft.config.layer_types = draft.config.layer_types[:keep_layers]
     return draft
