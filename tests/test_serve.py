@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import time
@@ -17,7 +18,7 @@ openai = pytest.importorskip("openai")
 
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from hf_swiftspec import compat  # noqa: E402
+from hf_swiftspec import SwiftSpecForCausalLM, compat  # noqa: E402
 from hf_swiftspec.cli import main  # noqa: E402
 from hf_swiftspec.pair.locate import bundled_pair  # noqa: E402
 from hf_swiftspec.cli import batching  # noqa: E402
@@ -64,19 +65,30 @@ def reference(pair_folder):
     return tokenizer, answer
 
 
-@pytest.fixture(scope="module", params=["sequential", "continuous-batching", "router"])
-def server(pair_folder, request):
-    """The served demo pair: one request at a time, in one speculating batch, or (as for a pair whose models
-    cannot share a batch) routed: speculating alone, batched without speculation among others."""
+@pytest.fixture(scope="module")
+def lone_pair(pair_folder):
+    """The pair, loaded in the test: what a seeded sampled request must equal (its lone call with that seed)."""
+    return SwiftSpecForCausalLM.from_pretrained(pair_folder, dtype=torch.float32)
+
+
+MODES = ["sequential", "continuous-batching", "router"]
+FIXED_TREES = {"tree_budget": 8, "draft_depth": 4}  # so speculation provably happens: no measured cost decides it
+
+
+@contextlib.contextmanager
+def started(pair_folder, mode: str, **settings):
+    """A served pair: one request at a time, in one speculating batch, or (as for a pair whose models cannot
+    share a batch) routed: speculating alone, batched without speculation among others."""
     threads = torch.get_num_threads()
     port = free_port()
     patch = pytest.MonkeyPatch()
-    if request.param == "router":
+    if mode == "router":
         def cannot_batch(*args, **kwargs):
             raise ValueError("this pair cannot decode rows in one batch (the test says so)")
 
         patch.setattr(batching.SpeculatingBatcher, "__init__", cannot_batch)
-    options = ServeOptions(pair=str(pair_folder), port=port, log_level="error", continuous_batching=request.param != "sequential")
+    options = ServeOptions(pair=str(pair_folder), port=port, log_level="error", continuous_batching=mode != "sequential",
+                           settings=settings)
     running = serve(options, blocking=False)
     client = openai.OpenAI(base_url=f"http://localhost:{port}/v1", api_key="unused", max_retries=0, timeout=120)
     deadline = time.monotonic() + 60
@@ -88,10 +100,26 @@ def server(pair_folder, request):
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.1)
-    yield running, client, str(pair_folder)
-    running.kill_server()
-    patch.undo()
-    torch.set_num_threads(threads)
+    try:
+        yield running, client, str(pair_folder)
+    finally:
+        running.kill_server()
+        patch.undo()
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", params=MODES)
+def server(pair_folder, request):
+    """The served demo pair, with fixed trees, in each mode (module-scoped: tests share it)."""
+    with started(pair_folder, request.param, **FIXED_TREES) as running:
+        yield running
+
+
+@pytest.fixture(params=MODES)
+def fresh_server(pair_folder, request):
+    """A served demo pair no request has reached yet."""
+    with started(pair_folder, request.param) as running:
+        yield running
 
 
 def served_model(running):
@@ -252,6 +280,112 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, refe
     prompt = PROMPTS[0]
     reply = client.completions.create(model=name, prompt=prompt, max_tokens=8, temperature=0)
     assert reply.choices[0].text == answer(tokenizer(prompt, return_tensors="pt").input_ids, 8)
+
+
+def a_stop_in(text: str) -> tuple[str, str]:
+    """A stop string from the middle of `text` and the text before its first occurrence."""
+    stop = text[len(text) // 2 : len(text) // 2 + 4]
+    return stop, text[: text.index(stop)]
+
+
+def test_a_requests_settings_never_reach_another(fresh_server, reference):
+    """A fresh server whose first request streams with `stop`: it ends at the stop string, which its text
+    leaves out (OpenAI's semantics); the next request, without one, gets its whole answer; a later `stop` is
+    honoured, not the first request's."""
+    _, client, name = fresh_server
+    tokenizer, answer = reference
+    prompt, other = PROMPTS[0], PROMPTS[2]
+    whole = answer(tokenizer(prompt, return_tensors="pt").input_ids, 40)
+    stop, before = a_stop_in(whole)
+    chunks = list(client.completions.create(model=name, prompt=prompt, max_tokens=40, temperature=0, stop=[stop], stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == before
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    plain = client.completions.create(model=name, prompt=prompt, max_tokens=40, temperature=0)
+    assert plain.choices[0].text == whole and plain.choices[0].finish_reason == "length"
+    other_whole = answer(tokenizer(other, return_tensors="pt").input_ids, 40)
+    other_stop, other_before = a_stop_in(other_whole)
+    reply = client.completions.create(model=name, prompt=other, max_tokens=40, temperature=0, stop=other_stop)
+    assert reply.choices[0].text == other_before and reply.choices[0].finish_reason == "stop"
+    assert reply.usage.completion_tokens < 40  # it stopped there, not only its text
+
+
+def test_stop_strings_end_each_request_at_its_own_string(server, reference):
+    """Concurrent requests, each with its own stop strings (or none), streaming and not: each ends at its own."""
+    _, client, name = server
+    tokenizer, answer = reference
+    jobs = []
+    for i, prompt in enumerate(PROMPTS[:6]):
+        whole = answer(tokenizer(prompt, return_tensors="pt").input_ids, 32)
+        stop, before = a_stop_in(whole)
+        jobs.append((prompt, [stop, "\x00never"] if i % 3 else None, before if i % 3 else whole, bool(i % 2)))
+
+    def ask(job) -> str:
+        prompt, stop, _, stream = job
+        reply = client.completions.create(model=name, prompt=prompt, max_tokens=32, temperature=0, stop=stop, stream=stream)
+        return "".join(c.choices[0].text for c in reply) if stream else reply.choices[0].text
+
+    with ThreadPoolExecutor(6) as pool:
+        texts = list(pool.map(ask, jobs, timeout=300))
+    assert texts == [expected for _, _, expected, _ in jobs]
+
+
+def test_temperature_samples_and_a_seed_draws_what_a_lone_call_draws(server, reference, lone_pair):
+    """temperature > 0 samples whatever the pair's do_sample (it is greedy); a seeded request, sent together
+    with others (in the running batch with --continuous-batching), draws what the pair's lone call with that
+    seed draws."""
+    _, client, name = server
+    tokenizer, answer = reference
+    assert not lone_pair.generation_config.do_sample
+    prompt = PROMPTS[1]
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+
+    def ask(seed: int) -> str:
+        return client.completions.create(model=name, prompt=prompt, max_tokens=16, temperature=1.0, top_p=0.9, seed=seed,
+                                         extra_body={"top_k": 20}).choices[0].text
+
+    with ThreadPoolExecutor(4) as pool:
+        texts = list(pool.map(ask, range(4), timeout=300))
+    lone = [
+        tokenizer.decode(lone_pair.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=True,
+                                            temperature=1.0, top_p=0.9, top_k=20,
+                                            generator=torch.Generator().manual_seed(seed))[0, ids.shape[1]:],
+                         skip_special_tokens=True)
+        for seed in range(4)
+    ]
+    assert texts == lone
+    assert len(set(texts)) > 1 and answer(ids, 16) not in texts
+
+
+def test_a_request_past_the_context_is_refused_and_an_open_one_ends_at_it(server, reference):
+    """max_tokens past the target's 256 positions: a 400 naming the value and the fix, streaming or not. Without
+    max_tokens, the answer runs to the context's end and says finish_reason "length"."""
+    _, client, name = server
+    tokenizer, answer = reference
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model=name, prompt="def f", max_tokens=1000, temperature=0, stream=stream)
+        assert refused.value.body["param"] == "max_tokens"
+        assert "max_tokens=1000" in refused.value.body["message"] and "max_tokens <= 254" in refused.value.body["message"]
+    prompt = "x = 1\n" * 60  # 240 tokens: 16 left
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    room = 256 - ids.shape[1]
+    reply = client.completions.create(model=name, prompt=prompt, temperature=0)
+    assert reply.usage.completion_tokens == room and reply.choices[0].finish_reason == "length"
+    assert reply.choices[0].text == answer(ids, room)
+
+
+def test_settings_the_server_cannot_honour_are_refused_by_name(server):
+    _, client, name = server
+    refusals = {
+        "n": dict(n=2), "logprobs": dict(logprobs=2), "presence_penalty": dict(presence_penalty=3.0, temperature=1.0),
+        "top_p": dict(temperature=0, top_p=0.5), "top_k": dict(temperature=0, extra_body={"top_k": 5}),
+        "stop": dict(stop=["a", "b", "c", "d", "e"]),
+    }
+    for param, kwargs in refusals.items():
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model=name, prompt="def f", max_tokens=4, **kwargs)
+        assert refused.value.body["param"] == param, refused.value.body
+        assert param in refused.value.body["message"]
 
 
 def test_split_revision():

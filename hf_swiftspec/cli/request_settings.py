@@ -172,7 +172,7 @@ class RequestSettings:
         if self.stop:
             kwargs["stopping_criteria"] = StoppingCriteriaList([TextStops(tokenizer, self.stop, prompt_length)])
         if self.seed is not None and kwargs["generation_config"].do_sample:
-            kwargs["swiftspec_generator"] = torch.Generator(device=device).manual_seed(self.seed)
+            kwargs["generator"] = torch.Generator(device=device).manual_seed(self.seed)
         return kwargs
 
 

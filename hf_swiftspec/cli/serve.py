@@ -199,6 +199,7 @@ def answer_errors(app):
 
 
 GENERATING = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+EXTENSIONS = {"top_k", "min_p"}  # settings honoured per request that OpenAI's schema (so transformers' handler) lacks
 
 
 class ResponseEditor:
@@ -303,6 +304,11 @@ def serve_requests(served: Served):
                 return JSONResponse(error_body(str(refusal), 400, refusal.param), status_code=400)
             except ValueError:  # not JSON: transformers' handler answers it
                 return await call_next(request)
+            if isinstance(body, dict) and EXTENSIONS & set(body):  # transformers' handler refuses fields OpenAI lacks
+                passed_on = json.dumps({k: v for k, v in body.items() if k not in EXTENSIONS}).encode()
+                request._body = passed_on  # what call_next's app reads (Starlette replays the body it read)
+                request.scope["headers"] = [(k, str(len(passed_on)).encode() if k == b"content-length" else v)
+                                            for k, v in request.scope["headers"]]
             request_id = request.headers.get("x-request-id")
             if request_id is None:  # transformers' middleware takes the request's id from this header
                 request_id = str(uuid.uuid4())
