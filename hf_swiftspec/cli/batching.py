@@ -227,9 +227,20 @@ class ServingManager:
             self.forget(request.request_id)
 
     def finished(self, request: ServedRequest, status=None) -> None:
-        """Say how the request ended (the response's finish_reason) and hand over its last tokens."""
+        """Say how the request ended (the response's finish_reason) and what speculation did for it, and hand
+        over its last tokens."""
+        self.record_usage(request)
         self.served.book.finished(request.request_id, self.finish_reason(request, request.tokens))
         self.deliver(request, status or compat.cb_request_status().FINISHED)
+
+    def record_usage(self, request: ServedRequest) -> None:
+        """What speculation did for a request that ran alone: its generate() call's statistics (one call at a
+        time on this route, so the pair's latest are its own)."""
+        stats = self.pair.swiftspec_stats
+        self.served.usage.record(request.request_id, RowUsage(
+            verifications=stats.verify_steps, proposed=sum(r.budget - 1 for r in stats.rounds),
+            accepted=sum(r.accepted for r in stats.rounds),
+        ))
 
     def finish_reason(self, request: ServedRequest, tokens: list[int]) -> str:
         """OpenAI's finish_reason: "stop" at an EOS token or a stop string, else "length" at the limit."""
@@ -287,13 +298,6 @@ class SequentialServer(ServingManager):
             except Exception as error:  # the request fails, with the reason; the server goes on
                 self.fail(request, error)
 
-    def finished(self, request: ServedRequest, status=None) -> None:
-        stats = self.pair.swiftspec_stats  # this call's: one call at a time
-        accepted = sum(r.accepted for r in stats.rounds)
-        self.served.usage.record(request.request_id, RowUsage(
-            verifications=stats.verify_steps, proposed=sum(r.budget - 1 for r in stats.rounds), accepted=accepted,
-        ))
-        super().finished(request, status)
 
 
 class SpeculatingBatcher(ServingManager):
@@ -312,6 +316,9 @@ class SpeculatingBatcher(ServingManager):
 
     def cancelled(self, request: ServedRequest) -> None:
         self.engine.cancel(request.request_id)  # its row leaves after the round in flight
+
+    def record_usage(self, request: ServedRequest) -> None:
+        pass  # the engine keeps each row's (SpeculationUsage reads it there)
 
     def run(self, request: ServedRequest) -> None:
         try:
