@@ -399,3 +399,46 @@ def test_serve_without_the_server_dependencies_says_what_to_install(monkeypatch,
     monkeypatch.setattr(compat, "serving_available", lambda: False)
     assert main(["serve", "swiftspec-demo-pystdlib"]) == 1
     assert "pip install 'hf_swiftspec[serve]'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("recurrent", ["draft", "target"])
+def test_a_pair_that_cannot_batch_is_routed_and_the_server_says_so(recurrent, tmp_path, capfd):
+    """Real folders the running batch cannot take, started as a user starts them: a pair whose draft is recurrent
+    (Mamba-2 layers beside attention) is routed (speculating alone, batched without speculation among others);
+    a recurrent target, which transformers' continuous batching refuses too, serves one request at a time.
+    The server says which and why; every answer is the target's own, alone and among others."""
+    from hf_swiftspec.pair.repo import create_pair_repo
+    from hf_swiftspec.tools import sweep
+    from hf_swiftspec.tools.models import char_tokenizer, tiny_model
+
+    tokenizer = char_tokenizer()
+    bamba = sweep.tiny_of_type("bamba", layers=4, vocab_size=98)
+    target = bamba if recurrent == "target" else tiny_model("llama", seed=0)
+    for name, model in (("target", target), ("draft", bamba)):
+        model.save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    folder = tmp_path / "target" if recurrent == "target" else create_pair_repo(
+        tmp_path / "pair", str(tmp_path / "target"), str(tmp_path / "draft")).folder
+    prompts = ["def f(x):\n", "for i in range(3):\n", "import os\n"]
+    expected = []
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+        expected.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    with started(folder, "continuous-batching") as (running, client, name):
+        lone = client.completions.create(model=name, prompt=prompts[0], max_tokens=8, temperature=0).choices[0].text
+        with ThreadPoolExecutor(3) as pool:
+            together = list(pool.map(
+                lambda p: client.completions.create(model=name, prompt=p, max_tokens=8, temperature=0).choices[0].text, prompts
+            ))
+        chosen = manager(running)
+    said = capfd.readouterr().err
+    because = f"this pair cannot decode rows in one batch: the {recurrent}'s recurrent state rolls back per sequence"
+    if recurrent == "draft":
+        assert isinstance(chosen, SpeculationRouter) and chosen.routed["speculate"] > 0
+        assert f"requests speculate alone and batch without speculation: {because}" in said
+    else:
+        assert isinstance(chosen, batching.SequentialServer)
+        assert f"requests run one at a time, each speculating: {because}" in said
+        assert "transformers' continuous batching of the target refuses it (Invalid layer type" in said
+    assert lone == expected[0] and together == expected

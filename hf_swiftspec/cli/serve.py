@@ -108,7 +108,7 @@ class ServedPair(SwiftSpecForCausalLM):
         first request's; it is not used: each request's settings are its own.
         Sequential: one at a time. --continuous-batching: every request speculates in one running batch
         (batching.py); for a pair that cannot batch, a request speculates alone or joins the target's batch
-        (routing.py)."""
+        (routing.py), or, where transformers cannot batch the target either, runs one at a time."""
         from .routing import SpeculationRouter
 
         if self.sequential:
@@ -116,8 +116,15 @@ class ServedPair(SwiftSpecForCausalLM):
         try:
             return SpeculatingBatcher(self, self.served)
         except ValueError as reason:
-            progress(f"requests speculate alone and batch without speculation: {reason}")
-            return SpeculationRouter(self, self.served, continuous_batching_config)
+            why_not_batched = reason
+        try:
+            router = SpeculationRouter(self, self.served, continuous_batching_config)
+        except ValueError as reason:  # transformers' continuous batching refuses the target too (a recurrent one)
+            progress(f"requests run one at a time, each speculating: {why_not_batched}; and transformers' continuous "
+                     f"batching of the target refuses it ({reason})")
+            return SequentialServer(self, self.served)
+        progress(f"requests speculate alone and batch without speculation: {why_not_batched}")
+        return router
 
 
 def split_revision(model_id_and_revision: str) -> tuple[str, str | None]:
