@@ -2,19 +2,20 @@
 loaded where it would load a plain model, so every request decodes by tree speculation.
 
 No server of our own: the endpoints (/v1/chat/completions, /v1/completions, /v1/responses,
-/v1/models, /health), chat templates, streaming and request validation are transformers'. Two
-things change: the server's model manager loads the pair (or a plain causal LM, which then
-speculates draft-free) and hands out the pair's tokenizer as the processor; and a request that
-generate() refuses (a ValueError: max_tokens below 1, a prompt longer than the model's context)
-gets a 400 with the reason in OpenAI's error shape, where transformers' server answers a bare 500.
-The server is pinned to the one model: a request naming another gets transformers' 400.
+/v1/models, /health), chat templates and streaming are transformers'. What changes: the server's model
+manager loads the pair (or a plain causal LM, which then speculates draft-free) and hands out the
+pair's tokenizer as the processor; an app middleware reads each generating request's body before
+transformers' handler (its own settings, cli/request_settings.py, kept by request id; a setting the
+server cannot honour is a 400 naming it) and edits its response (stop strings cut from the text,
+finish_reason, usage.speculation); every error is in OpenAI's error shape.
 
-Requests run one at a time through `pair.generate()` (transformers' sequential mode), or with
-`--continuous-batching` every request speculates inside one running batch (batching.py), and each
-response's usage says what speculation did for it (`usage.speculation`: verifications, proposed and
-accepted tokens); GET /v1/swiftspec/usage gives the server's totals. A pair whose models cannot
+Every mode runs through one of the pair's batching managers (batching.py), which is where a request's
+id, and so its settings, reach its generate() call: one request at a time (the default), or with
+`--continuous-batching` every request speculating inside one running batch; a pair whose models cannot
 share a batch (recurrent or chain-shaped) keeps the older rule: a request speculates when alone and
-joins transformers' continuous batch of the target when others decode (routing.py).
+joins transformers' continuous batch of the target when others decode (routing.py). Each response's
+usage says what speculation did for it (`usage.speculation`: verifications, proposed and accepted
+tokens); GET /v1/swiftspec/usage gives the server's totals.
 """
 
 from __future__ import annotations
