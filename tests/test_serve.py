@@ -72,6 +72,7 @@ def lone_pair(pair_folder):
 
 
 MODES = ["sequential", "continuous-batching", "router"]
+BATCHER_INIT = batching.SpeculatingBatcher.__init__  # the "router" mode's servers patch it while they live
 FIXED_TREES = {"tree_budget": 8, "draft_depth": 4}  # so speculation provably happens: no measured cost decides it
 
 
@@ -88,7 +89,7 @@ def started(pair_folder, mode: str, **settings):
 
         patch.setattr(batching.SpeculatingBatcher, "__init__", cannot_batch)
     options = ServeOptions(pair=str(pair_folder), port=port, log_level="error", continuous_batching=mode != "sequential",
-                           settings=settings)
+                           settings=settings, cb_max_memory_percent=0.02)  # transformers' batch (the router's): 60% of RAM else
     running = serve(options, blocking=False)
     client = openai.OpenAI(base_url=f"http://localhost:{port}/v1", api_key="unused", max_retries=0, timeout=120)
     deadline = time.monotonic() + 60
@@ -183,6 +184,12 @@ def test_chat_completions_equal_the_target_alone(server, reference):
     assert reply.choices[0].message.content == expected
     streamed = client.chat.completions.create(model=name, messages=messages, max_tokens=NEW_TOKENS, temperature=0, stream=True)
     assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices) == expected
+    stop, before = a_stop_in(expected)  # a stop string, cut from the message, streamed or not
+    reply = client.chat.completions.create(model=name, messages=messages, max_tokens=NEW_TOKENS, temperature=0, stop=stop)
+    assert reply.choices[0].message.content == before and reply.choices[0].finish_reason == "stop"
+    streamed = client.chat.completions.create(model=name, messages=messages, max_tokens=NEW_TOKENS, temperature=0, stop=stop,
+                                              stream=True)
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices) == before
 
 
 def test_concurrent_clients_get_their_own_answers(server, reference):
@@ -402,13 +409,18 @@ def test_serve_without_the_server_dependencies_says_what_to_install(monkeypatch,
 
 
 @pytest.mark.parametrize("recurrent", ["draft", "target"])
-def test_a_pair_that_cannot_batch_is_routed_and_the_server_says_so(recurrent, tmp_path, capfd):
+def test_a_pair_that_cannot_batch_is_routed_and_the_server_says_so(recurrent, tmp_path, monkeypatch):
     """Real folders the running batch cannot take, started as a user starts them: a pair whose draft is recurrent
     (Mamba-2 layers beside attention) is routed (speculating alone, batched without speculation among others);
     a recurrent target, which transformers' continuous batching refuses too, serves one request at a time.
     The server says which and why; every answer is the target's own, alone and among others."""
+    from hf_swiftspec.cli import serve as serve_module
     from hf_swiftspec.pair.repo import create_pair_repo
     from hf_swiftspec.tools import sweep
+
+    monkeypatch.setattr(batching.SpeculatingBatcher, "__init__", BATCHER_INIT)  # whatever server still lives beside
+    said = []  # the server's status lines (printed on stderr as well)
+    monkeypatch.setattr(serve_module, "progress", lambda line, real=serve_module.progress: said.append(line) or real(line))
     from hf_swiftspec.tools.models import char_tokenizer, tiny_model
 
     tokenizer = char_tokenizer()
@@ -432,7 +444,7 @@ def test_a_pair_that_cannot_batch_is_routed_and_the_server_says_so(recurrent, tm
                 lambda p: client.completions.create(model=name, prompt=p, max_tokens=8, temperature=0).choices[0].text, prompts
             ))
         chosen = manager(running)
-    said = capfd.readouterr().err
+    said = "\n".join(said)
     because = f"this pair cannot decode rows in one batch: the {recurrent}'s recurrent state rolls back per sequence"
     if recurrent == "draft":
         assert isinstance(chosen, SpeculationRouter) and chosen.routed["speculate"] > 0

@@ -27,7 +27,7 @@ import torch
 
 from .. import compat
 from ..engine.continuous import RequestCancelled, RowUsage
-from .request_settings import DEFAULT_MAX_TOKENS, RequestBook, RequestSettings, cut_at_stop
+from .request_settings import RequestBook, RequestSettings, cut_at_stop
 
 USAGE_KEPT = 4096  # finished sequential requests whose usage stays readable by id (oldest dropped first)
 

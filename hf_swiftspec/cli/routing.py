@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import compat
 from .batching import Served, ServedRequest, ServerStreamer, ServingManager
 
 

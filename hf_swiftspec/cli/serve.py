@@ -53,6 +53,9 @@ class ServeOptions:
     enable_cors: bool = False
     continuous_batching: bool = False
     settings: dict = field(default_factory=dict)
+    # the share of free memory transformers' own continuous batch (the router's, for a pair that cannot batch)
+    # gives its paged cache; None: transformers' default (60% of RAM on a CPU)
+    cb_max_memory_percent: float | None = None
 
 
 class ServedPair(SwiftSpecForCausalLM):
@@ -374,4 +377,5 @@ def serve(options: ServeOptions, blocking: bool = True):
             log_level=options.log_level,
             enable_cors=options.enable_cors,
             non_blocking=not blocking,
+            **({} if options.cb_max_memory_percent is None else {"cb_max_memory_percent": options.cb_max_memory_percent}),
         )
