@@ -11,6 +11,7 @@ distribution (test_sampling.py).
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 
@@ -235,22 +236,194 @@ def test_a_cancelled_request_leaves_and_the_others_finish_exactly():
 
 
 def test_a_failing_streamer_fails_its_request_alone():
+    """A request whose streamer fails while another decodes beside it: it alone fails, the other finishes exactly."""
     pair = pair_of("llama")
     engine = pair.continuous_engine()
+    start_broken = threading.Event()
+    results, errors = {}, {}
 
     class Broken:
+        prompt_put = False  # generate() puts the prompt first, before the request reaches the engine
+
         def put(self, value):
-            raise OSError("client went away")
+            if self.prompt_put:
+                raise OSError("client went away")
+            self.prompt_put = True
 
         def end(self):
             pass
 
-    with pytest.raises(OSError, match="client went away"):
-        pair.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=10, streamer=Broken(), swiftspec_engine=(engine, "a"))
-    out = pair.generate(torch.tensor([PROMPTS[1]]), max_new_tokens=10, do_sample=False, swiftspec_engine=(engine, "b"))
+    def keeper():
+        results["kept"] = pair.generate(torch.tensor([PROMPTS[1]]), max_new_tokens=30, do_sample=False,
+                                        streamer=Relay(engine, start_broken, 2, "broken"), swiftspec_engine=(engine, "kept"))
+
+    def broken():
+        start_broken.wait(60)
+        try:
+            pair.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=10, streamer=Broken(), swiftspec_engine=(engine, "broken"))
+        except OSError as error:
+            errors["broken"] = error
+
+    threads = [threading.Thread(target=keeper), threading.Thread(target=broken)]
+    [t.start() for t in threads]
+    [t.join(120) for t in threads]
     engine.close()
-    expected = pair.target.generate(torch.tensor([PROMPTS[1]]), max_new_tokens=10, do_sample=False)
-    assert out.tolist() == expected.tolist()
+    assert "client went away" in str(errors["broken"])
+    assert max(engine.rounds_by_batch) == 2  # it failed in a round it shared with the other request
+    expected = pair.target.generate(torch.tensor([PROMPTS[1]]), max_new_tokens=30, do_sample=False)
+    assert results["kept"].tolist() == expected.tolist()
+
+
+def test_a_cancelled_row_leaves_the_batch_within_one_round():
+    """The server cancels a request whose client left (engine.cancel): by the next round its row is gone from
+    the batch (the engine's row count), and the request raises RequestCancelled."""
+    pair = pair_of("llama")
+    engine = pair.continuous_engine()
+    start_doomed = threading.Event()
+    rows_after_cancel, errors = [], {}
+
+    class Watcher(Relay):
+        """The staying request's streamer: once the doomed request shares its rounds, cancels it, then counts rows."""
+
+        cancelled = False
+
+        def put(self, value) -> None:
+            super().put(value)
+            if self.cancelled:
+                rows_after_cancel.append(len(engine.rows.live))
+            elif len(engine.rows.live) == 2:
+                self.cancelled = engine.cancel("doomed")
+
+    def doomed():
+        start_doomed.wait(60)
+        try:
+            pair.generate(torch.tensor([PROMPTS[2]]), max_new_tokens=60, do_sample=False, swiftspec_engine=(engine, "doomed"))
+        except RequestCancelled as error:
+            errors["doomed"] = error
+
+    thread = threading.Thread(target=doomed)
+    thread.start()
+    out = pair.generate(torch.tensor([PROMPTS[1]]), max_new_tokens=40, do_sample=False,
+                        streamer=Watcher(engine, start_doomed, 2, "doomed"), swiftspec_engine=(engine, "kept"))
+    thread.join(60)
+    engine.close()
+    assert isinstance(errors.get("doomed"), RequestCancelled)
+    assert rows_after_cancel and rows_after_cancel[0] == 1, rows_after_cancel
+    assert out.tolist() == pair.target.generate(torch.tensor([PROMPTS[1]]), max_new_tokens=40, do_sample=False).tolist()
+
+
+def live_tensors() -> int:
+    import gc
+
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if torch.is_tensor(o))
+
+
+def test_hundreds_of_joins_and_leaves_keep_capacity_and_tensors_bounded():
+    """300 requests through one engine, 3 at a time: the running caches never hold more positions per row than
+    the largest lone request needs, and the live tensors once idle do not grow with the requests served."""
+    pair = pair_of("llama")
+    engine = pair.continuous_engine()
+    capacities = []
+
+    class Gauge:
+        def put(self, value) -> None:
+            if engine.sides is not None:
+                capacities.append(engine.sides.target.cache.capacity)
+
+        def end(self) -> None:
+            pass
+
+    def ask(i: int) -> None:
+        pair.generate(torch.tensor([PROMPTS[i % len(PROMPTS)]]), max_new_tokens=4 + i % 5, do_sample=False,
+                      streamer=Gauge(), swiftspec_engine=(engine, f"r{i}"))
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    try:
+        for i in range(len(PROMPTS)):  # each prompt alone: the capacity a lone request needs
+            ask(1000 + i * 5 + 4)
+        lone_most = max(capacities)
+        with ThreadPoolExecutor(3) as pool:
+            list(pool.map(ask, range(60)))
+        warm = live_tensors()
+        with ThreadPoolExecutor(3) as pool:
+            list(pool.map(ask, range(60, 300)))
+        after = live_tensors()
+    finally:
+        engine.close()
+    assert max(engine.rounds_by_batch) > 1
+    assert max(capacities) <= lone_most
+    assert after <= warm + 10, (warm, after)
+
+
+def penalised(prompt_length: int, frequency: float, presence: float):
+    """OpenAI's penalties written out token by token (the reference for the server's vectorised processor):
+    each generated token's logit loses `frequency` per time it was generated, and `presence` once."""
+
+    def process(ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores.clone()
+        generated = ids[0, prompt_length:].tolist()
+        for token in generated:
+            scores[0, token] -= frequency
+        for token in set(generated):
+            scores[0, token] -= presence
+        return scores
+
+    return process
+
+
+def test_each_row_samples_with_its_own_settings():
+    """Requests with different settings in one running batch (the server's: RequestSettings.generation_kwargs):
+    each setting's first two tokens follow the target's distribution under that setting (its temperature,
+    top_p, OpenAI penalties), chi-square over its own draws."""
+    from scipy.stats import binomtest
+    from test_sampling import ALPHA, exact_joint, pooled_chisquare
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+
+    from hf_swiftspec.cli.request_settings import RequestSettings
+
+    target = tiny_model("llama", seed=3, vocab_size=12)
+    pair = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2))
+    for config in (pair.generation_config, target.generation_config):  # two tokens every draw (generate() falls
+        config.eos_token_id = None  # back to the model's EOS where the call's config has none)
+    base = copy.deepcopy(pair.generation_config)
+    prompt = [3, 7, 5]
+    settings = [
+        RequestSettings(temperature=0.6),
+        RequestSettings(temperature=1.4, top_p=0.8),
+        RequestSettings(temperature=1.0, frequency_penalty=0.5, presence_penalty=2.0),
+    ]
+    processors = [
+        LogitsProcessorList([TemperatureLogitsWarper(0.6)]),
+        LogitsProcessorList([TemperatureLogitsWarper(1.4), TopPLogitsWarper(0.8)]),
+        LogitsProcessorList([penalised(len(prompt), 0.5, 2.0), TemperatureLogitsWarper(1.0)]),
+    ]
+    draws = 300
+    engine = pair.continuous_engine()
+    counts = [torch.zeros(12, 12) for _ in settings]
+
+    def draw(i: int) -> None:
+        kind = i % len(settings)
+        kwargs = settings[kind].generation_kwargs(base, len(prompt), 2, None, "cpu")
+        kwargs["generator"] = torch.Generator().manual_seed(i)
+        out = pair.generate(torch.tensor([prompt]), swiftspec_engine=(engine, f"d{i}"), **kwargs)[0, len(prompt):]
+        counts[kind][out[0], out[1]] += 1
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    try:
+        with ThreadPoolExecutor(9) as pool:
+            list(pool.map(draw, range(draws * len(settings))))
+    finally:
+        engine.close()
+    assert max(engine.rounds_by_batch) > 2  # rows of different settings shared rounds
+    for kind, processor in enumerate(processors):
+        expected = exact_joint(target, torch.tensor([prompt]), processor)
+        assert pooled_chisquare(counts[kind].flatten(), expected.flatten() * draws) > ALPHA, settings[kind]
+        # a repeated token is where the penalties act; pooling spreads its rare cells, so test it on its own too
+        repeats = int(counts[kind].diagonal().sum())
+        assert binomtest(repeats, draws, float(expected.diagonal().sum())).pvalue > ALPHA, (settings[kind], repeats)
 
 
 def test_what_cannot_join_a_batch_is_refused_by_name():
@@ -341,3 +514,16 @@ def test_a_failing_round_fails_its_rows_and_the_engine_serves_on(monkeypatch):
     engine.close()
     expected = pair.target.generate(torch.tensor([PROMPTS[3]]), max_new_tokens=12, do_sample=False)
     assert out.tolist() == expected.tolist()
+
+
+def test_openai_penalties_equal_the_token_by_token_reference():
+    """The server's penalties processor against `penalised` on sequences with tokens repeated up to 5 times
+    (the sampling test above draws two tokens, where frequency and presence act alike)."""
+    from hf_swiftspec.cli.request_settings import OpenAIPenalties
+
+    torch.manual_seed(0)
+    ids = torch.cat([torch.tensor([[1, 1, 1]]), torch.randint(0, 6, (1, 12))], dim=1)
+    scores = torch.randn(1, 9)
+    for frequency, presence in [(0.5, 0.0), (0.0, 1.5), (1.2, -0.7)]:
+        expected = penalised(3, frequency, presence)(ids, scores)
+        torch.testing.assert_close(OpenAIPenalties(3, frequency, presence)(ids, scores.clone()), expected)

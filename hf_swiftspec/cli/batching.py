@@ -1,21 +1,25 @@
-"""`swiftspec serve --continuous-batching`: every request speculates inside one running batch.
+"""`swiftspec serve`'s batching managers: each request runs as its own `pair.generate()` call, with its own
+settings (cli/request_settings.py), in one of three ways.
 
 transformers' server talks to one batching manager (start, stop, add_request, register_result_handler,
-cancel_request, background_thread_status); `SpeculatingBatcher` is that manager for a pair. Each request
-is a `pair.generate()` call of its own thread, with the request's max_new_tokens and stop tokens and
-the server's shared sampling settings (what transformers' continuous batching takes per request), and
-decodes in the pair's continuous engine (engine/continuous.py): it joins the running batch between
-rounds, speculates there with trees the goodput policy sizes for the batch it has, and leaves when
-done or cancelled. Its tokens reach the server's handler as they are verified (streaming) or at the
-end; the engine keeps by request id what speculation did for it, which the response's usage reads
-(`SpeculationUsage`).
+cancel_request, background_thread_status); `ServingManager` is that interface for a pair, with what
+every way shares: the request's checks (its length against the target's context, its settings), its
+generate() arguments, handing its tokens to the server's handler, how it ended (finish_reason) and
+forgetting it. transformers hands a manager only max_new_tokens and eos_token_id; the rest of a
+request's settings come from the server's `RequestBook`, by request id.
 
-A pair whose models cannot share a batch (a recurrent or chain-shaped model) keeps routing.py's rule.
+- `SequentialServer` (the default): one request at a time, on one thread, each speculating alone.
+- `SpeculatingBatcher` (--continuous-batching): every request decodes in the pair's continuous engine
+  (engine/continuous.py): it joins the running batch between rounds, speculates there with trees the
+  goodput policy sizes for the batch it has, with its own sampler, processors and stopping criteria
+  in its row, and leaves when done or cancelled. The engine keeps by request id what speculation did
+  for it, which the response's usage reads (`SpeculationUsage`).
+- `SpeculationRouter` (cli/routing.py): for a pair whose models cannot share a batch.
 """
 
 from __future__ import annotations
 
-import copy
+import queue
 import threading
 from dataclasses import dataclass, field
 
@@ -23,25 +27,50 @@ import torch
 
 from .. import compat
 from ..engine.continuous import RequestCancelled, RowUsage
+from .request_settings import RequestBook, RequestSettings, cut_at_stop
+
+USAGE_KEPT = 4096  # finished sequential requests whose usage stays readable by id (oldest dropped first)
+
 
 @dataclass
 class SpeculationUsage:
     """Where the server's responses and its /v1/swiftspec/usage endpoint read what speculation did: the
-    running engine (set when the first request starts it), per request id and in total."""
+    running engine (set when the first batched request starts it) or, one request at a time, what each
+    generate() call's statistics said (`record`), per request id and in total."""
 
     engine: object = None
+    by_id: dict[str, RowUsage] = field(default_factory=dict)
+    total: RowUsage = field(default_factory=RowUsage)
+    served: int = 0
+
+    def record(self, request_id: str, usage: RowUsage) -> None:
+        self.by_id[request_id] = usage
+        self.total.add(usage)
+        self.served += 1
+        while len(self.by_id) > USAGE_KEPT:
+            self.by_id.pop(next(iter(self.by_id)))
 
     def of(self, request_id: str) -> RowUsage | None:
+        if request_id in self.by_id:
+            return self.by_id[request_id]
         return None if self.engine is None else self.engine.usage_of(request_id)
 
     def totals(self) -> dict:
         engine = self.engine
         if engine is None:
-            return {"requests": 0, "usage": RowUsage().as_dict(), "rounds_by_batch_size": {}}
+            return {"requests": self.served, "usage": self.total.as_dict(), "rounds_by_batch_size": {}}
         return {
             "requests": engine.served, "usage": engine.usage.as_dict(),
             "rounds_by_batch_size": {str(k): v for k, v in sorted(engine.rounds_by_batch.items())},
         }
+
+
+@dataclass
+class Served:
+    """What the app and the batching manager share: the requests' settings and what speculation did."""
+
+    book: RequestBook = field(default_factory=RequestBook)
+    usage: SpeculationUsage = field(default_factory=SpeculationUsage)
 
 
 @dataclass
@@ -51,14 +80,39 @@ class ThreadStatus:
     fatal_error: BaseException | None = None
 
 
+@dataclass
+class ServedRequest:
+    """One request: its prompt, its limits and settings, and who hears of its tokens.
+
+    max_new_tokens: its limit on new tokens (its max_tokens, or what the context leaves it)
+    handler: (callback, event loop) the server registered; outputs are delivered on that loop
+    generate_kwargs: its generate() arguments from its settings (generation config, processors, stops, seed)
+    """
+
+    request_id: str
+    input_ids: list[int] = field(default_factory=list)
+    max_new_tokens: int | None = None
+    settings: RequestSettings = field(default_factory=RequestSettings)
+    generate_kwargs: dict = field(default_factory=dict)
+    streaming: bool = False
+    handler: tuple | None = None
+    tokens: list[int] = field(default_factory=list)
+    registered: threading.Event = field(default_factory=threading.Event)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    added: bool = False
+
+
 class ServerStreamer:
     """One request's streamer: each round's tokens to the request's handler (streaming requests), and the
-    tokens kept for the final output."""
+    tokens kept for the final output. A cancelled request's next put raises RequestCancelled, which ends
+    its generate() (in the running batch: its row alone, engine/continuous.py's record)."""
 
-    def __init__(self, manager, request: "ServedRequest"):
+    def __init__(self, manager, request: ServedRequest):
         self.manager, self.request, self.first = manager, request, True  # manager: whose deliver() hands tokens over
 
     def put(self, value: torch.Tensor) -> None:
+        if self.request.cancelled.is_set():
+            raise RequestCancelled(self.request.request_id)
         if self.first:  # generate() puts the prompt first
             self.first = False
             return
@@ -70,67 +124,55 @@ class ServerStreamer:
         pass
 
 
-@dataclass
-class ServedRequest:
-    """One request: its prompt, its limits and who hears of its tokens.
+class ServingManager:
+    """What every batching manager of `swiftspec serve` shares (see the module docstring). Subclasses run
+    the requests (`submit`) and may act on a cancellation at once (`cancelled`)."""
 
-    handler: (callback, event loop) the server registered; outputs are delivered on that loop
-    """
+    request_class = ServedRequest
 
-    request_id: str
-    input_ids: list[int] = field(default_factory=list)
-    max_new_tokens: int | None = None
-    eos_token_id: int | list[int] | None = None
-    streaming: bool = False
-    handler: tuple | None = None
-    tokens: list[int] = field(default_factory=list)
-    registered: threading.Event = field(default_factory=threading.Event)
-    added: bool = False
-
-
-class SpeculatingBatcher:
-    """The batching manager `transformers serve --continuous-batching` drives (see the module docstring)."""
-
-    def __init__(self, pair, generation_config, usage: SpeculationUsage | None = None):
+    def __init__(self, pair, served: Served | None = None):
         self.pair = pair
-        self.generation_config = generation_config
-        self.usage = usage if usage is not None else SpeculationUsage()
-        self.engine = pair.continuous_engine()
-        self.usage.engine = self.engine
+        self.served = served or Served()
+        self.generation_config = pair.generation_config  # the pair's, never a request's: settings are per request
         self.requests: dict[str, ServedRequest] = {}
         self.lock = threading.Lock()
-        self.background_thread_status = ThreadStatus()
-        self.batch_processor = None  # transformers' scheduler (monitoring): the engine has none
-        self.count = 0
+        self.status = ThreadStatus()
+        self.counter = 0
 
-    def start(self) -> None:
-        pass  # the engine's thread starts with its first request
+    # ------------------------------------------------ what the server calls
+    @property
+    def background_thread_status(self) -> ThreadStatus:
+        return self.status
 
-    def stop(self, block: bool = True, timeout: float | None = None) -> None:
-        self.engine.close()
+    @property
+    def batch_processor(self):
+        return None
 
     def add_request(
         self, input_ids: list[int], request_id: str | None = None, max_new_tokens: int | None = None,
         streaming: bool = False, eos_token_id=None, **kwargs,
     ) -> str:
-        if kwargs:
-            raise ValueError(
-                f"swiftspec serve's batch takes a request's max_new_tokens and eos_token_id, not {sorted(kwargs)}; "
-                "set sampling for the whole server (its generation config)."
-            )
+        """Check the request and start it; a ValueError (a RequestRefused) is the server's 400. Its settings
+        are the RequestBook's (max_new_tokens and eos_token_id come from the server's shared config)."""
+        with self.lock:
+            request_id = request_id or f"swiftspec_{self.counter}"
+            self.counter += 1
+            request = self.requests.get(request_id) or self.request_class(request_id)
+            self.requests[request_id] = request
         try:
-            self.pair.check_request(len(input_ids), max_new_tokens)  # a ValueError here is the server's 400
+            if kwargs:
+                raise ValueError(f"swiftspec serve does not take {sorted(kwargs)} per request.")
+            request.settings = self.served.book.settings(request_id)
+            request.input_ids, request.streaming = list(input_ids), streaming
+            request.max_new_tokens = self.pair.request_length(len(input_ids), request.settings.max_tokens)
+            request.generate_kwargs = request.settings.generation_kwargs(
+                self.generation_config, len(input_ids), request.max_new_tokens, self.pair.tokenizer, self.pair.device
+            )
         except ValueError:
             self.forget(request_id)
             raise
-        with self.lock:
-            self.count += 1
-            request_id = request_id or f"swiftspec_{self.count}"
-            request = self.requests.get(request_id) or ServedRequest(request_id)
-            request.input_ids, request.max_new_tokens, request.eos_token_id = list(input_ids), max_new_tokens, eos_token_id
-            request.streaming, request.added = streaming, True
-            self.requests[request_id] = request
-        threading.Thread(target=self.decode, args=(request,), name=f"swiftspec-{request_id}", daemon=True).start()
+        request.added = True
+        self.submit(request)
         return request_id
 
     def register_result_handler(self, request_id: str, callback) -> None:
@@ -139,34 +181,81 @@ class SpeculatingBatcher:
 
         loop = asyncio.get_running_loop()
         with self.lock:
-            request = self.requests.setdefault(request_id, ServedRequest(request_id))
+            request = self.requests.get(request_id)
+            if request is None:  # not added yet
+                request = self.request_class(request_id)
+                self.requests[request_id] = request
             request.handler = (callback, loop)
-        request.registered.set()
+            request.registered.set()
 
     def cancel_request(self, request_id: str) -> None:
-        self.engine.cancel(request_id)
+        with self.lock:
+            request = self.requests.get(request_id)
+        if request is not None:
+            request.cancelled.set()
+            self.cancelled(request)
 
-    def decode(self, request: ServedRequest) -> None:
-        """A request's thread: its generate() in the running batch, then its final output to its handler."""
+    def start(self) -> None:
+        pass
+
+    def stop(self, block: bool = True, timeout: float | None = None) -> None:
+        pass
+
+    # ------------------------------------------------ what subclasses provide
+    def submit(self, request: ServedRequest) -> None:
+        raise NotImplementedError
+
+    def cancelled(self, request: ServedRequest) -> None:
+        """A cancelled request's generate() ends at its streamer's next put; a manager may end it sooner."""
+
+    # ------------------------------------------------ running one request
+    def run_request(self, request: ServedRequest, streamer_class=ServerStreamer, **extra) -> None:
+        """The request's generate() call with its own settings, its tokens to its handler; a cancelled
+        request is forgotten, a failing one fails alone (the server goes on)."""
         status = compat.cb_request_status()
         request.registered.wait(timeout=30)  # a streaming request's handler comes just after add_request
         try:
             self.pair.generate(
                 torch.tensor([request.input_ids], device=self.pair.device),
                 attention_mask=torch.ones(1, len(request.input_ids), dtype=torch.long, device=self.pair.device),
-                generation_config=self.request_config(request),
-                streamer=ServerStreamer(self, request),
-                swiftspec=True,
-                swiftspec_engine=(self.engine, request.request_id),
+                streamer=streamer_class(self, request),
+                **request.generate_kwargs,
+                **extra,
             )
-            self.deliver(request, status.FINISHED)
+            self.finished(request)
         except RequestCancelled:
             self.forget(request.request_id)
-        except Exception as error:  # the request fails, with the reason; the server goes on
-            self.deliver(request, status.FAILED, error=f"{type(error).__name__}: {error}")
 
-    def request_config(self, request: ServedRequest):
-        return request_config(self.generation_config, request)
+    def finished(self, request: ServedRequest, status=None) -> None:
+        """Say how the request ended (the response's finish_reason) and what speculation did for it, and hand
+        over its last tokens."""
+        self.record_usage(request)
+        self.served.book.finished(request.request_id, self.finish_reason(request, request.tokens))
+        self.deliver(request, status or compat.cb_request_status().FINISHED)
+
+    def record_usage(self, request: ServedRequest) -> None:
+        """What speculation did for a request that ran alone: its generate() call's statistics (one call at a
+        time on this route, so the pair's latest are its own)."""
+        stats = self.pair.swiftspec_stats
+        self.served.usage.record(request.request_id, RowUsage(
+            verifications=stats.verify_steps, proposed=sum(r.budget - 1 for r in stats.rounds),
+            accepted=sum(r.accepted for r in stats.rounds),
+        ))
+
+    def finish_reason(self, request: ServedRequest, tokens: list[int]) -> str:
+        """OpenAI's finish_reason: "stop" at an EOS token or a stop string, else "length" at the limit."""
+        if len(tokens) < (request.max_new_tokens or 0) or (tokens and tokens[-1] in self.eos_ids()):
+            return "stop"
+        if request.settings.stop and cut_at_stop(self.pair.tokenizer.decode(tokens), request.settings.stop)[1]:
+            return "stop"
+        return "length"
+
+    def eos_ids(self) -> set:
+        eos = self.generation_config.eos_token_id
+        return set(eos) if isinstance(eos, (list, tuple, set)) else {eos}
+
+    def fail(self, request: ServedRequest, error: BaseException) -> None:
+        self.deliver(request, compat.cb_request_status().FAILED, error=f"{type(error).__name__}: {error}")
 
     def deliver(self, request: ServedRequest, status, error: str | None = None) -> None:
         """Hand the request's tokens so far to its handler (forgetting it once finished)."""
@@ -178,16 +267,64 @@ class SpeculatingBatcher:
             self.requests.pop(request_id, None)
 
 
-def request_config(shared, request):
-    """The server's shared generation config with a request's length and stop tokens (what transformers'
-    continuous batching takes per request), using the cache (the server turns it off for its paged one)."""
-    config = copy.deepcopy(shared)
-    config.use_cache = True
-    if request.max_new_tokens is not None:
-        config.max_new_tokens = request.max_new_tokens
-    if request.eos_token_id is not None:
-        config.eos_token_id = request.eos_token_id
-    return config
+class SequentialServer(ServingManager):
+    """One request at a time on one thread, each speculating alone (`swiftspec serve` without
+    --continuous-batching); each response's usage reads its call's statistics."""
+
+    def __init__(self, pair, served: Served | None = None):
+        super().__init__(pair, served)
+        self.queue: queue.Queue[ServedRequest | None] = queue.Queue()
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self.run, name="swiftspec-sequential", daemon=True)
+        self.thread.start()
+
+    def stop(self, block: bool = True, timeout: float | None = None) -> None:
+        self.queue.put(None)
+        if block and self.thread is not None:
+            self.thread.join(timeout)
+
+    def submit(self, request: ServedRequest) -> None:
+        self.queue.put(request)
+
+    def run(self) -> None:
+        while (request := self.queue.get()) is not None:
+            if request.cancelled.is_set():
+                self.forget(request.request_id)
+                continue
+            try:
+                self.run_request(request)
+            except Exception as error:  # the request fails, with the reason; the server goes on
+                self.fail(request, error)
+
+
+
+class SpeculatingBatcher(ServingManager):
+    """Every request speculates in one running batch (--continuous-batching; see the module docstring)."""
+
+    def __init__(self, pair, served: Served | None = None):
+        super().__init__(pair, served)
+        self.engine = pair.continuous_engine()  # ValueError for a pair that cannot batch (the server routes it)
+        self.served.usage.engine = self.engine
+
+    def stop(self, block: bool = True, timeout: float | None = None) -> None:
+        self.engine.close()
+
+    def submit(self, request: ServedRequest) -> None:
+        threading.Thread(target=self.run, args=(request,), name=f"swiftspec-{request.request_id}", daemon=True).start()
+
+    def cancelled(self, request: ServedRequest) -> None:
+        self.engine.cancel(request.request_id)  # its row leaves after the round in flight
+
+    def record_usage(self, request: ServedRequest) -> None:
+        pass  # the engine keeps each row's (SpeculationUsage reads it there)
+
+    def run(self, request: ServedRequest) -> None:
+        try:
+            self.run_request(request, swiftspec=True, swiftspec_engine=(self.engine, request.request_id))
+        except Exception as error:  # the request fails, with the reason; the server goes on
+            self.fail(request, error)
 
 
 def hand_over(request, status, error: str | None = None):

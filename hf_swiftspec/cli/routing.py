@@ -12,6 +12,8 @@ transformers' own manager for the target (`target.init_continuous_batching`) and
 tokens (greedy) or draws from its distribution, so the route changes speed, not output.
 
 Route: a request speculates if no other request is in flight when it arrives, else it joins the batch.
+A request with settings of its own (sampling, penalties, a seed, stop strings: cli/request_settings.py)
+always speculates, and stays there: transformers' batch shares one generation config.
 A speculating request that gets company joins the batch too, after the round it is in: its prompt and
 the tokens it has so far are prefilled there, and its handler keeps receiving the whole answer. So
 speculation and batching never run at once (they would fight over the cores and the interpreter: the
@@ -29,8 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import compat
-from .batching import ServedRequest, ServerStreamer, hand_over, request_config
+from .batching import Served, ServedRequest, ServerStreamer, ServingManager
 
 
 @dataclass
@@ -39,8 +40,8 @@ class RoutedRequest(ServedRequest):
 
     speculate: bool = False
     handed_over: list[int] = field(default_factory=list)  # of its tokens, those it brought when it joined the batch
-    cancelled: threading.Event = field(default_factory=threading.Event)
     company: threading.Event = field(default_factory=threading.Event)  # others arrived: join the batch
+    own_settings: bool = False  # its sampling, processors, stops or seed differ from the batch's shared config
 
 
 def shared_weights_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -52,8 +53,15 @@ def shared_weights_copy(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model, memo)
 
 
-class RequestCancelled(Exception):
-    """Raised inside the speculative generate() when its request was cancelled (its client left)."""
+SAMPLING_FIELDS = ("do_sample", "temperature", "top_p", "top_k", "min_p")
+
+
+def differs_from(generate_kwargs: dict, shared) -> bool:
+    """Whether a request's generate() arguments ask for more than transformers' batch does with `shared`, its
+    one generation config: processors, stops or a seed of its own, or other sampling settings."""
+    config = generate_kwargs["generation_config"]
+    sampling = [getattr(config, name) for name in SAMPLING_FIELDS] != [getattr(shared, name) for name in SAMPLING_FIELDS]
+    return set(generate_kwargs) != {"generation_config"} or (sampling and (config.do_sample or shared.do_sample))
 
 
 class RequestJoinsBatch(Exception):
@@ -61,31 +69,28 @@ class RequestJoinsBatch(Exception):
 
 
 class RouterStreamer(ServerStreamer):
-    """The streamer of one speculative generate() (batching.ServerStreamer) that also stops it when its request
-    was cancelled, or after a round once others arrived (it then joins the batch)."""
+    """The streamer of one speculative generate() (batching.ServerStreamer) that also stops it after a round
+    once others arrived (it then joins the batch), unless it has settings of its own."""
 
     def put(self, value: torch.Tensor) -> None:
-        if self.request.cancelled.is_set():
-            raise RequestCancelled(self.request.request_id)
         prompt = self.first  # generate() puts the prompt first
         super().put(value)
-        if not prompt and self.request.company.is_set():
+        if not prompt and self.request.company.is_set() and not self.request.own_settings:
             raise RequestJoinsBatch(self.request.request_id)
 
 
-class SpeculationRouter:
+class SpeculationRouter(ServingManager):
     """The batching manager `transformers serve --continuous-batching` drives, for a pair (see the module
     docstring). `batcher` is transformers' manager for the target alone."""
 
-    def __init__(self, pair, generation_config, continuous_batching_config=None):
-        self.pair = pair
-        self.generation_config = generation_config
+    request_class = RoutedRequest
+
+    def __init__(self, pair, served: Served | None = None, continuous_batching_config=None):
+        super().__init__(pair, served)
         self.batched_target = shared_weights_copy(pair.target)
         self.batcher = self.batched_target.init_continuous_batching(
-            generation_config=generation_config, continuous_batching_config=continuous_batching_config
+            generation_config=self.generation_config, continuous_batching_config=continuous_batching_config
         )
-        self.requests: dict[str, RoutedRequest] = {}
-        self.lock = threading.Lock()
         self.queue: queue.Queue[RoutedRequest | None] = queue.Queue()
         self.thread: threading.Thread | None = None
         self.speculating: RoutedRequest | None = None
@@ -112,62 +117,37 @@ class SpeculationRouter:
         if block and self.thread is not None:
             self.thread.join(timeout)
 
-    def add_request(
-        self, input_ids: list[int], request_id: str | None = None, max_new_tokens: int | None = None,
-        streaming: bool = False, eos_token_id=None, **kwargs,
-    ) -> str | None:
-        try:
-            self.pair.check_request(len(input_ids), max_new_tokens)  # a ValueError here is the server's 400
-        except ValueError:
-            self.forget(request_id)
-            raise
+    def submit(self, request: RoutedRequest) -> None:
         with self.lock:
-            request_id = request_id or f"swiftspec_{sum(self.routed.values())}"
-            speculate = not kwargs and not any(r.added for r in self.requests.values() if r.request_id != request_id)
-            request = self.requests.get(request_id) or RoutedRequest(request_id)
-            request.input_ids, request.max_new_tokens, request.eos_token_id = list(input_ids), max_new_tokens, eos_token_id
-            request.streaming, request.speculate, request.added = streaming, speculate, True
-            self.requests[request_id] = request
-            self.routed["speculate" if speculate else "batch"] += 1
-            if not speculate and self.speculating is not None:
+            busy = any(r.added for r in self.requests.values() if r is not request)
+            request.own_settings = differs_from(request.generate_kwargs, self.generation_config)
+            request.speculate = request.own_settings or not busy
+            self.routed["speculate" if request.speculate else "batch"] += 1
+            if not request.speculate and self.speculating is not None:
                 self.speculating.company.set()
-        if speculate:
+            registered = request.handler is not None
+        if request.speculate:
             self.queue.put(request)
-            return request_id
-        if request.handler is not None:  # registered before it was added (the server's non-streaming order)
-            self.batcher.register_result_handler(request_id, self.batched_handler(request))
-        return self.batcher.add_request(
-            input_ids, request_id=request_id, max_new_tokens=max_new_tokens, streaming=streaming,
-            eos_token_id=eos_token_id, **kwargs,
+            return
+        if registered:  # registered before it was added (the server's non-streaming order)
+            self.batcher.register_result_handler(request.request_id, self.batched_handler(request))
+        self.batcher.add_request(
+            request.input_ids, request_id=request.request_id, max_new_tokens=request.max_new_tokens,
+            streaming=request.streaming, eos_token_id=self.generation_config.eos_token_id,
         )
 
     def register_result_handler(self, request_id: str, callback) -> None:
         """Called on the server's event loop, before add_request (non-streaming) or after it (streaming)."""
-        import asyncio
-
-        loop = asyncio.get_running_loop()
+        super().register_result_handler(request_id, callback)
         with self.lock:
-            request = self.requests.get(request_id)
-            if request is None:  # not added yet: the route is decided when it is
-                request = RoutedRequest(request_id)
-                self.requests[request_id] = request
-            request.handler = (callback, loop)
-            request.registered.set()
-            if not request.added:
-                return
-        if not request.speculate:
+            request = self.requests[request_id]
+        if request.added and not request.speculate:
             self.batcher.register_result_handler(request_id, self.batched_handler(request))
 
-    def cancel_request(self, request_id: str) -> None:
-        with self.lock:
-            request = self.requests.get(request_id)
-        if request is None:
-            return
-        if request.speculate:
-            request.cancelled.set()
-        else:
-            self.batcher.cancel_request(request_id)
-            self.forget(request_id)
+    def cancelled(self, request: RoutedRequest) -> None:
+        if not request.speculate:
+            self.batcher.cancel_request(request.request_id)
+            self.forget(request.request_id)
 
     # ------------------------------------------------ the two routes
 
@@ -181,18 +161,14 @@ class SpeculationRouter:
                     output, prompt_ids=request.input_ids, generated_tokens=request.handed_over + list(output.generated_tokens)
                 )
             if output.is_finished():
+                self.served.book.finished(request.request_id, self.finish_reason(request, output.generated_tokens))
                 self.forget(request.request_id)
             callback(output)
 
         return handle
 
-    def forget(self, request_id: str) -> None:
-        with self.lock:
-            self.requests.pop(request_id, None)
-
     def run_speculative(self) -> None:
         """The speculative route's thread: one pair.generate() at a time."""
-        status = compat.cb_request_status()
         while (request := self.queue.get()) is not None:
             request.registered.wait(timeout=30)  # a streaming request's handler comes just after add_request
             with self.lock:
@@ -200,19 +176,11 @@ class SpeculationRouter:
                 if any(r.added and r is not request for r in self.requests.values()):
                     request.company.set()  # others came while it waited for its handler
             try:
-                self.pair.generate(
-                    torch.tensor([request.input_ids], device=self.pair.device),
-                    attention_mask=torch.ones(1, len(request.input_ids), dtype=torch.long, device=self.pair.device),
-                    generation_config=self.request_config(request),
-                    streamer=RouterStreamer(self, request),
-                )
-                self.deliver(request, status.FINISHED)
-            except RequestCancelled:
-                self.forget(request.request_id)
+                self.run_request(request, streamer_class=RouterStreamer)
             except RequestJoinsBatch:
                 self.join_batch(request)
             except Exception as error:  # the request fails, with the reason; the server goes on
-                self.deliver(request, status.FAILED, error=f"{type(error).__name__}: {error}")
+                self.fail(request, error)
             finally:
                 with self.lock:
                     self.speculating = None
@@ -220,11 +188,9 @@ class SpeculationRouter:
     def join_batch(self, request: RoutedRequest) -> None:
         """Move a speculating request to the batch: its prompt and its tokens so far are the batch's prompt,
         for the tokens it has left (done already if its last token ended it)."""
-        left = None if request.max_new_tokens is None else request.max_new_tokens - len(request.tokens)
-        eos = request.eos_token_id if request.eos_token_id is not None else self.generation_config.eos_token_id
-        eos = set(eos) if isinstance(eos, (list, tuple, set)) else {eos}
-        if (left is not None and left <= 0) or (request.tokens and request.tokens[-1] in eos):
-            self.deliver(request, compat.cb_request_status().FINISHED)
+        left = request.max_new_tokens - len(request.tokens)
+        if left <= 0 or (request.tokens and request.tokens[-1] in self.eos_ids()):
+            self.finished(request)
             return
         request.speculate, request.handed_over = False, list(request.tokens)
         with self.lock:
@@ -235,15 +201,7 @@ class SpeculationRouter:
             self.batcher.register_result_handler(request.request_id, self.batched_handler(request))
             self.batcher.add_request(
                 request.input_ids + request.handed_over, request_id=request.request_id, max_new_tokens=left,
-                streaming=request.streaming, eos_token_id=request.eos_token_id,
+                streaming=request.streaming, eos_token_id=self.generation_config.eos_token_id,
             )
 
         loop.call_soon_threadsafe(join)
-
-    def request_config(self, request: RoutedRequest):
-        return request_config(self.generation_config, request)
-
-    def deliver(self, request: RoutedRequest, status, error: str | None = None) -> None:
-        """Hand the request's tokens so far to its handler (forgetting it once finished)."""
-        if hand_over(request, status, error).is_finished():
-            self.forget(request.request_id)

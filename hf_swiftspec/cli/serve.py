@@ -2,19 +2,20 @@
 loaded where it would load a plain model, so every request decodes by tree speculation.
 
 No server of our own: the endpoints (/v1/chat/completions, /v1/completions, /v1/responses,
-/v1/models, /health), chat templates, streaming and request validation are transformers'. Two
-things change: the server's model manager loads the pair (or a plain causal LM, which then
-speculates draft-free) and hands out the pair's tokenizer as the processor; and a request that
-generate() refuses (a ValueError: max_tokens below 1, a prompt longer than the model's context)
-gets a 400 with the reason in OpenAI's error shape, where transformers' server answers a bare 500.
-The server is pinned to the one model: a request naming another gets transformers' 400.
+/v1/models, /health), chat templates and streaming are transformers'. What changes: the server's model
+manager loads the pair (or a plain causal LM, which then speculates draft-free) and hands out the
+pair's tokenizer as the processor; an app middleware reads each generating request's body before
+transformers' handler (its own settings, cli/request_settings.py, kept by request id; a setting the
+server cannot honour is a 400 naming it) and edits its response (stop strings cut from the text,
+finish_reason, usage.speculation); every error is in OpenAI's error shape.
 
-Requests run one at a time through `pair.generate()` (transformers' sequential mode), or with
-`--continuous-batching` every request speculates inside one running batch (batching.py), and each
-response's usage says what speculation did for it (`usage.speculation`: verifications, proposed and
-accepted tokens); GET /v1/swiftspec/usage gives the server's totals. A pair whose models cannot
+Every mode runs through one of the pair's batching managers (batching.py), which is where a request's
+id, and so its settings, reach its generate() call: one request at a time (the default), or with
+`--continuous-batching` every request speculating inside one running batch; a pair whose models cannot
 share a batch (recurrent or chain-shaped) keeps the older rule: a request speculates when alone and
-joins transformers' continuous batch of the target when others decode (routing.py).
+joins transformers' continuous batch of the target when others decode (routing.py). Each response's
+usage says what speculation did for it (`usage.speculation`: verifications, proposed and accepted
+tokens); GET /v1/swiftspec/usage gives the server's totals.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import torch
 from .. import compat
 from .options import load_pair, progress, resolve_device, set_threads
 from ..modeling import SwiftSpecForCausalLM
-from .batching import SpeculatingBatcher, SpeculationUsage
+from .batching import SequentialServer, Served, SpeculatingBatcher
+from .request_settings import DEFAULT_MAX_TOKENS, RequestRefused, RequestSettings, StopCutter, cut_at_stop
 from ..pair import PairConfigError
 from ..pair.checks import context_length
 
@@ -51,22 +53,51 @@ class ServeOptions:
     enable_cors: bool = False
     continuous_batching: bool = False
     settings: dict = field(default_factory=dict)
+    # the share of free memory transformers' own continuous batch (the router's, for a pair that cannot batch)
+    # gives its paged cache; None: transformers' default (60% of RAM on a CPU)
+    cb_max_memory_percent: float | None = None
 
 
 class ServedPair(SwiftSpecForCausalLM):
-    """The pair as the server runs it: generate() refuses a prompt the target cannot read (longer than its
-    context) by name, as a server must, where a direct call decodes on exactly as target.generate would."""
+    """The pair as the server runs it: a request must fit the target's context (a direct generate() call
+    decodes on exactly as target.generate would), and its batching manager is the mode's (batching.py)."""
+
+    served: Served | None = None  # what the app and the batching manager share (set by the model manager)
+    sequential: bool = True  # `swiftspec serve` without --continuous-batching
+
+    def context(self) -> int | None:
+        return context_length(self.target.config)
 
     def check_request(self, prompt_tokens: int, max_new_tokens: int | None = None) -> None:
         """ValueError (the server's 400) for a prompt the target cannot read or a length below 1."""
-        context = context_length(self.target.config)
+        context = self.context()
         if context is not None and prompt_tokens >= context:
-            raise ValueError(
+            raise RequestRefused(
                 f"The prompt has {prompt_tokens} tokens; {self.config.name_or_path!r} reads at most {context} "
-                f"(its target's max_position_embeddings), leaving no room for an answer. Shorten the prompt."
+                f"(its target's max_position_embeddings), leaving no room for an answer. Shorten the prompt.",
+                "prompt",
             )
         if max_new_tokens is not None and max_new_tokens < 1:
-            raise ValueError(f"`max_new_tokens` must be greater than 0, but is {max_new_tokens}.")
+            raise RequestRefused(f"`max_new_tokens` must be greater than 0, but is {max_new_tokens}.", "max_tokens")
+
+    def request_length(self, prompt_tokens: int, max_tokens: int | None) -> int:
+        """The new tokens a request gets: its max_tokens, refused (RequestRefused, a 400) past the target's
+        context; without one, the pair's max_new_tokens (at least DEFAULT_MAX_TOKENS, as transformers' server)
+        up to what the context leaves (finish_reason "length" if it gets there)."""
+        self.check_request(prompt_tokens, max_tokens)
+        context = self.context()
+        room = None if context is None else context - prompt_tokens
+        if max_tokens is not None:
+            if room is not None and max_tokens > room:
+                raise RequestRefused(
+                    f"max_tokens={max_tokens} with a {prompt_tokens}-token prompt reaches {prompt_tokens + max_tokens} "
+                    f"positions; {self.config.name_or_path!r} reads at most {context} (its target's "
+                    f"max_position_embeddings). Ask for max_tokens <= {room}, or shorten the prompt.",
+                    "max_tokens",
+                )
+            return max_tokens
+        default = max(self.generation_config.max_new_tokens or 0, DEFAULT_MAX_TOKENS)
+        return default if room is None else min(default, room)
 
     @torch.no_grad()
     def generate(self, inputs: torch.Tensor | None = None, *args, **kwargs):
@@ -75,19 +106,29 @@ class ServedPair(SwiftSpecForCausalLM):
             self.check_request(prompt.shape[-1])
         return super().generate(inputs, *args, **kwargs)
 
-    speculation_usage: SpeculationUsage | None = None  # where the server reads each request's figures
-
     def init_continuous_batching(self, generation_config=None, continuous_batching_config=None, **kwargs):
-        """`swiftspec serve --continuous-batching`: every request speculates in one running batch (cli/batching.py);
-        for a pair that cannot batch, a request speculates alone or joins the target's batch (cli/routing.py)."""
+        """The server's batching manager (every mode runs through one: transformers hands a manager the request
+        id, by which it finds the request's own settings). The generation config transformers passes is its
+        first request's; it is not used: each request's settings are its own.
+        Sequential: one at a time. --continuous-batching: every request speculates in one running batch
+        (batching.py); for a pair that cannot batch, a request speculates alone or joins the target's batch
+        (routing.py), or, where transformers cannot batch the target either, runs one at a time."""
         from .routing import SpeculationRouter
 
-        config = generation_config or self.generation_config
+        if self.sequential:
+            return SequentialServer(self, self.served)
         try:
-            return SpeculatingBatcher(self, config, self.speculation_usage)
+            return SpeculatingBatcher(self, self.served)
         except ValueError as reason:
-            progress(f"requests speculate alone and batch without speculation: {reason}")
-            return SpeculationRouter(self, config, continuous_batching_config)
+            why_not_batched = reason
+        try:
+            router = SpeculationRouter(self, self.served, continuous_batching_config)
+        except ValueError as reason:  # transformers' continuous batching refuses the target too (a recurrent one)
+            progress(f"requests run one at a time, each speculating: {why_not_batched}; and transformers' continuous "
+                     f"batching of the target refuses it ({reason})")
+            return SequentialServer(self, self.served)
+        progress(f"requests speculate alone and batch without speculation: {why_not_batched}")
+        return router
 
 
 def split_revision(model_id_and_revision: str) -> tuple[str, str | None]:
@@ -99,7 +140,7 @@ def split_revision(model_id_and_revision: str) -> tuple[str, str | None]:
     return (name, revision) if at else (model_id_and_revision, None)
 
 
-def pair_model_manager(options: ServeOptions, device: str, usage: SpeculationUsage | None = None) -> type:
+def pair_model_manager(options: ServeOptions, device: str, served: Served | None = None) -> type:
     """transformers' ModelManager, loading the served pair with hf_swiftspec's loader instead of
     `getattr(transformers, config.architectures[0])` (which knows no pair)."""
 
@@ -118,7 +159,7 @@ def pair_model_manager(options: ServeOptions, device: str, usage: SpeculationUsa
             if revision not in (None, "main"):
                 settings["revision"] = revision
             model = load_pair(name, name, device, options.dtype, model_class=ServedPair, **settings)
-            model.speculation_usage = usage
+            model.served, model.sequential = served or Served(), not options.continuous_batching
             self.loading[model_id_and_revision] = model
             return model.tokenizer
 
@@ -136,66 +177,175 @@ def pair_model_manager(options: ServeOptions, device: str, usage: SpeculationUsa
     return PairModelManager
 
 
-def answer_refusals(app):
-    """A ValueError raised while handling a request (generate() refusing its arguments) answers 400 with
-    the message, in OpenAI's error shape; the server goes on serving."""
+def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error shape (the `openai` client shows its message)."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def answer_errors(app):
+    """Every error in OpenAI's error shape, the server going on serving: a ValueError raised while handling a
+    request (its check or generate() refusing its arguments) is a 400 with its reason (transformers' server
+    answers a bare 500); transformers' own refusals ({"detail": ...}: another model's name, unknown fields)
+    keep their status; anything else is a 500 with its reason."""
     from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException
 
     async def refused(_request, error: ValueError):
-        return JSONResponse(
-            {"error": {"message": str(error), "type": "invalid_request_error", "param": None, "code": None}},
-            status_code=400,
-        )
+        return JSONResponse(error_body(str(error), 400, getattr(error, "param", None)), status_code=400)
+
+    async def http_error(_request, error: HTTPException):
+        pinned = isinstance(error.detail, str) and error.detail.startswith("Server is pinned")
+        body = error_body(str(error.detail), error.status_code, "model" if pinned else None,
+                          "model_not_found" if pinned else None)
+        return JSONResponse(body, status_code=error.status_code)
+
+    async def failed(_request, error: Exception):
+        return JSONResponse(error_body(f"{type(error).__name__}: {error}", 500), status_code=500)
 
     app.add_exception_handler(ValueError, refused)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(RuntimeError, failed)
     return app
 
 
-def report_speculation(usage: SpeculationUsage):
-    """An app hook: each completion's usage gains `speculation` (what it did for that request: verifications,
-    proposed and accepted tokens, tokens per verification), streamed or not, and GET /v1/swiftspec/usage
-    answers the server's totals (requests, usage, rounds by batch size)."""
-    from fastapi.responses import JSONResponse, Response
+GENERATING = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+EXTENSIONS = {"top_k", "min_p"}  # settings honoured per request that OpenAI's schema (so transformers' handler) lacks
 
-    def with_figures(payload: dict) -> dict:
-        figures = usage.of(payload.get("id", "")) if isinstance(payload.get("usage"), dict) else None
+
+class ResponseEditor:
+    """One response's JSON payloads as the request's settings make them: the text cut at its first stop
+    string (held back while streaming until it is settled), finish_reason as the batching manager saw the
+    request end, and usage.speculation."""
+
+    def __init__(self, served: Served, request_id: str, settings: RequestSettings):
+        self.served, self.request_id, self.settings = served, request_id, settings
+        self.cutter = StopCutter(settings.stop)
+
+    def whole(self, payload: dict) -> dict:
+        for choice in payload.get("choices") or []:
+            holder, key = self.text_of(choice)
+            if holder is not None and self.settings.stop:
+                holder[key] = cut_at_stop(holder[key], self.settings.stop)[0]
+            self.set_finish_reason(choice)
+        return self.with_figures(payload)
+
+    def event(self, payload: dict) -> dict:
+        for choice in payload.get("choices") or []:
+            holder, key = self.text_of(choice)
+            ending = choice.get("finish_reason") is not None
+            if self.settings.stop and (holder is not None or ending):
+                text = self.cutter.feed(holder[key] if holder is not None else "") + (self.cutter.flush() if ending else "")
+                if holder is None:
+                    holder, key = self.holder_for(choice)
+                holder[key] = text
+            if ending:
+                self.set_finish_reason(choice)
+        return self.with_figures(payload)
+
+    @staticmethod
+    def text_of(choice: dict) -> tuple[dict | None, str]:
+        """Where a choice holds its text: completions' text, chat's message or delta content."""
+        if isinstance(choice.get("text"), str):
+            return choice, "text"
+        for name in ("message", "delta"):
+            inner = choice.get(name)
+            if isinstance(inner, dict) and isinstance(inner.get("content"), str):
+                return inner, "content"
+        return None, ""
+
+    @staticmethod
+    def holder_for(choice: dict) -> tuple[dict, str]:
+        if "delta" in choice:
+            return choice["delta"], "content"
+        return choice, "text"
+
+    def set_finish_reason(self, choice: dict) -> None:
+        entry = self.served.book.entry(self.request_id)
+        if entry is not None and entry.finish_reason is not None and choice.get("finish_reason") in ("stop", "length"):
+            choice["finish_reason"] = entry.finish_reason
+
+    def with_figures(self, payload: dict) -> dict:
+        figures = self.served.usage.of(self.request_id) if isinstance(payload.get("usage"), dict) else None
         if figures is not None:
             payload["usage"]["speculation"] = figures.as_dict()
         return payload
 
-    def event_with_figures(line: bytes) -> bytes:
-        if not line.startswith(b"data: {") or b'"usage"' not in line:
-            return line
-        return b"data: " + json.dumps(with_figures(json.loads(line[6:]))).encode()
 
-    async def streamed(chunks):
+def serve_requests(served: Served):
+    """An app hook: each generating request's body is read before transformers' handler, its settings kept by
+    request id for the batching manager (a refused one is a 400 naming the field), and its response edited
+    (`ResponseEditor`), streamed or not; GET /v1/swiftspec/usage answers the server's totals (requests,
+    usage, rounds by batch size)."""
+    import uuid
+
+    from fastapi.responses import JSONResponse, Response
+
+    def edited_event(line: bytes, editor: ResponseEditor) -> bytes:
+        if not line.startswith(b"data: {"):
+            return line
+        return b"data: " + json.dumps(editor.event(json.loads(line[6:]))).encode()
+
+    async def streamed(chunks, editor: ResponseEditor):
         pending = b""
-        async for chunk in chunks:
-            pending += chunk if isinstance(chunk, bytes) else chunk.encode()
-            *lines, pending = pending.split(b"\n")
-            if lines:
-                yield b"\n".join(event_with_figures(line) for line in lines) + b"\n"
-        if pending:
-            yield event_with_figures(pending)
+        try:
+            async for chunk in chunks:
+                pending += chunk if isinstance(chunk, bytes) else chunk.encode()
+                *lines, pending = pending.split(b"\n")
+                if lines:
+                    yield b"\n".join(edited_event(line, editor) for line in lines) + b"\n"
+            if pending:
+                yield edited_event(pending, editor)
+        finally:
+            served.book.close(editor.request_id)
 
     def hook(app):
         @app.get("/v1/swiftspec/usage")
         def speculation_totals():
-            return JSONResponse(usage.totals())
+            return JSONResponse(served.usage.totals())
 
         @app.middleware("http")
-        async def add_figures(request, call_next):
-            response = await call_next(request)
-            if request.method != "POST" or not request.url.path.endswith("completions") or usage.engine is None:
-                return response
-            if response.headers.get("content-type", "").startswith("text/event-stream"):
-                response.body_iterator = streamed(response.body_iterator)
-                return response
-            body = b"".join([chunk async for chunk in response.body_iterator])
+        async def per_request(request, call_next):
+            if request.method != "POST" or request.url.path not in GENERATING:
+                return await call_next(request)
             try:
-                body = json.dumps(with_figures(json.loads(body))).encode()
-            except (ValueError, AttributeError):
-                pass
+                body = await request.json()
+                settings = RequestSettings.from_body(body) if isinstance(body, dict) else RequestSettings()
+            except RequestRefused as refusal:
+                return JSONResponse(error_body(str(refusal), 400, refusal.param), status_code=400)
+            except ValueError:  # not JSON: transformers' handler answers it
+                return await call_next(request)
+            if isinstance(body, dict) and EXTENSIONS & set(body):  # transformers' handler refuses fields OpenAI lacks
+                passed_on = json.dumps({k: v for k, v in body.items() if k not in EXTENSIONS}).encode()
+                request._body = passed_on  # what call_next's app reads (Starlette replays the body it read)
+                request.scope["headers"] = [(k, str(len(passed_on)).encode() if k == b"content-length" else v)
+                                            for k, v in request.scope["headers"]]
+            request_id = request.headers.get("x-request-id")
+            if request_id is None:  # transformers' middleware takes the request's id from this header
+                request_id = str(uuid.uuid4())
+                request.scope["headers"] = [*request.scope["headers"], (b"x-request-id", request_id.encode())]
+            try:
+                served.book.open(request_id, settings)
+            except RequestRefused as refusal:
+                return JSONResponse(error_body(str(refusal), 400, "X-Request-ID"), status_code=400)
+            editor = ResponseEditor(served, request_id, settings)
+            try:
+                response = await call_next(request)
+            except BaseException:
+                served.book.close(request_id)
+                raise
+            if response.headers.get("content-type", "").startswith("text/event-stream"):
+                response.body_iterator = streamed(response.body_iterator, editor)
+                return response
+            try:
+                body = b"".join([chunk async for chunk in response.body_iterator])
+                if response.status_code == 200:
+                    try:
+                        body = json.dumps(editor.whole(json.loads(body))).encode()
+                    except (ValueError, AttributeError):
+                        pass
+            finally:
+                served.book.close(request_id)
             headers = {k: v for k, v in response.headers.items() if k.lower() != "content-length"}
             return Response(body, status_code=response.status_code, headers=headers, media_type=response.media_type)
 
@@ -215,16 +365,17 @@ def serve(options: ServeOptions, blocking: bool = True):
     device = resolve_device(options.device)
     progress(set_threads(options.threads, device))
     progress(f"loading {options.pair!r} on {device}; serving it at http://{options.host}:{options.port}/v1")
-    usage = SpeculationUsage()
-    finish_app = lambda app: report_speculation(usage)(answer_refusals(app))  # noqa: E731
-    with compat.serving_built_with(pair_model_manager(options, device, usage), finish_app):
+    served = Served()
+    finish_app = lambda app: serve_requests(served)(answer_errors(app))  # noqa: E731
+    with compat.serving_built_with(pair_model_manager(options, device, served), finish_app):
         return compat.serving_server()(
             force_model=options.pair,
-            continuous_batching=options.continuous_batching,
+            continuous_batching=True,  # every mode runs through the pair's batching manager (ServedPair)
             device=device,
             host=options.host,
             port=options.port,
             log_level=options.log_level,
             enable_cors=options.enable_cors,
             non_blocking=not blocking,
+            **({} if options.cb_max_memory_percent is None else {"cb_max_memory_percent": options.cb_max_memory_percent}),
         )
