@@ -18,10 +18,10 @@ import warnings
 import torch
 from transformers import GenerationConfig, StoppingCriteriaList
 
-from .architectures import context_limit
-from .probes import describe
-from .attention import own_implementation, resolve_attention, routed_attention
-from .compat import (
+from .models.architectures import context_limit
+from .steps.probes import describe
+from .steps.attention import own_implementation, resolve_attention, routed_attention
+from .models.compat import (
     GENERATE_CACHE_ARGUMENTS,
     PREPARED_CACHE_KWARGS,
     GenerateDecoderOnlyOutput,
@@ -32,22 +32,22 @@ from .compat import (
     sample_loop,
 )
 from .config import SwiftSpecConfig
-from .drafting import Drafters, SuffixDrafter
-from .eagle3 import DraftHead
+from .drafters.drafting import Drafters, SuffixDrafter
+from .drafters.eagle3 import DraftHead
 from .engine import DecodeRequest, DecodeResult, DraftModelDrafter, TargetWorker, run_serial, run_threads
-from .engine.heads import HeadDrafter
-from .engine.serial import setup_s
+from .drafters.heads import HeadDrafter
+from .engine.adaptive import setup_s
 from .engine.request import RowResult
 from .engine.continuous import ContinuousEngine
-from .choice import SERIAL
+from .policy.choice import SERIAL
 from .engine.distributed import Groups, agree_engine, run_distributed, run_serial_distributed
-from .capture import Captures, StepGraphs, capture_backend, capture_gap
-from .placement import Placement
+from .steps.capture import Captures, StepGraphs, capture_backend, capture_gap
+from .engine.placement import Placement
 from .config import MAX_BUDGET
-from .policy import GoodputPolicy
+from .policy.goodput import GoodputPolicy
 from .stats import SwiftSpecStats
-from .suffix import OutputHistory
-from .verify import Sampler, batch_dependent
+from .drafters.suffix import OutputHistory
+from .steps.verify import Sampler, batch_dependent
 
 UNSUPPORTED_OPTIONS = {
     "num_beams": 1,
@@ -167,7 +167,7 @@ def remember_outputs(history: OutputHistory | None, config: SwiftSpecConfig, req
 
 def decode_adaptive(target, draft, request: DecodeRequest, config: SwiftSpecConfig, placement, groups,
                     chain_reasons: list[str] = (), architectures=None, captures: Captures | None = None) -> DecodeResult:
-    """The adaptive round (engine/serial.py, or an asynchronous engine) over the two workers; chains
+    """The adaptive round (engine/adaptive.py, or an asynchronous engine) over the two workers; chains
     instead of trees where `chain_reasons` say this call needs them. architectures: the models' (probes.describe),
     when the caller has them. captures: the pair's replayed forwards, kept across calls (None: every step eager)."""
     batch = request.batch_size

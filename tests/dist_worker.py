@@ -101,8 +101,8 @@ def eagle3(placement, args):
     causal forward of the whole sequence gives it (checked on the draft rank, which holds the target too)."""
     from test_eagle3 import VOCAB, random_head
 
-    from hf_swiftspec.eagle3 import FeatureTap
-    from hf_swiftspec.engine.heads import HeadDrafter
+    from hf_swiftspec.drafters.eagle3 import FeatureTap
+    from hf_swiftspec.drafters.heads import HeadDrafter
 
     target = tiny_model("llama", seed=1, vocab_size=VOCAB)
     reference = copy.deepcopy(target)

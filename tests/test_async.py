@@ -8,7 +8,7 @@ import torch
 
 from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.engine import SwiftSpecWorkerError
-from hf_swiftspec.placement import resolve_placement
+from hf_swiftspec.engine.placement import resolve_placement
 from hf_swiftspec.tools.models import tiny_model, truncated_draft
 
 CPU_THREADS = {"target": ["cpu"], "draft": ["cpu"]}
@@ -59,7 +59,7 @@ def test_draft_expands_while_the_target_verifies(llama_pair):
 def test_the_verdict_leaves_before_the_target_commits(llama_pair, monkeypatch):
     """The target answers as soon as its walk is done, so the draft re-roots while the target commits the
     accepted KV; the output still equals target.generate's and the call ends on the walk's last verdict."""
-    from hf_swiftspec.cache import TreeCache
+    from hf_swiftspec.steps.cache import TreeCache
     from hf_swiftspec.engine.links import ThreadLink
 
     target, draft, _ = llama_pair
@@ -235,7 +235,7 @@ def test_a_draft_that_never_agrees_neither_delays_nor_slows_the_target(llama_pai
 
 
 def test_draft_pays_while_its_rounds_repay_an_expansion():
-    from hf_swiftspec.policy import GoodputPolicy
+    from hf_swiftspec.policy.goodput import GoodputPolicy
 
     policy = GoodputPolicy()
     assert policy.draft_pays(1.0, 0.07)  # nothing measured yet: the draft runs
@@ -246,7 +246,7 @@ def test_draft_pays_while_its_rounds_repay_an_expansion():
 
 
 def test_engine_choice_measures_both_then_runs_the_faster_and_retries_the_other():
-    from hf_swiftspec.choice import ASYNC, RETRY_EVERY, SERIAL, EngineChoice
+    from hf_swiftspec.policy.choice import ASYNC, RETRY_EVERY, SERIAL, EngineChoice
 
     choice = EngineChoice()
     measuring = []
@@ -301,7 +301,7 @@ def test_serial_fallback_is_on_for_auto_placement_only():
     from dataclasses import replace
 
     from hf_swiftspec.generation import check_serial_fallback, falls_back
-    from hf_swiftspec.placement import Placement
+    from hf_swiftspec.engine.placement import Placement
 
     config = SwiftSpecForCausalLM.from_models(tiny_model("llama"), tiny_model("llama", layers=1)).config
     threads = Placement("threads", ("cpu",), ("cpu",))

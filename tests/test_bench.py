@@ -11,8 +11,8 @@ import torch
 from hf_swiftspec import bench
 from hf_swiftspec.bench import methods, prompts
 from hf_swiftspec.bench.command import default_methods
-from hf_swiftspec.cache import TreeCache
-from hf_swiftspec.capture import WHOLE_CONTEXT, capacity_bucket
+from hf_swiftspec.steps.cache import TreeCache
+from hf_swiftspec.steps.capture import WHOLE_CONTEXT, capacity_bucket
 from hf_swiftspec.bench import (
     BenchConfig,
     BenchModels,

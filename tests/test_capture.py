@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from hf_swiftspec import SwiftSpecForCausalLM
-from hf_swiftspec.architectures import Architecture
-from hf_swiftspec.attention import fixed_step_inputs
-from hf_swiftspec.capture import MAX_QUERIES, StepGraphs, capacity_bucket, capture_backend, capture_gap, forward, query_bucket
-from hf_swiftspec.probes import describe
-from hf_swiftspec.recurrent import new_cache
-from hf_swiftspec.step import RowQueries, model_step, run_step, step_layout
+from hf_swiftspec.models.architectures import Architecture
+from hf_swiftspec.steps.attention import fixed_step_inputs
+from hf_swiftspec.steps.capture import MAX_QUERIES, StepGraphs, capacity_bucket, capture_backend, capture_gap, forward, query_bucket
+from hf_swiftspec.steps.probes import describe
+from hf_swiftspec.steps.recurrent import new_cache
+from hf_swiftspec.steps.step import RowQueries, model_step, run_step, step_layout
 from hf_swiftspec.tools import sweep
 from hf_swiftspec.tools.models import left_padded, random_prompts, sharpen, tiny_model, truncated_draft
 
@@ -157,7 +157,7 @@ def test_custom_generate_keeps_graphs_in_the_captures_it_is_given(pairs):
     """A plain model's generate(custom_generate=...) replays too, and swiftspec_captures keeps its graphs for
     the next call, as the pair keeps its own."""
     from hf_swiftspec import custom_generate
-    from hf_swiftspec.capture import Captures
+    from hf_swiftspec.steps.capture import Captures
 
     target, draft = pairs["llama"]
     captures = Captures()
@@ -227,7 +227,7 @@ def test_a_head_and_the_target_it_taps_replay_as_eager_steps(kind, monkeypatch):
     target.generate's, both models replay, every verification hands the head the same states as eager steps do,
     and every head forward gives the same logits and hidden outputs (mutations checked: handing nothing fails at
     the tap's take(); not copying a replay's second output into the bucket fails the states)."""
-    from hf_swiftspec.engine.heads import HeadDrafter
+    from hf_swiftspec.drafters.heads import HeadDrafter
     from hf_swiftspec.engine.workers import TargetWorker
 
     pairs = {name: (target, head) for name, target, head in head_pairs() if name == kind}

@@ -72,7 +72,7 @@ def test_the_decoder_imports_no_tools():
 
 def test_architectures_runs_no_model():
     """What a model can do from its config and classes is apart from the probes that run it."""
-    assert not GRAPH["hf_swiftspec.architectures"] & {
-        "hf_swiftspec.step", "hf_swiftspec.attention", "hf_swiftspec.recurrent", "hf_swiftspec.engine.workers",
-        "hf_swiftspec.probes", "hf_swiftspec.cache",
+    assert not GRAPH["hf_swiftspec.models.architectures"] & {
+        "hf_swiftspec.steps.step", "hf_swiftspec.steps.attention", "hf_swiftspec.steps.recurrent", "hf_swiftspec.engine.workers",
+        "hf_swiftspec.steps.probes", "hf_swiftspec.steps.cache",
     }

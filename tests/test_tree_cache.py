@@ -4,13 +4,13 @@ import pytest
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
-from hf_swiftspec.probes import describe
-from hf_swiftspec.cache import TreeCache, keep_order
+from hf_swiftspec.steps.probes import describe
+from hf_swiftspec.steps.cache import TreeCache, keep_order
 from hf_swiftspec.engine.workers import DraftModelDrafter, TargetWorker
-from hf_swiftspec.step import RowQueries, model_step, run_step
-from hf_swiftspec.tree import Subtree, select_subtree, subtree_mask
+from hf_swiftspec.steps.step import RowQueries, model_step, run_step
+from hf_swiftspec.steps.tree import Subtree, select_subtree, subtree_mask
 from hf_swiftspec.tools.models import left_padded
-from hf_swiftspec.verify import Sampler, Verified
+from hf_swiftspec.steps.verify import Sampler, Verified
 
 ATOL = 2e-5
 
@@ -276,7 +276,7 @@ def test_a_hit_on_an_unrun_leaf_resets_the_tree_as_a_reroot_would(llama_pair):
     re-root still counts as a hit; path_facts says whether the child it finds has run."""
     import dataclasses
 
-    from hf_swiftspec.tree import path_facts, reroot
+    from hf_swiftspec.steps.tree import path_facts, reroot
 
     draft = grown_drafter(llama_pair)
     tree = draft.tree
@@ -305,7 +305,7 @@ def test_path_facts_read_the_tree_as_node_by_node_lookups_do(llama_pair):
     """path_facts (one host read, on the asynchronous draft's critical path) against per-node tensor lookups: how
     many of a path's first nodes ran and their KV slots, and the next token's child, for every node's path in a
     grown tree, with the child's token, another token, and paths that leave the tree (-1) or its run part."""
-    from hf_swiftspec.tree import path_facts
+    from hf_swiftspec.steps.tree import path_facts
 
     draft = grown_drafter(llama_pair)
     tree = draft.tree

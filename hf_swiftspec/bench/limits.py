@@ -12,13 +12,13 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ..cache import TreeCache
-from ..capture import largest_capacity
-from ..compat import CACHE_ARGUMENTS
+from ..steps.cache import TreeCache
+from ..steps.capture import largest_capacity
+from ..models.compat import CACHE_ARGUMENTS
 from ..modeling import SwiftSpecForCausalLM
-from ..architectures import context_limit
+from ..models.architectures import context_limit
 from ..config import MAX_BUDGET
-from ..tree import new_tree
+from ..steps.tree import new_tree
 from .measure import MIB, generation_kwargs, synchronize
 from .schema import BenchConfig, BenchModels, CacheTrace, LimitReport, MemoryBudget, SetResult
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 from transformers import CompileConfig
 
-from ..architectures import context_limit
+from ..models.architectures import context_limit
 from ..cli.options import default_device, load_pair
 from ..config import SwiftSpecConfig
-from ..eagle3 import DraftHead, Eagle3Head, is_eagle3_folder, load_eagle3_head
+from ..drafters.eagle3 import DraftHead, Eagle3Head, is_eagle3_folder, load_eagle3_head
 from ..modeling import SwiftSpecForCausalLM
 from ..pair import DEMO_PAIR_NAME, bundled_pair
 from ..pair.locate import HubOptions, member_folder, pair_members, resolve_pair_folder

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import compat
+from ..models import compat
 from ..engine.continuous import RequestCancelled, RowUsage
 
 @dataclass

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import compat
+from ..models import compat
 from .batching import ServedRequest, ServerStreamer, hand_over, request_config
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import compat
+from ..models import compat
 from .options import load_pair, progress, resolve_device, set_threads
 from ..modeling import SwiftSpecForCausalLM
 from .batching import SpeculatingBatcher, SpeculationUsage

@@ -3,7 +3,7 @@
 from .asynchronous import run_threads
 from .links import SwiftSpecWorkerError
 from .request import DecodeRequest, DecodeResult
-from .serial import run_serial
+from .adaptive import run_serial
 from .workers import DraftModelDrafter, TargetWorker
 
 __all__ = [

@@ -1,5 +1,5 @@
 """Asynchronous tree speculation (SwiftSpec Algorithm 1): the draft grows the tree while the
-target verifies the subtree it was sent. Same workers as engine/serial.py; only the schedule
+target verifies the subtree it was sent. Same workers as engine/adaptive.py; only the schedule
 differs:
 
     draft:  propose S_n -> settle the last re-root -> graft S_n (its nodes join the tree and run) ->
@@ -23,7 +23,7 @@ from ..config import FIRST_TREE
 from ..stats import SwiftSpecStats
 from .links import LinkClosed, SwiftSpecWorkerError, ThreadLink
 from .request import BatchRows, DecodeRequest, DecodeResult, round_record
-from ..drafting import Drafters
+from ..drafters.drafting import Drafters
 from .workers import TargetWorker
 
 

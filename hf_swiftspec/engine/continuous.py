@@ -30,13 +30,13 @@ import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
-from ..attention import routed_attention
-from ..cache import keep_order
-from ..eagle3 import DraftHead
+from ..steps.attention import routed_attention
+from ..steps.cache import keep_order
+from ..drafters.eagle3 import DraftHead
 from ..stats import SwiftSpecStats
-from ..verify import StopRule, Verified, split_criteria
+from ..steps.verify import StopRule, Verified, split_criteria
 from .request import DecodeRequest, DecodeResult, RowResult
-from .serial import AdaptiveSides
+from .adaptive import AdaptiveSides
 
 
 PREFILL_PIECE = 256  # prompt tokens a joining request prefills between two rounds of the running batch

@@ -12,11 +12,11 @@ from typing import Callable
 import torch
 from transformers import StoppingCriteriaList
 
-from ..policy import GoodputPolicy
+from ..policy.goodput import GoodputPolicy
 from ..stats import RoundRecord, SwiftSpecStats
-from ..suffix import OutputHistory
-from ..tree import Proposal
-from ..verify import NO_STOPS, Sampler, StopRule, Verified, split_criteria
+from ..drafters.suffix import OutputHistory
+from ..steps.tree import Proposal
+from ..steps.verify import NO_STOPS, Sampler, StopRule, Verified, split_criteria
 
 
 @dataclass

@@ -10,7 +10,7 @@
         sides.observe(proposed, verified, round_s) 4. the controller learns the round's costs and yield
         rows that finished leave both sides
 
-`RoundSides` is what the phases run on: the adaptive sides (engine/serial.py: the target's worker over
+`RoundSides` is what the phases run on: the adaptive sides (engine/adaptive.py: the target's worker over
 its tree cache, the drafters, the goodput policy). How each forward runs, eagerly or replayed from a
 captured graph, is the steps' business (step.py, capture.py), not the round's. The asynchronous engine
 runs the same workers on another schedule (the draft grows while the target verifies).
@@ -22,10 +22,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ..cache import keep_order
+from ..steps.cache import keep_order
 from ..stats import SwiftSpecStats
-from ..tree import Proposal
-from ..verify import Verified
+from ..steps.tree import Proposal
+from ..steps.verify import Verified
 from .request import BatchRows, DecodeRequest, DecodeResult
 
 

@@ -18,14 +18,14 @@ import time
 import torch
 from transformers import PreTrainedModel, StoppingCriteriaList
 
-from ..architectures import Architecture
-from ..capture import StepGraphs
-from ..policy import GoodputPolicy
-from ..probes import describe
-from ..recurrent import MAX_REPLAY, StateLog, new_cache
+from ..models.architectures import Architecture
+from ..steps.capture import StepGraphs
+from ..policy.goodput import GoodputPolicy
+from ..steps.probes import describe
+from ..steps.recurrent import MAX_REPLAY, StateLog, new_cache
 from ..stats import DraftCounters, TargetCounters
-from ..step import NO_LOGITS, RowQueries, model_step, run_step
-from ..tree import (
+from ..steps.step import NO_LOGITS, RowQueries, model_step, run_step
+from ..steps.tree import (
     Subtree,
     TokenTree,
     add_children,
@@ -43,7 +43,7 @@ from ..tree import (
     subtree_mask,
     top_children,
 )
-from ..verify import Sampler, Verified, verify_tree
+from ..steps.verify import Sampler, Verified, verify_tree
 
 
 class TargetWorker:
@@ -309,7 +309,7 @@ class DraftModelDrafter:
     one causal chain; `catch_up` runs them alone, so that an expansion's time is an expansion's.
     """
 
-    reads_features = False  # whether it drafts from the target's hidden states (engine/heads.py)
+    reads_features = False  # whether it drafts from the target's hidden states (drafters/heads.py)
 
     def __init__(
         self, model: PreTrainedModel, capacity: int, tree_capacity: int, width: int, vocab_limit: int,

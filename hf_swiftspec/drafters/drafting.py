@@ -16,7 +16,7 @@ and offers its candidates in its own terms, which the policy calibrates into P(a
                                            time (`expand`, `catch_up`) while the policy expects it to pay,
                                            re-rooted on the verdict with its KV kept; candidates are the
                                            tree's best nodes and their draft scores
-    HeadDrafter (engine/heads.py)          the same tree grown by an EAGLE-3 head or a model's MTP layer from
+    HeadDrafter (drafters/heads.py)          the same tree grown by an EAGLE-3 head or a model's MTP layer from
                                            the target's hidden states
     SuffixDrafter (here)                   continuations of the context's repeated suffix (suffix.py), no
                                            model; candidates are a SuffixTree and its match
@@ -32,11 +32,11 @@ from typing import Protocol
 
 import torch
 
-from .policy import GoodputPolicy
-from .stats import DraftCounters
+from ..policy.goodput import GoodputPolicy
+from ..stats import DraftCounters
 from .suffix import OutputHistory, SuffixIndex, SuffixTree
-from .tree import Proposal, Subtree, best_subtree, merge_suffix, ranked
-from .verify import Verified
+from ..steps.tree import Proposal, Subtree, best_subtree, merge_suffix, ranked
+from ..steps.verify import Verified
 
 
 class Drafter(Protocol):

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from .compat import Cache, CacheLayerMixin
+from ..models.compat import Cache, CacheLayerMixin
 
 KV_DIM = 2  # positions in (B, H, L, D) keys and values
 INDEXER_DIM = 1  # positions in (B, L, D) indexer keys

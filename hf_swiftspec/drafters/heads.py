@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import torch
 
-from ..capture import StepGraphs
-from ..eagle3 import DraftHead
-from ..step import RowQueries, run_head_step
-from ..tree import Subtree, reset_tree, top_children
-from ..verify import Verified
-from .workers import DraftModelDrafter
+from ..steps.capture import StepGraphs
+from .eagle3 import DraftHead
+from ..steps.step import RowQueries, run_head_step
+from ..steps.tree import Subtree, reset_tree, top_children
+from ..steps.verify import Verified
+from ..engine.workers import DraftModelDrafter
 
 CHAIN_WITH_ROOT = 16  # pending tokens that run along with the root's expansion rather than as a catch-up
 

@@ -40,9 +40,9 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from .architectures import Architecture, first_line
+from ..models.architectures import Architecture, first_line
 from .cache import TreeCache, TreeCacheLayer
-from .compat import DynamicCache, LinearAttentionCacheLayerMixin, LinearAttentionLayer, forward_cache_argument
+from ..models.compat import DynamicCache, LinearAttentionCacheLayerMixin, LinearAttentionLayer, forward_cache_argument
 
 # Cache layer types whose layers keep a state, and whether they also keep keys and values.
 STATE_LAYER_TYPES = {"linear_attention": False, "conv": False, "hybrid": True, "hybrid_sliding": True}

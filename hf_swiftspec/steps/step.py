@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from .architectures import Architecture
+from ..models.architectures import Architecture
 from .attention import StepLayout, fixed_step_inputs, tree_step_kwargs
 from .cache import TreeCache
 from .capture import MAX_QUERIES, StepGraphs, query_bucket
-from .compat import forward_cache_argument
+from ..models.compat import forward_cache_argument
 
 NO_LOGITS = -1  # model_step's keep for a forward run for its KV alone (Architecture.headless)
 

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import BufferPool, TreeCache
-from .compat import forward_cache_argument
+from ..models.compat import forward_cache_argument
 
 MAX_QUERIES = 64  # queries per row replayed at most; a larger step (a long catch-up) runs eagerly
 CAPTURE_CHOICES = ("auto", True, False)
@@ -127,7 +127,7 @@ class StepGraphs:
         buffers (another capacity, fewer rows) gets graphs of its own.
     fallbacks: why steps ran eagerly instead (a bucket whose capture failed, a step past MAX_QUERIES).
     setup_s: seconds spent on steps that captured (or, "compiled", first compiled) their bucket: not what a step
-        costs, so the goodput policy learns nothing from a round that paid some (engine/serial.py).
+        costs, so the goodput policy learns nothing from a round that paid some (engine/adaptive.py).
     """
 
     backend: str

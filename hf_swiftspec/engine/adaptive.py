@@ -13,11 +13,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..drafting import Drafters
-from ..policy import GoodputPolicy
+from ..drafters.drafting import Drafters
+from ..policy.goodput import GoodputPolicy
 from ..stats import SwiftSpecStats
-from ..tree import Proposal
-from ..verify import Verified
+from ..steps.tree import Proposal
+from ..steps.verify import Verified
 from .request import BatchRows, DecodeRequest, DecodeResult
 from .rounds import Proposed, run_rounds
 from .workers import TargetWorker
