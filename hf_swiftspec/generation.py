@@ -32,9 +32,11 @@ from .models.compat import (
     sample_loop,
 )
 from .config import SwiftSpecConfig
-from .drafters.drafting import Drafters, SuffixDrafter
+from .drafters.drafting import Drafters
+from .drafters.suffix import SuffixDrafter
 from .drafters.eagle3 import DraftHead
-from .engine import DecodeRequest, DecodeResult, DraftModelDrafter, TargetWorker, run_serial, run_threads
+from .drafters.draft_model import DraftModelDrafter
+from .engine import DecodeRequest, DecodeResult, TargetWorker, run_serial, run_threads
 from .drafters.heads import HeadDrafter
 from .engine.adaptive import setup_s
 from .engine.request import RowResult

@@ -6,7 +6,8 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from hf_swiftspec.steps.probes import describe
 from hf_swiftspec.steps.cache import TreeCache, keep_order
-from hf_swiftspec.engine.workers import DraftModelDrafter, TargetWorker
+from hf_swiftspec.drafters.draft_model import DraftModelDrafter
+from hf_swiftspec.engine.workers import TargetWorker
 from hf_swiftspec.steps.step import RowQueries, model_step, run_step
 from hf_swiftspec.steps.tree import Subtree, select_subtree, subtree_mask
 from hf_swiftspec.tools.models import left_padded
@@ -440,3 +441,4 @@ def test_keep_order_fills_holes_from_the_end():
     assert keep_order([1, 2, 3]) == [3, 1, 2]  # row 0 left: row 3 moves into it, rows 1 and 2 stay
     assert keep_order([0, 2, 5, 6]) == [0, 6, 2, 5]
     assert keep_order([]) == []
+

@@ -20,7 +20,7 @@ from .eagle3 import DraftHead
 from ..steps.step import RowQueries, run_head_step
 from ..steps.tree import Subtree, reset_tree, top_children
 from ..steps.verify import Verified
-from ..engine.workers import DraftModelDrafter
+from .draft_model import DraftModelDrafter
 
 CHAIN_WITH_ROOT = 16  # pending tokens that run along with the root's expansion rather than as a catch-up
 

@@ -134,8 +134,8 @@ def expand_and_choose(draft: Drafters, policy, rows: list[int], probing: bool, p
     suffix proposal), draft expansions while more are expected to raise tokens per second, then each
     row's best nodes for the tree size the policy picks; into `proposed` (with the draft's timings)."""
     round_start = proposed.started
-    suffixes = draft.suffix_trees(policy.max_budget, policy.wants_suffix(rows))
-    candidates = draft.candidates(policy, suffixes)
+    offers = draft.offers(policy, policy.wants_suffix(rows))
+    candidates = draft.candidates(policy, offers)
     while policy.keep_expanding(
         proposed.expansions, time.perf_counter() - round_start, ranked_probs(candidates), probing,
         draft.catch_up_tokens,
@@ -149,12 +149,12 @@ def expand_and_choose(draft: Drafters, policy, rows: list[int], probing: bool, p
         if not draft.expand(within=policy.max_budget):
             break
         proposed.expanding_s += time.perf_counter() - before
-        grown = draft.candidates(policy, suffixes)
+        grown = draft.candidates(policy, offers)
         policy.observe_gain(proposed.expansions, ranked_probs(candidates), ranked_probs(grown), before - round_start)
         candidates, proposed.expansions = grown, proposed.expansions + 1
     if policy.fixed:  # both tree settings given: every subtree has tree_budget nodes
         proposed.expansions += draft.top_up(policy.max_budget)
-        candidates = draft.candidates(policy, suffixes)
+        candidates = draft.candidates(policy, offers)
     proposed.proposals = draft.proposals(policy, candidates, time.perf_counter() - round_start)
 
 

@@ -45,8 +45,7 @@ from dataclasses import dataclass, field
 from ..config import MAX_BUDGET
 from .costs import CostModel
 from .choice import EngineChoice
-from ..drafters.suffix import SuffixTree
-from ..steps.tree import Proposal
+from ..steps.tree import Proposal, SuffixTree
 from ..steps.verify import Verified
 
 BUCKET = 0.5  # width of a draft-score bucket (nats of cumulative log-prob)
