@@ -442,3 +442,20 @@ def test_keep_order_fills_holes_from_the_end():
     assert keep_order([0, 2, 5, 6]) == [0, 6, 2, 5]
     assert keep_order([]) == []
 
+
+def test_a_replayed_step_sets_the_cache_only_through_its_methods():
+    """What capture.py's runner reads and sets of a TreeCache (its host bookkeeping, the slots a step writes)
+    goes through TreeCache's methods: saved and put back whole, and slots that do not fit the planned step
+    are refused, naming the fix."""
+    cache = TreeCache(num_layers=1, capacity=32, batch_size=2)
+    cache.lengths, cache.starts, cache.prefix_lens = [5, 3], [0, 2], [4, 2]
+    cache.plan_step([2, 1], 2, "cpu")
+    saved = cache.host_state()
+    assert saved == ([0, 2], [4, 2], [5, 3], [2, 1])
+    cache.advance()  # the step ran: lengths move, the plan is gone
+    assert cache.host_state() == ([0, 2], [4, 2], [7, 4], None)
+    cache.set_host_state(saved)
+    assert cache.host_state() == saved and cache.step_end(2) == 7  # the planned step's furthest row: 5 + 2
+    assert cache.step_slots() is None  # no buffers yet: the rows write without an index
+    with pytest.raises(RuntimeError, match=r"plan_step\(fixed=True\) first"):
+        cache.write_through(torch.zeros(2, 2, dtype=torch.long))

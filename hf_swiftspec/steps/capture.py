@@ -217,8 +217,8 @@ class StepGraphs:
 
     def capture(self, key, model, cache, tensors: dict, build, keep, tap=None, hidden: bool = False) -> Bucket | None:
         """A new bucket for this step, run once; None (and the reason kept) when its capture fails."""
-        bucket = Bucket({name: t.clone() for name, t in tensors.items()}, cache._index.clone())
-        cache._index = bucket.index  # the forward reads the static index from now on
+        bucket = Bucket({name: t.clone() for name, t in tensors.items()}, cache.step_slots().clone())
+        cache.write_through(bucket.index)  # the forward reads the static index from now on
         kwargs = build(bucket.inputs)
 
         def step(live: TreeCache = cache, live_tap=tap):  # a graph reads the buffers' addresses, whichever cache holds them
@@ -230,7 +230,7 @@ class StepGraphs:
                 bucket.graph, (bucket.logits, bucket.extra) = self.capture_cuda(step)
             else:
                 bucket.logits, bucket.extra = step()
-                bucket.graph, bucket.snapshot = step, host_state(cache)
+                bucket.graph, bucket.snapshot = step, cache.host_state()
         except Exception as error:  # noqa: BLE001  (any failure: this bucket runs eagerly, and says why)
             self.refused[key] = f"capture failed ({type(error).__name__}: {str(error).splitlines()[0][:120]})"
             if self.backend == "cuda":
@@ -263,15 +263,15 @@ class StepGraphs:
         if self.backend == "cuda":
             bucket.graph.replay()
             return
-        live = host_state(cache)  # "emulate": the forward sees the host values of its capture, as a graph would
-        set_host_state(cache, bucket.snapshot)
+        live = cache.host_state()  # "emulate": the forward sees the host values of its capture, as a graph would
+        cache.set_host_state(bucket.snapshot)
         try:
             logits, extra = bucket.graph(cache, tap)  # (a tap's hooks run, but the step takes their states itself)
             bucket.logits.copy_(logits)
             if extra is not None:
                 bucket.extra.copy_(extra)
         finally:
-            set_host_state(cache, live)
+            cache.set_host_state(live)
 
 
 def forward(model, cache: TreeCache, kwargs: dict, keep, hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -314,20 +314,8 @@ def load(bucket: Bucket, cache: TreeCache, tensors: dict) -> None:
     """Copy a step's live inputs (and the cache's write slots) into its bucket's static tensors."""
     for name, tensor in tensors.items():
         bucket.inputs[name].copy_(tensor)
-    bucket.index.copy_(cache._index)
-    cache._index = bucket.index
-
-
-HOST_STATE = ("starts", "prefix_lens", "lengths", "_counts")
-
-
-def host_state(cache: TreeCache) -> tuple:
-    return tuple(list(getattr(cache, name)) for name in HOST_STATE)
-
-
-def set_host_state(cache: TreeCache, state: tuple) -> None:
-    for name, value in zip(HOST_STATE, state):
-        setattr(cache, name, list(value))
+    bucket.index.copy_(cache.step_slots())
+    cache.write_through(bucket.index)
 
 
 @dataclass
