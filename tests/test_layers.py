@@ -64,6 +64,38 @@ def test_no_import_cycle():
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
+def part(name: str) -> str:
+    """The package a module belongs to (hf_swiftspec.engine.rounds: hf_swiftspec.engine); a module at the top
+    is a part of its own."""
+    return ".".join(name.split(".")[:2])
+
+
+PARTS = {}
+for _name, _targets in GRAPH.items():
+    PARTS.setdefault(part(_name), set()).update(part(t) for t in _targets if part(t) != part(_name))
+
+
+def part_cycle_through(start: str) -> list[str] | None:
+    """A path of imports between parts (packages, or modules at the top) from `start` back to itself, or None."""
+    stack, seen = [(start, [start])], set()
+    while stack:
+        node, path = stack.pop()
+        for nxt in sorted(PARTS.get(node, ())):
+            if nxt == start:
+                return path + [start]
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append((nxt, path + [nxt]))
+    return None
+
+
+def test_no_import_cycle_between_packages():
+    """No two packages import each other, even through modules whose own imports hold no cycle (a module of
+    the command line importing the bench while a module of the bench imports another of the command line)."""
+    cycles = [cycle for name in sorted(PARTS) if (cycle := part_cycle_through(name))]
+    assert not cycles, "import cycles between packages:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
 def test_the_decoder_imports_no_tools():
     decoder = [name for name in MODULES if not name.startswith(OUTSIDE_THE_DECODER)]
     offenders = {name: sorted(t for t in GRAPH[name] if t.startswith(OUTSIDE_THE_DECODER)) for name in decoder}

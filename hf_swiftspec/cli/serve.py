@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..models import compat
-from .options import load_pair, progress, resolve_device, set_threads
+from ..tools.options import load_pair, progress, resolve_device, set_threads
 from ..modeling import SwiftSpecForCausalLM
 from .batching import SpeculatingBatcher, SpeculationUsage
 from ..pair import PairConfigError
