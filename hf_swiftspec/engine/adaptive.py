@@ -105,6 +105,11 @@ class AdaptiveSides:
         )
         self.policy.observe_outcomes(list(zip(proposed.rows, proposed.proposals, verified)))
 
+    @property
+    def roots_known(self) -> bool:
+        """Whether the rows' roots came with the prefill (joined rows' too): the next round is their first."""
+        return self.target.roots_known
+
     def setup_s(self) -> float:
         return setup_s(self.target, self.draft)
 

@@ -33,9 +33,10 @@ from dataclasses import dataclass, field
 from ..steps.attention import routed_attention
 from ..steps.cache import keep_order
 from ..drafters.eagle3 import DraftHead
-from ..stats import SwiftSpecStats
+from ..stats import RoundRecord, SwiftSpecStats
 from ..steps.verify import StopRule, Verified, split_criteria
-from .request import DecodeRequest, DecodeResult, RowResult
+from . import rounds
+from .request import DecodeRequest, DecodeResult, RowResult, round_record
 from .adaptive import AdaptiveSides
 
 
@@ -98,6 +99,7 @@ class Member:
     cancelled: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     joined_at: float = field(default_factory=time.perf_counter)
+    rounds: list[RoundRecord] = field(default_factory=list)  # the running batch's rounds it took part in
 
     @property
     def budget(self) -> int:
@@ -115,8 +117,9 @@ class Joining:
 
 @dataclass
 class RunningRows:
-    """The rows of the running batch as the sides read them (BatchRows' reading interface): `live` is each
-    cache row's row id, in cache order."""
+    """The rows of the running batch, as a round runs over them (engine/rounds.py's RoundRows, as BatchRows):
+    `live` is each cache row's row id, in cache order; each row's member adds what serving does (its usage,
+    cancelling, its own streamer)."""
 
     members: dict[int, Member] = field(default_factory=dict)
     live: list[int] = field(default_factory=list)
@@ -126,6 +129,33 @@ class RunningRows:
 
     def budgets(self) -> list[int]:
         return [self.members[i].budget for i in self.live]
+
+    def fold_round(self, proposed, verified: list[Verified]) -> list[int]:
+        """Fold each row's walk into its member (its tokens streamed); the cache rows that keep decoding."""
+        keep = []
+        for b, outcome in enumerate(verified):
+            member = self.members[self.live[b]]
+            row, request = member.result, member.request
+            row.add(outcome, request.keeps_scores, request.keeps_logits)
+            member.usage.verifications += 1
+            member.usage.proposed += len(proposed.proposals[b].subtree) - 1
+            member.usage.accepted += len(outcome.path) - 1
+            try:
+                if request.on_tokens is not None:
+                    request.on_tokens(outcome.tokens)
+            except Exception as error:  # the request's own streamer failed: it alone ends
+                member.error = error
+            if outcome.finished or member.budget <= 0:
+                row.done_at = len(row.tokens)
+            if row.done_at is None and member.error is None and not member.cancelled.is_set():
+                keep.append(b)
+        return keep
+
+    def record_round(self, proposed, verified: list[Verified]) -> None:
+        """The round's RoundRecord, kept by every member that took part (its call's stats)."""
+        record = round_record(proposed.proposals, verified, proposed.expansions)
+        for i in self.live:
+            self.members[i].rounds.append(record)
 
 
 class ContinuousEngine:
@@ -324,37 +354,10 @@ class ContinuousEngine:
 
     def one_round(self) -> None:
         """The round of engine/rounds.py over every row held, then the rows that are done leave."""
-        sides, rows = self.sides, self.rows
-        first = sides.target.roots_known
-        self.rounds_by_batch[len(rows.live)] += 1
-        proposed = sides.propose(rows)
-        verified = sides.verify(proposed, rows)
-        keep = self.record(proposed, verified)
-        sides.accept(proposed, verified, keep)
-        sides.observe(proposed, verified, time.perf_counter() - proposed.started, first=first)
-        if len(keep) < len(rows.live):
+        self.rounds_by_batch[len(self.rows.live)] += 1
+        keep = rounds.one_round(self.sides, self.rows)
+        if len(keep) < len(self.rows.live):
             self.leave(keep)
-
-    def record(self, proposed, verified: list[Verified]) -> list[int]:
-        """Fold each row's walk into its member (its tokens streamed); the cache rows that keep decoding."""
-        keep = []
-        for b, outcome in enumerate(verified):
-            member = self.rows.members[self.rows.live[b]]
-            row, request = member.result, member.request
-            row.add(outcome, request.keeps_scores, request.keeps_logits)
-            member.usage.verifications += 1
-            member.usage.proposed += len(proposed.proposals[b].subtree) - 1
-            member.usage.accepted += len(outcome.path) - 1
-            try:
-                if request.on_tokens is not None:
-                    request.on_tokens(outcome.tokens)
-            except Exception as error:  # the request's own streamer failed: it alone ends
-                member.error = error
-            if outcome.finished or member.budget <= 0:
-                row.done_at = len(row.tokens)
-            if row.done_at is None and member.error is None and not member.cancelled.is_set():
-                keep.append(b)
-        return keep
 
     def leave(self, keep: list[int]) -> None:
         """Rows not in `keep` leave both sides; their callers wake."""
@@ -410,4 +413,5 @@ class ContinuousEngine:
             engine="continuous", new_tokens=len(row.tokens), verify_steps=row.verifications,
             wall_time_s=time.perf_counter() - member.joined_at,
         )
-        return DecodeResult(rows=[row], end=len(row.tokens), stats=stats)
+        stats.add_rounds(member.rounds)
+        return DecodeResult(rows=[row], end=len(row.tokens), stats=stats, rounds=list(member.rounds))
