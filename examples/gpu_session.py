@@ -431,8 +431,8 @@ def steps_at(session: Session, target, draft, context: int, attention: str) -> l
         drafter.catch_up()  # the prompt into the draft's prefix
         drafter.expand()  # the root: its children are the leaves every timed expansion runs
         ms = expansion_ms(drafter, session)
-        label = lambda worker: worker.attention if worker.graphs is None else (  # noqa: E731
-            f"{worker.attention} replayed" + (", compiled" if worker.graphs.compile_layers else ""))
+        label = lambda worker: worker.attention if worker.runner is None else (  # noqa: E731
+            f"{worker.attention} replayed" + (", compiled" if worker.runner.compile_layers else ""))
         rows.append(step_row(session, "draft_expand", draft, context, drafter.width, label(drafter), ms))
         target_worker.forward_subtrees([random_subtree(1, vocab, 0)])  # takes the prefill's root logits
         for T in trees:

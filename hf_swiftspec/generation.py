@@ -43,7 +43,7 @@ from .engine.request import RowResult
 from .engine.continuous import ContinuousEngine
 from .policy.choice import SERIAL
 from .engine.distributed import Groups, agree_engine, run_distributed, run_serial_distributed
-from .steps.capture import Captures, StepGraphs, capture_backend, capture_gap
+from .steps.capture import Captures, StepRunner, capture_backend, capture_gap
 from .engine.placement import Placement
 from .config import MAX_BUDGET
 from .policy.goodput import GoodputPolicy
@@ -244,10 +244,10 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
     target_worker = draft_worker = None
     if role in (None, "target"):
         budget = config.tree_budget or MAX_BUDGET
-        graphs = step_graphs(captures, "target", target, target_arch, config)
-        attention = resolve_attention(config.attention, target, target_arch, replayed=graphs is not None)
-        capacity = length + budget if graphs is None else replayed_capacity(graphs, length + budget, context_limit(target), budget)
-        target_worker = TargetWorker(target, capacity, attention, target_arch, batch_size, graphs)
+        runner = step_runner(captures, "target", target, target_arch, config)
+        attention = resolve_attention(config.attention, target, target_arch, replayed=runner is not None)
+        capacity = length + budget if runner is None else replayed_capacity(runner, length + budget, context_limit(target), budget)
+        target_worker = TargetWorker(target, capacity, attention, target_arch, batch_size, runner)
     if role in (None, "draft") or draft_here:
         max_positions = context_limit(*(m for m in (target, draft) if m is not None and not isinstance(m, DraftHead)))
         tree = dict(
@@ -259,16 +259,16 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
             batch_size=batch_size,
         )
         if isinstance(draft, DraftHead):  # an EAGLE-3 head or an MTP layer: attends with its own sdpa
-            graphs = step_graphs(captures, "draft", draft, draft_arch, config)
-            if graphs is not None:
-                tree["capacity"] = replayed_capacity(graphs, tree["capacity"], max_positions, config.tree_capacity)
-            model = HeadDrafter(draft, graphs=graphs, **tree)
+            runner = step_runner(captures, "draft", draft, draft_arch, config)
+            if runner is not None:
+                tree["capacity"] = replayed_capacity(runner, tree["capacity"], max_positions, config.tree_capacity)
+            model = HeadDrafter(draft, runner=runner, **tree)
         elif draft is not None:
-            graphs = step_graphs(captures, "draft", draft, draft_arch, config)
-            draft_attention = resolve_attention(config.attention, draft, draft_arch, replayed=graphs is not None)
-            if graphs is not None:
-                tree["capacity"] = replayed_capacity(graphs, tree["capacity"], max_positions, config.tree_capacity)
-            model = DraftModelDrafter(draft, attention=draft_attention, architecture=draft_arch, graphs=graphs, **tree)
+            runner = step_runner(captures, "draft", draft, draft_arch, config)
+            draft_attention = resolve_attention(config.attention, draft, draft_arch, replayed=runner is not None)
+            if runner is not None:
+                tree["capacity"] = replayed_capacity(runner, tree["capacity"], max_positions, config.tree_capacity)
+            model = DraftModelDrafter(draft, attention=draft_attention, architecture=draft_arch, runner=runner, **tree)
         else:
             model = None
         ngram_size = 0 if chain and draft is not None else config.ngram_size
@@ -279,13 +279,13 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
     return target_worker, draft_worker
 
 
-def replayed_capacity(graphs: StepGraphs, needed: int, context: int | None, room: int) -> int:
-    """A replayed cache's positions per row (StepGraphs.capacity_for): `needed`, or the model's whole `context`
+def replayed_capacity(runner: StepRunner, needed: int, context: int | None, room: int) -> int:
+    """A replayed cache's positions per row (StepRunner.capacity_for): `needed`, or the model's whole `context`
     plus the tree's `room`."""
-    return graphs.capacity_for(needed, context and context + room)
+    return runner.capacity_for(needed, context and context + room)
 
 
-def step_graphs(captures: Captures | None, role: str, model, architecture, config: SwiftSpecConfig) -> StepGraphs | None:
+def step_runner(captures: Captures | None, role: str, model, architecture, config: SwiftSpecConfig) -> StepRunner | None:
     """The model's replayed forwards for this call (capture.py), or None where its steps run eagerly: no
     capture asked for or possible on its device, or a forward a replay cannot reproduce (below)."""
     backend = capture_backend(config.capture, model.device, config.compile)
@@ -312,12 +312,12 @@ def attention_summary(workers, chain_reasons=()) -> str:
             part += f" (own attention for {', '.join(sorted(worker.attention_fallbacks))})"
         if worker.architecture.shape == "chain":
             part += f" (chain: {worker.architecture.chain_reason})"
-        graphs = getattr(worker, "graphs", None)
-        if graphs is not None:
-            how = "compiled layers" if graphs.compile_layers else "eager layers"
-            part += f" (fixed steps, {how}" if graphs.backend == "compiled" else (
-                f" (replayed, {graphs.backend}: {len(graphs.buckets)} graphs, {how}")
-            part += f"; eager: {', '.join(sorted(graphs.fallbacks))})" if graphs.fallbacks else ")"
+        runner = getattr(worker, "runner", None)
+        if runner is not None:
+            how = "compiled layers" if runner.compile_layers else "eager layers"
+            part += f" (fixed steps, {how}" if runner.backend == "compiled" else (
+                f" (replayed, {runner.backend}: {len(runner.buckets)} graphs, {how}")
+            part += f"; eager: {', '.join(sorted(runner.fallbacks))})" if runner.fallbacks else ")"
         parts.append(part)
     return ", ".join(parts)
 

@@ -49,7 +49,7 @@ def greedy(placement, args):
                    in_flight=s.in_flight_expansions, idle=s.target_idle_fraction, verify_steps=s.verify_steps,
                    overlap=dataclasses.asdict(s.overlap), attention=s.attention, new_tokens=s.new_tokens,
                    rounds=[dataclasses.astuple(r) for r in s.rounds],
-                   replays=sum(b.replays for g in model.captures.graphs.values() for b in g.buckets.values()))
+                   replays=sum(b.replays for g in model.captures.runners.values() for b in g.buckets.values()))
 
 
 def fallback(placement, args):

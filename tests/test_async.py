@@ -208,7 +208,7 @@ def test_replayed_steps_on_both_threads_equal_target_generate(llama_pair):
     stats = model.swiftspec_stats
     assert stats.engine == "async-threads" and stats.in_flight_expansions > 0
     assert "target=sdpa (replayed, emulate" in stats.attention and "draft=sdpa (replayed, emulate" in stats.attention
-    replays = {role: sum(b.replays for b in g.buckets.values()) for role, g in model.captures.graphs.items()}
+    replays = {role: sum(b.replays for b in g.buckets.values()) for role, g in model.captures.runners.items()}
     assert min(replays.values()) > 5, replays
 
 

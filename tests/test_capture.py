@@ -14,7 +14,7 @@ import torch
 from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.models.architectures import Architecture
 from hf_swiftspec.steps.attention import fixed_step_inputs
-from hf_swiftspec.steps.capture import MAX_QUERIES, StepGraphs, capacity_bucket, capture_backend, capture_gap, forward, query_bucket
+from hf_swiftspec.steps.capture import MAX_QUERIES, StepRunner, capacity_bucket, capture_backend, capture_gap, forward, query_bucket
 from hf_swiftspec.steps.probes import describe
 from hf_swiftspec.steps.recurrent import new_cache
 from hf_swiftspec.steps.step import RowQueries, model_step, run_step, step_layout
@@ -40,7 +40,7 @@ def pairs():
 
 
 def replays(model) -> dict[str, int]:
-    return {role: sum(b.replays for b in g.buckets.values()) for role, g in model.captures.graphs.items()}
+    return {role: sum(b.replays for b in g.buckets.values()) for role, g in model.captures.runners.items()}
 
 
 @pytest.mark.parametrize("family,attention", [
@@ -87,7 +87,7 @@ def test_buffers_and_graphs_serve_later_calls(pairs):
     model = SwiftSpecForCausalLM.from_models(target, draft, capture=True, **FIXED)
     first = torch.tensor([random_prompts((9,), 0, VOCAB)[0]])
     model.generate(first, max_new_tokens=48, do_sample=False)
-    graphs = model.captures.graphs
+    graphs = model.captures.runners
     pointers = {role: [t.data_ptr() for t in g.pool.buffers.values()] for role, g in graphs.items()}
     for seed in (1, 2):
         prompt = torch.tensor([random_prompts((11,), seed, VOCAB)[0]])
@@ -115,23 +115,23 @@ def test_the_policy_prices_steps_without_their_capture(pairs, monkeypatch):
 
     target, draft = pairs["llama"]
     model = SwiftSpecForCausalLM.from_models(target, draft, capture=True, tree_budget=8)  # the policy sizes depth
-    original = StepGraphs.capture
+    original = StepRunner.capture
 
     def slow_capture(self, *args, **kwargs):
         time.sleep(1.0)
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(StepGraphs, "capture", slow_capture)
+    monkeypatch.setattr(StepRunner, "capture", slow_capture)
     prompt = torch.tensor([random_prompts((9,), 5, VOCAB)[0]])
     out = model.generate(prompt, max_new_tokens=40, do_sample=False)
     assert out.tolist() == target.generate(prompt, max_new_tokens=40, do_sample=False).tolist()
-    assert sum(g.captures for g in model.captures.graphs.values()) > 1
+    assert sum(g.captures for g in model.captures.runners.values()) > 1
     costs = model.policy().at(1).costs
     assert costs.verify_s and max(costs.verify_s.values()) < 0.5, costs.verify_s
     assert costs.expand_s is None or costs.expand_s < 0.5, costs.expand_s
-    assert min(g.setup_s for g in model.captures.graphs.values()) > 1.0
+    assert min(g.setup_s for g in model.captures.runners.values()) > 1.0
     stats = model.swiftspec_stats  # the call's own capture time, in its stats
-    assert stats.capture_s == pytest.approx(sum(g.setup_s for g in model.captures.graphs.values()))
+    assert stats.capture_s == pytest.approx(sum(g.setup_s for g in model.captures.runners.values()))
     assert stats.capture_s > 2.0 and "capturing" in stats.summary()
 
 
@@ -139,18 +139,18 @@ def test_calls_of_other_lengths_share_the_captured_capacity(pairs):
     """A call that needs fewer positions than a captured capacity (up to 4 times fewer) packs into its buffers
     and replays its graphs; a model whose whole context fits 1024 positions gets one capacity for every call."""
     target, draft = pairs["llama"]
-    graphs = StepGraphs("emulate")
+    graphs = StepRunner("emulate")
     assert graphs.capacity_for(300) == 512 and graphs.capacity_for(130) == 512 and graphs.capacity_for(127) == 256
     assert graphs.capacity_for(20) == 256 and graphs.capacity_for(600) == 1024 and graphs.capacities == {256, 512, 1024}
-    small = StepGraphs("emulate")
+    small = StepRunner("emulate")
     assert small.capacity_for(40, whole=300) == 512 and small.capacity_for(10, whole=300) == 512
-    assert StepGraphs("emulate").capacity_for(40, whole=5000) == 256
+    assert StepRunner("emulate").capacity_for(40, whole=5000) == 256
     model = SwiftSpecForCausalLM.from_models(target, draft, capture=True, **FIXED)
     prompts = [torch.tensor([random_prompts((n,), n, VOCAB)[0]]) for n in (240, 9)]  # alone: 512 and 256 positions
     for prompt in prompts:
         out = model.generate(prompt, max_new_tokens=20, do_sample=False)
         assert out.tolist() == target.generate(prompt, max_new_tokens=20, do_sample=False).tolist()
-    assert all(len(g.capacities) == 1 for g in model.captures.graphs.values()), model.captures.graphs
+    assert all(len(g.capacities) == 1 for g in model.captures.runners.values()), model.captures.runners
 
 
 def test_custom_generate_keeps_graphs_in_the_captures_it_is_given(pairs):
@@ -168,7 +168,7 @@ def test_custom_generate_keeps_graphs_in_the_captures_it_is_given(pairs):
     for _ in range(2):  # the same call twice: the second captures nothing and replays what the first captured
         out = target.generate(prompt, **kwargs)
         assert out.tolist() == target.generate(prompt, max_new_tokens=24, do_sample=False).tolist()
-        graphs = captures.graphs["target"]
+        graphs = captures.runners["target"]
         seen.append((graphs.captures, sum(b.replays for b in graphs.buckets.values())))
     assert seen[1][0] == seen[0][0] > 0 and seen[1][1] > seen[0][1], seen
 
@@ -196,12 +196,12 @@ def test_steps_that_cannot_replay_run_eagerly_and_say_why(pairs):
     model = tiny_model("llama", seed=0, layers=1)
     chain = [int(t) for t in torch.randint(3, VOCAB, (80,), generator=torch.Generator().manual_seed(0))]
     outs = []
-    for graphs in (None, StepGraphs("emulate")):
+    for graphs in (None, StepRunner("emulate")):
         cache = new_cache(llama, 128, pool=graphs and graphs.pool)
         with torch.no_grad():
             model_step(model, cache, torch.tensor([chain[:4]]), torch.arange(4)[None], keep=1)
             rows = [RowQueries.chain(chain[4:], 4, "cpu")]  # 76 queries: past every bucket
-            outs.append(run_step(model, cache, rows, "sdpa", llama, graphs=graphs)[0])
+            outs.append(run_step(model, cache, rows, "sdpa", llama, runner=graphs)[0])
     assert f"more than {MAX_QUERIES} queries" in next(iter(graphs.fallbacks)) and not graphs.buckets
     torch.testing.assert_close(outs[1], outs[0])
 
@@ -306,7 +306,7 @@ def test_compile_true_compiles_the_layers_for_the_call_only():
         torch.testing.assert_close(torch.stack(ours), torch.stack(theirs), rtol=1e-4, atol=1e-4)
     assert "fixed steps, compiled layers" in model.swiftspec_stats.attention
     assert all(layer._compiled_call_impl is None for m in (target, draft) for layer in m.model.layers)
-    assert len(model.captures.graphs["target"].compiled) == 2  # one compiled call per layer, kept for later calls
+    assert len(model.captures.runners["target"].compiled) == 2  # one compiled call per layer, kept for later calls
 
 
 def test_compiled_layers_with_the_kernel_for_two_models():

@@ -185,9 +185,9 @@ def memory_budget(models: BenchModels, settings: dict, ids: torch.Tensor, new_to
     scratch = 1  # each cache's last slot takes the writes of a batch's padding queries
     target_extra, draft_extra = target.capacity - scratch - context, draft.capacity - scratch - context
     budget = config.tree_budget or MAX_BUDGET  # None: the policy's largest tree
-    # A replayed round (capture.py) gives a cache a capacity its graphs serve other calls at (StepGraphs.capacity_for).
+    # A replayed round (capture.py) gives a cache a capacity its graphs serve other calls at (StepRunner.capacity_for).
     whole = context_limit(models.target)
-    room = largest_capacity(context + budget, whole and whole + budget) - context if model.captures.graphs else budget
+    room = largest_capacity(context + budget, whole and whole + budget) - context if model.captures.runners else budget
     return MemoryBudget(
         context_tokens=context,
         target_weights_mib=round(parameter_bytes(models.target) / MIB, 3),

@@ -16,7 +16,7 @@ from transformers import PreTrainedModel
 from ..models.architectures import Architecture
 from ..policy.goodput import GoodputPolicy
 from ..stats import DraftCounters
-from ..steps.capture import StepGraphs
+from ..steps.capture import StepRunner
 from ..steps.probes import describe
 from ..steps.recurrent import StateLog, new_cache
 from ..steps.step import RowQueries, run_step
@@ -56,15 +56,15 @@ class DraftModelDrafter:
     def __init__(
         self, model: PreTrainedModel, capacity: int, tree_capacity: int, width: int, vocab_limit: int,
         attention: str = "sdpa", architecture: Architecture | None = None, max_positions: int | None = None,
-        batch_size: int = 1, graphs: StepGraphs | None = None,
+        batch_size: int = 1, runner: StepRunner | None = None,
     ):
         self.model = model
         self.max_positions = max_positions  # both models' context: no node is ever placed past it
         self.attention = attention
         self.architecture = architecture or describe(model, "draft")
         self.device = model.device
-        self.graphs = graphs  # replayed forwards (capture.py), or None: every step eager
-        self.cache = new_cache(self.architecture, capacity, batch_size, graphs and graphs.pool)
+        self.runner = runner  # replayed forwards (capture.py), or None: every step eager
+        self.cache = new_cache(self.architecture, capacity, batch_size, runner and runner.pool)
         self.states = StateLog(self.cache)  # recurrent states: saved after every forward (recurrent.py)
         self.attention_fallbacks: set[str] = set()  # why kernel-routed layers ran their own attention
         self.width = width
@@ -186,7 +186,7 @@ class DraftModelDrafter:
     def run(self, queries: list[RowQueries], logits: bool = True) -> list[torch.Tensor]:
         """One draft forward over every row's queries: each row's logits (n_b, V) (none if not `logits`)."""
         return run_step(self.model, self.cache, queries, self.attention, self.architecture, self.attention_fallbacks,
-                        logits=logits, graphs=self.graphs)
+                        logits=logits, runner=self.runner)
 
     def children(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The `width` best children of each expanded leaf from its logits (w, V): (log-probs, token ids), (w, width) each."""

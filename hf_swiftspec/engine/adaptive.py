@@ -130,7 +130,7 @@ class AdaptiveSides:
 def setup_s(target: TargetWorker | None, draft: Drafters | None) -> float:
     """Seconds the workers' replayed steps spent capturing (or first compiling) buckets so far (capture.py); a
     worker this rank does not hold is None."""
-    runners = (getattr(w, "graphs", None) for w in (target, draft and draft.model) if w is not None)
+    runners = (getattr(w, "runner", None) for w in (target, draft and draft.model) if w is not None)
     return sum(g.setup_s for g in runners if g is not None)
 
 

@@ -18,7 +18,7 @@ import torch
 from transformers import PreTrainedModel, StoppingCriteriaList
 
 from ..models.architectures import Architecture
-from ..steps.capture import StepGraphs
+from ..steps.capture import StepRunner
 from ..steps.probes import describe
 from ..steps.recurrent import MAX_REPLAY, StateLog, new_cache
 from ..stats import TargetCounters
@@ -36,14 +36,14 @@ class TargetWorker:
 
     def __init__(
         self, model: PreTrainedModel, capacity: int, attention: str = "sdpa", architecture: Architecture | None = None,
-        batch_size: int = 1, graphs: StepGraphs | None = None,
+        batch_size: int = 1, runner: StepRunner | None = None,
     ):
         self.model = model
         self.attention = attention
         self.architecture = architecture or describe(model, "target")
         self.device = model.device
-        self.graphs = graphs  # replayed forwards (capture.py), or None: every step eager
-        self.cache = new_cache(self.architecture, capacity, batch_size, graphs and graphs.pool)
+        self.runner = runner  # replayed forwards (capture.py), or None: every step eager
+        self.cache = new_cache(self.architecture, capacity, batch_size, runner and runner.pool)
         self.states = StateLog(self.cache)  # recurrent states: saved before each verification (recurrent.py)
         self.replay: list[int] = []  # accepted tokens whose states were rolled back: run before the next nodes
         self.attention_fallbacks: set[str] = set()  # why kernel-routed layers ran their own attention
@@ -184,7 +184,7 @@ class TargetWorker:
             self.states.save(self.cache.length)
         if any(len(r) for r in rows):
             logits = run_step(self.model, self.cache, rows, self.attention, self.architecture, self.attention_fallbacks,
-                              graphs=self.graphs, tap=self.tap)
+                              runner=self.runner, tap=self.tap)
             self.counters.forwards += 1
             if self.replay:  # the replayed tokens' rows: their logits were known
                 logits[0] = logits[0][len(self.replay) :]

@@ -13,15 +13,15 @@ in one launch. A graph replays fixed addresses and fixed shapes, so a replayed s
   owns, copied in before each replay, and its KV from buffers taken from the runner's `BufferPool`,
   whose addresses outlive one generate() call (graphs captured in one call serve the next).
 
-The round itself does not change: `run_step` hands a step to `StepGraphs.run`, which replays it when
-it can and says why not when it cannot (`StepGraphs.fallbacks`, shown in `swiftspec_stats.attention`);
+The round itself does not change: `run_step` hands a step to `StepRunner.run`, which replays it when
+it can and says why not when it cannot (`StepRunner.fallbacks`, shown in `swiftspec_stats.attention`);
 such a step runs eagerly as before. A model whose forward cannot be captured (recurrent states, a
 mask built by the model from cache lengths) never gets a runner. A target tapped by a draft head (an
 EAGLE-3 head's or an MTP layer's hooks) replays too: its hooks run at capture only, so the captured
 step takes the tap's states as a second output, and each replay hands the tap a copy. A draft head's
 own steps replay the same way, its hidden output (what the tree's next depth reads) the second output.
 
-Backends (`StepGraphs.backend`):
+Backends (`StepRunner.backend`):
   "cuda"     torch.cuda.CUDAGraph, one per bucket, captured the first time the bucket runs (after one
              eager warm-up run on a side stream), sharing one memory pool per model.
   "compiled" no graph (a CPU has none): each fixed step runs with its decoder layers compiled.
@@ -71,7 +71,7 @@ WHOLE_CONTEXT = 1024  # a model whose whole context (plus the tree's room) fits 
 
 
 def largest_capacity(needed: int, whole: int | None = None) -> int:
-    """The most positions StepGraphs.capacity_for can give a cache that needs `needed` (`whole`: as there)."""
+    """The most positions StepRunner.capacity_for can give a cache that needs `needed` (`whole`: as there)."""
     shared = whole if whole is not None and needed <= whole <= WHOLE_CONTEXT else needed
     return max(REUSE * needed, capacity_bucket(shared))
 
@@ -118,7 +118,7 @@ class Bucket:
 
 
 @dataclass
-class StepGraphs:
+class StepRunner:
     """One model's captured forwards, by bucket, and the buffers its TreeCache packs into.
 
     backend: "cuda", "compiled" or "emulate" (module docstring).
@@ -323,7 +323,7 @@ class Captures:
     """The runners of a pair's models (by role), kept with the pair so graphs captured by one generate()
     call serve the next. One call uses them at a time: a concurrent call runs eagerly."""
 
-    graphs: dict[str, StepGraphs] = field(default_factory=dict)
+    runners: dict[str, StepRunner] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @contextlib.contextmanager
@@ -337,14 +337,14 @@ class Captures:
         finally:
             self.lock.release()
 
-    def for_model(self, role: str, backend: str | None, compile_layers: bool = False) -> StepGraphs | None:
+    def for_model(self, role: str, backend: str | None, compile_layers: bool = False) -> StepRunner | None:
         if backend is None:
             return None
-        kept = self.graphs.get(role)
+        kept = self.runners.get(role)
         if kept is None or (kept.backend, kept.compile_layers) != (backend, compile_layers):
-            kept = self.graphs[role] = StepGraphs(backend, compile_layers)
+            kept = self.runners[role] = StepRunner(backend, compile_layers)
         return kept
 
     def clear(self) -> None:
         """Drop every graph and buffer (e.g. after moving the models)."""
-        self.graphs.clear()
+        self.runners.clear()
