@@ -20,7 +20,7 @@ from transformers import GenerationConfig, StoppingCriteriaList
 
 from .models.architectures import context_limit
 from .steps.probes import describe
-from .steps.attention import own_implementation, resolve_attention, routed_attention
+from .steps.attention import own_implementation, resolve_attention
 from .models.compat import (
     GENERATE_CACHE_ARGUMENTS,
     PREPARED_CACHE_KWARGS,
@@ -39,6 +39,7 @@ from .drafters.draft_model import DraftModelDrafter
 from .engine import DecodeRequest, DecodeResult, TargetWorker, run_serial, run_threads
 from .drafters.heads import HeadDrafter
 from .engine.adaptive import setup_s
+from .engine.workers import attend_the_tree
 from .engine.request import RowResult
 from .engine.continuous import ContinuousEngine
 from .policy.choice import SERIAL
@@ -180,11 +181,7 @@ def decode_adaptive(target, draft, request: DecodeRequest, config: SwiftSpecConf
     workers = build_workers(target, draft, config, length, groups, batch, chain_reasons, request.corpus, request.history,
                             architectures, captures, draft_here=engine == SERIAL)
     with contextlib.ExitStack() as routes:  # each model attends the tree its way for this call only
-        for worker in (workers[0], workers[1] and workers[1].model):
-            if worker is not None and not isinstance(worker.model, DraftHead):
-                routes.enter_context(routed_attention(worker.model, worker.attention))
-        if isinstance(draft, DraftHead) and workers[0] is not None:  # the head reads the target's states, this call only
-            workers[0].tap = routes.enter_context(draft.tap(target))
+        attend_the_tree(routes, target, draft, *workers)
         setup = setup_s(*workers)
         if request.max_new_tokens:
             result = run_engine(placement, groups, *workers, request, config, engine)

@@ -30,14 +30,13 @@ import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
-from ..steps.attention import routed_attention
 from ..steps.cache import keep_order
-from ..drafters.eagle3 import DraftHead
 from ..stats import RoundRecord, SwiftSpecStats
 from ..steps.verify import StopRule, Verified, split_criteria
 from . import rounds
 from .request import DecodeRequest, DecodeResult, RowResult, round_record
 from .adaptive import AdaptiveSides
+from .workers import attend_the_tree
 
 
 PREFILL_PIECE = 256  # prompt tokens a joining request prefills between two rounds of the running batch
@@ -339,10 +338,7 @@ class ContinuousEngine:
         """A batch begins: each model attends the tree its way (and a head reads the target's states) until it
         ends; the policy starts a call."""
         self.routes = contextlib.ExitStack()
-        for worker in (target_worker, drafters.model):
-            if worker is not None and not isinstance(worker.model, DraftHead):
-                self.routes.enter_context(routed_attention(worker.model, worker.attention))
-        self.tap = self.routes.enter_context(self.draft.tap(self.target)) if isinstance(self.draft, DraftHead) else None
+        self.tap = attend_the_tree(self.routes, self.target, self.draft, target_worker, drafters)
         self.policy.start_generation(None)
 
     def end_batch(self) -> None:

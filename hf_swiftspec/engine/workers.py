@@ -12,12 +12,15 @@ puts them back on the accepted path after every commit (`follow_accepted_path`).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
 from transformers import PreTrainedModel, StoppingCriteriaList
 
+from ..drafters.eagle3 import DraftHead
 from ..models.architectures import Architecture
+from ..steps.attention import routed_attention
 from ..steps.capture import StepRunner
 from ..steps.probes import describe
 from ..steps.recurrent import MAX_REPLAY, StateLog, new_cache
@@ -279,6 +282,19 @@ class TargetWorker:
             self.root_logits = [self.root_logits[b] for b in rows]
         if self.root_features is not None:
             self.root_features = [self.root_features[b] for b in rows]
+
+
+def attend_the_tree(routes: contextlib.ExitStack, target, draft, target_worker: TargetWorker | None, drafters):
+    """Until `routes` closes: each model attends the tree its way (steps/attention.py), and a draft head reads
+    the target's hidden states (its tap, handed to the target's worker). target_worker / drafters: None where
+    this rank holds none. Returns the tap (None without a draft head)."""
+    for worker in (target_worker, drafters and drafters.model):
+        if worker is not None and not isinstance(worker.model, DraftHead):
+            routes.enter_context(routed_attention(worker.model, worker.attention))
+    if not isinstance(draft, DraftHead) or target_worker is None:
+        return None
+    target_worker.tap = routes.enter_context(draft.tap(target))
+    return target_worker.tap
 
 
 def joined(mine: list | None, theirs: list | None, n_mine: int, n_theirs: int) -> list | None:
