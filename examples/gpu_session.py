@@ -68,7 +68,7 @@ from hf_swiftspec.bench.command import device_description  # noqa: E402
 from hf_swiftspec.steps.capture import Captures  # noqa: E402
 from hf_swiftspec.bench.limits import kv_bytes_per_token, measure_bandwidth_gbps, weight_bytes_read  # noqa: E402
 from hf_swiftspec.config import SwiftSpecConfig  # noqa: E402
-from hf_swiftspec.generation import build_workers  # noqa: E402
+from hf_swiftspec.engine.launch import build_workers  # noqa: E402
 from hf_swiftspec.tools.models import shaped_model  # noqa: E402
 from hf_swiftspec.steps.tree import Subtree, subtree_mask  # noqa: E402
 

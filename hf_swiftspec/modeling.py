@@ -16,10 +16,8 @@ from .steps.capture import Captures
 from .drafters.eagle3 import DraftHead, Eagle3Head, load_eagle3_head
 from .steps.probes import describe
 from .config import SwiftSpecConfig, check_setting_names
-from .generation import (
-    check_inputs, check_serial_fallback, continuous_engine, falls_back, split_stop_strings, stop_string_criteria,
-    swiftspec_generate,
-)
+from .engine.launch import check_serial_fallback, continuous_engine, falls_back
+from .generation import check_inputs, split_stop_strings, stop_string_criteria, swiftspec_generate
 from .pair import (
     PairCard,
     PairConfigError,

@@ -56,16 +56,16 @@ def fallback(placement, args):
     """serial_fallback=True across processes: the calls alternate engines (two each), then run the faster, here the
     serial round on the target's rank (each asynchronous call is made 0.5 s slower there); every rank returns the
     target's own tokens whichever engine ran."""
-    import hf_swiftspec.generation as generation
+    import hf_swiftspec.engine.launch as launch
 
-    real = generation.run_distributed
+    real = launch.run_distributed
 
     def slow(groups, *rest, **kwargs):
         if groups.role == "target":
             time.sleep(0.5)
         return real(groups, *rest, **kwargs)
 
-    generation.run_distributed = slow
+    launch.run_distributed = slow
     model, reference = pair(placement, serial_fallback=True, worker_timeout_s=60)
     for p in prompts(args.prompts):
         out = model.generate(p, do_sample=False, max_new_tokens=30)

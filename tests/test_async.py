@@ -274,16 +274,16 @@ def test_serial_fallback_runs_the_faster_engine_exactly_and_says_so(llama_pair, 
     """With serial_fallback, a placement's calls run the asynchronous engine and the serial round alternately, two
     calls each, then whichever was faster (here the serial round: the asynchronous engine is made 0.5 s slower a call), the other
     one call in 8; every output equal to target.generate's, and the stats say which engine ran and why."""
-    import hf_swiftspec.generation as generation
+    import hf_swiftspec.engine.launch as launch
 
     target, draft, _ = llama_pair
-    real = generation.run_threads
+    real = launch.run_threads
 
     def slow_threads(*args, **kwargs):
         time.sleep(0.5)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(generation, "run_threads", slow_threads)
+    monkeypatch.setattr(launch, "run_threads", slow_threads)
     model = SwiftSpecForCausalLM.from_models(target, draft, placement=CPU_THREADS, serial_fallback=True)
     engines = []
     for p in prompts(8, seed=3) + prompts(2, seed=4):
@@ -300,7 +300,7 @@ def test_serial_fallback_runs_the_faster_engine_exactly_and_says_so(llama_pair, 
 def test_serial_fallback_is_on_for_auto_placement_only():
     from dataclasses import replace
 
-    from hf_swiftspec.generation import check_serial_fallback, falls_back
+    from hf_swiftspec.engine.launch import check_serial_fallback, falls_back
     from hf_swiftspec.engine.placement import Placement
 
     config = SwiftSpecForCausalLM.from_models(tiny_model("llama"), tiny_model("llama", layers=1)).config

@@ -162,7 +162,7 @@ class ContinuousEngine:
 
     target, draft: the pair's models (draft None: draft-free, suffix proposals only)
     policy:        the pair's GoodputPolicy (kept across requests)
-    build:         builds (TargetWorker, Drafters) for one request's row (generation.build_workers)
+    build:         builds (TargetWorker, Drafters) for one request's row (launch.build_workers)
     finish:        called on the engine's thread with (request, result) when a row is done (output history)
     """
 
