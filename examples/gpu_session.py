@@ -63,14 +63,14 @@ import bench_tree_attention  # noqa: E402  (kernels/benchmarks)
 import train_demo_pair  # noqa: E402  (examples)
 from train_demo_pair import DemoSettings, ModelShape  # noqa: E402
 
-from hf_swiftspec.attention import routed_attention  # noqa: E402
+from hf_swiftspec.steps.attention import routed_attention  # noqa: E402
 from hf_swiftspec.bench.command import device_description  # noqa: E402
-from hf_swiftspec.capture import Captures  # noqa: E402
+from hf_swiftspec.steps.capture import Captures  # noqa: E402
 from hf_swiftspec.bench.limits import kv_bytes_per_token, measure_bandwidth_gbps, weight_bytes_read  # noqa: E402
 from hf_swiftspec.config import SwiftSpecConfig  # noqa: E402
-from hf_swiftspec.generation import build_workers  # noqa: E402
+from hf_swiftspec.engine.launch import build_workers  # noqa: E402
 from hf_swiftspec.tools.models import shaped_model  # noqa: E402
-from hf_swiftspec.tree import Subtree, subtree_mask  # noqa: E402
+from hf_swiftspec.steps.tree import Subtree, subtree_mask  # noqa: E402
 
 # Shapes in hf_swiftspec.tools.models.REAL_SHAPES' format. Context 131072 as in Llama 3.1, so the draft's tree
 # may grow past 8k positions; rope scaling left out (it costs nothing per step).
@@ -432,8 +432,8 @@ def steps_at(session: Session, target, draft, context: int, attention: str) -> l
         drafter.catch_up()  # the prompt into the draft's prefix
         drafter.expand()  # the root: its children are the leaves every timed expansion runs
         ms = expansion_ms(drafter, session)
-        label = lambda worker: worker.attention if worker.graphs is None else (  # noqa: E731
-            f"{worker.attention} replayed" + (", compiled" if worker.graphs.compile_layers else ""))
+        label = lambda worker: worker.attention if worker.runner is None else (  # noqa: E731
+            f"{worker.attention} replayed" + (", compiled" if worker.runner.compile_layers else ""))
         rows.append(step_row(session, "draft_expand", draft, context, drafter.width, label(drafter), ms))
         target_worker.forward_subtrees([random_subtree(1, vocab, 0)])  # takes the prefill's root logits
         for T in trees:

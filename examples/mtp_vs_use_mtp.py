@@ -19,8 +19,8 @@ from unittest import mock
 import torch
 
 from hf_swiftspec import SwiftSpecForCausalLM
-from hf_swiftspec.compat import MtpModel
-from hf_swiftspec.mtp import mtp_head
+from hf_swiftspec.models.compat import MtpModel
+from hf_swiftspec.drafters.mtp import mtp_head
 from hf_swiftspec.tools import sweep
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from hf_swiftspec import SwiftSpecForCausalLM
-from hf_swiftspec.eagle3 import save_eagle3_head
+from hf_swiftspec.drafters.eagle3 import save_eagle3_head
 from hf_swiftspec.pair import DEMO_PAIR_NAME, PairCard
 from hf_swiftspec.tools.eagle3_training import new_head_for, train_head
 

@@ -4,7 +4,7 @@
     out = model.generate(input_ids, max_new_tokens=64, swiftspec=True)
 """
 
-from . import compat
+from .models import compat
 
 compat.check_release()  # a transformers outside the tested releases fails here, naming both, not mid-generation
 
@@ -12,8 +12,8 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from .config import SwiftSpecConfig  # noqa: E402
 from .custom import custom_generate  # noqa: E402
-from .eagle3 import Eagle3Head, load_eagle3_head  # noqa: E402
-from .mtp import mtp_head  # noqa: E402
+from .drafters.eagle3 import Eagle3Head, load_eagle3_head  # noqa: E402
+from .drafters.mtp import mtp_head  # noqa: E402
 from .engine import SwiftSpecWorkerError  # noqa: E402
 from .modeling import SwiftSpecForCausalLM  # noqa: E402
 from .stats import SwiftSpecStats  # noqa: E402

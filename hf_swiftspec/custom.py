@@ -26,11 +26,11 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .capture import Captures
+from .steps.capture import Captures
 from .config import SwiftSpecConfig, check_setting_names
 from .generation import split_stop_strings, stop_string_criteria, swiftspec_generate
 from .modeling import check_member_type, check_members
-from .policy import GoodputPolicy
+from .policy.goodput import GoodputPolicy
 from .stats import SwiftSpecStats
 
 

@@ -12,14 +12,12 @@ import torch
 from huggingface_hub import HfApi
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, GenerationMixin, PreTrainedModel
 
-from .capture import Captures
-from .eagle3 import DraftHead, Eagle3Head, load_eagle3_head
-from .probes import describe
+from .steps.capture import Captures
+from .drafters.eagle3 import DraftHead, Eagle3Head, load_eagle3_head
+from .steps.probes import describe
 from .config import SwiftSpecConfig, check_setting_names
-from .generation import (
-    check_inputs, check_serial_fallback, continuous_engine, falls_back, split_stop_strings, stop_string_criteria,
-    swiftspec_generate,
-)
+from .engine.launch import check_serial_fallback, continuous_engine, falls_back
+from .generation import check_inputs, split_stop_strings, stop_string_criteria, swiftspec_generate
 from .pair import (
     PairCard,
     PairConfigError,
@@ -34,10 +32,10 @@ from .pair.loading import LoadArguments, load_member_model, split_load_kwargs, w
 from .pair.locate import HubOptions, member_folder, member_head_config, resolve_pair_folder
 from .pair.repo import read_pair_config
 from .pair.tokenizer import load_tokenizer
-from .placement import Placement, place_models, resolve_placement
-from .policy import GoodputPolicy
+from .engine.placement import Placement, place_models, resolve_placement
+from .policy.goodput import GoodputPolicy
 from .stats import SwiftSpecStats
-from .suffix import OutputHistory
+from .drafters.suffix import OutputHistory
 
 
 __all__ = ["SwiftSpecForCausalLM"]

@@ -53,7 +53,7 @@ def greedy(placement, args):
                    in_flight=s.in_flight_expansions, idle=s.target_idle_fraction, verify_steps=s.verify_steps,
                    overlap=dataclasses.asdict(s.overlap), attention=s.attention, new_tokens=s.new_tokens,
                    rounds=[dataclasses.astuple(r) for r in s.rounds],
-                   replays=sum(b.replays for g in model.captures.graphs.values() for b in g.buckets.values()))
+                   replays=sum(b.replays for g in model.captures.runners.values() for b in g.buckets.values()))
 
 
 class CostClock:
@@ -70,7 +70,7 @@ def fallback(placement, args):
     """serial_fallback=True across processes: the calls alternate engines (two each), then run the faster, here the
     serial round on the target's rank (the engine choice's clock is charged 1 s an asynchronous call and 0.5 s a
     serial one there: given costs, not this machine's); every rank returns the target's own tokens whichever ran."""
-    import hf_swiftspec.generation as generation
+    import hf_swiftspec.engine.launch as launch
 
     clock = CostClock()
 
@@ -80,8 +80,8 @@ def fallback(placement, args):
             return run(groups, *rest, **kwargs)
         return run_and_charge
 
-    generation.run_distributed = charged(generation.run_distributed, 1.0)
-    generation.run_serial_distributed = charged(generation.run_serial_distributed, 0.5)
+    launch.run_distributed = charged(launch.run_distributed, 1.0)
+    launch.run_serial_distributed = charged(launch.run_serial_distributed, 0.5)
     model, reference = pair(placement, serial_fallback=True, worker_timeout_s=60)
     model.policy().engines.clock = clock
     for p in prompts(args.prompts):
@@ -118,8 +118,8 @@ def eagle3(placement, args):
     causal forward of the whole sequence gives it (checked on the draft rank, which holds the target too)."""
     from test_eagle3 import VOCAB, random_head
 
-    from hf_swiftspec.eagle3 import FeatureTap
-    from hf_swiftspec.engine.heads import HeadDrafter
+    from hf_swiftspec.drafters.eagle3 import FeatureTap
+    from hf_swiftspec.drafters.heads import HeadDrafter
 
     target = tiny_model("llama", seed=1, vocab_size=VOCAB)
     reference = copy.deepcopy(target)
@@ -159,7 +159,7 @@ def fault(placement, args):
     if serial and dist.get_rank() in model.placement.target:  # as if the serial round had measured faster
         choice = model.policy().engines
         choice.calls, choice.rates = {"async": 2, "serial": 2}, {"async": 1.0, "serial": 2.0}
-    import hf_swiftspec.generation as generation
+    import hf_swiftspec.engine.launch as launch
 
     for name in ("run_distributed", "run_serial_distributed"):
         def recorded(*a, _real=getattr(generation, name), _name=name, **k):

@@ -1,7 +1,7 @@
 """Fixed step prices for a pair's goodput policy, so a test's trees do not follow this machine's load."""
 
-from hf_swiftspec.costs import CostModel
-from hf_swiftspec.policy import BatchSize
+from hf_swiftspec.policy.costs import CostModel
+from hf_swiftspec.policy.goodput import BatchSize
 
 
 def given_costs(model, expand_s: float, verify_s: dict[int, float], batches=(1,)):

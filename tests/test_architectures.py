@@ -24,7 +24,7 @@ import pytest
 import torch
 import transformers
 
-from hf_swiftspec.compat import NEWEST
+from hf_swiftspec.models.compat import NEWEST
 from hf_swiftspec.tools import sweep
 from hf_swiftspec.tools.sweep import Outcome, causal_lm_types, check_type, coverage_line, save, verdict
 
@@ -193,7 +193,7 @@ def test_a_catch_up_runs_no_vocabulary_head():
     index: its head multiplies no row (on a 262k vocabulary the head is half a small draft's forward), and
     the output is still target.generate's."""
     from hf_swiftspec import SwiftSpecForCausalLM
-    from hf_swiftspec.probes import describe
+    from hf_swiftspec.steps.probes import describe
     from hf_swiftspec.tools.models import tiny_model, truncated_draft
 
     target = tiny_model("llama", seed=3)
@@ -220,7 +220,7 @@ def test_a_forward_that_takes_no_index_to_keep_runs_its_head():
     from transformers import LlamaForCausalLM
 
     from hf_swiftspec import SwiftSpecForCausalLM
-    from hf_swiftspec.probes import describe
+    from hf_swiftspec.steps.probes import describe
     from hf_swiftspec.tools.models import tiny_model, truncated_draft
 
     class CountOnly(LlamaForCausalLM):

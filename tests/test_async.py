@@ -7,7 +7,7 @@ import torch
 
 from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.engine import SwiftSpecWorkerError
-from hf_swiftspec.placement import resolve_placement
+from hf_swiftspec.engine.placement import resolve_placement
 from hf_swiftspec.tools.models import tiny_model, truncated_draft
 
 from fixed_costs import given_costs
@@ -81,7 +81,7 @@ def test_draft_expands_while_the_target_verifies(llama_pair, verdicts_wait_for_t
 def test_the_verdict_leaves_before_the_target_commits(llama_pair, monkeypatch):
     """The target answers as soon as its walk is done, so the draft re-roots while the target commits the
     accepted KV; the output still equals target.generate's and the call ends on the walk's last verdict."""
-    from hf_swiftspec.cache import TreeCache
+    from hf_swiftspec.steps.cache import TreeCache
     from hf_swiftspec.engine.links import ThreadLink
 
     target, draft, _ = llama_pair
@@ -245,7 +245,7 @@ def test_replayed_steps_on_both_threads_equal_target_generate(llama_pair, verdic
     stats = model.swiftspec_stats
     assert stats.engine == "async-threads" and stats.in_flight_expansions > 0
     assert "target=sdpa (replayed, emulate" in stats.attention and "draft=sdpa (replayed, emulate" in stats.attention
-    replays = {role: sum(b.replays for b in g.buckets.values()) for role, g in model.captures.graphs.items()}
+    replays = {role: sum(b.replays for b in g.buckets.values()) for role, g in model.captures.runners.items()}
     assert min(replays.values()) > 5, replays
 
 
@@ -257,7 +257,7 @@ def test_a_draft_that_does_not_pay_sends_the_root_alone_and_grows_one_round_in_e
     first round the draft neither runs a fresh tree's catch-up expansion before sending (it sends the root alone,
     a plain step, instead of making the target wait) nor grows the tree during verifications, except during one in
     PROBE_GROWTH_EVERY. Before, each round waited for an expansion."""
-    from hf_swiftspec.drafting import Drafters
+    from hf_swiftspec.drafters.drafting import Drafters
     from hf_swiftspec.engine.asynchronous import PROBE_GROWTH_EVERY
 
     target, _, _ = llama_pair
@@ -284,7 +284,7 @@ def test_a_draft_that_does_not_pay_sends_the_root_alone_and_grows_one_round_in_e
 
 
 def test_draft_pays_while_its_rounds_repay_an_expansion():
-    from hf_swiftspec.policy import GoodputPolicy
+    from hf_swiftspec.policy.goodput import GoodputPolicy
 
     policy = GoodputPolicy()
     assert policy.draft_pays(1.0, 0.07)  # nothing measured yet: the draft runs
@@ -295,7 +295,7 @@ def test_draft_pays_while_its_rounds_repay_an_expansion():
 
 
 def test_engine_choice_measures_both_then_runs_the_faster_and_retries_the_other():
-    from hf_swiftspec.choice import ASYNC, RETRY_EVERY, SERIAL, EngineChoice
+    from hf_swiftspec.policy.choice import ASYNC, RETRY_EVERY, SERIAL, EngineChoice
 
     choice = EngineChoice()
     measuring = []
@@ -335,7 +335,7 @@ def test_serial_fallback_runs_the_faster_engine_exactly_and_says_so(llama_pair, 
     calls each, then whichever was faster, the other one call in 8; every output equal to target.generate's, and the
     stats say which engine ran and why. The engine choice's clock is given: each call of an engine costs a fixed
     time (both directions), so which one is faster is the test's, not this machine's load."""
-    import hf_swiftspec.generation as generation
+    import hf_swiftspec.engine.launch as launch
 
     target, draft, _ = llama_pair
     clock = CostClock()
@@ -346,8 +346,8 @@ def test_serial_fallback_runs_the_faster_engine_exactly_and_says_so(llama_pair, 
             return run(*args, **kwargs)
         return run_and_charge
 
-    monkeypatch.setattr(generation, "run_threads", charged(generation.run_threads, async_s))
-    monkeypatch.setattr(generation, "run_serial", charged(generation.run_serial, serial_s))
+    monkeypatch.setattr(launch, "run_threads", charged(launch.run_threads, async_s))
+    monkeypatch.setattr(launch, "run_serial", charged(launch.run_serial, serial_s))
     model = SwiftSpecForCausalLM.from_models(target, draft, placement=CPU_THREADS, serial_fallback=True)
     model.policy().engines.clock = clock
     engines = []
@@ -366,8 +366,8 @@ def test_serial_fallback_runs_the_faster_engine_exactly_and_says_so(llama_pair, 
 def test_serial_fallback_is_on_for_auto_placement_only():
     from dataclasses import replace
 
-    from hf_swiftspec.generation import check_serial_fallback, falls_back
-    from hf_swiftspec.placement import Placement
+    from hf_swiftspec.engine.launch import check_serial_fallback, falls_back
+    from hf_swiftspec.engine.placement import Placement
 
     config = SwiftSpecForCausalLM.from_models(tiny_model("llama"), tiny_model("llama", layers=1)).config
     threads = Placement("threads", ("cpu",), ("cpu",))

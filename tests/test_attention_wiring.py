@@ -7,12 +7,12 @@ import torch
 
 from hf_swiftspec import SwiftSpecConfig, SwiftSpecForCausalLM
 from hf_swiftspec.tools import sweep
-from hf_swiftspec.probes import describe
-from hf_swiftspec.attention import resolve_attention, routed_attention
-from hf_swiftspec.cache import TreeCache
-from hf_swiftspec.step import RowQueries, model_step, run_step
+from hf_swiftspec.steps.probes import describe
+from hf_swiftspec.steps.attention import resolve_attention, routed_attention
+from hf_swiftspec.steps.cache import TreeCache
+from hf_swiftspec.steps.step import RowQueries, model_step, run_step
 from hf_swiftspec.tools.models import tiny_model, truncated_draft
-from hf_swiftspec.tree import subtree_mask
+from hf_swiftspec.steps.tree import subtree_mask
 
 needs_triton = pytest.mark.skipif(resolve_attention("kernel", tiny_model()) != "triton", reason="Triton cannot run here")
 
@@ -134,8 +134,8 @@ def test_a_plain_steps_mask_lets_its_root_see_exactly_its_row(starts, width):
     """A plain step's mask (one row, one query: the root, over a prefix of 5 committed slots) against one
     written out by hand: every committed slot from the row's start, its own slot; nothing before the start
     (left padding) or past its own slot (stale slots of a wider step)."""
-    from hf_swiftspec.architectures import FULL
-    from hf_swiftspec.attention import StepLayout, dense_tree_mask
+    from hf_swiftspec.models.architectures import FULL
+    from hf_swiftspec.steps.attention import StepLayout, dense_tree_mask
 
     prefix = 5
     layout = StepLayout(list(starts), [prefix], [torch.ones(1, 1, dtype=torch.bool)], torch.tensor([[prefix]]),

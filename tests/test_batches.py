@@ -14,7 +14,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, pipeline
 
 from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.tools import sweep
-from hf_swiftspec.policy import GoodputPolicy
+from hf_swiftspec.policy.goodput import GoodputPolicy
 from hf_swiftspec.tools.models import (
     char_tokenizer, left_padded, random_prompts, sharpen, tiny_gpt2, tiny_model, truncated_draft,
 )
@@ -317,8 +317,8 @@ def test_a_batch_round_is_worth_the_harmonic_mean_of_its_rows():
 def test_tree_rounds_that_yield_less_than_predicted_lose_the_batch_its_trust():
     """At a batch size where tree rounds keep yielding one token per row (plain's worth) while the
     calibrations promised more, the predicted gain beyond a plain step is discounted until plain wins."""
-    from hf_swiftspec.tree import Proposal, Subtree
-    from hf_swiftspec.verify import Verified
+    from hf_swiftspec.steps.tree import Proposal, Subtree
+    from hf_swiftspec.steps.verify import Verified
 
     policy = GoodputPolicy()
     for budget, seconds in ((1, 0.010), (4, 0.014)):

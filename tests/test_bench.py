@@ -11,8 +11,8 @@ import torch
 from hf_swiftspec import bench
 from hf_swiftspec.bench import methods, prompts
 from hf_swiftspec.bench.command import default_methods
-from hf_swiftspec.cache import TreeCache
-from hf_swiftspec.capture import WHOLE_CONTEXT, capacity_bucket
+from hf_swiftspec.steps.cache import TreeCache
+from hf_swiftspec.steps.capture import WHOLE_CONTEXT, capacity_bucket
 from hf_swiftspec.bench import (
     BenchConfig,
     BenchModels,
@@ -416,7 +416,7 @@ def test_caches_keep_one_buffer_over_a_long_generation(tiny_models):
 
 def test_memory_check_allows_a_replayed_cache_its_shared_capacity(tiny_models):
     """Replayed steps (capture.py; "emulate" on a CPU) give the target's cache a capacity shared between calls
-    (StepGraphs.capacity_for: the whole context's bucket for a small model), not the call's own bucket; the check
+    (StepRunner.capacity_for: the whole context's bucket for a small model), not the call's own bucket; the check
     counts that as within the tree region, and still catches a cache past it."""
     ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13]])
     budget = memory_budget(tiny_models, {"tree_budget": 6, "draft_width": 4, "capture": True}, ids, 40)

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from hf_swiftspec import SwiftSpecForCausalLM
-from hf_swiftspec.architectures import Architecture
-from hf_swiftspec.attention import fixed_step_inputs
-from hf_swiftspec.capture import MAX_QUERIES, StepGraphs, capacity_bucket, capture_backend, capture_gap, forward, query_bucket
-from hf_swiftspec.probes import describe
-from hf_swiftspec.recurrent import new_cache
-from hf_swiftspec.step import RowQueries, model_step, run_step, step_layout
+from hf_swiftspec.models.architectures import Architecture
+from hf_swiftspec.steps.attention import fixed_step_inputs
+from hf_swiftspec.steps.capture import MAX_QUERIES, StepRunner, capacity_bucket, capture_backend, capture_gap, forward, query_bucket
+from hf_swiftspec.steps.probes import describe
+from hf_swiftspec.steps.recurrent import new_cache
+from hf_swiftspec.steps.step import RowQueries, model_step, run_step, step_layout
 from hf_swiftspec.tools import sweep
 from hf_swiftspec.tools.models import left_padded, random_prompts, sharpen, tiny_model, truncated_draft
 
@@ -40,7 +40,7 @@ def pairs():
 
 
 def replays(model) -> dict[str, int]:
-    return {role: sum(b.replays for b in g.buckets.values()) for role, g in model.captures.graphs.items()}
+    return {role: sum(b.replays for b in g.buckets.values()) for role, g in model.captures.runners.items()}
 
 
 @pytest.mark.parametrize("family,attention", [
@@ -87,7 +87,7 @@ def test_buffers_and_graphs_serve_later_calls(pairs):
     model = SwiftSpecForCausalLM.from_models(target, draft, capture=True, **FIXED)
     first = torch.tensor([random_prompts((9,), 0, VOCAB)[0]])
     model.generate(first, max_new_tokens=48, do_sample=False)
-    graphs = model.captures.graphs
+    graphs = model.captures.runners
     pointers = {role: [t.data_ptr() for t in g.pool.buffers.values()] for role, g in graphs.items()}
     for seed in (1, 2):
         prompt = torch.tensor([random_prompts((11,), seed, VOCAB)[0]])
@@ -112,13 +112,13 @@ def test_the_policy_prices_steps_without_their_capture(pairs, monkeypatch):
     replayed, and the policy kept to plain rounds from then on). Every round that captured reaches the policy with no
     verification time, while rounds that only replayed are priced (checked round by round, not by how long a capture
     took on this machine)."""
-    from hf_swiftspec.policy import GoodputPolicy
+    from hf_swiftspec.policy.goodput import GoodputPolicy
 
     target, draft = pairs["llama"]
     model = SwiftSpecForCausalLM.from_models(target, draft, capture=True, tree_budget=8)  # the policy sizes depth
     captured = {"now": False}  # whether the round under way captured a bucket
     rounds = []  # (captured, verify_s) of each round the policy observed
-    capture, plan_round, observe_round = StepGraphs.capture, GoodputPolicy.plan_round, GoodputPolicy.observe_round
+    capture, plan_round, observe_round = StepRunner.capture, GoodputPolicy.plan_round, GoodputPolicy.observe_round
 
     def recording_capture(self, *args, **kwargs):
         captured["now"] = True
@@ -132,7 +132,7 @@ def test_the_policy_prices_steps_without_their_capture(pairs, monkeypatch):
         rounds.append((captured["now"], verify_s))
         return observe_round(self, expansions, draft_s, budget, verify_s, *args, **kwargs)
 
-    monkeypatch.setattr(StepGraphs, "capture", recording_capture)
+    monkeypatch.setattr(StepRunner, "capture", recording_capture)
     monkeypatch.setattr(GoodputPolicy, "plan_round", recording_plan)
     monkeypatch.setattr(GoodputPolicy, "observe_round", recording_observe)
     prompt = torch.tensor([random_prompts((9,), 5, VOCAB)[0]])
@@ -141,9 +141,9 @@ def test_the_policy_prices_steps_without_their_capture(pairs, monkeypatch):
     capturing = [verify_s for was, verify_s in rounds if was]
     assert len(capturing) > 1 and all(v is None for v in capturing), rounds
     assert any(verify_s is not None for was, verify_s in rounds if not was), rounds  # the others are priced
-    assert min(g.setup_s for g in model.captures.graphs.values()) > 0
+    assert min(g.setup_s for g in model.captures.runners.values()) > 0
     stats = model.swiftspec_stats  # the call's own capture time, in its stats
-    assert stats.capture_s == pytest.approx(sum(g.setup_s for g in model.captures.graphs.values()))
+    assert stats.capture_s == pytest.approx(sum(g.setup_s for g in model.captures.runners.values()))
     assert "capturing" in stats.summary()
 
 
@@ -151,25 +151,25 @@ def test_calls_of_other_lengths_share_the_captured_capacity(pairs):
     """A call that needs fewer positions than a captured capacity (up to 4 times fewer) packs into its buffers
     and replays its graphs; a model whose whole context fits 1024 positions gets one capacity for every call."""
     target, draft = pairs["llama"]
-    graphs = StepGraphs("emulate")
+    graphs = StepRunner("emulate")
     assert graphs.capacity_for(300) == 512 and graphs.capacity_for(130) == 512 and graphs.capacity_for(127) == 256
     assert graphs.capacity_for(20) == 256 and graphs.capacity_for(600) == 1024 and graphs.capacities == {256, 512, 1024}
-    small = StepGraphs("emulate")
+    small = StepRunner("emulate")
     assert small.capacity_for(40, whole=300) == 512 and small.capacity_for(10, whole=300) == 512
-    assert StepGraphs("emulate").capacity_for(40, whole=5000) == 256
+    assert StepRunner("emulate").capacity_for(40, whole=5000) == 256
     model = SwiftSpecForCausalLM.from_models(target, draft, capture=True, **FIXED)
     prompts = [torch.tensor([random_prompts((n,), n, VOCAB)[0]]) for n in (240, 9)]  # alone: 512 and 256 positions
     for prompt in prompts:
         out = model.generate(prompt, max_new_tokens=20, do_sample=False)
         assert out.tolist() == target.generate(prompt, max_new_tokens=20, do_sample=False).tolist()
-    assert all(len(g.capacities) == 1 for g in model.captures.graphs.values()), model.captures.graphs
+    assert all(len(g.capacities) == 1 for g in model.captures.runners.values()), model.captures.runners
 
 
 def test_custom_generate_keeps_graphs_in_the_captures_it_is_given(pairs):
     """A plain model's generate(custom_generate=...) replays too, and swiftspec_captures keeps its graphs for
     the next call, as the pair keeps its own."""
     from hf_swiftspec import custom_generate
-    from hf_swiftspec.capture import Captures
+    from hf_swiftspec.steps.capture import Captures
 
     target, draft = pairs["llama"]
     captures = Captures()
@@ -180,7 +180,7 @@ def test_custom_generate_keeps_graphs_in_the_captures_it_is_given(pairs):
     for _ in range(2):  # the same call twice: the second captures nothing and replays what the first captured
         out = target.generate(prompt, **kwargs)
         assert out.tolist() == target.generate(prompt, max_new_tokens=24, do_sample=False).tolist()
-        graphs = captures.graphs["target"]
+        graphs = captures.runners["target"]
         seen.append((graphs.captures, sum(b.replays for b in graphs.buckets.values())))
     assert seen[1][0] == seen[0][0] > 0 and seen[1][1] > seen[0][1], seen
 
@@ -208,12 +208,12 @@ def test_steps_that_cannot_replay_run_eagerly_and_say_why(pairs):
     model = tiny_model("llama", seed=0, layers=1)
     chain = [int(t) for t in torch.randint(3, VOCAB, (80,), generator=torch.Generator().manual_seed(0))]
     outs = []
-    for graphs in (None, StepGraphs("emulate")):
+    for graphs in (None, StepRunner("emulate")):
         cache = new_cache(llama, 128, pool=graphs and graphs.pool)
         with torch.no_grad():
             model_step(model, cache, torch.tensor([chain[:4]]), torch.arange(4)[None], keep=1)
             rows = [RowQueries.chain(chain[4:], 4, "cpu")]  # 76 queries: past every bucket
-            outs.append(run_step(model, cache, rows, "sdpa", llama, graphs=graphs)[0])
+            outs.append(run_step(model, cache, rows, "sdpa", llama, runner=graphs)[0])
     assert f"more than {MAX_QUERIES} queries" in next(iter(graphs.fallbacks)) and not graphs.buckets
     torch.testing.assert_close(outs[1], outs[0])
 
@@ -239,7 +239,7 @@ def test_a_head_and_the_target_it_taps_replay_as_eager_steps(kind, monkeypatch):
     target.generate's, both models replay, every verification hands the head the same states as eager steps do,
     and every head forward gives the same logits and hidden outputs (mutations checked: handing nothing fails at
     the tap's take(); not copying a replay's second output into the bucket fails the states)."""
-    from hf_swiftspec.engine.heads import HeadDrafter
+    from hf_swiftspec.drafters.heads import HeadDrafter
     from hf_swiftspec.engine.workers import TargetWorker
 
     pairs = {name: (target, head) for name, target, head in head_pairs() if name == kind}
@@ -318,7 +318,7 @@ def test_compile_true_compiles_the_layers_for_the_call_only():
         torch.testing.assert_close(torch.stack(ours), torch.stack(theirs), rtol=1e-4, atol=1e-4)
     assert "fixed steps, compiled layers" in model.swiftspec_stats.attention
     assert all(layer._compiled_call_impl is None for m in (target, draft) for layer in m.model.layers)
-    assert len(model.captures.graphs["target"].compiled) == 2  # one compiled call per layer, kept for later calls
+    assert len(model.captures.runners["target"].compiled) == 2  # one compiled call per layer, kept for later calls
 
 
 def test_compiled_layers_with_the_kernel_for_two_models():

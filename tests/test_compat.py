@@ -1,4 +1,4 @@
-"""hf_swiftspec.compat: the one place that knows transformers' changing internals.
+"""hf_swiftspec.models.compat: the one place that knows transformers' changing internals.
 
 These run on whatever transformers is installed (CI: the newest release for the whole suite, the
 floor release for a smoke set), so each asserts what must hold on every tested release.
@@ -20,7 +20,7 @@ import torch
 import transformers
 
 from hf_swiftspec import SwiftSpecForCausalLM, compat
-from hf_swiftspec.compat import (
+from hf_swiftspec.models.compat import (
     CACHE_ARGUMENTS,
     UnsupportedTransformersError,
     cache_argument,

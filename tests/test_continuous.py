@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from hf_swiftspec import SwiftSpecForCausalLM
-from hf_swiftspec.cache import TreeCache
+from hf_swiftspec.steps.cache import TreeCache
 from hf_swiftspec.engine import continuous
 from hf_swiftspec.engine.continuous import RequestCancelled
 from hf_swiftspec.tools import sweep
@@ -124,7 +124,7 @@ def test_requests_joining_a_running_batch_equal_target_generate(family, piece, m
 def test_a_long_prompt_joins_a_piece_per_round_and_the_batch_decodes_meanwhile(monkeypatch):
     """A 30-token prompt prefilled 4 tokens per forward joins over 8 forwards, one between two rounds of the
     request already decoding (which runs 7 rounds meanwhile); both answers are target.generate's."""
-    from hf_swiftspec.engine.serial import AdaptiveSides
+    from hf_swiftspec.engine.adaptive import AdaptiveSides
 
     monkeypatch.setattr(continuous, "PREFILL_PIECE", 4)
     target = tiny_model("llama", seed=0)
@@ -439,9 +439,9 @@ def test_what_cannot_join_a_batch_is_refused_by_name():
 
 def cache_rows(model, prompts: list[list[int]], capacity: int) -> TreeCache:
     """A TreeCache holding each prompt's KV, prefilled alone and absorbed one after another."""
-    from hf_swiftspec.probes import describe
-    from hf_swiftspec.recurrent import new_cache
-    from hf_swiftspec.step import model_step
+    from hf_swiftspec.steps.probes import describe
+    from hf_swiftspec.steps.recurrent import new_cache
+    from hf_swiftspec.steps.step import model_step
 
     architecture = describe(model, "target")
     joined = None
@@ -482,7 +482,7 @@ def test_absorbed_rows_hold_the_keys_and_values_their_own_prefill_wrote():
 def test_a_failing_round_fails_its_rows_and_the_engine_serves_on(monkeypatch):
     """An error in a round (here the verification's) reaches every row's generate() as that error, never a
     hang; the next request starts a fresh batch and decodes exactly."""
-    from hf_swiftspec.engine.serial import AdaptiveSides
+    from hf_swiftspec.engine.adaptive import AdaptiveSides
 
     pair = pair_of("llama")
     engine = pair.continuous_engine()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hf_swiftspec import SwiftSpecForCausalLM
-from hf_swiftspec.attention import resolve_attention
+from hf_swiftspec.steps.attention import resolve_attention
 from hf_swiftspec.tools import sweep
 from hf_swiftspec.tools.models import left_padded, random_prompts, tiny_model, truncated_draft
 

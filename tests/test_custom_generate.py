@@ -8,7 +8,7 @@ import torch
 from transformers import StoppingCriteriaList
 
 from hf_swiftspec import custom_generate, load_eagle3_head
-from hf_swiftspec.eagle3 import save_eagle3_head
+from hf_swiftspec.drafters.eagle3 import save_eagle3_head
 from hf_swiftspec.pair import bundled_pairs_dir
 from hf_swiftspec.tools.models import char_tokenizer, left_padded, tiny_model, truncated_draft
 

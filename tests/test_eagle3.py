@@ -12,13 +12,13 @@ from test_sampling import ALPHA, exact_joint, pooled_chisquare, warpers
 from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.bench import BenchConfig, run_bench
 from hf_swiftspec.bench.methods import BenchModels
-from hf_swiftspec.eagle3 import Eagle3Config, Eagle3Head, FeatureTap, load_eagle3_head, save_eagle3_head
-from hf_swiftspec.engine.heads import HeadDrafter
+from hf_swiftspec.drafters.eagle3 import Eagle3Config, Eagle3Head, FeatureTap, load_eagle3_head, save_eagle3_head
+from hf_swiftspec.drafters.heads import HeadDrafter
 from hf_swiftspec.pair import PairConfigError, create_pair_repo
 from hf_swiftspec.tools.eagle3_training import new_head_for, token_windows, train_head
 from hf_swiftspec.tools.models import left_padded, tiny_model, truncated_draft
-from hf_swiftspec.tree import select_subtree
-from hf_swiftspec.verify import Verified
+from hf_swiftspec.steps.tree import select_subtree
+from hf_swiftspec.steps.verify import Verified
 
 VOCAB = 98
 SAMPLING_VOCAB = 12

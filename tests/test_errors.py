@@ -264,7 +264,7 @@ def test_continuous_batching_is_refused_not_run_without_speculation(model, metho
 def test_torchrun_placements_that_overlap_or_do_not_divide_the_heads(monkeypatch, spec, match):
     """Under torchrun (a world of 5 ranks here) each group shards its model's heads over its ranks; refused before any
     process group is made."""
-    monkeypatch.setattr("hf_swiftspec.placement.distributed_world", lambda: 5)
+    monkeypatch.setattr("hf_swiftspec.engine.placement.distributed_world", lambda: 5)
     target = tiny_model("llama", seed=0)  # 4 attention heads, 2 key/value heads; its draft the same
     with pytest.raises(ValueError, match=match):
         SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 1), placement=spec)

@@ -42,7 +42,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from hf_swiftspec import SwiftSpecForCausalLM, custom_generate
 from hf_swiftspec.tools import sweep
-from hf_swiftspec.compat import GENERATE_CACHE_ARGUMENTS, cache_argument, output_cache
+from hf_swiftspec.models.compat import GENERATE_CACHE_ARGUMENTS, cache_argument, output_cache
 from hf_swiftspec.tools.models import char_tokenizer, left_padded, random_prompts, tiny_gpt2, tiny_model, truncated_draft
 
 NEW = 12  # new tokens per greedy row

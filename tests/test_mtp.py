@@ -1,4 +1,4 @@
-"""A model's own MTP layer drafts a token tree (hf_swiftspec/mtp.py): lossless on every MTP type of the
+"""A model's own MTP layer drafts a token tree (hf_swiftspec/drafters/mtp.py): lossless on every MTP type of the
 installed transformers that builds as a tiny model, its root proposals equal transformers' own MtpModel
 layer forward (the layer `generate(use_mtp=True)` runs), sampling follows the target's distribution."""
 
@@ -7,9 +7,9 @@ import torch
 from transformers import AutoConfig
 
 from hf_swiftspec import SwiftSpecForCausalLM
-from hf_swiftspec.compat import MtpModel
-from hf_swiftspec.engine.heads import HeadDrafter
-from hf_swiftspec.mtp import FinalStateTap, mtp_head
+from hf_swiftspec.models.compat import MtpModel
+from hf_swiftspec.drafters.heads import HeadDrafter
+from hf_swiftspec.drafters.mtp import FinalStateTap, mtp_head
 from hf_swiftspec.tools import sweep
 from hf_swiftspec.tools.models import left_padded, tiny_model
 from test_sampling import ALPHA, exact_joint, pooled_chisquare, warpers

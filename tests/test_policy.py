@@ -6,11 +6,11 @@ from transformers import LogitsProcessorList, StoppingCriteriaList, TemperatureL
 from transformers.generation.stopping_criteria import EosTokenCriteria
 
 from hf_swiftspec import SwiftSpecForCausalLM
-from hf_swiftspec.suffix import SuffixIndex, SuffixTree, chain
-from hf_swiftspec.policy import GoodputPolicy
+from hf_swiftspec.drafters.suffix import SuffixIndex, SuffixTree, chain
+from hf_swiftspec.policy.goodput import GoodputPolicy
 from hf_swiftspec.tools.models import real_shaped_pair, tiny_model, truncated_draft
-from hf_swiftspec.tree import Proposal, Subtree, best_subtree, merge_suffix, ranked
-from hf_swiftspec.verify import Sampler, Verified, walk_nodes, walk_rows
+from hf_swiftspec.steps.tree import Proposal, Subtree, best_subtree, merge_suffix, ranked
+from hf_swiftspec.steps.verify import Sampler, Verified, walk_nodes, walk_rows
 
 
 def measured_policy(expand_ms, verify_ms, per_node_ms, acceptance, rounds=60, **kwargs):
@@ -304,7 +304,7 @@ def test_a_cold_policy_prefills_the_draft_only_where_the_answer_can_repay_it():
 def test_a_probe_costs_at_most_a_small_share_of_its_call():
     """With its costs measured, a probe (the draft's catch-up, an expansion, the probe's larger verification
     over a plain step) runs only where it costs at most PROBE_SHARE of the call decoded plainly."""
-    from hf_swiftspec.policy import PROBE_SHARE
+    from hf_swiftspec.policy.goodput import PROBE_SHARE
 
     rows = [[1.0, 0.5]]
     policy = measured_policy(expand_ms=20, verify_ms=50, per_node_ms=5, acceptance=0.1)

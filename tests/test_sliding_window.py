@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from hf_swiftspec import SwiftSpecForCausalLM
-from hf_swiftspec.probes import describe
-from hf_swiftspec.cache import TreeCache
+from hf_swiftspec.steps.probes import describe
+from hf_swiftspec.steps.cache import TreeCache
 from hf_swiftspec.tools.sweep import perturbed_copy, tiny_of_type
-from hf_swiftspec.step import RowQueries, model_step, run_step
-from hf_swiftspec.tree import subtree_mask
+from hf_swiftspec.steps.step import RowQueries, model_step, run_step
+from hf_swiftspec.steps.tree import subtree_mask
 
 WINDOW = 16
 GEMMA3_LAYERS = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]

@@ -19,7 +19,7 @@ from transformers import GPTNeoConfig, GPTNeoForCausalLM
 
 from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.tools import sweep
-from hf_swiftspec.probes import describe
+from hf_swiftspec.steps.probes import describe
 from hf_swiftspec.tools.models import left_padded, random_prompts
 
 PROMPT = torch.randint(3, 98, (1, 7), generator=torch.Generator().manual_seed(0))  # 7 tokens, as the issue's

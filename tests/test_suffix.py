@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hf_swiftspec import SwiftSpecForCausalLM
-from hf_swiftspec.suffix import MAX_MATCH, OutputHistory, SuffixIndex, continuation
+from hf_swiftspec.drafters.suffix import MAX_MATCH, OutputHistory, SuffixIndex, continuation
 from hf_swiftspec.tools.models import tiny_model, truncated_draft
 
 from test_sampling import exact_joint, pooled_chisquare, warpers
@@ -205,7 +205,7 @@ def test_a_deep_room_copies_no_more_than_a_proposal_can_keep(monkeypatch):
     """max_depth is the room left in the context (thousands of tokens on a real model): a proposal of
     max_nodes nodes is no deeper than max_nodes, so no occurrence is copied further, the proposal is the
     one max_depth = max_nodes gives, and a proposal the text follows is kept as the room shrinks."""
-    import hf_swiftspec.suffix as suffix
+    import hf_swiftspec.drafters.suffix as suffix
 
     text = [5, 6, 7, 8, 9, 10, 11, 12] * 6 + [5, 6, 7]
     copied = []

@@ -4,13 +4,14 @@ import pytest
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
-from hf_swiftspec.probes import describe
-from hf_swiftspec.cache import TreeCache, keep_order
-from hf_swiftspec.engine.workers import DraftModelDrafter, TargetWorker
-from hf_swiftspec.step import RowQueries, model_step, run_step
-from hf_swiftspec.tree import Subtree, select_subtree, subtree_mask
+from hf_swiftspec.steps.probes import describe
+from hf_swiftspec.steps.cache import TreeCache, keep_order
+from hf_swiftspec.drafters.draft_model import DraftModelDrafter
+from hf_swiftspec.engine.workers import TargetWorker
+from hf_swiftspec.steps.step import RowQueries, model_step, run_step
+from hf_swiftspec.steps.tree import Subtree, select_subtree, subtree_mask
 from hf_swiftspec.tools.models import left_padded
-from hf_swiftspec.verify import Sampler, Verified
+from hf_swiftspec.steps.verify import Sampler, Verified
 
 ATOL = 2e-5
 
@@ -276,7 +277,7 @@ def test_a_hit_on_an_unrun_leaf_resets_the_tree_as_a_reroot_would(llama_pair):
     re-root still counts as a hit; path_facts says whether the child it finds has run."""
     import dataclasses
 
-    from hf_swiftspec.tree import path_facts, reroot
+    from hf_swiftspec.steps.tree import path_facts, reroot
 
     draft = grown_drafter(llama_pair)
     tree = draft.tree
@@ -305,7 +306,7 @@ def test_path_facts_read_the_tree_as_node_by_node_lookups_do(llama_pair):
     """path_facts (one host read, on the asynchronous draft's critical path) against per-node tensor lookups: how
     many of a path's first nodes ran and their KV slots, and the next token's child, for every node's path in a
     grown tree, with the child's token, another token, and paths that leave the tree (-1) or its run part."""
-    from hf_swiftspec.tree import path_facts
+    from hf_swiftspec.steps.tree import path_facts
 
     draft = grown_drafter(llama_pair)
     tree = draft.tree
@@ -440,3 +441,21 @@ def test_keep_order_fills_holes_from_the_end():
     assert keep_order([1, 2, 3]) == [3, 1, 2]  # row 0 left: row 3 moves into it, rows 1 and 2 stay
     assert keep_order([0, 2, 5, 6]) == [0, 6, 2, 5]
     assert keep_order([]) == []
+
+
+def test_a_replayed_step_sets_the_cache_only_through_its_methods():
+    """What capture.py's runner reads and sets of a TreeCache (its host bookkeeping, the slots a step writes)
+    goes through TreeCache's methods: saved and put back whole, and slots that do not fit the planned step
+    are refused, naming the fix."""
+    cache = TreeCache(num_layers=1, capacity=32, batch_size=2)
+    cache.lengths, cache.starts, cache.prefix_lens = [5, 3], [0, 2], [4, 2]
+    cache.plan_step([2, 1], 2, "cpu")
+    saved = cache.host_state()
+    assert saved == ([0, 2], [4, 2], [5, 3], [2, 1])
+    cache.advance()  # the step ran: lengths move, the plan is gone
+    assert cache.host_state() == ([0, 2], [4, 2], [7, 4], None)
+    cache.set_host_state(saved)
+    assert cache.host_state() == saved and cache.step_end(2) == 7  # the planned step's furthest row: 5 + 2
+    assert cache.step_slots() is None  # no buffers yet: the rows write without an index
+    with pytest.raises(RuntimeError, match=r"plan_step\(fixed=True\) first"):
+        cache.write_through(torch.zeros(2, 2, dtype=torch.long))

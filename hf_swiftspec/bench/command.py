@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..cli.options import THREADS_HELP, add_tree_options, progress, resolve_device, set_threads, tree_overrides
+from ..tools.options import THREADS_HELP, add_tree_options, progress, resolve_device, set_threads, tree_overrides
 from ..pair import context_length
 from ..tools.models import REAL_SHAPES
 from .limits import limit_report, memory_budget, peak_bandwidth

@@ -12,13 +12,13 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ..cache import TreeCache
-from ..capture import largest_capacity
-from ..compat import CACHE_ARGUMENTS
+from ..steps.cache import TreeCache
+from ..steps.capture import largest_capacity
+from ..models.compat import CACHE_ARGUMENTS
 from ..modeling import SwiftSpecForCausalLM
-from ..architectures import context_limit
+from ..models.architectures import context_limit
 from ..config import MAX_BUDGET
-from ..tree import new_tree
+from ..steps.tree import new_tree
 from .measure import MIB, generation_kwargs, synchronize
 from .schema import BenchConfig, BenchModels, CacheTrace, LimitReport, MemoryBudget, SetResult
 
@@ -185,9 +185,9 @@ def memory_budget(models: BenchModels, settings: dict, ids: torch.Tensor, new_to
     scratch = 1  # each cache's last slot takes the writes of a batch's padding queries
     target_extra, draft_extra = target.capacity - scratch - context, draft.capacity - scratch - context
     budget = config.tree_budget or MAX_BUDGET  # None: the policy's largest tree
-    # A replayed round (capture.py) gives a cache a capacity its graphs serve other calls at (StepGraphs.capacity_for).
+    # A replayed round (capture.py) gives a cache a capacity its graphs serve other calls at (StepRunner.capacity_for).
     whole = context_limit(models.target)
-    room = largest_capacity(context + budget, whole and whole + budget) - context if model.captures.graphs else budget
+    room = largest_capacity(context + budget, whole and whole + budget) - context if model.captures.runners else budget
     return MemoryBudget(
         context_tokens=context,
         target_weights_mib=round(parameter_bytes(models.target) / MIB, 3),

@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 from transformers import CompileConfig
 
-from ..architectures import context_limit
-from ..cli.options import default_device, load_pair
+from ..models.architectures import context_limit
+from ..tools.options import default_device, load_pair
 from ..config import SwiftSpecConfig
-from ..eagle3 import DraftHead, Eagle3Head, is_eagle3_folder, load_eagle3_head
+from ..drafters.eagle3 import DraftHead, Eagle3Head, is_eagle3_folder, load_eagle3_head
 from ..modeling import SwiftSpecForCausalLM
 from ..pair import DEMO_PAIR_NAME, bundled_pair
 from ..pair.locate import HubOptions, member_folder, pair_members, resolve_pair_folder
@@ -63,7 +63,7 @@ def load_models(config: BenchConfig, notes: list[str]) -> BenchModels:
 
 def shaped_pair(shape: str, config: BenchConfig, notes: list[str]) -> BenchModels:
     """`--pair shape:NAME`: a random-weight pair shaped like a real model (hf_swiftspec.tools.models.REAL_SHAPES)."""
-    from ..cli.options import load_dtype
+    from ..tools.options import load_dtype
     from ..tools.models import char_tokenizer, real_shaped_pair
 
     device = config.device or default_device()

@@ -8,7 +8,7 @@ from dataclasses import asdict
 from importlib.util import find_spec
 from pathlib import Path
 
-from ..cli.options import TREE_OPTIONS
+from ..tools.options import TREE_OPTIONS
 from .schema import BatchResult, BenchReport, LimitReport, MemoryBudget, MethodResult, SetResult, Spread
 
 

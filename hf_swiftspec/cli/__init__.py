@@ -25,7 +25,7 @@ import torch
 from transformers import TextStreamer
 
 from ..modeling import SwiftSpecForCausalLM
-from .options import (
+from ..tools.options import (
     THREADS_HELP,
     TREE_OPTIONS,
     add_tree_options,

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import compat
+from ..models import compat
 from ..engine.continuous import RequestCancelled, RowUsage
 from .request_settings import RequestBook, RequestSettings, cut_at_stop
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import compat
-from .options import load_pair, progress, resolve_device, set_threads
+from ..models import compat
+from ..tools.options import load_pair, progress, resolve_device, set_threads
 from ..modeling import SwiftSpecForCausalLM
 from .batching import SequentialServer, Served, SpeculatingBatcher
 from .request_settings import DEFAULT_MAX_TOKENS, RequestRefused, RequestSettings, StopCutter, cut_at_stop

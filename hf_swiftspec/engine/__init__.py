@@ -1,15 +1,14 @@
-"""Decode engines: serial and asynchronous loops over the same two workers."""
+"""Decode engines: serial and asynchronous loops over the target's worker and the drafters."""
 
 from .asynchronous import run_threads
 from .links import SwiftSpecWorkerError
 from .request import DecodeRequest, DecodeResult
-from .serial import run_serial
-from .workers import DraftModelDrafter, TargetWorker
+from .adaptive import run_serial
+from .workers import TargetWorker
 
 __all__ = [
     "DecodeRequest",
     "DecodeResult",
-    "DraftModelDrafter",
     "SwiftSpecWorkerError",
     "TargetWorker",
     "run_serial",

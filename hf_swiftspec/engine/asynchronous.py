@@ -1,5 +1,5 @@
 """Asynchronous tree speculation (SwiftSpec Algorithm 1): the draft grows the tree while the
-target verifies the subtree it was sent. Same workers as engine/serial.py; only the schedule
+target verifies the subtree it was sent. Same workers as engine/adaptive.py; only the schedule
 differs:
 
     draft:  propose S_n -> settle the last re-root -> graft S_n (its nodes join the tree and run) ->
@@ -23,7 +23,7 @@ from ..config import FIRST_TREE
 from ..stats import SwiftSpecStats
 from .links import LinkClosed, SwiftSpecWorkerError, ThreadLink
 from .request import BatchRows, DecodeRequest, DecodeResult, round_record
-from ..drafting import Drafters
+from ..drafters.drafting import Drafters, offered_nothing
 from .workers import TargetWorker
 
 
@@ -42,15 +42,15 @@ def run_draft(draft: Drafters, request: DecodeRequest, link, records: list | Non
         selecting = time.perf_counter()
         # Drafting is off the critical path here: the tree size is chosen by verification time alone.
         policy.plan_round(1, [0], probes=False)
-        suffixes = draft.suffix_trees(policy.max_budget)
+        offers = draft.offers(policy)
         drafting = draft_pays(policy, link, tokens, round_trips_s, counters.rounds)
-        if draft.fresh and not suffixes[0].tokens and drafting:
+        if draft.fresh and offered_nothing(offers[0]) and drafting:
             # a fresh tree and nothing to copy: one expansion first (else the root alone, a plain step)
             catching_up = time.perf_counter()
             draft.top_up(2)
             counters.catch_up_s += time.perf_counter() - catching_up
             selecting += time.perf_counter() - catching_up
-        candidates = draft.candidates(policy, suffixes)
+        candidates = draft.candidates(policy, offers)
         (proposal,) = draft.proposals(policy, candidates, spent_s=0.0, agree=link.agree)
         counters.select_s += time.perf_counter() - selecting
         link.send_subtree(proposal.subtree)

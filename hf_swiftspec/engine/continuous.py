@@ -30,13 +30,13 @@ import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
-from ..attention import routed_attention
-from ..cache import keep_order
-from ..eagle3 import DraftHead
-from ..stats import SwiftSpecStats
-from ..verify import StopRule, Verified, split_criteria
-from .request import DecodeRequest, DecodeResult, RowResult
-from .serial import AdaptiveSides
+from ..steps.cache import keep_order
+from ..stats import RoundRecord, SwiftSpecStats
+from ..steps.verify import StopRule, Verified, split_criteria
+from . import rounds
+from .request import DecodeRequest, DecodeResult, RowResult, round_record
+from .adaptive import AdaptiveSides
+from .workers import attend_the_tree
 
 
 PREFILL_PIECE = 256  # prompt tokens a joining request prefills between two rounds of the running batch
@@ -98,6 +98,7 @@ class Member:
     cancelled: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     joined_at: float = field(default_factory=time.perf_counter)
+    rounds: list[RoundRecord] = field(default_factory=list)  # the running batch's rounds it took part in
 
     @property
     def budget(self) -> int:
@@ -115,8 +116,9 @@ class Joining:
 
 @dataclass
 class RunningRows:
-    """The rows of the running batch as the sides read them (BatchRows' reading interface): `live` is each
-    cache row's row id, in cache order."""
+    """The rows of the running batch, as a round runs over them (engine/rounds.py's RoundRows, as BatchRows):
+    `live` is each cache row's row id, in cache order; each row's member adds what serving does (its usage,
+    cancelling, its own streamer)."""
 
     members: dict[int, Member] = field(default_factory=dict)
     live: list[int] = field(default_factory=list)
@@ -127,13 +129,40 @@ class RunningRows:
     def budgets(self) -> list[int]:
         return [self.members[i].budget for i in self.live]
 
+    def fold_round(self, proposed, verified: list[Verified]) -> list[int]:
+        """Fold each row's walk into its member (its tokens streamed); the cache rows that keep decoding."""
+        keep = []
+        for b, outcome in enumerate(verified):
+            member = self.members[self.live[b]]
+            row, request = member.result, member.request
+            row.add(outcome, request.keeps_scores, request.keeps_logits)
+            member.usage.verifications += 1
+            member.usage.proposed += len(proposed.proposals[b].subtree) - 1
+            member.usage.accepted += len(outcome.path) - 1
+            try:
+                if request.on_tokens is not None:
+                    request.on_tokens(outcome.tokens)
+            except Exception as error:  # the request's own streamer failed: it alone ends
+                member.error = error
+            if outcome.finished or member.budget <= 0:
+                row.done_at = len(row.tokens)
+            if row.done_at is None and member.error is None and not member.cancelled.is_set():
+                keep.append(b)
+        return keep
+
+    def record_round(self, proposed, verified: list[Verified]) -> None:
+        """The round's RoundRecord, kept by every member that took part (its call's stats)."""
+        record = round_record(proposed.proposals, verified, proposed.expansions)
+        for i in self.live:
+            self.members[i].rounds.append(record)
+
 
 class ContinuousEngine:
     """One running batch over a pair's target and draft (see the module docstring).
 
     target, draft: the pair's models (draft None: draft-free, suffix proposals only)
     policy:        the pair's GoodputPolicy (kept across requests)
-    build:         builds (TargetWorker, Drafters) for one request's row (generation.build_workers)
+    build:         builds (TargetWorker, Drafters) for one request's row (launch.build_workers)
     finish:        called on the engine's thread with (request, result) when a row is done (output history)
     """
 
@@ -309,10 +338,7 @@ class ContinuousEngine:
         """A batch begins: each model attends the tree its way (and a head reads the target's states) until it
         ends; the policy starts a call."""
         self.routes = contextlib.ExitStack()
-        for worker in (target_worker, drafters.model):
-            if worker is not None and not isinstance(worker.model, DraftHead):
-                self.routes.enter_context(routed_attention(worker.model, worker.attention))
-        self.tap = self.routes.enter_context(self.draft.tap(self.target)) if isinstance(self.draft, DraftHead) else None
+        self.tap = attend_the_tree(self.routes, self.target, self.draft, target_worker, drafters)
         self.policy.start_generation(None)
 
     def end_batch(self) -> None:
@@ -324,37 +350,10 @@ class ContinuousEngine:
 
     def one_round(self) -> None:
         """The round of engine/rounds.py over every row held, then the rows that are done leave."""
-        sides, rows = self.sides, self.rows
-        first = sides.target.roots_known
-        self.rounds_by_batch[len(rows.live)] += 1
-        proposed = sides.propose(rows)
-        verified = sides.verify(proposed, rows)
-        keep = self.record(proposed, verified)
-        sides.accept(proposed, verified, keep)
-        sides.observe(proposed, verified, time.perf_counter() - proposed.started, first=first)
-        if len(keep) < len(rows.live):
+        self.rounds_by_batch[len(self.rows.live)] += 1
+        keep = rounds.one_round(self.sides, self.rows)
+        if len(keep) < len(self.rows.live):
             self.leave(keep)
-
-    def record(self, proposed, verified: list[Verified]) -> list[int]:
-        """Fold each row's walk into its member (its tokens streamed); the cache rows that keep decoding."""
-        keep = []
-        for b, outcome in enumerate(verified):
-            member = self.rows.members[self.rows.live[b]]
-            row, request = member.result, member.request
-            row.add(outcome, request.keeps_scores, request.keeps_logits)
-            member.usage.verifications += 1
-            member.usage.proposed += len(proposed.proposals[b].subtree) - 1
-            member.usage.accepted += len(outcome.path) - 1
-            try:
-                if request.on_tokens is not None:
-                    request.on_tokens(outcome.tokens)
-            except Exception as error:  # the request's own streamer failed: it alone ends
-                member.error = error
-            if outcome.finished or member.budget <= 0:
-                row.done_at = len(row.tokens)
-            if row.done_at is None and member.error is None and not member.cancelled.is_set():
-                keep.append(b)
-        return keep
 
     def leave(self, keep: list[int]) -> None:
         """Rows not in `keep` leave both sides; their callers wake."""
@@ -410,4 +409,5 @@ class ContinuousEngine:
             engine="continuous", new_tokens=len(row.tokens), verify_steps=row.verifications,
             wall_time_s=time.perf_counter() - member.joined_at,
         )
-        return DecodeResult(rows=[row], end=len(row.tokens), stats=stats)
+        stats.add_rounds(member.rounds)
+        return DecodeResult(rows=[row], end=len(row.tokens), stats=stats, rounds=list(member.rounds))

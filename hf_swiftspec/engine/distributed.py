@@ -37,14 +37,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..choice import ASYNC, SERIAL
+from ..policy.choice import ASYNC, SERIAL
 from ..stats import DraftCounters, RoundRecord, SwiftSpecStats, TargetCounters
-from ..tree import Subtree
-from ..verify import Verified, verify_tree
+from ..steps.tree import Subtree
+from ..steps.verify import Verified, verify_tree
 from .asynchronous import run_draft, run_target
 from .links import PeerFailed, SwiftSpecWorkerError
 from .request import BatchRows, DecodeRequest, DecodeResult
-from .serial import run_serial
+from .adaptive import run_serial
 
 GO, FINISHED, FAILED = 0, 1, -1
 ENGINE_CODES = (ASYNC, SERIAL)  # an engine choice's message carries the engine's index here

@@ -13,8 +13,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..tree import Subtree
-from ..verify import Verified, verify_tree
+from ..steps.tree import Subtree
+from ..steps.verify import Verified, verify_tree
 
 
 class SwiftSpecWorkerError(RuntimeError):

@@ -12,11 +12,11 @@ from typing import Callable
 import torch
 from transformers import StoppingCriteriaList
 
-from ..policy import GoodputPolicy
+from ..policy.goodput import GoodputPolicy
 from ..stats import RoundRecord, SwiftSpecStats
-from ..suffix import OutputHistory
-from ..tree import Proposal
-from ..verify import NO_STOPS, Sampler, StopRule, Verified, split_criteria
+from ..drafters.suffix import OutputHistory
+from ..steps.tree import Proposal
+from ..steps.verify import NO_STOPS, Sampler, StopRule, Verified, split_criteria
 
 
 @dataclass
@@ -161,13 +161,14 @@ class BatchRows:
     keeps_scores: bool = True
     keeps_logits: bool = True
     stops: StopRule = NO_STOPS  # the request's stopping criteria, split once (reading EOS ids is a host sync)
+    on_tokens: Callable[[list[int]], None] | None = None  # the request's streamer of each row's new tokens
 
     @classmethod
     def start(cls, request: DecodeRequest) -> "BatchRows":
         result = DecodeResult(rows=[RowResult() for _ in range(request.batch_size)])
         return cls(
             result, request.max_new_tokens, request.pads_finished, list(range(request.batch_size)),
-            request.keeps_scores, request.keeps_logits, split_criteria(request.stopping_criteria),
+            request.keeps_scores, request.keeps_logits, split_criteria(request.stopping_criteria), request.on_tokens,
         )
 
     @property
@@ -206,6 +207,14 @@ class BatchRows:
         if not keep:
             self.result.end = end
         return keep
+
+    def fold_round(self, proposed, verified: list[Verified]) -> list[int]:
+        """The round's walks folded in, streamed (engine/rounds.py's RoundRows); the cache rows that keep decoding."""
+        return self.record(verified, self.on_tokens)
+
+    def record_round(self, proposed, verified: list[Verified]) -> None:
+        """The round's RoundRecord, for the call's stats."""
+        self.result.record_round(proposed.proposals, verified, proposed.expansions)
 
     def keep(self, order: list[int]) -> None:
         """Keep only the live rows `order` (cache row order[i] becomes row i), as the caches do."""

@@ -2,15 +2,18 @@
 
     rows = BatchRows.start(request)
     sides.start(request)
-    while rows.live:
+    while rows.live:                               one_round(sides, rows):
         proposed = sides.propose(rows)             1. the drafters' candidates, as the controller sizes them
         verified = sides.verify(proposed, rows)    2. one target forward, each row's walk, the target's commit
-        keep = rows.record(verified)                  (generate()'s rule: which rows are done)
+        keep = rows.fold_round(proposed, verified)    (generate()'s rule: which rows are done)
         sides.accept(proposed, verified, keep)     3. the drafters follow the verified tokens
         sides.observe(proposed, verified, round_s) 4. the controller learns the round's costs and yield
+        rows.record_round(proposed, verified)         (the round's record, for the stats)
         rows that finished leave both sides
 
-`RoundSides` is what the phases run on: the adaptive sides (engine/serial.py: the target's worker over
+`one_round` is the loop's body; the running batch of engine/continuous.py runs it too, over rows that join
+and leave between rounds (`RoundRows`: BatchRows, or the running batch's rows). `RoundSides` is what the
+phases run on: the adaptive sides (engine/adaptive.py: the target's worker over
 its tree cache, the drafters, the goodput policy). How each forward runs, eagerly or replayed from a
 captured graph, is the steps' business (step.py, capture.py), not the round's. The asynchronous engine
 runs the same workers on another schedule (the draft grows while the target verifies).
@@ -22,10 +25,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ..cache import keep_order
+from ..steps.cache import keep_order
 from ..stats import SwiftSpecStats
-from ..tree import Proposal
-from ..verify import Verified
+from ..steps.tree import Proposal
+from ..steps.verify import StopRule, Verified
 from .request import BatchRows, DecodeRequest, DecodeResult
 
 
@@ -45,6 +48,7 @@ class RoundSides(Protocol):
     """The phases of a round over one kind of models' state (see the module docstring)."""
 
     name: str  # the engine named in the stats
+    roots_known: bool  # whether the rows' roots came with the prefill: the next round is their first
 
     def start(self, request: DecodeRequest) -> None:
         """Prefill the target and start the drafters on the prompts."""
@@ -65,19 +69,46 @@ class RoundSides(Protocol):
     def stats(self, new_tokens: int, wall_s: float) -> SwiftSpecStats: ...
 
 
+class RoundRows(Protocol):
+    """The rows a round runs over: BatchRows (one generate() call's) or the running batch's
+    (engine/continuous.py). `live`: each cache row's row, in cache order."""
+
+    live: list[int]
+
+    def criteria(self) -> list[StopRule]:
+        """Per live row, the rule its walk stops at."""
+
+    def budgets(self) -> list[int]:
+        """Per live row, the most tokens it may still emit."""
+
+    def fold_round(self, proposed: Proposed, verified: list[Verified]) -> list[int]:
+        """Fold in the round's walks (one per live row, streamed): the cache rows that keep decoding, in order."""
+
+    def record_round(self, proposed: Proposed, verified: list[Verified]) -> None:
+        """Keep the round's RoundRecord for the stats."""
+
+
+def one_round(sides: RoundSides, rows: RoundRows) -> list[int]:
+    """One round over every live row (see the module docstring); returns the cache rows that keep decoding
+    (the others are done: the caller drops them from the rows and the sides)."""
+    first = sides.roots_known
+    proposed = sides.propose(rows)
+    verified = sides.verify(proposed, rows)
+    keep = rows.fold_round(proposed, verified)
+    sides.accept(proposed, verified, keep)
+    sides.observe(proposed, verified, time.perf_counter() - proposed.started, first=first)
+    rows.record_round(proposed, verified)
+    return keep
+
+
 def run_rounds(sides: RoundSides, request: DecodeRequest) -> DecodeResult:
     """The whole decode loop. Lossless: every emitted token is the target's own choice."""
     rows = BatchRows.start(request)
     start = time.perf_counter()
     sides.start(request)
     while rows.live:
-        proposed = sides.propose(rows)
-        verified = sides.verify(proposed, rows)
-        keep = rows.record(verified, request.on_tokens)
-        sides.accept(proposed, verified, keep)
-        sides.observe(proposed, verified, time.perf_counter() - proposed.started, first=not rows.result.rounds)
-        rows.result.record_round(proposed.proposals, verified, proposed.expansions)
-        if len(keep) < len(verified):
+        keep = one_round(sides, rows)
+        if len(keep) < len(rows.live):
             order = keep_order(keep)
             rows.keep(order)
             if order:

@@ -9,7 +9,7 @@ import logging
 
 from transformers import PreTrainedConfig
 
-from ..architectures import UnsupportedArchitecture, check_config
+from ..models.architectures import UnsupportedArchitecture, check_config
 from .errors import PairConfigError
 
 logger = logging.getLogger(__name__)

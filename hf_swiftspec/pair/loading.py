@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from ..placement import resolve_placement
+from ..engine.placement import resolve_placement
 from .locate import HubOptions, PairMember, not_safetensors
 from .repo import pair_settings, pop_pair_settings
 

@@ -218,7 +218,7 @@ def member_folder(member: PairMember, hub: HubOptions) -> Path:
 
 def member_head_config(member: PairMember, hub: HubOptions):
     """The member's Eagle3Config when it is an EAGLE-3 head (eagle3.py), else None."""
-    from ..eagle3 import Eagle3Config, eagle3_format
+    from ..drafters.eagle3 import Eagle3Config, eagle3_format
 
     if member.is_local:
         path = Path(member.location) / "config.json"

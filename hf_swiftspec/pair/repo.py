@@ -21,7 +21,7 @@ from pathlib import Path
 from transformers import GenerationConfig, PreTrainedConfig
 
 from ..config import SwiftSpecConfig
-from ..eagle3 import check_fits
+from ..drafters.eagle3 import check_fits
 from .cards import PairCard, default_card, render_card, validate_card
 from .checks import check_compatibility, check_token_mapping, vocab_size
 from .errors import PairConfigError

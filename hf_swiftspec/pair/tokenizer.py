@@ -18,7 +18,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, TokenizersBackend
 
-from ..compat import get_tokenizer_config
+from ..models.compat import get_tokenizer_config
 from .errors import PairConfigError, first_line
 from .locate import HubOptions
 

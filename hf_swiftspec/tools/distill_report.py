@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ..eagle3 import save_eagle3_head
+from ..drafters.eagle3 import save_eagle3_head
 from ..pair import PairCard
 from .distill_config import DistillConfig, EvalSettings
 

@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
-from ..eagle3 import FeatureTap
+from ..drafters.eagle3 import FeatureTap
 from .distill_data import DistillError, random_windows
 from .eagle3_training import ttt_levels
 

@@ -16,8 +16,8 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from ..compat import apply_rotary_pos_emb
-from ..eagle3 import Eagle3Config, Eagle3Head, FeatureTap, default_layer_ids
+from ..models.compat import apply_rotary_pos_emb
+from ..drafters.eagle3 import Eagle3Config, Eagle3Head, FeatureTap, default_layer_ids
 
 
 def new_head_for(target, hidden: int | None = None, intermediate: int | None = None, heads: int = 4,

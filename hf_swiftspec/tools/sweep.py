@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-from ..architectures import UnsupportedArchitecture
-from ..probes import describe
-from ..compat import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from ..models.architectures import UnsupportedArchitecture
+from ..steps.probes import describe
+from ..models.compat import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from .models import left_padded, random_prompts
 
 # Set on every config that has the field; the first line is what the sweep means by "tiny".

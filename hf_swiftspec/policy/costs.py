@@ -9,7 +9,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from .config import MAX_BUDGET
+from ..config import MAX_BUDGET
 
 
 @dataclass

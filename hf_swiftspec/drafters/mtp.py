@@ -4,7 +4,7 @@ Models such as DeepSeek-V3 and GLM-4.5 ship MTP layers, which transformers build
 (`generate(use_mtp=True)` drafts a chain with them). MTP layer 0 reads the main model's final hidden
 state at a token (after its norm) beside the next token's embedding (enorm / hnorm / eh_proj), runs the
 model's own decoder layer and a post norm, and scores the token after through the main model's head: the
-shape of an EAGLE-3 head (eagle3.py), so the same drafter grows a tree with it (engine/heads.py), layer 0
+shape of an EAGLE-3 head (eagle3.py), so the same drafter grows a tree with it (drafters/heads.py), layer 0
 at every depth, feeding its own output below the root (as vLLM reuses it for several tokens).
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .compat import MtpModel, cache_argument
+from ..models.compat import MtpModel, cache_argument
 from .eagle3 import DraftHead, HeadOutput
 
 

@@ -16,6 +16,8 @@ policy calibrates each node by match length, frequency and depth.
 The tables are plain dicts from n-gram tuples to occurrences, filled as tokens arrive (max_n
 entries per token): looking a suffix up costs max_n dict reads, building the trie one step per
 copied token.
+
+`SuffixDrafter` is the drafter (drafting.py) that proposes them, one index per row.
 """
 
 from __future__ import annotations
@@ -23,38 +25,13 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+from ..policy.goodput import GoodputPolicy
+from ..steps.tree import Proposal, Subtree, SuffixTree, merge_suffix
+from ..steps.verify import Verified
+
 MAX_OCCURRENCES = 16  # most recent occurrences merged into one proposal
 SCAN_OCCURRENCES = 64  # most recent occurrences of the looked-up n-gram whose match is measured further back
 MAX_MATCH = 32  # how far back a match is measured
-
-
-@dataclass
-class SuffixTree:
-    """A proposal hanging under the tree's root (N nodes, parents before children; root not included).
-
-    tokens:      token of each node
-    parents:     index of each node's parent in these lists, -1 for a child of the root
-    counts:      how many of the merged occurrences continue with the path to the node
-    occurrences: how many occurrences were merged (the root's count)
-    match:       how many tokens the matched suffix spans (0: nothing matched, no nodes)
-    """
-
-    tokens: list[int] = field(default_factory=list)
-    parents: list[int] = field(default_factory=list)
-    counts: list[int] = field(default_factory=list)
-    occurrences: int = 0
-    match: int = 0
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def parent_count(self, i: int) -> int:
-        p = self.parents[i]
-        return self.occurrences if p < 0 else self.counts[p]
-
-    def frequency(self, i: int) -> float:
-        """Share of the occurrences that continue with the path to node i."""
-        return self.counts[i] / self.occurrences
 
 
 def chain(tokens: list[int], match: int) -> SuffixTree:
@@ -320,3 +297,45 @@ def continuation(tokens: list[int], start: int, length: int) -> list[int]:
     for i in range(start, start + length):
         out.append(tokens[i] if i < len(tokens) else out[i - len(tokens)])
     return out
+
+
+class SuffixDrafter:
+    """Suffix proposals for every row: the continuations of its context's longest repeated suffix, in its
+    prompt, its output so far, a corpus and earlier calls' outputs. It does not grow within a round: asked
+    once a round (its index remembers the last proposal, see SuffixIndex.propose).
+
+    max_n: longest suffix matched; branching: False keeps proposals to chains (the models' steps must be).
+    """
+
+    grows = False
+
+    def __init__(self, max_n: int, batch_size: int = 1, branching: bool = True, corpus: list[list[int]] | None = None,
+                 history: OutputHistory | None = None):
+        self.max_n, self.branching, self.corpus, self.history = max_n, branching, corpus or [], history
+        self.indices = [SuffixIndex(max_n=max_n, branching=branching) for _ in range(batch_size)]
+
+    def start(self, prompts: list[list[int]], features=None) -> None:
+        for b, ids in enumerate(prompts):
+            self.indices[b] = SuffixIndex(max_n=self.max_n, history=self.history, branching=self.branching)
+            self.indices[b].add_corpus(self.corpus)
+            self.indices[b].extend(ids)
+
+    def propose(self, b: int, max_nodes: int, max_depth: int | None, policy: GoodputPolicy) -> Proposal:
+        """Row b's suffix proposal under its root (the last token of its sequence), at most `max_nodes` nodes no
+        deeper than `max_depth` (None: any depth), each node with its calibrated P(accepted) and bucket."""
+        index = self.indices[b]
+        tree = index.propose(max_nodes, max_depth)
+        probs, buckets = policy.suffix_probs(tree)
+        root = Subtree([0], [index.tokens[-1]], [-1])
+        return merge_suffix(root, [0.0], [1.0], tree.tokens, tree.parents, probs, buckets, tree.match)
+
+    def accept(self, subtrees: list[Subtree | None], verified: list[Verified | None]) -> None:
+        for index, outcome in zip(self.indices, verified):
+            if outcome is not None:
+                index.extend(outcome.tokens)
+
+    def absorb(self, other: "SuffixDrafter") -> None:
+        self.indices += other.indices
+
+    def keep_rows(self, rows: list[int]) -> None:
+        self.indices = [self.indices[b] for b in rows]

@@ -20,8 +20,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from .compat import apply_tensor_parallelism, tensor_parallel_plan
-from .engine.distributed import Groups
+from ..models.compat import apply_tensor_parallelism, tensor_parallel_plan
+from .distributed import Groups
 
 
 @dataclass(frozen=True)

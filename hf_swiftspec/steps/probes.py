@@ -14,7 +14,7 @@ import weakref
 
 import torch
 
-from .architectures import (
+from ..models.architectures import (
     Architecture,
     UnsupportedArchitecture,
     bidirectional_refusal,
@@ -25,7 +25,7 @@ from .architectures import (
 )
 from .attention import own_implementation
 from .cache import TreeCache
-from .compat import attn_implementation, prepare_inputs
+from ..models.compat import attn_implementation, prepare_inputs
 from .recurrent import new_cache, state_continuation_gap
 from .step import NO_LOGITS, RowQueries, model_step, run_step
 

@@ -34,8 +34,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaConfig
 
-from .architectures import FULL, Architecture
-from .compat import ACT2FN, LlamaRotaryEmbedding, apply_rotary_pos_emb
+from ..models.architectures import FULL, Architecture
+from ..models.compat import ACT2FN, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 logger = logging.getLogger(__name__)
 
@@ -223,7 +223,7 @@ class HeadOutput:
 
 
 class DraftHead(nn.Module):
-    """A draft that reads the target's hidden states (engine/heads.py drafts with it): an EAGLE-3 head, or a
+    """A draft that reads the target's hidden states (drafters/heads.py drafts with it): an EAGLE-3 head, or a
     model's own MTP layer (mtp.py).
 
         hidden_size          width of its hidden inputs and outputs; device, dtype: those of its weights

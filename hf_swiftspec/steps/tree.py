@@ -239,6 +239,36 @@ def best_node_ids(tree: TokenTree, budget: int, root: int = 0) -> tuple[torch.Te
 
 
 @dataclass
+class SuffixTree:
+    """A suffix proposal (drafters/suffix.py) hanging under the tree's root (N nodes, parents before children;
+    root not included).
+
+    tokens:      token of each node
+    parents:     index of each node's parent in these lists, -1 for a child of the root
+    counts:      how many of the merged occurrences continue with the path to the node
+    occurrences: how many occurrences were merged (the root's count)
+    match:       how many tokens the matched suffix spans (0: nothing matched, no nodes)
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    occurrences: int = 0
+    match: int = 0
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def parent_count(self, i: int) -> int:
+        p = self.parents[i]
+        return self.occurrences if p < 0 else self.counts[p]
+
+    def frequency(self, i: int) -> float:
+        """Share of the occurrences that continue with the path to node i."""
+        return self.counts[i] / self.occurrences
+
+
+@dataclass
 class Proposal:
     """A subtree for the target with what the policy knew of each node (T nodes, root first).
 

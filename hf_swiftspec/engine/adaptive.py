@@ -13,11 +13,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..drafting import Drafters
-from ..policy import GoodputPolicy
+from ..drafters.drafting import Drafters
+from ..policy.goodput import GoodputPolicy
 from ..stats import SwiftSpecStats
-from ..tree import Proposal
-from ..verify import Verified
+from ..steps.tree import Proposal
+from ..steps.verify import Verified
 from .request import BatchRows, DecodeRequest, DecodeResult
 from .rounds import Proposed, run_rounds
 from .workers import TargetWorker
@@ -105,6 +105,11 @@ class AdaptiveSides:
         )
         self.policy.observe_outcomes(list(zip(proposed.rows, proposed.proposals, verified)))
 
+    @property
+    def roots_known(self) -> bool:
+        """Whether the rows' roots came with the prefill (joined rows' too): the next round is their first."""
+        return self.target.roots_known
+
     def setup_s(self) -> float:
         return setup_s(self.target, self.draft)
 
@@ -125,7 +130,7 @@ class AdaptiveSides:
 def setup_s(target: TargetWorker | None, draft: Drafters | None) -> float:
     """Seconds the workers' replayed steps spent capturing (or first compiling) buckets so far (capture.py); a
     worker this rank does not hold is None."""
-    runners = (getattr(w, "graphs", None) for w in (target, draft and draft.model) if w is not None)
+    runners = (getattr(w, "runner", None) for w in (target, draft and draft.model) if w is not None)
     return sum(g.setup_s for g in runners if g is not None)
 
 
@@ -134,8 +139,8 @@ def expand_and_choose(draft: Drafters, policy, rows: list[int], probing: bool, p
     suffix proposal), draft expansions while more are expected to raise tokens per second, then each
     row's best nodes for the tree size the policy picks; into `proposed` (with the draft's timings)."""
     round_start = proposed.started
-    suffixes = draft.suffix_trees(policy.max_budget, policy.wants_suffix(rows))
-    candidates = draft.candidates(policy, suffixes)
+    offers = draft.offers(policy, policy.wants_suffix(rows))
+    candidates = draft.candidates(policy, offers)
     while policy.keep_expanding(
         proposed.expansions, time.perf_counter() - round_start, ranked_probs(candidates), probing,
         draft.catch_up_tokens,
@@ -149,12 +154,12 @@ def expand_and_choose(draft: Drafters, policy, rows: list[int], probing: bool, p
         if not draft.expand(within=policy.max_budget):
             break
         proposed.expanding_s += time.perf_counter() - before
-        grown = draft.candidates(policy, suffixes)
+        grown = draft.candidates(policy, offers)
         policy.observe_gain(proposed.expansions, ranked_probs(candidates), ranked_probs(grown), before - round_start)
         candidates, proposed.expansions = grown, proposed.expansions + 1
     if policy.fixed:  # both tree settings given: every subtree has tree_budget nodes
         proposed.expansions += draft.top_up(policy.max_budget)
-        candidates = draft.candidates(policy, suffixes)
+        candidates = draft.candidates(policy, offers)
     proposed.proposals = draft.proposals(policy, candidates, time.perf_counter() - round_start)
 
 

@@ -41,8 +41,8 @@ import torch
 from swiftspec_kernels import pack_tree_mask, tree_attention, tree_attention_reference, triton_available
 from transformers import AttentionInterface, AttentionMaskInterface
 
-from .architectures import FULL, Architecture, LayerMask
-from .compat import attn_implementation, can_set_attn_implementation, eager_mask, sdpa_attention_forward, sdpa_mask
+from ..models.architectures import FULL, Architecture, LayerMask
+from ..models.compat import attn_implementation, can_set_attn_implementation, eager_mask, sdpa_attention_forward, sdpa_mask
 
 ATTENTION_CHOICES = ("auto", "kernel", "model")
 KERNEL_BACKENDS = ("triton", "torch-reference")

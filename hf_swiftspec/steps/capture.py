@@ -13,15 +13,15 @@ in one launch. A graph replays fixed addresses and fixed shapes, so a replayed s
   owns, copied in before each replay, and its KV from buffers taken from the runner's `BufferPool`,
   whose addresses outlive one generate() call (graphs captured in one call serve the next).
 
-The round itself does not change: `run_step` hands a step to `StepGraphs.run`, which replays it when
-it can and says why not when it cannot (`StepGraphs.fallbacks`, shown in `swiftspec_stats.attention`);
+The round itself does not change: `run_step` hands a step to `StepRunner.run`, which replays it when
+it can and says why not when it cannot (`StepRunner.fallbacks`, shown in `swiftspec_stats.attention`);
 such a step runs eagerly as before. A model whose forward cannot be captured (recurrent states, a
 mask built by the model from cache lengths) never gets a runner. A target tapped by a draft head (an
 EAGLE-3 head's or an MTP layer's hooks) replays too: its hooks run at capture only, so the captured
 step takes the tap's states as a second output, and each replay hands the tap a copy. A draft head's
 own steps replay the same way, its hidden output (what the tree's next depth reads) the second output.
 
-Backends (`StepGraphs.backend`):
+Backends (`StepRunner.backend`):
   "cuda"     torch.cuda.CUDAGraph, one per bucket, captured the first time the bucket runs (after one
              eager warm-up run on a side stream), sharing one memory pool per model.
   "compiled" no graph (a CPU has none): each fixed step runs with its decoder layers compiled.
@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import BufferPool, TreeCache
-from .compat import forward_cache_argument
+from ..models.compat import forward_cache_argument
 
 MAX_QUERIES = 64  # queries per row replayed at most; a larger step (a long catch-up) runs eagerly
 CAPTURE_CHOICES = ("auto", True, False)
@@ -71,7 +71,7 @@ WHOLE_CONTEXT = 1024  # a model whose whole context (plus the tree's room) fits 
 
 
 def largest_capacity(needed: int, whole: int | None = None) -> int:
-    """The most positions StepGraphs.capacity_for can give a cache that needs `needed` (`whole`: as there)."""
+    """The most positions StepRunner.capacity_for can give a cache that needs `needed` (`whole`: as there)."""
     shared = whole if whole is not None and needed <= whole <= WHOLE_CONTEXT else needed
     return max(REUSE * needed, capacity_bucket(shared))
 
@@ -118,7 +118,7 @@ class Bucket:
 
 
 @dataclass
-class StepGraphs:
+class StepRunner:
     """One model's captured forwards, by bucket, and the buffers its TreeCache packs into.
 
     backend: "cuda", "compiled" or "emulate" (module docstring).
@@ -127,7 +127,7 @@ class StepGraphs:
         buffers (another capacity, fewer rows) gets graphs of its own.
     fallbacks: why steps ran eagerly instead (a bucket whose capture failed, a step past MAX_QUERIES).
     setup_s: seconds spent on steps that captured (or, "compiled", first compiled) their bucket: not what a step
-        costs, so the goodput policy learns nothing from a round that paid some (engine/serial.py).
+        costs, so the goodput policy learns nothing from a round that paid some (engine/adaptive.py).
     """
 
     backend: str
@@ -217,8 +217,8 @@ class StepGraphs:
 
     def capture(self, key, model, cache, tensors: dict, build, keep, tap=None, hidden: bool = False) -> Bucket | None:
         """A new bucket for this step, run once; None (and the reason kept) when its capture fails."""
-        bucket = Bucket({name: t.clone() for name, t in tensors.items()}, cache._index.clone())
-        cache._index = bucket.index  # the forward reads the static index from now on
+        bucket = Bucket({name: t.clone() for name, t in tensors.items()}, cache.step_slots().clone())
+        cache.write_through(bucket.index)  # the forward reads the static index from now on
         kwargs = build(bucket.inputs)
 
         def step(live: TreeCache = cache, live_tap=tap):  # a graph reads the buffers' addresses, whichever cache holds them
@@ -230,7 +230,7 @@ class StepGraphs:
                 bucket.graph, (bucket.logits, bucket.extra) = self.capture_cuda(step)
             else:
                 bucket.logits, bucket.extra = step()
-                bucket.graph, bucket.snapshot = step, host_state(cache)
+                bucket.graph, bucket.snapshot = step, cache.host_state()
         except Exception as error:  # noqa: BLE001  (any failure: this bucket runs eagerly, and says why)
             self.refused[key] = f"capture failed ({type(error).__name__}: {str(error).splitlines()[0][:120]})"
             if self.backend == "cuda":
@@ -263,15 +263,15 @@ class StepGraphs:
         if self.backend == "cuda":
             bucket.graph.replay()
             return
-        live = host_state(cache)  # "emulate": the forward sees the host values of its capture, as a graph would
-        set_host_state(cache, bucket.snapshot)
+        live = cache.host_state()  # "emulate": the forward sees the host values of its capture, as a graph would
+        cache.set_host_state(bucket.snapshot)
         try:
             logits, extra = bucket.graph(cache, tap)  # (a tap's hooks run, but the step takes their states itself)
             bucket.logits.copy_(logits)
             if extra is not None:
                 bucket.extra.copy_(extra)
         finally:
-            set_host_state(cache, live)
+            cache.set_host_state(live)
 
 
 def forward(model, cache: TreeCache, kwargs: dict, keep, hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -314,20 +314,8 @@ def load(bucket: Bucket, cache: TreeCache, tensors: dict) -> None:
     """Copy a step's live inputs (and the cache's write slots) into its bucket's static tensors."""
     for name, tensor in tensors.items():
         bucket.inputs[name].copy_(tensor)
-    bucket.index.copy_(cache._index)
-    cache._index = bucket.index
-
-
-HOST_STATE = ("starts", "prefix_lens", "lengths", "_counts")
-
-
-def host_state(cache: TreeCache) -> tuple:
-    return tuple(list(getattr(cache, name)) for name in HOST_STATE)
-
-
-def set_host_state(cache: TreeCache, state: tuple) -> None:
-    for name, value in zip(HOST_STATE, state):
-        setattr(cache, name, list(value))
+    bucket.index.copy_(cache.step_slots())
+    cache.write_through(bucket.index)
 
 
 @dataclass
@@ -335,7 +323,7 @@ class Captures:
     """The runners of a pair's models (by role), kept with the pair so graphs captured by one generate()
     call serve the next. One call uses them at a time: a concurrent call runs eagerly."""
 
-    graphs: dict[str, StepGraphs] = field(default_factory=dict)
+    runners: dict[str, StepRunner] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @contextlib.contextmanager
@@ -349,14 +337,14 @@ class Captures:
         finally:
             self.lock.release()
 
-    def for_model(self, role: str, backend: str | None, compile_layers: bool = False) -> StepGraphs | None:
+    def for_model(self, role: str, backend: str | None, compile_layers: bool = False) -> StepRunner | None:
         if backend is None:
             return None
-        kept = self.graphs.get(role)
+        kept = self.runners.get(role)
         if kept is None or (kept.backend, kept.compile_layers) != (backend, compile_layers):
-            kept = self.graphs[role] = StepGraphs(backend, compile_layers)
+            kept = self.runners[role] = StepRunner(backend, compile_layers)
         return kept
 
     def clear(self) -> None:
         """Drop every graph and buffer (e.g. after moving the models)."""
-        self.graphs.clear()
+        self.runners.clear()

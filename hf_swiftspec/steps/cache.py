@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from .compat import Cache, CacheLayerMixin
+from ..models.compat import Cache, CacheLayerMixin
 
 KV_DIM = 2  # positions in (B, H, L, D) keys and values
 INDEXER_DIM = 1  # positions in (B, L, D) indexer keys
@@ -243,6 +243,32 @@ class TreeCache(Cache):
         if self._fixed or (len(set(self.lengths)) > 1 and self.buffers):
             slots = [[n + j if j < c else self.scratch for j in range(queries)] for n, c in zip(self.lengths, counts)]
             self._index = torch.tensor(slots, device=device)
+
+    # ---- what a replayed step (capture.py) reads and sets
+    def step_slots(self) -> torch.Tensor | None:
+        """The (B, Q) slot each query of the planned step writes (None: every row writes at one length, one
+        copy)."""
+        return self._index
+
+    def write_through(self, slots: torch.Tensor) -> None:
+        """The planned step writes through `slots` instead: a replayed step's static copy of step_slots(),
+        whose address its graph holds."""
+        if self._index is None or slots.shape != self._index.shape:
+            raise RuntimeError(f"a replayed step's slots {tuple(slots.shape)} do not fit the planned step's "
+                               f"{None if self._index is None else tuple(self._index.shape)}: plan_step(fixed=True) first")
+        self._index = slots
+
+    def host_state(self) -> tuple[list[int], list[int], list[int], list[int] | None]:
+        """The host-side bookkeeping a forward reads (row starts, prefix lengths, lengths, the planned step's
+        real queries per row): what an emulated replay saves at capture and puts back around a replay."""
+        counts = list(self._counts) if self._counts is not None else None
+        return list(self.starts), list(self.prefix_lens), list(self.lengths), counts
+
+    def set_host_state(self, state: tuple[list[int], list[int], list[int], list[int] | None]) -> None:
+        """Put back what host_state() returned."""
+        starts, prefix_lens, lengths, counts = state
+        self.starts, self.prefix_lens, self.lengths = list(starts), list(prefix_lens), list(lengths)
+        self._counts = list(counts) if counts is not None else None
 
     def step_end(self, queries: int) -> int:
         """The KV length the forward in flight attends: up to the furthest row's last new slot (every

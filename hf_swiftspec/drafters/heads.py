@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import torch
 
-from ..capture import StepGraphs
-from ..eagle3 import DraftHead
-from ..step import RowQueries, run_head_step
-from ..tree import Subtree, reset_tree, top_children
-from ..verify import Verified
-from .workers import DraftModelDrafter
+from ..steps.capture import StepRunner
+from .eagle3 import DraftHead
+from ..steps.step import RowQueries, run_head_step
+from ..steps.tree import Subtree, reset_tree, top_children
+from ..steps.verify import Verified
+from .draft_model import DraftModelDrafter
 
 CHAIN_WITH_ROOT = 16  # pending tokens that run along with the root's expansion rather than as a catch-up
 
@@ -37,9 +37,9 @@ class HeadDrafter(DraftModelDrafter):
     reads_features = True
 
     def __init__(self, model: DraftHead, capacity: int, tree_capacity: int, width: int, vocab_limit: int,
-                 max_positions: int | None = None, batch_size: int = 1, graphs: StepGraphs | None = None):
+                 max_positions: int | None = None, batch_size: int = 1, runner: StepRunner | None = None):
         super().__init__(model, capacity, tree_capacity, width, vocab_limit, "sdpa", model.architecture, max_positions,
-                         batch_size, graphs)
+                         batch_size, runner)
         H = model.hidden_size
         self.pending_inputs: list[list[torch.Tensor]] = [[] for _ in range(batch_size)]
         self.root_input = [torch.zeros(1, H, dtype=model.dtype, device=self.device) for _ in range(batch_size)]
@@ -81,7 +81,7 @@ class HeadDrafter(DraftModelDrafter):
     # ---- forwards ------------------------------------------------------------------------------
     def run(self, queries: list[RowQueries], logits: bool = True) -> list[torch.Tensor]:
         with torch.no_grad():
-            out, self.last_hidden = run_head_step(self.model, self.cache, queries, self.architecture, logits, self.graphs)
+            out, self.last_hidden = run_head_step(self.model, self.cache, queries, self.architecture, logits, self.runner)
         return out
 
     def chain_queries(self, b: int) -> RowQueries:

@@ -30,7 +30,7 @@ transformers' own `LinearAttentionLayer` at the stateful layers (with a tree-cac
 state for hybrid layers), so modeling code finds the state API it calls (`get_recurrent_state`,
 `update_conv_state`, ...). One sequence only: a snapshot holds the whole batch's states, and rows
 accept different numbers of tokens, so a batch (B > 1) of such a model decodes with transformers'
-own loop instead (generation.batch_exactness_gaps).
+own loop instead (engine/launch.batch_exactness_gaps).
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from .architectures import Architecture, first_line
+from ..models.architectures import Architecture, first_line
 from .cache import TreeCache, TreeCacheLayer
-from .compat import DynamicCache, LinearAttentionCacheLayerMixin, LinearAttentionLayer, forward_cache_argument
+from ..models.compat import DynamicCache, LinearAttentionCacheLayerMixin, LinearAttentionLayer, forward_cache_argument
 
 # Cache layer types whose layers keep a state, and whether they also keep keys and values.
 STATE_LAYER_TYPES = {"linear_attention": False, "conv": False, "hybrid": True, "hybrid_sliding": True}
@@ -117,7 +117,7 @@ class StateLog:
         if self.layers and cache.batch_size > 1:
             raise RuntimeError(
                 f"recurrent states roll back per sequence, but this cache holds {cache.batch_size} rows: a batch of a "
-                "recurrent model decodes with transformers' own loop (generation.batch_exactness_gaps)"
+                "recurrent model decodes with transformers' own loop (launch.batch_exactness_gaps)"
             )
         self.snapshots: list[Snapshot] = []  # increasing positions
         self.spares: list[list[torch.Tensor | None]] = []

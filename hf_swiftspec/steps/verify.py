@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
-from .compat import EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria, StopStringCriteria, logits_process
+from ..models.compat import EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria, StopStringCriteria, logits_process
 from .tree import Subtree
 
 MASK64 = (1 << 64) - 1

@@ -42,12 +42,11 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from .config import MAX_BUDGET
+from ..config import MAX_BUDGET
 from .costs import CostModel
 from .choice import EngineChoice
-from .suffix import SuffixTree
-from .tree import Proposal
-from .verify import Verified
+from ..steps.tree import Proposal, SuffixTree
+from ..steps.verify import Verified
 
 BUCKET = 0.5  # width of a draft-score bucket (nats of cumulative log-prob)
 BUCKETS = 24  # scores below -BUCKET * BUCKETS share the last bucket

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from .architectures import Architecture
+from ..models.architectures import Architecture
 from .attention import StepLayout, fixed_step_inputs, tree_step_kwargs
 from .cache import TreeCache
-from .capture import MAX_QUERIES, StepGraphs, query_bucket
-from .compat import forward_cache_argument
+from .capture import MAX_QUERIES, StepRunner, query_bucket
+from ..models.compat import forward_cache_argument
 
 NO_LOGITS = -1  # model_step's keep for a forward run for its KV alone (Architecture.headless)
 
@@ -68,7 +68,7 @@ def run_step(
     architecture: Architecture,
     fallbacks: set[str] | None = None,
     logits: bool = True,
-    graphs: StepGraphs | None = None,
+    runner: StepRunner | None = None,
     tap=None,
 ) -> list[torch.Tensor]:
     """One forward over every row's queries; returns each row's float32 logits (n_b, V), or nothing
@@ -76,14 +76,14 @@ def run_step(
     prompt: 16 prompts of 256 tokens with a 49k-row head would be 0.8 GB of logits thrown away).
 
     fallbacks: collects why kernel-routed layers ran the model's own attention instead.
-    graphs: the model's captured forwards (capture.py): the step is padded to its bucket and replayed,
+    runner: the model's replayed forwards (capture.py): the step is padded to its bucket and replayed,
         unless it is larger than any bucket (then it runs eagerly, as without).
-    tap: the target's hidden-state tap for a draft head, which a replayed step hands its states (StepGraphs.run).
+    tap: the target's hidden-state tap for a draft head, which a replayed step hands its states (StepRunner.run).
     """
     keep = 0 if logits else NO_LOGITS if architecture.headless else 1
-    bucket = replay_bucket(graphs, cache, rows)
+    bucket = replay_bucket(runner, cache, rows)
     if bucket is not None:
-        return replayed_step(model, cache, rows, attention, architecture, fallbacks, keep, graphs, bucket, tap)
+        return replayed_step(model, cache, rows, attention, architecture, fallbacks, keep, runner, bucket, tap)
     counts, input_ids, positions, layout, kwargs = step_arguments(model, cache, rows, attention, architecture)
     out = model_step(model, cache, input_ids, positions, keep=keep, **kwargs)  # (B, Q, V)
     if fallbacks is not None:
@@ -94,21 +94,21 @@ def run_step(
     return [out[b, : counts[b]] for b in range(len(rows))] if logits else []
 
 
-def replay_bucket(graphs: StepGraphs | None, cache: TreeCache, rows: list[RowQueries]) -> int | None:
-    """The queries a row of this step is padded to for a replay, or None: no graphs (or a cache without
-    buffers), or more queries than any bucket holds (the step then runs eagerly, and `graphs` says so)."""
-    if graphs is None or not cache.buffers:
+def replay_bucket(runner: StepRunner | None, cache: TreeCache, rows: list[RowQueries]) -> int | None:
+    """The queries a row of this step is padded to for a replay, or None: no runner (or a cache without
+    buffers), or more queries than any bucket holds (the step then runs eagerly, and `runner` says so)."""
+    if runner is None or not cache.buffers:
         return None
     bucket = query_bucket(max(max(len(r) for r in rows), 1))
     if bucket is None:
-        graphs.fallbacks.add(f"steps of more than {MAX_QUERIES} queries a row ran eagerly")
+        runner.fallbacks.add(f"steps of more than {MAX_QUERIES} queries a row ran eagerly")
     return bucket
 
 
 def replayed_step(model, cache: TreeCache, rows: list[RowQueries], attention: str, architecture: Architecture,
-                  fallbacks: set[str] | None, keep: int, graphs: StepGraphs, bucket: int, tap=None,
+                  fallbacks: set[str] | None, keep: int, runner: StepRunner, bucket: int, tap=None,
                   head: bool = False) -> list[torch.Tensor] | tuple[torch.Tensor, list[torch.Tensor]]:
-    """run_step as a fixed step of `bucket` queries a row, handed to `graphs` to replay: every layer sees the
+    """run_step as a fixed step of `bucket` queries a row, handed to `runner` to replay: every layer sees the
     whole cache (the kernel through per-row device lengths, sdpa through a dense mask). head: a draft head's
     step (run_head_step): its hidden inputs go in as well, and it returns (logits (B, Q, V), per row hidden)."""
     counts, input_ids, positions, layout = step_layout(model, cache, rows, bucket)
@@ -122,7 +122,7 @@ def replayed_step(model, cache: TreeCache, rows: list[RowQueries], attention: st
         extra = {"hidden_inputs": t["hidden_inputs"]} if head else {}
         return {"input_ids": t["input_ids"], "position_ids": t["position_ids"], **extra, **build(t)}
 
-    out, hidden = graphs.run(model, cache, tensors, forward_kwargs, head_rows(keep, input_ids.device), tap, hidden=head)
+    out, hidden = runner.run(model, cache, tensors, forward_kwargs, head_rows(keep, input_ids.device), tap, hidden=head)
     cache.advance(bucket)
     if head:
         return out, [hidden[b, : counts[b]] for b in range(len(rows))]
@@ -130,14 +130,14 @@ def replayed_step(model, cache: TreeCache, rows: list[RowQueries], attention: st
 
 
 def run_head_step(model, cache: TreeCache, rows: list[RowQueries], architecture: Architecture,
-                  logits: bool = True, graphs: StepGraphs | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                  logits: bool = True, runner: StepRunner | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """run_step for a draft head that reads hidden inputs beside the tokens (`RowQueries.inputs`) and
     gives its hidden outputs back: per row (float32 logits (n_b, V) or nothing, hidden (n_b, H)).
-    graphs: the head's captured forwards (as run_step's), or None."""
+    runner: the head's replayed forwards (as run_step's), or None."""
     counts = [len(r) for r in rows]
-    bucket = replay_bucket(graphs, cache, rows)
+    bucket = replay_bucket(runner, cache, rows)
     if bucket is not None:  # every query's logits: a padded step's last query is not a row's last
-        out_logits, hidden = replayed_step(model, cache, rows, "sdpa", architecture, None, 0, graphs, bucket, head=True)
+        out_logits, hidden = replayed_step(model, cache, rows, "sdpa", architecture, None, 0, runner, bucket, head=True)
     else:
         counts, input_ids, positions, _, kwargs = step_arguments(model, cache, rows, "sdpa", architecture)
         out = model(input_ids=input_ids, position_ids=positions, past_key_values=cache, logits_to_keep=0 if logits else 1,
