@@ -1,0 +1,114 @@
+"""The draft's growth of a round on the device (drafters/device_growth.py) against independent causal
+forwards of the draft along every branch, with no host read, and with live values that change between
+calls of one shape (a value baked in at the first call would grow the wrong tree)."""
+
+import pytest
+import torch
+
+from hf_swiftspec.drafters.device_growth import SlotCache, catch_up, grow
+from hf_swiftspec.steps.device_round import select_device
+from hf_swiftspec.steps.tree import subtree_mask
+from hf_swiftspec.tools.models import tiny_model
+from sync_counter import SyncCounter
+
+CAPACITY = 48
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return tiny_model("llama", seed=3)
+
+
+def reference_growth(model, prompt: list[int], root: int, depth: int, width: int, vocab_limit: int):
+    """(tokens, parents, scores) of the tree grown from fresh causal forwards: each node's score is the sum
+    of the draft's log-probs along its path; each depth keeps the top `width` children of the frontier."""
+    tokens, parents, scores, paths = [root], [-1], [0.0], [[]]
+    frontier = [0]
+    for _ in range(depth):
+        candidates = []
+        for node in frontier:
+            sequence = torch.tensor([prompt + [root] + paths[node]])
+            with torch.no_grad():
+                logits = model(input_ids=sequence).logits[0, -1, :vocab_limit].float()
+            candidates.append(scores[node] + torch.log_softmax(logits, dim=-1))
+        best, flat = torch.stack(candidates).reshape(-1).topk(width)
+        kept = []
+        for score, index in zip(best.tolist(), flat.tolist()):
+            parent, token = frontier[index // vocab_limit], index % vocab_limit
+            kept.append(len(tokens))
+            tokens.append(token)
+            parents.append(parent)
+            scores.append(score)
+            paths.append(paths[parent] + [token])
+        frontier = kept
+    return tokens, parents, scores
+
+
+def prefilled(model, prompts: list[list[int]]) -> SlotCache:
+    """A SlotCache holding each row's prompt, padded to one width."""
+    width = max(len(p) for p in prompts)
+    tokens = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
+    cache = SlotCache(model.config.num_hidden_layers, CAPACITY)
+    with torch.no_grad():
+        catch_up(model, cache, tokens, torch.tensor([len(p) for p in prompts]))
+    return cache
+
+
+def check_growth(model, growth, prompts, roots, depth, width, vocab_limit):
+    for b, (prompt, root) in enumerate(zip(prompts, roots)):
+        tokens, parents, scores = reference_growth(model, prompt, root, depth, width, vocab_limit)
+        assert growth.tree.tokens[b].tolist() == tokens, b
+        assert growth.tree.parents[b].tolist() == parents, b
+        torch.testing.assert_close(growth.tree.scores[b], torch.tensor(scores), atol=1e-4, rtol=1e-4)
+        mask, depths = subtree_mask(parents, "cpu")
+        assert torch.equal(growth.tree.ancestors[b], mask) and torch.equal(growth.tree.depths[b], depths)
+
+
+@pytest.mark.parametrize("depth,width,vocab_limit", [(3, 2, 98), (2, 3, 60), (1, 4, 98)])
+def test_growth_equals_fresh_causal_forwards(draft, depth, width, vocab_limit):
+    """Every row's grown tree (tokens, parents, depths, ancestor bits, scores) equals the one grown from fresh
+    causal forwards of the draft along each branch, rows of different prefix lengths in one batch."""
+    torch.manual_seed(depth)
+    prompts = [torch.randint(3, 98, (n,)).tolist() for n in (5, 9, 2)]
+    roots = [11, 40, 7]
+    cache = prefilled(draft, prompts)
+    with torch.no_grad():
+        growth = grow(draft, cache, torch.tensor([len(p) for p in prompts]), torch.tensor(roots), depth, width, vocab_limit)
+    check_growth(draft, growth, prompts, roots, depth, width, vocab_limit)
+
+
+def test_growth_reads_nothing_and_replays_with_new_values(draft):
+    """grow makes no host read (SyncCounter counts 0 around it, and around the subtree selection after it), and
+    it traces as one graph: torch.compile(fullgraph=True) refuses any host read or value-dependent branch, and
+    guards on shapes only, so the second call of one shape with other live values (prefix lengths, prompts,
+    roots, in the same cache) replays the first call's graph, and must still grow the second call's trees
+    (a value baked in at the first call would grow the wrong ones)."""
+    depth, width = 3, 2
+    graphs = []
+
+    def counting(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    replayed = torch.compile(grow, fullgraph=True, backend=counting, dynamic=False)
+    cache = SlotCache(draft.config.num_hidden_layers, CAPACITY)
+    calls = [([[5, 6, 7, 8], [9, 10]], [12, 13]), ([[20, 21], [22, 23, 24, 25, 26, 27]], [30, 31])]
+    trees = []
+    for prompts, roots in calls:
+        width_ = max(len(p) for p in prompts)
+        tokens = torch.tensor([p + [0] * (width_ - len(p)) for p in prompts])
+        prefix_lens, root_tokens = torch.tensor([len(p) for p in prompts]), torch.tensor(roots)
+        with torch.no_grad():
+            catch_up(draft, cache, tokens[:, :6] if width_ > 6 else torch.nn.functional.pad(tokens, (0, 6 - width_)),
+                     prefix_lens)
+            with SyncCounter() as counter:
+                growth = grow(draft, cache, prefix_lens, root_tokens, depth, width)
+                sub = select_device(growth.tree, 5)
+            assert sum(counter.calls.values()) == 0, counter.calls
+            check_growth(draft, growth, prompts, roots, depth, width, 98)
+            assert sub.valid.all()
+            again = replayed(draft, cache, prefix_lens, root_tokens, depth, width)
+        check_growth(draft, again, prompts, roots, depth, width, 98)
+        trees.append(again.tree.tokens)
+    assert len(graphs) == 1  # the second call replayed the first call's graph
+    assert not torch.equal(trees[0], trees[1])
