@@ -5,10 +5,11 @@ calls of one shape (a value baked in at the first call would grow the wrong tree
 import pytest
 import torch
 
-from hf_swiftspec.drafters.device_growth import SlotCache, catch_up, grow
-from hf_swiftspec.steps.device_round import select_device
+from hf_swiftspec.drafters.device_growth import grow
+from hf_swiftspec.steps.slot_cache import SlotCache, accepted_nodes, catch_up, commit_cache, verify_forward
+from hf_swiftspec.steps.device_round import greedy_choices, round_result, select_device, walk_device
 from hf_swiftspec.steps.tree import subtree_mask
-from hf_swiftspec.tools.models import tiny_model
+from hf_swiftspec.tools.models import tiny_model, truncated_draft
 from sync_counter import SyncCounter
 
 CAPACITY = 48
@@ -112,3 +113,78 @@ def test_growth_reads_nothing_and_replays_with_new_values(draft):
         trees.append(again.tree.tokens)
     assert len(graphs) == 1  # the second call replayed the first call's graph
     assert not torch.equal(trees[0], trees[1])
+
+
+def device_round(target, draft, target_cache, draft_cache, prefix_lens, roots, max_tokens, eos, depth, width, budget):
+    """One round made of the device blocks alone: growth, selection, verification, walk, both caches' commits
+    and the draft's catch-up on the one accepted node it has not run. Returns the round's one small result
+    (device_round.round_result), the new prefix lengths and roots, all on the device."""
+    growth = grow(draft, draft_cache, prefix_lens, roots, depth, width)
+    sub = select_device(growth.tree, budget)
+    logits = verify_forward(target, target_cache, prefix_lens, sub)
+    walk = walk_device(greedy_choices(logits), sub, max_tokens, eos)
+    commit_cache(target_cache, prefix_lens, walk.path.clamp(min=0), walk.count)  # verified node j sat at slot j
+    ran = walk.count.clamp(max=depth)  # a walked node at depth < depth was on a frontier: its draft KV is there
+    commit_cache(draft_cache, prefix_lens, accepted_nodes(walk, sub), ran)
+    last = sub.tokens.gather(1, walk.path[:, depth:].clamp(min=0))  # (B, 1) a walked node at the last depth
+    catch_up(draft, draft_cache, last, walk.count - ran, prefix_lens + ran)
+    emitted = walk.tokens.gather(1, (walk.count - 1).clamp(min=0)[:, None]).squeeze(1)
+    roots = torch.where(walk.count > 0, emitted, roots)
+    return round_result(walk), prefix_lens + walk.count, roots
+
+
+@pytest.mark.parametrize("depth,width,budget", [(3, 2, 6), (2, 3, 7)])
+def test_device_rounds_decode_as_target_generate(depth, width, budget):
+    """Rounds made of the device blocks (grow, select_device, verify_forward, walk_device, commit_cache,
+    catch_up) over fixed-shape caches decode each of 3 rows of different lengths exactly as target.generate
+    does greedily (EOS and max_new_tokens included), reading the device once a round; the draft's proposals
+    were accepted (more tokens than rounds); and both caches end holding what a fresh prefill of the
+    committed sequences writes (the draft's commit and catch-up decide acceptance only, not the tokens)."""
+    target = tiny_model("llama", seed=0)
+    draft = truncated_draft(target)
+    prompts = [[5, 17, 33, 8, 61], [40, 41], [9, 70, 12, 3, 3, 88, 21, 19]]
+    max_new = 14
+    expected = []
+    for prompt in prompts:
+        out = target.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=2,
+                              pad_token_id=0)
+        expected.append(out[0, len(prompt):].tolist())
+    B, capacity = len(prompts), 48
+    caches = [SlotCache(model.config.num_hidden_layers, capacity) for model in (target, draft)]
+    committed = max(len(p) for p in prompts) - 1
+    tokens = torch.tensor([p[:-1] + [0] * (committed - len(p) + 1) for p in prompts])
+    prefix_lens = torch.tensor([len(p) - 1 for p in prompts])
+    roots = torch.tensor([p[-1] for p in prompts])
+    eos = torch.tensor([2])
+    produced = [[] for _ in prompts]
+    done = [False] * B
+    rounds = 0
+    with torch.no_grad():
+        for model, cache in zip((target, draft), caches):
+            catch_up(model, cache, tokens, prefix_lens)
+        while not all(done):
+            max_tokens = torch.tensor([0 if d else max_new - len(p) for d, p in zip(done, produced)])
+            with SyncCounter() as counter:
+                result, prefix_lens, roots = device_round(target, draft, *caches, prefix_lens, roots, max_tokens, eos,
+                                                          depth, width, budget)
+                rows = result.tolist()  # the round's one read
+            assert sum(counter.calls.values()) == 1, counter.calls
+            rounds += 1
+            for b, (count, finished, *emitted) in enumerate(rows):
+                produced[b] += emitted[:count]
+                done[b] = done[b] or bool(finished)
+    assert produced == expected
+    assert sum(map(len, produced)) > rounds
+    # both caches hold exactly the committed sequence's KV, as a fresh prefill of it writes them
+    sequences = [(p + out)[:-1] for p, out in zip(prompts, produced)]
+    assert prefix_lens.tolist() == [len(s) for s in sequences]
+    width_ = max(map(len, sequences))
+    tokens = torch.tensor([s + [0] * (width_ - len(s)) for s in sequences])
+    for model, cache in zip((target, draft), caches):
+        fresh = SlotCache(model.config.num_hidden_layers, capacity)
+        with torch.no_grad():
+            catch_up(model, fresh, tokens, prefix_lens)
+        for b, n in enumerate(prefix_lens.tolist()):
+            for layer, again in zip(cache.layers, fresh.layers):
+                torch.testing.assert_close(layer.keys[b, :, :n], again.keys[b, :, :n], atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(layer.values[b, :, :n], again.values[b, :, :n], atol=1e-5, rtol=1e-5)
