@@ -74,7 +74,8 @@ def test_growth_equals_fresh_causal_forwards(draft, depth, width, vocab_limit):
     roots = [11, 40, 7]
     cache = prefilled(draft, prompts)
     with torch.no_grad():
-        growth = grow(draft, cache, torch.tensor([len(p) for p in prompts]), torch.tensor(roots), depth, width, vocab_limit)
+        prefix_lens = torch.tensor([len(p) for p in prompts])
+        growth = grow(draft, cache, prefix_lens, torch.tensor(roots), depth, width, vocab_limit)
     check_growth(draft, growth, prompts, roots, depth, width, vocab_limit)
 
 
@@ -96,12 +97,11 @@ def test_growth_reads_nothing_and_replays_with_new_values(draft):
     calls = [([[5, 6, 7, 8], [9, 10]], [12, 13]), ([[20, 21], [22, 23, 24, 25, 26, 27]], [30, 31])]
     trees = []
     for prompts, roots in calls:
-        width_ = max(len(p) for p in prompts)
-        tokens = torch.tensor([p + [0] * (width_ - len(p)) for p in prompts])
+        padded = max(len(p) for p in prompts)
+        tokens = torch.tensor([p + [0] * (padded - len(p)) for p in prompts])
         prefix_lens, root_tokens = torch.tensor([len(p) for p in prompts]), torch.tensor(roots)
         with torch.no_grad():
-            catch_up(draft, cache, tokens[:, :6] if width_ > 6 else torch.nn.functional.pad(tokens, (0, 6 - width_)),
-                     prefix_lens)
+            catch_up(draft, cache, tokens, prefix_lens)
             with SyncCounter() as counter:
                 growth = grow(draft, cache, prefix_lens, root_tokens, depth, width)
                 sub = select_device(growth.tree, 5)
@@ -178,8 +178,8 @@ def test_device_rounds_decode_as_target_generate(depth, width, budget):
     # both caches hold exactly the committed sequence's KV, as a fresh prefill of it writes them
     sequences = [(p + out)[:-1] for p, out in zip(prompts, produced)]
     assert prefix_lens.tolist() == [len(s) for s in sequences]
-    width_ = max(map(len, sequences))
-    tokens = torch.tensor([s + [0] * (width_ - len(s)) for s in sequences])
+    padded = max(map(len, sequences))
+    tokens = torch.tensor([s + [0] * (padded - len(s)) for s in sequences])
     for model, cache in zip((target, draft), caches):
         fresh = SlotCache(model.config.num_hidden_layers, capacity)
         with torch.no_grad():

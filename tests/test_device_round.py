@@ -13,7 +13,9 @@ from hf_swiftspec.steps.cache import TreeCache
 from hf_swiftspec.steps.device_round import (
     commit_device, greedy_choices, round_result, sampled_choices, select_device, stack_trees, walk_device,
 )
-from hf_swiftspec.steps.tree import add_children, best_node_ids, new_tree, reroot, select_leaves, select_subtree, subtree_mask
+from hf_swiftspec.steps.tree import (
+    add_children, best_node_ids, new_tree, reroot, select_leaves, select_subtree, subtree_mask,
+)
 from hf_swiftspec.steps.verify import (
     NO_STOPS, Sampler, StopRule, apply_processors, children_of, verify_tree, walk_path, walk_to_stop,
 )
