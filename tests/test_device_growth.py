@@ -242,5 +242,6 @@ def test_sampled_device_rounds_draw_what_token_by_token_sampling_draws():
     produced, rounds, _, _ = decode_in_device_rounds(target, draft, 3, 2, budget, choose_for)
     assert produced == expected
     assert sum(map(len, produced)) > rounds
-    greedy, _, _, _ = decode_in_device_rounds(target, draft, 3, 2, budget, lambda n: lambda logits, sub: greedy_choices(logits))
+    greedy, _, _, _ = decode_in_device_rounds(target, draft, 3, 2, budget,
+                                              lambda lengths: lambda logits, sub: greedy_choices(logits))
     assert greedy != produced
