@@ -1,0 +1,87 @@
+"""The draft's growth of a round as one function of fixed-shape device tensors (a building block).
+
+EAGLE-2 / SGLang style: from each row's root, depth by depth, the draft runs on the frontier (the root,
+then the k nodes the last depth kept), and the next frontier is the top-k of all the frontier's
+children by cumulative score (its draft log-probs summed from the root). The d draft forwards, the
+top-k, the parents, scores, positions, ancestor bits and the next depth's attention mask are all
+device ops over shapes fixed by (B rows, d, k, C cache slots): no host read, so the whole growth can
+be captured as one CUDA graph and replayed with new prefix lengths and roots copied in.
+
+Today's drafter (engine/workers.py) grows best-first from the host instead: it picks leaves
+(tree.select_leaves), builds each expansion's inputs and reads the candidates back, four reads and
+three boolean-mask selections a round. Not yet used by the round: the next step wires this in.
+
+The KV lives in a `SlotCache` (steps/slot_cache.py): per row, the committed prefix, then node i of the
+round's tree at slot prefix_len + i. Models with full attention only (slot_cache.py says why).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..steps.device_round import DeviceTree
+from ..steps.slot_cache import SlotCache, slot_forward, tree_visible
+
+
+@dataclass
+class Growth:
+    """A grown round: the tree (N = 1 + depth * width nodes, all live; node i's KV at slot prefix_len + i)
+    and each row's prefix length it was grown behind.
+
+    tree:        DeviceTree (B, N) (device_round.select_device picks the verified subtree from it)
+    prefix_lens: (B,) long
+    """
+
+    tree: DeviceTree
+    prefix_lens: torch.Tensor
+
+
+def grow(model, cache: SlotCache, prefix_lens: torch.Tensor, roots: torch.Tensor, depth: int, width: int,
+         vocab_limit: int | None = None) -> Growth:
+    """Grow every row's tree `depth` levels of `width` nodes below its root, with `depth` draft forwards.
+
+    cache: the draft's SlotCache, its slots [0, prefix_lens[b]) holding row b's committed KV (catch_up)
+    prefix_lens: (B,) long committed tokens per row; the root sits at position prefix_lens[b]
+    roots: (B,) long each row's root token (the last verified one, whose KV no model holds yet)
+    vocab_limit: children are drawn from ids below it (those the target can embed; tree.top_children's)
+    Node ids are fixed by shape: the root 0, depth l's nodes 1 + (l - 1) * width ... l * width.
+    """
+    if depth < 1 or width < 1:
+        raise ValueError(f"grow(depth={depth}, width={width}): both must be at least 1")
+    B = roots.shape[0]
+    N = 1 + depth * width
+    device = roots.device
+    if cache.capacity < N + 2:
+        raise ValueError(f"SlotCache of {cache.capacity} slots cannot hold a tree of {N} nodes behind a prefix; "
+                         "allocate at least the longest prefix + N + 1 slots")
+    tokens = torch.zeros(B, N, dtype=torch.long, device=device)
+    tokens[:, 0] = roots
+    parents = torch.full((B, N), -1, dtype=torch.long, device=device)
+    depths = torch.zeros(B, N, dtype=torch.long, device=device)
+    scores = torch.full((B, N), float("-inf"), dtype=torch.float32, device=device)
+    scores[:, 0] = 0.0
+    ancestors = torch.zeros(B, N, N, dtype=torch.bool, device=device)
+    ancestors[:, 0, 0] = True
+    node_slots = prefix_lens[:, None] + torch.arange(N, device=device)[None]  # (B, N)
+    frontier = torch.zeros(B, 1, dtype=torch.long, device=device)  # node ids (B, F), the root first
+    for level in range(1, depth + 1):
+        seen = ancestors.gather(1, frontier[:, :, None].expand(B, frontier.shape[1], N))  # (B, F, N)
+        logits = slot_forward(model, cache, tokens.gather(1, frontier), prefix_lens[:, None] + level - 1,
+                              node_slots.gather(1, frontier), tree_visible(cache.capacity, prefix_lens, seen))
+        logprobs = torch.log_softmax(logits[..., :vocab_limit], dim=-1)  # (B, F, V')
+        V = logprobs.shape[-1]
+        cumulative = scores.gather(1, frontier)[:, :, None] + logprobs  # (B, F, V')
+        best, flat = cumulative.reshape(B, -1).topk(width, dim=-1)  # (B, k)
+        new = slice(1 + (level - 1) * width, 1 + level * width)  # this depth's node ids, fixed by shape
+        parent = frontier.gather(1, flat // V)  # (B, k)
+        tokens[:, new] = flat % V
+        parents[:, new] = parent
+        depths[:, new] = level
+        scores[:, new] = best
+        ancestors[:, new] = ancestors.gather(1, parent[:, :, None].expand(B, width, N))
+        ancestors[:, new, new].diagonal(dim1=1, dim2=2).fill_(True)  # each node is its own ancestor
+        frontier = torch.arange(new.start, new.stop, device=device)[None].expand(B, width)
+    tree = DeviceTree(tokens, parents, depths, scores, ancestors, torch.full((B,), N, device=device))
+    return Growth(tree, prefix_lens)
