@@ -162,10 +162,10 @@ def fault(placement, args):
     import hf_swiftspec.engine.launch as launch
 
     for name in ("run_distributed", "run_serial_distributed"):
-        def recorded(*a, _real=getattr(generation, name), _name=name, **k):
+        def recorded(*a, _real=getattr(launch, name), _name=name, **k):
             engines.append(_name)
             return _real(*a, **k)
-        setattr(generation, name, recorded)
+        setattr(launch, name, recorded)
     args.case = args.case.removesuffix("-serial")
     victim = model.draft if args.case.endswith("draft") else model.target
     role = "draft" if args.case.endswith("draft") else "target"
