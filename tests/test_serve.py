@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import socket
 import time
 import urllib.request
@@ -46,10 +47,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# A chat template for the demo pair, as a chat pair's tokenizer carries one. The demo pair ships none: its target is a
+# code completion model, and `swiftspec bench` would wrap its prompts in a template it has (serving.md: use
+# /v1/completions with it).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}def answer():\n{% endif %}"
+)
+
+
 @pytest.fixture(scope="module")
-def pair_folder():
-    """The demo pair as it ships (its chat template included)."""
-    return bundled_pair("swiftspec-demo-pystdlib")
+def pair_folder(tmp_path_factory):
+    """The demo pair with a chat template added to its tokenizer (the pair's and both members', which share it)."""
+    folder = tmp_path_factory.mktemp("chat-pair") / "swiftspec-demo-pystdlib"
+    shutil.copytree(bundled_pair("swiftspec-demo-pystdlib"), folder)
+    for config in (folder / "tokenizer_config.json", folder / "target" / "tokenizer_config.json",
+                   folder / "draft" / "tokenizer_config.json"):
+        settings = json.loads(config.read_text())
+        config.write_text(json.dumps({**settings, "chat_template": CHAT_TEMPLATE}, indent=2))
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -454,3 +470,14 @@ def test_a_pair_that_cannot_batch_is_routed_and_the_server_says_so(recurrent, tm
         assert f"requests run one at a time, each speculating: {because}" in said
         assert "transformers' continuous batching of the target refuses it (Invalid layer type" in said
     assert lone == expected[0] and together == expected
+
+
+def test_chat_on_the_shipped_demo_pair_is_a_clear_400_pointing_to_completions():
+    """The demo pair ships no chat template (a code completion model): chat is refused in OpenAI's error shape, and
+    the same server answers completions."""
+    with started(bundled_pair("swiftspec-demo-pystdlib"), "sequential") as (_, client, name):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        assert set(refused.value.body) == {"message", "type", "param", "code"}, refused.value.body
+        assert "chat template" in refused.value.body["message"], refused.value.body
+        assert client.completions.create(model=name, prompt="def f", max_tokens=4, temperature=0).choices[0].text
