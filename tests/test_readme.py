@@ -259,6 +259,19 @@ def test_ci_runs_exactly_the_readmes_test_command():
     assert copies == set(commands), f"a page shows another test command than the README's: {copies}"
 
 
+def test_the_files_ci_reads_exist_and_hold_what_it_reads():
+    """.ci/run reads the floor release from the package's compat module with sed: a path that moved makes CI fail
+    before any test runs (set -e), and a FLOOR line it cannot find makes the floor step install no release."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    paths = set(re.findall(r"\b(hf_swiftspec/[\w/]+\.py)\b", ci))
+    assert paths, "the floor is read from a module of the package"
+    for path in paths:
+        assert (ROOT / path).is_file(), f".ci/run reads {path}, which does not exist"
+    floor_line = next(line for line in ci.splitlines() if line.startswith("floor=$(sed"))
+    module = re.search(r"(hf_swiftspec/[\w/]+\.py)", floor_line).group(1)
+    assert re.search(r'^FLOOR = "[0-9.]+"', (ROOT / module).read_text(), flags=re.M), module
+
+
 def test_the_cpu_build_command_installs_the_torch_every_command_pins():
     """The CPU-build line (PyPI's Linux torch is the CUDA build) names the torch version the install and test
     commands pin, on the README, the installation page and in CI: move the pin on one and this fails."""
