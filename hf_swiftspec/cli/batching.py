@@ -258,9 +258,13 @@ class ServingManager:
         self.deliver(request, compat.cb_request_status().FAILED, error=f"{type(error).__name__}: {error}")
 
     def deliver(self, request: ServedRequest, status, error: str | None = None) -> None:
-        """Hand the request's tokens so far to its handler (forgetting it once finished)."""
-        if hand_over(request, status, error).is_finished():
+        """Hand the request's tokens so far to its handler, forgetting it first once finished: the handler
+        answers the client, whose next request must not find this one still in flight (the router sends a
+        request that finds company to the batch, where it would not speculate)."""
+        output = generation_output(request, status, error)
+        if output.is_finished():
             self.forget(request.request_id)
+        hand_over(request, output)
 
     def forget(self, request_id: str | None) -> None:
         with self.lock:
@@ -327,14 +331,17 @@ class SpeculatingBatcher(ServingManager):
             self.fail(request, error)
 
 
-def hand_over(request, status, error: str | None = None):
-    """Hand a request's tokens so far (request_id, input_ids, tokens, handler: a ServedRequest or the router's
-    RoutedRequest) to its handler, on the handler's event loop; returns the output handed over."""
-    output = compat.cb_generation_output()(
+def generation_output(request, status, error: str | None = None):
+    """transformers' GenerationOutput of a request's tokens so far (request_id, input_ids, tokens: a
+    ServedRequest or the router's RoutedRequest)."""
+    return compat.cb_generation_output()(
         request_id=request.request_id, prompt_ids=request.input_ids, generated_tokens=list(request.tokens),
         error=error, status=status,
     )
+
+
+def hand_over(request, output) -> None:
+    """Hand `output` to the request's handler, on the handler's event loop."""
     if request.handler is not None:
         callback, loop = request.handler
         loop.call_soon_threadsafe(callback, output)
-    return output
