@@ -192,17 +192,18 @@ class PhaseClock:
     def begin_round(self) -> None:
         self.stack = ["other"]
         self.started = self.since = self.now()
-        self.mark("other")
+        if self.events is not None:
+            self.mark("other")
 
     def end_round(self) -> None:
-        now = self.now()
-        self.host[self.stack[-1]] += now - self.since
-        self.round_s += now - self.started
+        self.charge()
+        self.round_s += self.since - self.started
         self.rounds += 1
         self.stack = []
-        self.mark(None)
-        if len(self.marks) > MAX_MARKS and self.marks[-1][1].query():  # complete: read without waiting
-            self.read_marks()
+        if self.events is not None:
+            self.mark(None)
+            if len(self.marks) > MAX_MARKS and self.marks[-1][1].query():  # complete: read without waiting
+                self.read_marks()
 
     def phase(self, name: str) -> "PhaseClock":
         """`with clock.phase(name):` times its body as `name` (one of PHASES)."""
@@ -210,11 +211,18 @@ class PhaseClock:
         return self
 
     def __enter__(self) -> None:
-        self.switch(self.pending, push=True)
+        if self.stack:  # in a round
+            self.charge()
+            self.stack.append(self.pending)
+            if self.events is not None:
+                self.mark(self.pending)
 
     def __exit__(self, *exc) -> None:
-        if len(self.stack) > 1:
-            self.switch(None, push=False)
+        if len(self.stack) > 1:  # in a round, in a phase
+            self.charge()
+            self.stack.pop()
+            if self.events is not None:
+                self.mark(self.stack[-1])
 
     def timed(self, name: str, fn: Callable) -> Callable:
         """`fn`, each call of it timed as `name`."""
@@ -225,24 +233,17 @@ class PhaseClock:
 
         return run
 
-    def switch(self, name: str | None, push: bool) -> None:
-        """Charge the running phase its time since `since`, then run `name` (push) or the phase below (pop)."""
-        if not self.stack:
-            return
+    def charge(self) -> None:
+        """Charge the running phase its time since it last became the one running."""
         now = self.now()
         self.host[self.stack[-1]] += now - self.since
         self.since = now
-        if push:
-            self.stack.append(name)
-        else:
-            self.stack.pop()
-        self.mark(self.stack[-1])
 
     def mark(self, phase: str | None) -> None:
-        if self.events is not None:
-            event = self.pool.pop() if self.pool else self.events()
-            event.record()
-            self.marks.append((phase, event))
+        """Record an event where `phase` starts running on the device (None: the round ended)."""
+        event = self.pool.pop() if self.pool else self.events()
+        event.record()
+        self.marks.append((phase, event))
 
     # ---- the call's breakdown -------------------------------------------------------------------------
     def host_phases(self) -> RoundPhases | None:

@@ -123,7 +123,9 @@ def test_runs_every_method_on_every_set_and_writes_the_results(finished):
         assert set(by_name["assisted"].tuning) == {"2", "4"}
         assert result.limit is not None and result.limit.peak_source == "given"
     markdown = (out / "results.md").read_text()
-    assert markdown.count("| swiftspec serial |") == 2 and "**Limit**" in markdown and "## Memory budget" in markdown
+    assert markdown.count("| swiftspec serial |") == 4 and "**Limit**" in markdown and "## Memory budget" in markdown
+    # a row per set in the method table and in the serial round's breakdown (the asynchronous engine has its own)
+    assert markdown.count("| swiftspec serial | host |") == 2 and "| swiftspec async | host |" not in markdown
     # The policy's choices, a column each (they were four numbers packed in one cell).
     assert "| tree T | draft fwd / round | plain rounds | n-gram share |" in markdown
     # The character tokenizer has no chat template: the prompts went in as plain text, and results.json says so.
