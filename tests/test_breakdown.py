@@ -13,6 +13,7 @@ from fixed_costs import given_costs
 
 from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.bench import BenchConfig, BenchModels, run_bench
+from hf_swiftspec.cli import main
 from hf_swiftspec.engine import rounds
 from hf_swiftspec.stats import PHASES, PhaseClock
 from hf_swiftspec.tools.models import tiny_model, truncated_draft
@@ -199,3 +200,13 @@ def test_the_bench_keeps_the_breakdown_per_call(target, tmp_path):
         assert phases["verify"] > 0 and phases["expand"] > 0
     assert all(run["phases"] is None for run in by_name["target"]["runs"])
     assert "| swiftspec serial | host |" in (tmp_path / "results.md").read_text()
+
+
+def test_generate_prints_the_breakdown_when_asked(capsys):
+    """swiftspec generate --phases: the statistics line, then the serial round's phases; without it, no such line."""
+    assert main(["generate", "--phases", "--max-new-tokens", "12", "--threads", "1"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert last[0].startswith("[swiftspec] 12 tokens in ")
+    assert last[1].startswith("[swiftspec] per round (host, ms, ") and "+ other " in last[1]
+    assert main(["generate", "--max-new-tokens", "12", "--threads", "1"]) == 0
+    assert "per round" not in capsys.readouterr().out
