@@ -1,11 +1,16 @@
-"""Time a speculative round outside the two models' forwards, on the bundled demo pair.
+"""Time a speculative round outside the two models' forwards, on the bundled demo pair, phase by phase.
 
     python examples/round_overhead.py [--pair ID] [--max-new-tokens 128] [--repeats 3] [--keep-history]
 
-Forward time is measured by hooks on both models (one torch thread); everything else in the
-decode loop (tree bookkeeping, the walk, commits, the policy) is the round's overhead, printed
-per round and as a fraction of the mean target verification forward. The round runs its steps
-eagerly here (capture=False): a replayed step runs no module hooks.
+Two kinds of round, each on its own copy of the pair: the default rounds (the goodput policy chooses; on the
+demo pair the suffix index drafts most of them) and draft-model rounds (tree_budget=8, draft_depth=3: the
+draft model grows its tree every round). Forward time is measured by hooks on both models (one torch thread);
+everything else in the decode loop (tree bookkeeping, the walk, commits, the policy) is the round's overhead,
+printed per round and as a fraction of the mean target verification forward. Then the call's own breakdown
+(`SwiftSpecStats.phases`: expand, catch-up, select, verify, walk, commit, policy, bookkeeping and other, ms per
+round) and, by phase, what is left of it outside the forwards: verify less the target's verification forwards,
+expand + catch-up less the draft's forwards (the draft runs nowhere else). The round runs its steps eagerly here
+(capture=False): a replayed step runs no module hooks.
 """
 
 from __future__ import annotations
@@ -17,19 +22,73 @@ import torch
 
 from hf_swiftspec import SwiftSpecForCausalLM
 
+ROUNDS = {  # the kinds of round timed: each one's SwiftSpecConfig settings
+    "default rounds": {},
+    "draft-model rounds (tree_budget=8, draft_depth=3)": {"tree_budget": 8, "draft_depth": 3},
+}
 
-def timed_forwards(model, totals: dict, key: str):
-    """Accumulate the wall time of every forward of `model` into totals[key] (seconds, count)."""
+
+def timed_forwards(model, times: dict, key: str):
+    """Append the wall time of every forward of `model` to times[key] (seconds, in call order)."""
     state = {}
 
     def before(*args):
         state["t"] = time.perf_counter()
 
     def after(*args):
-        seconds, count = totals.get(key, (0.0, 0))
-        totals[key] = (seconds + time.perf_counter() - state["t"], count + 1)
+        times.setdefault(key, []).append(time.perf_counter() - state["t"])
 
     return [model.register_forward_pre_hook(before), model.register_forward_hook(after)]
+
+
+def load_pair(pair: str, settings: dict) -> SwiftSpecForCausalLM:
+    if pair.startswith("shape:"):  # a random-weight pair in a real model's shape (hf_swiftspec.tools.models)
+        from hf_swiftspec.tools.models import char_tokenizer, real_shaped_pair
+
+        model = SwiftSpecForCausalLM.from_models(*real_shaped_pair(pair.removeprefix("shape:")),
+                                                 tokenizer=char_tokenizer(), **settings)
+        model.generation_config.eos_token_id = None  # random text: run to max_new_tokens
+    else:
+        model = SwiftSpecForCausalLM.from_pretrained(pair, dtype=torch.float32, **settings)
+    model.config.capture = False  # hooks time the forwards: eager steps
+    return model
+
+
+def timed_call(model, ids, max_new_tokens: int, keep_history: bool) -> dict:
+    """One greedy call with both models' forwards timed: {"target": [...], "draft": [...]} seconds each."""
+    times: dict = {}
+    if not keep_history:
+        model.output_history.clear()
+    hooks = timed_forwards(model.target, times, "target")
+    if model.draft is not None:
+        hooks += timed_forwards(model.draft, times, "draft")
+    try:
+        model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return times
+
+
+def report(stats, times: dict) -> None:
+    """The overhead line, then the call's breakdown, then each phase less the forwards it ran (ms per round)."""
+    target, draft = times["target"], times.get("draft", [])
+    rounds = max(stats.verify_steps, 1)
+    verify_forward = sum(target) / len(target)  # prefill included: a slight overestimate
+    overhead = (stats.wall_time_s - sum(target) - sum(draft)) / rounds
+    print(
+        f"  {stats.new_tokens} tokens, {rounds} rounds, tau {stats.tau:.2f}: target forward {1000 * verify_forward:.2f} ms, "
+        f"draft {len(draft) / rounds:.1f} forwards/round, overhead {1000 * overhead:.2f} ms/round "
+        f"= {100 * overhead / verify_forward:.0f}% of a verification forward"
+    )
+    phases = stats.phases
+    print(f"  {phases.line()}")
+    ms = phases.ms_per_round()
+    per_round = lambda seconds: 1000 * seconds / max(phases.rounds, 1)  # noqa: E731
+    verify_host = ms["verify"] - per_round(sum(target[1:]))  # the first target forward is the prefill, before the rounds
+    draft_host = ms["expand"] + ms["catch_up"] - per_round(sum(draft))
+    rest = " + ".join(f"{p.replace('_', '-')} {ms[p]:.2f}" for p in ("select", "walk", "commit", "policy", "bookkeeping", "other"))
+    print(f"  outside the forwards (ms per round): verify {verify_host:.2f} + expand and catch-up {draft_host:.2f} + {rest}")
 
 
 def main() -> None:
@@ -44,38 +103,14 @@ def main() -> None:
                         "a call would be a handful of rounds, its fixed costs counted per round)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    if args.pair.startswith("shape:"):  # a random-weight pair in a real model's shape (hf_swiftspec.tools.models)
-        from hf_swiftspec.tools.models import char_tokenizer, real_shaped_pair
-
-        model = SwiftSpecForCausalLM.from_models(*real_shaped_pair(args.pair.removeprefix("shape:")),
-                                                 tokenizer=char_tokenizer())
-        model.generation_config.eos_token_id = None  # random text: run to max_new_tokens
-    else:
-        model = SwiftSpecForCausalLM.from_pretrained(args.pair, dtype=torch.float32)
-    model.config.capture = False  # hooks time the forwards: eager steps
-    ids = model.tokenizer(args.prompt, return_tensors="pt").input_ids
-    model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)  # warm-up
-    for _ in range(args.repeats):
-        totals: dict = {}
-        if not args.keep_history:
-            model.output_history.clear()
-        hooks = timed_forwards(model.target, totals, "target") + timed_forwards(model.draft, totals, "draft")
-        try:
-            model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
-        finally:
-            for hook in hooks:
-                hook.remove()
-        stats = model.swiftspec_stats
-        target_s, target_n = totals["target"]
-        draft_s, draft_n = totals.get("draft", (0.0, 0))
-        rounds = max(stats.verify_steps, 1)
-        verify_forward = target_s / target_n  # prefill included: a slight overestimate
-        overhead = (stats.wall_time_s - target_s - draft_s) / rounds
-        print(
-            f"{stats.new_tokens} tokens, {rounds} rounds, tau {stats.tau:.2f}: target forward {1000 * verify_forward:.2f} ms, "
-            f"draft {draft_n / rounds:.1f} forwards/round, overhead {1000 * overhead:.2f} ms/round "
-            f"= {100 * overhead / verify_forward:.0f}% of a verification forward"
-        )
+    for name, settings in ROUNDS.items():
+        model = load_pair(args.pair, settings)
+        ids = model.tokenizer(args.prompt, return_tensors="pt").input_ids
+        model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)  # warm-up
+        print(f"{name}:")
+        for _ in range(args.repeats):
+            times = timed_call(model, ids, args.max_new_tokens, args.keep_history)
+            report(model.swiftspec_stats, times)
 
 
 if __name__ == "__main__":

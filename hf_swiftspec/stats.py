@@ -1,12 +1,16 @@
 """What one `generate(swiftspec=True)` call did, kept on `model.swiftspec_stats` afterwards.
 
-Each worker keeps its own counters (`TargetCounters`, `DraftCounters`) whatever the engine;
-`SwiftSpecStats.collect` is the one place they become the call's statistics.
+Each worker keeps its own counters (`TargetCounters`, `DraftCounters`) whatever the engine, and the serial
+round its `PhaseClock`; `SwiftSpecStats.collect` is the one place they become the call's statistics.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import torch
 
 
 @dataclass
@@ -100,6 +104,178 @@ class OverlapBreakdown:
         )
 
 
+# The serial round's phases, in the order a round runs them (RoundPhases says what each holds).
+PHASES = ("expand", "catch_up", "select", "verify", "walk", "commit", "policy", "bookkeeping")
+MAX_MARKS = 4096  # CUDA events kept before the completed rounds' are read (a running batch never collects its stats)
+
+
+@dataclass(frozen=True)
+class RoundPhases:
+    """Where the serial round's time went, phase by phase, in seconds summed over the call's rounds.
+
+    expand: the draft's expansions (its forwards over tree leaves, top-ups included); catch_up: the draft running
+    the accepted tokens it had not run; select: the proposals (suffix lookups, reading each row's draft tree,
+    merging them, choosing the subtree each row verifies); verify: the target's forward over the subtrees, its
+    inputs included; walk: each row's walk against the target's choices; commit: the accepted path's KV kept in
+    both caches (the target's commit and its wait for the device, the drafters following the verdict); policy:
+    the goodput policy's choices and what it learns from the round; bookkeeping: the rows' records, streaming and
+    stopping. other: what no phase claims, round_s less the phases (so the phases and other sum to round_s).
+    clock: "host" (where the host spent the round: on a GPU its waits for the device land in the phase that
+    read the device) or "cuda events" (the device's stream: when each phase's work ran there).
+    """
+
+    clock: str
+    rounds: int
+    round_s: float  # the rounds' time, each from its start to its end (the call's prefill is outside)
+    expand: float
+    catch_up: float
+    select: float
+    verify: float
+    walk: float
+    commit: float
+    policy: float
+    bookkeeping: float
+    other: float
+
+    @classmethod
+    def of(cls, clock: str, rounds: int, round_s: float, seconds: dict[str, float]) -> "RoundPhases":
+        """The breakdown from each phase's seconds; other is round_s less their sum."""
+        named = {phase: seconds[phase] for phase in PHASES}
+        return cls(clock=clock, rounds=rounds, round_s=round_s, other=round_s - sum(named.values()), **named)
+
+    def seconds(self) -> dict[str, float]:
+        """Each phase's seconds, other last."""
+        return {phase: getattr(self, phase) for phase in (*PHASES, "other")}
+
+    def ms_per_round(self) -> dict:
+        """What the bench's results keep: the clock, the rounds, and the round and each phase in ms per round."""
+        n = max(self.rounds, 1)
+        per = {"round": 1e3 * self.round_s / n, **{p: 1e3 * s / n for p, s in self.seconds().items()}}
+        return {"clock": self.clock, "rounds": self.rounds, **{k: round(v, 6) for k, v in per.items()}}
+
+    def line(self) -> str:
+        ms = self.ms_per_round()
+        parts = " + ".join(f"{p.replace('_', '-')} {ms[p]:.2f}" for p in (*PHASES, "other"))
+        return f"per round ({self.clock}, ms, {self.rounds} rounds): {ms['round']:.2f} = {parts}"
+
+
+class PhaseClock:
+    """Times the serial round's PHASES (RoundPhases): engine/rounds.py opens and closes each round, and each
+    phase's code runs inside `with clock.phase(name):` (or is a function wrapped by `timed(name, fn)`).
+
+    Phases nest, and an inner phase's time is its own, not its outer one's: the phases never overlap, so they sum
+    to at most the round, and what none claims is RoundPhases.other. Outside a round (the prefill, the
+    asynchronous engine's workers) it times nothing. now: the host clock in seconds (EngineChoice.clock: a test
+    gives one that ticks). events: makes a recorded CUDA event (on a CUDA device, `cuda_event`), one per phase
+    change, read only when the stats are collected (`device_phases`): timing never syncs a round.
+    """
+
+    def __init__(self, now: Callable[[], float] = time.perf_counter, events: Callable[[], object] | None = None):
+        self.now, self.events = now, events
+        self.stack: list[str] = []  # the open phases, innermost last, "other" at the bottom; empty outside a round
+        self.since = 0.0  # when the innermost phase last became the one running
+        self.started = 0.0  # the round's start
+        self.host = dict.fromkeys((*PHASES, "other"), 0.0)
+        self.rounds, self.round_s = 0, 0.0
+        self.marks: list[tuple[str | None, object]] = []  # CUDA: (the phase from this event on, None: a round ended)
+        self.device = dict.fromkeys((*PHASES, "other"), 0.0)
+        self.device_rounds, self.device_round_s = 0, 0.0
+        self.pool: list = []  # events already read, to record again
+        self.pending = "other"
+
+    @classmethod
+    def on(cls, device: torch.device | str, now: Callable[[], float] = time.perf_counter) -> "PhaseClock":
+        """A clock for rounds on `device`: with CUDA events on a CUDA device."""
+        return cls(now, events=cuda_event if torch.device(device).type == "cuda" else None)
+
+    # ---- a round --------------------------------------------------------------------------------------
+    def begin_round(self) -> None:
+        self.stack = ["other"]
+        self.started = self.since = self.now()
+        if self.events is not None:
+            self.mark("other")
+
+    def end_round(self) -> None:
+        self.charge()
+        self.round_s += self.since - self.started
+        self.rounds += 1
+        self.stack = []
+        if self.events is not None:
+            self.mark(None)
+            if len(self.marks) > MAX_MARKS and self.marks[-1][1].query():  # complete: read without waiting
+                self.read_marks()
+
+    def phase(self, name: str) -> "PhaseClock":
+        """`with clock.phase(name):` times its body as `name` (one of PHASES)."""
+        self.pending = name
+        return self
+
+    def __enter__(self) -> None:
+        if self.stack:  # in a round
+            self.charge()
+            self.stack.append(self.pending)
+            if self.events is not None:
+                self.mark(self.pending)
+
+    def __exit__(self, *exc) -> None:
+        if len(self.stack) > 1:  # in a round, in a phase
+            self.charge()
+            self.stack.pop()
+            if self.events is not None:
+                self.mark(self.stack[-1])
+
+    def timed(self, name: str, fn: Callable) -> Callable:
+        """`fn`, each call of it timed as `name`."""
+
+        def run(*args, **kwargs):
+            with self.phase(name):
+                return fn(*args, **kwargs)
+
+        return run
+
+    def charge(self) -> None:
+        """Charge the running phase its time since it last became the one running."""
+        now = self.now()
+        self.host[self.stack[-1]] += now - self.since
+        self.since = now
+
+    def mark(self, phase: str | None) -> None:
+        """Record an event where `phase` starts running on the device (None: the round ended)."""
+        event = self.pool.pop() if self.pool else self.events()
+        event.record()
+        self.marks.append((phase, event))
+
+    # ---- the call's breakdown -------------------------------------------------------------------------
+    def host_phases(self) -> RoundPhases | None:
+        """The rounds' breakdown on the host clock (None before any round)."""
+        return RoundPhases.of("host", self.rounds, self.round_s, self.host) if self.rounds else None
+
+    def device_phases(self) -> RoundPhases | None:
+        """The rounds' breakdown on the device's stream (None without events, or before any round). Waits for
+        the last round's events: call it once, when the call's stats are collected."""
+        if self.events is None or not (self.marks or self.device_rounds):
+            return None
+        if self.marks:
+            self.marks[-1][1].synchronize()
+            self.read_marks()
+        return RoundPhases.of("cuda events", self.device_rounds, self.device_round_s, self.device)
+
+    def read_marks(self) -> None:
+        """Fold the recorded events (all complete) into the device's seconds; their events go back to the pool."""
+        marks, self.marks = self.marks, []
+        for (phase, start), (_, end) in zip(marks, marks[1:]):
+            if phase is not None:
+                seconds = start.elapsed_time(end) / 1e3  # ms between the two events on the stream
+                self.device[phase] += seconds
+                self.device_round_s += seconds
+        self.device_rounds += sum(phase is None for phase, _ in marks)
+        self.pool += [event for _, event in marks]
+
+
+def cuda_event():
+    return torch.cuda.Event(enable_timing=True)
+
+
 @dataclass(frozen=True)
 class RoundRecord:
     """One round: the tree the policy chose and what the target accepted of it."""
@@ -144,14 +320,17 @@ class SwiftSpecStats:
     # tokens of earlier calls' outputs (model.output_history) this call's suffix proposals could copy from: a repeated
     # prompt then decodes faster than a first one (1.45-1.78x became 1.00x once cleared), which timing should know
     history_tokens: int = 0
+    phases: RoundPhases | None = None  # the serial round: where its time went, phase by phase (host clock)
+    device_phases: RoundPhases | None = None  # the serial round on CUDA: the same phases on the device's stream
 
     @classmethod
     def collect(
         cls, engine: str, new_tokens: int, wall_time_s: float, target: TargetCounters, draft: DraftCounters,
-        message_bytes: int | None = None,
+        message_bytes: int | None = None, clock: PhaseClock | None = None,
     ) -> "SwiftSpecStats":
         """The statistics of one generation from its workers' counters (message_bytes: what one round of an
-        asynchronous engine sends, both ways; None for the serial engine, which has no overlap to break down)."""
+        asynchronous engine sends, both ways; None for the serial engine, which has no overlap to break down;
+        clock: the serial round's PhaseClock, whose breakdowns it reads)."""
         return cls(
             engine=engine,
             new_tokens=new_tokens,
@@ -168,6 +347,8 @@ class SwiftSpecStats:
             reroot_misses=draft.reroot_misses,
             replayed_tokens=target.replayed_tokens,
             overlap=None if message_bytes is None else OverlapBreakdown.of(target, draft, message_bytes),
+            phases=None if clock is None else clock.host_phases(),
+            device_phases=None if clock is None else clock.device_phases(),
         )
 
     def add_rounds(self, rounds: list[RoundRecord]) -> None:
@@ -203,6 +384,8 @@ class SwiftSpecStats:
     def summary(self) -> str:
         """One line for logs and the command line; the policy's trees only where rounds were recorded
         (every engine records them; under torchrun a sharded target group's ranks other than its leader have none).
+        Below it, a line per breakdown the call has: the asynchronous round's overlap, the serial round's phases
+        (and on CUDA the same phases on the device).
 
         "proposing" is the time spent building proposals (draft forwards, suffix lookups, the policy's
         choice), "verifying" the target's (its forwards, the walks, the commits).
@@ -227,4 +410,5 @@ class SwiftSpecStats:
                 f"{line}, mean tree {self.mean_tree_budget:.1f} nodes, {self.plain_rounds} plain rounds, "
                 f"n-gram share {100 * self.ngram_share:.0f}%"
             )
-        return line if self.overlap is None else f"{line}\n{self.overlap.line()}"
+        breakdowns = [b.line() for b in (self.overlap, self.phases, self.device_phases) if b is not None]
+        return "\n".join([line, *breakdowns])

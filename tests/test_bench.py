@@ -57,7 +57,8 @@ SPREAD_KEYS = {"mean", "sd", "min", "max"}
 RUN_KEYS = {
     "prompts", "seconds", "row_tokens", "new_tokens", "tokens_per_s", "speedup", "tau", "target_forwards",
     "target_forwards_per_token", "target_idle_fraction", "overlap", "verify_step_ms", "engine", "peak_memory_mib",
-    "run_memory_mib", "tree_budget", "draft_expansions", "plain_fraction", "ngram_share", "capture_s",
+    "run_memory_mib", "tree_budget", "draft_expansions", "plain_fraction", "ngram_share", "capture_s", "phases",
+    "device_phases",
 }
 LIMIT_KEYS = {
     "method", "device", "peak_gbps", "peak_source", "weight_mb", "kv_mb", "context_tokens", "floor_ms",
@@ -122,7 +123,9 @@ def test_runs_every_method_on_every_set_and_writes_the_results(finished):
         assert set(by_name["assisted"].tuning) == {"2", "4"}
         assert result.limit is not None and result.limit.peak_source == "given"
     markdown = (out / "results.md").read_text()
-    assert markdown.count("| swiftspec serial |") == 2 and "**Limit**" in markdown and "## Memory budget" in markdown
+    assert markdown.count("| swiftspec serial |") == 4 and "**Limit**" in markdown and "## Memory budget" in markdown
+    # a row per set in the method table and in the serial round's breakdown (the asynchronous engine has its own)
+    assert markdown.count("| swiftspec serial | host |") == 2 and "| swiftspec async | host |" not in markdown
     # The policy's choices, a column each (they were four numbers packed in one cell).
     assert "| tree T | draft fwd / round | plain rounds | n-gram share |" in markdown
     # The character tokenizer has no chat template: the prompts went in as plain text, and results.json says so.
@@ -136,7 +139,7 @@ def test_runs_every_method_on_every_set_and_writes_the_results(finished):
 def test_results_json_has_exactly_the_documented_keys(finished):
     _, out = finished
     data = json.loads((out / "results.json").read_text())
-    assert set(data) == REPORT_KEYS and data["schema_version"] == bench.SCHEMA_VERSION == 7
+    assert set(data) == REPORT_KEYS and data["schema_version"] == bench.SCHEMA_VERSION == 8
     assert set(data["environment"]) == ENVIRONMENT_KEYS
     assert set(data["pair"]) == PAIR_KEYS
     assert set(data["config"]) == CONFIG_KEYS

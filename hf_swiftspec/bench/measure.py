@@ -207,7 +207,15 @@ def timed_run(method: Method, batch: PromptBatch, harness: Harness) -> tuple[lis
         peak_memory_mib=peak,
         run_memory_mib=extra,
         capture_s=getattr(stats, "capture_s", None),  # (None also for an earlier revision's stats: compare_versions.py)
+        phases=per_round_ms(getattr(stats, "phases", None)),
+        device_phases=per_round_ms(getattr(stats, "device_phases", None)),
     )
+
+
+def per_round_ms(phases) -> dict | None:
+    """A round breakdown (stats.RoundPhases) as results.json keeps it; None where the call had none (the other
+    methods, the asynchronous engine, an earlier revision's stats)."""
+    return None if phases is None else phases.ms_per_round()
 
 
 def policy_choices(stats) -> dict:

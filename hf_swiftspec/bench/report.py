@@ -8,8 +8,9 @@ from dataclasses import asdict
 from importlib.util import find_spec
 from pathlib import Path
 
+from ..stats import PHASES
 from ..tools.options import TREE_OPTIONS
-from .schema import BatchResult, BenchReport, LimitReport, MemoryBudget, MethodResult, SetResult, Spread
+from .schema import BatchResult, BenchReport, LimitReport, MemoryBudget, MethodResult, PromptRun, SetResult, Spread
 
 
 def fmt(value: Spread | None, digits: int = 2, suffix: str = "") -> str:
@@ -60,6 +61,38 @@ def method_table(methods: list[MethodResult]) -> list[str]:
             f"{memory_text(m.weights_mib, m.run_memory_mib)} |"
         )
     return lines
+
+
+def mean_phases(runs: list[PromptRun], key: str) -> dict[str, float] | None:
+    """A method's round breakdown over its calls (`key`: "phases" or "device_phases"), in ms per round, each call
+    weighted by its rounds; None where no call has one."""
+    found = [getattr(run, key) for run in runs if getattr(run, key) is not None]
+    rounds = sum(p["rounds"] for p in found)
+    if not rounds:
+        return None
+    return {name: sum(p[name] * p["rounds"] for p in found) / rounds for name in ("round", *PHASES, "other")}
+
+
+def phase_table(methods: list[MethodResult]) -> list[str]:
+    """Where the serial round's time went, a row per method and clock (host; on CUDA also the device's stream)."""
+    rows = []
+    for m in methods:
+        for key, clock in (("phases", "host"), ("device_phases", "CUDA events")):
+            ms = mean_phases(m.runs, key)
+            if ms is not None:
+                cells = " | ".join(f"{ms[name]:.2f}" for name in ("round", *PHASES, "other"))
+                rows.append(f"| {m.label} | {clock} | {cells} |")
+    if not rows:
+        return []
+    names = " | ".join(name.replace("_", "-") for name in (*PHASES, "other"))
+    return [
+        "Where a serial round's time went, in ms per round (the phases and other sum to the round):",
+        "",
+        f"| method | clock | round | {names} |",
+        "|---|---|---|" + "---|" * (len(PHASES) + 1),
+        *rows,
+        "",
+    ]
 
 
 def limit_lines(limit: LimitReport) -> list[str]:
@@ -160,8 +193,8 @@ def batch_memory_lines(sets: list[SetResult]) -> list[str]:
 
 
 def markdown_report(report: BenchReport) -> str:
-    """results.md: a header saying what ran where, one table per prompt set and batch size, the
-    speed-up by batch size, the limit and the memory budget."""
+    """results.md: a header saying what ran where, one table per prompt set and batch size (and where the serial
+    round's time went), the speed-up by batch size, the limit and the memory budget."""
     pair, env, config = report.pair, report.environment, report.config
     tree = ", ".join(f"{k}={'auto' if v is None else v}" for k, v in pair.settings.items() if k in TREE_OPTIONS)
     cut = (
@@ -193,6 +226,7 @@ def markdown_report(report: BenchReport) -> str:
         lines += [f"From `{result.source}`; warm-up prompt {result.warmup_prompt}.", ""]
         for batch in result.batches:
             lines += (batch_heading(batch) if batched else []) + method_table(batch.methods) + [""]
+            lines += phase_table(batch.methods)
             if batch.batch_size == 1 and result.limit is not None:
                 lines += limit_lines(result.limit)
     if batched and report.sets:

@@ -14,7 +14,7 @@ import torch
 
 from ..stats import SwiftSpecStats
 
-SCHEMA_VERSION = 7  # 7: PromptRun.capture_s; 6: PromptRun.overlap; 5: BenchConfig.eagle3; 4: MethodResult.weights_mib; 3: a batch dimension (SetResult.batches), PromptRun.prompts / row_tokens / engine
+SCHEMA_VERSION = 8  # 8: PromptRun.phases / device_phases; 7: PromptRun.capture_s; 6: PromptRun.overlap; 5: BenchConfig.eagle3; 4: MethodResult.weights_mib; 3: a batch dimension (SetResult.batches), PromptRun.prompts / row_tokens / engine
 DEFAULT_METHODS = ("target", "assisted", "prompt_lookup", "swiftspec_serial", "swiftspec_async")
 # Timed only when asked for (--methods): swiftspec_compiled (compile=True) compiles its layers first (tens of seconds
 # on a CPU).
@@ -172,6 +172,10 @@ class PromptRun:
     peak_memory_mib: dict[str, float]  # device -> peak during the call ("cpu": process RSS)
     run_memory_mib: dict[str, float]  # device -> peak minus what was resident before the call
     capture_s: float | None = None  # swiftspec: of `seconds`, spent capturing (or first compiling) steps' buckets
+    # swiftspec's serial round: where its time went (stats.RoundPhases.ms_per_round: clock, rounds, then the round
+    # and each phase in ms per round, other last); device_phases: on CUDA, the same phases on the device's stream
+    phases: dict | None = None
+    device_phases: dict | None = None
 
 
 @dataclass

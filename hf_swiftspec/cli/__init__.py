@@ -2,6 +2,7 @@
 
     swiftspec generate [--pair ID] [PROMPT]        stream a completion, then one statistics line
     swiftspec generate --compare                   also time the target alone and print the speed-up
+    swiftspec generate --phases                    also print where each round's time went, phase by phase
     swiftspec pair create --target T --draft D DIR write a pair repo (config, tokenizer, model card)
     swiftspec pair check ID_OR_DIR                 check a pair without loading any weights
     swiftspec bench [--pair ID] [--prompts FILE]   time swiftspec against the peers, side by side
@@ -66,6 +67,7 @@ class GenerateOptions:
     top_p: float | None = None  # with do_sample only; None: 1.0
     seed: int = 0
     compare: bool = False
+    phases: bool = False  # also print the rounds' breakdown (SwiftSpecStats.phases, or the asynchronous overlap)
     device: str | None = None  # None: cuda:0 when there is a GPU, else cpu
     dtype: str | None = None  # None: float32 on CPU (exact and fast there), the checkpoint's own on GPU
     threads: int | None = None  # None: 1 per worker on CPU, torch's own on GPU (options.THREADS_HELP says why)
@@ -212,7 +214,16 @@ def run_generate(options: GenerateOptions) -> int:
         identical = out.tolist() == expected.tolist()
     print()
     print(statistics_line(model, run, baseline, identical), flush=True)
+    if options.phases:
+        print(breakdown_lines(model.swiftspec_stats), flush=True)
     return 0 if identical in (None, True) else 1
+
+
+def breakdown_lines(stats) -> str:
+    """--phases: where the call's rounds spent their time (the serial round's phases, on CUDA also on the device;
+    the asynchronous engine's overlap)."""
+    lines = [b.line() for b in (stats.phases, stats.device_phases, stats.overlap) if b is not None]
+    return "\n".join(f"[swiftspec] {line}" for line in lines) or f"[swiftspec] no round breakdown from engine {stats.engine}"
 
 
 def run_serve(args) -> int:
@@ -305,6 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=defaults.top_p, help="with --sample only (default: 1.0)")
     gen.add_argument("--seed", type=int, default=defaults.seed, help="sampling seed (default: %(default)s)")
     gen.add_argument("--compare", action="store_true", help="also time the target alone and print the speed-up")
+    gen.add_argument("--phases", action="store_true",
+                     help="also print where each round's time went, phase by phase (ms per round)")
     gen.add_argument("--device", default=defaults.device, help="device for both models (default: cuda:0 if present, else cpu)")
     gen.add_argument("--dtype", default=defaults.dtype, help="float32 | bfloat16 | float16 | auto (default: float32 on CPU, auto on GPU)")
     gen.add_argument("--threads", type=int, default=defaults.threads, help=THREADS_HELP)

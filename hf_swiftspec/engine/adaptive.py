@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ..drafters.drafting import Drafters
 from ..policy.goodput import GoodputPolicy
-from ..stats import SwiftSpecStats
+from ..stats import PhaseClock, SwiftSpecStats
 from ..steps.tree import Proposal
 from ..steps.verify import Verified
 from .request import BatchRows, DecodeRequest, DecodeResult
@@ -51,6 +51,8 @@ class AdaptiveSides:
     def __init__(self, target: TargetWorker, draft: Drafters, policy: GoodputPolicy):
         self.target, self.draft, self.policy = target, draft, policy
         self.samplers: list = []
+        self.clock = PhaseClock.on(target.device, policy.engines.clock)  # the round's phases (the stats' breakdown)
+        target.clock = self.clock  # the worker times its verification's phases on it
 
     def start(self, request: DecodeRequest) -> None:
         self.samplers = list(request.samplers)
@@ -69,15 +71,17 @@ class AdaptiveSides:
     def propose(self, rows: BatchRows) -> AdaptiveProposed:
         """1. draft: expand while more expansions are expected to raise tokens per second."""
         proposed = AdaptiveProposed([], rows=list(rows.live), setup_before=self.setup_s())
-        plan = self.policy.plan_round(len(rows.live), rows.live)
+        with self.clock.phase("policy"):
+            plan = self.policy.plan_round(len(rows.live), rows.live)
         if plan.quiet or (self.target.roots_known and self.policy.tree_budget is None):
             # plain rounds of late: verify the roots, build no proposal. And round 1, whose roots' logits came
             # with the prefill: plain, it emits their tokens with no forward at all, where a tree pays a whole
             # forward (1.6-2x a plain step on a CPU) and, if it misses, emits just as much. Its tree is worth
             # the next round's tree minus that round's root token: deferring it never loses a token.
-            proposed.proposals = self.draft.plain()
+            with self.clock.phase("select"):
+                proposed.proposals = self.draft.plain()
         else:
-            expand_and_choose(self.draft, self.policy, rows.live, plan.probing, proposed)
+            expand_and_choose(self.draft, self.policy, rows.live, plan.probing, proposed, self.clock)
         self.draft.counters.rounds += 1
         self.draft.counters.busy_s += time.perf_counter() - proposed.started
         return proposed
@@ -90,7 +94,8 @@ class AdaptiveSides:
     def accept(self, proposed: AdaptiveProposed, verified: list[Verified], keep: list[int]) -> None:
         """3. draft: keep each row's subtree under its last verified token, KV included."""
         staying = set(keep)
-        self.draft.accept(proposed.subtrees, [v if b in staying else None for b, v in enumerate(verified)])
+        with self.clock.phase("commit"):  # the draft's side of the commit: its re-root keeps the accepted KV
+            self.draft.accept(proposed.subtrees, [v if b in staying else None for b, v in enumerate(verified)])
 
     def observe(self, proposed: AdaptiveProposed, verified: list[Verified], round_s: float, first: bool) -> None:
         """4. the policy: the round's costs (round 1's roots came with the prefill: it times no verification;
@@ -98,12 +103,13 @@ class AdaptiveSides:
         proposal yielded."""
         untimed = first or self.setup_s() > proposed.setup_before
         verify_s = None if untimed else round_s - proposed.expanding_s - proposed.catch_up_s
-        self.policy.observe_round(
-            proposed.expansions, proposed.expanding_s, max(len(s) for s in proposed.subtrees), verify_s,
-            tokens=sum(len(v.tokens) for v in verified), catch_up_s=proposed.catch_up_s,
-            catch_up_tokens=proposed.caught_up,
-        )
-        self.policy.observe_outcomes(list(zip(proposed.rows, proposed.proposals, verified)))
+        with self.clock.phase("policy"):
+            self.policy.observe_round(
+                proposed.expansions, proposed.expanding_s, max(len(s) for s in proposed.subtrees), verify_s,
+                tokens=sum(len(v.tokens) for v in verified), catch_up_s=proposed.catch_up_s,
+                catch_up_tokens=proposed.caught_up,
+            )
+            self.policy.observe_outcomes(list(zip(proposed.rows, proposed.proposals, verified)))
 
     @property
     def roots_known(self) -> bool:
@@ -124,7 +130,8 @@ class AdaptiveSides:
         self.draft.absorb(other.draft)
 
     def stats(self, new_tokens: int, wall_s: float) -> SwiftSpecStats:
-        return SwiftSpecStats.collect(self.name, new_tokens, wall_s, self.target.counters, self.draft.counters)
+        return SwiftSpecStats.collect(self.name, new_tokens, wall_s, self.target.counters, self.draft.counters,
+                                      clock=self.clock)
 
 
 def setup_s(target: TargetWorker | None, draft: Drafters | None) -> float:
@@ -134,33 +141,45 @@ def setup_s(target: TargetWorker | None, draft: Drafters | None) -> float:
     return sum(g.setup_s for g in runners if g is not None)
 
 
-def expand_and_choose(draft: Drafters, policy, rows: list[int], probing: bool, proposed: AdaptiveProposed) -> None:
+def expand_and_choose(draft: Drafters, policy, rows: list[int], probing: bool, proposed: AdaptiveProposed,
+                      clock: PhaseClock) -> None:
     """Phase 1 of a round that may speculate: every row's candidates (its draft tree's best nodes and its
     suffix proposal), draft expansions while more are expected to raise tokens per second, then each
-    row's best nodes for the tree size the policy picks; into `proposed` (with the draft's timings)."""
+    row's best nodes for the tree size the policy picks; into `proposed` (with the draft's timings), each
+    part timed on `clock` as its phase."""
     round_start = proposed.started
-    offers = draft.offers(policy, policy.wants_suffix(rows))
-    candidates = draft.candidates(policy, offers)
-    while policy.keep_expanding(
+    keep_expanding, observe_gain = clock.timed("policy", policy.keep_expanding), clock.timed("policy", policy.observe_gain)
+    candidates_of = clock.timed("select", draft.candidates)
+    with clock.phase("select"):
+        offers = draft.offers(policy, policy.wants_suffix(rows))
+        candidates = draft.candidates(policy, offers)
+    while keep_expanding(
         proposed.expansions, time.perf_counter() - round_start, ranked_probs(candidates), probing,
         draft.catch_up_tokens,
     ):
+        if draft.model is None:  # draft-free: the root alone, nothing to catch up on or grow (RootOnly)
+            break
         before = time.perf_counter()
         if draft.catch_up_tokens:  # tokens the draft has not run: no expansion's cost
             proposed.caught_up = draft.catch_up_tokens
-            draft.catch_up()
+            with clock.phase("catch_up"):
+                draft.catch_up()
             proposed.catch_up_s += time.perf_counter() - before
             before = time.perf_counter()
-        if not draft.expand(within=policy.max_budget):
+        with clock.phase("expand"):
+            grew = draft.expand(within=policy.max_budget)
+        if not grew:
             break
         proposed.expanding_s += time.perf_counter() - before
-        grown = draft.candidates(policy, offers)
-        policy.observe_gain(proposed.expansions, ranked_probs(candidates), ranked_probs(grown), before - round_start)
+        grown = candidates_of(policy, offers)
+        observe_gain(proposed.expansions, ranked_probs(candidates), ranked_probs(grown), before - round_start)
         candidates, proposed.expansions = grown, proposed.expansions + 1
     if policy.fixed:  # both tree settings given: every subtree has tree_budget nodes
-        proposed.expansions += draft.top_up(policy.max_budget)
-        candidates = draft.candidates(policy, offers)
-    proposed.proposals = draft.proposals(policy, candidates, time.perf_counter() - round_start)
+        with clock.phase("expand"):
+            proposed.expansions += draft.top_up(policy.max_budget)
+        candidates = candidates_of(policy, offers)
+    with clock.phase("select"):
+        proposed.proposals = draft.proposals(policy, candidates, time.perf_counter() - round_start)
 
 
 def ranked_probs(candidates: list[Proposal]) -> list[list[float]]:

@@ -17,6 +17,10 @@ phases run on: the adaptive sides (engine/adaptive.py: the target's worker over
 its tree cache, the drafters, the goodput policy). How each forward runs, eagerly or replayed from a
 captured graph, is the steps' business (step.py, capture.py), not the round's. The asynchronous engine
 runs the same workers on another schedule (the draft grows while the target verifies).
+
+Each round is timed phase by phase on the sides' `PhaseClock` (stats.py): one_round opens and closes the
+round, the sides time their phases inside it, and the call's stats break the rounds' time down
+(`SwiftSpecStats.phases`).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ..steps.cache import keep_order
-from ..stats import SwiftSpecStats
+from ..stats import PhaseClock, SwiftSpecStats
 from ..steps.tree import Proposal
 from ..steps.verify import StopRule, Verified
 from .request import BatchRows, DecodeRequest, DecodeResult
@@ -48,6 +52,7 @@ class RoundSides(Protocol):
     """The phases of a round over one kind of models' state (see the module docstring)."""
 
     name: str  # the engine named in the stats
+    clock: PhaseClock  # times the round's phases (one_round opens and closes each round)
     roots_known: bool  # whether the rows' roots came with the prefill: the next round is their first
 
     def start(self, request: DecodeRequest) -> None:
@@ -91,13 +96,18 @@ class RoundRows(Protocol):
 def one_round(sides: RoundSides, rows: RoundRows) -> list[int]:
     """One round over every live row (see the module docstring); returns the cache rows that keep decoding
     (the others are done: the caller drops them from the rows and the sides)."""
+    clock = sides.clock
+    clock.begin_round()
     first = sides.roots_known
     proposed = sides.propose(rows)
     verified = sides.verify(proposed, rows)
-    keep = rows.fold_round(proposed, verified)
+    with clock.phase("bookkeeping"):
+        keep = rows.fold_round(proposed, verified)
     sides.accept(proposed, verified, keep)
     sides.observe(proposed, verified, time.perf_counter() - proposed.started, first=first)
-    rows.record_round(proposed, verified)
+    with clock.phase("bookkeeping"):
+        rows.record_round(proposed, verified)
+    clock.end_round()
     return keep
 
 

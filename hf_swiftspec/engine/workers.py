@@ -24,7 +24,7 @@ from ..steps.attention import routed_attention
 from ..steps.capture import StepRunner
 from ..steps.probes import describe
 from ..steps.recurrent import MAX_REPLAY, StateLog, new_cache
-from ..stats import TargetCounters
+from ..stats import PhaseClock, TargetCounters
 from ..steps.step import NO_LOGITS, RowQueries, model_step, run_step
 from ..steps.tree import Subtree, subtree_mask
 from ..steps.verify import Sampler, Verified, verify_tree
@@ -53,6 +53,7 @@ class TargetWorker:
         self.sequences: list[torch.Tensor] = []
         self.root_logits: list[torch.Tensor] | None = None  # per row (1, V): the prefill's, until the first verification
         self.counters = TargetCounters()
+        self.clock = PhaseClock()  # times verify/walk/commit inside the serial round's (AdaptiveSides gives its own)
         self.tap = None  # a FeatureTap (eagle3.py) when a drafter reads the target's hidden states
         self.prompt_features: list[torch.Tensor] | None = None  # per row (L_b, D), with a tap: the prompt's states
         self.root_features: list[torch.Tensor] | None = None  # per row (1, D): the prefill's root, like root_logits
@@ -143,7 +144,9 @@ class TargetWorker:
         """
         start = time.perf_counter()
         replayed = len(self.replay)  # run in front of row 0's nodes, in its tree slots [0, replayed)
-        logits = self.forward_subtrees(subtrees)  # per row (T_b, V)
+        walk = self.clock.timed("walk", walk)
+        with self.clock.phase("verify"):
+            logits = self.forward_subtrees(subtrees)  # per row (T_b, V)
         ran = self.cache.length
         verified: list[Verified | None] = []
         for b, subtree in enumerate(subtrees):
@@ -161,10 +164,11 @@ class TargetWorker:
         paths = [v.path if v else None for v in verified]
         if replayed and paths[0] is not None:
             paths[0] = list(range(replayed)) + [i + replayed for i in paths[0]]
-        self.cache.commit_rows(paths)
-        if self.states.active and verified[0] is not None:  # one row (recurrent.py)
-            self.follow_accepted_path(ran)
-        device_sync(self.device)
+        with self.clock.phase("commit"):  # with the wait for the device, which ends the target's side of the round
+            self.cache.commit_rows(paths)
+            if self.states.active and verified[0] is not None:  # one row (recurrent.py)
+                self.follow_accepted_path(ran)
+            device_sync(self.device)
         self.counters.verify_steps += sum(v is not None for v in verified)
         self.counters.busy_s += time.perf_counter() - start
         return verified

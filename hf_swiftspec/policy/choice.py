@@ -30,7 +30,8 @@ class EngineChoice:
     """Tokens per second each engine measured on this pair, averaged over calls, and the choice they make.
 
     rates: engine -> running average of new tokens per second of its calls; calls: engine -> calls run.
-    clock: what a call is timed with (seconds); a test gives one that advances by fixed costs per engine.
+    clock: what a call is timed with (seconds), and the serial round's phases (stats.PhaseClock); a test gives one
+        that advances by fixed costs per engine, or by a tick a reading (tests/test_breakdown.py).
     """
 
     rates: dict[str, float] = field(default_factory=dict)
