@@ -68,6 +68,20 @@ def test_rows_that_break_even_leave_the_goodputs_size_alone():
     assert sizes == [4, 4]
 
 
+def test_a_round_the_guard_made_plain_does_not_make_the_batch_go_quiet():
+    # Plain rounds in a row make a batch quiet (no proposals built, QUIET_AFTER); a round the guard made plain
+    # had trees the batch's goodput wanted, so it resets the streak instead.
+    policy = GoodputPolicy()
+    policy.batches[2] = BatchSize(CostModel(batch=2, expand_s=0.01, verify_s=dict(VERIFY_S), given=True), plain_streak=3)
+    policy.plan_round(2, [0, 1], guard=True)
+    # the goodput wants T = 2 (2 x the harmonic mean of 2 and 1.1 over 1.15 s: 2.47 tokens/s, a plain step 2), where
+    # the second row expects 1.1 < 1.15
+    assert policy.best_budget([[1.0, 1.0], [1.0, 0.1]], spent_s=0.0)[0] == 1
+    assert policy.plan.guarded == (1,)
+    policy.observe_round(expansions=1, draft_s=0.01, budget=1, verify_s=1.0)
+    assert policy.at(2).plain_streak == 0
+
+
 def test_a_row_that_never_breaks_even_makes_the_round_plain():
     # Its tree expects 1.05 tokens at T = 2 against the 1.15 a 2-node verification needs: it would decode
     # slower beside the other's tree than in a plain batch, and verifying its root alone would cost it the
