@@ -429,6 +429,7 @@ def test_serve_flags_reach_the_server_and_the_running_batch(monkeypatch, capsys)
     batch, the router's); --no-latency-guard to the running batch's engine; a share outside (0, 1] is refused."""
     from hf_swiftspec.cli import serve as serve_module
 
+    monkeypatch.setattr(batching.SpeculatingBatcher, "__init__", BATCHER_INIT)  # whatever server still lives beside
     threads = torch.get_num_threads()
     started_with, options = {}, []
     monkeypatch.setattr(compat, "serving_server", lambda: lambda **kwargs: started_with.update(kwargs))
