@@ -25,9 +25,10 @@ prices the smaller batch by what it measured at that size.
 A running batch (engine/continuous.py) plans its rounds with guard=True: the latency guard
 (policy/guard.py) caps the goodput's tree size at the largest one at which every row's expected tokens
 per verification, from its calibrated acceptance and its own scale (row_scale), over the
-verification's measured cost at that size, are at least a plain step's 1 token per c(1); so no row,
-the ones the draft predicts worst included, decodes slower than the batch would plainly. The round's
-plan says which rows bound it (RoundPlan.guarded), and the engine counts them.
+verification's measured cost at that size, are at least a plain step's 1 token per c(1) (less the
+tokens the row is ahead of plain steps so far: CallState.row_credit); so no row, the ones the draft
+predicts worst included, decodes slower than the batch would plainly. The round's plan says which
+rows bound it (RoundPlan.guarded), and the engine counts them.
 
 One policy serves every generate() call of a model object (SwiftSpecForCausalLM keeps it), so
 what it measured carries over: only the first call pays for learning that a draft, the suffix
