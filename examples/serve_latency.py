@@ -3,14 +3,18 @@
 Each server runs in its own process with one torch thread (swiftspec: --threads 1; transformers:
 OMP_NUM_THREADS=1), one after the other on the same machine. For 1, 4 and 16 concurrent clients,
 the clients send their share of the same prompts to a fresh server (non-streaming /v1/completions,
-greedy, a fixed max_tokens) with the real `openai` client; the table gives each request's latency (p50 / p99, seconds)
+a fixed max_tokens) with the real `openai` client; the table gives each request's latency (p50 / p99, seconds)
 and the total new tokens per second of the whole run, and checks that both servers answered every
-prompt with the same text.
+greedy prompt with the same text. Requests are greedy, or with --sampled-fraction F that share of them
+(every 1/F-th) samples (temperature 0.8, top_p 0.95, a seed per request): sampled answers are timed, not
+compared (the two servers draw differently).
 
     python examples/serve_latency.py                                   # the demo pair, 32 prompts
     python examples/serve_latency.py --clients 1,4 --requests 16 --max-tokens 48
     python examples/serve_latency.py --target-cb --swiftspec-cb        # both with --continuous-batching
     python examples/serve_latency.py --target-cb --swiftspec-cb --pair shape:smollm2-135m
+    python examples/serve_latency.py --target-cb --swiftspec-cb --sampled-fraction 0.25
+    python examples/serve_latency.py --target-cb --swiftspec-cb --no-latency-guard   # the running batch unguarded
 
 `--pair shape:NAME` serves random weights in a real model's shape (tools/models.REAL_SHAPES) with a
 draft of its first 2 layers and a character tokenizer, written to a temporary folder first: the
@@ -59,12 +63,24 @@ def start(command: list[str], port: int, model: str) -> tuple[subprocess.Popen, 
             time.sleep(0.5)
 
 
-def run_clients(client, model: str, prompts: list[str], clients: int, max_tokens: int) -> dict:
-    """Every prompt once, `clients` at a time: latencies, texts (by prompt index), wall time."""
+SAMPLING = {"temperature": 0.8, "top_p": 0.95}  # a sampled request's settings (and its own seed)
+
+
+def sampled_requests(count: int, fraction: float) -> set[int]:
+    """The requests (indices) that sample: every 1/fraction-th, spread over the run."""
+    if not 0 <= fraction <= 1:
+        raise SystemExit(f"--sampled-fraction {fraction}: give a share of the requests, from 0 to 1 (0.25: every 4th).")
+    return {i for i in range(count) if int((i + 1) * fraction) > int(i * fraction)}
+
+
+def run_clients(client, model: str, prompts: list[str], clients: int, max_tokens: int, sampled: set[int] = frozenset()) -> dict:
+    """Every prompt once, `clients` at a time (the `sampled` ones sampling with their index as seed): latencies,
+    texts (by prompt index), wall time."""
 
     def ask(index: int) -> tuple[int, float, str, int]:
+        settings = {**SAMPLING, "seed": index} if index in sampled else {"temperature": 0}
         start = time.perf_counter()
-        reply = client.completions.create(model=model, prompt=prompts[index], max_tokens=max_tokens, temperature=0)
+        reply = client.completions.create(model=model, prompt=prompts[index], max_tokens=max_tokens, **settings)
         return index, time.perf_counter() - start, reply.choices[0].text, reply.usage.completion_tokens
 
     start = time.perf_counter()
@@ -103,6 +119,9 @@ def main() -> int:
     parser.add_argument("--max-prompt-chars", type=int, default=400, help="the demo target reads 256 tokens")
     parser.add_argument("--target-cb", action="store_true", help="run the target with transformers' --continuous-batching")
     parser.add_argument("--swiftspec-cb", action="store_true", help="run swiftspec serve with --continuous-batching")
+    parser.add_argument("--sampled-fraction", type=float, default=0.0,
+                        help="share of the requests that sample (temperature 0.8, top_p 0.95, a seed each; default: none)")
+    parser.add_argument("--no-latency-guard", action="store_true", help="run swiftspec serve with --no-latency-guard")
     args = parser.parse_args()
     folder = tempfile.TemporaryDirectory()
     pair = shape_pair_folder(args.pair[len(SHAPE_PREFIX):], Path(folder.name)) if args.pair.startswith(SHAPE_PREFIX) else args.pair
@@ -112,13 +131,16 @@ def main() -> int:
     if len(texts) < args.requests + 4:
         raise SystemExit(f"{args.prompts} has {len(texts)} prompts; {args.requests + 4} distinct ones are needed.")
     warmup, prompts = texts[-4:], texts[: args.requests]
+    sampled = sampled_requests(args.requests, args.sampled_fraction)
+    greedy = [i for i in range(args.requests) if i not in sampled]
     servers = {
         "swiftspec serve": lambda port: [
             sys.executable, "-m", "hf_swiftspec.cli", "serve", pair, "--port", str(port), "--threads", "1",
             *(["--continuous-batching"] if args.swiftspec_cb else []),
+            *(["--no-latency-guard"] if args.no_latency_guard else []),
         ],
         "transformers serve (target)": lambda port: [
-            str(Path(sys.executable).parent / "transformers"), "serve", target, "--port", str(port), "--device", "cpu",
+            sys.executable, "-m", "transformers.cli.transformers", "serve", target, "--port", str(port), "--device", "cpu",
             "--dtype", "float32", *(["--continuous-batching"] if args.target_cb else []),
         ],
     }
@@ -132,24 +154,27 @@ def main() -> int:
                 # warm-up: 4 at once, so a batching server's first batch (transformers' continuous batching
                 # spends ~9 s on its first one here) is paid before the timing, by both servers alike
                 run_clients(client, model, warmup, len(warmup), args.max_tokens)
-                results[name][n] = run_clients(client, model, prompts, n, args.max_tokens)
+                results[name][n] = run_clients(client, model, prompts, n, args.max_tokens, sampled)
             finally:
                 process.terminate()
                 process.wait(30)
     print(
-        f"{args.pair}: {args.requests} requests of {args.max_tokens} new tokens ({args.prompts}), greedy, one torch thread per server; "
-        f"swiftspec {'--continuous-batching' if args.swiftspec_cb else 'sequential'}, "
+        f"{args.pair}: {args.requests} requests of {args.max_tokens} new tokens ({args.prompts}), "
+        f"{f'{len(sampled)} sampled ({SAMPLING}, a seed each), the rest greedy' if sampled else 'greedy'}, "
+        f"one torch thread per server; "
+        f"swiftspec {'--continuous-batching' if args.swiftspec_cb else 'sequential'}"
+        f"{' --no-latency-guard' if args.no_latency_guard else ''}, "
         f"target {'--continuous-batching' if args.target_cb else 'sequential'}"
     )
     print("| clients | server | p50 s | p99 s | tokens/s | speed-up (tokens/s) | p50 ratio | same text |")
     print("|---|---|---|---|---|---|---|---|")
     ours, theirs = results["swiftspec serve"], results["transformers serve (target)"]
     for n in counts:
-        same = sum(ours[n]["texts"][i] == theirs[n]["texts"][i] for i in range(args.requests))
+        same = sum(ours[n]["texts"][i] == theirs[n]["texts"][i] for i in greedy)
         for name, by_clients in results.items():
             r = by_clients[n]
             extra = (
-                f"{ours[n]['tokens_per_s'] / theirs[n]['tokens_per_s']:.2f}x | {theirs[n]['p50'] / ours[n]['p50']:.2f}x lower | {same}/{args.requests}"
+                f"{ours[n]['tokens_per_s'] / theirs[n]['tokens_per_s']:.2f}x | {theirs[n]['p50'] / ours[n]['p50']:.2f}x lower | {same}/{len(greedy)}"
                 if by_clients is ours else " | | "
             )
             print(f"| {n} | {name} | {r['p50']:.2f} | {r['p99']:.2f} | {r['tokens_per_s']:.1f} | {extra} |")

@@ -263,13 +263,14 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
             self.policies[key] = GoodputPolicy(tree_budget=self.config.tree_budget, draft_depth=self.config.draft_depth)
         return self.policies[key]
 
-    def continuous_engine(self):
+    def continuous_engine(self, latency_guard: bool = True):
         """An engine that decodes concurrent generate() calls (one sequence each) in one running batch, each
         speculating with trees the policy sizes for the batch it has: `generate(ids, swiftspec_engine=(engine,
         request_id))` from each caller's thread (what `swiftspec serve --continuous-batching` does); close()
-        it when done. ValueError where the pair cannot batch (a recurrent model, a placement on two devices)."""
+        it when done. ValueError where the pair cannot batch (a recurrent model, a placement on two devices).
+        latency_guard=False: trees sized for the batch's goodput alone (policy/guard.py says what the guard does)."""
         return continuous_engine(self.target, self.draft, self.config, self.placement, self.process_groups,
-                                 self.policy(), self.output_history)
+                                 self.policy(), self.output_history, latency_guard)
 
     def reset_policy(self) -> None:
         """Forget what the policy measured (e.g. after moving the models or changing threads)."""

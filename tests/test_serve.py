@@ -424,6 +424,38 @@ def test_serve_without_the_server_dependencies_says_what_to_install(monkeypatch,
     assert "pip install 'hf_swiftspec[serve]'" in capsys.readouterr().err
 
 
+def test_serve_flags_reach_the_server_and_the_running_batch(monkeypatch, capsys):
+    """--cb-max-memory-percent goes to transformers' server as its own flag of that name does (its continuous
+    batch, the router's); --no-latency-guard to the running batch's engine; a share outside (0, 1] is refused."""
+    from hf_swiftspec.cli import serve as serve_module
+
+    monkeypatch.setattr(batching.SpeculatingBatcher, "__init__", BATCHER_INIT)  # whatever server still lives beside
+    threads = torch.get_num_threads()
+    started_with, options = {}, []
+    monkeypatch.setattr(compat, "serving_server", lambda: lambda **kwargs: started_with.update(kwargs))
+    manager_of = serve_module.pair_model_manager
+    monkeypatch.setattr(serve_module, "pair_model_manager", lambda o, *a: options.append(o) or manager_of(o, *a))
+    try:
+        argv = ["serve", "swiftspec-demo-pystdlib", "--continuous-batching", "--cb-max-memory-percent", "0.3"]
+        assert main(argv) == 0 and main([*argv, "--no-latency-guard"]) == 0
+        assert main(["serve", "swiftspec-demo-pystdlib", "--cb-max-memory-percent", "60"]) == 1
+    finally:
+        torch.set_num_threads(threads)
+    assert started_with["cb_max_memory_percent"] == 0.3
+    assert [o.latency_guard for o in options] == [True, False]
+    assert "--cb-max-memory-percent 60.0: it is the share of free memory" in capsys.readouterr().err
+    from hf_swiftspec.tools.models import tiny_model
+
+    target = tiny_model("llama", seed=0)
+    for guard in (True, False):
+        batcher = batching.SpeculatingBatcher(SwiftSpecForCausalLM.from_models(target, None), latency_guard=guard)
+        try:
+            assert batcher.engine.latency_guard is guard
+            assert batcher.served.usage.totals()["latency_guard"]["on"] is guard
+        finally:
+            batcher.stop()
+
+
 @pytest.mark.parametrize("recurrent", ["draft", "target"])
 def test_a_pair_that_cannot_batch_is_routed_and_the_server_says_so(recurrent, tmp_path, monkeypatch):
     """Real folders the running batch cannot take, started as a user starts them: a pair whose draft is recurrent

@@ -232,7 +232,8 @@ def run_serve(args) -> int:
     options = ServeOptions(
         pair=args.pair, host=args.host, port=args.port, device=args.device, dtype=args.dtype, threads=args.threads,
         log_level=args.log_level, enable_cors=args.enable_cors, continuous_batching=args.continuous_batching,
-        settings=tree_overrides(args),
+        settings=tree_overrides(args), cb_max_memory_percent=args.cb_max_memory_percent,
+        latency_guard=args.latency_guard,
     )
     serve(options)
     return 0
@@ -366,6 +367,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="every request speculates inside one running batch, joining and leaving it between rounds (a pair "
         "that cannot batch: speculating alone, else in transformers' batch of the target); default: one "
         "request at a time, each speculating",
+    )
+    srv.add_argument(
+        "--cb-max-memory-percent", type=float, default=None, metavar="FRACTION",
+        help="with --continuous-batching, for a pair that cannot batch: the share of free memory (0 to 1) "
+        "transformers' continuous batch of the target gives its paged cache (default: transformers' own)",
+    )
+    srv.add_argument(
+        "--no-latency-guard", dest="latency_guard", action="store_false",
+        help="with --continuous-batching: size the running batch's trees for its goodput alone, without capping "
+        "them so that no request decodes slower than the batch would plainly (serving.md)",
     )
     add_tree_options(srv)
 

@@ -62,6 +62,8 @@ class SpeculationUsage:
         return {
             "requests": engine.served, "usage": engine.usage.as_dict(),
             "rounds_by_batch_size": {str(k): v for k, v in sorted(engine.rounds_by_batch.items())},
+            "latency_guard": {"on": engine.latency_guard, "rounds_lowered": engine.guarded_rounds,
+                              "rows_guarded": engine.guarded_rows},
         }
 
 
@@ -307,9 +309,9 @@ class SequentialServer(ServingManager):
 class SpeculatingBatcher(ServingManager):
     """Every request speculates in one running batch (--continuous-batching; see the module docstring)."""
 
-    def __init__(self, pair, served: Served | None = None):
+    def __init__(self, pair, served: Served | None = None, latency_guard: bool = True):
         super().__init__(pair, served)
-        self.engine = pair.continuous_engine()  # ValueError for a pair that cannot batch (the server routes it)
+        self.engine = pair.continuous_engine(latency_guard)  # ValueError for a pair that cannot batch (the server routes it)
         self.served.usage.engine = self.engine
 
     def stop(self, block: bool = True, timeout: float | None = None) -> None:

@@ -56,6 +56,15 @@ class ServeOptions:
     # the share of free memory transformers' own continuous batch (the router's, for a pair that cannot batch)
     # gives its paged cache; None: transformers' default (60% of RAM on a CPU)
     cb_max_memory_percent: float | None = None
+    latency_guard: bool = True  # the running batch caps its trees for its slowest row (policy/guard.py)
+
+    def __post_init__(self):
+        share = self.cb_max_memory_percent
+        if share is not None and not 0 < share <= 1:
+            raise ValueError(
+                f"--cb-max-memory-percent {share}: it is the share of free memory the paged cache may take, above 0 "
+                "and at most 1 (0.6 for 60%)."
+            )
 
 
 class ServedPair(SwiftSpecForCausalLM):
@@ -64,6 +73,7 @@ class ServedPair(SwiftSpecForCausalLM):
 
     served: Served | None = None  # what the app and the batching manager share (set by the model manager)
     sequential: bool = True  # `swiftspec serve` without --continuous-batching
+    latency_guard: bool = True  # ServeOptions.latency_guard (set by the model manager)
 
     def context(self) -> int | None:
         return context_length(self.target.config)
@@ -118,7 +128,7 @@ class ServedPair(SwiftSpecForCausalLM):
         if self.sequential:
             return SequentialServer(self, self.served)
         try:
-            return SpeculatingBatcher(self, self.served)
+            return SpeculatingBatcher(self, self.served, self.latency_guard)
         except ValueError as reason:
             why_not_batched = reason
         try:
@@ -160,6 +170,7 @@ def pair_model_manager(options: ServeOptions, device: str, served: Served | None
                 settings["revision"] = revision
             model = load_pair(name, name, device, options.dtype, model_class=ServedPair, **settings)
             model.served, model.sequential = served or Served(), not options.continuous_batching
+            model.latency_guard = options.latency_guard
             self.loading[model_id_and_revision] = model
             return model.tokenizer
 

@@ -48,8 +48,9 @@ class AdaptiveSides:
 
     name = "serial"
 
-    def __init__(self, target: TargetWorker, draft: Drafters, policy: GoodputPolicy):
+    def __init__(self, target: TargetWorker, draft: Drafters, policy: GoodputPolicy, latency_guard: bool = False):
         self.target, self.draft, self.policy = target, draft, policy
+        self.latency_guard = latency_guard  # the policy's latency guard sizes the trees (a running batch's rounds)
         self.samplers: list = []
         self.clock = PhaseClock.on(target.device, policy.engines.clock)  # the round's phases (the stats' breakdown)
         target.clock = self.clock  # the worker times its verification's phases on it
@@ -72,7 +73,7 @@ class AdaptiveSides:
         """1. draft: expand while more expansions are expected to raise tokens per second."""
         proposed = AdaptiveProposed([], rows=list(rows.live), setup_before=self.setup_s())
         with self.clock.phase("policy"):
-            plan = self.policy.plan_round(len(rows.live), rows.live)
+            plan = self.policy.plan_round(len(rows.live), rows.live, guard=self.latency_guard)
         if plan.quiet or (self.target.roots_known and self.policy.tree_budget is None):
             # plain rounds of late: verify the roots, build no proposal. And round 1, whose roots' logits came
             # with the prefill: plain, it emits their tokens with no forward at all, where a tree pays a whole

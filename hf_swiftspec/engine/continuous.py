@@ -12,7 +12,8 @@ every row it holds:
                hold the batch for its whole prefill); once prefilled, the running sides absorb its row
                (the rows already there are not copied: cache.absorb)
         one round over every row: propose, verify (each row with its own sampler, stops and budget),
-               record, accept, observe; the policy sizes the round's trees for the batch it has
+               record, accept, observe; the policy sizes the round's trees for the batch it has, under
+               its latency guard (policy/guard.py: no row's tree decodes it slower than a plain batch)
         rows that finished, failed or were cancelled leave both sides; their generate() calls return
 
 So a request speculates whatever else is decoding: alone, its trees are the lone call's; among
@@ -164,11 +165,12 @@ class ContinuousEngine:
     policy:        the pair's GoodputPolicy (kept across requests)
     build:         builds (TargetWorker, Drafters) for one request's row (launch.build_workers)
     finish:        called on the engine's thread with (request, result) when a row is done (output history)
+    latency_guard: whether the policy caps each round's tree size for its slowest row (policy/guard.py)
     """
 
-    def __init__(self, target, draft, policy, build, finish=None):
+    def __init__(self, target, draft, policy, build, finish=None, latency_guard: bool = True):
         self.target, self.draft, self.policy = target, draft, policy
-        self.build, self.finish = build, finish
+        self.build, self.finish, self.latency_guard = build, finish, latency_guard
         self.waiting: queue.Queue[Member | None] = queue.Queue()
         self.rows = RunningRows()
         self.sides: AdaptiveSides | None = None
@@ -182,6 +184,8 @@ class ContinuousEngine:
         self.usage_by_key: OrderedDict[str, RowUsage] = OrderedDict()  # the latest USAGE_KEPT finished requests'
         self.served = 0
         self.rounds_by_batch: Counter[int] = Counter()  # rounds run, by how many rows they verified
+        self.guarded_rounds = 0  # rounds whose tree size the latency guard lowered
+        self.guarded_rows = 0  # over those rounds, the rows it was lowered for (each round's RoundPlan.guarded)
         self.thread: threading.Thread | None = None
         self.closed = False
 
@@ -298,7 +302,7 @@ class ContinuousEngine:
         if self.routes is None:
             self.start_batch(target_worker, drafters)
         target_worker.tap = self.tap
-        sides = AdaptiveSides(target_worker, drafters, self.policy)
+        sides = AdaptiveSides(target_worker, drafters, self.policy, latency_guard=self.latency_guard)
         self.joining.append(Joining(member, sides, sides.start_in_pieces(member.request, PREFILL_PIECE)))
 
     def prefill_pieces(self) -> None:
@@ -352,6 +356,9 @@ class ContinuousEngine:
         """The round of engine/rounds.py over every row held, then the rows that are done leave."""
         self.rounds_by_batch[len(self.rows.live)] += 1
         keep = rounds.one_round(self.sides, self.rows)
+        guarded = len(self.policy.plan.guarded)
+        self.guarded_rounds += guarded > 0
+        self.guarded_rows += guarded
         if len(keep) < len(self.rows.live):
             self.leave(keep)
 

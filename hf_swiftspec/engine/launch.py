@@ -67,7 +67,7 @@ def decode_adaptive(target, draft, request: DecodeRequest, config: SwiftSpecConf
 
 
 def continuous_engine(target, draft, config: SwiftSpecConfig, placement: Placement | None, groups: Groups | None,
-                      policy: GoodputPolicy, history: OutputHistory | None) -> ContinuousEngine:
+                      policy: GoodputPolicy, history: OutputHistory | None, latency_guard: bool = True) -> ContinuousEngine:
     """An engine decoding concurrent one-sequence generate() calls in one running batch (engine/continuous.py;
     calls pass it as swiftspec_engine=(engine, key)). ValueError where the pair cannot share a batch."""
     if (placement is not None and placement.mode != "serial") or groups is not None:
@@ -87,7 +87,7 @@ def continuous_engine(target, draft, config: SwiftSpecConfig, placement: Placeme
     def finish(request: DecodeRequest, result: DecodeResult) -> None:
         remember_outputs(history, config, request, result)
 
-    return ContinuousEngine(target, draft, policy, build, finish)
+    return ContinuousEngine(target, draft, policy, build, finish, latency_guard)
 
 
 def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: Groups | None, batch_size: int = 1,

@@ -22,6 +22,14 @@ node more: each row reads its own KV), so at some batch size on a given machine 
 wins, and the policy finds it there and only there; as rows finish and the batch shrinks it
 prices the smaller batch by what it measured at that size.
 
+A running batch (engine/continuous.py) plans its rounds with guard=True: the latency guard
+(policy/guard.py) caps the goodput's tree size at the largest one at which every row's expected tokens
+per verification, from its calibrated acceptance and its own scale (row_scale), over the
+verification's measured cost at that size, are at least a plain step's 1 token per c(1) (less the
+tokens the row is ahead of plain steps so far: CallState.row_credit); so no row, the ones the draft
+predicts worst included, decodes slower than the batch would plainly. The round's plan says which
+rows bound it (RoundPlan.guarded), and the engine counts them.
+
 One policy serves every generate() call of a model object (SwiftSpecForCausalLM keeps it), so
 what it measured carries over: only the first call pays for learning that a draft, the suffix
 proposals or a tree size do not pay on this machine.
@@ -45,6 +53,7 @@ from dataclasses import dataclass, field
 from ..config import MAX_BUDGET
 from .costs import CostModel
 from .choice import EngineChoice
+from .guard import credit_after, latency_cap
 from ..steps.tree import Proposal, SuffixTree
 from ..steps.verify import Verified
 
@@ -190,6 +199,7 @@ class CallState:
     watching:     per row, suffix proposals of earlier rounds still followed down the emitted tokens
     suffix_every: per row, rounds between its suffix proposals; suffix_wait: rounds until its next one
     row_yield:    per row, (accepted, expected) tokens beyond the root of its verified trees, decayed
+    row_credit:   per row, tokens it got beyond what plain steps would have given it in the time (guard.py)
     new_tokens:   the most tokens a row may emit in this call (None: not said), what speculation can win back within
     """
 
@@ -197,11 +207,12 @@ class CallState:
     suffix_every: dict[int, int] = field(default_factory=dict)
     suffix_wait: dict[int, int] = field(default_factory=dict)
     row_yield: dict[int, tuple[float, float]] = field(default_factory=dict)
+    row_credit: dict[int, float] = field(default_factory=dict)
     new_tokens: int | None = None
 
     def forget_rows(self, rows: list[int]) -> None:
         """Drop what was kept for `rows` (requests that left a running batch: their ids do not come back)."""
-        for kept in (self.watching, self.suffix_every, self.suffix_wait, self.row_yield):
+        for kept in (self.watching, self.suffix_every, self.suffix_wait, self.row_yield, self.row_credit):
             for row in rows:
                 kept.pop(row, None)
 
@@ -215,6 +226,10 @@ class RoundPlan:
     probing:      this round probes: forced expansions, the probe's tree size
     timing_plain: this round verifies T = 1 to time a plain step at this batch size
     quiet:        this round is plain and builds no proposal (see QUIET_AFTER)
+    guard:        the latency guard caps the tree size (policy/guard.py; a running batch's rounds)
+    guarded:      the rows (positions in the batch) that would not have broken even at the goodput's tree
+                  size, so the guard lowered it, at the round's last sizing (empty: it did not)
+    row_ids:      the rows' ids, in plan_round's order
     """
 
     batch: int = 1
@@ -222,6 +237,9 @@ class RoundPlan:
     probing: bool = False
     timing_plain: bool = False
     quiet: bool = False
+    guard: bool = False
+    guarded: tuple[int, ...] = ()
+    row_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -295,7 +313,9 @@ class GoodputPolicy:
         self.suffix_rates = self.suffix.rates
 
     # ---- per round ----------------------------------------------------------------------------
-    def plan_round(self, batch: int = 1, rows: list[int] | None = None, probes: bool = True) -> RoundPlan:
+    def plan_round(
+        self, batch: int = 1, rows: list[int] | None = None, probes: bool = True, guard: bool = False
+    ) -> RoundPlan:
         """Plan a round of `batch` rows (`rows`: their ids, default 0..batch-1): whether it probes (forced
         expansions, the largest tree), times a plain step or stays quiet. Kept as `plan` for the round's
         choices, and returned.
@@ -304,8 +324,10 @@ class GoodputPolicy:
         first one's roots come with the prefill), so that plain decoding is priced by what it costs here.
         probes=False (an engine that overlaps drafting with verification, where the size is chosen by
         verification time alone): a round that neither probes nor times a plain step.
+        guard: cap the round's tree size by the latency guard (policy/guard.py).
         """
-        scales = [self.row_scale(r) for r in (rows if rows is not None else range(batch))]
+        rows = list(rows if rows is not None else range(batch))
+        scales = [self.row_scale(r) for r in rows]
         state = self.at(batch)
         state.rounds += 1
         probing = probes and state.rounds == state.next_probe
@@ -314,7 +336,7 @@ class GoodputPolicy:
             batch > 1 and state.plain_streak >= QUIET_AFTER and not probing and self.tree_budget is None
             and self.draft_depth is None and state.rounds % LOOK_EVERY != 0
         )
-        self.plan = RoundPlan(batch, scales, probing, timing_plain, quiet)
+        self.plan = RoundPlan(batch, scales, probing, timing_plain, quiet, guard, row_ids=rows)
         return self.plan
 
     def wants_suffix(self, rows: list[int]) -> list[bool]:
@@ -405,6 +427,12 @@ class GoodputPolicy:
             return T, expected[T - 1] / (spent_s + times[T - 1])
         rates = [e / (spent_s + t) for e, t in zip(expected, times)]
         best = max(range(len(rates)), key=rates.__getitem__)
+        if self.plan.guard:
+            scales = self.plan.row_scales if len(self.plan.row_scales) == len(rows) else [1.0] * len(rows)
+            per_row = [self.expected_tokens(probs, scale) for probs, scale in zip(rows, scales)]
+            credit = [self.call.row_credit.get(r, 0.0) for r in self.plan.row_ids] if len(self.plan.row_ids) == len(rows) else None
+            guarded = latency_cap(per_row, times, best + 1, credit)
+            best, self.plan.guarded = guarded.budget - 1, guarded.rows
         return best + 1, rates[best]
 
     def probe_size(self) -> int:
@@ -538,8 +566,9 @@ class GoodputPolicy:
             per_token = catch_up_s / catch_up_tokens
             self.catch_up_token_s = per_token if self.catch_up_token_s is None else 0.8 * self.catch_up_token_s + 0.2 * per_token
         state = self.at(self.plan.batch)
-        if not self.plan.quiet:
-            state.plain_streak = state.plain_streak + 1 if budget == 1 and not self.plan.probing else 0
+        if not self.plan.quiet:  # (a round the latency guard made plain had trees that paid the batch: no streak)
+            plain = budget == 1 and not self.plan.probing and not self.plan.guarded
+            state.plain_streak = state.plain_streak + 1 if plain else 0
         if verify_s is None:
             if self.plan.probing:
                 state.next_probe = state.rounds + 1
@@ -553,6 +582,8 @@ class GoodputPolicy:
         """Fold in one round's (row, proposal, walk) of every row: draft nodes by score; suffix nodes by
         bucket, each one whose parent was accepted (the others were never tried)."""
         self.observe_batch_gain(outcomes)
+        if self.plan.guard:
+            self.observe_credit(outcomes)
         draft_seen: tuple[list[int], list[bool]] = ([], [])  # (bucket, accepted) of every node observed
         suffix_seen: tuple[list[int], list[bool]] = ([], [])
         for row, proposal, verified in outcomes:
@@ -592,6 +623,13 @@ class GoodputPolicy:
             ROW_DECAY * realized + B * B / sum(1.0 / g for g in got) - B,
             ROW_DECAY * predicted + B * B / sum(1.0 / e for e in expected) - B,
         )
+
+    def observe_credit(self, outcomes: list[tuple[int, Proposal, Verified]]) -> None:
+        """Fold each row's tokens of a round into its credit against plain steps (guard.py), at the round's price."""
+        budget = max(len(p.subtree) for _, p, _ in outcomes)
+        times = self.costs.verify_times(budget)
+        for row, _, verified in outcomes:
+            self.call.row_credit[row] = credit_after(self.call.row_credit.get(row, 0.0), len(verified.tokens), times, budget)
 
     def observe_row_yield(self, row: int, proposal: Proposal, verified: Verified) -> None:
         """Fold in what a verified tree was expected to yield beyond its root and what it did (rounds cut

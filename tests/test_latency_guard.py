@@ -1,0 +1,109 @@
+"""The latency guard (policy/guard.py): a running batch's tree size is capped at the largest one at which every
+row's expected tokens per verification, over the verification's cost, are at least a plain step's; it never
+changes a token. Prices are given (CostModel.given), so no wall clock decides what the policy picks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fixed_costs import given_costs
+from test_continuous import PROMPTS, pair_of, run_relay
+
+from hf_swiftspec.policy.costs import CostModel
+from hf_swiftspec.policy.goodput import BatchSize, GoodputPolicy
+from hf_swiftspec.policy.guard import credit_after, latency_cap
+
+# Two rows' candidates, best first (the root counts 1). The well-predicted row's draft is sure of its first
+# nodes; the badly predicted one's is not, and its trees so far yielded a quarter of what was expected:
+# its row_yield (accepted, expected) = (0, 6) gives it the scale (0 + 2) / (6 + 2) = 0.25 (ROW_PRIOR 2).
+GOOD = [1.0, 1.0, 1.0, 0.9, 0.5, 0.2, 0.0, 0.0]
+BAD = [1.0, 0.8, 0.4, 0.2, 0.1, 0.0, 0.0, 0.0]
+VERIFY_S = {1: 1.0, 2: 1.15, 4: 1.55, 8: 2.15}  # seconds per verification of 2 rows x T nodes
+
+
+def guarded_policy(guard: bool) -> GoodputPolicy:
+    policy = GoodputPolicy()
+    policy.batches[2] = BatchSize(CostModel(batch=2, expand_s=0.01, verify_s=dict(VERIFY_S), given=True))
+    policy.call.row_yield[1] = (0.0, 6.0)
+    policy.plan_round(2, [0, 1], guard=guard)
+    return policy
+
+
+def test_the_tree_size_is_capped_at_the_worst_rows_break_even():
+    # By hand: c(T) = 1.0, 1.15, 1.35 (between 2 and 4), 1.55 for T = 1..4, so a row breaks even at T when it
+    # expects c(T) / c(1) = 1.0, 1.15, 1.35, 1.55 tokens. The bad row expects 1 + 0.25 x (0.8, 1.2, 1.4) =
+    # 1.2, 1.3, 1.35 at T = 2, 3, 4: it breaks even at T = 2 (1.2 >= 1.15), not at 3 (1.3 < 1.35).
+    # The batch's goodput, 2 x the harmonic mean of (3, 1.3) over 1.35 s at T = 3 (2.69 tokens/s), beats
+    # T = 2's (2, 1.2) over 1.15 s (2.61): unguarded the batch verifies 3 nodes a row.
+    unguarded = guarded_policy(guard=False)
+    assert unguarded.best_budget([GOOD, BAD], spent_s=0.0)[0] == 3
+    assert unguarded.plan.guarded == ()
+    policy = guarded_policy(guard=True)
+    budget, rate = policy.best_budget([GOOD, BAD], spent_s=0.0)
+    assert budget == 2
+    assert policy.plan.guarded == (1,)  # the bad row bound it
+    assert rate == pytest.approx(2 * 2 / (1 / 2 + 1 / 1.2) / 1.15)  # priced at the size it verifies
+
+
+def test_a_row_ahead_of_plain_steps_pays_for_a_hard_round():
+    # The bad row got 2 tokens from a 2-node round (c(2) / c(1) = 1.15): it is 0.85 tokens ahead of plain
+    # steps, so at T = 3 it expects 0.85 + 1.3 >= 1.35 and the goodput's size stands.
+    policy = guarded_policy(guard=True)
+    policy.call.row_credit[1] = credit_after(0.0, 2, policy.costs.verify_times(2), 2)
+    assert policy.call.row_credit[1] == pytest.approx(0.85)
+    assert policy.best_budget([GOOD, BAD], spent_s=0.0)[0] == 3
+    assert policy.plan.guarded == ()
+    assert credit_after(0.1, 1, [1.0, 1.15], 2) == 0.0  # behind plain steps: no debt a plain round cannot repay
+
+
+def test_rows_that_break_even_leave_the_goodputs_size_alone():
+    sizes = []
+    for guard in (False, True):
+        policy = GoodputPolicy()
+        policy.batches[2] = BatchSize(CostModel(batch=2, expand_s=0.01, verify_s=dict(VERIFY_S), given=True))
+        policy.plan_round(2, [0, 1], guard=guard)  # both rows at scale 1: the bad row expects 2.4 at T = 4 (>= 1.55)
+        sizes.append(policy.best_budget([GOOD, BAD], spent_s=0.0)[0])
+        assert policy.plan.guarded == ()
+    assert sizes == [4, 4]
+
+
+def test_a_round_the_guard_made_plain_does_not_make_the_batch_go_quiet():
+    # Plain rounds in a row make a batch quiet (no proposals built, QUIET_AFTER); a round the guard made plain
+    # had trees the batch's goodput wanted, so it resets the streak instead.
+    policy = GoodputPolicy()
+    policy.batches[2] = BatchSize(CostModel(batch=2, expand_s=0.01, verify_s=dict(VERIFY_S), given=True), plain_streak=3)
+    policy.plan_round(2, [0, 1], guard=True)
+    # the goodput wants T = 2 (2 x the harmonic mean of 2 and 1.1 over 1.15 s: 2.47 tokens/s, a plain step 2), where
+    # the second row expects 1.1 < 1.15
+    assert policy.best_budget([[1.0, 1.0], [1.0, 0.1]], spent_s=0.0)[0] == 1
+    assert policy.plan.guarded == (1,)
+    policy.observe_round(expansions=1, draft_s=0.01, budget=1, verify_s=1.0)
+    assert policy.at(2).plain_streak == 0
+
+
+def test_a_row_that_never_breaks_even_makes_the_round_plain():
+    # Its tree expects 1.05 tokens at T = 2 against the 1.15 a 2-node verification needs: it would decode
+    # slower beside the other's tree than in a plain batch, and verifying its root alone would cost it the
+    # same rectangle (one forward of rows x T queries) for 1 token, so the whole round is plain.
+    guarded = latency_cap([[1.0, 2.0, 3.0], [1.0, 1.05, 1.08]], [1.0, 1.15, 1.35], budget=3)
+    assert guarded.budget == 1 and guarded.rows == (1,)
+
+
+def test_greedy_rows_under_the_guard_equal_target_generate():
+    """Six requests joining a running batch, priced so that trees cost much more than a plain step (seconds:
+    the wall clock's milliseconds of drafting do not move the choice): the guard lowers the tree size in some
+    rounds, and every answer is still target.generate's."""
+    pair = pair_of("llama")
+    given_costs(pair, expand_s=0.05, verify_s={1: 10.0, 2: 11.5, 4: 13.0, 8: 14.5, 16: 20.0}, batches=range(1, 7))
+    news = (20, 7, 33, 12, 1, 25)
+    engine = pair.continuous_engine()
+    try:
+        out = run_relay(pair, engine, PROMPTS, news, do_sample=False)
+    finally:
+        engine.close()
+    for i, prompt in enumerate(PROMPTS):
+        expected = pair.target.generate(torch.tensor([prompt]), max_new_tokens=news[i], do_sample=False)
+        assert out[i].tolist() == expected.tolist(), f"request {i}"
+    assert engine.guarded_rounds > 0 and engine.guarded_rows >= engine.guarded_rounds, (
+        engine.guarded_rounds, engine.rounds_by_batch)
