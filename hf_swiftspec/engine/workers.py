@@ -27,7 +27,7 @@ from ..steps.recurrent import MAX_REPLAY, StateLog, new_cache
 from ..stats import TargetCounters
 from ..steps.step import NO_LOGITS, RowQueries, model_step, run_step
 from ..steps.tree import Subtree, subtree_mask
-from ..steps.verify import Sampler, Verified, verify_tree
+from ..steps.verify import Sampler, Verified, verify_rows, verify_tree
 
 
 class TargetWorker:
@@ -145,17 +145,19 @@ class TargetWorker:
         replayed = len(self.replay)  # run in front of row 0's nodes, in its tree slots [0, replayed)
         logits = self.forward_subtrees(subtrees)  # per row (T_b, V)
         ran = self.cache.length
-        verified: list[Verified | None] = []
-        for b, subtree in enumerate(subtrees):
-            if subtree is None:
-                verified.append(None)
+        if walk is verify_tree:  # every row's choices in one read
+            verified = verify_rows(logits, subtrees, self.sequences, samplers, stopping_criteria, max_tokens)
+        else:
+            verified = [None if subtree is None else walk(logits[b], subtree, self.sequences[b], samplers[b],
+                                                          stopping_criteria[b], max_tokens[b])
+                        for b, subtree in enumerate(subtrees)]
+        for b, outcome in enumerate(verified):
+            if outcome is None:
                 continue
-            outcome = walk(logits[b], subtree, self.sequences[b], samplers[b], stopping_criteria[b], max_tokens[b])
             if self.tap is not None:
                 outcome.features = self.step_features[b][outcome.path]
             new = torch.tensor([outcome.tokens], dtype=self.sequences[b].dtype, device=self.device)
             self.sequences[b] = torch.cat([self.sequences[b], new], dim=1)
-            verified.append(outcome)
         if walked is not None:
             walked(verified)
         paths = [v.path if v else None for v in verified]
