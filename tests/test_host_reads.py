@@ -187,3 +187,19 @@ def test_the_hosts_view_decides_as_the_device_does(seed):
         logprobs = -torch.randint(1, 4, (leaves.shape[0], 3), generator=g).float() / 2  # ties, often
         T.add_children(tree, leaves, logprobs, torch.randint(0, 6, (leaves.shape[0], 3), generator=g))
         assert tree.view is None
+
+
+def test_a_recurrent_target_reads_no_more_for_its_replayed_tokens(monkeypatch):
+    """A hybrid target (Gated DeltaNet beside attention) rolls its states back after a partial acceptance and
+    replays the accepted tokens: which tokens those are is known on the host, not read back."""
+    from hf_swiftspec.tools import sweep
+    from test_recurrent import qwen35_shaped
+
+    target = qwen35_shaped(seed=1)
+    model = SwiftSpecForCausalLM.from_models(target, sweep.perturbed_copy(target, 0.05), tree_budget=5, draft_depth=4)
+    prompt = torch.randint(3, 512, (1, 12), generator=torch.Generator().manual_seed(0))
+    reads = RoundReads(monkeypatch)
+    out = model.generate(prompt, max_new_tokens=16, do_sample=False)
+    assert out.tolist() == sweep.own_generate(target, prompt, 16).tolist()
+    assert model.swiftspec_stats.replayed_tokens > 0
+    assert not reads.over(walk_and_expansions), reads.summary()

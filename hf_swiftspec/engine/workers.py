@@ -49,6 +49,7 @@ class TargetWorker:
         self.cache = new_cache(self.architecture, capacity, batch_size, runner and runner.pool)
         self.states = StateLog(self.cache)  # recurrent states: saved before each verification (recurrent.py)
         self.replay: list[int] = []  # accepted tokens whose states were rolled back: run before the next nodes
+        self.emitted: list[int] = []  # row 0's tokens since the prefill, host ints (what a replay re-runs, unread)
         self.attention_fallbacks: set[str] = set()  # why kernel-routed layers ran their own attention
         self.sequences: list[torch.Tensor] = []
         self.root_logits: list[torch.Tensor] | None = None  # per row (1, V): the prefill's, until the first verification
@@ -84,6 +85,7 @@ class TargetWorker:
             positions = (attention_mask.long().cumsum(-1) - 1).masked_fill_(attention_mask == 0, 1)
             starts = (L - attention_mask.long().sum(-1)).tolist()
         self.sequences = [c.to(self.device) for c in contexts] if contexts is not None else list(prompt.split(1))
+        self.emitted = []
         logits = model_step(self.model, self.cache, prompt, positions, attention_mask=attention_mask, keep=1)
         states = self.tap.take() if self.tap is not None else None
         self.prompt_prefilled(logits, [None if states is None else states[b, starts[b] :] for b in range(B)], starts)
@@ -96,6 +98,7 @@ class TargetWorker:
         prompt = prompt.to(self.device)
         length = prompt.shape[1]
         self.sequences = [c.to(self.device) for c in contexts] if contexts is not None else [prompt]
+        self.emitted = []
         states = []
         for start in range(0, length, piece):
             end = min(start + piece, length)
@@ -158,6 +161,8 @@ class TargetWorker:
                 outcome.features = self.step_features[b][outcome.path]
             new = torch.tensor([outcome.tokens], dtype=self.sequences[b].dtype, device=self.device)
             self.sequences[b] = torch.cat([self.sequences[b], new], dim=1)
+            if b == 0 and self.states.active:
+                self.emitted += outcome.tokens
         if walked is not None:
             walked(verified)
         paths = [v.path if v else None for v in verified]
@@ -246,7 +251,10 @@ class TargetWorker:
         if not rerun:
             return
         self.cache.truncate(committed - rerun)
-        self.replay = self.sequence[0, -rerun - 1 : -1].tolist()  # the sequence ends with the new root
+        # the sequence ends with the new root; its tokens since the prefill are on the host (a replay reaching
+        # into the prompt reads them)
+        tail = self.emitted[-rerun - 1 : -1] if rerun < len(self.emitted) else self.sequence[0, -rerun - 1 : -1].tolist()
+        self.replay = tail
         self.counters.replayed_tokens += rerun
         if rerun > MAX_REPLAY:
             first = committed - rerun - self.cache.starts[0]
