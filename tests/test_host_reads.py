@@ -25,7 +25,7 @@ PROMPTS = [
     "class Stack:\n    def __init__(self):\n",
     "x = [i for i in range(10)]\n",
 ]
-NEW = 48
+NEW = 32
 FIXED_TREE = dict(tree_budget=8, draft_depth=3)  # the draft model expands every round
 
 pytestmark = pytest.mark.skipif(DEMO is None, reason="model_cards/swiftspec-demo-pystdlib is missing")
@@ -134,7 +134,7 @@ def test_the_running_batch_reads_once_a_round(monkeypatch):
 
     model = load(DEMO)
     prompts = [model.tokenizer(p).input_ids for p in PROMPTS[:3]]
-    news = (40, 24, 30)
+    news = (30, 16, 20)
     engine = model.continuous_engine()
     try:
         run_relay(model, engine, prompts, news, at=(2, 2, 1), do_sample=False)  # warm: the policy's costs
