@@ -31,6 +31,7 @@ from ..steps.tree import (
     locate_child,
     new_tree,
     path_facts,
+    read_views,
     reroot,
     reset_tree,
     room_for_expansion,
@@ -107,6 +108,7 @@ class DraftModelDrafter:
         `within` nodes if given; only the rows `rows` marks, if given); returns how many leaves were
         expanded over all rows (0: none left, or the trees are full)."""
         queries, leaves_of, pending_of = [], [], []
+        read_views(self.trees)  # the last expansion's children, if no proposal read them since: one read
         for b, tree in enumerate(self.trees):
             leaves = select_leaves(tree, self.width, within, self.depth_room(b))
             if (rows is not None and not rows[b]) or not leaves.shape[0] or not room_for_expansion(
@@ -234,8 +236,10 @@ class DraftModelDrafter:
 
     def propose(self, b: int, max_nodes: int, max_depth: int | None, policy: GoodputPolicy) -> Proposal:
         """Row b's best `max_nodes` nodes (a connected subtree with the root), with their draft scores and the
-        policy's calibrated P(accepted) of each (one host sync). max_depth holds already: the tree never
-        grows a node past the models' context (`depth_room`)."""
+        policy's calibrated P(accepted) of each. max_depth holds already: the tree never grows a node past
+        the models' context (`depth_room`). The first row asked after an expansion reads every row's new
+        children (one host sync for the batch); the others, and rounds with no expansion, read nothing."""
+        read_views(self.trees)
         subtree, scores = select_subtree(self.trees[b], max_nodes, self.new_roots[b])
         return Proposal(subtree, policy.draft_probs(scores), scores, [-1] * len(scores), 0, ([], [], []))
 
@@ -261,7 +265,7 @@ class DraftModelDrafter:
             the next subtree is chosen below the new roots where they stand (`new_roots`) and sent first
             (the asynchronous draft's critical path). Nothing else may touch the trees or the cache before.
         """
-        paths: list[torch.Tensor | None] = []
+        paths: list[list[int] | torch.Tensor | None] = []
         roots: list[int | None] = []
         hits = 0
         for b, (subtree, outcome) in enumerate(zip(subtrees, verified)):
@@ -305,7 +309,7 @@ class DraftModelDrafter:
             self.follow_accepted_path(ran)
         return out
 
-    def reroot_row(self, b: int, subtree: Subtree, verified: Verified) -> tuple[torch.Tensor | None, int | None, bool]:
+    def reroot_row(self, b: int, subtree: Subtree, verified: Verified) -> tuple[list[int] | None, int | None, bool]:
         """accept for row b: (its path slots to commit, the node that becomes its root (None: the tree was
         reset), whether it was a hit)."""
         tree = self.trees[b]
@@ -318,7 +322,7 @@ class DraftModelDrafter:
         path = [nodes[i] for i in verified.path]  # draft-tree nodes: root + accepted (-1: not in this tree)
         facts = path_facts(tree, path, verified.tokens[-1])
         k = facts.ran  # nodes with draft KV
-        path_slots = torch.tensor(facts.slots, dtype=torch.long, device=self.device)
+        path_slots = facts.slots  # host ints: the commit moves them unread
         if facts.child is not None:  # the whole path was run on and the new root is in the tree: a hit
             self.counters.reroot_hits += 1
             if not facts.child_ran:  # a leaf: its subtree is itself, which a reset keeps for less

@@ -271,7 +271,8 @@ class Drafters:
         ]
 
     def candidates(self, policy: GoodputPolicy, offers: list[list[Proposal]]) -> list[Proposal]:
-        """Per row, the growing drafter's proposal as its tree stands (one host sync per row) with the row's
+        """Per row, the growing drafter's proposal as its tree stands (after an expansion, one host sync for the
+        batch: tree.read_views; none otherwise) with the row's
         `offers` (this round's, from offers()) merged in: every drafter's candidates as one tree, each node
         with its calibrated P(accepted)."""
         out = []

@@ -118,15 +118,17 @@ class HeadDrafter(DraftModelDrafter):
         return logprobs, self.model.target_ids(draft_ids)
 
     # ---- the verdict ---------------------------------------------------------------------------
-    def reroot_row(self, b: int, subtree: Subtree, verified: Verified) -> tuple[torch.Tensor | None, None, bool]:
+    def reroot_row(self, b: int, subtree: Subtree, verified: Verified) -> tuple[list[int] | torch.Tensor | None, None, bool]:
         """Keep the root's KV (computed from the target's states) if it ran; every verified token becomes
         pending with the target's states of the token before it; the last one is the new root."""
         tree = self.trees[b]
         with torch.no_grad():
             fused = self.model.fuse(verified.features)  # (m, H): states of the root and the accepted nodes
-        root_ran = tree.num_slots > 0 and bool(tree.expanded[0])
+        view = tree.view  # the host's (tree.py): nothing to read
+        root_ran = tree.num_slots > 0 and (view.expanded[0] if view is not None else bool(tree.expanded[0]))
         if root_ran:
-            path, pending, inputs = tree.kv_slot[:1].clone(), [], []
+            path = [view.kv_slot[0]] if view is not None else tree.kv_slot[:1].clone()
+            pending, inputs = [], []
         else:
             path, pending = None, self.pending[b] + [tree.root_token]
             inputs = [*self.pending_inputs[b], self.root_input[b]]

@@ -27,7 +27,7 @@ from ..steps.recurrent import MAX_REPLAY, StateLog, new_cache
 from ..stats import PhaseClock, TargetCounters
 from ..steps.step import NO_LOGITS, RowQueries, model_step, run_step
 from ..steps.tree import Subtree, subtree_mask
-from ..steps.verify import Sampler, Verified, verify_tree
+from ..steps.verify import Sampler, Verified, verify_rows, verify_tree
 
 
 class TargetWorker:
@@ -49,6 +49,7 @@ class TargetWorker:
         self.cache = new_cache(self.architecture, capacity, batch_size, runner and runner.pool)
         self.states = StateLog(self.cache)  # recurrent states: saved before each verification (recurrent.py)
         self.replay: list[int] = []  # accepted tokens whose states were rolled back: run before the next nodes
+        self.emitted: list[int] = []  # row 0's tokens since the prefill, host ints (what a replay re-runs, unread)
         self.attention_fallbacks: set[str] = set()  # why kernel-routed layers ran their own attention
         self.sequences: list[torch.Tensor] = []
         self.root_logits: list[torch.Tensor] | None = None  # per row (1, V): the prefill's, until the first verification
@@ -85,6 +86,7 @@ class TargetWorker:
             positions = (attention_mask.long().cumsum(-1) - 1).masked_fill_(attention_mask == 0, 1)
             starts = (L - attention_mask.long().sum(-1)).tolist()
         self.sequences = [c.to(self.device) for c in contexts] if contexts is not None else list(prompt.split(1))
+        self.emitted = []
         logits = model_step(self.model, self.cache, prompt, positions, attention_mask=attention_mask, keep=1)
         states = self.tap.take() if self.tap is not None else None
         self.prompt_prefilled(logits, [None if states is None else states[b, starts[b] :] for b in range(B)], starts)
@@ -97,6 +99,7 @@ class TargetWorker:
         prompt = prompt.to(self.device)
         length = prompt.shape[1]
         self.sequences = [c.to(self.device) for c in contexts] if contexts is not None else [prompt]
+        self.emitted = []
         states = []
         for start in range(0, length, piece):
             end = min(start + piece, length)
@@ -148,17 +151,21 @@ class TargetWorker:
         with self.clock.phase("verify"):
             logits = self.forward_subtrees(subtrees)  # per row (T_b, V)
         ran = self.cache.length
-        verified: list[Verified | None] = []
-        for b, subtree in enumerate(subtrees):
-            if subtree is None:
-                verified.append(None)
+        if walk is verify_tree:  # every row's choices in one read
+            verified = verify_rows(logits, subtrees, self.sequences, samplers, stopping_criteria, max_tokens)
+        else:
+            verified = [None if subtree is None else walk(logits[b], subtree, self.sequences[b], samplers[b],
+                                                          stopping_criteria[b], max_tokens[b])
+                        for b, subtree in enumerate(subtrees)]
+        for b, outcome in enumerate(verified):
+            if outcome is None:
                 continue
-            outcome = walk(logits[b], subtree, self.sequences[b], samplers[b], stopping_criteria[b], max_tokens[b])
             if self.tap is not None:
                 outcome.features = self.step_features[b][outcome.path]
             new = torch.tensor([outcome.tokens], dtype=self.sequences[b].dtype, device=self.device)
             self.sequences[b] = torch.cat([self.sequences[b], new], dim=1)
-            verified.append(outcome)
+            if b == 0 and self.states.active:
+                self.emitted += outcome.tokens
         if walked is not None:
             walked(verified)
         paths = [v.path if v else None for v in verified]
@@ -248,7 +255,10 @@ class TargetWorker:
         if not rerun:
             return
         self.cache.truncate(committed - rerun)
-        self.replay = self.sequence[0, -rerun - 1 : -1].tolist()  # the sequence ends with the new root
+        # the sequence ends with the new root; its tokens since the prefill are on the host (a replay reaching
+        # into the prompt reads them)
+        tail = self.emitted[-rerun - 1 : -1] if rerun < len(self.emitted) else self.sequence[0, -rerun - 1 : -1].tolist()
+        self.replay = tail
         self.counters.replayed_tokens += rerun
         if rerun > MAX_REPLAY:
             first = committed - rerun - self.cache.starts[0]

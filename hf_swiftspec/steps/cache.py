@@ -328,25 +328,29 @@ class TreeCache(Cache):
             in sequence order (a tensor, or host ints); they become its prefix positions
             [prefix_len, prefix_len + m). None: row b is left as it is.
         keeps[b]: (K,) tree-region slots to keep as row b's new tree region (the draft's surviving
-            subtree), in their new order; None or empty drops the rest of the row's tree.
-        One move per buffer for all rows.
+            subtree), in their new order (a tensor, or host ints); None or empty drops the rest of the row's tree.
+        One move per buffer for all rows; nothing read from the device.
         """
         keeps = keeps or [None] * len(paths)
         moves: list[tuple[int, torch.Tensor, int]] = []  # (row, source slots, first destination slot)
+        device = self.buffers[0].data.device if self.buffers else "cpu"
         for b, (path, keep) in enumerate(zip(paths, keeps)):
             if path is None:
                 continue
-            keep = keep if keep is not None and keep.numel() else None
-            if isinstance(path, list):  # host ints: a path already in place (a plain step's root) moves nothing
-                if keep is None and path == list(range(len(path))):
-                    self.prefix_lens[b] += len(path)
-                    self.lengths[b] = self.prefix_lens[b]
-                    continue
-                path = torch.tensor(path, dtype=torch.long, device=self.buffers[0].data.device if self.buffers else "cpu")
-            src = path if keep is None else torch.cat([path, keep])
-            m, n, prefix = path.shape[0], src.shape[0], self.prefix_lens[b]
-            if n and not torch.equal(src, torch.arange(n, device=src.device)):  # already in place: no move
-                moves.append((b, src + prefix, prefix))
+            keep = keep if keep is not None and len(keep) else None
+            if isinstance(path, list) and not isinstance(keep, torch.Tensor):
+                # host ints (the target's walk, the draft's path facts): a row already in place (a plain step's
+                # root) moves nothing, known without reading the device
+                src = path + (keep or [])
+                m, n, prefix = len(path), len(src), self.prefix_lens[b]
+                if src != list(range(n)):
+                    moves.append((b, torch.tensor(src, dtype=torch.long, device=device) + prefix, prefix))
+            else:  # slots on the device: moved (a move in place copies a few slots onto themselves) unread
+                path = torch.as_tensor(path, dtype=torch.long, device=device)
+                src = path if keep is None else torch.cat([path, torch.as_tensor(keep, dtype=torch.long, device=device)])
+                m, n, prefix = path.shape[0], src.shape[0], self.prefix_lens[b]
+                if n:
+                    moves.append((b, src + prefix, prefix))
             self.prefix_lens[b] = prefix + m
             self.lengths[b] = prefix + n
         if moves and self.buffers:

@@ -7,10 +7,17 @@ has a lower index than its child) form a connected subtree containing the root.
 
 A node is *expanded* once the draft has run on it: its draft KV then sits at `kv_slot` in the
 draft cache's tree region and its children (the draft's top-k next tokens) are in the tree.
+
+The host keeps a `TreeView` of the live nodes (host lists): the choices a round makes on the tree (the
+leaves to expand, the subtree to verify, the re-root's facts and kept nodes) are made from it, never by
+reading the device. Only an expansion's children (tokens and scores the draft chose on the device) are
+new to the host: `read_views` reads every stale tree of a batch in one sync; a re-root or reset edits
+the view on the host as it edits the tensors.
 """
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +38,8 @@ class TokenTree:
     size:      live nodes (host int)
     num_slots: expanded nodes = used KV slots (host int)
     root_token: token of the root (host int)
+    view:      the live nodes as host lists (TreeView), or None while the device holds nodes the host has
+               not read (an expansion's children: read_views)
     """
 
     tokens: torch.Tensor
@@ -44,10 +53,71 @@ class TokenTree:
     size: int = 1
     num_slots: int = 0
     root_token: int = 0
+    view: "TreeView | None" = None
 
     @property
     def capacity(self) -> int:
         return self.tokens.shape[0]
+
+
+@dataclass
+class TreeView:
+    """A TokenTree's live nodes as host lists (one entry per node; the fields of TokenTree with its name).
+    scores: float32 values, exactly (the host does float32 arithmetic on them as the device does: `f32`)."""
+
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+    scores: list[float]
+    expanded: list[bool]
+    kv_slot: list[int]
+
+    @staticmethod
+    def root(token: int) -> "TreeView":
+        return TreeView([token], [-1], [0], [0.0], [False], [-1])
+
+    def below(self, root: int) -> list[bool]:
+        """Whether each node is `root` or under it (parents precede children)."""
+        inside = [False] * len(self.parents)
+        inside[root] = True
+        for i in range(root + 1, len(self.parents)):
+            p = self.parents[i]
+            inside[i] = p >= 0 and inside[p]
+        return inside
+
+    def best_first(self, scores: list[float] | None = None) -> list[int]:
+        """Node indices by score, best first, ties towards the lower index (the device's stable sort)."""
+        scores = self.scores if scores is None else scores
+        return sorted(range(len(scores)), key=lambda i: (-scores[i], i))
+
+
+def f32(x: float) -> float:
+    """x rounded to float32: a difference of two float32 values computed in float64 and rounded once more
+    is the float32 difference exactly (float64 has more than twice float32's precision), as the device has it."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def read_views(trees: list[TokenTree]) -> None:
+    """Give every tree whose view is stale (after an expansion) its view: one host sync for them all."""
+    stale = [t for t in trees if t.view is None]
+    if not stale:
+        return
+    parts = [
+        torch.cat([
+            torch.stack([t.tokens[: t.size], t.parents[: t.size], t.depths[: t.size], t.expanded[: t.size].long(),
+                         t.kv_slot[: t.size]]).double().flatten(),  # ids and slots are exact in float64
+            t.scores[: t.size].double(),
+        ])
+        for t in stale
+    ]
+    values = torch.cat(parts).tolist()
+    start = 0
+    for t in stale:
+        n = t.size
+        ints = [int(v) for v in values[start : start + 5 * n]]
+        t.view = TreeView(ints[:n], ints[n : 2 * n], ints[2 * n : 3 * n], values[start + 5 * n : start + 6 * n],
+                          [bool(e) for e in ints[3 * n : 4 * n]], ints[4 * n : 5 * n])
+        start += 6 * n
 
 
 @dataclass
@@ -89,6 +159,10 @@ def reset_tree(tree: TokenTree, root_token: int) -> None:
     if tree.size == 1 and tree.num_slots == 0:  # a lone unexpanded root: nothing else was set since
         tree.tokens[0] = root_token
         tree.root_token = root_token
+        if tree.view is not None:
+            tree.view.tokens[0] = root_token
+        else:
+            tree.view = TreeView.root(root_token)
         return
     clear_tree(tree, root_token)
 
@@ -105,6 +179,7 @@ def clear_tree(tree: TokenTree, root_token: int) -> None:
     tree.ancestors[: tree.size, : tree.size] = False  # only live nodes ever set a bit
     tree.ancestors[0, 0] = True
     tree.size, tree.num_slots, tree.root_token = 1, 0, root_token
+    tree.view = TreeView.root(root_token)
 
 
 def select_leaves(tree: TokenTree, width: int, within: int | None = None, below_depth: int | None = None,
@@ -117,8 +192,13 @@ def select_leaves(tree: TokenTree, width: int, within: int | None = None, below_
     verify; none left means that subtree is final.
     below_depth: only leaves shallower than this (their children must still fit the context).
     fixed: return exactly `width` indices with no host sync (a capturable step: the schedule guarantees
-        that many leaves); else as many as there are (one sync: how many).
+        that many leaves); else as many as there are (from the host's view: no sync; one without it: how many).
     """
+    view = tree.view
+    if view is not None and not fixed:
+        order = view.best_first()[:within]
+        leaves = [n for n in order if not view.expanded[n] and (below_depth is None or view.depths[n] < below_depth)]
+        return torch.tensor(leaves[:width], dtype=torch.long, device=tree.tokens.device)
     order = torch.sort(tree.scores[: tree.size], descending=True, stable=True).indices
     if within is not None:
         order = order[:within]
@@ -143,6 +223,7 @@ def expansion_inputs(tree: TokenTree, leaves: torch.Tensor, prefix_len: int):
     one of its ancestors.
     """
     w = leaves.shape[0]
+    tree.view = None  # the children the expansion adds are the device's
     slots = torch.arange(tree.num_slots, tree.num_slots + w, device=leaves.device)
     tree.kv_slot[leaves] = slots
     tree.slot_nodes[slots] = leaves
@@ -165,6 +246,7 @@ def add_children(tree: TokenTree, leaves: torch.Tensor, child_logprobs: torch.Te
     start, end = tree.size, tree.size + w * k
     if end > tree.capacity:
         raise RuntimeError(f"token tree overflow: {end} nodes > capacity {tree.capacity}")
+    tree.view = None  # the children's tokens and scores are the device's until read_views
     new = torch.arange(start, end, device=leaves.device)
     parents = leaves[:, None].expand(w, k).reshape(-1)
     tree.tokens[start:end] = child_tokens.reshape(-1)
@@ -184,6 +266,7 @@ def graft_node(tree: TokenTree, parent: int, token: int) -> int:
     node = tree.size
     if node >= tree.capacity:
         raise RuntimeError(f"token tree overflow: {node + 1} nodes > capacity {tree.capacity}")
+    tree.view = None  # its score is the device's
     live = slice(0, node)
     siblings = torch.where(tree.parents[live] == parent, tree.scores[live], tree.scores[parent])
     tree.tokens[node] = token
@@ -209,16 +292,33 @@ def select_subtree(tree: TokenTree, budget: int, root: int = 0) -> tuple[Subtree
 
     root: the node to select below as if the tree were re-rooted there (scores relative to it), before
     reroot() moves it to index 0 (the asynchronous draft chooses the next subtree before it re-roots).
-    One host sync (none for a lone root; two below another root): the target's verification walk needs
-    tokens and parents on the host.
+    From the host's view (no sync); without one, one host sync (two below another root): the target's
+    verification walk needs tokens and parents on the host.
     """
     if tree.size == 1:
         return Subtree(node_ids=[0], tokens=[tree.root_token], parents=[-1]), [0.0]
+    if tree.view is not None:
+        return view_subtree(tree.view, budget, root)
     node_ids, parents_local = best_node_ids(tree, budget, root)
     scores = tree.scores[node_ids] - tree.scores[root] if root else tree.scores[node_ids]
     rows = torch.stack([node_ids, tree.tokens[node_ids], parents_local, scores.double()])
     ids, tokens, parents, scores = rows.tolist()
     return Subtree(node_ids=[int(i) for i in ids], tokens=[int(t) for t in tokens], parents=[int(p) for p in parents]), scores
+
+
+def view_subtree(view: TreeView, budget: int, root: int = 0) -> tuple[Subtree, list[float]]:
+    """select_subtree from the host's view: best_node_ids' choice, node for node."""
+    scores = view.scores
+    if root:
+        inside = view.below(root)
+        scores = [s if b else float("-inf") for s, b in zip(scores, inside)]
+        budget = min(budget, sum(inside))
+    node_ids = sorted(view.best_first(scores)[:budget])
+    local = {node: i for i, node in enumerate(node_ids)}
+    parents = [local.get(view.parents[n], -1) if view.parents[n] >= 0 else -1 for n in node_ids]
+    base = view.scores[root]
+    chosen = [f32(view.scores[n] - base) if root else view.scores[n] for n in node_ids]
+    return Subtree(node_ids=node_ids, tokens=[view.tokens[n] for n in node_ids], parents=parents), chosen
 
 
 def best_node_ids(tree: TokenTree, budget: int, root: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -382,7 +482,7 @@ def locate_child(tree: TokenTree, node: int, token: int) -> int | None:
 
 @dataclass
 class PathFacts:
-    """What re-rooting along an accepted path needs of the tree, read in one host sync (path_facts).
+    """What re-rooting along an accepted path needs of the tree (path_facts: from the host's view, else one sync).
 
     ran:   how many of the path's first nodes the draft has run (their KV is in the tree region)
     slots: those nodes' KV slots (ran,)
@@ -399,10 +499,15 @@ class PathFacts:
 def path_facts(tree: TokenTree, path: list[int], token: int) -> PathFacts:
     """PathFacts of `path` (node ids, root first; -1 for a node the tree does not hold, which ends its
     run part) and `token`, the target's next one. One host sync: the tree's nodes read at once (a few
-    hundred ints), then looked up on the host instead of a dozen small device ops."""
-    parents, tokens, expanded, slots = torch.stack(
-        [tree.parents[: tree.size], tree.tokens[: tree.size], tree.expanded[: tree.size].long(), tree.kv_slot[: tree.size]]
-    ).tolist()
+    hundred ints), then looked up on the host instead of a dozen small device ops; none from the host's view."""
+    if tree.view is not None:
+        view = tree.view
+        parents, tokens, expanded, slots = view.parents, view.tokens, view.expanded, view.kv_slot
+    else:
+        parents, tokens, expanded, slots = torch.stack(
+            [tree.parents[: tree.size], tree.tokens[: tree.size], tree.expanded[: tree.size].long(),
+             tree.kv_slot[: tree.size]]
+        ).tolist()
     ran = next((j for j, node in enumerate(path) if node < 0 or not expanded[node]), len(path))
     child = None
     if ran == len(path):
@@ -412,8 +517,16 @@ def path_facts(tree: TokenTree, path: list[int], token: int) -> PathFacts:
 
 
 def kept_nodes(tree: TokenTree, new_root: int) -> torch.Tensor:
-    """The nodes (n,) reroot(tree, new_root) keeps, increasing, the new root first: node kept[i] becomes i."""
+    """The nodes (n,) reroot(tree, new_root) keeps, increasing, the new root first: node kept[i] becomes i
+    (from the host's view: no sync)."""
+    if tree.view is not None:
+        return torch.tensor(kept_ids(tree.view, new_root), dtype=torch.long, device=tree.tokens.device)
     return tree.ancestors[: tree.size, new_root].nonzero().flatten()
+
+
+def kept_ids(view: TreeView, new_root: int) -> list[int]:
+    """kept_nodes on the host: `new_root` and the nodes under it, increasing."""
+    return [i for i, inside in enumerate(view.below(new_root)) if inside]
 
 
 def reroot(tree: TokenTree, new_root: int, keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -421,14 +534,21 @@ def reroot(tree: TokenTree, new_root: int, keep: torch.Tensor | None = None) -> 
     answer, if the caller has it).
 
     Returns the old KV slots (K,) of the surviving expanded nodes, in their new slot order, so the
-    draft cache can move their KV behind the new prefix in the same gather as the verified path.
+    draft cache can move their KV behind the new prefix in the same gather as the verified path: host ints
+    where the host has the tree's view (which it re-roots alike: nothing read), else a tensor.
     """
+    view = tree.view
     keep = kept_nodes(tree, new_root) if keep is None else keep  # (n,) increasing, root first
     n = keep.shape[0]
     remap = torch.full((tree.size,), -1, dtype=torch.long, device=keep.device)
     remap[keep] = torch.arange(n, device=keep.device)
     old_slots = tree.kv_slot[keep]
-    kept_slots = old_slots[old_slots >= 0].sort().values  # (K,)
+    if view is not None:
+        kept_host = kept_ids(view, new_root)
+        slots_host = sorted(view.kv_slot[i] for i in kept_host if view.kv_slot[i] >= 0)
+        kept_slots = torch.tensor(slots_host, dtype=torch.long, device=keep.device)  # (K,)
+    else:
+        kept_slots = old_slots[old_slots >= 0].sort().values  # (K,)
     slot_remap = torch.full((max(tree.num_slots, 1),), -1, dtype=torch.long, device=keep.device)
     slot_remap[kept_slots] = torch.arange(kept_slots.shape[0], device=keep.device)
 
@@ -449,4 +569,24 @@ def reroot(tree: TokenTree, new_root: int, keep: torch.Tensor | None = None) -> 
     num_kept = kept_slots.shape[0]
     tree.slot_nodes[:num_kept] = remap[tree.slot_nodes[kept_slots]]
     tree.size, tree.num_slots = n, num_kept
-    return kept_slots
+    if view is None:
+        return kept_slots
+    tree.view = rerooted_view(view, new_root, kept_host, slots_host)
+    return slots_host
+
+
+def rerooted_view(view: TreeView, new_root: int, kept: list[int], kept_slots: list[int]) -> TreeView:
+    """The view of the tree reroot() leaves: nodes `kept` (increasing, new_root first) renumbered in order,
+    the expanded ones' KV slots `kept_slots` (old slot numbers) renumbered in theirs; values as the device
+    computes them (scores in float32)."""
+    node = {old: new for new, old in enumerate(kept)}
+    slot = {old: new for new, old in enumerate(kept_slots)}
+    depth, score = view.depths[new_root], view.scores[new_root]
+    return TreeView(
+        tokens=[view.tokens[i] for i in kept],
+        parents=[-1] + [node[view.parents[i]] for i in kept[1:]],
+        depths=[view.depths[i] - depth for i in kept],
+        scores=[f32(view.scores[i] - score) for i in kept],
+        expanded=[view.expanded[i] for i in kept],
+        kv_slot=[slot[view.kv_slot[i]] if view.kv_slot[i] >= 0 else -1 for i in kept],
+    )

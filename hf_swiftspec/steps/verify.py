@@ -257,13 +257,43 @@ def walk_path(choice: list[int], children: dict[tuple[int, int], int], max_token
 def walk_rows(logits, children: dict, context, sampler: Sampler, stopping_criteria, max_tokens: int) -> Verified:
     """The walk when no processor depends on the path: every row processed and chosen at once
     (one host sync), then the walk itself on the host, then the stopping criteria on its prefixes."""
+    tokens, scores = choose_nodes(logits, children, context, sampler)
+    return walk_to_stop(walk_path(tokens.tolist(), children, max_tokens), scores, logits, context, stopping_criteria,
+                        max_tokens)  # fmt: skip
+
+
+def choose_nodes(logits, children: dict, context, sampler: Sampler) -> tuple[torch.Tensor, torch.Tensor]:
+    """For path-free processors: the target's choice (T,) after every node and the processed scores (T, V),
+    on the device (nothing read)."""
     depths = [0] * len(logits)
     for (parent, _), child in children.items():
         depths[child] = depths[parent] + 1  # children come after their parents
     # processors may write into the scores they get: give them a copy, or nothing to copy when there are none
-    tokens, scores = sampler.choose_rows(context, logits.clone() if sampler.logits_processor else logits, depths)
-    return walk_to_stop(walk_path(tokens.tolist(), children, max_tokens), scores, logits, context, stopping_criteria,
-                        max_tokens)  # fmt: skip
+    return sampler.choose_rows(context, logits.clone() if sampler.logits_processor else logits, depths)
+
+
+def verify_rows(logits: list, subtrees: list, contexts: list, samplers: list[Sampler], stopping_criteria: list,
+                max_tokens: list[int]) -> list[Verified | None]:
+    """verify_tree for every row of a batch (None where the row's subtree is None), the choices of all the
+    path-free rows read in one host sync: a round's walks cost one read, not one a row.
+
+    logits[b]: (T_b, V) row b's logits at its subtree's nodes; contexts[b]: (1, L_b) its committed sequence."""
+    children = [None if s is None else children_of(s.parents, s.tokens) for s in subtrees]
+    together = [b for b, s in enumerate(subtrees) if s is not None and samplers[b].path_free]
+    chosen = {b: choose_nodes(logits[b], children[b], contexts[b], samplers[b]) for b in together}
+    choices = torch.cat([chosen[b][0] for b in together]).tolist() if together else []
+    out: list[Verified | None] = []
+    start = 0
+    for b, subtree in enumerate(subtrees):
+        if subtree is None:
+            out.append(None)
+        elif b in chosen:
+            walked = walk_path(choices[start : start + len(subtree)], children[b], max_tokens[b])
+            start += len(subtree)
+            out.append(walk_to_stop(walked, chosen[b][1], logits[b], contexts[b], stopping_criteria[b], max_tokens[b]))
+        else:
+            out.append(walk_nodes(logits[b], children[b], contexts[b], samplers[b], stopping_criteria[b], max_tokens[b]))
+    return out
 
 
 def walk_to_stop(out: Verified, scores: torch.Tensor, logits: torch.Tensor, context: torch.Tensor,
