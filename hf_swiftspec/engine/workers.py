@@ -147,13 +147,14 @@ class TargetWorker:
         """
         start = time.perf_counter()
         replayed = len(self.replay)  # run in front of row 0's nodes, in its tree slots [0, replayed)
-        walk = self.clock.timed("walk", walk)
         with self.clock.phase("verify"):
             logits = self.forward_subtrees(subtrees)  # per row (T_b, V)
         ran = self.cache.length
         if walk is verify_tree:  # every row's choices in one read
-            verified = verify_rows(logits, subtrees, self.sequences, samplers, stopping_criteria, max_tokens)
+            with self.clock.phase("walk"):
+                verified = verify_rows(logits, subtrees, self.sequences, samplers, stopping_criteria, max_tokens)
         else:
+            walk = self.clock.timed("walk", walk)
             verified = [None if subtree is None else walk(logits[b], subtree, self.sequences[b], samplers[b],
                                                           stopping_criteria[b], max_tokens[b])
                         for b, subtree in enumerate(subtrees)]
