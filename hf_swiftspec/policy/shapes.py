@@ -73,9 +73,11 @@ class ShapeMenu:
         for shape in self.shapes:
             if shape not in self.prices:
                 return shape
-        if len(self.shapes) > 1 and self.rounds % self.retry == 0:
-            return self.shapes[(self.rounds // self.retry) % len(self.shapes)]
-        return max(self.shapes, key=lambda s: self.prices[s].rate)
+        best = max(self.shapes, key=lambda s: self.prices[s].rate)
+        others = [s for s in self.shapes if s != best]
+        if others and self.rounds % self.retry == 0:
+            return others[(self.rounds // self.retry) % len(others)]
+        return best
 
     def observe(self, shape: Shape, tokens: int, seconds: float | None) -> None:
         """Fold in one round of `shape` (seconds None: not timed, e.g. the first round after the prefill)."""
