@@ -10,7 +10,7 @@ what varies (how many nodes are live, how many tokens were accepted) rides in te
 and padding. Each equals its host twin (tree.best_node_ids / subtree_mask, verify.walk_path /
 walk_to_stop, cache.TreeCache.commit_rows), which tests/test_device_round.py checks on random trees.
 
-Not yet used by the round (engine/): the next step wires them in.
+engine/device_sides.py runs the round of them (SwiftSpecConfig round="device").
 """
 
 from __future__ import annotations
