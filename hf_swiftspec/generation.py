@@ -106,8 +106,7 @@ def swiftspec_generate(
         )
     if config.round == "device":  # asked for: exact, or a ValueError saying why (never the target's loop instead)
         check_device_round(config, model, swiftspec_draft, architectures, logits_processor, swiftspec_placement,
-                           swiftspec_groups, swiftspec_engine is not None,
-                           reasons + [f"the target {limit.reason}" for limit in reached if limit.beyond != "plain"])
+                           swiftspec_groups, swiftspec_engine is not None, reasons)
     if reasons:
         return decode_with_target_loop(
             model, input_ids, logits_processor, stopping_criteria, generation_config, swiftspec_streamer,

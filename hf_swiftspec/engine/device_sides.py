@@ -79,7 +79,9 @@ def device_round_gaps(config, target, draft, architectures, logits_processor, pl
     if config.capture is True or config.compile or config.attention == "kernel":
         gaps.append("its forwards run eagerly over 4D masks: capture=True, compile=True and attention='kernel' are not "
                     "honoured; leave them at their defaults")
-    if (placement is not None and placement.mode != "serial") or groups is not None:
+    if (placement is not None and placement.mode != "serial") or groups is not None or (
+        draft is not None and draft.device != target.device
+    ):
         gaps.append("it runs both models on one device, serially; load the pair with placement='serial'")
     if joins_running_batch:
         gaps.append("the server's running batch runs the host round")
