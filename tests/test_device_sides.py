@@ -16,6 +16,7 @@ from hf_swiftspec.tools.models import char_tokenizer, left_padded, random_prompt
 from sync_counter import SyncCounter
 
 DEVICE = dict(round="device", ngram_size=0)
+FIXED = dict(draft_depth=3, draft_width=2, tree_budget=6)  # one shape: what a round accepts follows no clock
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,7 @@ def pairs():
     for arch in ("llama", "qwen3"):
         target = tiny_model(arch, seed=0)
         target.generation_config.eos_token_id = None  # each test names the EOS it stops at
-        out[arch] = target, SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), **DEVICE)
+        out[arch] = target, SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), **DEVICE, **FIXED)
     return out
 
 
@@ -105,6 +106,28 @@ def test_sampling_draws_what_the_host_round_draws():
                                            **kwargs).tolist()
     assert device.swiftspec_stats.engine == "device" and host.swiftspec_stats.engine == "serial"
     assert drawn.tolist() != device.generate(ids, do_sample=False, **kwargs).tolist()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_replayed_phases_decode_as_the_eager_ones(arch):
+    """capture=True on a CPU replays both phases from the emulating stand-in (steps/phase_graphs.py), whose replay
+    calls the phase captured in the first round again: every prefix length, root, budget, EOS id and noise must reach
+    it as an input, or a later round reuses the first's and decodes other tokens. Greedy equals target.generate
+    (rows leaving: a new batch shape, captured anew), and a seed draws the host round's tokens."""
+    target = tiny_model(arch, seed=0)
+    target.generation_config.eos_token_id = None
+    draft = truncated_draft(target, 2)
+    pair = SwiftSpecForCausalLM.from_models(target, draft, capture=True, **DEVICE, **FIXED)
+    ids, mask = batch(seed=1)
+    free = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=24)
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=24, eos_token_id=int(free[1, ids.shape[1] + 9]))
+    assert pair.generate(ids, **kwargs).tolist() == target.generate(ids, **kwargs).tolist()
+    assert "replayed phases, emulate" in pair.swiftspec_stats.attention and "eager:" not in pair.swiftspec_stats.attention
+    assert len(pair.swiftspec_stats.rounds) > 4  # graphs replayed (2 phases x a few row counts were captured)
+    host = SwiftSpecForCausalLM.from_models(target, draft, ngram_size=0)
+    sampled = dict(attention_mask=mask, max_new_tokens=16, do_sample=True, temperature=0.9, top_k=20)
+    assert pair.generate(ids, generator=torch.Generator().manual_seed(2), **sampled).tolist() == host.generate(
+        ids, generator=torch.Generator().manual_seed(2), **sampled).tolist()
 
 
 def test_output_scores_are_generates():
