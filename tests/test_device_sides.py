@@ -185,17 +185,18 @@ def test_the_menu_prices_shapes_by_measured_rounds():
         ShapeMenu.of(3, 5, 9, room=2)
 
 
-@pytest.mark.parametrize("width", [1, 2])
-def test_a_draft_equal_to_the_target_has_its_whole_chain_accepted(width):
+@pytest.mark.parametrize("width,capture", [(1, False), (2, False), (2, True)])
+def test_a_draft_equal_to_the_target_has_its_whole_chain_accepted(width, capture):
     """With the target as its own draft, the tree of depth 3 (all of it verified) holds the target's own greedy
     continuation, so every round but the call's last accepts 3 nodes in every row (at width 2 the greedy path can
-    fall out of the tree, a second child's path outscoring it, so: most rounds, and 26 tokens in 8 rounds at most): the draft's cache holds exactly
-    the committed sequence after each round (its commit of the nodes it ran, moved from their tree slots at width 2,
-    its catch-up on the last one, the rows' prefixes)."""
+    fall out of the tree, a second child's path outscoring it, so: most rounds, and 26 tokens in 8 rounds at most):
+    the draft's cache holds exactly the committed sequence after each round (its commit of the nodes it ran, moved
+    from their tree slots at width 2, its catch-up on the last one, the rows' prefixes). Replayed (capture=True), a draft input baked into the growth's
+    graph would grow the first round's tree again: the tokens stay the target's, but acceptance drops."""
     target = tiny_model("llama", seed=0)
     target.generation_config.eos_token_id = None
     pair = SwiftSpecForCausalLM.from_models(target, tiny_model("llama", seed=0), draft_width=width, draft_depth=3,
-                                            tree_budget=1 + 3 * width, **DEVICE)
+                                            tree_budget=1 + 3 * width, capture=capture, **DEVICE)
     ids, mask = batch(seed=3)
     kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=26)
     assert pair.generate(ids, **kwargs).tolist() == target.generate(ids, **kwargs).tolist()

@@ -277,8 +277,8 @@ class DeviceSides:
         one read."""
         start = time.perf_counter()
         sub, depth = proposed.subtree, proposed.shape.depth
-        criteria = rows.criteria()
-        inputs = dict(prefix_lens=self.rows.prefix_lens, roots=self.rows.roots, max_tokens=self.tensor(rows.budgets()),
+        criteria, budgets = rows.criteria(), rows.budgets()
+        inputs = dict(prefix_lens=self.rows.prefix_lens, roots=self.rows.roots, max_tokens=self.tensor(budgets),
                       eos=self.eos(criteria), **subtree_tensors(sub))
         if self.models.sample:
             inputs["noise"] = self.noise(sub.tokens.shape[1], depth)
@@ -290,6 +290,8 @@ class DeviceSides:
         kept = [after[name].clone() if name in after else None for name in ("scores", "logits")]  # replays overwrite
         verified = []
         for b, (count, finished, *rest) in enumerate(read):
+            count = min(count, budgets[b])  # the walk's own cut: the host holds it to it, so a row always ends
+            finished = finished or count == budgets[b]
             tokens, path = rest[:count], rest[T : T + count]
             subtree = Subtree(rest[2 * T : 3 * T], rest[3 * T : 4 * T], rest[4 * T :])
             proposed.proposals.append(Proposal(subtree, probs=[], scores=[], suffix=[-1] * T))
