@@ -52,6 +52,11 @@ class SwiftSpecConfig(PreTrainedConfig):
             round. None (default): on for placement="auto", off for a placement you named (the asynchronous
             engine, as asked); True / False: on / off.
             `swiftspec_stats.engine_choice` says which engine a call ran and why.
+        round: where a serial round's selection, walk and commit run: "host" (default: the adaptive round,
+            every drafter, architecture and processor) or "device" (engine/device_sides.py: the draft model
+            grows a fixed (depth, width, T) shape a round from a small menu priced by measured rounds, and the
+            host reads the device once a round; only where that is exact: full-attention models with a draft
+            model, path-free processors, ngram_size=0; elsewhere generate() raises a ValueError saying why).
     """
 
     model_type = "swiftspec"
@@ -75,6 +80,7 @@ class SwiftSpecConfig(PreTrainedConfig):
         compile: bool = False,
         capture: str | bool = "auto",
         serial_fallback: bool | None = None,
+        round: str = "host",
         **kwargs,
     ):
         self.target = target
@@ -94,6 +100,7 @@ class SwiftSpecConfig(PreTrainedConfig):
         self.compile = compile
         self.capture = capture
         self.serial_fallback = serial_fallback
+        self.round = round
         super().__init__(**kwargs)
         self.validate_tree_settings()
 
@@ -133,6 +140,11 @@ class SwiftSpecConfig(PreTrainedConfig):
         if self.serial_fallback not in (None, True, False):
             raise ValueError(
                 f"SwiftSpecConfig.serial_fallback={self.serial_fallback!r}; use None (on for placement='auto'), True or False."
+            )
+        if self.round not in ("host", "device"):
+            raise ValueError(
+                f"SwiftSpecConfig.round={self.round!r}; use 'host' (the default, every pair and call) or 'device' "
+                "(one host read a round, for full-attention pairs with a draft model)."
             )
         if not isinstance(self.compile, bool):
             raise ValueError(f"SwiftSpecConfig.compile must be True or False, got {self.compile!r}.")

@@ -33,6 +33,7 @@ from .models.compat import (
 from .config import SwiftSpecConfig
 from .engine import DecodeRequest, DecodeResult
 from .engine.distributed import Groups
+from .engine.device_sides import check_device_round
 from .engine.launch import batch_exactness_gaps, decode_adaptive, draft_architecture, remember_outputs
 from .steps.capture import Captures
 from .engine.placement import Placement
@@ -103,6 +104,9 @@ def swiftspec_generate(
             f"This request cannot join the server's speculating batch: {'; '.join(reasons) or reached[0].reason} "
             f"(it reaches {slots} slots). Ask for fewer new tokens (max_tokens) or send a shorter prompt."
         )
+    if config.round == "device":  # asked for: exact, or a ValueError saying why (never the target's loop instead)
+        check_device_round(config, model, swiftspec_draft, architectures, logits_processor, swiftspec_placement,
+                           swiftspec_groups, swiftspec_engine is not None, reasons)
     if reasons:
         return decode_with_target_loop(
             model, input_ids, logits_processor, stopping_criteria, generation_config, swiftspec_streamer,

@@ -9,7 +9,7 @@ be captured as one CUDA graph and replayed with new prefix lengths and roots cop
 
 Today's drafter (engine/workers.py) grows best-first from the host instead: it picks leaves
 (tree.select_leaves), builds each expansion's inputs and reads the candidates back, four reads and
-three boolean-mask selections a round. Not yet used by the round: the next step wires this in.
+three boolean-mask selections a round. engine/device_sides.py (round="device") grows with this.
 
 The KV lives in a `SlotCache` (steps/slot_cache.py): per row, the committed prefix, then node i of the
 round's tree at slot prefix_len + i. Models with full attention only (slot_cache.py says why).

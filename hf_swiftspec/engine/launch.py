@@ -25,6 +25,7 @@ from ..steps.verify import batch_dependent
 from .adaptive import run_serial, setup_s
 from .asynchronous import run_threads
 from .continuous import ContinuousEngine
+from .device_sides import run_device
 from .distributed import Groups, agree_engine, run_distributed, run_serial_distributed
 from .placement import Placement
 from .request import DecodeRequest, DecodeResult, RowResult
@@ -47,6 +48,8 @@ def decode_adaptive(target, draft, request: DecodeRequest, config: SwiftSpecConf
     """The adaptive round (engine/adaptive.py, or an asynchronous engine) over the two workers; chains
     instead of trees where `chain_reasons` say this call needs them. architectures: the models' (probes.describe),
     when the caller has them. captures: the pair's replayed forwards, kept across calls (None: every step eager)."""
+    if config.round == "device":  # generation.py's check_device_round cleared the call
+        return run_device(target, draft, request, config)
     batch = request.batch_size
     length = request.prompt.shape[1] + request.max_new_tokens
     if groups is not None and len(groups.my_ranks) > 1:

@@ -10,7 +10,7 @@ what varies (how many nodes are live, how many tokens were accepted) rides in te
 and padding. Each equals its host twin (tree.best_node_ids / subtree_mask, verify.walk_path /
 walk_to_stop, cache.TreeCache.commit_rows), which tests/test_device_round.py checks on random trees.
 
-Not yet used by the round (engine/): the next step wires them in.
+engine/device_sides.py runs the round of them (SwiftSpecConfig round="device").
 """
 
 from __future__ import annotations
@@ -174,7 +174,8 @@ def walk_device(choices: torch.Tensor, subtree: DeviceSubtree, max_tokens: torch
     choices:    (B, T) long the target's choice after each node (greedy_choices / sampled_choices)
     max_tokens: (B,) long tokens each row may still emit; fold max_length in on the host
                 (min(max_new_tokens left, max_length - sequence length)): walk_to_stop's length rule is that cut
-    eos:        (E,) long EOS ids, or None. Other stopping criteria (stop strings, max_time, custom ones) read
+    eos:        (E,) long EOS ids, or (B, E) each row's (-1: no id; a row that is done and decodes on has none),
+                or None. Other stopping criteria (stop strings, max_time, custom ones) read
                 the decoded text or the clock: the host applies them to the read result, as walk_to_stop does.
     The walk follows at most T nodes: T - 1 fixed-shape gathers, no read.
     """
@@ -191,7 +192,8 @@ def walk_device(choices: torch.Tensor, subtree: DeviceSubtree, max_tokens: torch
     count = (path < T).sum(dim=1).clamp(max=max_tokens.clamp(min=0))
     emitted = choices.gather(1, path.clamp(max=T - 1))
     if eos is not None and eos.numel():
-        stops = torch.isin(emitted, eos) & (j < count[:, None])
+        hits = torch.isin(emitted, eos) if eos.dim() == 1 else (emitted[:, :, None] == eos[:, None, :]).any(-1)
+        stops = hits & (j < count[:, None])
         first_stop = torch.where(stops, j, T).amin(dim=1)  # (B,) T: none
         count = torch.minimum(count, first_stop + 1)
         finished = first_stop < T

@@ -7,8 +7,8 @@ all C slots through an additive 4D mask (transformers passes a 4D mask through u
 in it follows a length and the host reads nothing: prefix lengths are device tensors.
 
 Models with full attention only: a sliding window or a slot rule would need the rules steps/attention.py
-applies, and a recurrent state the rollback of steps/recurrent.py. Not yet used by the round (engine/):
-the next step wires these in (cache.TreeCache's fixed steps hold the same layout with host lengths).
+applies, and a recurrent state the rollback of steps/recurrent.py. engine/device_sides.py runs the device round
+over two of them, the target's and the draft's (cache.TreeCache's fixed steps hold the same layout with host lengths).
 """
 
 from __future__ import annotations

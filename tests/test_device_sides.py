@@ -1,0 +1,206 @@
+"""round="device" (engine/device_sides.py): the draft model's growth, the selection, the target's verification,
+the walk and both caches' commits on the device, read once a round, decode exactly as target.generate does
+(greedy, float32) on two full-attention architectures, one sequence and a left-padded batch, with EOS,
+max_new_tokens and stop strings (rows that decode on after theirs); sampling draws what the host round draws under
+the same seed (its rule: the target's distribution, test_sampling.py); and a call it cannot decode exactly is a
+ValueError naming why, never a silent fallback."""
+
+import pytest
+import torch
+from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+
+from hf_swiftspec import SwiftSpecConfig, SwiftSpecForCausalLM
+from hf_swiftspec.engine import rounds
+from hf_swiftspec.policy.shapes import Shape, ShapeMenu
+from hf_swiftspec.tools.models import char_tokenizer, left_padded, random_prompts, tiny_model, truncated_draft
+from sync_counter import SyncCounter
+
+DEVICE = dict(round="device", ngram_size=0)
+FIXED = dict(draft_depth=3, draft_width=2, tree_budget=6)  # one shape: what a round accepts follows no clock
+
+
+@pytest.fixture(scope="module")
+def pairs():
+    """Per architecture: the target, and its pair on the device round (the draft cut from the target's first two
+    layers, so it agrees often)."""
+    out = {}
+    for arch in ("llama", "qwen3"):
+        target = tiny_model(arch, seed=0)
+        target.generation_config.eos_token_id = None  # each test names the EOS it stops at
+        out[arch] = target, SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), **DEVICE, **FIXED)
+    return out
+
+
+def batch(lengths=(3, 17, 9, 1), seed=0):
+    return left_padded(random_prompts(lengths, seed, 98))
+
+
+def reads_per_round(monkeypatch) -> list[int]:
+    """Host reads of each round (rounds.one_round, the round's whole body), as SyncCounter counts them."""
+    counts, body = [], rounds.one_round
+
+    def counted(sides, rows):
+        with SyncCounter() as counter:
+            keep = body(sides, rows)
+        counts.append(sum(counter.calls.values()))
+        return keep
+
+    monkeypatch.setattr(rounds, "one_round", counted)
+    return counts
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_greedy_equals_target_generate_reading_once_a_round(pairs, arch, rows, monkeypatch):
+    """Token for token target.generate's output (EOS and max_new_tokens as generate applies them, left padding),
+    with the draft model running every round (draft forwards > rounds), proposals accepted (more tokens than
+    verifications), and at most one host read per round."""
+    target, pair = pairs[arch]
+    ids, mask = batch() if rows > 1 else (torch.tensor([[5, 17, 33, 8, 61, 9, 40]]), None)
+    free = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=24)
+    eos = int(free[0, ids.shape[1] + 11])  # row 0 stops mid-call at an EOS of its own
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=24, eos_token_id=eos)
+    expected = target.generate(ids, **kwargs)
+    reads = reads_per_round(monkeypatch)
+    actual = pair.generate(ids, **kwargs)
+    assert actual.tolist() == expected.tolist()
+    stats = pair.swiftspec_stats
+    assert stats.engine == "device" and max(reads) <= 1 and len(reads) == len(stats.rounds)
+    assert stats.draft_forwards > len(stats.rounds) and stats.draft_depth > 0
+    assert stats.new_tokens > sum(r.rows for r in stats.rounds)  # the draft's nodes were accepted
+
+
+def test_stop_strings_and_rows_that_decode_on():
+    """Stop strings (applied on the host to the round's one read): with no EOS id generate decodes a row on past its
+    stop string until every row's has appeared; the device round cuts its walk there and goes on from the cut.
+    (The criteria run on host copies of the tokens, so SyncCounter, which cannot tell host tensors from device
+    ones, sees their calls: the reads are bounded by the greedy test, which has no stop strings.)"""
+    target = tiny_model("llama", seed=0)
+    target.generation_config.eos_token_id = None
+    pair = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), **DEVICE)
+    tok = char_tokenizer()
+    ids, mask = batch(seed=5)
+    free = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=40)[:, ids.shape[1]:]
+    stops = [tok.decode(free[b, at: at + 2]) for b, at in enumerate((4, 20, 9, 13))]
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=40, stop_strings=stops, tokenizer=tok)
+    expected = target.generate(ids, **kwargs)
+    actual = pair.generate(ids, **kwargs)
+    assert actual.tolist() == expected.tolist()
+    out = actual[:, ids.shape[1]:]
+    stopped_at = [next(t + 1 for t in range(out.shape[1]) if tok.decode(row[: t + 1]).endswith(tuple(stops)))
+                  for row in out]
+    assert max(stopped_at) == out.shape[1] < 40 and min(stopped_at) < out.shape[1] - 5  # rows decoded on
+
+
+def test_sampling_draws_what_the_host_round_draws():
+    """Under one seed, each row's sampled tokens are the host round's (the same Gumbel-max rule, noise keyed by seed,
+    row and position: the target's distribution, which test_sampling.py checks by chi-square), and not greedy's."""
+    target = tiny_model("llama", seed=0)
+    draft = truncated_draft(target, 2)
+    device = SwiftSpecForCausalLM.from_models(target, draft, **DEVICE)
+    host = SwiftSpecForCausalLM.from_models(target, draft, ngram_size=0)
+    ids, mask = batch(seed=2)
+    kwargs = dict(attention_mask=mask, max_new_tokens=20, temperature=0.9, top_k=20)
+    drawn = device.generate(ids, do_sample=True, generator=torch.Generator().manual_seed(11), **kwargs)
+    assert drawn.tolist() == host.generate(ids, do_sample=True, generator=torch.Generator().manual_seed(11),
+                                           **kwargs).tolist()
+    assert device.swiftspec_stats.engine == "device" and host.swiftspec_stats.engine == "serial"
+    assert drawn.tolist() != device.generate(ids, do_sample=False, **kwargs).tolist()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_replayed_phases_decode_as_the_eager_ones(arch):
+    """capture=True on a CPU replays both phases from the emulating stand-in (steps/phase_graphs.py), whose replay
+    calls the phase captured in the first round again: every prefix length, root, budget, EOS id and noise must reach
+    it as an input, or a later round reuses the first's and decodes other tokens. Greedy equals target.generate
+    (rows leaving: a new batch shape, captured anew), and a seed draws the host round's tokens."""
+    target = tiny_model(arch, seed=0)
+    target.generation_config.eos_token_id = None
+    draft = truncated_draft(target, 2)
+    pair = SwiftSpecForCausalLM.from_models(target, draft, capture=True, **DEVICE, **FIXED)
+    ids, mask = batch(seed=1)
+    free = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=24)
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=24, eos_token_id=int(free[1, ids.shape[1] + 9]))
+    assert pair.generate(ids, **kwargs).tolist() == target.generate(ids, **kwargs).tolist()
+    assert "replayed phases, emulate" in pair.swiftspec_stats.attention and "eager:" not in pair.swiftspec_stats.attention
+    assert len(pair.swiftspec_stats.rounds) > 4  # graphs replayed (2 phases x a few row counts were captured)
+    host = SwiftSpecForCausalLM.from_models(target, draft, ngram_size=0)
+    sampled = dict(attention_mask=mask, max_new_tokens=16, do_sample=True, temperature=0.9, top_k=20)
+    assert pair.generate(ids, generator=torch.Generator().manual_seed(2), **sampled).tolist() == host.generate(
+        ids, generator=torch.Generator().manual_seed(2), **sampled).tolist()
+
+
+def test_output_scores_are_generates():
+    """return_dict_in_generate's scores and logits: each step's equals target.generate's."""
+    target = tiny_model("llama", seed=0)
+    pair = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), **DEVICE)
+    ids = torch.tensor([[5, 17, 33, 8, 61]])
+    kwargs = dict(do_sample=False, max_new_tokens=10, return_dict_in_generate=True, output_scores=True,
+                  output_logits=True, repetition_penalty=None)
+    expected, actual = target.generate(ids, **kwargs), pair.generate(ids, **kwargs)
+    assert actual.sequences.tolist() == expected.sequences.tolist()
+    for name in ("scores", "logits"):
+        for got, want in zip(getattr(actual, name), getattr(expected, name), strict=True):
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def refused(pair, ids, **kwargs) -> str:
+    with pytest.raises(ValueError, match="round='device'") as raised:
+        pair.generate(ids, max_new_tokens=4, do_sample=False, **kwargs)
+    return str(raised.value)
+
+
+def test_calls_it_cannot_decode_exactly_are_refused_with_the_reason():
+    """Draft-free pairs, sliding windows, path-dependent processors, suffix proposals: a ValueError naming the
+    cause and the fix, never the host round or the target's loop instead."""
+    target = tiny_model("llama", seed=0)
+    ids = torch.tensor([[5, 17, 33, 8]])
+    assert "draft-free" in refused(SwiftSpecForCausalLM.from_models(target, None, **DEVICE), ids)
+    pair = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), **DEVICE)
+    penalty = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3)])
+    assert "RepetitionPenaltyLogitsProcessor" in refused(pair, ids, logits_processor=penalty)
+    suffix = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), round="device")
+    assert "ngram_size=0" in refused(suffix, ids)
+    windowed = tiny_model("mistral", seed=0, sliding_window=4)
+    message = refused(SwiftSpecForCausalLM.from_models(windowed, truncated_draft(windowed, 2), **DEVICE), ids)
+    assert "sliding-window" in message and "round='host'" in message
+    with pytest.raises(ValueError, match="round='gpu'"):
+        SwiftSpecConfig(round="gpu")
+
+
+def test_the_menu_prices_shapes_by_measured_rounds():
+    """Every shape runs once, then the best measured tokens per second runs, and the others again every `retry`
+    rounds; a round with no time (the first) prices nothing; settings that fix the shape give a menu of one."""
+    menu = ShapeMenu((Shape(1, 2, 2), Shape(3, 2, 6), Shape(4, 4, 8)), retry=10)
+    first = menu.pick()
+    menu.observe(first, 5, None)
+    assert menu.pick() == first  # unpriced still
+    for shape, tokens in ((Shape(1, 2, 2), 4), (Shape(3, 2, 6), 9), (Shape(4, 4, 8), 8)):
+        assert menu.pick() == shape
+        menu.observe(shape, tokens, 1.0)
+    picks = [menu.pick() for _ in range(20)]
+    assert picks.count(Shape(3, 2, 6)) == 18 and len(set(picks)) == 3
+    assert ShapeMenu.of(3, 5, 9, room=100).shapes == (Shape(3, 5, 9),)
+    with pytest.raises(ValueError, match="positions"):
+        ShapeMenu.of(3, 5, 9, room=2)
+
+
+@pytest.mark.parametrize("width,capture", [(1, False), (2, False), (2, True)])
+def test_a_draft_equal_to_the_target_has_its_whole_chain_accepted(width, capture):
+    """With the target as its own draft, the tree of depth 3 (all of it verified) holds the target's own greedy
+    continuation, so every round but the call's last accepts 3 nodes in every row (at width 2 the greedy path can
+    fall out of the tree, a second child's path outscoring it, so: most rounds, and 26 tokens in 8 rounds at most):
+    the draft's cache holds exactly the committed sequence after each round (its commit of the nodes it ran, moved
+    from their tree slots at width 2, its catch-up on the last one, the rows' prefixes). Replayed (capture=True), a draft input baked into the growth's
+    graph would grow the first round's tree again: the tokens stay the target's, but acceptance drops."""
+    target = tiny_model("llama", seed=0)
+    target.generation_config.eos_token_id = None
+    pair = SwiftSpecForCausalLM.from_models(target, tiny_model("llama", seed=0), draft_width=width, draft_depth=3,
+                                            tree_budget=1 + 3 * width, capture=capture, **DEVICE)
+    ids, mask = batch(seed=3)
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=26)
+    assert pair.generate(ids, **kwargs).tolist() == target.generate(ids, **kwargs).tolist()
+    records = pair.swiftspec_stats.rounds
+    full = [r.accepted == 3 * r.rows for r in records]  # 26 tokens: 6 rounds of 4, and the last's 2
+    assert all(r.budget == 1 + 3 * width for r in records)
+    assert (sum(full), len(records)) == (6, 7) if width == 1 else (sum(full) >= 4 and len(records) <= 8)
