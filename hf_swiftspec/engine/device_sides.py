@@ -30,7 +30,7 @@ from ..drafters.device_growth import grow
 from ..drafters.eagle3 import DraftHead
 from ..models.architectures import context_limit
 from ..policy.shapes import Shape, ShapeMenu
-from ..stats import DraftCounters, SwiftSpecStats, TargetCounters
+from ..stats import DraftCounters, PhaseClock, SwiftSpecStats, TargetCounters
 from ..steps.device_round import DeviceSubtree, greedy_choices, round_result, sampled_choices, select_device, walk_device
 from ..steps.capture import capture_backend
 from ..steps.phase_graphs import PhaseRunner
@@ -228,6 +228,9 @@ class DeviceSides:
         self.counters = TargetCounters(), DraftCounters()
         self.sequences: list[list[int]] = []  # each live row's sequence (generate's, left padding included)
         self.last_read: float | None = None
+        # the round's phases: growth with selection timed as "expand", the verification phase (the target's
+        # forward, the walk and both commits, one graph) as "verify", the read and the host's part as "walk"
+        self.clock = PhaseClock.on(request.prompt.device)
 
     def start(self, request: DecodeRequest) -> None:
         """Prefill both caches with every prompt but its last token (each row's root); a prompt of one token
@@ -264,7 +267,8 @@ class DeviceSides:
         proposed = DeviceProposed([], rows=list(rows.live), shape=self.menu.pick())
         shape, draft_counters = proposed.shape, self.counters[1]
         inputs = dict(prefix_lens=self.rows.prefix_lens, roots=self.rows.roots)
-        proposed.subtree = DeviceSubtree(**self.run(grow_phase, (shape,), inputs, shape=shape))
+        with self.clock.phase("expand"):
+            proposed.subtree = DeviceSubtree(**self.run(grow_phase, (shape,), inputs, shape=shape))
         proposed.expansions = shape.depth
         draft_counters.forwards += shape.depth
         draft_counters.expansions += shape.depth
@@ -282,25 +286,27 @@ class DeviceSides:
                       eos=self.eos(criteria), **subtree_tensors(sub))
         if self.models.sample:
             inputs["noise"] = self.noise(sub.tokens.shape[1], depth)
-        proposed.after = after = self.run(verify_phase, (depth,), inputs, depth=depth)
-        read = after["result"].tolist()
-        now = time.perf_counter()
-        proposed.read_s, self.last_read = (None if self.last_read is None else now - self.last_read), now
-        T = sub.tokens.shape[1]
-        kept = [after[name].clone() if name in after else None for name in ("scores", "logits")]  # replays overwrite
-        verified = []
-        for b, (count, finished, *rest) in enumerate(read):
-            count = min(count, budgets[b])  # the walk's own cut: the host holds it to it, so a row always ends
-            finished = finished or count == budgets[b]
-            tokens, path = rest[:count], rest[T : T + count]
-            subtree = Subtree(rest[2 * T : 3 * T], rest[3 * T : 4 * T], rest[4 * T :])
-            proposed.proposals.append(Proposal(subtree, probs=[], scores=[], suffix=[-1] * T))
-            outcome = Verified(tokens, path, finished=bool(finished))
-            outcome.scores = [kept[0][b, j : j + 1] for j in range(count)] if kept[0] is not None else []
-            outcome.logits = [kept[1][b, j : j + 1] for j in range(count)] if kept[1] is not None else []
-            proposed.cut.append(self.stop_on_host(outcome, b, criteria[b]))
-            self.sequences[b] += outcome.tokens
-            verified.append(outcome)
+        with self.clock.phase("verify"):
+            proposed.after = after = self.run(verify_phase, (depth,), inputs, depth=depth)
+        with self.clock.phase("walk"):
+            read = after["result"].tolist()
+            now = time.perf_counter()
+            proposed.read_s, self.last_read = (None if self.last_read is None else now - self.last_read), now
+            T = sub.tokens.shape[1]
+            kept = [after[name].clone() if name in after else None for name in ("scores", "logits")]  # replays overwrite
+            verified = []
+            for b, (count, finished, *rest) in enumerate(read):
+                count = min(count, budgets[b])  # the walk's own cut: the host holds it to it, so a row always ends
+                finished = finished or count == budgets[b]
+                tokens, path = rest[:count], rest[T : T + count]
+                subtree = Subtree(rest[2 * T : 3 * T], rest[3 * T : 4 * T], rest[4 * T :])
+                proposed.proposals.append(Proposal(subtree, probs=[], scores=[], suffix=[-1] * T))
+                outcome = Verified(tokens, path, finished=bool(finished))
+                outcome.scores = [kept[0][b, j : j + 1] for j in range(count)] if kept[0] is not None else []
+                outcome.logits = [kept[1][b, j : j + 1] for j in range(count)] if kept[1] is not None else []
+                proposed.cut.append(self.stop_on_host(outcome, b, criteria[b]))
+                self.sequences[b] += outcome.tokens
+                verified.append(outcome)
         self.counters[0].forwards += 1
         self.counters[0].verify_steps += len(verified)
         self.counters[1].forwards += int(T > depth)  # the catch-up
@@ -332,7 +338,7 @@ class DeviceSides:
         self.models = self.round_models(self.models.caches)
 
     def stats(self, new_tokens: int, wall_s: float) -> SwiftSpecStats:
-        return SwiftSpecStats.collect(self.name, new_tokens, wall_s, *self.counters)
+        return SwiftSpecStats.collect(self.name, new_tokens, wall_s, *self.counters, clock=self.clock)
 
     # ---- the host's part of a round
 
