@@ -68,6 +68,8 @@ def test_greedy_equals_target_generate_reading_once_a_round(pairs, arch, rows, m
     assert stats.engine == "device" and max(reads) <= 1 and len(reads) == len(stats.rounds)
     assert stats.draft_forwards > len(stats.rounds) and stats.draft_depth > 0
     assert stats.new_tokens > sum(r.rows for r in stats.rounds)  # the draft's nodes were accepted
+    phases = stats.phases  # the round's breakdown: growth, verification graph, the read and the host's part
+    assert phases.rounds == len(stats.rounds) and min(phases.expand, phases.verify, phases.walk) > 0, phases
 
 
 def test_stop_strings_and_rows_that_decode_on():
