@@ -1,8 +1,8 @@
 """A round's selection, walk and commit as pure functions of fixed-shape device tensors (building blocks).
 
-Today's round reads the device about eleven times when the draft model runs (tree.select_subtree's and
-tree.path_facts' `tolist`, boolean-mask indexing in tree.select_leaves, verify's walk, the caches'
-`equal`). Each function here does one of those jobs with no host read: no `.item()`, `.tolist()`,
+The host round (engine/adaptive.py) reads the device once for its walk and once more after each draft
+expansion, where the goodput policy decides from the new candidates whether to grow again
+(tests/test_host_reads.py). Each function here does one of the round's jobs with no host read: no `.item()`, `.tolist()`,
 `bool()`, boolean-mask indexing, `nonzero` or shape that follows a value, so a round built of them
 can be captured in a CUDA graph and the host reads one small tensor a round (`round_result`).
 Every shape depends on (B rows, N tree capacity, T verified nodes, V vocabulary, C cache slots) alone;
