@@ -99,6 +99,12 @@ def run_relay(pair, engine, prompts, news, at=(2, 1, 3, 2, 1, 2), **kwargs) -> d
     assert not errors, errors
     return out
 
+def assert_greedy_answers(pair, out: dict[int, torch.Tensor], prompts, news, **kwargs) -> None:
+    """Each relayed answer (run_relay's) equals target.generate's greedy one for its prompt and length."""
+    for i, prompt in enumerate(prompts):
+        expected = pair.target.generate(torch.tensor([prompt]), max_new_tokens=news[i], do_sample=False, **kwargs)
+        assert out[i].tolist() == expected.tolist(), f"request {i}"
+
 
 @pytest.mark.parametrize("family", [
     pytest.param("llama", marks=pytest.mark.floor),  # generate()'s hand-off to the engine: also on the floor release
@@ -113,9 +119,7 @@ def test_requests_joining_a_running_batch_equal_target_generate(family, piece, m
         out = run_relay(pair, engine, PROMPTS, NEW, do_sample=False)
     finally:
         engine.close()
-    for i, prompt in enumerate(PROMPTS):
-        expected = pair.target.generate(torch.tensor([prompt]), max_new_tokens=NEW[i], do_sample=False)
-        assert out[i].tolist() == expected.tolist(), f"request {i}"
+    assert_greedy_answers(pair, out, PROMPTS, NEW)
     assert max(engine.rounds_by_batch) >= 3, engine.rounds_by_batch  # rows did decode together
     assert engine.served == len(PROMPTS)
     assert engine.usage.verifications > 0 and engine.usage.accepted <= engine.usage.proposed
@@ -139,9 +143,7 @@ def test_a_long_prompt_joins_a_piece_per_round_and_the_batch_decodes_meanwhile(m
         out = run_relay(pair, engine, prompts, news, at=(2, 1), do_sample=False)
     finally:
         engine.close()
-    for i, prompt in enumerate(prompts):
-        expected = pair.target.generate(torch.tensor([prompt]), max_new_tokens=news[i], do_sample=False)
-        assert out[i].tolist() == expected.tolist(), f"request {i}"
+    assert_greedy_answers(pair, out, prompts, news)
     alone_before = batch_sizes.index(2)
     assert alone_before >= 1 + 7, batch_sizes  # the first request's round that started the second, then 7 more
 
@@ -156,11 +158,7 @@ def test_rows_stop_at_their_own_eos_and_lengths():
         out = run_relay(pair, engine, PROMPTS[:4], (30, 4, 30, 9), do_sample=False, eos_token_id=eos, pad_token_id=0)
     finally:
         engine.close()
-    for i, prompt in enumerate(PROMPTS[:4]):
-        expected = pair.target.generate(
-            torch.tensor([prompt]), max_new_tokens=(30, 4, 30, 9)[i], do_sample=False, eos_token_id=eos, pad_token_id=0
-        )
-        assert out[i].tolist() == expected.tolist(), f"request {i}"
+    assert_greedy_answers(pair, out, PROMPTS[:4], (30, 4, 30, 9), eos_token_id=eos, pad_token_id=0)
     assert out[0].shape[1] == len(PROMPTS[0]) + lone[0].index(eos) + 1 < len(PROMPTS[0]) + 30
 
 

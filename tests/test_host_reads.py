@@ -130,7 +130,7 @@ def test_a_left_padded_batch_of_four_reads_once_a_round_not_once_a_row(monkeypat
 def test_the_running_batch_reads_once_a_round(monkeypatch):
     """The continuous engine's rounds (rows joining between them, test_continuous.py's relay) read as a
     generate() call's do: the walk's read for every row at once, and one per expansion."""
-    from test_continuous import run_relay
+    from test_continuous import assert_greedy_answers, run_relay
 
     model = load(DEMO)
     prompts = [model.tokenizer(p).input_ids for p in PROMPTS[:3]]
@@ -142,9 +142,7 @@ def test_the_running_batch_reads_once_a_round(monkeypatch):
         out = run_relay(model, engine, prompts, news, at=(2, 2, 1), do_sample=False)
     finally:
         engine.close()
-    for i, prompt in enumerate(prompts):
-        expected = model.target.generate(torch.tensor([prompt]), max_new_tokens=news[i], do_sample=False)
-        assert out[i].tolist() == expected.tolist(), f"request {i}"
+    assert_greedy_answers(model, out, prompts, news)
     assert max(r[2] for r in reads.rounds) >= 2  # rows did decode together
     assert not reads.over(walk_and_expansions), reads.summary()
     assert all(r[0] <= 1 for r in reads.rounds if r[1] == 0), reads.summary()

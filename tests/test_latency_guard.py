@@ -5,10 +5,9 @@ changes a token. Prices are given (CostModel.given), so no wall clock decides wh
 from __future__ import annotations
 
 import pytest
-import torch
 
 from fixed_costs import given_costs
-from test_continuous import PROMPTS, pair_of, run_relay
+from test_continuous import PROMPTS, assert_greedy_answers, pair_of, run_relay
 
 from hf_swiftspec.policy.costs import CostModel
 from hf_swiftspec.policy.goodput import BatchSize, GoodputPolicy
@@ -102,8 +101,6 @@ def test_greedy_rows_under_the_guard_equal_target_generate():
         out = run_relay(pair, engine, PROMPTS, news, do_sample=False)
     finally:
         engine.close()
-    for i, prompt in enumerate(PROMPTS):
-        expected = pair.target.generate(torch.tensor([prompt]), max_new_tokens=news[i], do_sample=False)
-        assert out[i].tolist() == expected.tolist(), f"request {i}"
+    assert_greedy_answers(pair, out, PROMPTS, news)
     assert engine.guarded_rounds > 0 and engine.guarded_rows >= engine.guarded_rounds, (
         engine.guarded_rounds, engine.rounds_by_batch)
