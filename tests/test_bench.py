@@ -583,3 +583,23 @@ def test_assisted_generation_with_a_static_cache_is_timed_beside_the_others(tiny
     assert calls, "the draft never ran: this was not assisted generation"
     at_two = {m.name: m for m in report.sets[0].at(2)}
     assert at_two["assisted_static"].status == "unsupported"
+
+
+def test_the_device_round_is_timed_beside_the_host_round_or_skipped_with_its_reason(tiny_models):
+    """swiftspec_device runs the pair's own settings on round="device": its outputs are checked against
+    target.generate's as every method's are (batch 1 and 2), and its stats say the device round ran; a pair the device
+    round refuses is skipped with the refusal's own words, not timed on the host round under the device round's
+    name."""
+    models = BenchModels(tiny_models.target, tiny_models.draft, settings={**tiny_models.settings, "ngram_size": 0})
+    report = run_bench(BenchConfig(models=models, prompts=("humaneval",), methods=("target", "swiftspec_device"),
+                                   output_dir=None, batch_sizes=(1, 2), **{**FAST, "num_prompts": 1}))
+    for size in (1, 2):
+        device = {m.name: m for m in report.sets[0].at(size)}["swiftspec_device"]
+        assert device.status == "ok"
+        assert all(run.engine == "device" for run in device.runs), [run.engine for run in device.runs]
+    windowed = tiny_model("mistral", seed=0, sliding_window=4)
+    report = run_bench(BenchConfig(models=BenchModels(windowed, truncated_draft(windowed, 2), settings={"ngram_size": 0}),
+                                   prompts=("humaneval",), methods=("target", "swiftspec_device"), output_dir=None,
+                                   **{**FAST, "num_prompts": 1}))
+    skipped = {m.name: m for m in report.sets[0].at(1)}["swiftspec_device"]
+    assert skipped.status == "skipped" and "sliding-window" in skipped.note and "round='device'" in skipped.note

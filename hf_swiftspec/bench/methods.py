@@ -344,6 +344,7 @@ def build_methods(models: BenchModels, config: BenchConfig, settings: dict, note
         "swiftspec_eager": lambda: swiftspec_method(
             "swiftspec_eager", SwiftSpecForCausalLM.from_models(target, draft, **settings, capture=False), config.seed
         ),
+        "swiftspec_device": lambda: device_method(models, settings, config.seed, notes),
         "swiftspec_compiled": lambda: swiftspec_method(
             "swiftspec_compiled", SwiftSpecForCausalLM.from_models(target, draft, **settings, compile=True), config.seed
         ),
@@ -360,6 +361,23 @@ def build_methods(models: BenchModels, config: BenchConfig, settings: dict, note
         builders["assisted_static"] = lambda: head_skipped("assisted_static", notes)
     built = [builders[name]() for name in config.methods] + list(config.extra_methods)
     return [m for m in built if isinstance(m, Method)], [m for m in built if isinstance(m, MethodResult)]
+
+
+def device_method(models: BenchModels, settings: dict, seed: int, notes: list[str]) -> Method | MethodResult:
+    """swiftspec_device: the pair with its settings on the device round (round="device"), or a skipped result with
+    the device round's own refusal, got from one real two-token call (the refusal names what the pair lacks)."""
+    model = SwiftSpecForCausalLM.from_models(models.target, models.draft, **settings, round="device")
+    probe = torch.zeros(1, 2, dtype=torch.long, device=models.target.device)
+    try:
+        model.generate(probe, attention_mask=torch.ones_like(probe), swiftspec=True, max_new_tokens=1, do_sample=False)
+    except ValueError as error:
+        if "round='device'" not in str(error):
+            raise
+        note = f"skipped: {error}"
+        notes.append(f"swiftspec_device {note}")
+        return skipped_result("swiftspec_device", note)
+    model.output_history.clear()  # the probe's tokens are no earlier call's output
+    return swiftspec_method("swiftspec_device", model, seed)
 
 
 def head_skipped(name: str, notes: list[str]) -> MethodResult:

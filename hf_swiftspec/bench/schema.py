@@ -22,9 +22,11 @@ DEFAULT_METHODS = ("target", "assisted", "prompt_lookup", "swiftspec_serial", "s
 # target_static: transformers' own fast decoding, a static cache with its forward compiled (CUDA graphs on CUDA),
 # timed by default off the CPU (on a CPU it compiles for minutes); assisted_static: assisted generation with that
 # static cache (transformers >= 5.24 compiles the target after prefill), by default off the CPU too;
-# swiftspec_eager: swiftspec_serial with capture=False.
+# swiftspec_eager: swiftspec_serial with capture=False; swiftspec_device: the same pair and settings on the device
+# round (SwiftSpecConfig round="device": fixed shapes grown on the device, one host read a round), skipped with the
+# device round's reason where it cannot decode the pair exactly.
 METHOD_NAMES = DEFAULT_METHODS + ("swiftspec_compiled", "swiftspec_suffix", "swiftspec_eagle3", "target_static",
-                                  "swiftspec_eager", "assisted_static")
+                                  "swiftspec_eager", "assisted_static", "swiftspec_device")
 METHOD_LABELS = {
     "target": "target.generate",
     "assisted": "assisted generation",
@@ -37,6 +39,7 @@ METHOD_LABELS = {
     "target_static": "target.generate, static cache compiled",
     "assisted_static": "assisted generation, static cache compiled",
     "swiftspec_eager": "swiftspec serial, eager forwards",
+    "swiftspec_device": "swiftspec, device round",
 }
 
 
