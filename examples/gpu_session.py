@@ -203,9 +203,10 @@ CAPTURE = replace(
     bench_args=("--dtype", "float32", "--prompts", "humaneval", "--prompts", "spec_bench", "--num-prompts", "4",
                 "--max-new-tokens", "64", "--eagle3", "swiftspec-demo-pystdlib-eagle3", "--methods",
                 "target,target_static,assisted_static,prompt_lookup,swiftspec_serial,swiftspec_eager,swiftspec_compiled,"
-                "swiftspec_eagle3"),
+                "swiftspec_eagle3,swiftspec_device"),
 )
-# The captured round on a pair whose draft model pays (on the demo pair the suffix index carries the draft, which
+# The captured round on a pair whose draft model pays, the device round (swiftspec_device) beside it (on the demo
+# pair the suffix index carries the draft, which
 # runs no forwards on a GPU): the 158M/15M pair trained for less time than GPU's, so that it and its bench fit one
 # lease beside the CUDA capture tests.
 TRAINED = replace(
@@ -213,7 +214,8 @@ TRAINED = replace(
     demo=replace(GPU.demo, target_seconds=120.0, draft_seconds=45.0),
     bench_args=("--dtype", "float32", "--prompts", "humaneval", "--prompts", "spec_bench", "--num-prompts", "4",
                 "--max-new-tokens", "64", "--methods",
-                "target,target_static,assisted_static,prompt_lookup,swiftspec_serial,swiftspec_eager,swiftspec_compiled"),
+                "target,target_static,assisted_static,prompt_lookup,swiftspec_serial,swiftspec_eager,swiftspec_compiled,"
+                "swiftspec_device"),
     train=True,
 )
 PLANS = {"gpu": GPU, "lease": LEASE, "capture": CAPTURE, "trained": TRAINED, "smoke": SMOKE}
