@@ -2,19 +2,22 @@
 caches (steps/slot_cache.py), every phase a device op, one host read a round (SwiftSpecConfig round="device").
 
 Per round, for all B rows at once:
-  1. propose: the draft grows depth x width nodes below each root (drafters/device_growth.grow, d forwards) and
-     the best T by path score are selected with their mask (device_round.select_device);
+  1. propose: the draft grows depth x width nodes below each root (drafters/device_growth.grow, d forwards), the
+     host's suffix proposals join them (drafters/device_suffix.py: one host-to-device copy; draft-free mode: the
+     root and the suffix nodes alone) and the best T by path score are selected with their mask
+     (device_round.select_device);
   2. verify: one target forward over them (slot_cache.verify_forward), the target's choices (argmax, or the
      sampler's Gumbel-max with noise the host draws from known positions), the walk with the EOS and length
      rules (device_round.walk_device), the target cache's commit, then the round's ONE read: counts, flags,
      paths, tokens and the verified subtrees, for streaming, stop strings, the record and the stats;
-  3. accept: the draft cache's commit and its catch-up on the one accepted node it did not run, new prefix
+  3. accept: the draft cache's commit and its catch-up on the accepted nodes it did not run (the last depth's, the
+     suffix's; device_suffix.follow_walk), the suffix index's new tokens (on the host), new prefix
      lengths and roots (device tensors: computed on the device, corrected from the host only where a host-side
      criterion, a stop string, cut a row's walk short);
   4. observe: the shape menu (policy/shapes.py) prices the round's shape from the tokens and the time between reads.
 
-Exact where the caches are: full attention only, processors that ignore the path, a draft model
-(check_device_round says why a call is refused). With SwiftSpecConfig.capture, the two phases (1; 2-3 up to the
+Exact where the caches are: full attention only, processors that ignore the path, a draft model or suffix
+proposals (check_device_round says why a call is refused). With SwiftSpecConfig.capture, the two phases (1; 2-3 up to the
 read) are each replayed as one graph per shape (steps/phase_graphs.py).
 """
 
@@ -27,7 +30,8 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from ..drafters.device_growth import grow
-from ..drafters.device_suffix import DeviceSuffix, SuffixNodes, catch_up_width, draft_free_menu, follow_walk, merge_suffix, root_tree
+from ..drafters.device_suffix import (DeviceSuffix, SuffixNodes, catch_up_width, draft_free_menu, follow_walk,
+                                      merge_suffix, root_tree)
 from ..drafters.eagle3 import DraftHead
 from ..models.architectures import context_limit
 from ..policy.shapes import Shape, ShapeMenu
@@ -163,9 +167,10 @@ def verify_phase(prefix_lens: torch.Tensor, roots: torch.Tensor, max_tokens: tor
                  noise: torch.Tensor | None = None, *, models: RoundModels, depth: int, nodes: int, lag: int,
                  **subtree) -> dict:
     """2-3. the target's verification of the subtree, its choices, the walk, both caches' commits (the draft's
-    catch-up on a walked node at the last depth, which it did not run) and the rows' next prefixes and roots, no host
-    read. max_tokens (B,) long, eos (B, E) long, noise (B, D, V) float64 when sampling (device_round.sampled_choices);
-    nodes: the draft tree's N (subtree node ids from N on are suffix nodes), lag: the width of the draft's catch-up (device_suffix.catch_up_width).
+    catch-up on the walked nodes it did not run: at the last depth, the suffix's) and the rows' next prefixes and
+    roots, no host read. max_tokens (B,) long, eos (B, E) long, noise (B, D, V) float64 when sampling
+    (device_round.sampled_choices); nodes: the draft tree's N (node ids from N on are the suffix's own nodes), lag:
+    the draft's catch-up width (device_suffix.catch_up_width).
     Returns: result (B, 2 + 4T) long, the round's one read (counts, finished flags, tokens, then the walked path and
     the subtree's node ids, tokens and parents), prefix_lens and roots (B,) the next round's, and the walked nodes'
     scores / logits (B, T, V) where the call keeps them."""
@@ -272,7 +277,8 @@ class DeviceSides:
         return self.runner.run((phase.__name__, *key, self.models.key()), bound, inputs)
 
     def propose(self, rows: BatchRows) -> DeviceProposed:
-        """1. the draft grows the menu's shape below every root; the best T nodes are selected, on the device."""
+        """1. the draft grows the menu's shape below every root, the suffix proposals join it; the best T nodes are
+        selected, on the device."""
         proposed = DeviceProposed([], rows=list(rows.live), shape=self.menu.pick())
         shape, draft_counters = proposed.shape, self.counters[1]
         inputs = dict(prefix_lens=self.rows.prefix_lens, roots=self.rows.roots)
