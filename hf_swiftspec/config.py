@@ -55,8 +55,9 @@ class SwiftSpecConfig(PreTrainedConfig):
         round: where a serial round's selection, walk and commit run: "host" (default: the adaptive round,
             every drafter, architecture and processor) or "device" (engine/device_sides.py: the draft model
             grows a fixed (depth, width, T) shape a round from a small menu priced by measured rounds, and the
-            host reads the device once a round; only where that is exact: full-attention models with a draft
-            model, path-free processors, ngram_size=0; elsewhere generate() raises a ValueError saying why).
+            host reads the device once a round, the suffix proposals (ngram_size > 0) merged into its tree, or
+            alone in draft-free mode; only where that is exact: full-attention models, a draft model or
+            ngram_size > 0, path-free processors; elsewhere generate() raises a ValueError saying why).
     """
 
     model_type = "swiftspec"

@@ -153,16 +153,15 @@ def refused(pair, ids, **kwargs) -> str:
 
 
 def test_calls_it_cannot_decode_exactly_are_refused_with_the_reason():
-    """Draft-free pairs, sliding windows, path-dependent processors, suffix proposals: a ValueError naming the
-    cause and the fix, never the host round or the target's loop instead."""
+    """Draft-free pairs with nothing to propose (ngram_size=0), sliding windows, path-dependent processors: a ValueError
+    naming the cause and the fix, never the host round or the target's loop instead."""
     target = tiny_model("llama", seed=0)
     ids = torch.tensor([[5, 17, 33, 8]])
-    assert "draft-free" in refused(SwiftSpecForCausalLM.from_models(target, None, **DEVICE), ids)
+    message = refused(SwiftSpecForCausalLM.from_models(target, None, **DEVICE), ids)
+    assert "draft-free" in message and "ngram_size > 0" in message
     pair = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), **DEVICE)
     penalty = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3)])
     assert "RepetitionPenaltyLogitsProcessor" in refused(pair, ids, logits_processor=penalty)
-    suffix = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), round="device")
-    assert "ngram_size=0" in refused(suffix, ids)
     windowed = tiny_model("mistral", seed=0, sliding_window=4)
     message = refused(SwiftSpecForCausalLM.from_models(windowed, truncated_draft(windowed, 2), **DEVICE), ids)
     assert "sliding-window" in message and "round='host'" in message

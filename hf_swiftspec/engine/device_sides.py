@@ -2,19 +2,22 @@
 caches (steps/slot_cache.py), every phase a device op, one host read a round (SwiftSpecConfig round="device").
 
 Per round, for all B rows at once:
-  1. propose: the draft grows depth x width nodes below each root (drafters/device_growth.grow, d forwards) and
-     the best T by path score are selected with their mask (device_round.select_device);
+  1. propose: the draft grows depth x width nodes below each root (drafters/device_growth.grow, d forwards), the
+     host's suffix proposals join them (drafters/device_suffix.py: one host-to-device copy; draft-free mode: the
+     root and the suffix nodes alone) and the best T by path score are selected with their mask
+     (device_round.select_device);
   2. verify: one target forward over them (slot_cache.verify_forward), the target's choices (argmax, or the
      sampler's Gumbel-max with noise the host draws from known positions), the walk with the EOS and length
      rules (device_round.walk_device), the target cache's commit, then the round's ONE read: counts, flags,
      paths, tokens and the verified subtrees, for streaming, stop strings, the record and the stats;
-  3. accept: the draft cache's commit and its catch-up on the one accepted node it did not run, new prefix
+  3. accept: the draft cache's commit and its catch-up on the accepted nodes it did not run (the last depth's, the
+     suffix's; device_suffix.follow_walk), the suffix index's new tokens (on the host), new prefix
      lengths and roots (device tensors: computed on the device, corrected from the host only where a host-side
      criterion, a stop string, cut a row's walk short);
   4. observe: the shape menu (policy/shapes.py) prices the round's shape from the tokens and the time between reads.
 
-Exact where the caches are: full attention only, processors that ignore the path, a draft model
-(check_device_round says why a call is refused). With SwiftSpecConfig.capture, the two phases (1; 2-3 up to the
+Exact where the caches are: full attention only, processors that ignore the path, a draft model or suffix
+proposals (check_device_round says why a call is refused). With SwiftSpecConfig.capture, the two phases (1; 2-3 up to the
 read) are each replayed as one graph per shape (steps/phase_graphs.py).
 """
 
@@ -27,6 +30,8 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from ..drafters.device_growth import grow
+from ..drafters.device_suffix import (DeviceSuffix, SuffixNodes, catch_up_width, draft_free_menu, follow_walk,
+                                      merge_suffix, root_tree)
 from ..drafters.eagle3 import DraftHead
 from ..models.architectures import context_limit
 from ..policy.shapes import Shape, ShapeMenu
@@ -34,7 +39,7 @@ from ..stats import DraftCounters, PhaseClock, SwiftSpecStats, TargetCounters
 from ..steps.device_round import DeviceSubtree, greedy_choices, round_result, sampled_choices, select_device, walk_device
 from ..steps.capture import capture_backend
 from ..steps.phase_graphs import PhaseRunner
-from ..steps.slot_cache import SlotCache, accepted_nodes, catch_up, commit_cache, verify_forward
+from ..steps.slot_cache import SlotCache, catch_up, commit_cache, verify_forward
 from ..steps.tree import Proposal, Subtree
 from ..steps.verify import PATH_FREE_PROCESSORS, StopRule, Verified, apply_processors
 from .request import BatchRows, DecodeRequest, DecodeResult, RowResult
@@ -55,8 +60,9 @@ def run_device(target, draft, request: DecodeRequest, config) -> DecodeResult:
     how = "eager phases" if runner is None else f"replayed phases, {backend}: {len(runner.graphs)} graphs"
     if runner is not None and runner.fallbacks:
         how += f"; eager: {', '.join(sorted(runner.fallbacks))}"
+    drafted = "no draft model" if draft is None else f"draft={draft.config._attn_implementation}"
     result.stats.attention = (f"device round (slot caches, 4D masks: target={target.config._attn_implementation}, "
-                              f"draft={draft.config._attn_implementation}; {how})")
+                              f"{drafted}; {how})")
     result.stats.capture_s = runner.setup_s if runner is not None else 0.0
     return result
 
@@ -66,9 +72,11 @@ def device_round_gaps(config, target, draft, architectures, logits_processor, pl
     """Why round="device" cannot decode this call exactly (empty: it can). reasons: the call's batch and slot-limit
     reasons (generation.py's), which the device round would otherwise have to escape by the target's own loop."""
     gaps = list(reasons)
-    if draft is None or isinstance(draft, DraftHead):
-        gaps.append("it grows a draft model's tree, and this pair has " + (
-            "no draft model (draft-free mode)" if draft is None else "a draft head (EAGLE-3 or MTP), not a draft model"))
+    if isinstance(draft, DraftHead):
+        gaps.append("it grows a draft model's tree, and this pair has a draft head (EAGLE-3 or MTP), not a draft model")
+    if draft is None and not config.ngram_size:
+        gaps.append("draft-free mode (no draft model) proposes suffix nodes alone, and ngram_size=0 turns them off; "
+                    "set ngram_size > 0 or give a draft model")
     for role, model, architecture in (("target", target, architectures[0]), ("draft", draft, architectures[1])):
         if model is None or architecture is None or isinstance(model, DraftHead):
             continue
@@ -85,8 +93,6 @@ def device_round_gaps(config, target, draft, architectures, logits_processor, pl
     if path_bound:
         gaps.append(f"the logits processors {', '.join(path_bound)} read the path before each node (the host's "
                     "node-by-node walk)")
-    if config.ngram_size:
-        gaps.append(f"ngram_size={config.ngram_size}: suffix proposals are not merged into the device tree; set ngram_size=0")
     if config.compile or config.attention == "kernel":
         gaps.append("its forwards run the models' own attention over 4D masks, uncompiled: compile=True and "
                     "attention='kernel' are not honoured; leave them at their defaults")
@@ -145,33 +151,38 @@ def subtree_tensors(sub: DeviceSubtree) -> dict[str, torch.Tensor]:
     return {f.name: getattr(sub, f.name) for f in fields(sub)}
 
 
-def grow_phase(prefix_lens: torch.Tensor, roots: torch.Tensor, *, models: RoundModels, shape: Shape) -> dict:
-    """1. the draft's growth of `shape` below every root and the best T nodes with their mask (DeviceSubtree's
-    fields): d draft forwards and the selection, no host read."""
-    growth = grow(models.draft, models.caches[1], prefix_lens, roots, shape.depth, shape.width, models.vocab_limit)
-    return subtree_tensors(select_device(growth.tree, shape.budget))
+def grow_phase(prefix_lens: torch.Tensor, roots: torch.Tensor, suffix: torch.Tensor | None = None, *,
+               models: RoundModels, shape: Shape) -> dict:
+    """1. the draft's growth of `shape` below every root (draft-free: the root alone), the suffix nodes merged in
+    (suffix: (B, 4, S) the host's proposals, drafters/device_suffix.py) and the best T nodes with their mask
+    (DeviceSubtree's fields): d draft forwards and the selection, no host read."""
+    tree = grow(models.draft, models.caches[1], prefix_lens, roots, shape.depth, shape.width,
+                models.vocab_limit).tree if models.draft is not None else root_tree(roots)
+    if suffix is not None:
+        tree = merge_suffix(tree, SuffixNodes.unpack(suffix), shape.depth)
+    return subtree_tensors(select_device(tree, shape.budget))
 
 
 def verify_phase(prefix_lens: torch.Tensor, roots: torch.Tensor, max_tokens: torch.Tensor, eos: torch.Tensor,
-                 noise: torch.Tensor | None = None, *, models: RoundModels, depth: int, **subtree) -> dict:
+                 noise: torch.Tensor | None = None, *, models: RoundModels, depth: int, nodes: int, lag: int,
+                 **subtree) -> dict:
     """2-3. the target's verification of the subtree, its choices, the walk, both caches' commits (the draft's
-    catch-up on a walked node at the last depth, which it did not run) and the rows' next prefixes and roots, no host
-    read. max_tokens (B,) long, eos (B, E) long, noise (B, D, V) float64 when sampling (device_round.sampled_choices).
+    catch-up on the walked nodes it did not run: at the last depth, the suffix's) and the rows' next prefixes and
+    roots, no host read. max_tokens (B,) long, eos (B, E) long, noise (B, D, V) float64 when sampling
+    (device_round.sampled_choices); nodes: the draft tree's N (node ids from N on are the suffix's own nodes), lag:
+    the draft's catch-up width (device_suffix.catch_up_width).
     Returns: result (B, 2 + 4T) long, the round's one read (counts, finished flags, tokens, then the walked path and
     the subtree's node ids, tokens and parents), prefix_lens and roots (B,) the next round's, and the walked nodes'
     scores / logits (B, T, V) where the call keeps them."""
     sub = DeviceSubtree(**subtree)
-    target_cache, draft_cache = models.caches
+    target_cache = models.caches[0]
     logits = verify_forward(models.target, target_cache, prefix_lens, sub)  # (B, T, V)
     scores = processed(logits, models.processors)
     choices = sampled_choices(scores, noise, sub.depths) if models.sample else greedy_choices(scores)
     walk = walk_device(choices, sub, max_tokens, eos)
     commit_cache(target_cache, prefix_lens, walk.path.clamp(min=0), walk.count)  # verified node j sat at slot j
-    ran = walk.count.clamp(max=depth)  # walked nodes above the last depth were on a frontier: their KV is there
-    commit_cache(draft_cache, prefix_lens, accepted_nodes(walk, sub), ran)
-    if sub.tokens.shape[1] > depth:  # a walk can reach the last depth: catch that node up (0 or 1 token a row)
-        last = sub.tokens.gather(1, walk.path[:, depth : depth + 1].clamp(min=0))  # (B, 1)
-        catch_up(models.draft, draft_cache, last, walk.count - ran, prefix_lens + ran)
+    if models.draft is not None:  # its commit of the nodes it ran, its catch-up on the last depth's and the suffix's
+        follow_walk(models.draft, models.caches[1], walk, sub, prefix_lens, depth, nodes, lag)
     emitted = walk.tokens.gather(1, (walk.count - 1).clamp(min=0)[:, None]).squeeze(1)
     out = dict(
         result=torch.cat([round_result(walk), walk.path, sub.node_ids, sub.tokens, sub.parents], dim=1),
@@ -221,10 +232,13 @@ class DeviceSides:
         self.samplers = list(request.samplers)
         self.keeps = request.keeps_scores, request.keeps_logits
         longest = request.prompt.shape[1] + request.max_new_tokens
-        limit = context_limit(target, draft)
+        limit = context_limit(*(m for m in (target, draft) if m is not None))
         self.menu = ShapeMenu.of(config.draft_depth, config.draft_width, config.tree_budget,
-                                 (limit - longest) if limit else longest)
-        self.capacity = longest + max(s.nodes for s in self.menu.shapes) + 2  # the tree region, then scratch
+                                 (limit - longest) if limit else longest) if draft is not None else draft_free_menu(config)
+        # the suffix proposals (none with ngram_size 0): S nodes a round, enough to fill the largest tree
+        S = max(s.budget for s in self.menu.shapes) - 1 if config.ngram_size else 0
+        self.suffix = DeviceSuffix(config, request, S, limit, request.prompt.device) if S else None
+        self.capacity = longest + max(s.nodes for s in self.menu.shapes) + S + 2  # the tree region, then scratch
         self.counters = TargetCounters(), DraftCounters()
         self.sequences: list[list[int]] = []  # each live row's sequence (generate's, left padding included)
         self.last_read: float | None = None
@@ -240,11 +254,11 @@ class DeviceSides:
         prompts = request.prompt_ids()
         width = max(max(len(p) for p in prompts) - 1, 1)
         device = request.prompt.device
-        caches = tuple(SlotCache(m.config.get_text_config().num_hidden_layers, self.capacity)
-                       for m in (self.target, self.draft))
+        models = (self.target,) if self.draft is None else (self.target, self.draft)
+        caches = tuple(SlotCache(m.config.get_text_config().num_hidden_layers, self.capacity) for m in models)
         committed = torch.tensor([p[:-1] + [0] * (width - len(p) + 1) for p in prompts], device=device)
         counts = torch.tensor([len(p) - 1 for p in prompts], device=device)
-        for model, cache, counter in zip((self.target, self.draft), caches, self.counters):
+        for model, cache, counter in zip(models, caches, self.counters):
             catch_up(model, cache, committed, counts)
             counter.forwards += 1
         self.rows = RowsOnDevice(counts, torch.tensor([p[-1] for p in prompts], device=device))
@@ -263,12 +277,15 @@ class DeviceSides:
         return self.runner.run((phase.__name__, *key, self.models.key()), bound, inputs)
 
     def propose(self, rows: BatchRows) -> DeviceProposed:
-        """1. the draft grows the menu's shape below every root; the best T nodes are selected, on the device."""
+        """1. the draft grows the menu's shape below every root, the suffix proposals join it; the best T nodes are
+        selected, on the device."""
         proposed = DeviceProposed([], rows=list(rows.live), shape=self.menu.pick())
         shape, draft_counters = proposed.shape, self.counters[1]
         inputs = dict(prefix_lens=self.rows.prefix_lens, roots=self.rows.roots)
+        if self.suffix is not None:
+            inputs["suffix"] = self.suffix.propose()  # the round's one host-to-device copy
         with self.clock.phase("expand"):
-            proposed.subtree = DeviceSubtree(**self.run(grow_phase, (shape,), inputs, shape=shape))
+            proposed.subtree = DeviceSubtree(**self.run(grow_phase, (shape, self.suffix_nodes), inputs, shape=shape))
         proposed.expansions = shape.depth
         draft_counters.forwards += shape.depth
         draft_counters.expansions += shape.depth
@@ -280,14 +297,16 @@ class DeviceSides:
         """2. the target verifies every row's subtree, walks it and commits the path in both caches, then the round's
         one read."""
         start = time.perf_counter()
-        sub, depth = proposed.subtree, proposed.shape.depth
+        sub, depth, S = proposed.subtree, proposed.shape.depth, self.suffix_nodes
+        lag = catch_up_width(sub.tokens.shape[1], depth, S) if self.draft is not None else 0
         criteria, budgets = rows.criteria(), rows.budgets()
         inputs = dict(prefix_lens=self.rows.prefix_lens, roots=self.rows.roots, max_tokens=self.tensor(budgets),
                       eos=self.eos(criteria), **subtree_tensors(sub))
         if self.models.sample:
-            inputs["noise"] = self.noise(sub.tokens.shape[1], depth)
+            inputs["noise"] = self.noise(sub.tokens.shape[1], max(depth, S))
         with self.clock.phase("verify"):
-            proposed.after = after = self.run(verify_phase, (depth,), inputs, depth=depth)
+            proposed.after = after = self.run(verify_phase, (proposed.shape, S), inputs, depth=depth,
+                                              nodes=proposed.shape.nodes, lag=lag)
         with self.clock.phase("walk"):
             read = after["result"].tolist()
             now = time.perf_counter()
@@ -300,7 +319,8 @@ class DeviceSides:
                 finished = finished or count == budgets[b]
                 tokens, path = rest[:count], rest[T : T + count]
                 subtree = Subtree(rest[2 * T : 3 * T], rest[3 * T : 4 * T], rest[4 * T :])
-                proposed.proposals.append(Proposal(subtree, probs=[], scores=[], suffix=[-1] * T))
+                suffix = [0 if i >= proposed.shape.nodes else -1 for i in subtree.node_ids]  # the suffix's own nodes
+                proposed.proposals.append(Proposal(subtree, probs=[], scores=[], suffix=suffix))
                 outcome = Verified(tokens, path, finished=bool(finished))
                 outcome.scores = [kept[0][b, j : j + 1] for j in range(count)] if kept[0] is not None else []
                 outcome.logits = [kept[1][b, j : j + 1] for j in range(count)] if kept[1] is not None else []
@@ -309,7 +329,7 @@ class DeviceSides:
                 verified.append(outcome)
         self.counters[0].forwards += 1
         self.counters[0].verify_steps += len(verified)
-        self.counters[1].forwards += int(T > depth)  # the catch-up
+        self.counters[1].forwards += int(lag > 0)  # the catch-up
         self.counters[0].busy_s += time.perf_counter() - start
         return verified
 
@@ -322,6 +342,8 @@ class DeviceSides:
             host_roots = self.tensor([v.tokens[-1] if v.tokens else 0 for v in verified])
             roots, prefix = torch.where(cut > 0, host_roots, roots), prefix - cut
         self.rows.prefix_lens, self.rows.roots = prefix, roots
+        if self.suffix is not None:
+            self.suffix.accept([v.tokens for v in verified])
 
     def observe(self, proposed: DeviceProposed, verified: list[Verified], round_s: float, first: bool) -> None:
         """4. the shape menu prices the round's shape (tokens over the time between two reads)."""
@@ -334,8 +356,15 @@ class DeviceSides:
                 layer.keys, layer.values = layer.keys[index], layer.values[index]
         self.rows.keep(index)
         self.sequences = [self.sequences[b] for b in order]
+        if self.suffix is not None:
+            self.suffix.keep_rows(order)
         self.samplers = [self.samplers[b] for b in order]
         self.models = self.round_models(self.models.caches)
+
+    @property
+    def suffix_nodes(self) -> int:
+        """S: the suffix nodes each row proposes a round (0: none)."""
+        return self.suffix.nodes if self.suffix is not None else 0
 
     def stats(self, new_tokens: int, wall_s: float) -> SwiftSpecStats:
         return SwiftSpecStats.collect(self.name, new_tokens, wall_s, *self.counters, clock=self.clock)
@@ -348,7 +377,8 @@ class DeviceSides:
 
     def noise(self, T: int, depth: int) -> torch.Tensor:
         """(B, D, V) float64 each row's Gumbel noise for the positions its nodes may sit at (Sampler.choose_rows'
-        rule: keyed by seed, row and position, drawn from the host's lengths, no read); D = min(T, depth + 1)."""
+        rule: keyed by seed, row and position, drawn from the host's lengths, no read); D = min(T, depth + 1), depth:
+        the deepest a node may sit (the draft's depth, or the suffix's S)."""
         deepest = min(T, depth + 1)  # a selected node is at most `depth` below its root, and T - 1
         vocab = self.target.get_output_embeddings().weight.shape[0]
         return torch.stack([s.gumbel([len(seq) + d for d in range(deepest)], vocab, self.rows.roots.device)
