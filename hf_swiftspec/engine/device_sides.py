@@ -20,6 +20,7 @@ read) are each replayed as one graph per shape (steps/phase_graphs.py).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from dataclasses import dataclass, field, fields
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from ..drafters.device_growth import grow
+from ..drafters.device_heads import DeviceHead
 from ..drafters.eagle3 import DraftHead
 from ..models.architectures import context_limit
 from ..policy.shapes import Shape, ShapeMenu
@@ -51,12 +53,13 @@ def run_device(target, draft, request: DecodeRequest, config) -> DecodeResult:
     backend = capture_backend(config.capture, target.device)
     runner = PhaseRunner(backend) if backend is not None else None
     sides = DeviceSides(target, draft, config, request, runner)
-    result = run_rounds(sides, request)
+    with sides.head.tap if sides.head is not None else contextlib.nullcontext():  # a head reads the target's states
+        result = run_rounds(sides, request)
     how = "eager phases" if runner is None else f"replayed phases, {backend}: {len(runner.graphs)} graphs"
     if runner is not None and runner.fallbacks:
         how += f"; eager: {', '.join(sorted(runner.fallbacks))}"
     result.stats.attention = (f"device round (slot caches, 4D masks: target={target.config._attn_implementation}, "
-                              f"draft={draft.config._attn_implementation}; {how})")
+                              f"draft={'sdpa (a draft head)' if sides.head else draft.config._attn_implementation}; {how})")
     result.stats.capture_s = runner.setup_s if runner is not None else 0.0
     return result
 
@@ -66,9 +69,8 @@ def device_round_gaps(config, target, draft, architectures, logits_processor, pl
     """Why round="device" cannot decode this call exactly (empty: it can). reasons: the call's batch and slot-limit
     reasons (generation.py's), which the device round would otherwise have to escape by the target's own loop."""
     gaps = list(reasons)
-    if draft is None or isinstance(draft, DraftHead):
-        gaps.append("it grows a draft model's tree, and this pair has " + (
-            "no draft model (draft-free mode)" if draft is None else "a draft head (EAGLE-3 or MTP), not a draft model"))
+    if draft is None:
+        gaps.append("it grows a draft's tree, and this pair has no draft (draft-free mode)")
     for role, model, architecture in (("target", target, architectures[0]), ("draft", draft, architectures[1])):
         if model is None or architecture is None or isinstance(model, DraftHead):
             continue
@@ -134,6 +136,7 @@ class RoundModels:
     sample: bool
     keeps: tuple[bool, bool]
     vocab_limit: int
+    head: DeviceHead | None = None  # a draft head's growth and catch-up (drafters/device_heads.py); None: a draft model
 
     def key(self) -> tuple:
         """What a replayed phase bakes in besides its inputs' shapes: the caches' buffers and the rows' processors."""
@@ -145,21 +148,28 @@ def subtree_tensors(sub: DeviceSubtree) -> dict[str, torch.Tensor]:
     return {f.name: getattr(sub, f.name) for f in fields(sub)}
 
 
-def grow_phase(prefix_lens: torch.Tensor, roots: torch.Tensor, *, models: RoundModels, shape: Shape) -> dict:
+def grow_phase(prefix_lens: torch.Tensor, roots: torch.Tensor, root_inputs: torch.Tensor | None = None, *,
+               models: RoundModels, shape: Shape) -> dict:
     """1. the draft's growth of `shape` below every root and the best T nodes with their mask (DeviceSubtree's
-    fields): d draft forwards and the selection, no host read."""
-    growth = grow(models.draft, models.caches[1], prefix_lens, roots, shape.depth, shape.width, models.vocab_limit)
+    fields): d draft forwards and the selection, no host read. root_inputs (B, H): a draft head's (device_heads.py)."""
+    if models.head is not None:
+        growth = models.head.grow(models.caches[1], prefix_lens, roots, root_inputs, shape.depth, shape.width,
+                                  models.vocab_limit)
+    else:
+        growth = grow(models.draft, models.caches[1], prefix_lens, roots, shape.depth, shape.width, models.vocab_limit)
     return subtree_tensors(select_device(growth.tree, shape.budget))
 
 
 def verify_phase(prefix_lens: torch.Tensor, roots: torch.Tensor, max_tokens: torch.Tensor, eos: torch.Tensor,
-                 noise: torch.Tensor | None = None, *, models: RoundModels, depth: int, **subtree) -> dict:
+                 noise: torch.Tensor | None = None, root_inputs: torch.Tensor | None = None, *, models: RoundModels,
+                 depth: int, **subtree) -> dict:
     """2-3. the target's verification of the subtree, its choices, the walk, both caches' commits (the draft's
     catch-up on a walked node at the last depth, which it did not run) and the rows' next prefixes and roots, no host
     read. max_tokens (B,) long, eos (B, E) long, noise (B, D, V) float64 when sampling (device_round.sampled_choices).
     Returns: result (B, 2 + 4T) long, the round's one read (counts, finished flags, tokens, then the walked path and
     the subtree's node ids, tokens and parents), prefix_lens and roots (B,) the next round's, and the walked nodes'
-    scores / logits (B, T, V) where the call keeps them."""
+    scores / logits (B, T, V) where the call keeps them; with a draft head, root_inputs (B, H) in and out, and
+    path_inputs (DeviceHead.after_verify's)."""
     sub = DeviceSubtree(**subtree)
     target_cache, draft_cache = models.caches
     logits = verify_forward(models.target, target_cache, prefix_lens, sub)  # (B, T, V)
@@ -167,13 +177,18 @@ def verify_phase(prefix_lens: torch.Tensor, roots: torch.Tensor, max_tokens: tor
     choices = sampled_choices(scores, noise, sub.depths) if models.sample else greedy_choices(scores)
     walk = walk_device(choices, sub, max_tokens, eos)
     commit_cache(target_cache, prefix_lens, walk.path.clamp(min=0), walk.count)  # verified node j sat at slot j
-    ran = walk.count.clamp(max=depth)  # walked nodes above the last depth were on a frontier: their KV is there
-    commit_cache(draft_cache, prefix_lens, accepted_nodes(walk, sub), ran)
-    if sub.tokens.shape[1] > depth:  # a walk can reach the last depth: catch that node up (0 or 1 token a row)
-        last = sub.tokens.gather(1, walk.path[:, depth : depth + 1].clamp(min=0))  # (B, 1)
-        catch_up(models.draft, draft_cache, last, walk.count - ran, prefix_lens + ran)
+    if models.head is not None:  # a head: the tree's KV dropped, the walked chain re-run with the target's states
+        head_out = models.head.after_verify(draft_cache, prefix_lens, sub, walk, root_inputs, depth)
+    else:
+        head_out = {}
+        ran = walk.count.clamp(max=depth)  # walked nodes above the last depth were on a frontier: their KV is there
+        commit_cache(draft_cache, prefix_lens, accepted_nodes(walk, sub), ran)
+        if sub.tokens.shape[1] > depth:  # a walk can reach the last depth: catch that node up (0 or 1 token a row)
+            last = sub.tokens.gather(1, walk.path[:, depth : depth + 1].clamp(min=0))  # (B, 1)
+            catch_up(models.draft, draft_cache, last, walk.count - ran, prefix_lens + ran)
     emitted = walk.tokens.gather(1, (walk.count - 1).clamp(min=0)[:, None]).squeeze(1)
     out = dict(
+        **head_out,
         result=torch.cat([round_result(walk), walk.path, sub.node_ids, sub.tokens, sub.parents], dim=1),
         prefix_lens=prefix_lens + walk.count,
         roots=torch.where(walk.count > 0, emitted, roots),
@@ -218,10 +233,12 @@ class DeviceSides:
 
     def __init__(self, target, draft, config, request: DecodeRequest, runner: PhaseRunner | None = None):
         self.target, self.draft, self.runner = target, draft, runner
+        self.head = DeviceHead.of(draft, target) if isinstance(draft, DraftHead) else None
+        self.root_inputs: torch.Tensor | None = None  # a head's (B, H): the fused target state before each root
         self.samplers = list(request.samplers)
         self.keeps = request.keeps_scores, request.keeps_logits
         longest = request.prompt.shape[1] + request.max_new_tokens
-        limit = context_limit(target, draft)
+        limit = context_limit(*((target,) if self.head else (target, draft)))  # a head's rope places any position
         self.menu = ShapeMenu.of(config.draft_depth, config.draft_width, config.tree_budget,
                                  (limit - longest) if limit else longest)
         self.capacity = longest + max(s.nodes for s in self.menu.shapes) + 2  # the tree region, then scratch
@@ -240,12 +257,15 @@ class DeviceSides:
         prompts = request.prompt_ids()
         width = max(max(len(p) for p in prompts) - 1, 1)
         device = request.prompt.device
-        caches = tuple(SlotCache(m.config.get_text_config().num_hidden_layers, self.capacity)
-                       for m in (self.target, self.draft))
+        caches = tuple(SlotCache(1 if m is self.draft and self.head else m.config.get_text_config().num_hidden_layers,
+                                 self.capacity) for m in (self.target, self.draft))
         committed = torch.tensor([p[:-1] + [0] * (width - len(p) + 1) for p in prompts], device=device)
         counts = torch.tensor([len(p) - 1 for p in prompts], device=device)
         for model, cache, counter in zip((self.target, self.draft), caches, self.counters):
-            catch_up(model, cache, committed, counts)
+            if model is self.draft and self.head is not None:  # from the tap's states of the target's prefill
+                self.root_inputs = self.head.prefill(cache, committed, counts)
+            else:
+                catch_up(model, cache, committed, counts)
             counter.forwards += 1
         self.rows = RowsOnDevice(counts, torch.tensor([p[-1] for p in prompts], device=device))
         self.models = self.round_models(caches)
@@ -253,7 +273,8 @@ class DeviceSides:
 
     def round_models(self, caches: tuple[SlotCache, SlotCache]) -> RoundModels:
         return RoundModels(self.target, self.draft, caches, tuple(s.logits_processor for s in self.samplers),
-                           self.samplers[0].do_sample, self.keeps, self.target.config.get_text_config().vocab_size)
+                           self.samplers[0].do_sample, self.keeps, self.target.config.get_text_config().vocab_size,
+                           self.head)
 
     def run(self, phase, key: tuple, inputs: dict, **static) -> dict:
         """A phase over live `inputs`, replayed where the sides have a runner (its outputs are then static tensors)."""
@@ -267,6 +288,8 @@ class DeviceSides:
         proposed = DeviceProposed([], rows=list(rows.live), shape=self.menu.pick())
         shape, draft_counters = proposed.shape, self.counters[1]
         inputs = dict(prefix_lens=self.rows.prefix_lens, roots=self.rows.roots)
+        if self.head is not None:
+            inputs["root_inputs"] = self.root_inputs
         with self.clock.phase("expand"):
             proposed.subtree = DeviceSubtree(**self.run(grow_phase, (shape,), inputs, shape=shape))
         proposed.expansions = shape.depth
@@ -286,6 +309,8 @@ class DeviceSides:
                       eos=self.eos(criteria), **subtree_tensors(sub))
         if self.models.sample:
             inputs["noise"] = self.noise(sub.tokens.shape[1], depth)
+        if self.head is not None:
+            inputs["root_inputs"] = self.root_inputs
         with self.clock.phase("verify"):
             proposed.after = after = self.run(verify_phase, (depth,), inputs, depth=depth)
         with self.clock.phase("walk"):
@@ -309,7 +334,7 @@ class DeviceSides:
                 verified.append(outcome)
         self.counters[0].forwards += 1
         self.counters[0].verify_steps += len(verified)
-        self.counters[1].forwards += int(T > depth)  # the catch-up
+        self.counters[1].forwards += int(T > depth or self.head is not None)  # the catch-up
         self.counters[0].busy_s += time.perf_counter() - start
         return verified
 
@@ -317,10 +342,12 @@ class DeviceSides:
         """3. every row's prefix and root move on (the verification phase computed them on the device; a row whose
         walk a host-side stop cut takes the host's instead)."""
         prefix, roots = proposed.after["prefix_lens"].clone(), proposed.after["roots"].clone()
-        if any(proposed.cut):
-            cut = self.tensor(proposed.cut)
+        cut = self.tensor(proposed.cut) if any(proposed.cut) else None
+        if cut is not None:
             host_roots = self.tensor([v.tokens[-1] if v.tokens else 0 for v in verified])
             roots, prefix = torch.where(cut > 0, host_roots, roots), prefix - cut
+        if self.head is not None:
+            self.root_inputs = self.head.next_root_inputs(proposed.after, cut)
         self.rows.prefix_lens, self.rows.roots = prefix, roots
 
     def observe(self, proposed: DeviceProposed, verified: list[Verified], round_s: float, first: bool) -> None:
@@ -333,6 +360,8 @@ class DeviceSides:
             for layer in cache.layers:
                 layer.keys, layer.values = layer.keys[index], layer.values[index]
         self.rows.keep(index)
+        if self.head is not None:
+            self.root_inputs = self.root_inputs[index]
         self.sequences = [self.sequences[b] for b in order]
         self.samplers = [self.samplers[b] for b in order]
         self.models = self.round_models(self.models.caches)
