@@ -13,7 +13,7 @@ from test_mtp import with_mtp
 from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.engine.device_sides import DeviceSides
 from hf_swiftspec.pair import DEMO_PAIR_NAME, bundled_pair
-from hf_swiftspec.tools.models import char_tokenizer, left_padded
+from hf_swiftspec.tools.models import left_padded
 
 EAGLE = bundled_pair(DEMO_PAIR_NAME + "-eagle3")
 DEVICE = dict(round="device", ngram_size=0)
@@ -91,7 +91,8 @@ def test_greedy_equals_target_generate_with_the_head_drafting_every_round_readin
         assert "replayed phases, emulate" in stats.attention and "eager:" not in stats.attention
         eager = on_device(target, head, **FIXED)
         eager.generate(ids, **kwargs)
-        assert [(r.rows, r.accepted) for r in stats.rounds] == [(r.rows, r.accepted) for r in eager.swiftspec_stats.rounds]
+        rounds = [(r.rows, r.accepted) for r in stats.rounds]
+        assert rounds == [(r.rows, r.accepted) for r in eager.swiftspec_stats.rounds]
     if which == "eagle3":  # a trained head: most rounds accept drafted nodes
         assert stats.new_tokens > 2 * sum(r.rows for r in stats.rounds), (stats.new_tokens, len(stats.rounds))
 
@@ -127,7 +128,8 @@ def reference_tree(target, head, sequence: list[int], width: int) -> list[tuple[
     below = []
     for _, child, score in first:
         child_logprobs, _ = causal_head(head, tokens + [child], torch.cat([inputs, hidden[None]]))
-        below += [(child, int(head.target_ids(torch.tensor(i))), score + float(v)) for i, v in enumerate(child_logprobs)]
+        ids = head.target_ids(torch.arange(child_logprobs.shape[0])).tolist()
+        below += [(child, ids[i], score + float(v)) for i, v in enumerate(child_logprobs)]
     return first + sorted(below, key=lambda n: -n[2])[:width]
 
 
@@ -195,7 +197,8 @@ def test_a_stop_string_cut_moves_the_heads_root_input_back(eagle, monkeypatch):
     ids, mask = inputs("eagle3", eagle, 4)
     free = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=40)[:, ids.shape[1]:]
     stops = [eagle.tokenizer.decode(free[b, at: at + 2]) for b, at in enumerate((3, 17, 6, 9))]
-    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=40, stop_strings=stops, tokenizer=eagle.tokenizer)
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=40, stop_strings=stops,
+                  tokenizer=eagle.tokenizer)
     grown, cuts, propose, accept = [], [], DeviceSides.propose, DeviceSides.accept
 
     def recording(self, rows):

@@ -105,8 +105,9 @@ def grow_head(head: DraftHead, cache: SlotCache, prefix_lens: torch.Tensor, root
         seen = ancestors.gather(1, frontier[:, :, None].expand(B, F, N))  # (B, F, N)
         allowed = without_slot_zero(tree_visible(cache.capacity, prefix_lens, seen), prefix_lens)
         inputs = hidden.gather(1, frontier[:, :, None].expand(B, F, hidden.shape[-1]))
-        logits, out = head_forward(head, cache, tokens.gather(1, frontier), (prefix_lens[:, None] + level - 2).clamp(min=0),
-                                   inputs, node_slots.gather(1, frontier), allowed)
+        positions = (prefix_lens[:, None] + level - 2).clamp(min=0)  # depth level - 1, at the head's shift
+        logits, out = head_forward(head, cache, tokens.gather(1, frontier), positions, inputs,
+                                   node_slots.gather(1, frontier), allowed)
         outputs.scatter_(1, frontier[:, :, None].expand_as(out), out)
         logprobs = torch.log_softmax(logits, dim=-1)  # (B, F, V_draft): the host's top_children over the draft vocab
         V = logprobs.shape[-1]
@@ -171,7 +172,8 @@ class DeviceHead:
         """The head's commit after the target verified `subtree` and walked it (its states still in the tap): the
         tree's KV dropped, the walked chain (the root and every accepted node, at most depth + 1) run as one catch-up
         with the target's fused states before each. Returns root_inputs (B, H), the next round's, and path_inputs
-        (B, L, H) the fused state at each walked node (a host-side stop that cuts the walk takes its root input there)."""
+        (B, L, H) the fused state at each walked node (a host-side stop that cuts the walk takes its root input
+        there)."""
         fused = self.fused_states()  # (B, T, H) at every verified node
         B, T, H = fused.shape
         L = min(T, depth + 1)  # a walk follows at most depth + 1 nodes

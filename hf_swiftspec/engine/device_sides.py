@@ -1,5 +1,6 @@
-"""The device round's sides (engine/rounds.py's RoundSides): a draft model and the target over fixed-shape slot
-caches (steps/slot_cache.py), every phase a device op, one host read a round (SwiftSpecConfig round="device").
+"""The device round's sides (engine/rounds.py's RoundSides): a draft (a draft model, or a draft head: an
+EAGLE-3 head or an MTP layer, drafters/device_heads.py) and the target over fixed-shape slot caches
+(steps/slot_cache.py), every phase a device op, one host read a round (SwiftSpecConfig round="device").
 
 Per round, for all B rows at once:
   1. propose: the draft grows depth x width nodes below each root (drafters/device_growth.grow, d forwards) and
@@ -10,10 +11,11 @@ Per round, for all B rows at once:
      paths, tokens and the verified subtrees, for streaming, stop strings, the record and the stats;
   3. accept: the draft cache's commit and its catch-up on the one accepted node it did not run, new prefix
      lengths and roots (device tensors: computed on the device, corrected from the host only where a host-side
-     criterion, a stop string, cut a row's walk short);
+     criterion, a stop string, cut a row's walk short); a head instead re-runs the whole verified chain with the
+     target's states (DeviceHead.after_verify, inside the verification's graph) and keeps the next root's input;
   4. observe: the shape menu (policy/shapes.py) prices the round's shape from the tokens and the time between reads.
 
-Exact where the caches are: full attention only, processors that ignore the path, a draft model
+Exact where the caches are: full attention only, processors that ignore the path, a draft
 (check_device_round says why a call is refused). With SwiftSpecConfig.capture, the two phases (1; 2-3 up to the
 read) are each replayed as one graph per shape (steps/phase_graphs.py).
 """
@@ -58,8 +60,9 @@ def run_device(target, draft, request: DecodeRequest, config) -> DecodeResult:
     how = "eager phases" if runner is None else f"replayed phases, {backend}: {len(runner.graphs)} graphs"
     if runner is not None and runner.fallbacks:
         how += f"; eager: {', '.join(sorted(runner.fallbacks))}"
+    drafts = "sdpa (a draft head)" if sides.head else draft.config._attn_implementation
     result.stats.attention = (f"device round (slot caches, 4D masks: target={target.config._attn_implementation}, "
-                              f"draft={'sdpa (a draft head)' if sides.head else draft.config._attn_implementation}; {how})")
+                              f"draft={drafts}; {how})")
     result.stats.capture_s = runner.setup_s if runner is not None else 0.0
     return result
 
