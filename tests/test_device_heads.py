@@ -220,3 +220,13 @@ def test_a_stop_string_cut_moves_the_heads_root_input_back(eagle, monkeypatch):
     for sequence, root_input in grown:
         want = sequence_states(target, head, sequence)[-2]  # a plain forward: rounding apart from the tree's (1e-4)
         torch.testing.assert_close(root_input, want, atol=1e-3, rtol=1e-3)
+
+
+def test_an_mtp_layer_that_does_not_take_4d_masks_is_refused_by_name():
+    """An MTP layer attends with its model's attention implementation: one that does not take the slot caches'
+    additive 4D mask is a ValueError naming it and the fix, never the host round instead."""
+    target, head = with_mtp("deepseek_v3")
+    head.mtp.config._attn_implementation = "flex_attention"
+    with pytest.raises(ValueError, match="round='device'") as raised:
+        on_device(target, head).generate(torch.tensor(MTP_ROWS[:1]), max_new_tokens=4, do_sample=False)
+    assert "'flex_attention'" in str(raised.value) and "set_attn_implementation('sdpa')" in str(raised.value)

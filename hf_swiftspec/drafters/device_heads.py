@@ -32,6 +32,18 @@ from .device_growth import Growth
 from .eagle3 import DraftHead
 
 
+def head_gaps(head: DraftHead, masks: tuple[str, ...]) -> list[str]:
+    """Why the device round cannot run `head` exactly (empty: it can). masks: the attention implementations that take
+    its additive 4D masks as given. An EAGLE-3 head attends with its own SDPA over them; an MTP layer with its
+    model's attention implementation."""
+    mtp = getattr(head, "mtp", None)
+    attention = getattr(getattr(mtp, "config", None), "_attn_implementation", None)
+    if attention is not None and attention not in masks:
+        return [f"the draft's MTP layer attends with {attention!r}, which does not take an additive 4D mask; "
+                "call mtp.set_attn_implementation('sdpa') on its MtpModel"]
+    return []
+
+
 def head_forward(head: DraftHead, cache: SlotCache, tokens: torch.Tensor, positions: torch.Tensor,
                  inputs: torch.Tensor, slots: torch.Tensor, allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One head forward: tokens (B, Q) at positions (B, Q) with hidden inputs (B, Q, H), their KV written at slots

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from ..drafters.device_growth import grow
-from ..drafters.device_heads import DeviceHead
+from ..drafters.device_heads import DeviceHead, head_gaps
 from ..drafters.eagle3 import DraftHead
 from ..models.architectures import context_limit
 from ..policy.shapes import Shape, ShapeMenu
@@ -74,6 +74,8 @@ def device_round_gaps(config, target, draft, architectures, logits_processor, pl
     gaps = list(reasons)
     if draft is None:
         gaps.append("it grows a draft's tree, and this pair has no draft (draft-free mode)")
+    if isinstance(draft, DraftHead):
+        gaps += head_gaps(draft, MASKS_4D)
     for role, model, architecture in (("target", target, architectures[0]), ("draft", draft, architectures[1])):
         if model is None or architecture is None or isinstance(model, DraftHead):
             continue
