@@ -3,17 +3,22 @@ layer grow their tree on the device every round from the target's states, and th
 tokens with the target's states (its catch-up inside the verification graph): greedy output is target.generate's
 token for token (float32; one sequence and a left-padded batch, EOS and max_new_tokens, eager and replayed), at most
 one host read a round; the tree each round grows scores as plain causal forwards of the head over the sequence so
-far (the head's bookkeeping is EAGLE's, not just harmless); a seed draws what the host round draws."""
+far (the head's bookkeeping is EAGLE's, not just harmless), also after a stop string cut a walk; children are
+target ids below the vocab limit; a seed draws what the host round draws; an MTP layer whose attention takes no 4D
+mask is refused by name."""
 
 import pytest
 import torch
 from test_device_sides import reads_per_round
+from test_eagle3 import random_head
 from test_mtp import with_mtp
 
 from hf_swiftspec import SwiftSpecForCausalLM
+from hf_swiftspec.drafters.device_heads import grow_head, head_catch_up
 from hf_swiftspec.engine.device_sides import DeviceSides
 from hf_swiftspec.pair import DEMO_PAIR_NAME, bundled_pair
-from hf_swiftspec.tools.models import left_padded
+from hf_swiftspec.steps.slot_cache import SlotCache
+from hf_swiftspec.tools.models import left_padded, tiny_model
 
 EAGLE = bundled_pair(DEMO_PAIR_NAME + "-eagle3")
 DEVICE = dict(round="device", ngram_size=0)
@@ -230,3 +235,24 @@ def test_an_mtp_layer_that_does_not_take_4d_masks_is_refused_by_name():
     with pytest.raises(ValueError, match="round='device'") as raised:
         on_device(target, head).generate(torch.tensor(MTP_ROWS[:1]), max_new_tokens=4, do_sample=False)
     assert "'flex_attention'" in str(raised.value) and "set_attn_implementation('sdpa')" in str(raised.value)
+
+
+@torch.no_grad()
+def test_children_are_target_ids_below_the_vocab_limit():
+    """A head's children are its draft ids mapped to target ids (d2t), only those below vocab_limit (ids the target
+    embeds): with a limit of 20 and draft id i being target id 2i, every grown node is below 20; without one, the
+    same growth reaches past it."""
+    target = tiny_model("llama", seed=1, vocab_size=98)
+    head = random_head(target, draft_vocab=48)
+    H, B, L = head.hidden_size, 2, 5
+    grown = {}
+    for limit in (20, None):
+        g = torch.Generator().manual_seed(0)  # the same prefix, root and root input both times
+        cache = SlotCache(1, 32)
+        head_catch_up(head, cache, torch.randint(0, 98, (B, L), generator=g), torch.randn(B, L, H, generator=g),
+                      torch.tensor([L, 3]), torch.ones(B, dtype=torch.long))
+        growth = grow_head(head, cache, torch.tensor([L + 1, 4]), torch.tensor([7, 9]), torch.randn(B, H, generator=g),
+                           depth=3, width=3, vocab_limit=limit)
+        grown[limit] = growth.tree.tokens[:, 1:]
+    assert (grown[20] < 20).all() and (grown[20] % 2 == 0).all()
+    assert (grown[None] >= 20).any()
