@@ -381,7 +381,7 @@ def device_method(models: BenchModels, settings: dict, seed: int, notes: list[st
 
 
 def head_skipped(name: str, notes: list[str]) -> MethodResult:
-    note = "skipped: the draft is a draft head (EAGLE-3 or MTP), which only swiftspec's adaptive round runs"
+    note = "skipped: the draft is a draft head (EAGLE-3 or MTP), which only swiftspec's own rounds run"
     notes.append(f"{name} {note}.")
     return skipped_result(name, note)
 

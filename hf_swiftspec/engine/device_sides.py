@@ -1,5 +1,6 @@
-"""The device round's sides (engine/rounds.py's RoundSides): a draft model and the target over fixed-shape slot
-caches (steps/slot_cache.py), every phase a device op, one host read a round (SwiftSpecConfig round="device").
+"""The device round's sides (engine/rounds.py's RoundSides): a draft (a draft model, or a draft head: an
+EAGLE-3 head or an MTP layer, drafters/device_heads.py) and the target over fixed-shape slot caches
+(steps/slot_cache.py), every phase a device op, one host read a round (SwiftSpecConfig round="device").
 
 Per round, for all B rows at once:
   1. propose: the draft grows depth x width nodes below each root (drafters/device_growth.grow, d forwards), the
@@ -13,16 +14,18 @@ Per round, for all B rows at once:
   3. accept: the draft cache's commit and its catch-up on the accepted nodes it did not run (the last depth's, the
      suffix's; device_suffix.follow_walk), the suffix index's new tokens (on the host), new prefix
      lengths and roots (device tensors: computed on the device, corrected from the host only where a host-side
-     criterion, a stop string, cut a row's walk short);
+     criterion, a stop string, cut a row's walk short); a head instead re-runs the whole verified chain with the
+     target's states (DeviceHead.after_verify, inside the verification's graph) and keeps the next root's input;
   4. observe: the shape menu (policy/shapes.py) prices the round's shape from the tokens and the time between reads.
 
-Exact where the caches are: full attention only, processors that ignore the path, a draft model or suffix
-proposals (check_device_round says why a call is refused). With SwiftSpecConfig.capture, the two phases (1; 2-3 up to the
+Exact where the caches are: full attention only, processors that ignore the path, a draft (a draft model or a
+draft head) or suffix proposals (check_device_round says why a call is refused). With SwiftSpecConfig.capture, the two phases (1; 2-3 up to the
 read) are each replayed as one graph per shape (steps/phase_graphs.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from dataclasses import dataclass, field, fields
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from ..drafters.device_growth import grow
+from ..drafters.device_heads import DeviceHead, head_gaps
 from ..drafters.device_suffix import (DeviceSuffix, SuffixNodes, catch_up_width, draft_free_menu, follow_walk,
                                       merge_suffix, root_tree)
 from ..drafters.eagle3 import DraftHead
@@ -56,11 +60,13 @@ def run_device(target, draft, request: DecodeRequest, config) -> DecodeResult:
     backend = capture_backend(config.capture, target.device)
     runner = PhaseRunner(backend) if backend is not None else None
     sides = DeviceSides(target, draft, config, request, runner)
-    result = run_rounds(sides, request)
+    with sides.head.tap if sides.head is not None else contextlib.nullcontext():  # a head reads the target's states
+        result = run_rounds(sides, request)
     how = "eager phases" if runner is None else f"replayed phases, {backend}: {len(runner.graphs)} graphs"
     if runner is not None and runner.fallbacks:
         how += f"; eager: {', '.join(sorted(runner.fallbacks))}"
-    drafted = "no draft model" if draft is None else f"draft={draft.config._attn_implementation}"
+    drafted = ("no draft model" if draft is None else
+               f"draft={'sdpa (a draft head)' if sides.head else draft.config._attn_implementation}")
     result.stats.attention = (f"device round (slot caches, 4D masks: target={target.config._attn_implementation}, "
                               f"{drafted}; {how})")
     result.stats.capture_s = runner.setup_s if runner is not None else 0.0
@@ -72,11 +78,11 @@ def device_round_gaps(config, target, draft, architectures, logits_processor, pl
     """Why round="device" cannot decode this call exactly (empty: it can). reasons: the call's batch and slot-limit
     reasons (generation.py's), which the device round would otherwise have to escape by the target's own loop."""
     gaps = list(reasons)
-    if isinstance(draft, DraftHead):
-        gaps.append("it grows a draft model's tree, and this pair has a draft head (EAGLE-3 or MTP), not a draft model")
     if draft is None and not config.ngram_size:
         gaps.append("draft-free mode (no draft model) proposes suffix nodes alone, and ngram_size=0 turns them off; "
                     "set ngram_size > 0 or give a draft model")
+    if isinstance(draft, DraftHead):
+        gaps += head_gaps(draft, MASKS_4D)
     for role, model, architecture in (("target", target, architectures[0]), ("draft", draft, architectures[1])):
         if model is None or architecture is None or isinstance(model, DraftHead):
             continue
@@ -140,6 +146,7 @@ class RoundModels:
     sample: bool
     keeps: tuple[bool, bool]
     vocab_limit: int
+    head: DeviceHead | None = None  # a draft head's growth and catch-up (drafters/device_heads.py); None: a draft model
 
     def key(self) -> tuple:
         """What a replayed phase bakes in besides its inputs' shapes: the caches' buffers and the rows' processors."""
@@ -151,21 +158,27 @@ def subtree_tensors(sub: DeviceSubtree) -> dict[str, torch.Tensor]:
     return {f.name: getattr(sub, f.name) for f in fields(sub)}
 
 
-def grow_phase(prefix_lens: torch.Tensor, roots: torch.Tensor, suffix: torch.Tensor | None = None, *,
-               models: RoundModels, shape: Shape) -> dict:
+def grow_phase(prefix_lens: torch.Tensor, roots: torch.Tensor, suffix: torch.Tensor | None = None,
+               root_inputs: torch.Tensor | None = None, *, models: RoundModels, shape: Shape) -> dict:
     """1. the draft's growth of `shape` below every root (draft-free: the root alone), the suffix nodes merged in
     (suffix: (B, 4, S) the host's proposals, drafters/device_suffix.py) and the best T nodes with their mask
-    (DeviceSubtree's fields): d draft forwards and the selection, no host read."""
-    tree = grow(models.draft, models.caches[1], prefix_lens, roots, shape.depth, shape.width,
-                models.vocab_limit).tree if models.draft is not None else root_tree(roots)
+    (DeviceSubtree's fields): d draft forwards and the selection, no host read. root_inputs (B, H): a draft head's
+    (device_heads.py)."""
+    if models.head is not None:
+        tree = models.head.grow(models.caches[1], prefix_lens, roots, root_inputs, shape.depth, shape.width,
+                                models.vocab_limit).tree
+    elif models.draft is not None:
+        tree = grow(models.draft, models.caches[1], prefix_lens, roots, shape.depth, shape.width, models.vocab_limit).tree
+    else:
+        tree = root_tree(roots)
     if suffix is not None:
         tree = merge_suffix(tree, SuffixNodes.unpack(suffix), shape.depth)
     return subtree_tensors(select_device(tree, shape.budget))
 
 
 def verify_phase(prefix_lens: torch.Tensor, roots: torch.Tensor, max_tokens: torch.Tensor, eos: torch.Tensor,
-                 noise: torch.Tensor | None = None, *, models: RoundModels, depth: int, nodes: int, lag: int,
-                 **subtree) -> dict:
+                 noise: torch.Tensor | None = None, root_inputs: torch.Tensor | None = None, *, models: RoundModels,
+                 depth: int, nodes: int, lag: int, deepest: int, **subtree) -> dict:
     """2-3. the target's verification of the subtree, its choices, the walk, both caches' commits (the draft's
     catch-up on the walked nodes it did not run: at the last depth, the suffix's) and the rows' next prefixes and
     roots, no host read. max_tokens (B,) long, eos (B, E) long, noise (B, D, V) float64 when sampling
@@ -173,7 +186,8 @@ def verify_phase(prefix_lens: torch.Tensor, roots: torch.Tensor, max_tokens: tor
     the draft's catch-up width (device_suffix.catch_up_width).
     Returns: result (B, 2 + 4T) long, the round's one read (counts, finished flags, tokens, then the walked path and
     the subtree's node ids, tokens and parents), prefix_lens and roots (B,) the next round's, and the walked nodes'
-    scores / logits (B, T, V) where the call keeps them."""
+    scores / logits (B, T, V) where the call keeps them; with a draft head, root_inputs (B, H) in and out, and
+    path_inputs (DeviceHead.after_verify's)."""
     sub = DeviceSubtree(**subtree)
     target_cache = models.caches[0]
     logits = verify_forward(models.target, target_cache, prefix_lens, sub)  # (B, T, V)
@@ -181,10 +195,14 @@ def verify_phase(prefix_lens: torch.Tensor, roots: torch.Tensor, max_tokens: tor
     choices = sampled_choices(scores, noise, sub.depths) if models.sample else greedy_choices(scores)
     walk = walk_device(choices, sub, max_tokens, eos)
     commit_cache(target_cache, prefix_lens, walk.path.clamp(min=0), walk.count)  # verified node j sat at slot j
-    if models.draft is not None:  # its commit of the nodes it ran, its catch-up on the last depth's and the suffix's
+    head_out = {}
+    if models.head is not None:  # a head: the tree's KV dropped, the walked chain re-run with the target's states
+        head_out = models.head.after_verify(models.caches[1], prefix_lens, sub, walk, root_inputs, deepest)
+    elif models.draft is not None:  # its commit of the nodes it ran, its catch-up on the last depth's and the suffix's
         follow_walk(models.draft, models.caches[1], walk, sub, prefix_lens, depth, nodes, lag)
     emitted = walk.tokens.gather(1, (walk.count - 1).clamp(min=0)[:, None]).squeeze(1)
     out = dict(
+        **head_out,
         result=torch.cat([round_result(walk), walk.path, sub.node_ids, sub.tokens, sub.parents], dim=1),
         prefix_lens=prefix_lens + walk.count,
         roots=torch.where(walk.count > 0, emitted, roots),
@@ -229,10 +247,13 @@ class DeviceSides:
 
     def __init__(self, target, draft, config, request: DecodeRequest, runner: PhaseRunner | None = None):
         self.target, self.draft, self.runner = target, draft, runner
+        self.head = DeviceHead.of(draft, target) if isinstance(draft, DraftHead) else None
+        self.root_inputs: torch.Tensor | None = None  # a head's (B, H): the fused target state before each root
         self.samplers = list(request.samplers)
         self.keeps = request.keeps_scores, request.keeps_logits
         longest = request.prompt.shape[1] + request.max_new_tokens
-        limit = context_limit(*(m for m in (target, draft) if m is not None))
+        # a head's rope places any position: the target's limit alone
+        limit = context_limit(*((target,) if self.head else (m for m in (target, draft) if m is not None)))
         self.menu = ShapeMenu.of(config.draft_depth, config.draft_width, config.tree_budget,
                                  (limit - longest) if limit else longest) if draft is not None else draft_free_menu(config)
         # the suffix proposals (none with ngram_size 0): S nodes a round, enough to fill the largest tree
@@ -255,11 +276,15 @@ class DeviceSides:
         width = max(max(len(p) for p in prompts) - 1, 1)
         device = request.prompt.device
         models = (self.target,) if self.draft is None else (self.target, self.draft)
-        caches = tuple(SlotCache(m.config.get_text_config().num_hidden_layers, self.capacity) for m in models)
+        caches = tuple(SlotCache(1 if m is self.draft and self.head else m.config.get_text_config().num_hidden_layers,
+                                 self.capacity) for m in models)
         committed = torch.tensor([p[:-1] + [0] * (width - len(p) + 1) for p in prompts], device=device)
         counts = torch.tensor([len(p) - 1 for p in prompts], device=device)
         for model, cache, counter in zip(models, caches, self.counters):
-            catch_up(model, cache, committed, counts)
+            if model is self.draft and self.head is not None:  # from the tap's states of the target's prefill
+                self.root_inputs = self.head.prefill(cache, committed, counts)
+            else:
+                catch_up(model, cache, committed, counts)
             counter.forwards += 1
         self.rows = RowsOnDevice(counts, torch.tensor([p[-1] for p in prompts], device=device))
         self.models = self.round_models(caches)
@@ -267,7 +292,8 @@ class DeviceSides:
 
     def round_models(self, caches: tuple[SlotCache, SlotCache]) -> RoundModels:
         return RoundModels(self.target, self.draft, caches, tuple(s.logits_processor for s in self.samplers),
-                           self.samplers[0].do_sample, self.keeps, self.target.config.get_text_config().vocab_size)
+                           self.samplers[0].do_sample, self.keeps, self.target.config.get_text_config().vocab_size,
+                           self.head)
 
     def run(self, phase, key: tuple, inputs: dict, **static) -> dict:
         """A phase over live `inputs`, replayed where the sides have a runner (its outputs are then static tensors)."""
@@ -284,6 +310,8 @@ class DeviceSides:
         inputs = dict(prefix_lens=self.rows.prefix_lens, roots=self.rows.roots)
         if self.suffix is not None:
             inputs["suffix"] = self.suffix.propose()  # the round's one host-to-device copy
+        if self.head is not None:
+            inputs["root_inputs"] = self.root_inputs
         with self.clock.phase("expand"):
             proposed.subtree = DeviceSubtree(**self.run(grow_phase, (shape, self.suffix_nodes), inputs, shape=shape))
         proposed.expansions = shape.depth
@@ -298,15 +326,17 @@ class DeviceSides:
         one read."""
         start = time.perf_counter()
         sub, depth, S = proposed.subtree, proposed.shape.depth, self.suffix_nodes
-        lag = catch_up_width(sub.tokens.shape[1], depth, S) if self.draft is not None else 0
+        lag = catch_up_width(sub.tokens.shape[1], depth, S) if self.draft is not None and self.head is None else 0
         criteria, budgets = rows.criteria(), rows.budgets()
         inputs = dict(prefix_lens=self.rows.prefix_lens, roots=self.rows.roots, max_tokens=self.tensor(budgets),
                       eos=self.eos(criteria), **subtree_tensors(sub))
         if self.models.sample:
             inputs["noise"] = self.noise(sub.tokens.shape[1], max(depth, S))
+        if self.head is not None:
+            inputs["root_inputs"] = self.root_inputs
         with self.clock.phase("verify"):
             proposed.after = after = self.run(verify_phase, (proposed.shape, S), inputs, depth=depth,
-                                              nodes=proposed.shape.nodes, lag=lag)
+                                              nodes=proposed.shape.nodes, lag=lag, deepest=max(depth, S))
         with self.clock.phase("walk"):
             read = after["result"].tolist()
             now = time.perf_counter()
@@ -329,7 +359,7 @@ class DeviceSides:
                 verified.append(outcome)
         self.counters[0].forwards += 1
         self.counters[0].verify_steps += len(verified)
-        self.counters[1].forwards += int(lag > 0)  # the catch-up
+        self.counters[1].forwards += int(lag > 0 or self.head is not None)  # the catch-up
         self.counters[0].busy_s += time.perf_counter() - start
         return verified
 
@@ -337,10 +367,12 @@ class DeviceSides:
         """3. every row's prefix and root move on (the verification phase computed them on the device; a row whose
         walk a host-side stop cut takes the host's instead)."""
         prefix, roots = proposed.after["prefix_lens"].clone(), proposed.after["roots"].clone()
-        if any(proposed.cut):
-            cut = self.tensor(proposed.cut)
+        cut = self.tensor(proposed.cut) if any(proposed.cut) else None
+        if cut is not None:
             host_roots = self.tensor([v.tokens[-1] if v.tokens else 0 for v in verified])
             roots, prefix = torch.where(cut > 0, host_roots, roots), prefix - cut
+        if self.head is not None:
+            self.root_inputs = self.head.next_root_inputs(proposed.after, cut)
         self.rows.prefix_lens, self.rows.roots = prefix, roots
         if self.suffix is not None:
             self.suffix.accept([v.tokens for v in verified])
@@ -355,6 +387,8 @@ class DeviceSides:
             for layer in cache.layers:
                 layer.keys, layer.values = layer.keys[index], layer.values[index]
         self.rows.keep(index)
+        if self.head is not None:
+            self.root_inputs = self.root_inputs[index]
         self.sequences = [self.sequences[b] for b in order]
         if self.suffix is not None:
             self.suffix.keep_rows(order)

@@ -1,0 +1,216 @@
+"""A draft head's part of the device round (an EAGLE-3 head, eagle3.py, or an MTP layer, mtp.py): its growth, its
+prefill and its catch-up on the verified chain as fixed-shape device ops (engine/device_sides.py calls DeviceHead).
+
+A head reads, beside each token, a hidden input (heads.py's HeadDrafter, the host round's twin): for a committed
+token and the round's root, the target's states at the token before it, fused by the head (`head.fuse`); below
+the root, the head's own output at the node's parent. Its positions are the target's minus one (token j of a row
+runs at position j - 1; token 0 never runs), as it was trained. Its SlotCache holds token j at slot j, the target's
+layout, so a round's tree region starts at the same prefix length as the target's: slot 0 stays unwritten and
+unseen (every mask here leaves it out), and the committed slots a query sees are [1, prefix_len).
+
+Per round, for B rows:
+  grow:          depth d x width k below each root, d head forwards (the root with the target's fused state before
+                 it, `root_inputs`; each frontier node with its parent's output, kept in a (B, N, H) tensor);
+                 children over the head's draft vocabulary, mapped to target ids;
+  after_verify:  the target's states at the walked path (its tap's, taken after the verification forward), and the
+                 head's catch-up over the accepted chain (the root and the walked tokens, each with the target's fused
+                 state at the token before it) written over the tree's slots, which are dropped: the head's committed
+                 KV always comes from the target's states (EAGLE's re-drafting). The next root's input is the fused
+                 state at the last walked node.
+No host read anywhere: the growth is captured as one graph and the catch-up rides in the verification's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..steps.device_round import DeviceSubtree, DeviceTree, DeviceWalk
+from ..steps.slot_cache import SlotCache, additive_mask, tree_visible
+from .device_growth import Growth
+from .eagle3 import DraftHead
+
+
+def head_gaps(head: DraftHead, masks: tuple[str, ...]) -> list[str]:
+    """Why the device round cannot run `head` exactly (empty: it can). masks: the attention implementations that take
+    its additive 4D masks as given. An EAGLE-3 head attends with its own SDPA over them; an MTP layer with its
+    model's attention implementation."""
+    mtp = getattr(head, "mtp", None)
+    attention = getattr(getattr(mtp, "config", None), "_attn_implementation", None)
+    if attention is not None and attention not in masks:
+        return [f"the draft's MTP layer attends with {attention!r}, which does not take an additive 4D mask; "
+                "call mtp.set_attn_implementation('sdpa') on its MtpModel"]
+    return []
+
+
+def head_forward(head: DraftHead, cache: SlotCache, tokens: torch.Tensor, positions: torch.Tensor,
+                 inputs: torch.Tensor, slots: torch.Tensor, allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One head forward: tokens (B, Q) at positions (B, Q) with hidden inputs (B, Q, H), their KV written at slots
+    (B, Q), each query seeing the slots allowed (B, Q, C) says. Returns float32 logits (B, Q, V_draft) and the hidden
+    outputs (B, Q, H) its children read."""
+    cache.index = slots
+    out = head(input_ids=tokens, position_ids=positions, hidden_inputs=inputs,
+               attention_mask=additive_mask(allowed, head.dtype), past_key_values=cache)
+    return out.logits.float(), out.hidden
+
+
+def without_slot_zero(allowed: torch.Tensor, prefix_lens: torch.Tensor) -> torch.Tensor:
+    """allowed (B, Q, C) less slot 0 where it is a committed slot (prefix_len > 0): token 0 never runs through the
+    head, so its slot holds nothing. (A one-token prompt's first root sits there, a tree node, and is seen.)"""
+    return torch.cat([allowed[:, :, :1] & (prefix_lens == 0)[:, None, None], allowed[:, :, 1:]], dim=2)
+
+
+def head_catch_up(head: DraftHead, cache: SlotCache, tokens: torch.Tensor, inputs: torch.Tensor,
+                  counts: torch.Tensor, starts: torch.Tensor) -> None:
+    """Write each row's tokens' head KV behind its committed slots, one fixed-shape forward.
+
+    tokens (B, L) long, inputs (B, L, H) their hidden inputs (the target's fused states at the token before each),
+    counts (B,) long real tokens per row, starts (B,) long the slot of each row's first token: token j goes at slot
+    starts + j, position starts + j - 1 (the head's shift), seeing the committed slots [1, starts) and the tokens
+    before it. Padding queries write the scratch slot and see slot 0 alone (their output is never read)."""
+    B, L = tokens.shape
+    j = torch.arange(L, device=tokens.device)
+    real = j[None] < counts[:, None]  # (B, L)
+    at = starts[:, None] + j[None]  # (B, L)
+    c = torch.arange(cache.capacity, device=tokens.device)[None, None]
+    seen = (c <= at[:, :, None]) & ((c >= 1) | (c == at[:, :, None]))  # (B, L, C): from slot 1, and itself
+    allowed = (seen & real[:, :, None]) | (~real[:, :, None] & (c == 0))
+    head_forward(head, cache, tokens, (at - 1).clamp(min=0), inputs, torch.where(real, at, cache.scratch), allowed)
+
+
+def grow_head(head: DraftHead, cache: SlotCache, prefix_lens: torch.Tensor, roots: torch.Tensor,
+              root_inputs: torch.Tensor, depth: int, width: int, vocab_limit: int | None = None) -> Growth:
+    """Grow every row's tree `depth` levels of `width` nodes below its root, with `depth` head forwards
+    (device_growth.grow's tree, node for node: the root 0, depth l's nodes 1 + (l - 1) * width ... l * width).
+
+    cache: the head's SlotCache, slots [1, prefix_lens[b]) holding row b's committed tokens (head_catch_up)
+    prefix_lens: (B,) long tokens the target committed per row; the root sits at slot prefix_lens[b]
+    roots: (B,) long each row's root token
+    root_inputs: (B, H) the target's fused state at the token before each root (zeros for a prompt's only token)
+    vocab_limit: children are target ids below it (those the target can embed)
+    """
+    if depth < 1 or width < 1:
+        raise ValueError(f"grow_head(depth={depth}, width={width}): both must be at least 1")
+    B = roots.shape[0]
+    N = 1 + depth * width
+    device = roots.device
+    if cache.capacity < N + 2:
+        raise ValueError(f"SlotCache of {cache.capacity} slots cannot hold a tree of {N} nodes behind a prefix; "
+                         "allocate at least the longest prefix + N + 1 slots")
+    tokens = torch.zeros(B, N, dtype=torch.long, device=device)
+    tokens[:, 0] = roots
+    parents = torch.full((B, N), -1, dtype=torch.long, device=device)
+    depths = torch.zeros(B, N, dtype=torch.long, device=device)
+    scores = torch.full((B, N), float("-inf"), dtype=torch.float32, device=device)
+    scores[:, 0] = 0.0
+    ancestors = torch.zeros(B, N, N, dtype=torch.bool, device=device)
+    ancestors[:, 0, 0] = True
+    hidden = root_inputs.new_zeros(B, N, root_inputs.shape[-1])  # (B, N, H) each node's input, then its children's
+    hidden[:, 0] = root_inputs
+    outputs = torch.zeros_like(hidden)  # (B, N, H) the head's output at each node it ran
+    node_slots = prefix_lens[:, None] + torch.arange(N, device=device)[None]  # (B, N)
+    ruled_out = None
+    frontier = torch.zeros(B, 1, dtype=torch.long, device=device)  # node ids (B, F), the root first
+    for level in range(1, depth + 1):
+        F = frontier.shape[1]
+        seen = ancestors.gather(1, frontier[:, :, None].expand(B, F, N))  # (B, F, N)
+        allowed = without_slot_zero(tree_visible(cache.capacity, prefix_lens, seen), prefix_lens)
+        inputs = hidden.gather(1, frontier[:, :, None].expand(B, F, hidden.shape[-1]))
+        positions = (prefix_lens[:, None] + level - 2).clamp(min=0)  # depth level - 1, at the head's shift
+        logits, out = head_forward(head, cache, tokens.gather(1, frontier), positions, inputs,
+                                   node_slots.gather(1, frontier), allowed)
+        outputs.scatter_(1, frontier[:, :, None].expand_as(out), out)
+        logprobs = torch.log_softmax(logits, dim=-1)  # (B, F, V_draft): the host's top_children over the draft vocab
+        V = logprobs.shape[-1]
+        if ruled_out is None:
+            ruled_out = target_ids(head, V, device) >= (vocab_limit if vocab_limit is not None else 1 << 62)
+        cumulative = (scores.gather(1, frontier)[:, :, None] + logprobs).masked_fill(ruled_out, float("-inf"))
+        best, flat = cumulative.reshape(B, -1).topk(width, dim=-1)  # (B, k)
+        new = slice(1 + (level - 1) * width, 1 + level * width)  # this depth's node ids, fixed by shape
+        parent = frontier.gather(1, flat // V)  # (B, k)
+        tokens[:, new] = head.target_ids(flat % V)
+        parents[:, new] = parent
+        depths[:, new] = level
+        scores[:, new] = best
+        ancestors[:, new] = ancestors.gather(1, parent[:, :, None].expand(B, width, N))
+        ancestors[:, new, new].diagonal(dim1=1, dim2=2).fill_(True)  # each node is its own ancestor
+        hidden[:, new] = outputs.gather(1, parent[:, :, None].expand(B, width, hidden.shape[-1]))  # its parent's output
+        frontier = torch.arange(new.start, new.stop, device=device)[None].expand(B, width)
+    tree = DeviceTree(tokens, parents, depths, scores, ancestors, torch.full((B,), N, device=device))
+    return Growth(tree, prefix_lens)
+
+
+def target_ids(head: DraftHead, draft_vocab: int, device) -> torch.Tensor:
+    """(V_draft,) the target id of every draft id."""
+    return head.target_ids(torch.arange(draft_vocab, device=device))
+
+
+@dataclass(frozen=True)
+class DeviceHead:
+    """A draft head on the device round, fixed for a call: the head and the tap that hands it the target's states
+    (entered around the call's rounds: engine/device_sides.run_device). Its per-row state is `root_inputs` (B, H),
+    which the sides keep between rounds and hand to each phase as an input."""
+
+    head: DraftHead
+    tap: object  # eagle3.FeatureTap or mtp.FinalStateTap
+
+    @classmethod
+    def of(cls, head: DraftHead, target) -> "DeviceHead":
+        return cls(head, head.tap(target))
+
+    def fused_states(self) -> torch.Tensor:
+        """The target's last forward's states, fused: (B, Q, H)."""
+        return self.head.fuse(self.tap.take())
+
+    def prefill(self, cache: SlotCache, committed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """After the target's prefill of committed (B, W) long (counts (B,) real tokens per row, every prompt token but
+        the root): the head's, tokens 1 .. counts - 1 with the target's fused states before them. Returns root_inputs
+        (B, H), the fused state at each row's last committed token (zeros where the prompt is its root alone)."""
+        with torch.no_grad():
+            fused = self.fused_states()  # (B, W, H)
+            B, W = committed.shape
+            head_catch_up(self.head, cache, torch.cat([committed[:, 1:], committed[:, :1]], dim=1), fused,
+                          (counts - 1).clamp(min=0), torch.ones_like(counts))
+            last = (counts - 1).clamp(min=0)[:, None, None].expand(B, 1, fused.shape[-1])
+            return torch.where((counts > 0)[:, None], fused.gather(1, last).squeeze(1), 0.0)
+
+    def grow(self, cache: SlotCache, prefix_lens: torch.Tensor, roots: torch.Tensor, root_inputs: torch.Tensor,
+             depth: int, width: int, vocab_limit: int) -> Growth:
+        return grow_head(self.head, cache, prefix_lens, roots, root_inputs, depth, width, vocab_limit)
+
+    def after_verify(self, cache: SlotCache, prefix_lens: torch.Tensor, subtree: DeviceSubtree, walk: DeviceWalk,
+                     root_inputs: torch.Tensor, deepest: int) -> dict[str, torch.Tensor]:
+        """The head's commit after the target verified `subtree` and walked it (its states still in the tap): the
+        tree's KV dropped, the walked chain (the root and every accepted node, at most deepest + 1: the grown tree's depth,
+        or the suffix proposals' where they go deeper) run as one catch-up
+        with the target's fused states before each. Returns root_inputs (B, H), the next round's, and path_inputs
+        (B, L, H) the fused state at each walked node (a host-side stop that cuts the walk takes its root input
+        there)."""
+        fused = self.fused_states()  # (B, T, H) at every verified node
+        B, T, H = fused.shape
+        L = min(T, deepest + 1)  # a walk follows at most deepest + 1 nodes
+        path = walk.path[:, :L].clamp(min=0)  # (B, L)
+        path_inputs = fused.gather(1, path[:, :, None].expand(B, L, H))  # (B, L, H)
+        chain = subtree.tokens.gather(1, path)  # (B, L): the root, then the walked nodes
+        inputs = torch.cat([root_inputs[:, None], path_inputs[:, :-1]], dim=1)  # each token: the state before it
+        head_catch_up(self.head, cache, chain, inputs, walk.count, prefix_lens)
+        return dict(root_inputs=self.root_input_at(path_inputs, walk.count, root_inputs), path_inputs=path_inputs)
+
+    def next_root_inputs(self, after: dict[str, torch.Tensor], cut: torch.Tensor | None) -> torch.Tensor:
+        """(B, H) the next round's root inputs from the verification phase's outputs (after_verify's, with its
+        result's counts); cut (B,) long: tokens a host-side stop cut from each row's walk (None: none), whose root
+        input is then the fused state at the last node it kept."""
+        root_inputs = after["root_inputs"].clone()  # a replay overwrites the phase's outputs
+        if cut is None:
+            return root_inputs
+        kept = after["result"][:, 0] - cut
+        return torch.where((cut > 0)[:, None], self.root_input_at(after["path_inputs"], kept, root_inputs), root_inputs)
+
+    @staticmethod
+    def root_input_at(path_inputs: torch.Tensor, count: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        """(B, H) the fused state at walked node count - 1 (the token before the next root); a row that emitted
+        nothing keeps its old one."""
+        B, L, H = path_inputs.shape
+        at = (count - 1).clamp(0, L - 1)[:, None, None].expand(B, 1, H)
+        return torch.where((count > 0)[:, None], path_inputs.gather(1, at).squeeze(1), old)
