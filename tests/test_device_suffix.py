@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from hf_swiftspec import SwiftSpecForCausalLM
-from hf_swiftspec.drafters.device_suffix import SuffixNodes, merge_suffix
+from hf_swiftspec.config import SwiftSpecConfig
+from hf_swiftspec.drafters.device_suffix import SuffixNodes, draft_free_menu, merge_suffix
+from hf_swiftspec.policy.shapes import PLAIN, Shape, ShapeMenu
 from hf_swiftspec.engine import device_sides, rounds
 from hf_swiftspec.steps.device_round import DeviceTree, select_device
 from hf_swiftspec.steps.slot_cache import SlotCache, catch_up
@@ -256,3 +258,52 @@ def test_the_merge_is_the_host_rounds_merge():
         assert merged.depths[b, :size].tolist() == [0] + [len(k) for k in paths(tokens, parents)]
     sub = select_device(merged, 8)
     assert ((sub.parents >= 0) | ~sub.valid | (torch.arange(8) == 0)).all()
+
+
+@pytest.mark.parametrize("capture", [False, True], ids=["eager", "replayed"])
+@pytest.mark.parametrize("draft_free", [False, True], ids=["draft", "draft-free"])
+def test_plain_rounds_of_the_menu_decode_exactly_and_keep_the_draft_cache_whole(targets, capture, draft_free,
+                                                                                 monkeypatch):
+    """The menu's plain shape (depth 0, T = 1: no growth, the root alone) among grown rounds, chosen in a fixed cycle
+    (no clock): greedy output is target.generate's, and after every round both caches hold a fresh prefill of each
+    row's committed tokens (a plain round's root was run by no draft forward: the catch-up must run it), at most one
+    host read a round. The default menus offer the plain shape; settings that fix the shape do not."""
+    target = targets["llama"]
+    assert Shape(*PLAIN) in ShapeMenu.of(None, 2, None, room=100).shapes
+    assert Shape(*PLAIN) in draft_free_menu(SwiftSpecConfig()).shapes
+    assert draft_free_menu(SwiftSpecConfig(tree_budget=6)).shapes == (Shape(0, 0, 6),)
+    cycle = [Shape(*PLAIN), Shape(0, 0, 6) if draft_free else Shape(2, 2, 6), Shape(*PLAIN), Shape(*PLAIN)]
+    picks = []
+
+    def pick(menu):
+        picks.append(cycle[len(picks) % len(cycle)])
+        return picks[-1]
+
+    monkeypatch.setattr(ShapeMenu, "pick", pick)
+    settings = dict(round="device", capture=capture)
+    pair = SwiftSpecForCausalLM.from_models(target, None if draft_free else truncated_draft(target, 2), **settings)
+    ids, mask = inputs(4)
+    checked, accept = [], device_sides.DeviceSides.accept
+
+    def accept_and_check(sides, proposed, verified, keep):
+        accept(sides, proposed, verified, keep)
+        for b, row in enumerate(proposed.rows):
+            committed = sides.sequences[b][ids.shape[1] - len(PROMPTS[row]) : -1]
+            models = (target,) if draft_free else (target, sides.draft)
+            for model, cache in zip(models, sides.models.caches, strict=True):
+                assert_holds_prefill(model, cache, b, committed)
+            checked.append(len(committed))
+
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=30)
+    expected = target.generate(ids, **kwargs)
+    with monkeypatch.context() as checking:
+        checking.setattr(device_sides.DeviceSides, "accept", accept_and_check)
+        assert pair.generate(ids, **kwargs).tolist() == expected.tolist()
+    assert checked
+    picks.clear()
+    reads = reads_per_round(monkeypatch)  # a second call, its reads counted (the checks above read the caches)
+    assert pair.generate(ids, **kwargs).tolist() == expected.tolist()
+    stats = pair.swiftspec_stats
+    assert max(reads) <= 1
+    plain = [r for r, shape in zip(stats.rounds, picks) if shape == Shape(*PLAIN)]
+    assert len(plain) >= len(stats.rounds) // 2 and all(r.budget == 1 and r.accepted == 0 for r in plain)

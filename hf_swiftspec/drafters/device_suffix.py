@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..policy.goodput import GoodputPolicy
-from ..policy.shapes import Shape, ShapeMenu
+from ..policy.shapes import PLAIN, Shape, ShapeMenu
 from ..steps.device_round import DeviceSubtree, DeviceTree, DeviceWalk
 from ..steps.slot_cache import SlotCache, accepted_nodes, catch_up, commit_cache
 from .suffix import SuffixDrafter
@@ -129,6 +129,8 @@ def catch_up_width(budget: int, depth: int, suffix_nodes: int) -> int:
     """Tokens the draft may have to catch up after a walk (the fixed width of follow_walk's catch-up): a walked
     node at the last depth (the draft never runs it), then the suffix's own nodes below it; at most the path past
     the root (T - 1), and past the first node the draft did not run, no deeper than the tree."""
+    if depth == 0:  # nothing grown, so the draft ran no node of the walk, the root included
+        return min(budget, suffix_nodes + 1)
     if suffix_nodes == 0:
         return int(budget > depth)
     return min(budget - 1, max(depth, suffix_nodes))
@@ -152,9 +154,9 @@ def follow_walk(draft, cache: SlotCache, walk: DeviceWalk, sub: DeviceSubtree, p
 
 
 def draft_free_menu(config) -> ShapeMenu:
-    """Draft-free mode's one shape: no growth, the best tree_budget nodes (root included; default 8, the device
-    menu's largest) of the suffix proposal verified."""
-    return ShapeMenu((Shape(0, 0, config.tree_budget or 8),))
+    """Draft-free mode's shapes: no growth, the best tree_budget nodes (root included) of the suffix proposal
+    verified; tree_budget not given, 8 (the device menu's largest) or the plain round, as their rounds price them."""
+    return ShapeMenu((Shape(0, 0, config.tree_budget),) if config.tree_budget else (Shape(0, 0, 8), Shape(*PLAIN)))
 
 
 class DeviceSuffix:

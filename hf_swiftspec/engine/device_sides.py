@@ -164,13 +164,15 @@ def grow_phase(prefix_lens: torch.Tensor, roots: torch.Tensor, suffix: torch.Ten
     (suffix: (B, 4, S) the host's proposals, drafters/device_suffix.py) and the best T nodes with their mask
     (DeviceSubtree's fields): d draft forwards and the selection, no host read. root_inputs (B, H): a draft head's
     (device_heads.py)."""
-    if models.head is not None:
+    if shape.depth == 0:  # the plain shape (or draft-free): no growth
+        tree = root_tree(roots)
+    elif models.head is not None:
         tree = models.head.grow(models.caches[1], prefix_lens, roots, root_inputs, shape.depth, shape.width,
                                 models.vocab_limit).tree
     elif models.draft is not None:
         tree = grow(models.draft, models.caches[1], prefix_lens, roots, shape.depth, shape.width, models.vocab_limit).tree
     else:
-        tree = root_tree(roots)
+        raise ValueError(f"a shape of depth {shape.depth} needs a draft to grow it")
     if suffix is not None:
         tree = merge_suffix(tree, SuffixNodes.unpack(suffix), shape.depth)
     return subtree_tensors(select_device(tree, shape.budget))

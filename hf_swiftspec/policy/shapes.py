@@ -6,20 +6,23 @@ the tree each expansion); it runs one whole shape a round instead, as SGLang swi
 depths. The menu is priced from what the host already knows after each round's one read: the tokens the round
 emitted and the seconds between two reads. Every shape runs once before any is preferred; then the best
 measured one runs, and the others run again every `retry` rounds so a price that drifted (the text got harder)
-is seen.
+is seen. The menu holds the plain shape too (depth 0, T = 1: no growth, the roots alone verified), so a call
+whose draft does not pay on this text and machine decodes at about the target's own pace rather than below it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# (depth, width, T): d draft forwards of k nodes each, the best T nodes (root included) verified.
-MENU = ((1, 2, 2), (2, 2, 4), (3, 2, 6), (4, 4, 8))
+# (depth, width, T): d draft forwards of k nodes each, the best T nodes (root included) verified; the last is plain.
+MENU = ((1, 2, 2), (2, 2, 4), (3, 2, 6), (4, 4, 8), (0, 0, 1))
+PLAIN = (0, 0, 1)
 
 
 @dataclass(frozen=True)
 class Shape:
-    """One round's fixed shape: `depth` draft forwards growing `width` nodes each, the best `budget` verified."""
+    """One round's fixed shape: `depth` draft forwards growing `width` nodes each, the best `budget` verified
+    (depth 0: no growth; the root and, where suffix proposals are on, their nodes)."""
 
     depth: int
     width: int
