@@ -106,7 +106,8 @@ def swiftspec_generate(
         )
     if config.round == "device":  # asked for: exact, or a ValueError saying why (never the target's loop instead)
         check_device_round(config, model, swiftspec_draft, architectures, logits_processor, swiftspec_placement,
-                           swiftspec_groups, swiftspec_engine is not None, reasons)
+                           swiftspec_groups, swiftspec_engine is not None and not getattr(swiftspec_engine[0], "on_device", False),
+                           reasons)
     if reasons:
         return decode_with_target_loop(
             model, input_ids, logits_processor, stopping_criteria, generation_config, swiftspec_streamer,
