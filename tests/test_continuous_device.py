@@ -1,0 +1,191 @@
+"""The running batch on the device round (engine/continuous_device.py): requests join and leave a batch whose cache
+rows are padded to a power-of-two bucket, each decoding exactly as target.generate does (greedy, float32), with one
+host read a round; replayed (the emulate backend) a bucket's graphs serve every row count it holds and come back
+when the batch does, and a joining row's values reach them as inputs (else: the capture's rows' tokens).
+
+Joins are made deterministic as in tests/test_continuous.py (its Relay: a request's streamer, at its k-th round,
+starts the next one and holds the engine's thread until that one waits in the engine's queue)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+
+from hf_swiftspec import SwiftSpecForCausalLM
+from hf_swiftspec.engine import continuous_device, rounds
+from hf_swiftspec.engine.continuous_device import BucketSides, DeviceContinuousEngine, bucket_for
+from hf_swiftspec.tools.models import char_tokenizer, random_prompts, tiny_model, truncated_draft
+from sync_counter import SyncCounter
+from test_continuous import Relay
+
+DEVICE = dict(round="device", ngram_size=0, draft_depth=3, draft_width=2, tree_budget=6)  # one shape: no clock decides
+PROMPTS = random_prompts((3, 23, 9, 1, 14, 30), 0, 98)
+NEW = (20, 7, 33, 12, 1, 25)
+AT = (2, 1, 3, 2, 1, 2)  # each request starts when the one before it is this many rounds in
+
+
+@pytest.fixture(scope="module")
+def target():
+    model = tiny_model("llama", seed=0)
+    model.generation_config.eos_token_id = None  # each request names the EOS it stops at
+    return model
+
+
+def relay(pair, engine, calls: list[dict]) -> dict[int, torch.Tensor]:
+    """Each call (generate()'s keyword arguments, input_ids included) starts when the one before it is AT[i] rounds
+    in, in the running batch; returns each one's output."""
+    starts = [threading.Event() for _ in calls]
+    starts[0].set()
+    out, errors = {}, {}
+
+    def request(i: int) -> None:
+        starts[i].wait(60)
+        nxt = starts[i + 1] if i + 1 < len(calls) else None
+        try:
+            out[i] = pair.generate(streamer=Relay(engine, nxt, AT[i % len(AT)], f"request-{i + 1}"),
+                                   swiftspec_engine=(engine, f"request-{i}"), **calls[i])
+        except Exception as error:  # noqa: BLE001  (reported below)
+            errors[i] = error
+        finally:
+            if nxt is not None:
+                nxt.set()
+
+    threads = [threading.Thread(target=request, args=(i,)) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    assert not errors, errors
+    return out
+
+
+def greedy_calls(target) -> list[dict]:
+    """Six requests of different prompt lengths and budgets; two stop at an EOS of their own, mid-answer."""
+    calls = [dict(input_ids=torch.tensor([p]), max_new_tokens=n, do_sample=False) for p, n in zip(PROMPTS, NEW)]
+    for i, at in ((0, 9), (2, 15)):
+        free = target.generate(calls[i]["input_ids"], max_new_tokens=NEW[i], do_sample=False)
+        calls[i]["eos_token_id"] = int(free[0, len(PROMPTS[i]) + at])
+    return calls
+
+
+def assert_answers_are_target_generates(target, calls, out) -> None:
+    for i, call in enumerate(calls):
+        kwargs = {k: v for k, v in call.items() if k != "input_ids"}
+        expected = target.generate(call["input_ids"], **kwargs)
+        assert out[i].tolist() == expected.tolist(), f"request {i}"
+
+
+def watch_rounds(monkeypatch) -> list[dict]:
+    """Per round of the running batch: its host reads (SyncCounter over rounds.one_round, the round's whole body),
+    its draft forwards, its live rows and its bucket."""
+    seen, body = [], rounds.one_round
+
+    def counted(sides, rows):
+        forwards, live, bucket = sides.counters[1].forwards, len(rows.live), sides.bucket
+        with SyncCounter() as counter:
+            keep = body(sides, rows)
+        seen.append(dict(reads=counter.total, draft=sides.counters[1].forwards - forwards, rows=live, bucket=bucket))
+        return keep
+
+    monkeypatch.setattr(rounds, "one_round", counted)
+    return seen
+
+
+def poison_dead_rows(monkeypatch) -> None:
+    """Fill every dead padding row's KV with large values after each resize: a live row that saw a dead row's slots,
+    or a slot of its own its join did not copy, would decode other tokens."""
+    resize = BucketSides.resize
+
+    def poisoned(self, live):
+        resize(self, live)
+        for cache in self.models.caches:
+            for layer in cache.layers:
+                layer.keys[live:] = 1e4
+                layer.values[live:] = -1e4
+
+    monkeypatch.setattr(BucketSides, "resize", poisoned)
+
+
+@pytest.mark.parametrize("capture", [False, True])
+def test_rows_joining_and_leaving_a_bucketed_batch_equal_target_generate(target, capture, monkeypatch):
+    """Six requests join at different rounds (1, 2 and 3 rows decode together) and leave at their budgets or EOS:
+    each answer is target.generate's, with the draft growing every round, at most one host read a round, and the cache
+    rows padded to 1, 2 or 4 (the row count of 3 runs on the bucket of 4). A request needing more slots than the
+    batch's caches hold grows them (a new capacity). Replayed: one graph per phase per bucket, whatever row counts
+    the bucket held and however often the batch came back to it."""
+    poison_dead_rows(monkeypatch)
+    seen = watch_rounds(monkeypatch)
+    pair = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), capture=capture, **DEVICE)
+    engine = pair.continuous_engine()
+    assert isinstance(engine, DeviceContinuousEngine)
+    calls = greedy_calls(target)
+    try:
+        out = relay(pair, engine, calls)
+    finally:
+        engine.close()
+    assert_answers_are_target_generates(target, calls, out)
+    assert max(r["reads"] for r in seen) <= 1 and min(r["draft"] for r in seen) >= DEVICE["draft_depth"]
+    assert all(r["bucket"] == bucket_for(r["rows"]) for r in seen)
+    assert {r["rows"] for r in seen} >= {1, 2, 3} and engine.served == len(calls)  # 3 rows: the bucket of 4
+    buckets = [r["bucket"] for r in seen]
+    switches = sum(a != b for a, b in zip(buckets, buckets[1:]))
+    assert switches > len(set(buckets)) and engine.bucket_changes >= switches  # buckets were come back to
+    assert engine.pool.capacity_changes >= 1  # the 23-token prompt's row needed more slots than the first one's
+    if capture:
+        runner = engine.runner
+        assert engine.graphs_by_bucket() == {b: 2 for b in set(buckets)}  # growth and verification, per bucket
+        assert runner.replays >= len(seen) and not runner.fallbacks
+    else:
+        assert engine.runner is None
+
+
+def test_stop_strings_and_sampled_rows_among_greedy_ones(target):
+    """A request with a stop string (cut on the host after the round's read) and a sampled one (temperature, top_k:
+    its noise keyed by its seed and positions) share the batch with greedy ones: the greedy and stopped answers are
+    target.generate's, the sampled one is what its lone call on the host round draws with that seed."""
+    tok = char_tokenizer()
+    draft = truncated_draft(target, 2)
+    pair = SwiftSpecForCausalLM.from_models(target, draft, capture=True, **DEVICE)
+    calls = greedy_calls(target)[:4]
+    free = target.generate(calls[1]["input_ids"], max_new_tokens=NEW[1], do_sample=False)[0, len(PROMPTS[1]):]
+    calls[1].update(stop_strings=[tok.decode(free[3:5])], tokenizer=tok)
+    sampled = dict(input_ids=calls[3]["input_ids"], max_new_tokens=16, do_sample=True, temperature=0.9, top_k=20)
+    calls[3] = dict(sampled, generator=torch.Generator().manual_seed(5))
+    engine = pair.continuous_engine()
+    try:
+        out = relay(pair, engine, calls)
+    finally:
+        engine.close()
+    assert_answers_are_target_generates(target, calls[:3], out)
+    assert out[1].shape[1] < len(PROMPTS[1]) + NEW[1]  # the stop string cut it
+    host = SwiftSpecForCausalLM.from_models(target, draft, ngram_size=0)
+    drawn = host.generate(**dict(sampled, generator=torch.Generator().manual_seed(5)))
+    assert out[3].tolist() == drawn.tolist()
+    assert out[3].tolist() != target.generate(sampled["input_ids"], max_new_tokens=16, do_sample=False).tolist()
+
+
+def test_what_the_device_batch_cannot_decode_is_refused_by_name(target):
+    """A pair the device round cannot decode exactly is refused when its engine is made (suffix proposals: the
+    fix named), and a request whose processors read the path is refused alone, the engine serving on."""
+    suffix = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), round="device")
+    with pytest.raises(ValueError, match="ngram_size=0"):
+        suffix.continuous_engine()
+    pair = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), **DEVICE)
+    engine = pair.continuous_engine()
+    ids = torch.tensor([PROMPTS[0]])
+    try:
+        with pytest.raises(ValueError, match="RepetitionPenaltyLogitsProcessor"):
+            pair.generate(ids, max_new_tokens=4, do_sample=False, swiftspec_engine=(engine, "a"),
+                          logits_processor=LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3)]))
+        out = pair.generate(ids, max_new_tokens=6, do_sample=False, swiftspec_engine=(engine, "b"))
+    finally:
+        engine.close()
+    assert out.tolist() == target.generate(ids, max_new_tokens=6, do_sample=False).tolist()
+
+
+def test_bucket_for_rounds_up_to_a_power_of_two():
+    assert [bucket_for(n) for n in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, 16]
+    assert continuous_device.processors_signature(None) == ()
