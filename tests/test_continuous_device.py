@@ -202,3 +202,40 @@ def test_what_the_device_batch_cannot_decode_is_refused_by_name(target):
 def test_bucket_for_rounds_up_to_a_power_of_two():
     assert [bucket_for(n) for n in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, 16]
     assert continuous_device.processors_signature(None) == ()
+
+
+def test_serve_round_device_flag_and_one_request_through_it(monkeypatch):
+    """`swiftspec serve --continuous-batching --round device --ngram-size 0` reaches the pair's settings; served so,
+    a request decodes in the device batch (DeviceContinuousEngine) and answers what the target alone answers. A pair
+    the device batch cannot take is refused by name, not routed to the host round's batch or the target's."""
+    pytest.importorskip("openai")
+    from hf_swiftspec import compat
+
+    if not compat.serving_available():
+        pytest.skip("transformers' server dependencies are not installed")
+    from test_serve import batcher, started
+
+    from hf_swiftspec.cli import main
+    from hf_swiftspec.cli import serve as serve_module
+    from hf_swiftspec.pair.locate import bundled_pair
+
+    options = []
+    monkeypatch.setattr(serve_module, "serve", lambda o: options.append(o))
+    assert main(["serve", "swiftspec-demo-pystdlib", "--continuous-batching", "--round", "device", "--ngram-size", "0"]) == 0
+    assert options[0].continuous_batching and options[0].settings == {"round": "device", "ngram_size": 0}
+
+    model = tiny_model("llama", seed=0)
+    served = serve_module.ServedPair.from_models(model, truncated_draft(model, 2), round="device")  # ngram_size > 0
+    served.served, served.sequential = serve_module.Served(), False
+    with pytest.raises(ValueError, match="--round device with --continuous-batching: .*ngram_size=0"):
+        served.init_continuous_batching()
+
+    folder = bundled_pair("swiftspec-demo-pystdlib")
+    with started(folder, "continuous-batching", **DEVICE) as (running, client, name):
+        reply = client.completions.create(model=name, prompt="def read_config(path):\n", max_tokens=12, temperature=0)
+        engine = batcher(running).engine
+        assert isinstance(engine, DeviceContinuousEngine) and engine.served == 1
+    pair = SwiftSpecForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ids = pair.tokenizer("def read_config(path):\n", return_tensors="pt").input_ids
+    expected = pair.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    assert reply.choices[0].text == pair.tokenizer.decode(expected[0, ids.shape[1]:], skip_special_tokens=True)
