@@ -34,9 +34,9 @@ def target():
     return model
 
 
-def relay(pair, engine, calls: list[dict]) -> dict[int, torch.Tensor]:
-    """Each call (generate()'s keyword arguments, input_ids included) starts when the one before it is AT[i] rounds
-    in, in the running batch; returns each one's output."""
+def relay(pair, engine, calls: list[dict], at=AT) -> dict[int, torch.Tensor]:
+    """Each call (generate()'s keyword arguments, input_ids included) starts when the one before it is at[i] rounds
+    in (or done), in the running batch; returns each one's output."""
     starts = [threading.Event() for _ in calls]
     starts[0].set()
     out, errors = {}, {}
@@ -45,7 +45,7 @@ def relay(pair, engine, calls: list[dict]) -> dict[int, torch.Tensor]:
         starts[i].wait(60)
         nxt = starts[i + 1] if i + 1 < len(calls) else None
         try:
-            out[i] = pair.generate(streamer=Relay(engine, nxt, AT[i % len(AT)], f"request-{i + 1}"),
+            out[i] = pair.generate(streamer=Relay(engine, nxt, at[i], f"request-{i + 1}"),
                                    swiftspec_engine=(engine, f"request-{i}"), **calls[i])
         except Exception as error:  # noqa: BLE001  (reported below)
             errors[i] = error
@@ -84,10 +84,13 @@ def watch_rounds(monkeypatch) -> list[dict]:
     seen, body = [], rounds.one_round
 
     def counted(sides, rows):
-        forwards, live, bucket = sides.counters[1].forwards, len(rows.live), sides.bucket
+        if not isinstance(sides, BucketSides):  # a reference call's own rounds
+            return body(sides, rows)
+        forwards, live, bucket = sides.counters[1].forwards, len(rows.live), sides.bucket  # before the round
         with SyncCounter() as counter:
             keep = body(sides, rows)
-        seen.append(dict(reads=counter.total, draft=sides.counters[1].forwards - forwards, rows=live, bucket=bucket))
+        seen.append(dict(reads=counter.total, draft=sides.counters[1].forwards - forwards, rows=live, bucket=bucket,
+                         live=tuple(rows.live)))
         return keep
 
     monkeypatch.setattr(rounds, "one_round", counted)
@@ -239,3 +242,28 @@ def test_serve_round_device_flag_and_one_request_through_it(monkeypatch):
     ids = pair.tokenizer("def read_config(path):\n", return_tensors="pt").input_ids
     expected = pair.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
     assert reply.choices[0].text == pair.tokenizer.decode(expected[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def test_sampled_rows_with_the_same_settings_share_a_buckets_graphs(target, monkeypatch):
+    """Three sampled requests (temperature 0.9, top_k 20, seeds of their own), replayed: the second joins the first,
+    the third joins once the second has left (the bucket of 2 holds other rows' processors then). Each
+    draws what its lone host-round call draws with its seed (its noise reaches the graph as an input), and requests
+    with the same settings share each bucket's graphs (the processors are keyed by their settings, not the objects
+    each request brings)."""
+    draft = truncated_draft(target, 2)
+    pair = SwiftSpecForCausalLM.from_models(target, draft, capture=True, **DEVICE)
+    host = SwiftSpecForCausalLM.from_models(target, draft, ngram_size=0)
+    settings = dict(do_sample=True, temperature=0.9, top_k=20)
+    calls = [dict(input_ids=torch.tensor([p]), max_new_tokens=n, generator=torch.Generator().manual_seed(i), **settings)
+             for i, (p, n) in enumerate(zip(PROMPTS[:3], (40, 4, 8)))]
+    seen = watch_rounds(monkeypatch)
+    engine = pair.continuous_engine()
+    try:
+        out = relay(pair, engine, calls, at=(2, 99, 1))  # 99: past the second's last round, so when it is done
+    finally:
+        engine.close()
+    for i, call in enumerate(calls):
+        alone = host.generate(**dict(call, generator=torch.Generator().manual_seed(i)))
+        assert out[i].tolist() == alone.tolist(), f"request {i}"
+    pairs_in_bucket_2 = {r["live"] for r in seen if r["bucket"] == 2}
+    assert len(pairs_in_bucket_2) == 2 and set(engine.graphs_by_bucket().values()) == {2}
