@@ -26,7 +26,6 @@ budget and stop strings (DeviceSides applies stop strings on the host after the 
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -35,6 +34,7 @@ import torch
 from ..models.architectures import context_limit
 from ..policy.shapes import ShapeMenu
 from ..stats import DraftCounters, PhaseClock, TargetCounters
+from ..steps.capture import capture_backend
 from ..steps.phase_graphs import PhaseRunner
 from ..steps.slot_cache import SlotCache, catch_up
 from ..steps.verify import NO_STOPS, Sampler, StopRule, Verified
@@ -309,9 +309,7 @@ class DeviceContinuousEngine(ContinuousEngine):
     on_device = True
 
     def __init__(self, target, draft, policy, config, finish=None):
-        super().__init__(target, draft, policy, build=None, finish=finish, latency_guard=False)
-        from ..steps.capture import capture_backend
-
+        super().__init__(target, draft, policy, build=None, finish=finish, latency_guard=False)  # no policy sizes its trees
         self.config = config
         backend = capture_backend(config.capture, target.device)
         self.runner = PhaseRunner(backend) if backend is not None else None
