@@ -105,8 +105,9 @@ def swiftspec_generate(
             f"(it reaches {slots} slots). Ask for fewer new tokens (max_tokens) or send a shorter prompt."
         )
     if config.round == "device":  # asked for: exact, or a ValueError saying why (never the target's loop instead)
+        host_batch = swiftspec_engine is not None and not getattr(swiftspec_engine[0], "on_device", False)
         check_device_round(config, model, swiftspec_draft, architectures, logits_processor, swiftspec_placement,
-                           swiftspec_groups, swiftspec_engine is not None, reasons)
+                           swiftspec_groups, host_batch, reasons)
     if reasons:
         return decode_with_target_loop(
             model, input_ids, logits_processor, stopping_criteria, generation_config, swiftspec_streamer,

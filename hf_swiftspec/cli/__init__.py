@@ -226,13 +226,19 @@ def breakdown_lines(stats) -> str:
     return "\n".join(f"[swiftspec] {line}" for line in lines) or f"[swiftspec] no round breakdown from engine {stats.engine}"
 
 
+def serve_overrides(args) -> dict:
+    """The SwiftSpecConfig fields `swiftspec serve` overrides: the tree options, --round and --ngram-size."""
+    extra = {"round": args.round, "ngram_size": args.ngram_size}
+    return {**tree_overrides(args), **{name: value for name, value in extra.items() if value is not None}}
+
+
 def run_serve(args) -> int:
     from .serve import ServeOptions, serve  # transformers' server and its dependencies load only for this command
 
     options = ServeOptions(
         pair=args.pair, host=args.host, port=args.port, device=args.device, dtype=args.dtype, threads=args.threads,
         log_level=args.log_level, enable_cors=args.enable_cors, continuous_batching=args.continuous_batching,
-        settings=tree_overrides(args), cb_max_memory_percent=args.cb_max_memory_percent,
+        settings=serve_overrides(args), cb_max_memory_percent=args.cb_max_memory_percent,
         latency_guard=args.latency_guard,
     )
     serve(options)
@@ -378,6 +384,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --continuous-batching: size the running batch's trees for its goodput alone, without capping "
         "them so that no request decodes slower than the batch would plainly (serving.md)",
     )
+    srv.add_argument(
+        "--round", choices=("host", "device"), default=None,
+        help="override the pair's round: 'device' runs each round on the models' device, read once a round (with "
+        "--continuous-batching too: the running batch's rows in power-of-two buckets of replayed phases); a pair it "
+        "cannot decode exactly is refused, naming why (serving.md)",
+    )
+    srv.add_argument("--ngram-size", type=int, default=None,
+                     help="override the pair's ngram_size (0: no suffix proposals, which --round device needs)")
     add_tree_options(srv)
 
     from .distill import add_distill_parser

@@ -130,6 +130,8 @@ class ServedPair(SwiftSpecForCausalLM):
         try:
             return SpeculatingBatcher(self, self.served, self.latency_guard)
         except ValueError as reason:
+            if self.config.round == "device":  # asked for: refused by name, never routed to the host round instead
+                raise ValueError(f"--round device with --continuous-batching: {reason}") from reason
             why_not_batched = reason
         try:
             router = SpeculationRouter(self, self.served, continuous_batching_config)

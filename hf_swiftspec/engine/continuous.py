@@ -19,7 +19,8 @@ every row it holds:
 So a request speculates whatever else is decoding: alone, its trees are the lone call's; among
 others, the goodput policy prices trees by this batch size's measured verification (plain
 rounds where a busy batch gains nothing from them). What each request's trees did is kept by its
-name (`usage_of(key)`: a `RowUsage`), and the engine keeps the totals.
+name (`usage_of(key)`: a `RowUsage`), and the engine keeps the totals. A pair with round="device" runs
+engine/continuous_device.py's subclass instead: the device round over cache rows padded to a power-of-two bucket.
 """
 
 from __future__ import annotations

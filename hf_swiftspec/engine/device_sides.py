@@ -107,7 +107,8 @@ def device_round_gaps(config, target, draft, architectures, logits_processor, pl
     ):
         gaps.append("it runs both models on one device, serially; load the pair with placement='serial'")
     if joins_running_batch:
-        gaps.append("the server's running batch runs the host round")
+        gaps.append("this running batch runs the host round; a pair with round='device' makes a device one "
+                    "(continuous_engine(): engine/continuous_device.py)")
     return gaps
 
 

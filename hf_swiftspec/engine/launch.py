@@ -25,7 +25,8 @@ from ..steps.verify import batch_dependent
 from .adaptive import run_serial, setup_s
 from .asynchronous import run_threads
 from .continuous import ContinuousEngine
-from .device_sides import run_device
+from .continuous_device import DeviceContinuousEngine, running_batch_gaps
+from .device_sides import check_device_round, run_device
 from .distributed import Groups, agree_engine, run_distributed, run_serial_distributed
 from .placement import Placement
 from .request import DecodeRequest, DecodeResult, RowResult
@@ -82,6 +83,11 @@ def continuous_engine(target, draft, config: SwiftSpecConfig, placement: Placeme
     reasons = batch_exactness_gaps(architectures, [], [])
     if reasons:
         raise ValueError(f"this pair cannot decode rows in one batch: {'; '.join(reasons)}")
+    if config.round == "device":  # the running batch on the device round, its rows in buckets (continuous_device.py)
+        check_device_round(config, target, draft, architectures, [], placement, groups, False,
+                           running_batch_gaps(config, draft))
+        return DeviceContinuousEngine(target, draft, policy, config,
+                                      lambda request, result: remember_outputs(history, config, request, result))
 
     def build(request: DecodeRequest):
         length = request.prompt.shape[1] + request.max_new_tokens

@@ -1,0 +1,377 @@
+"""The running batch on the device round (SwiftSpecConfig round="device"): engine/continuous.py's engine with
+the device sides (engine/device_sides.py) under it, rows joining and leaving between rounds, the cache rows padded
+to a bucket so the replayed phases see a few row counts only.
+
+    join:   a request is prefilled alone (its prompt but the root) into small slot caches of its own,
+            continuous.PREFILL_PIECE tokens per forward, one forward between two rounds; once prefilled, its
+            KV is copied into the next free row of the running batch's caches (a device copy, no read)
+    round:  engine/rounds.py's one_round over every cache row of the bucket: live rows first, then dead
+            padding rows, which propose and verify like the others but with max_tokens 0 (the walk emits
+            nothing, both commits move nothing) at prefix 0: a row writes its own cache row only, so a dead
+            row never touches a live row's KV or tokens; the round's one host read is the verification's
+    leave:  the rows that stay are moved down over the holes (keep_order: few moves, in place); the freed rows
+            are dead padding from then on
+
+Buckets: the live rows' count rounded up to a power of two (1, 2, 4, 8, ...). Each bucket has its own pair of
+slot caches, allocated once and kept (`SlotPool`): their buffers' addresses are what a replayed phase bakes
+in, so a bucket's graphs, captured the first time a batch of that bucket runs, replay whenever the batch comes
+back to it. Changing bucket copies the live rows' KV into the other bucket's caches. Capacity: every row of
+every bucket has C slots; a request needing more (prompt + max_new_tokens + the largest tree + scratch) grows
+C to the next power of two, which re-allocates every bucket's caches and so drops every graph (counted:
+`SlotPool.capacity_changes`).
+
+Per row: its own sampler (greedy and sampled rows share a round: a greedy row's noise is zero), EOS ids,
+budget and stop strings (DeviceSides applies stop strings on the host after the read).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from ..models.architectures import context_limit
+from ..policy.shapes import ShapeMenu
+from ..stats import DraftCounters, PhaseClock, TargetCounters
+from ..steps.capture import capture_backend
+from ..steps.phase_graphs import PhaseRunner
+from ..steps.slot_cache import SlotCache, catch_up
+from ..steps.verify import NO_STOPS, Sampler, StopRule, Verified
+from . import continuous
+from .continuous import BatchBroken, ContinuousEngine, Joining, Member
+from .device_sides import DeviceProposed, DeviceSides, RoundModels, RowsOnDevice
+from .request import DecodeRequest
+
+NO_ROOM = 1 << 30  # a model with no position limit: room for any shape
+
+
+def running_batch_gaps(config, draft) -> list[str]:
+    """What the running batch on the device round does not take yet, beside device_round_gaps' (a lone call's device
+    round does): suffix proposals, a draft head, draft-free mode. Each with its fix."""
+    from ..drafters.eagle3 import DraftHead
+
+    gaps = []
+    if config.ngram_size:
+        gaps.append(f"ngram_size={config.ngram_size}: its rows do not carry suffix indices yet; set ngram_size=0 "
+                    "(swiftspec serve --ngram-size 0)")
+    if draft is None:
+        gaps.append("it grows a draft model's trees, and this pair has none (draft-free mode)")
+    elif isinstance(draft, DraftHead):
+        gaps.append("its rows do not carry a draft head's (EAGLE-3, MTP) target states yet; serve a draft model")
+    return gaps
+
+
+def bucket_for(rows: int) -> int:
+    """The cache rows a batch of `rows` live rows runs on: the next power of two (1, 2, 4, 8, ...)."""
+    return 1 << max(rows - 1, 0).bit_length()
+
+
+def processors_signature(processors) -> tuple:
+    """What a replayed verification bakes in of a row's processors: each one's type and settings where they are
+    plain values (two requests with top_k=20 share graphs), else the object itself (captured for it alone)."""
+    out = []
+    for p in processors or ():
+        state = vars(p)
+        plain = all(isinstance(v, (int, float, str, bool, type(None))) for v in state.values())
+        out.append((type(p).__name__, tuple(sorted(state.items()))) if plain else ("object", id(p)))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class BucketModels(RoundModels):
+    """RoundModels for a bucket of the running batch: the key names the bucket and the rows' processors by their
+    settings, so rows joining and leaving a bucket replay its graphs (a new processor object is no new graph)."""
+
+    signature: tuple = ()
+
+    def key(self) -> tuple:
+        buffers = tuple(t.data_ptr() for c in self.caches for layer in c.layers for t in (layer.keys, layer.values))
+        return len(self.processors), self.caches[0].capacity, buffers, self.signature, self.sample, self.keeps
+
+
+@dataclass
+class SlotPool:
+    """The running batch's slot caches, one (target, draft) pair per bucket, kept across batches; each row C slots.
+
+    layouts: per model, per layer, (H, D, dtype, device) of its keys and values (from the first prefill)
+    """
+
+    capacity: int = 0
+    caches: dict[int, tuple[SlotCache, SlotCache]] = field(default_factory=dict)
+    layouts: tuple | None = None
+    capacity_changes: int = 0  # times C grew (each drops every bucket's caches and graphs)
+
+    def fit(self, slots: int, runner: PhaseRunner | None) -> bool:
+        """Make room for rows of `slots` slots: C grows to the next power of two past it. True if it grew (the
+        buckets' caches are gone: the running rows must move to new ones, and the graphs are dropped)."""
+        if slots <= self.capacity:
+            return False
+        grown = self.capacity > 0
+        self.capacity = 1 << (slots - 1).bit_length()
+        self.caches.clear()
+        if runner is not None:
+            runner.graphs.clear()
+        self.capacity_changes += grown
+        return grown
+
+    def learn_layout(self, fresh: tuple[SlotCache, SlotCache]) -> None:
+        if self.layouts is None:
+            self.layouts = tuple(tuple((layer.keys.shape[1], layer.keys.shape[3], layer.values.shape[3],
+                                        layer.keys.dtype, layer.keys.device) for layer in cache.layers) for cache in fresh)
+
+    def for_bucket(self, bucket: int) -> tuple[SlotCache, SlotCache]:
+        """The bucket's caches (allocated on first use, then kept: its graphs bake their addresses)."""
+        if bucket not in self.caches:
+            made = []
+            for layout in self.layouts:
+                cache = SlotCache(len(layout), self.capacity)
+                for layer, (heads, key_dim, value_dim, dtype, device) in zip(cache.layers, layout):
+                    layer.keys = torch.zeros(bucket, heads, self.capacity, key_dim, dtype=dtype, device=device)
+                    layer.values = torch.zeros(bucket, heads, self.capacity, value_dim, dtype=dtype, device=device)
+                    layer.is_initialized = True
+                made.append(cache)
+            self.caches[bucket] = tuple(made)
+        return self.caches[bucket]
+
+
+def copy_rows(source: tuple[SlotCache, SlotCache], into: tuple[SlotCache, SlotCache], rows: slice,
+              at: int = 0, slots: int | None = None) -> None:
+    """Copy cache rows `rows` of `source` (their first `slots` slots, default all the smaller capacity holds) into
+    rows at, at + 1, ... of `into`, in place (a device copy: the destination buffers keep their addresses)."""
+    for src_cache, dst_cache in zip(source, into):
+        n = slots if slots is not None else min(src_cache.capacity, dst_cache.capacity)
+        for src, dst in zip(src_cache.layers, dst_cache.layers):
+            for a, b in ((src.keys, dst.keys), (src.values, dst.values)):
+                part = a[rows, :, :n]
+                b[at : at + part.shape[0], :, :n].copy_(part)
+
+
+class Prefill:
+    """A request on its way in: its prompt but the root prefilled into 1-row slot caches of its own.
+
+    slots: what its row needs of the running batch's capacity (prompt + max_new_tokens + the largest tree + scratch)
+    room:  positions the models place past its last token (the deepest shape it may grow)
+    """
+
+    def __init__(self, target, draft, request: DecodeRequest, tree_slots: int):
+        self.request = request
+        self.sequence = request.prompt_ids()[0]  # host ints (the prompt's one read, at its join)
+        self.committed = len(self.sequence) - 1
+        self.slots = len(self.sequence) + request.max_new_tokens + tree_slots
+        limit = context_limit(target, draft)
+        self.room = limit - len(self.sequence) - request.max_new_tokens if limit else NO_ROOM
+        width = max(self.committed, 1)
+        self.caches = tuple(SlotCache(m.config.get_text_config().num_hidden_layers, width + 1) for m in (target, draft))
+        self.models = target, draft
+
+    def in_pieces(self, piece: int):
+        """One forward per model per `piece` prompt tokens (a generator: the engine runs one step between two
+        rounds); a one-token prompt prefills nothing but makes the caches' buffers."""
+        device = self.request.prompt.device
+        ids = torch.tensor([self.sequence[:-1] or [0]], device=device)
+        for start in range(0, max(self.committed, 1), piece):
+            end = min(start + piece, max(self.committed, 1))
+            count = torch.tensor([max(min(end, self.committed) - start, 0)], device=device)
+            starts = torch.tensor([start], device=device)
+            for model, cache in zip(self.models, self.caches):
+                catch_up(model, cache, ids[:, start:end], count, starts)
+            yield
+
+
+class DevicePaddedRows:
+    """The running batch's rows as the device sides' phases see them: the live rows' criteria and budgets, then
+    each dead padding row's (no stops, budget 0: its walk emits nothing and its commits move nothing)."""
+
+    def __init__(self, rows, bucket: int):
+        self.rows, self.bucket = rows, bucket
+        self.live = list(rows.live) + [-1] * (bucket - len(rows.live))
+
+    def criteria(self) -> list[StopRule]:
+        return self.rows.criteria() + [NO_STOPS] * (self.bucket - len(self.rows.live))
+
+    def budgets(self) -> list[int]:
+        return self.rows.budgets() + [0] * (self.bucket - len(self.rows.live))
+
+
+class BucketSides(DeviceSides):
+    """DeviceSides over the running batch's bucket (module docstring): rows absorbed from Prefills, rows kept in
+    place, the cache rows padded to the bucket with dead rows."""
+
+    def __init__(self, target, draft, config, pool: SlotPool, runner: PhaseRunner | None):
+        self.target, self.draft, self.runner, self.pool, self.config = target, draft, runner, pool, config
+        self.counters = TargetCounters(), DraftCounters()
+        self.last_read: float | None = None
+        self.clock = PhaseClock.on(target.device)
+        self.live = 0  # live rows (cache rows 0 .. live - 1)
+        self.bucket = 0
+        self.samplers: list[Sampler | None] = []  # per cache row (None: dead)
+        self.sequences: list[list[int]] = []
+        self.keeps_rows: list[tuple[bool, bool]] = []
+        self.rooms: list[int] = []
+        self.menu: ShapeMenu | None = None
+        self.bucket_changes = 0
+        self.rows = RowsOnDevice(torch.zeros(0, dtype=torch.long, device=target.device),
+                                 torch.zeros(0, dtype=torch.long, device=target.device))
+        self.models: BucketModels | None = None
+        self.head = self.suffix = None  # running_batch_gaps: a draft model's rows, no suffix proposals
+
+    # ---- joining and leaving (between rounds)
+    def absorb(self, prefill: Prefill) -> None:
+        """The prefilled request's row joins as cache row `live` (the bucket grows if it is full)."""
+        self.pool.learn_layout(prefill.caches)
+        n = self.live
+        self.resize(n + 1)
+        copy_rows(prefill.caches, self.models.caches, slice(0, 1), at=n, slots=prefill.committed)
+        at = torch.tensor([n], device=self.rows.roots.device)
+        self.rows.prefix_lens.index_fill_(0, at, prefill.committed)
+        self.rows.roots.index_fill_(0, at, prefill.sequence[-1])
+        request = prefill.request
+        self.samplers[n], self.sequences[n] = request.samplers[0], list(prefill.sequence)
+        self.keeps_rows[n], self.rooms[n] = (request.keeps_scores, request.keeps_logits), prefill.room
+        self.menu = self.shapes_for(min(self.rooms[: n + 1]))
+        self.models = self.round_models(self.models.caches)
+
+    def shapes_for(self, room: int) -> ShapeMenu:
+        """The menu for the batch's rows (the deepest shape the row with the least room can grow), its prices kept."""
+        config = self.config
+        menu = ShapeMenu.of(config.draft_depth, config.draft_width, config.tree_budget, room)
+        if self.menu is not None:
+            menu.prices = {s: p for s, p in self.menu.prices.items() if s in menu.shapes}
+            menu.rounds = self.menu.rounds
+        return menu
+
+    def keep_rows(self, order: list[int]) -> None:
+        """Keep cache rows `order` (keep_order's: each hole below len(order) filled from beyond it) as rows
+        0 .. len(order) - 1, in place; the rest are dead from now on (and the bucket may shrink)."""
+        index = self.tensor(order)
+        n = len(order)
+        for cache in self.models.caches:
+            for layer in cache.layers:
+                for buffer in (layer.keys, layer.values):
+                    buffer[:n] = buffer[index]
+        self.rows.prefix_lens[:n] = self.rows.prefix_lens[index]
+        self.rows.roots[:n] = self.rows.roots[index]
+        for name in ("samplers", "sequences", "keeps_rows", "rooms"):
+            kept = getattr(self, name)
+            setattr(self, name, [kept[b] for b in order] + kept[n:])
+        self.live = n
+        self.resize(n)
+        self.models = self.round_models(self.models.caches)
+
+    def resize(self, live: int) -> None:
+        """Run `live` rows (0 .. live - 1 hold them) on their bucket: change to its caches if it is another (the
+        live rows' KV copied over), and mark every row past them dead (prefix 0, root 0, no sampler)."""
+        bucket = bucket_for(live)
+        old = self.models.caches if self.models is not None else None
+        caches = self.pool.for_bucket(bucket)
+        if old is not None and caches is not old:
+            copy_rows(old, caches, slice(0, min(live, self.live)))
+        if bucket != self.bucket:
+            self.bucket_changes += self.bucket > 0
+        kept = min(live, self.live)
+        device = self.rows.roots.device
+        pad = torch.zeros(bucket - kept, dtype=torch.long, device=device)
+        self.rows = RowsOnDevice(torch.cat([self.rows.prefix_lens[:kept], pad]), torch.cat([self.rows.roots[:kept], pad]))
+        dead = bucket - kept
+        self.samplers = self.samplers[:kept] + [None] * dead
+        self.sequences = self.sequences[:kept] + [[] for _ in range(dead)]
+        self.keeps_rows = self.keeps_rows[:kept] + [(False, False)] * dead
+        self.rooms = self.rooms[:kept] + [NO_ROOM] * dead
+        self.live, self.bucket = live, bucket
+        self.models = self.round_models(caches)
+
+    def move_to(self, caches: tuple[SlotCache, SlotCache]) -> None:
+        """The pool's capacity grew: the live rows' KV moves to the new caches of their bucket."""
+        copy_rows(self.models.caches, caches, slice(0, self.live))
+        self.models = self.round_models(caches)
+
+    def round_models(self, caches: tuple[SlotCache, SlotCache]) -> BucketModels:
+        processors = tuple(s.logits_processor if s is not None else () for s in self.samplers)
+        live = [s for s in self.samplers if s is not None]
+        keeps = tuple(any(k[i] for k in self.keeps_rows) for i in (0, 1))
+        return BucketModels(self.target, self.draft, caches, processors, any(s.do_sample for s in live), keeps,
+                            self.target.config.get_text_config().vocab_size,
+                            signature=tuple(processors_signature(p) for p in processors))
+
+    # ---- the round's phases over the bucket (DeviceSides'), the dead rows' results dropped
+    def verify(self, proposed: DeviceProposed, rows) -> list[Verified]:
+        verified = super().verify(proposed, DevicePaddedRows(rows, self.bucket))
+        n = len(rows.live)
+        del proposed.proposals[n:]
+        self.counters[0].verify_steps -= self.bucket - n
+        return verified[:n]
+
+    def accept(self, proposed: DeviceProposed, verified: list[Verified], keep: list[int]) -> None:
+        dead = [Verified([], []) for _ in range(self.bucket - len(verified))]
+        super().accept(proposed, verified + dead, keep)
+
+    def noise(self, T: int, depth: int) -> torch.Tensor:
+        """(B, D, V) float64: each sampled row's Gumbel noise (DeviceSides.noise), zero for greedy and dead rows
+        (argmax of the scores plus zero is the greedy choice)."""
+        deepest = min(T, depth + 1)
+        vocab = self.target.get_output_embeddings().weight.shape[0]
+        device = self.rows.roots.device
+        return torch.stack([
+            s.gumbel([len(seq) + d for d in range(deepest)], vocab, device) if s is not None and s.do_sample
+            else torch.zeros(deepest, vocab, dtype=torch.float64, device=device)
+            for s, seq in zip(self.samplers, self.sequences)
+        ])
+
+
+class DeviceContinuousEngine(ContinuousEngine):
+    """ContinuousEngine (engine/continuous.py) whose rounds are the device round's over bucketed cache rows (see
+    the module docstring). config: the pair's SwiftSpecConfig (round="device"; its capture, shapes)."""
+
+    on_device = True
+
+    def __init__(self, target, draft, policy, config, finish=None):
+        super().__init__(target, draft, policy, build=None, finish=finish, latency_guard=False)  # no policy sizes its trees
+        self.config = config
+        backend = capture_backend(config.capture, target.device)
+        self.runner = PhaseRunner(backend) if backend is not None else None
+        self.pool = SlotPool()
+        unbounded = ShapeMenu.of(config.draft_depth, config.draft_width, config.tree_budget, NO_ROOM)
+        self.tree_slots = max(s.nodes for s in unbounded.shapes) + 2  # the tree region, then scratch
+        self.bucket_changes = 0  # over every batch the engine ran
+
+    def graphs_by_bucket(self) -> Counter:
+        """Replayed phases captured, by the bucket they run (the number of cache rows their key names)."""
+        return Counter(key[-1][0] for key in self.runner.graphs) if self.runner is not None else Counter()
+
+    def join(self, member: Member) -> None:
+        """Start prefilling the request alone; the pool's capacity grows first if its row needs more slots."""
+        prefill = Prefill(self.target, self.draft, member.request, self.tree_slots)
+        ShapeMenu.of(self.config.draft_depth, self.config.draft_width, self.config.tree_budget, prefill.room)
+        if self.pool.fit(prefill.slots, self.runner) and self.sides is not None:
+            try:
+                self.sides.move_to(self.pool.for_bucket(self.sides.bucket))
+            except Exception as error:
+                raise BatchBroken(error) from error
+        self.joining.append(Joining(member, prefill, prefill.in_pieces(continuous.PREFILL_PIECE)))
+
+    def prefill_piece(self, joining: Joining) -> None:
+        try:
+            next(joining.pieces)
+            return
+        except StopIteration:
+            pass
+        self.joining.remove(joining)
+        member = joining.member
+        if self.sides is None:
+            self.sides = BucketSides(self.target, self.draft, self.config, self.pool, self.runner)
+        try:
+            before = self.sides.bucket_changes
+            self.sides.absorb(joining.sides)
+            self.bucket_changes += self.sides.bucket_changes - before
+        except Exception as error:
+            raise BatchBroken(error) from error
+        self.rows.members[member.row_id] = member
+        self.rows.live.append(member.row_id)
+
+    def leave(self, keep: list[int]) -> None:
+        before = self.sides.bucket_changes if self.sides is not None else 0
+        sides = self.sides
+        super().leave(keep)
+        if sides is not None:
+            self.bucket_changes += sides.bucket_changes - before

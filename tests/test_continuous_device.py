@@ -1,0 +1,272 @@
+"""The running batch on the device round (engine/continuous_device.py): requests join and leave a batch whose cache
+rows are padded to a power-of-two bucket, each decoding exactly as target.generate does (greedy, float32), with one
+host read a round; replayed (the emulate backend) a bucket's graphs serve every row count it holds and come back
+when the batch does, and a joining row's values reach them as inputs (else: the capture's rows' tokens).
+
+Joins are made deterministic as in tests/test_continuous.py (its Relay: a request's streamer, at its k-th round,
+starts the next one and holds the engine's thread until that one waits in the engine's queue)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+
+from hf_swiftspec import SwiftSpecForCausalLM
+from hf_swiftspec.engine import continuous_device, rounds
+from hf_swiftspec.engine.continuous_device import BucketSides, DeviceContinuousEngine, SlotPool, bucket_for
+from hf_swiftspec.tools.models import char_tokenizer, random_prompts, tiny_model, truncated_draft
+from sync_counter import SyncCounter
+from test_continuous import Relay
+
+DEVICE = dict(round="device", ngram_size=0, draft_depth=3, draft_width=2, tree_budget=6)  # one shape: no clock decides
+PROMPTS = random_prompts((3, 23, 9, 1, 14, 30), 0, 98)
+NEW = (20, 7, 33, 12, 1, 40)  # the last needs 79 slots: the running rows move to caches of 128
+AT = (2, 1, 3, 2, 1, 2)  # each request starts when the one before it is this many rounds in
+
+
+@pytest.fixture(scope="module")
+def target():
+    model = tiny_model("llama", seed=0)
+    model.generation_config.eos_token_id = None  # each request names the EOS it stops at
+    return model
+
+
+def relay(pair, engine, calls: list[dict], at=AT) -> dict[int, torch.Tensor]:
+    """Each call (generate()'s keyword arguments, input_ids included) starts when the one before it is at[i] rounds
+    in (or done), in the running batch; returns each one's output."""
+    starts = [threading.Event() for _ in calls]
+    starts[0].set()
+    out, errors = {}, {}
+
+    def request(i: int) -> None:
+        starts[i].wait(60)
+        nxt = starts[i + 1] if i + 1 < len(calls) else None
+        try:
+            out[i] = pair.generate(streamer=Relay(engine, nxt, at[i], f"request-{i + 1}"),
+                                   swiftspec_engine=(engine, f"request-{i}"), **calls[i])
+        except Exception as error:  # noqa: BLE001  (reported below)
+            errors[i] = error
+        finally:
+            if nxt is not None:
+                nxt.set()
+
+    threads = [threading.Thread(target=request, args=(i,)) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    assert not errors, errors
+    return out
+
+
+def greedy_calls(target) -> list[dict]:
+    """Six requests of different prompt lengths and budgets; two stop at an EOS of their own, mid-answer."""
+    calls = [dict(input_ids=torch.tensor([p]), max_new_tokens=n, do_sample=False) for p, n in zip(PROMPTS, NEW)]
+    for i, at in ((0, 9), (2, 15)):
+        free = target.generate(calls[i]["input_ids"], max_new_tokens=NEW[i], do_sample=False)
+        calls[i]["eos_token_id"] = int(free[0, len(PROMPTS[i]) + at])
+    return calls
+
+
+def assert_answers_are_target_generates(target, calls, out) -> None:
+    for i, call in enumerate(calls):
+        kwargs = {k: v for k, v in call.items() if k != "input_ids"}
+        expected = target.generate(call["input_ids"], **kwargs)
+        assert out[i].tolist() == expected.tolist(), f"request {i}"
+
+
+def watch_rounds(monkeypatch) -> list[dict]:
+    """Per round of the running batch: its host reads (SyncCounter over rounds.one_round, the round's whole body),
+    its draft forwards, its live rows and its bucket."""
+    seen, body = [], rounds.one_round
+
+    def counted(sides, rows):
+        if not isinstance(sides, BucketSides):  # a reference call's own rounds
+            return body(sides, rows)
+        forwards, live, bucket = sides.counters[1].forwards, len(rows.live), sides.bucket  # before the round
+        with SyncCounter() as counter:
+            keep = body(sides, rows)
+        seen.append(dict(reads=counter.total, draft=sides.counters[1].forwards - forwards, rows=live, bucket=bucket,
+                         live=tuple(rows.live)))
+        return keep
+
+    monkeypatch.setattr(rounds, "one_round", counted)
+    return seen
+
+
+def poison(caches, rows: slice) -> None:
+    for cache in caches:
+        for layer in cache.layers:
+            layer.keys[rows] = 1e4
+            layer.values[rows] = -1e4
+
+
+def poison_unused_slots(monkeypatch) -> None:
+    """Fill every dead padding row's KV, and every new bucket's caches, with large values (a tiny random model's next
+    token follows its context weakly; these it cannot miss): a live row that saw a dead row's slots, or a slot of its
+    own that its join or a move to new caches did not copy, would decode other tokens."""
+    resize, for_bucket = BucketSides.resize, SlotPool.for_bucket
+
+    def poisoned_resize(self, live):
+        resize(self, live)
+        poison(self.models.caches, slice(live, None))
+
+    def poisoned_for_bucket(self, bucket):
+        new = bucket not in self.caches
+        caches = for_bucket(self, bucket)
+        if new:
+            poison(caches, slice(None))
+        return caches
+
+    monkeypatch.setattr(BucketSides, "resize", poisoned_resize)
+    monkeypatch.setattr(SlotPool, "for_bucket", poisoned_for_bucket)
+
+
+@pytest.mark.parametrize("capture", [False, True])
+def test_rows_joining_and_leaving_a_bucketed_batch_equal_target_generate(target, capture, monkeypatch):
+    """Six requests join at different rounds (1, 2 and 3 rows decode together) and leave at their budgets or EOS:
+    each answer is target.generate's, with the draft growing every round, at most one host read a round, and the cache
+    rows padded to 1, 2 or 4 (the row count of 3 runs on the bucket of 4). A request needing more slots than the
+    batch's caches hold grows them (a new capacity). Replayed: one graph per phase per bucket, whatever row counts
+    the bucket held and however often the batch came back to it."""
+    poison_unused_slots(monkeypatch)
+    seen = watch_rounds(monkeypatch)
+    pair = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), capture=capture, **DEVICE)
+    engine = pair.continuous_engine()
+    assert isinstance(engine, DeviceContinuousEngine)
+    calls = greedy_calls(target)
+    try:
+        out = relay(pair, engine, calls)
+    finally:
+        engine.close()
+    assert_answers_are_target_generates(target, calls, out)
+    assert max(r["reads"] for r in seen) <= 1 and min(r["draft"] for r in seen) >= DEVICE["draft_depth"]
+    assert all(r["bucket"] == bucket_for(r["rows"]) for r in seen)
+    assert {r["rows"] for r in seen} >= {1, 2, 3} and engine.served == len(calls)  # 3 rows: the bucket of 4
+    buckets = [r["bucket"] for r in seen]
+    switches = sum(a != b for a, b in zip(buckets, buckets[1:]))
+    assert switches > len(set(buckets)) and engine.bucket_changes >= switches  # buckets were come back to
+    assert engine.pool.capacity_changes >= 2  # the caches grew twice (32, 64, 128 slots), the last time under live rows
+    if capture:
+        runner = engine.runner
+        assert engine.graphs_by_bucket() == {b: 2 for b in set(buckets)}  # growth and verification, per bucket
+        assert runner.replays >= len(seen) and not runner.fallbacks
+    else:
+        assert engine.runner is None
+
+
+def test_stop_strings_and_sampled_rows_among_greedy_ones(target):
+    """A request with a stop string (cut on the host after the round's read) and a sampled one (temperature, top_k:
+    its noise keyed by its seed and positions) share the batch with greedy ones: the greedy and stopped answers are
+    target.generate's, the sampled one is what its lone call on the host round draws with that seed."""
+    tok = char_tokenizer()
+    draft = truncated_draft(target, 2)
+    pair = SwiftSpecForCausalLM.from_models(target, draft, capture=True, **DEVICE)
+    calls = greedy_calls(target)[:4]
+    free = target.generate(calls[1]["input_ids"], max_new_tokens=NEW[1], do_sample=False)[0, len(PROMPTS[1]):]
+    calls[1].update(stop_strings=[tok.decode(free[3:5])], tokenizer=tok)
+    sampled = dict(input_ids=calls[3]["input_ids"], max_new_tokens=16, do_sample=True, temperature=0.9, top_k=20)
+    calls[3] = dict(sampled, generator=torch.Generator().manual_seed(5))
+    engine = pair.continuous_engine()
+    try:
+        out = relay(pair, engine, calls)
+    finally:
+        engine.close()
+    assert_answers_are_target_generates(target, calls[:3], out)
+    assert out[1].shape[1] < len(PROMPTS[1]) + NEW[1]  # the stop string cut it
+    host = SwiftSpecForCausalLM.from_models(target, draft, ngram_size=0)
+    drawn = host.generate(**dict(sampled, generator=torch.Generator().manual_seed(5)))
+    assert out[3].tolist() == drawn.tolist()
+    assert out[3].tolist() != target.generate(sampled["input_ids"], max_new_tokens=16, do_sample=False).tolist()
+
+
+def test_what_the_device_batch_cannot_decode_is_refused_by_name(target):
+    """A pair the device round cannot decode exactly is refused when its engine is made (suffix proposals: the
+    fix named), and a request whose processors read the path is refused alone, the engine serving on."""
+    suffix = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), round="device")
+    with pytest.raises(ValueError, match="ngram_size=0"):
+        suffix.continuous_engine()
+    free = SwiftSpecForCausalLM.from_models(target, None, round="device", ngram_size=3)
+    with pytest.raises(ValueError, match="draft-free"):  # a lone call's device round takes it; the batch does not yet
+        free.continuous_engine()
+    pair = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), **DEVICE)
+    engine = pair.continuous_engine()
+    ids = torch.tensor([PROMPTS[0]])
+    try:
+        with pytest.raises(ValueError, match="RepetitionPenaltyLogitsProcessor"):
+            pair.generate(ids, max_new_tokens=4, do_sample=False, swiftspec_engine=(engine, "a"),
+                          logits_processor=LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3)]))
+        out = pair.generate(ids, max_new_tokens=6, do_sample=False, swiftspec_engine=(engine, "b"))
+    finally:
+        engine.close()
+    assert out.tolist() == target.generate(ids, max_new_tokens=6, do_sample=False).tolist()
+
+
+def test_bucket_for_rounds_up_to_a_power_of_two():
+    assert [bucket_for(n) for n in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, 16]
+    assert continuous_device.processors_signature(None) == ()
+
+
+def test_serve_round_device_flag_and_one_request_through_it(monkeypatch):
+    """`swiftspec serve --continuous-batching --round device --ngram-size 0` reaches the pair's settings; served so,
+    a request decodes in the device batch (DeviceContinuousEngine) and answers what the target alone answers. A pair
+    the device batch cannot take is refused by name, not routed to the host round's batch or the target's."""
+    pytest.importorskip("openai")
+    from hf_swiftspec import compat
+
+    if not compat.serving_available():
+        pytest.skip("transformers' server dependencies are not installed")
+    from test_serve import batcher, started
+
+    from hf_swiftspec.cli import main
+    from hf_swiftspec.cli import serve as serve_module
+    from hf_swiftspec.pair.locate import bundled_pair
+
+    options = []
+    monkeypatch.setattr(serve_module, "serve", lambda o: options.append(o))
+    assert main(["serve", "swiftspec-demo-pystdlib", "--continuous-batching", "--round", "device", "--ngram-size", "0"]) == 0
+    assert options[0].continuous_batching and options[0].settings == {"round": "device", "ngram_size": 0}
+
+    model = tiny_model("llama", seed=0)
+    served = serve_module.ServedPair.from_models(model, truncated_draft(model, 2), round="device")  # ngram_size > 0
+    served.served, served.sequential = serve_module.Served(), False
+    with pytest.raises(ValueError, match="--round device with --continuous-batching: .*ngram_size=0"):
+        served.init_continuous_batching()
+
+    folder = bundled_pair("swiftspec-demo-pystdlib")
+    with started(folder, "continuous-batching", **DEVICE) as (running, client, name):
+        reply = client.completions.create(model=name, prompt="def read_config(path):\n", max_tokens=12, temperature=0)
+        engine = batcher(running).engine
+        assert isinstance(engine, DeviceContinuousEngine) and engine.served == 1
+    pair = SwiftSpecForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ids = pair.tokenizer("def read_config(path):\n", return_tensors="pt").input_ids
+    expected = pair.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    assert reply.choices[0].text == pair.tokenizer.decode(expected[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def test_sampled_rows_with_the_same_settings_share_a_buckets_graphs(target, monkeypatch):
+    """Three sampled requests (temperature 0.9, top_k 20, seeds of their own), replayed: the second joins the first,
+    the third joins once the second has left (the bucket of 2 holds other rows' processors then). Each
+    draws what its lone host-round call draws with its seed (its noise reaches the graph as an input), and requests
+    with the same settings share each bucket's graphs (the processors are keyed by their settings, not the objects
+    each request brings)."""
+    draft = truncated_draft(target, 2)
+    pair = SwiftSpecForCausalLM.from_models(target, draft, capture=True, **DEVICE)
+    host = SwiftSpecForCausalLM.from_models(target, draft, ngram_size=0)
+    settings = dict(do_sample=True, temperature=0.9, top_k=20)
+    calls = [dict(input_ids=torch.tensor([p]), max_new_tokens=n, generator=torch.Generator().manual_seed(i), **settings)
+             for i, (p, n) in enumerate(zip(PROMPTS[:3], (40, 4, 8)))]
+    seen = watch_rounds(monkeypatch)
+    engine = pair.continuous_engine()
+    try:
+        out = relay(pair, engine, calls, at=(2, 99, 1))  # 99: past the second's last round, so when it is done
+    finally:
+        engine.close()
+    for i, call in enumerate(calls):
+        alone = host.generate(**dict(call, generator=torch.Generator().manual_seed(i)))
+        assert out[i].tolist() == alone.tolist(), f"request {i}"
+    pairs_in_bucket_2 = {r["live"] for r in seen if r["bucket"] == 2}
+    assert len(pairs_in_bucket_2) == 2 and set(engine.graphs_by_bucket().values()) == {2}
