@@ -40,7 +40,7 @@ from ..steps.slot_cache import SlotCache, catch_up
 from ..steps.verify import NO_STOPS, Sampler, StopRule, Verified
 from . import continuous
 from .continuous import BatchBroken, ContinuousEngine, Joining, Member
-from .device_sides import DeviceProposed, DeviceSides, RoundModels, RowsOnDevice
+from .device_sides import DeviceProposed, DeviceSides, RoundModels, RowsOnDevice, processors_signature
 from .request import DecodeRequest
 
 NO_ROOM = 1 << 30  # a model with no position limit: room for any shape
@@ -65,17 +65,6 @@ def running_batch_gaps(config, draft) -> list[str]:
 def bucket_for(rows: int) -> int:
     """The cache rows a batch of `rows` live rows runs on: the next power of two (1, 2, 4, 8, ...)."""
     return 1 << max(rows - 1, 0).bit_length()
-
-
-def processors_signature(processors) -> tuple:
-    """What a replayed verification bakes in of a row's processors: each one's type and settings where they are
-    plain values (two requests with top_k=20 share graphs), else the object itself (captured for it alone)."""
-    out = []
-    for p in processors or ():
-        state = vars(p)
-        plain = all(isinstance(v, (int, float, str, bool, type(None))) for v in state.values())
-        out.append((type(p).__name__, tuple(sorted(state.items()))) if plain else ("object", id(p)))
-    return tuple(out)
 
 
 @dataclass(frozen=True)

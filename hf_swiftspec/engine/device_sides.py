@@ -43,6 +43,7 @@ from ..stats import DraftCounters, PhaseClock, SwiftSpecStats, TargetCounters
 from ..steps.device_round import DeviceSubtree, greedy_choices, round_result, sampled_choices, select_device, walk_device
 from ..steps.capture import capture_backend
 from ..steps.phase_graphs import PhaseRunner
+from .device_pool import DevicePool, capacity_bucket
 from ..steps.slot_cache import SlotCache, catch_up, commit_cache, verify_forward
 from ..steps.tree import Proposal, Subtree
 from ..steps.verify import PATH_FREE_PROCESSORS, StopRule, Verified, apply_processors
@@ -52,25 +53,42 @@ from .rounds import Proposed, run_rounds
 MASKS_4D = ("sdpa", "eager")  # attention implementations that take the slot caches' additive 4D mask as given
 
 
-def run_device(target, draft, request: DecodeRequest, config) -> DecodeResult:
+def run_device(target, draft, request: DecodeRequest, config, captures=None) -> DecodeResult:
     """The round (engine/rounds.py) on the device sides, its phases replayed where SwiftSpecConfig.capture says
-    (CUDA graphs on CUDA, the emulating stand-in on a CPU with capture=True); check_device_round cleared the call."""
+    (CUDA graphs on CUDA, the emulating stand-in on a CPU with capture=True); check_device_round cleared the call.
+    captures: the pair's Captures (steps/capture.py), whose device pool keeps the graphs and their caches for the
+    next call (engine/device_pool.py); None: this call's own."""
     if not request.max_new_tokens:
         return DecodeResult(rows=[RowResult() for _ in range(request.batch_size)])
     backend = capture_backend(config.capture, target.device)
-    runner = PhaseRunner(backend) if backend is not None else None
-    sides = DeviceSides(target, draft, config, request, runner)
+    pool = device_pool(captures, backend) if not isinstance(draft, DraftHead) else None
+    runner = pool.runner if pool is not None else PhaseRunner(backend) if backend is not None else None
+    captured_before, setup_before = (runner.captured, runner.setup_s) if runner is not None else (0, 0.0)
+    sides = DeviceSides(target, draft, config, request, runner, pool)
     with sides.head.tap if sides.head is not None else contextlib.nullcontext():  # a head reads the target's states
         result = run_rounds(sides, request)
-    how = "eager phases" if runner is None else f"replayed phases, {backend}: {len(runner.graphs)} graphs"
+    if pool is not None:
+        pool.drop_unkept_graphs()
+    how = "eager phases" if runner is None else (
+        f"replayed phases, {backend}: {len(runner.graphs)} graphs, {runner.captured - captured_before} "
+        f"captured by this call")
     if runner is not None and runner.fallbacks:
         how += f"; eager: {', '.join(sorted(runner.fallbacks))}"
     drafted = ("no draft model" if draft is None else
                f"draft={'sdpa (a draft head)' if sides.head else draft.config._attn_implementation}")
     result.stats.attention = (f"device round (slot caches, 4D masks: target={target.config._attn_implementation}, "
                               f"{drafted}; {how})")
-    result.stats.capture_s = runner.setup_s if runner is not None else 0.0
+    result.stats.capture_s = runner.setup_s - setup_before if runner is not None else 0.0
     return result
+
+
+def device_pool(captures, backend: str | None) -> DevicePool | None:
+    """The pair's device pool (Captures.device), made for `backend` on first use; None where nothing replays."""
+    if captures is None or backend is None:
+        return None
+    if captures.device is None or captures.device.backend != backend:
+        captures.device = DevicePool(backend)
+    return captures.device
 
 
 def device_round_gaps(config, target, draft, architectures, logits_processor, placement, groups,
@@ -152,7 +170,40 @@ class RoundModels:
     def key(self) -> tuple:
         """What a replayed phase bakes in besides its inputs' shapes: the caches' buffers and the rows' processors."""
         buffers = tuple(t.data_ptr() for c in self.caches for layer in c.layers for t in (layer.keys, layer.values))
-        return buffers, tuple(id(p) for p in self.processors), self.sample, self.keeps
+        return buffers, tuple(processors_signature(p) for p in self.processors), self.sample, self.keeps
+
+
+def processors_signature(processors) -> tuple:
+    """What a replayed verification bakes in of a row's processors: each one's type and settings where they are
+    plain values (two requests with top_k=20 share graphs), else the object itself (captured for it alone)."""
+    out = []
+    for p in processors or ():
+        state = vars(p)
+        plain = all(isinstance(v, (int, float, str, bool, type(None))) for v in state.values())
+        out.append((type(p).__name__, tuple(sorted(state.items()))) if plain else ("object", id(p)))
+    return tuple(out)
+
+
+def copy_kept_rows(source: SlotCache, into: SlotCache, index: torch.Tensor) -> None:
+    """`source`'s rows `index` (B',) long into `into`, a cache of B' rows and the same capacity, in place where its
+    buffers exist (their addresses are what its graphs replay over)."""
+    for mine, theirs in zip(into.layers, source.layers):
+        if not theirs.is_initialized:
+            continue
+        if mine.is_initialized:
+            mine.keys.copy_(theirs.keys[index])
+            mine.values.copy_(theirs.values[index])
+        else:
+            mine.keys, mine.values, mine.is_initialized = theirs.keys[index], theirs.values[index], True
+
+
+def kept_rows(cache: SlotCache, index: torch.Tensor) -> SlotCache:
+    """A new SlotCache of `cache`'s rows `index` (B',) long (the pool's caches are never narrowed in place)."""
+    kept = SlotCache(len(cache.layers), cache.capacity)
+    for mine, theirs in zip(kept.layers, cache.layers):
+        if theirs.is_initialized:
+            mine.keys, mine.values, mine.is_initialized = theirs.keys[index], theirs.values[index], True
+    return kept
 
 
 def subtree_tensors(sub: DeviceSubtree) -> dict[str, torch.Tensor]:
@@ -248,8 +299,9 @@ class DeviceSides:
     name = "device"
     roots_known = False  # the prefill leaves each prompt's last token as the root: round 1 verifies it
 
-    def __init__(self, target, draft, config, request: DecodeRequest, runner: PhaseRunner | None = None):
-        self.target, self.draft, self.runner = target, draft, runner
+    def __init__(self, target, draft, config, request: DecodeRequest, runner: PhaseRunner | None = None,
+                 pool: DevicePool | None = None):
+        self.target, self.draft, self.runner, self.pool = target, draft, runner, pool
         self.head = DeviceHead.of(draft, target) if isinstance(draft, DraftHead) else None
         self.root_inputs: torch.Tensor | None = None  # a head's (B, H): the fused target state before each root
         self.samplers = list(request.samplers)
@@ -263,6 +315,8 @@ class DeviceSides:
         S = max(s.budget for s in self.menu.shapes) - 1 if config.ngram_size else 0
         self.suffix = DeviceSuffix(config, request, S, limit, request.prompt.device) if S else None
         self.capacity = longest + max(s.nodes for s in self.menu.shapes) + S + 2  # the tree region, then scratch
+        if pool is not None:  # a capacity calls of nearby lengths share, with their caches and graphs
+            self.capacity = capacity_bucket(self.capacity)
         self.counters = TargetCounters(), DraftCounters()
         self.sequences: list[list[int]] = []  # each live row's sequence (generate's, left padding included)
         self.last_read: float | None = None
@@ -279,8 +333,10 @@ class DeviceSides:
         width = max(max(len(p) for p in prompts) - 1, 1)
         device = request.prompt.device
         models = (self.target,) if self.draft is None else (self.target, self.draft)
-        caches = tuple(SlotCache(1 if m is self.draft and self.head else m.config.get_text_config().num_hidden_layers,
-                                 self.capacity) for m in models)
+        layers = tuple(1 if m is self.draft and self.head else m.config.get_text_config().num_hidden_layers
+                       for m in models)
+        caches = (self.pool.slot_caches(len(prompts), self.capacity, layers) if self.pool is not None
+                  else tuple(SlotCache(n, self.capacity) for n in layers))
         committed = torch.tensor([p[:-1] + [0] * (width - len(p) + 1) for p in prompts], device=device)
         counts = torch.tensor([len(p) - 1 for p in prompts], device=device)
         for model, cache, counter in zip(models, caches, self.counters):
@@ -386,9 +442,13 @@ class DeviceSides:
 
     def keep_rows(self, order: list[int]) -> None:
         index = self.tensor(order)
-        for cache in self.models.caches:
-            for layer in cache.layers:
-                layer.keys, layer.values = layer.keys[index], layer.values[index]
+        if self.pool is not None:  # the rows that stay move into the pool's caches of their count (graphs kept)
+            layers = tuple(len(cache.layers) for cache in self.models.caches)
+            caches = self.pool.slot_caches(len(order), self.capacity, layers)
+            for source, into in zip(self.models.caches, caches):
+                copy_kept_rows(source, into, index)
+        else:
+            caches = tuple(kept_rows(cache, index) for cache in self.models.caches)
         self.rows.keep(index)
         if self.head is not None:
             self.root_inputs = self.root_inputs[index]
@@ -396,7 +456,7 @@ class DeviceSides:
         if self.suffix is not None:
             self.suffix.keep_rows(order)
         self.samplers = [self.samplers[b] for b in order]
-        self.models = self.round_models(self.models.caches)
+        self.models = self.round_models(caches)
 
     @property
     def suffix_nodes(self) -> int:

@@ -50,7 +50,7 @@ def decode_adaptive(target, draft, request: DecodeRequest, config: SwiftSpecConf
     instead of trees where `chain_reasons` say this call needs them. architectures: the models' (probes.describe),
     when the caller has them. captures: the pair's replayed forwards, kept across calls (None: every step eager)."""
     if config.round == "device":  # generation.py's check_device_round cleared the call
-        return run_device(target, draft, request, config)
+        return run_device(target, draft, request, config, captures)
     batch = request.batch_size
     length = request.prompt.shape[1] + request.max_new_tokens
     if groups is not None and len(groups.my_ranks) > 1:

@@ -325,6 +325,7 @@ class Captures:
 
     runners: dict[str, StepRunner] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    device: object = None  # the device round's graphs and their caches (engine/device_pool.DevicePool)
 
     @contextlib.contextmanager
     def claimed(self):
@@ -348,3 +349,4 @@ class Captures:
     def clear(self) -> None:
         """Drop every graph and buffer (e.g. after moving the models)."""
         self.runners.clear()
+        self.device = None

@@ -52,6 +52,7 @@ class PhaseRunner:
     fallbacks: set[str] = field(default_factory=set)
     memory_pool: object = None
     setup_s: float = 0.0  # seconds of first runs that captured
+    captured: int = 0  # phases captured (a graph dropped later still counts)
 
     def run(self, key: tuple, phase: Callable[..., Tensors], inputs: Tensors) -> Tensors:
         """phase(**inputs), replayed from the key's graph (captured by this first run). The outputs are the graph's
@@ -62,6 +63,7 @@ class PhaseRunner:
                 self.fallbacks.add(self.refused[key])
                 return phase(**inputs)
             start = time.perf_counter()
+            self.captured += 1
             try:
                 return self.capture(key, phase, inputs)
             finally:

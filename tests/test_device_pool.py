@@ -1,0 +1,69 @@
+"""The device round's graphs kept across a pair's calls (engine/device_pool.py): a later call of as many rows
+replays the graphs an earlier call captured, over the same slot caches, and still decodes target.generate's
+tokens (the emulating backend replays the capture's call: a prompt, a prefix or a root baked into a graph would
+decode the first call's text); calls of other row counts get their own caches, at most KEPT sets with their
+graphs; a call whose rows finish at different times leaves the pool's caches whole and no graph over the
+narrowed caches behind."""
+
+import torch
+
+from hf_swiftspec import SwiftSpecForCausalLM
+from hf_swiftspec.engine.device_pool import KEPT, buffers_of, capacity_bucket
+from hf_swiftspec.tools.models import left_padded, tiny_model, truncated_draft
+
+SETTINGS = dict(round="device", ngram_size=0, draft_depth=2, draft_width=2, tree_budget=4, capture=True)
+PROMPTS = [[5, 17, 33, 8, 61], [40, 9, 12, 7, 7, 3], [70, 18, 2], [11, 4, 90, 23, 6, 1, 8], [3, 3, 50, 21]]
+
+
+def captured_by_the_call(pair) -> int:
+    """Graphs the last call captured, as its stats say."""
+    attention = pair.swiftspec_stats.attention
+    return int(attention.split(" captured by this call")[0].split(", ")[-1])
+
+
+def decode(pair, target, rows: list[list[int]], **kwargs):
+    ids, mask = (torch.tensor(rows), None) if len(rows) == 1 else left_padded(rows)
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=16, **kwargs)
+    assert pair.generate(ids, **kwargs).tolist() == target.generate(ids, **kwargs).tolist()
+    assert pair.swiftspec_stats.engine == "device"
+
+
+def test_a_later_call_replays_the_earlier_calls_graphs_and_decodes_its_own_text():
+    target = tiny_model("llama", seed=0)
+    target.generation_config.eos_token_id = None
+    pair = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), **SETTINGS)
+    decode(pair, target, PROMPTS[:1])
+    pool = pair.captures.device
+    first = captured_by_the_call(pair)
+    assert first > 0 and len(pool.runner.graphs) == first
+    replays = pool.runner.replays
+    decode(pair, target, PROMPTS[1:2])  # another prompt, another length: the same graphs
+    assert captured_by_the_call(pair) == 0 and pool.runner.replays > replays
+    assert pair.swiftspec_stats.capture_s == 0.0
+
+    # a batch whose rows finish at different times (an EOS one row reaches first): the row that stays moves into
+    # the pool's one-row caches, whose graphs replay; the two-row caches stay whole for the next batch of two
+    free = target.generate(left_padded(PROMPTS[:2])[0], attention_mask=left_padded(PROMPTS[:2])[1],
+                           do_sample=False, max_new_tokens=16)
+    eos = int(free[0, -10])
+    decode(pair, target, PROMPTS[:2], eos_token_id=eos)
+    assert captured_by_the_call(pair) == 2  # the two-row phases; the one-row ones were the first call's
+    kept = {buffers_of(c) for c in pool.caches.values()}
+    assert all(key[-1][0] in kept for key in pool.runner.graphs), "graphs over a call's narrowed caches were kept"
+    assert all(layer.keys.shape[0] == rows for (rows, _, _), caches in pool.caches.items()
+               for cache in caches for layer in cache.layers)
+    decode(pair, target, PROMPTS[2:4])
+    assert captured_by_the_call(pair) == 0
+
+    for rows in (3, 4, 5):  # more row counts: their own caches, the oldest sets and their graphs dropped past KEPT
+        decode(pair, target, PROMPTS[:rows])
+    assert len(pool.caches) == KEPT and {key[0] for key in pool.caches} >= {4, 5}
+    kept = {buffers_of(c) for c in pool.caches.values()}
+    assert all(key[-1][0] in kept for key in pool.runner.graphs)
+    dropped = min(rows for rows in range(1, 6) if (rows, 256, (3, 2)) not in pool.caches)
+    decode(pair, target, PROMPTS[:dropped])  # a row count whose set was dropped: captured afresh, and still exact
+    assert captured_by_the_call(pair) > 0
+
+
+def test_pooled_capacities_are_powers_of_two_calls_of_nearby_lengths_share():
+    assert [capacity_bucket(n) for n in (1, 200, 256, 257, 600)] == [256, 256, 256, 512, 1024]
