@@ -184,11 +184,8 @@ def test_stop_strings_and_sampled_rows_among_greedy_ones(target):
 
 
 def test_what_the_device_batch_cannot_decode_is_refused_by_name(target):
-    """A pair the device round cannot decode exactly is refused when its engine is made (suffix proposals: the
-    fix named), and a request whose processors read the path is refused alone, the engine serving on."""
-    suffix = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), round="device")
-    with pytest.raises(ValueError, match="ngram_size=0"):
-        suffix.continuous_engine()
+    """A pair the device batch cannot decode exactly is refused when its engine is made (draft-free: the fix
+    named), and a request whose processors read the path is refused alone, the engine serving on."""
     free = SwiftSpecForCausalLM.from_models(target, None, round="device", ngram_size=3)
     with pytest.raises(ValueError, match="draft-free"):  # a lone call's device round takes it; the batch does not yet
         free.continuous_engine()
@@ -231,9 +228,9 @@ def test_serve_round_device_flag_and_one_request_through_it(monkeypatch):
     assert options[0].continuous_batching and options[0].settings == {"round": "device", "ngram_size": 0}
 
     model = tiny_model("llama", seed=0)
-    served = serve_module.ServedPair.from_models(model, truncated_draft(model, 2), round="device")  # ngram_size > 0
+    served = serve_module.ServedPair.from_models(model, None, round="device", ngram_size=3)  # draft-free
     served.served, served.sequential = serve_module.Served(), False
-    with pytest.raises(ValueError, match="--round device with --continuous-batching: .*ngram_size=0"):
+    with pytest.raises(ValueError, match="--round device with --continuous-batching: .*draft-free"):
         served.init_continuous_batching()
 
     folder = bundled_pair("swiftspec-demo-pystdlib")
@@ -270,3 +267,34 @@ def test_sampled_rows_with_the_same_settings_share_a_buckets_graphs(target, monk
         assert out[i].tolist() == alone.tolist(), f"request {i}"
     pairs_in_bucket_2 = {r["live"] for r in seen if r["bucket"] == 2}
     assert len(pairs_in_bucket_2) == 2 and set(engine.graphs_by_bucket().values()) == {2}
+
+
+REPEATING = [[5, 17, 33, 8, 61, 9, 40] * 3, [12, 7, 44, 7, 12, 7, 44], [3, 90, 21] * 4 + [3], [70, 18]]
+
+
+@pytest.mark.parametrize("capture", [False, True], ids=["eager", "replayed"])
+def test_suffix_proposals_in_the_running_batch(target, capture, monkeypatch):
+    """ngram_size 3 in the device batch: each row's suffix index (its prompt, then its verified tokens) proposes
+    into its own tree, dead rows propose nothing. Requests joining at different rounds on prompts that repeat
+    themselves each get target.generate's answer, suffix nodes are walked, at most one host read a round."""
+    poison_unused_slots(monkeypatch)
+    seen = watch_rounds(monkeypatch)
+    walked, verify = [], BucketSides.verify
+
+    def counting(self, proposed, rows):
+        verified = verify(self, proposed, rows)
+        walked.extend(sum(p.suffix[j] >= 0 for j in v.path[1:]) for p, v in zip(proposed.proposals, verified))
+        return verified
+
+    monkeypatch.setattr(BucketSides, "verify", counting)
+    settings = {**DEVICE, "ngram_size": 3, "tree_budget": 8}
+    pair = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), capture=capture, **settings)
+    engine = pair.continuous_engine()
+    calls = [dict(input_ids=torch.tensor([p]), max_new_tokens=n, do_sample=False) for p, n in zip(REPEATING, (30, 12, 24, 9))]
+    try:
+        out = relay(pair, engine, calls, at=(2, 3, 1, 2))
+    finally:
+        engine.close()
+    assert_answers_are_target_generates(target, calls, out)
+    assert max(r["reads"] for r in seen) <= 1 and {r["rows"] for r in seen} >= {1, 2}
+    assert sum(walked) >= 3, walked

@@ -391,7 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
         "cannot decode exactly is refused, naming why (serving.md)",
     )
     srv.add_argument("--ngram-size", type=int, default=None,
-                     help="override the pair's ngram_size (0: no suffix proposals, which --round device needs)")
+                     help="override the pair's ngram_size (0: no suffix proposals)")
     add_tree_options(srv)
 
     from .distill import add_distill_parser

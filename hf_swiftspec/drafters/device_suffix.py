@@ -159,6 +159,29 @@ def draft_free_menu(config) -> ShapeMenu:
     return ShapeMenu((Shape(0, 0, config.tree_budget),) if config.tree_budget else (Shape(0, 0, 8), Shape(*PLAIN)))
 
 
+def proposal_tensor(indices: list, nodes: int, limit: int | None, policy: GoodputPolicy,
+                    device: torch.device) -> torch.Tensor:
+    """(B, FIELDS, S) float64 each row's suffix proposal of at most `nodes` nodes (SuffixNodes.unpack's layout; a row
+    whose index is None, a dead row of the running batch, proposes nothing), scored by the log of the policy's
+    prior P(accepted), in one host-to-device copy."""
+    rows = []
+    for index in indices:
+        tokens, parents, depths, scores = [], [], [], []
+        if index is not None:
+            room = None if limit is None else max(limit - len(index.tokens), 0)
+            tree = index.propose(nodes, room)
+            probs, _ = policy.suffix_probs(tree)
+            tokens, parents, scores = tree.tokens, tree.parents, [math.log(p) for p in probs]
+            for p in tree.parents:
+                depths.append(depths[p] + 1 if p >= 0 else 1)
+        pad = nodes - len(tokens)
+        rows.append([tokens + [0] * pad, parents + [-1] * pad, depths + [0] * pad, scores + [float("-inf")] * pad])
+    host = torch.tensor(rows, dtype=torch.float64).reshape(len(rows), FIELDS, nodes)
+    if device.type == "cuda":
+        host = host.pin_memory()  # the copy runs behind the queued work; this buffer is the copy's alone
+    return host.to(device, non_blocking=True)
+
+
 class DeviceSuffix:
     """The rows' suffix indices (SuffixDrafter's, on the host) and each round's proposals as one device tensor.
 
@@ -175,21 +198,7 @@ class DeviceSuffix:
 
     def propose(self) -> torch.Tensor:
         """(B, FIELDS, S) float64 every row's proposal (SuffixNodes.unpack's layout), copied in one host-to-device copy."""
-        rows = []
-        for index in self.drafter.indices:
-            room = None if self.limit is None else max(self.limit - len(index.tokens), 0)
-            tree = index.propose(self.nodes, room)
-            probs, _ = self.policy.suffix_probs(tree)
-            depths: list[int] = []
-            for p in tree.parents:
-                depths.append(depths[p] + 1 if p >= 0 else 1)
-            pad = self.nodes - len(tree.tokens)
-            rows.append([tree.tokens + [0] * pad, tree.parents + [-1] * pad, depths + [0] * pad,
-                         [math.log(p) for p in probs] + [float("-inf")] * pad])
-        host = torch.tensor(rows, dtype=torch.float64).reshape(len(rows), FIELDS, self.nodes)
-        if self.device.type == "cuda":
-            host = host.pin_memory()  # the copy runs behind the queued work; this buffer is the copy's alone
-        return host.to(self.device, non_blocking=True)
+        return proposal_tensor(self.drafter.indices, self.nodes, self.limit, self.policy, self.device)
 
     def accept(self, tokens: list[list[int]]) -> None:
         """Each row's verified tokens (the round's read, cut where the host's stops cut it)."""

@@ -31,7 +31,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..drafters.device_suffix import proposal_tensor
+from ..drafters.suffix import SuffixIndex
 from ..models.architectures import context_limit
+from ..policy.goodput import GoodputPolicy
 from ..policy.shapes import ShapeMenu
 from ..stats import DraftCounters, PhaseClock, TargetCounters
 from ..steps.capture import capture_backend
@@ -48,18 +51,46 @@ NO_ROOM = 1 << 30  # a model with no position limit: room for any shape
 
 def running_batch_gaps(config, draft) -> list[str]:
     """What the running batch on the device round does not take yet, beside device_round_gaps' (a lone call's device
-    round does): suffix proposals, a draft head, draft-free mode. Each with its fix."""
+    round does): a draft head, draft-free mode. Each with its fix."""
     from ..drafters.eagle3 import DraftHead
 
     gaps = []
-    if config.ngram_size:
-        gaps.append(f"ngram_size={config.ngram_size}: its rows do not carry suffix indices yet; set ngram_size=0 "
-                    "(swiftspec serve --ngram-size 0)")
     if draft is None:
         gaps.append("it grows a draft model's trees, and this pair has none (draft-free mode)")
     elif isinstance(draft, DraftHead):
         gaps.append("its rows do not carry a draft head's (EAGLE-3, MTP) target states yet; serve a draft model")
     return gaps
+
+
+@dataclass
+class BucketSuffix:
+    """The running batch's suffix proposals (device_sides' DeviceSuffix, per cache row): each live row's SuffixIndex
+    (its prompt, the request's corpus and the pair's earlier outputs), None for a dead row, which proposes nothing.
+
+    nodes: S, the suffix nodes a row proposes a round; limit: the models' context, or None
+    """
+
+    ngram_size: int
+    nodes: int
+    limit: int | None
+    device: torch.device
+    indices: list = field(default_factory=list)
+    policy: GoodputPolicy = field(default_factory=GoodputPolicy)  # its priors score the nodes (DeviceSuffix's)
+
+    def join(self, row: int, request: DecodeRequest, sequence: list[int]) -> None:
+        index = SuffixIndex(max_n=self.ngram_size, history=request.history, branching=True)
+        index.add_corpus(request.corpus or [])
+        index.extend(sequence)
+        self.indices[row] = index
+
+    def propose(self) -> torch.Tensor:
+        """(bucket, FIELDS, S) float64 every cache row's proposal, in one host-to-device copy."""
+        return proposal_tensor(self.indices, self.nodes, self.limit, self.policy, self.device)
+
+    def accept(self, tokens: list[list[int]]) -> None:
+        for index, new in zip(self.indices, tokens):
+            if index is not None:
+                index.extend(new)
 
 
 def bucket_for(rows: int) -> int:
@@ -203,7 +234,10 @@ class BucketSides(DeviceSides):
         self.rows = RowsOnDevice(torch.zeros(0, dtype=torch.long, device=target.device),
                                  torch.zeros(0, dtype=torch.long, device=target.device))
         self.models: BucketModels | None = None
-        self.head = self.suffix = None  # running_batch_gaps: a draft model's rows, no suffix proposals
+        self.head = None  # running_batch_gaps: a draft model's rows
+        unbounded = ShapeMenu.of(config.draft_depth, config.draft_width, config.tree_budget, NO_ROOM)
+        nodes = max(s.budget for s in unbounded.shapes) - 1 if config.ngram_size else 0
+        self.suffix = BucketSuffix(config.ngram_size, nodes, context_limit(target, draft), target.device) if nodes else None
 
     # ---- joining and leaving (between rounds)
     def absorb(self, prefill: Prefill) -> None:
@@ -218,6 +252,8 @@ class BucketSides(DeviceSides):
         request = prefill.request
         self.samplers[n], self.sequences[n] = request.samplers[0], list(prefill.sequence)
         self.keeps_rows[n], self.rooms[n] = (request.keeps_scores, request.keeps_logits), prefill.room
+        if self.suffix is not None:
+            self.suffix.join(n, request, prefill.sequence)
         self.menu = self.shapes_for(min(self.rooms[: n + 1]))
         self.models = self.round_models(self.models.caches)
 
@@ -244,6 +280,9 @@ class BucketSides(DeviceSides):
         for name in ("samplers", "sequences", "keeps_rows", "rooms"):
             kept = getattr(self, name)
             setattr(self, name, [kept[b] for b in order] + kept[n:])
+        if self.suffix is not None:
+            kept = self.suffix.indices
+            self.suffix.indices = [kept[b] for b in order] + kept[n:]
         self.live = n
         self.resize(n)
         self.models = self.round_models(self.models.caches)
@@ -267,6 +306,8 @@ class BucketSides(DeviceSides):
         self.sequences = self.sequences[:kept] + [[] for _ in range(dead)]
         self.keeps_rows = self.keeps_rows[:kept] + [(False, False)] * dead
         self.rooms = self.rooms[:kept] + [NO_ROOM] * dead
+        if self.suffix is not None:
+            self.suffix.indices = self.suffix.indices[:kept] + [None] * dead
         self.live, self.bucket = live, bucket
         self.models = self.round_models(caches)
 
@@ -321,7 +362,8 @@ class DeviceContinuousEngine(ContinuousEngine):
         self.runner = PhaseRunner(backend) if backend is not None else None
         self.pool = SlotPool()
         unbounded = ShapeMenu.of(config.draft_depth, config.draft_width, config.tree_budget, NO_ROOM)
-        self.tree_slots = max(s.nodes for s in unbounded.shapes) + 2  # the tree region, then scratch
+        suffix = max(s.budget for s in unbounded.shapes) - 1 if config.ngram_size else 0
+        self.tree_slots = max(s.nodes for s in unbounded.shapes) + suffix + 2  # the tree region, then scratch
         self.bucket_changes = 0  # over every batch the engine ran
 
     def graphs_by_bucket(self) -> Counter:
