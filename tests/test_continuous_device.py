@@ -1,7 +1,8 @@
 """The running batch on the device round (engine/continuous_device.py): requests join and leave a batch whose cache
 rows are padded to a power-of-two bucket, each decoding exactly as target.generate does (greedy, float32), with one
 host read a round; replayed (the emulate backend) a bucket's graphs serve every row count it holds and come back
-when the batch does, and a joining row's values reach them as inputs (else: the capture's rows' tokens).
+when the batch does, and a joining row's values reach them as inputs (else: the capture's rows' tokens); suffix
+proposals and a draft head (EAGLE-3) ride in it per row.
 
 Joins are made deterministic as in tests/test_continuous.py (its Relay: a request's streamer, at its k-th round,
 starts the next one and holds the engine's thread until that one waits in the engine's queue)."""
@@ -298,3 +299,47 @@ def test_suffix_proposals_in_the_running_batch(target, capture, monkeypatch):
     assert_answers_are_target_generates(target, calls, out)
     assert max(r["reads"] for r in seen) <= 1 and {r["rows"] for r in seen} >= {1, 2}
     assert sum(walked) >= 3, walked
+
+
+@pytest.mark.parametrize("capture", [False, True], ids=["eager", "replayed"])
+def test_a_draft_head_in_the_running_batch(capture, monkeypatch):
+    """The bundled EAGLE-3 head in the device batch: each joining row's head is prefilled from the target's states
+    at its prompt, its root input kept per cache row (moved when rows leave, zero for dead rows). Requests joining
+    at different rounds each get target.generate's answer, the head drafting every round and its drafts accepted
+    (a root input of another row, or a stale one, drafts trees the target rejects), at most one host read a round."""
+    from test_device_heads import sequence_states
+
+    from hf_swiftspec.pair import DEMO_PAIR_NAME, bundled_pair
+
+    folder = bundled_pair(DEMO_PAIR_NAME + "-eagle3")
+    if folder is None:
+        pytest.skip("model_cards/swiftspec-demo-pystdlib-eagle3 is missing")
+    eagle = SwiftSpecForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    eagle.target.generation_config.eos_token_id = None
+    seen = watch_rounds(monkeypatch)
+    joined, absorb = [], BucketSides.absorb
+
+    def recording(self, prefill):  # each joining row's root input as it enters the batch
+        absorb(self, prefill)
+        joined.append((list(prefill.sequence), self.root_inputs[self.live - 1].clone()))
+
+    monkeypatch.setattr(BucketSides, "absorb", recording)
+    pair = SwiftSpecForCausalLM.from_models(eagle.target, eagle.draft, capture=capture, **DEVICE)
+    texts = ["def read_config(path):\n", "import os\nimport sys\n\n\ndef main(argv=None):\n",
+             "class Stack:\n    def __init__(self):\n", "x = [i for i in range(10)]\n"]
+    calls = [dict(input_ids=eagle.tokenizer(t, return_tensors="pt").input_ids, max_new_tokens=n, do_sample=False)
+             for t, n in zip(texts, (24, 10, 30, 14))]
+    engine = pair.continuous_engine()
+    try:
+        out = relay(pair, engine, calls, at=(2, 1, 2, 1))
+    finally:
+        engine.close()
+    assert_answers_are_target_generates(eagle.target, calls, out)
+    assert max(r["reads"] for r in seen) <= 1 and {r["rows"] for r in seen} >= {1, 2}
+    assert min(r["draft"] for r in seen) >= DEVICE["draft_depth"]
+    assert len(joined) == len(calls)
+    for sequence, root_input in joined:  # the target's fused state at the token before the root, from a plain forward
+        torch.testing.assert_close(root_input, sequence_states(eagle.target, eagle.draft, sequence)[-2],
+                                   atol=1e-4, rtol=1e-4)
+    tokens = sum(out[i].shape[1] - c["input_ids"].shape[1] for i, c in enumerate(calls))
+    assert tokens > 1.5 * sum(r["rows"] for r in seen), (tokens, len(seen))  # the head's drafts were accepted

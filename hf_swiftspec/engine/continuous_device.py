@@ -31,7 +31,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..drafters.device_heads import DeviceHead
 from ..drafters.device_suffix import proposal_tensor
+from ..drafters.eagle3 import DraftHead
 from ..drafters.suffix import SuffixIndex
 from ..models.architectures import context_limit
 from ..policy.goodput import GoodputPolicy
@@ -50,16 +52,11 @@ NO_ROOM = 1 << 30  # a model with no position limit: room for any shape
 
 
 def running_batch_gaps(config, draft) -> list[str]:
-    """What the running batch on the device round does not take yet, beside device_round_gaps' (a lone call's device
-    round does): a draft head, draft-free mode. Each with its fix."""
-    from ..drafters.eagle3 import DraftHead
-
-    gaps = []
+    """What the running batch on the device round does not take, beside device_round_gaps' (a lone call's device
+    round does): draft-free mode. With its fix."""
     if draft is None:
-        gaps.append("it grows a draft model's trees, and this pair has none (draft-free mode)")
-    elif isinstance(draft, DraftHead):
-        gaps.append("its rows do not carry a draft head's (EAGLE-3, MTP) target states yet; serve a draft model")
-    return gaps
+        return ["it grows a draft's trees, and this pair has none (draft-free mode); give a draft model or head"]
+    return []
 
 
 @dataclass
@@ -167,6 +164,11 @@ def copy_rows(source: tuple[SlotCache, SlotCache], into: tuple[SlotCache, SlotCa
                 b[at : at + part.shape[0], :, :n].copy_(part)
 
 
+def models_limit(target, draft, head: DeviceHead | None) -> int | None:
+    """The positions the pair places (a head's rope places any: the target's alone)."""
+    return context_limit(target) if head is not None else context_limit(target, draft)
+
+
 class Prefill:
     """A request on its way in: its prompt but the root prefilled into 1-row slot caches of its own.
 
@@ -174,22 +176,31 @@ class Prefill:
     room:  positions the models place past its last token (the deepest shape it may grow)
     """
 
-    def __init__(self, target, draft, request: DecodeRequest, tree_slots: int):
-        self.request = request
+    def __init__(self, target, draft, request: DecodeRequest, tree_slots: int, head: DeviceHead | None = None):
+        self.request, self.head = request, head
         self.sequence = request.prompt_ids()[0]  # host ints (the prompt's one read, at its join)
         self.committed = len(self.sequence) - 1
         self.slots = len(self.sequence) + request.max_new_tokens + tree_slots
-        limit = context_limit(target, draft)
+        limit = models_limit(target, draft, head)
         self.room = limit - len(self.sequence) - request.max_new_tokens if limit else NO_ROOM
         width = max(self.committed, 1)
-        self.caches = tuple(SlotCache(m.config.get_text_config().num_hidden_layers, width + 1) for m in (target, draft))
+        self.caches = tuple(SlotCache(1 if head is not None and m is draft else m.config.get_text_config().num_hidden_layers,
+                                      width + 1) for m in (target, draft))
         self.models = target, draft
+        self.root_input: torch.Tensor | None = None  # a head's (1, H): the target's fused state before the root
 
     def in_pieces(self, piece: int):
         """One forward per model per `piece` prompt tokens (a generator: the engine runs one step between two
         rounds); a one-token prompt prefills nothing but makes the caches' buffers."""
         device = self.request.prompt.device
         ids = torch.tensor([self.sequence[:-1] or [0]], device=device)
+        if self.head is not None:  # the head's prefill reads the target's states at every prompt token: one piece
+            counts = torch.tensor([self.committed], device=device)
+            with self.head.tap:
+                catch_up(self.models[0], self.caches[0], ids, counts)
+                self.root_input = self.head.prefill(self.caches[1], ids, counts)
+            yield
+            return
         for start in range(0, max(self.committed, 1), piece):
             end = min(start + piece, max(self.committed, 1))
             count = torch.tensor([max(min(end, self.committed) - start, 0)], device=device)
@@ -218,7 +229,8 @@ class BucketSides(DeviceSides):
     """DeviceSides over the running batch's bucket (module docstring): rows absorbed from Prefills, rows kept in
     place, the cache rows padded to the bucket with dead rows."""
 
-    def __init__(self, target, draft, config, pool: SlotPool, runner: PhaseRunner | None):
+    def __init__(self, target, draft, config, pool: SlotPool, runner: PhaseRunner | None,
+                 head: DeviceHead | None = None):
         self.target, self.draft, self.runner, self.pool, self.config = target, draft, runner, pool, config
         self.counters = TargetCounters(), DraftCounters()
         self.last_read: float | None = None
@@ -234,10 +246,12 @@ class BucketSides(DeviceSides):
         self.rows = RowsOnDevice(torch.zeros(0, dtype=torch.long, device=target.device),
                                  torch.zeros(0, dtype=torch.long, device=target.device))
         self.models: BucketModels | None = None
-        self.head = None  # running_batch_gaps: a draft model's rows
+        self.head = head  # a draft head's growth and catch-up (device_heads.py), or None: a draft model
+        self.root_inputs: torch.Tensor | None = None  # a head's (bucket, H) per cache row (zeros: dead)
         unbounded = ShapeMenu.of(config.draft_depth, config.draft_width, config.tree_budget, NO_ROOM)
         nodes = max(s.budget for s in unbounded.shapes) - 1 if config.ngram_size else 0
-        self.suffix = BucketSuffix(config.ngram_size, nodes, context_limit(target, draft), target.device) if nodes else None
+        limit = models_limit(target, draft, head)
+        self.suffix = BucketSuffix(config.ngram_size, nodes, limit, target.device) if nodes else None
 
     # ---- joining and leaving (between rounds)
     def absorb(self, prefill: Prefill) -> None:
@@ -254,6 +268,8 @@ class BucketSides(DeviceSides):
         self.keeps_rows[n], self.rooms[n] = (request.keeps_scores, request.keeps_logits), prefill.room
         if self.suffix is not None:
             self.suffix.join(n, request, prefill.sequence)
+        if self.head is not None:
+            self.root_inputs[n] = prefill.root_input[0]
         self.menu = self.shapes_for(min(self.rooms[: n + 1]))
         self.models = self.round_models(self.models.caches)
 
@@ -283,6 +299,8 @@ class BucketSides(DeviceSides):
         if self.suffix is not None:
             kept = self.suffix.indices
             self.suffix.indices = [kept[b] for b in order] + kept[n:]
+        if self.head is not None:
+            self.root_inputs[:n] = self.root_inputs[index]
         self.live = n
         self.resize(n)
         self.models = self.round_models(self.models.caches)
@@ -308,6 +326,11 @@ class BucketSides(DeviceSides):
         self.rooms = self.rooms[:kept] + [NO_ROOM] * dead
         if self.suffix is not None:
             self.suffix.indices = self.suffix.indices[:kept] + [None] * dead
+        if self.head is not None:
+            H = self.head.head.hidden_size
+            old_inputs = self.root_inputs if self.root_inputs is not None else torch.zeros(0, H, device=device,
+                                                                                            dtype=self.head.head.dtype)
+            self.root_inputs = torch.cat([old_inputs[:kept], old_inputs.new_zeros(dead, H)])
         self.live, self.bucket = live, bucket
         self.models = self.round_models(caches)
 
@@ -322,7 +345,7 @@ class BucketSides(DeviceSides):
         keeps = tuple(any(k[i] for k in self.keeps_rows) for i in (0, 1))
         return BucketModels(self.target, self.draft, caches, processors, any(s.do_sample for s in live), keeps,
                             self.target.config.get_text_config().vocab_size,
-                            signature=tuple(processors_signature(p) for p in processors))
+                            head=self.head, signature=tuple(processors_signature(p) for p in processors))
 
     # ---- the round's phases over the bucket (DeviceSides'), the dead rows' results dropped
     def verify(self, proposed: DeviceProposed, rows) -> list[Verified]:
@@ -361,6 +384,7 @@ class DeviceContinuousEngine(ContinuousEngine):
         backend = capture_backend(config.capture, target.device)
         self.runner = PhaseRunner(backend) if backend is not None else None
         self.pool = SlotPool()
+        self.head = DeviceHead.of(draft, target) if isinstance(draft, DraftHead) else None  # its tap: the engine's
         unbounded = ShapeMenu.of(config.draft_depth, config.draft_width, config.tree_budget, NO_ROOM)
         suffix = max(s.budget for s in unbounded.shapes) - 1 if config.ngram_size else 0
         self.tree_slots = max(s.nodes for s in unbounded.shapes) + suffix + 2  # the tree region, then scratch
@@ -372,7 +396,7 @@ class DeviceContinuousEngine(ContinuousEngine):
 
     def join(self, member: Member) -> None:
         """Start prefilling the request alone; the pool's capacity grows first if its row needs more slots."""
-        prefill = Prefill(self.target, self.draft, member.request, self.tree_slots)
+        prefill = Prefill(self.target, self.draft, member.request, self.tree_slots, self.head)
         ShapeMenu.of(self.config.draft_depth, self.config.draft_width, self.config.tree_budget, prefill.room)
         if self.pool.fit(prefill.slots, self.runner) and self.sides is not None:
             try:
@@ -390,7 +414,7 @@ class DeviceContinuousEngine(ContinuousEngine):
         self.joining.remove(joining)
         member = joining.member
         if self.sides is None:
-            self.sides = BucketSides(self.target, self.draft, self.config, self.pool, self.runner)
+            self.sides = BucketSides(self.target, self.draft, self.config, self.pool, self.runner, self.head)
         try:
             before = self.sides.bucket_changes
             self.sides.absorb(joining.sides)

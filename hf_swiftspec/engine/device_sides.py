@@ -65,8 +65,7 @@ def run_device(target, draft, request: DecodeRequest, config, captures=None) -> 
     runner = pool.runner if pool is not None else PhaseRunner(backend) if backend is not None else None
     captured_before, setup_before = (runner.captured, runner.setup_s) if runner is not None else (0, 0.0)
     sides = DeviceSides(target, draft, config, request, runner, pool)
-    with sides.head.tap if sides.head is not None else contextlib.nullcontext():  # a head reads the target's states
-        result = run_rounds(sides, request)
+    result = run_rounds(sides, request)
     if pool is not None:
         pool.drop_unkept_graphs()
     how = "eager phases" if runner is None else (
@@ -339,15 +338,21 @@ class DeviceSides:
                   else tuple(SlotCache(n, self.capacity) for n in layers))
         committed = torch.tensor([p[:-1] + [0] * (width - len(p) + 1) for p in prompts], device=device)
         counts = torch.tensor([len(p) - 1 for p in prompts], device=device)
-        for model, cache, counter in zip(models, caches, self.counters):
-            if model is self.draft and self.head is not None:  # from the tap's states of the target's prefill
-                self.root_inputs = self.head.prefill(cache, committed, counts)
-            else:
-                catch_up(model, cache, committed, counts)
-            counter.forwards += 1
+        with self.tapped():
+            for model, cache, counter in zip(models, caches, self.counters):
+                if model is self.draft and self.head is not None:  # from the tap's states of the target's prefill
+                    self.root_inputs = self.head.prefill(cache, committed, counts)
+                else:
+                    catch_up(model, cache, committed, counts)
+                counter.forwards += 1
         self.rows = RowsOnDevice(counts, torch.tensor([p[-1] for p in prompts], device=device))
         self.models = self.round_models(caches)
         self.counters[0].busy_s += time.perf_counter() - start
+
+    def tapped(self):
+        """The draft head's tap on the target (hooks on for the target's forwards of this phase alone: the user's
+        model keeps none between them), or nothing for a draft model."""
+        return self.head.tap if self.head is not None else contextlib.nullcontext()
 
     def round_models(self, caches: tuple[SlotCache, SlotCache]) -> RoundModels:
         return RoundModels(self.target, self.draft, caches, tuple(s.logits_processor for s in self.samplers),
@@ -393,7 +398,7 @@ class DeviceSides:
             inputs["noise"] = self.noise(sub.tokens.shape[1], max(depth, S))
         if self.head is not None:
             inputs["root_inputs"] = self.root_inputs
-        with self.clock.phase("verify"):
+        with self.clock.phase("verify"), self.tapped():
             proposed.after = after = self.run(verify_phase, (proposed.shape, S), inputs, depth=depth,
                                               nodes=proposed.shape.nodes, lag=lag, deepest=max(depth, S))
         with self.clock.phase("walk"):
