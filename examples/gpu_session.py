@@ -206,9 +206,8 @@ CAPTURE = replace(
                 "swiftspec_eagle3,swiftspec_device"),
 )
 # The captured round on a pair whose draft model pays, the device round (swiftspec_device) beside it (on the demo
-# pair the suffix index carries the draft, which
-# runs no forwards on a GPU): the 158M/15M pair trained for less time than GPU's, so that it and its bench fit one
-# lease beside the CUDA capture tests.
+# pair the suffix index carries the draft, which runs no forwards on a GPU): the 158M/15M pair trained for less
+# time than GPU's, so that it and its bench fit one lease beside the CUDA capture tests.
 TRAINED = replace(
     CAPTURE,
     demo=replace(GPU.demo, target_seconds=120.0, draft_seconds=45.0),

@@ -73,29 +73,34 @@ class Relay:
 
 def run_relay(pair, engine, prompts, news, at=(2, 1, 3, 2, 1, 2), **kwargs) -> dict[int, torch.Tensor]:
     """Each request starts when the one before it is `at[i]` rounds in; returns each one's output."""
-    starts = [threading.Event() for _ in prompts]
+    calls = [dict(input_ids=torch.tensor([p]), max_new_tokens=n, **kwargs) for p, n in zip(prompts, news)]
+    return relay_calls(pair, engine, calls, at)
+
+
+def relay_calls(pair, engine, calls: list[dict], at, wait_s: float = 120) -> dict[int, torch.Tensor]:
+    """Each call (generate()'s keyword arguments, input_ids included) starts when the one before it is at[i] rounds
+    in (or done), in the running batch; returns each one's output."""
+    starts = [threading.Event() for _ in calls]
     starts[0].set()
     out, errors = {}, {}
 
     def request(i: int) -> None:
         starts[i].wait(60)
-        nxt = starts[i + 1] if i + 1 < len(prompts) else None
+        nxt = starts[i + 1] if i + 1 < len(calls) else None
         try:
-            out[i] = pair.generate(
-                torch.tensor([prompts[i]]), max_new_tokens=news[i], streamer=Relay(engine, nxt, at[i], f"request-{i + 1}"),
-                swiftspec_engine=(engine, f"request-{i}"), **kwargs,
-            )
+            out[i] = pair.generate(streamer=Relay(engine, nxt, at[i], f"request-{i + 1}"),
+                                   swiftspec_engine=(engine, f"request-{i}"), **calls[i])
         except Exception as error:  # noqa: BLE001  (reported below)
             errors[i] = error
         finally:
             if nxt is not None:
                 nxt.set()  # a request that ended before its k-th round still lets the next one start
 
-    threads = [threading.Thread(target=request, args=(i,)) for i in range(len(prompts))]
+    threads = [threading.Thread(target=request, args=(i,)) for i in range(len(calls))]
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(120)
+        thread.join(wait_s)
     assert not errors, errors
     return out
 

@@ -9,7 +9,6 @@ starts the next one and holds the engine's thread until that one waits in the en
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from hf_swiftspec.engine import continuous_device, rounds
 from hf_swiftspec.engine.continuous_device import BucketSides, DeviceContinuousEngine, SlotPool, bucket_for
 from hf_swiftspec.tools.models import char_tokenizer, random_prompts, tiny_model, truncated_draft
 from sync_counter import SyncCounter
-from test_continuous import Relay
+from test_continuous import relay_calls
 
 DEVICE = dict(round="device", ngram_size=0, draft_depth=3, draft_width=2, tree_budget=6)  # one shape: no clock decides
 PROMPTS = random_prompts((3, 23, 9, 1, 14, 30), 0, 98)
@@ -36,31 +35,8 @@ def target():
 
 
 def relay(pair, engine, calls: list[dict], at=AT) -> dict[int, torch.Tensor]:
-    """Each call (generate()'s keyword arguments, input_ids included) starts when the one before it is at[i] rounds
-    in (or done), in the running batch; returns each one's output."""
-    starts = [threading.Event() for _ in calls]
-    starts[0].set()
-    out, errors = {}, {}
-
-    def request(i: int) -> None:
-        starts[i].wait(60)
-        nxt = starts[i + 1] if i + 1 < len(calls) else None
-        try:
-            out[i] = pair.generate(streamer=Relay(engine, nxt, at[i], f"request-{i + 1}"),
-                                   swiftspec_engine=(engine, f"request-{i}"), **calls[i])
-        except Exception as error:  # noqa: BLE001  (reported below)
-            errors[i] = error
-        finally:
-            if nxt is not None:
-                nxt.set()
-
-    threads = [threading.Thread(target=request, args=(i,)) for i in range(len(calls))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(300)
-    assert not errors, errors
-    return out
+    """test_continuous's relay_calls, with this file's join rounds by default."""
+    return relay_calls(pair, engine, calls, at, wait_s=300)
 
 
 def greedy_calls(target) -> list[dict]:

@@ -15,13 +15,13 @@ from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.config import SwiftSpecConfig
 from hf_swiftspec.drafters.device_suffix import SuffixNodes, draft_free_menu, merge_suffix
 from hf_swiftspec.policy.shapes import PLAIN, Shape, ShapeMenu
-from hf_swiftspec.engine import device_sides, rounds
+from hf_swiftspec.engine import device_sides
 from hf_swiftspec.steps.device_round import DeviceTree, select_device
 from hf_swiftspec.steps.slot_cache import SlotCache, catch_up
 from hf_swiftspec.steps.tree import Subtree
 from hf_swiftspec.steps.tree import merge_suffix as host_merge_suffix
 from hf_swiftspec.tools.models import left_padded, tiny_model, truncated_draft
-from sync_counter import SyncCounter
+from test_device_sides import reads_per_round
 
 FIXED = dict(round="device", draft_depth=2, draft_width=2, tree_budget=8)  # one shape: no clock decides a round
 FREE = dict(round="device", tree_budget=6)  # draft-free: the suffix tree alone
@@ -46,20 +46,6 @@ def pair_of(target, draft_free: bool, **settings):
 
 def inputs(rows: int):
     return (torch.tensor([PROMPTS[0]]), None) if rows == 1 else left_padded(PROMPTS)
-
-
-def reads_per_round(monkeypatch) -> list[int]:
-    """Host reads of each round (rounds.one_round, the round's whole body), as SyncCounter counts them."""
-    counts, body = [], rounds.one_round
-
-    def counted(sides, rows):
-        with SyncCounter() as counter:
-            keep = body(sides, rows)
-        counts.append(sum(counter.calls.values()))
-        return keep
-
-    monkeypatch.setattr(rounds, "one_round", counted)
-    return counts
 
 
 def suffix_walked(stats) -> int:

@@ -48,40 +48,54 @@ def grow(model, cache: SlotCache, prefix_lens: torch.Tensor, roots: torch.Tensor
     vocab_limit: children are drawn from ids below it (those the target can embed; tree.top_children's)
     Node ids are fixed by shape: the root 0, depth l's nodes 1 + (l - 1) * width ... l * width.
     """
+    tree = seed_tree(cache, roots, depth, width, "grow")
+    B, N = tree.tokens.shape
+    node_slots = prefix_lens[:, None] + torch.arange(N, device=roots.device)[None]  # (B, N)
+    frontier = torch.zeros(B, 1, dtype=torch.long, device=roots.device)  # node ids (B, F), the root first
+    for level in range(1, depth + 1):
+        seen = tree.ancestors.gather(1, frontier[:, :, None].expand(B, frontier.shape[1], N))  # (B, F, N)
+        logits = slot_forward(model, cache, tree.tokens.gather(1, frontier), prefix_lens[:, None] + level - 1,
+                              node_slots.gather(1, frontier), tree_visible(cache.capacity, prefix_lens, seen))
+        logprobs = torch.log_softmax(logits[..., :vocab_limit], dim=-1)  # (B, F, V')
+        frontier, _ = add_level(tree, frontier, tree.scores.gather(1, frontier)[:, :, None] + logprobs, level, width)
+    return Growth(tree, prefix_lens)
+
+
+def seed_tree(cache: SlotCache, roots: torch.Tensor, depth: int, width: int, caller: str) -> DeviceTree:
+    """A DeviceTree of N = 1 + depth * width nodes holding each row's root alone (node 0; the others are filled
+    depth by depth by add_level), after checking the shape and that `cache` holds it behind a prefix."""
     if depth < 1 or width < 1:
-        raise ValueError(f"grow(depth={depth}, width={width}): both must be at least 1")
-    B = roots.shape[0]
-    N = 1 + depth * width
-    device = roots.device
+        raise ValueError(f"{caller}(depth={depth}, width={width}): both must be at least 1")
+    B, N, device = roots.shape[0], 1 + depth * width, roots.device
     if cache.capacity < N + 2:
         raise ValueError(f"SlotCache of {cache.capacity} slots cannot hold a tree of {N} nodes behind a prefix; "
                          "allocate at least the longest prefix + N + 1 slots")
     tokens = torch.zeros(B, N, dtype=torch.long, device=device)
     tokens[:, 0] = roots
-    parents = torch.full((B, N), -1, dtype=torch.long, device=device)
-    depths = torch.zeros(B, N, dtype=torch.long, device=device)
     scores = torch.full((B, N), float("-inf"), dtype=torch.float32, device=device)
     scores[:, 0] = 0.0
     ancestors = torch.zeros(B, N, N, dtype=torch.bool, device=device)
     ancestors[:, 0, 0] = True
-    node_slots = prefix_lens[:, None] + torch.arange(N, device=device)[None]  # (B, N)
-    frontier = torch.zeros(B, 1, dtype=torch.long, device=device)  # node ids (B, F), the root first
-    for level in range(1, depth + 1):
-        seen = ancestors.gather(1, frontier[:, :, None].expand(B, frontier.shape[1], N))  # (B, F, N)
-        logits = slot_forward(model, cache, tokens.gather(1, frontier), prefix_lens[:, None] + level - 1,
-                              node_slots.gather(1, frontier), tree_visible(cache.capacity, prefix_lens, seen))
-        logprobs = torch.log_softmax(logits[..., :vocab_limit], dim=-1)  # (B, F, V')
-        V = logprobs.shape[-1]
-        cumulative = scores.gather(1, frontier)[:, :, None] + logprobs  # (B, F, V')
-        best, flat = cumulative.reshape(B, -1).topk(width, dim=-1)  # (B, k)
-        new = slice(1 + (level - 1) * width, 1 + level * width)  # this depth's node ids, fixed by shape
-        parent = frontier.gather(1, flat // V)  # (B, k)
-        tokens[:, new] = flat % V
-        parents[:, new] = parent
-        depths[:, new] = level
-        scores[:, new] = best
-        ancestors[:, new] = ancestors.gather(1, parent[:, :, None].expand(B, width, N))
-        ancestors[:, new, new].diagonal(dim1=1, dim2=2).fill_(True)  # each node is its own ancestor
-        frontier = torch.arange(new.start, new.stop, device=device)[None].expand(B, width)
-    tree = DeviceTree(tokens, parents, depths, scores, ancestors, torch.full((B,), N, device=device))
-    return Growth(tree, prefix_lens)
+    return DeviceTree(tokens, torch.full((B, N), -1, dtype=torch.long, device=device),
+                      torch.zeros(B, N, dtype=torch.long, device=device), scores, ancestors,
+                      torch.full((B,), N, device=device))
+
+
+def add_level(tree: DeviceTree, frontier: torch.Tensor, cumulative: torch.Tensor, level: int, width: int,
+              token_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depth `level`'s `width` nodes (ids 1 + (level - 1) * width ...: fixed by shape), in place: the top-k of
+    cumulative (B, F, V) scores of the frontier's (B, F) children, their tokens (token_ids maps a child's index
+    in V to its token id; None: the index is the id), parents, depths, scores and ancestor bits.
+    Returns (the next frontier (B, k), each new node's parent (B, k))."""
+    B, N = tree.tokens.shape
+    V = cumulative.shape[-1]
+    best, flat = cumulative.reshape(B, -1).topk(width, dim=-1)  # (B, k)
+    new = slice(1 + (level - 1) * width, 1 + level * width)
+    parent = frontier.gather(1, flat // V)  # (B, k)
+    tree.tokens[:, new] = flat % V if token_ids is None else token_ids(flat % V)
+    tree.parents[:, new] = parent
+    tree.depths[:, new] = level
+    tree.scores[:, new] = best
+    tree.ancestors[:, new] = tree.ancestors.gather(1, parent[:, :, None].expand(B, width, N))
+    tree.ancestors[:, new, new].diagonal(dim1=1, dim2=2).fill_(True)  # each node is its own ancestor
+    return torch.arange(new.start, new.stop, device=frontier.device)[None].expand(B, width), parent

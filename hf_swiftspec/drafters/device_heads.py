@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..steps.device_round import DeviceSubtree, DeviceTree, DeviceWalk
+from ..steps.device_round import DeviceSubtree, DeviceWalk
 from ..steps.slot_cache import SlotCache, additive_mask, tree_visible
-from .device_growth import Growth
+from .device_growth import Growth, add_level, seed_tree
 from .eagle3 import DraftHead
 
 
@@ -90,22 +90,9 @@ def grow_head(head: DraftHead, cache: SlotCache, prefix_lens: torch.Tensor, root
     root_inputs: (B, H) the target's fused state at the token before each root (zeros for a prompt's only token)
     vocab_limit: children are target ids below it (those the target can embed)
     """
-    if depth < 1 or width < 1:
-        raise ValueError(f"grow_head(depth={depth}, width={width}): both must be at least 1")
-    B = roots.shape[0]
-    N = 1 + depth * width
+    tree = seed_tree(cache, roots, depth, width, "grow_head")
+    B, N = tree.tokens.shape
     device = roots.device
-    if cache.capacity < N + 2:
-        raise ValueError(f"SlotCache of {cache.capacity} slots cannot hold a tree of {N} nodes behind a prefix; "
-                         "allocate at least the longest prefix + N + 1 slots")
-    tokens = torch.zeros(B, N, dtype=torch.long, device=device)
-    tokens[:, 0] = roots
-    parents = torch.full((B, N), -1, dtype=torch.long, device=device)
-    depths = torch.zeros(B, N, dtype=torch.long, device=device)
-    scores = torch.full((B, N), float("-inf"), dtype=torch.float32, device=device)
-    scores[:, 0] = 0.0
-    ancestors = torch.zeros(B, N, N, dtype=torch.bool, device=device)
-    ancestors[:, 0, 0] = True
     hidden = root_inputs.new_zeros(B, N, root_inputs.shape[-1])  # (B, N, H) each node's input, then its children's
     hidden[:, 0] = root_inputs
     outputs = torch.zeros_like(hidden)  # (B, N, H) the head's output at each node it ran
@@ -114,30 +101,21 @@ def grow_head(head: DraftHead, cache: SlotCache, prefix_lens: torch.Tensor, root
     frontier = torch.zeros(B, 1, dtype=torch.long, device=device)  # node ids (B, F), the root first
     for level in range(1, depth + 1):
         F = frontier.shape[1]
-        seen = ancestors.gather(1, frontier[:, :, None].expand(B, F, N))  # (B, F, N)
+        seen = tree.ancestors.gather(1, frontier[:, :, None].expand(B, F, N))  # (B, F, N)
         allowed = without_slot_zero(tree_visible(cache.capacity, prefix_lens, seen), prefix_lens)
         inputs = hidden.gather(1, frontier[:, :, None].expand(B, F, hidden.shape[-1]))
         positions = (prefix_lens[:, None] + level - 2).clamp(min=0)  # depth level - 1, at the head's shift
-        logits, out = head_forward(head, cache, tokens.gather(1, frontier), positions, inputs,
+        logits, out = head_forward(head, cache, tree.tokens.gather(1, frontier), positions, inputs,
                                    node_slots.gather(1, frontier), allowed)
         outputs.scatter_(1, frontier[:, :, None].expand_as(out), out)
         logprobs = torch.log_softmax(logits, dim=-1)  # (B, F, V_draft): the host's top_children over the draft vocab
-        V = logprobs.shape[-1]
         if ruled_out is None:
-            ruled_out = target_ids(head, V, device) >= (vocab_limit if vocab_limit is not None else 1 << 62)
-        cumulative = (scores.gather(1, frontier)[:, :, None] + logprobs).masked_fill(ruled_out, float("-inf"))
-        best, flat = cumulative.reshape(B, -1).topk(width, dim=-1)  # (B, k)
-        new = slice(1 + (level - 1) * width, 1 + level * width)  # this depth's node ids, fixed by shape
-        parent = frontier.gather(1, flat // V)  # (B, k)
-        tokens[:, new] = head.target_ids(flat % V)
-        parents[:, new] = parent
-        depths[:, new] = level
-        scores[:, new] = best
-        ancestors[:, new] = ancestors.gather(1, parent[:, :, None].expand(B, width, N))
-        ancestors[:, new, new].diagonal(dim1=1, dim2=2).fill_(True)  # each node is its own ancestor
-        hidden[:, new] = outputs.gather(1, parent[:, :, None].expand(B, width, hidden.shape[-1]))  # its parent's output
-        frontier = torch.arange(new.start, new.stop, device=device)[None].expand(B, width)
-    tree = DeviceTree(tokens, parents, depths, scores, ancestors, torch.full((B,), N, device=device))
+            ruled_out = target_ids(head, logprobs.shape[-1], device) >= (vocab_limit if vocab_limit is not None else 1 << 62)
+        cumulative = (tree.scores.gather(1, frontier)[:, :, None] + logprobs).masked_fill(ruled_out, float("-inf"))
+        new, parent = add_level(tree, frontier, cumulative, level, width, head.target_ids)
+        hidden.scatter_(1, new[:, :, None].expand(B, width, hidden.shape[-1]),
+                        outputs.gather(1, parent[:, :, None].expand(B, width, hidden.shape[-1])))  # its parent's output
+        frontier = new
     return Growth(tree, prefix_lens)
 
 

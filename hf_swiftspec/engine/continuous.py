@@ -327,6 +327,13 @@ class ContinuousEngine:
             pass
         self.joining.remove(joining)
         member = joining.member
+        self.take_in(joining)
+        self.rows.members[member.row_id] = member
+        self.rows.live.append(member.row_id)
+
+    def take_in(self, joining: Joining) -> None:
+        """The running sides take the prefilled request's row in (its own sides, when none run yet)."""
+        member = joining.member
         if self.sides is None:
             self.sides = joining.sides
             self.sides.samplers = {}
@@ -336,8 +343,6 @@ class ContinuousEngine:
             except Exception as error:
                 raise BatchBroken(error) from error
         self.sides.samplers[member.row_id] = member.request.samplers[0]
-        self.rows.members[member.row_id] = member
-        self.rows.live.append(member.row_id)
 
     def start_batch(self, target_worker, drafters) -> None:
         """A batch begins: each model attends the tree its way (and a head reads the target's states) until it

@@ -405,14 +405,8 @@ class DeviceContinuousEngine(ContinuousEngine):
                 raise BatchBroken(error) from error
         self.joining.append(Joining(member, prefill, prefill.in_pieces(continuous.PREFILL_PIECE)))
 
-    def prefill_piece(self, joining: Joining) -> None:
-        try:
-            next(joining.pieces)
-            return
-        except StopIteration:
-            pass
-        self.joining.remove(joining)
-        member = joining.member
+    def take_in(self, joining: Joining) -> None:
+        """The bucket's sides copy the prefilled row in (made on the first join)."""
         if self.sides is None:
             self.sides = BucketSides(self.target, self.draft, self.config, self.pool, self.runner, self.head)
         try:
@@ -421,8 +415,6 @@ class DeviceContinuousEngine(ContinuousEngine):
             self.bucket_changes += self.sides.bucket_changes - before
         except Exception as error:
             raise BatchBroken(error) from error
-        self.rows.members[member.row_id] = member
-        self.rows.live.append(member.row_id)
 
     def leave(self, keep: list[int]) -> None:
         before = self.sides.bucket_changes if self.sides is not None else 0
