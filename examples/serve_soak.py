@@ -26,7 +26,7 @@ import openai
 import torch
 
 from hf_swiftspec import SwiftSpecForCausalLM
-from hf_swiftspec.cli.serve import ServeOptions, serve
+from hf_swiftspec.serving.server import ServeOptions, serve
 from hf_swiftspec.pair import bundled_pair
 
 PROMPTS = [

@@ -384,7 +384,7 @@ def test_each_row_samples_with_its_own_settings():
     from test_sampling import ALPHA, exact_joint, pooled_chisquare
     from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
-    from hf_swiftspec.cli.request_settings import RequestSettings
+    from hf_swiftspec.serving.request_settings import RequestSettings
 
     target = tiny_model("llama", seed=3, vocab_size=12)
     pair = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2))
@@ -522,7 +522,7 @@ def test_a_failing_round_fails_its_rows_and_the_engine_serves_on(monkeypatch):
 def test_openai_penalties_equal_the_token_by_token_reference():
     """The server's penalties processor against `penalised` on sequences with tokens repeated up to 5 times
     (the sampling test above draws two tokens, where frequency and presence act alike)."""
-    from hf_swiftspec.cli.request_settings import OpenAIPenalties
+    from hf_swiftspec.serving.request_settings import OpenAIPenalties
 
     torch.manual_seed(0)
     ids = torch.cat([torch.tensor([[1, 1, 1]]), torch.randint(0, 6, (1, 12))], dim=1)

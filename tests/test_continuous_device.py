@@ -196,7 +196,7 @@ def test_serve_round_device_flag_and_one_request_through_it(monkeypatch):
     from test_serve import batcher, started
 
     from hf_swiftspec.cli import main
-    from hf_swiftspec.cli import serve as serve_module
+    from hf_swiftspec.serving import server as serve_module
     from hf_swiftspec.pair.locate import bundled_pair
 
     options = []

@@ -1,6 +1,6 @@
 """The package's layers: no import cycle (module-level, inside functions, or for annotations only under
 TYPE_CHECKING: a reader follows those too), and the decoder never imports the tools around it
-(hf_swiftspec.tools, the bench, the command line)."""
+(hf_swiftspec.tools, the bench, the command line, serving)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_swiftspec"
 # What only tools, benches and the command line use; the decoder (everything else) must not import them.
-OUTSIDE_THE_DECODER = ("hf_swiftspec.tools", "hf_swiftspec.bench", "hf_swiftspec.cli")
+OUTSIDE_THE_DECODER = ("hf_swiftspec.tools", "hf_swiftspec.bench", "hf_swiftspec.cli", "hf_swiftspec.serving")
 
 
 def module_name(path: Path) -> str:

@@ -22,9 +22,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from hf_swiftspec import SwiftSpecForCausalLM, compat  # noqa: E402
 from hf_swiftspec.cli import main  # noqa: E402
 from hf_swiftspec.pair.locate import bundled_pair  # noqa: E402
-from hf_swiftspec.cli import batching  # noqa: E402
-from hf_swiftspec.cli.routing import SpeculationRouter  # noqa: E402
-from hf_swiftspec.cli.serve import ServeOptions, serve, split_revision  # noqa: E402
+from hf_swiftspec.serving import batching  # noqa: E402
+from hf_swiftspec.serving.routing import SpeculationRouter  # noqa: E402
+from hf_swiftspec.serving.server import ServeOptions, serve, split_revision  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not compat.serving_available(), reason="transformers' server dependencies are not installed")
 
@@ -427,7 +427,7 @@ def test_serve_without_the_server_dependencies_says_what_to_install(monkeypatch,
 def test_serve_flags_reach_the_server_and_the_running_batch(monkeypatch, capsys):
     """--cb-max-memory-percent goes to transformers' server as its own flag of that name does (its continuous
     batch, the router's); --no-latency-guard to the running batch's engine; a share outside (0, 1] is refused."""
-    from hf_swiftspec.cli import serve as serve_module
+    from hf_swiftspec.serving import server as serve_module
 
     monkeypatch.setattr(batching.SpeculatingBatcher, "__init__", BATCHER_INIT)  # whatever server still lives beside
     threads = torch.get_num_threads()
@@ -462,7 +462,7 @@ def test_a_pair_that_cannot_batch_is_routed_and_the_server_says_so(recurrent, tm
     (Mamba-2 layers beside attention) is routed (speculating alone, batched without speculation among others);
     a recurrent target, which transformers' continuous batching refuses too, serves one request at a time.
     The server says which and why; every answer is the target's own, alone and among others."""
-    from hf_swiftspec.cli import serve as serve_module
+    from hf_swiftspec.serving import server as serve_module
     from hf_swiftspec.pair.repo import create_pair_repo
     from hf_swiftspec.tools import sweep
 

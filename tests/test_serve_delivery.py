@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 from transformers import GenerationConfig
 
-from hf_swiftspec.cli.batching import ServedRequest, ServingManager
+from hf_swiftspec.serving.batching import ServedRequest, ServingManager
 from hf_swiftspec.models import compat
 
 

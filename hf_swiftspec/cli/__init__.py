@@ -233,7 +233,7 @@ def serve_overrides(args) -> dict:
 
 
 def run_serve(args) -> int:
-    from .serve import ServeOptions, serve  # transformers' server and its dependencies load only for this command
+    from ..serving.server import ServeOptions, serve  # transformers' server and its dependencies load only for this command
 
     options = ServeOptions(
         pair=args.pair, host=args.host, port=args.port, device=args.device, dtype=args.dtype, threads=args.threads,

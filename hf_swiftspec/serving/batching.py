@@ -1,5 +1,5 @@
 """`swiftspec serve`'s batching managers: each request runs as its own `pair.generate()` call, with its own
-settings (cli/request_settings.py), in one of three ways.
+settings (serving/request_settings.py), in one of three ways.
 
 transformers' server talks to one batching manager (start, stop, add_request, register_result_handler,
 cancel_request, background_thread_status); `ServingManager` is that interface for a pair, with what
@@ -14,7 +14,7 @@ request's settings come from the server's `RequestBook`, by request id.
   goodput policy sizes for the batch it has, with its own sampler, processors and stopping criteria
   in its row, and leaves when done or cancelled. The engine keeps by request id what speculation did
   for it, which the response's usage reads (`SpeculationUsage`).
-- `SpeculationRouter` (cli/routing.py): for a pair whose models cannot share a batch.
+- `SpeculationRouter` (serving/routing.py): for a pair whose models cannot share a batch.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ transformers' own manager for the target (`target.init_continuous_batching`) and
 tokens (greedy) or draws from its distribution, so the route changes speed, not output.
 
 Route: a request speculates if no other request is in flight when it arrives, else it joins the batch.
-A request with settings of its own (sampling, penalties, a seed, stop strings: cli/request_settings.py)
+A request with settings of its own (sampling, penalties, a seed, stop strings: serving/request_settings.py)
 always speculates, and stays there: transformers' batch shares one generation config.
 A speculating request that gets company joins the batch too, after the round it is in: its prompt and
 the tokens it has so far are prefilled there, and its handler keeps receiving the whole answer. So

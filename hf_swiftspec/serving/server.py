@@ -5,7 +5,7 @@ No server of our own: the endpoints (/v1/chat/completions, /v1/completions, /v1/
 /v1/models, /health), chat templates and streaming are transformers'. What changes: the server's model
 manager loads the pair (or a plain causal LM, which then speculates draft-free) and hands out the
 pair's tokenizer as the processor; an app middleware reads each generating request's body before
-transformers' handler (its own settings, cli/request_settings.py, kept by request id; a setting the
+transformers' handler (its own settings, serving/request_settings.py, kept by request id; a setting the
 server cannot honour is a 400 naming it) and edits its response (stop strings cut from the text,
 finish_reason, usage.speculation); every error is in OpenAI's error shape.
 
