@@ -201,10 +201,12 @@ def write_pair_repo(
     generation_config=None,
     load_id: str | None = None,
     members_base: Path | None = None,
+    draft_tokenizer=None,
 ) -> Path:
     """Write a pair repo: config.json, README.md, and the tokenizer / generation config when given.
 
     members_base: the folder relative member entries are found from, for the card (default: `folder`).
+    draft_tokenizer: a draft's own tokenizer (not the target's), written to draft_tokenizer/.
     """
     folder = Path(folder)
     if members_base is None:  # save_pretrained: its members are found from where the pair is written
