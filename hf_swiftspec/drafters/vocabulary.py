@@ -48,10 +48,8 @@ class Vocabularies:
     ends: frozenset[int] = frozenset()
     signs: tuple[str | None, str | None] = (None, None)
     spaces: dict[int, bool] = field(default_factory=dict)  # target id -> whether it spells whitespace alone
-
-    @property
-    def draft_specials(self) -> set[int]:
-        return set(self.draft.all_special_ids)
+    target_specials: frozenset[int] = frozenset()
+    draft_specials: frozenset[int] = frozenset()
 
     @classmethod
     def between(cls, target_tokenizer, draft_tokenizer) -> "Vocabularies":
@@ -61,16 +59,17 @@ class Vocabularies:
         d_eos, t_eos = draft_tokenizer.eos_token_id, target_tokenizer.eos_token_id
         if isinstance(d_eos, int) and isinstance(t_eos, int):  # the end of the text, however each spells it
             direct[d_eos] = t_eos
-        draft_specials = set(draft_tokenizer.all_special_ids)
-        return cls(target_tokenizer, draft_tokenizer, direct, frozenset(draft_specials - set(direct)), signs)
+        draft_specials = frozenset(draft_tokenizer.all_special_ids)
+        return cls(target_tokenizer, draft_tokenizer, direct, draft_specials - set(direct), signs,
+                   target_specials=frozenset(target_tokenizer.all_special_ids), draft_specials=draft_specials)
 
     def target_window(self, ids: list[int]) -> list[int]:
         """The stable tail of target tokens `ids` (stable_tail)."""
-        return stable_tail(self.target, ids, self.signs[0])
+        return stable_tail(self.target, ids, self.target_specials, self.signs[0])
 
     def draft_window(self, ids: list[int]) -> list[int]:
         """The stable tail of draft tokens `ids` (stable_tail)."""
-        return stable_tail(self.draft, ids, self.signs[1])
+        return stable_tail(self.draft, ids, self.draft_specials, self.signs[1])
 
     # ---- text ------------------------------------------------------------------------------------
     def draft_prompt(self, target_ids: list[int]) -> tuple[list[int], int]:
@@ -81,8 +80,7 @@ class Vocabularies:
         if not ids:
             start = self.draft.bos_token_id if self.draft.bos_token_id is not None else self.draft.eos_token_id
             ids = [start if start is not None else 0]
-        specials = set(self.draft.all_special_ids)
-        lead = next((i for i, t in enumerate(ids) if t not in specials), len(ids))
+        lead = next((i for i, t in enumerate(ids) if t not in self.draft_specials), len(ids))
         return ids, min(lead, len(ids) - 1)
 
     def target_text_after(self, window: list[int], new: list[int]) -> str | None:
@@ -93,8 +91,7 @@ class Vocabularies:
         """Per branch (draft tokens after `window`, the draft's stable tail), the text it adds, in one
         batched decode; None where it ends inside a character or holds a special token that ends branches."""
         base = decode(self.draft, window)
-        texts = self.draft.batch_decode([window + branch for branch in branches], skip_special_tokens=True,
-                                        clean_up_tokenization_spaces=False)
+        texts = decode_many(self.draft, [window + branch for branch in branches])
         out: list[str | None] = []
         for branch, text in zip(branches, texts):
             clean = text.startswith(base) and not text.endswith(REPLACEMENT) and not self.ends.intersection(branch)
@@ -106,7 +103,7 @@ class Vocabularies:
         re-encoding window and text together; where the window's last token would merge with the text, the
         text after ANCHOR instead (the module docstring). Two batched encodes at most; None where neither fits."""
         base = decode(self.target, window)
-        together = self.target([base + text for text in texts], add_special_tokens=False)["input_ids"]
+        together = encode_many(self.target, [base + text for text in texts])
         out: list[list[int] | None] = []
         alone: list[int] = []  # texts whose first tokens merged into the window's
         for i, ids in enumerate(together):
@@ -116,8 +113,8 @@ class Vocabularies:
                 out.append(None)
                 alone.append(i)
         if alone:
-            anchor = self.target(ANCHOR, add_special_tokens=False)["input_ids"]
-            anchored = self.target([ANCHOR + texts[i] for i in alone], add_special_tokens=False)["input_ids"]
+            anchor = encode_many(self.target, [ANCHOR])[0]
+            anchored = encode_many(self.target, [ANCHOR + texts[i] for i in alone])
             for i, ids in zip(alone, anchored):
                 if ids[: len(anchor)] == anchor:
                     out[i] = list(ids[len(anchor) :])
@@ -143,12 +140,29 @@ class Vocabularies:
     def draft_tokens(self, window: list[int], text: str) -> list[int]:
         """The draft's tokens for its stable tail `window` followed by `text` (the caller compares them with
         `window`: where the two part, the draft's tail changed)."""
-        return list(self.draft(decode(self.draft, window) + text, add_special_tokens=False)["input_ids"])
+        return encode_many(self.draft, [decode(self.draft, window) + text])[0]
 
 
 def decode(tokenizer, ids: list[int]) -> str:
     """The text of `ids` as both sides read it: special tokens left out, spaces as they are."""
-    return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    return decode_many(tokenizer, [ids])[0]
+
+
+def decode_many(tokenizer, batch: list[list[int]]) -> list[str]:
+    """decode() of every list, in one call of the Rust tokenizer where there is one (transformers' own decode adds a
+    few hundred microseconds of Python per call, more than a round's whole translation)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return backend.decode_batch(batch, skip_special_tokens=True)
+    return tokenizer.batch_decode(batch, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def encode_many(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Each text's ids, no special tokens added, in one call of the Rust tokenizer where there is one."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return [encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=False)]
+    return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 
 def text_after(tokenizer, window: list[int], new: list[int]) -> str | None:
@@ -160,13 +174,12 @@ def text_after(tokenizer, window: list[int], new: list[int]) -> str | None:
     return text[len(base) :]
 
 
-def stable_tail(tokenizer, ids: list[int], sign: str | None = None, size: int = WINDOW) -> list[int]:
+def stable_tail(tokenizer, ids: list[int], specials: frozenset[int], sign: str | None = None, size: int = WINDOW) -> list[int]:
     """The last tokens of `ids` that re-encode to themselves when text follows: at most `size`, none of them a
     special token (its text is empty), starting with a word where the vocabulary writes spaces with a sign (a
     SentencePiece tokenizer puts one before the first word of any text it encodes, so a window that begins
     inside a word would not encode to itself)."""
     tail = ids[-size:]
-    specials = set(tokenizer.all_special_ids)
     last = max((i for i, t in enumerate(tail) if t in specials), default=-1)
     tail = tail[last + 1 :]
     if sign and len(tail) > 1:
