@@ -15,11 +15,18 @@ pair's generate(swiftspec=True). Its own arguments (transformers passes them thr
     swiftspec_streamer  a streamer (transformers does not hand `streamer=` to custom decoding loops)
     swiftspec_generator a torch.Generator for sampling
     swiftspec_on_stats  called with the call's SwiftSpecStats
+    swiftspec_tokenizer, swiftspec_draft_tokenizer
+                        the target's and the draft's tokenizers, for a draft with a tokenizer of its own (it then
+                        proposes through text); transformers hands a callable neither `tokenizer=` nor
+                        `assistant_tokenizer=` nor `assistant_model=`
 
 A Hub repo's custom_generate/generate.py runs `hub_generate`, which calls generate() again with this loop
 (model_cards/swiftspec-custom-generate; `custom_generate="ORG/REPO", trust_remote_code=True`). transformers
 hands a custom loop neither `streamer` nor `tokenizer`: pass swiftspec_streamer=, and stop_strings work
-through the repo form (or as a StopStringCriteria in stopping_criteria=).
+through the repo form (or as a StopStringCriteria in stopping_criteria=). The repo form takes transformers'
+own assisted-generation arguments too, as universal assisted generation does:
+`generate(ids, custom_generate="ORG/REPO", trust_remote_code=True, assistant_model=draft, tokenizer=tok,
+assistant_tokenizer=draft_tok)`.
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ def custom_generate(
     swiftspec_streamer=None,
     swiftspec_generator=None,
     swiftspec_on_stats: Callable[[SwiftSpecStats], None] | None = None,
+    swiftspec_tokenizer=None,
+    swiftspec_draft_tokenizer=None,
     **model_kwargs,
 ):
     """transformers' custom_generate callable: decode `input_ids` with `model` as the target (see the module
@@ -57,13 +66,14 @@ def custom_generate(
         raise ValueError("custom_generate decodes on the serial engine; an asynchronous placement needs SwiftSpecForCausalLM.")
     config = SwiftSpecConfig(**settings)  # checks the tree settings
     check_member_type(swiftspec_draft, "draft", required=False)
-    check_members(model, swiftspec_draft, None)
+    vocabularies = check_members(model, swiftspec_draft, None, swiftspec_tokenizer, swiftspec_draft_tokenizer)
     policy = swiftspec_policy or GoodputPolicy(tree_budget=config.tree_budget, draft_depth=config.draft_depth)
     try:
         output, stats = swiftspec_generate(
             model, input_ids, logits_processor, stopping_criteria, generation_config,
             swiftspec_draft=swiftspec_draft, swiftspec_config=config, swiftspec_policy=policy,
-            swiftspec_captures=swiftspec_captures, swiftspec_streamer=swiftspec_streamer, swiftspec_generator=swiftspec_generator, **model_kwargs,
+            swiftspec_captures=swiftspec_captures, swiftspec_streamer=swiftspec_streamer, swiftspec_generator=swiftspec_generator,
+            swiftspec_vocabularies=vocabularies, **model_kwargs,
         )
     finally:
         if swiftspec_streamer is not None:
@@ -77,12 +87,22 @@ def hub_generate(model, **generate_arguments):
     """What a custom_generate repo's generate.py runs (model_cards/swiftspec-custom-generate): transformers
     calls it with the model and every generate() argument; it hands them to generate() again with
     `custom_generate` as the loop. A custom loop receives neither `streamer` nor `tokenizer`, so the streamer
-    goes in as swiftspec_streamer and stop_strings become a stopping criterion here, with the tokenizer."""
+    goes in as swiftspec_streamer and stop_strings become a stopping criterion here, with the tokenizer; transformers'
+    assisted-generation arguments (assistant_model, tokenizer, assistant_tokenizer) become the draft and its
+    tokenizers."""
     arguments = dict(generate_arguments)
     streamer = arguments.pop("streamer", None)
     if streamer is not None:
         arguments["swiftspec_streamer"] = streamer
     tokenizer = arguments.pop("tokenizer", None)
+    assistant = arguments.pop("assistant_model", None)
+    if assistant is not None:
+        if arguments.get("swiftspec_draft") is not None:
+            raise ValueError("Pass the draft once: as assistant_model= or as swiftspec_draft=, not both.")
+        arguments["swiftspec_draft"] = assistant
+    draft_tokenizer = arguments.pop("assistant_tokenizer", None)
+    if draft_tokenizer is not None:
+        arguments["swiftspec_tokenizer"], arguments["swiftspec_draft_tokenizer"] = tokenizer, draft_tokenizer
     generation_config, stop_strings = split_stop_strings(arguments, arguments.pop("generation_config", None),
                                                          model.generation_config)
     if stop_strings is not None:

@@ -34,7 +34,7 @@ from .config import SwiftSpecConfig
 from .engine import DecodeRequest, DecodeResult
 from .engine.distributed import Groups
 from .engine.device_sides import check_device_round
-from .engine.launch import batch_exactness_gaps, decode_adaptive, draft_architecture, remember_outputs
+from .engine.launch import batch_exactness_gaps, decode_adaptive, draft_architecture, remember_outputs, translation_gaps
 from .steps.capture import Captures
 from .engine.placement import Placement
 from .config import MAX_BUDGET
@@ -72,6 +72,7 @@ def swiftspec_generate(
     swiftspec_history: OutputHistory | None = None,
     swiftspec_captures: Captures | None = None,
     swiftspec_engine=None,
+    swiftspec_vocabularies=None,
     **model_kwargs,
 ) -> tuple[torch.LongTensor | GenerateDecoderOnlyOutput, SwiftSpecStats]:
     """`custom_generate` callable; `model` is the target. Returns (generate's output, stats).
@@ -81,6 +82,8 @@ def swiftspec_generate(
     that batch.
     swiftspec_engine: (engine, key) to decode this one sequence in a running batch of other calls'
     (engine/continuous.py: the server's), instead of in rounds of its own.
+    swiftspec_vocabularies: a draft with another tokenizer's (drafters/vocabulary.py): the draft proposes through
+    its branches' text.
     """
     check_supported_options(generation_config, input_ids)
     check_model_kwargs(model_kwargs)
@@ -107,7 +110,7 @@ def swiftspec_generate(
     if config.round == "device":  # asked for: exact, or a ValueError saying why (never the target's loop instead)
         host_batch = swiftspec_engine is not None and not getattr(swiftspec_engine[0], "on_device", False)
         check_device_round(config, model, swiftspec_draft, architectures, logits_processor, swiftspec_placement,
-                           swiftspec_groups, host_batch, reasons)
+                           swiftspec_groups, host_batch, reasons + translation_gaps(swiftspec_vocabularies))
     if reasons:
         return decode_with_target_loop(
             model, input_ids, logits_processor, stopping_criteria, generation_config, swiftspec_streamer,
@@ -145,7 +148,8 @@ def swiftspec_generate(
         captures = swiftspec_captures or Captures()
         with captures.claimed() as ours:  # a concurrent call on the same pair captures graphs (and buffers) of its own
             result = decode_adaptive(model, swiftspec_draft, request, config, swiftspec_placement, swiftspec_groups,
-                                     chain_reasons, architectures, captures if ours else Captures())
+                                     chain_reasons, architectures, captures if ours else Captures(),
+                                     swiftspec_vocabularies)
         remember_outputs(swiftspec_history, config, request, result)
     result.stats.draft_model = swiftspec_draft is not None
     result.stats.history_tokens = copyable

@@ -36,6 +36,7 @@ from .engine.placement import Placement, place_models, resolve_placement
 from .policy.goodput import GoodputPolicy
 from .stats import SwiftSpecStats
 from .drafters.suffix import OutputHistory
+from .drafters.vocabulary import Vocabularies
 
 
 __all__ = ["SwiftSpecForCausalLM"]
@@ -178,14 +179,17 @@ def check_head_fits(head: DraftHead, target: PreTrainedModel, placement: Placeme
         raise ValueError(f"The draft head is on {head.device}, the target on {target.device}: move the head to the target's device.")
 
 
-def check_members(target, draft, placement: Placement | None, tokenizer=None, draft_tokenizer=None) -> None:
-    """Raise ValueError if the target, or the draft beside it (a model or a draft head), cannot speculate."""
+def check_members(target, draft, placement: Placement | None, tokenizer=None, draft_tokenizer=None) -> Vocabularies | None:
+    """Raise ValueError if the target, or the draft beside it (a model or a draft head), cannot speculate. Returns
+    the two vocabularies of a draft with a tokenizer of its own (it proposes through text), else None."""
     check_model_supported(target, "target")
     if isinstance(draft, DraftHead):
         check_head_fits(draft, target, placement)
     elif draft is not None:
         check_model_supported(draft, "draft")
-        check_compatibility(target.config, draft.config, tokenizer, draft_tokenizer, architectures=False)
+        if check_compatibility(target.config, draft.config, tokenizer, draft_tokenizer, architectures=False):
+            return Vocabularies.between(tokenizer, draft_tokenizer)
+    return None
 
 
 class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
@@ -220,7 +224,8 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
             )
         draft_config = draft.config if isinstance(draft, PreTrainedModel) else None  # (a head drafts serially)
         placement = resolve_placement(config.placement, target.config, draft_config)
-        check_members(target, draft, placement, tokenizer, draft_tokenizer)
+        # a draft with a tokenizer of its own: both vocabularies, which its proposals are translated between
+        self.vocabularies = check_members(target, draft, placement, tokenizer, draft_tokenizer)
         self.target = target
         self.draft = draft  # None: draft-free mode, speculating from the text's own repetition
         self.placement: Placement = placement
@@ -236,6 +241,7 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
         if self.placement.device_map is not None:
             self.hf_device_map = self.placement.device_map  # pipeline() must not move models placed apart
         self.tokenizer = tokenizer
+        self.draft_tokenizer = draft_tokenizer if self.vocabularies is not None else None  # only where it is its own
         self.pair_folder: Path | None = None  # where from_pretrained found the pair; relative members live there
         self.generation_config = target.generation_config  # one object: both paths use the same defaults
         self.swiftspec_stats: SwiftSpecStats | None = None
@@ -270,7 +276,7 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
         it when done. ValueError where the pair cannot batch (a recurrent model, a placement on two devices).
         latency_guard=False: trees sized for the batch's goodput alone (policy/guard.py says what the guard does)."""
         return continuous_engine(self.target, self.draft, self.config, self.placement, self.process_groups,
-                                 self.policy(), self.output_history, latency_guard)
+                                 self.policy(), self.output_history, latency_guard, self.vocabularies)
 
     def reset_policy(self) -> None:
         """Forget what the policy measured (e.g. after moving the models or changing threads)."""
@@ -286,6 +292,10 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
 
         tokenizer: the target's (and the draft's, unless draft_tokenizer is given). With tokenizers the
         vocabularies are compared token by token, so padded embeddings of different sizes are fine.
+        draft_tokenizer: the draft's own, where it is not the target's: the draft then grows its tree in its own
+        vocabulary and its branches are translated into the target's tokens through their text (lossless all
+        the same: the target verifies every token). Where only tokenizer= is given and the vocabularies differ in
+        size, the draft's own is read from the folder it was loaded from.
         """
         check_setting_names(settings, "SwiftSpecForCausalLM.from_models")
         check_member_type(target, "target", required=True)
@@ -394,7 +404,8 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
         config = relocated(config, self.pair_folder or folder, folder)
         if pin_revisions:
             config = pinned(config, folder)
-        write_pair_repo(folder, config, card, self.tokenizer, self.generation_config, load_id)
+        write_pair_repo(folder, config, card, self.tokenizer, self.generation_config, load_id,
+                        draft_tokenizer=self.draft_tokenizer)
 
     def push_to_hub(
         self,
@@ -505,6 +516,7 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
                 swiftspec_policy=self.policy(),
                 swiftspec_history=self.output_history,
                 swiftspec_captures=self.captures,
+                swiftspec_vocabularies=self.vocabularies,
                 **kwargs,
             )
         finally:

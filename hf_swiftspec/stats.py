@@ -46,6 +46,13 @@ class DraftCounters:
     start_s: float = 0.0  # the prompt and the first tree, before the first subtree (while the target prefills)
     select_s: float = 0.0  # choosing the next subtree (its sending is part of the link's time)
     grown_rounds: int = 0  # rounds that grew the tree while their verification was in flight
+    # A draft with another tokenizer (drafters/translated.py): its branches translated into the target's tokens
+    translated_nodes: int = 0  # draft nodes proposed for translation
+    translated_kept: int = 0  # of those, nodes whose branch spelt target tokens (the rest: no whole text yet)
+    mapped_nodes: int = 0  # of those, mapped token to token (a target twin), no tokenizer call
+    translation_s: float = 0.0  # translating branches and following the verified text, in all
+    taken_back: int = 0  # draft tokens dropped because the text's tail re-encoded otherwise
+    slides: int = 0  # rows whose text filled the draft's context: it read their last part again
 
 
 @dataclass(frozen=True)
@@ -277,6 +284,42 @@ def cuda_event():
 
 
 @dataclass(frozen=True)
+class Translation:
+    """A draft with another tokenizer than the target's (drafters/translated.py): how many of the draft nodes it
+    proposed became target tokens, and what translating cost.
+
+    nodes:   draft nodes put to translation (each once, when it first entered a proposal)
+    kept:    of those, nodes whose branch spelt target tokens (the survivors)
+    mapped:  of the kept, nodes mapped token to token where the vocabularies overlap (no tokenizer call)
+    seconds: time spent translating branches and following the verified text
+    taken_back: draft tokens dropped and run again because the text's tail re-encoded otherwise
+    """
+
+    nodes: int
+    kept: int
+    mapped: int
+    seconds: float
+    taken_back: int
+
+    @classmethod
+    def of(cls, draft: "DraftCounters") -> "Translation | None":
+        if not (draft.translated_nodes or draft.translation_s):
+            return None
+        return cls(draft.translated_nodes, draft.translated_kept, draft.mapped_nodes, draft.translation_s,
+                   draft.taken_back)
+
+    @property
+    def survival(self) -> float:
+        """Share of the proposed draft nodes whose branch became target tokens."""
+        return self.kept / self.nodes if self.nodes else 0.0
+
+    def line(self, rounds: int) -> str:
+        per_round = 1e3 * self.seconds / rounds if rounds else 0.0
+        return (f"translated {self.nodes} draft nodes: {100 * self.survival:.0f}% became target tokens "
+                f"({self.mapped} mapped token to token), {per_round:.2f} ms a round translating")
+
+
+@dataclass(frozen=True)
 class RoundRecord:
     """One round: the tree the policy chose and what the target accepted of it."""
 
@@ -322,6 +365,8 @@ class SwiftSpecStats:
     history_tokens: int = 0
     phases: RoundPhases | None = None  # the serial round: where its time went, phase by phase (host clock)
     device_phases: RoundPhases | None = None  # the serial round on CUDA: the same phases on the device's stream
+    translation: "Translation | None" = None  # a draft with another tokenizer: its translation's counts
+    draft_slides: int = 0  # times a row's text filled the draft's context and it read the last part again
 
     @classmethod
     def collect(
@@ -349,6 +394,8 @@ class SwiftSpecStats:
             overlap=None if message_bytes is None else OverlapBreakdown.of(target, draft, message_bytes),
             phases=None if clock is None else clock.host_phases(),
             device_phases=None if clock is None else clock.device_phases(),
+            translation=Translation.of(draft),
+            draft_slides=draft.slides,
         )
 
     def add_rounds(self, rounds: list[RoundRecord]) -> None:
@@ -410,5 +457,9 @@ class SwiftSpecStats:
                 f"{line}, mean tree {self.mean_tree_budget:.1f} nodes, {self.plain_rounds} plain rounds, "
                 f"n-gram share {100 * self.ngram_share:.0f}%"
             )
+        if self.translation is not None:
+            line = f"{line}, {self.translation.line(self.verify_steps)}"
+        if self.draft_slides:
+            line = f"{line}, the draft re-read a window of the text {self.draft_slides} times (its context is shorter)"
         breakdowns = [b.line() for b in (self.overlap, self.phases, self.device_phases) if b is not None]
         return "\n".join([line, *breakdowns])

@@ -172,7 +172,9 @@ def memory_budget(models: BenchModels, settings: dict, ids: torch.Tensor, new_to
     The draft expands every round (draft_depth 2 unless set), so its tree region is exercised even
     where the policy would decode plainly."""
     settings = {**settings, "draft_depth": settings.get("draft_depth") or 2}
-    model = SwiftSpecForCausalLM.from_models(models.target, models.draft, **settings)
+    tokenizers = {"tokenizer": models.tokenizer, "draft_tokenizer": models.draft_tokenizer} if (
+        models.draft_tokenizer is not None and models.draft_tokenizer is not models.tokenizer) else {}
+    model = SwiftSpecForCausalLM.from_models(models.target, models.draft, **tokenizers, **settings)
     samples: dict[str, list[CacheSample]] = {"target": [], "draft": []}
     with sampling_caches(models.target, samples["target"]), sampling_caches(models.draft, samples["draft"]):
         model.generate(ids, swiftspec=True, **generation_kwargs(ids, new_tokens))

@@ -47,7 +47,7 @@ def load_models(config: BenchConfig, notes: list[str]) -> BenchModels:
     if config.model is not None:  # a plain model: draft-free (a pair given here loads as a pair)
         model = load_pair(config.model, config.model, config.device, config.dtype)
         settings = {name: getattr(model.config, name) for name in SWIFTSPEC_FIELDS}
-        return BenchModels(model.target, model.draft, model.tokenizer, config.model, settings)
+        return BenchModels(model.target, model.draft, model.tokenizer, config.model, settings, model.draft_tokenizer)
     location = config.pair
     if location is not None and location.startswith(SHAPE_PREFIX):
         return shaped_pair(location[len(SHAPE_PREFIX):], config, notes)
@@ -58,7 +58,8 @@ def load_models(config: BenchConfig, notes: list[str]) -> BenchModels:
         location = str(demo)
     model = load_pair(location, config.pair or DEMO_PAIR_NAME, config.device, config.dtype)
     settings = {name: getattr(model.config, name) for name in SWIFTSPEC_FIELDS}
-    return BenchModels(model.target, model.draft, model.tokenizer, config.pair or DEMO_PAIR_NAME, settings)
+    return BenchModels(model.target, model.draft, model.tokenizer, config.pair or DEMO_PAIR_NAME, settings,
+                       model.draft_tokenizer)
 
 
 def shaped_pair(shape: str, config: BenchConfig, notes: list[str]) -> BenchModels:
@@ -196,14 +197,18 @@ def assisted_static_method(target, draft, num_assistant_tokens: int) -> Method:
                   models=(target, draft))
 
 
-def assisted_method(target, draft, candidates: tuple[int, ...]) -> Method:
-    """transformers assisted generation; tune() keeps the fastest num_assistant_tokens on the warm-up prompt."""
+def assisted_method(target, draft, candidates: tuple[int, ...], tokenizers: dict | None = None) -> Method:
+    """transformers assisted generation; tune() keeps the fastest num_assistant_tokens on the warm-up prompt.
+    tokenizers: the target's and the draft's (tokenizer=, assistant_tokenizer=) of a draft with its own: transformers'
+    universal assisted generation (AssistedCandidateGeneratorDifferentTokenizers)."""
     settings = {"num_assistant_tokens": max(candidates), "num_assistant_tokens_schedule": "constant"}
+    if tokenizers:
+        settings["universal"] = "assistant_tokenizer: the draft's own tokenizer (universal assisted generation)"
     tuning: dict[str, float] = {}
 
     def generate(ids, **kwargs):
         with assistant_settings(draft, settings["num_assistant_tokens"]):
-            return target.generate(ids, assistant_model=draft, **kwargs)
+            return target.generate(ids, assistant_model=draft, **(tokenizers or {}), **kwargs)
 
     def tune(ids, **kwargs):
         tuning.clear()
@@ -311,7 +316,7 @@ def async_method(models: BenchModels, settings: dict, seed: int, notes: list[str
     if torch.device(spec["draft"][0]) != draft.device:
         draft = copy.deepcopy(draft)  # the other methods keep the draft beside the target
     try:
-        model = SwiftSpecForCausalLM.from_models(models.target, draft, placement=spec, **settings)
+        model = SwiftSpecForCausalLM.from_models(models.target, draft, placement=spec, **own_tokenizers(models), **settings)
     except ValueError as error:
         notes.append(f"swiftspec_async skipped: {error}")
         return skipped_result("swiftspec_async", f"skipped: {error}")
@@ -328,25 +333,28 @@ def async_method(models: BenchModels, settings: dict, seed: int, notes: list[str
 def build_methods(models: BenchModels, config: BenchConfig, settings: dict, notes: list[str]):
     """(methods to run, results of methods skipped) in config.methods order, then config.extra_methods."""
     target, draft = models.target, models.draft
+    tokenizers = own_tokenizers(models)  # a draft with a tokenizer of its own: swiftspec translates its branches
+    universal = {"tokenizer": models.tokenizer, "assistant_tokenizer": models.draft_tokenizer} if tokenizers else None
     builders = {
         "target": lambda: target_method(target),
-        "assisted": lambda: assisted_method(target, draft, config.assistant_tokens) if draft is not None else no_draft(
-            "assisted", notes
-        ),
+        "assisted": lambda: assisted_method(target, draft, config.assistant_tokens, universal) if draft is not None
+        else no_draft("assisted", notes),
         "prompt_lookup": lambda: prompt_lookup_method(target, config.prompt_lookup_tokens),
         "swiftspec_serial": lambda: swiftspec_method(
-            "swiftspec_serial", SwiftSpecForCausalLM.from_models(target, draft, **settings), config.seed
+            "swiftspec_serial", SwiftSpecForCausalLM.from_models(target, draft, **tokenizers, **settings), config.seed
         ),
         "swiftspec_async": lambda: async_method(models, settings, config.seed, notes),
         "target_static": lambda: target_static_method(target),
         "assisted_static": lambda: assisted_static_method(target, draft, max(config.assistant_tokens))
         if draft is not None else no_draft("assisted_static", notes),
         "swiftspec_eager": lambda: swiftspec_method(
-            "swiftspec_eager", SwiftSpecForCausalLM.from_models(target, draft, **settings, capture=False), config.seed
+            "swiftspec_eager", SwiftSpecForCausalLM.from_models(target, draft, **tokenizers, **settings, capture=False),
+            config.seed,
         ),
         "swiftspec_device": lambda: device_method(models, settings, config.seed, notes),
         "swiftspec_compiled": lambda: swiftspec_method(
-            "swiftspec_compiled", SwiftSpecForCausalLM.from_models(target, draft, **settings, compile=True), config.seed
+            "swiftspec_compiled", SwiftSpecForCausalLM.from_models(target, draft, **tokenizers, **settings, compile=True),
+            config.seed,
         ),
         "swiftspec_suffix": lambda: swiftspec_method(
             "swiftspec_suffix", SwiftSpecForCausalLM.from_models(target, **settings), config.seed
@@ -359,6 +367,8 @@ def build_methods(models: BenchModels, config: BenchConfig, settings: dict, note
     if isinstance(draft, DraftHead):
         builders["assisted"] = lambda: head_skipped("assisted", notes)
         builders["assisted_static"] = lambda: head_skipped("assisted_static", notes)
+    if tokenizers:
+        builders["assisted_static"] = lambda: universal_skipped("assisted_static", notes)
     built = [builders[name]() for name in config.methods] + list(config.extra_methods)
     return [m for m in built if isinstance(m, Method)], [m for m in built if isinstance(m, MethodResult)]
 
@@ -366,7 +376,8 @@ def build_methods(models: BenchModels, config: BenchConfig, settings: dict, note
 def device_method(models: BenchModels, settings: dict, seed: int, notes: list[str]) -> Method | MethodResult:
     """swiftspec_device: the pair with its settings on the device round (round="device"), or a skipped result with
     the device round's own refusal, got from one real two-token call (the refusal names what the pair lacks)."""
-    model = SwiftSpecForCausalLM.from_models(models.target, models.draft, **settings, round="device")
+    model = SwiftSpecForCausalLM.from_models(models.target, models.draft, **own_tokenizers(models), **settings,
+                                             round="device")
     probe = torch.zeros(1, 2, dtype=torch.long, device=models.target.device)
     try:
         model.generate(probe, attention_mask=torch.ones_like(probe), swiftspec=True, max_new_tokens=1, do_sample=False)
@@ -378,6 +389,20 @@ def device_method(models: BenchModels, settings: dict, seed: int, notes: list[st
         return skipped_result("swiftspec_device", note)
     model.output_history.clear()  # the probe's tokens are no earlier call's output
     return swiftspec_method("swiftspec_device", model, seed)
+
+
+def own_tokenizers(models: BenchModels) -> dict:
+    """from_models' tokenizer= and draft_tokenizer= for a draft with a tokenizer of its own; {} otherwise."""
+    if models.draft_tokenizer is None or models.draft_tokenizer is models.tokenizer:
+        return {}
+    return {"tokenizer": models.tokenizer, "draft_tokenizer": models.draft_tokenizer}
+
+
+def universal_skipped(name: str, notes: list[str]) -> MethodResult:
+    note = ("skipped: the draft has a tokenizer of its own; transformers' universal assisted generation runs in the "
+            "`assisted` method, with a dynamic cache")
+    notes.append(f"{name} {note}.")
+    return skipped_result(name, note)
 
 
 def head_skipped(name: str, notes: list[str]) -> MethodResult:

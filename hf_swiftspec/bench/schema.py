@@ -51,13 +51,16 @@ FULL_RUN = {"num_prompts": 8, "max_new_tokens": 128, "assistant_tokens": (2, 4, 
 @dataclass
 class BenchModels:
     """A pair already in memory. tokenizer: the target's (None: hf_swiftspec.tools.models's character
-    tokenizer, fine for the random test pairs); settings: SwiftSpecConfig fields (tree_budget, ...)."""
+    tokenizer, fine for the random test pairs); settings: SwiftSpecConfig fields (tree_budget, ...);
+    draft_tokenizer: the draft's own, where it is not the target's (assisted generation then runs as transformers'
+    universal assisted generation, swiftspec's draft proposes through text)."""
 
     target: Any
     draft: Any
     tokenizer: Any = None
     name: str = "in-memory pair"
     settings: dict = field(default_factory=dict)
+    draft_tokenizer: Any = None
 
 
 @dataclass

@@ -6,6 +6,11 @@ per row, the committed tokens the target's cache holds (engine/workers.py), ever
 the current root, which is tree node 0 on both sides (the draft's cache may lag behind by its `pending`
 tokens). Recurrent and hybrid draft models keep a `StateLog` (steps/recurrent.py) that puts their states
 back on the accepted path after every commit.
+
+A draft whose context is shorter than the target's (`window`) reads the last `window` tokens of a prompt
+that does not fit, and when a row's text fills its context it forgets the row's KV and reads the last
+`window` tokens again (one catch-up), so it drafts the whole generation at positions of its own; a
+recurrent draft, whose states cannot be cut, stops drafting the row there instead (plain rounds past it).
 """
 
 from __future__ import annotations
@@ -57,10 +62,13 @@ class DraftModelDrafter:
     def __init__(
         self, model: PreTrainedModel, capacity: int, tree_capacity: int, width: int, vocab_limit: int,
         attention: str = "sdpa", architecture: Architecture | None = None, max_positions: int | None = None,
-        batch_size: int = 1, runner: StepRunner | None = None,
+        batch_size: int = 1, runner: StepRunner | None = None, window: int | None = None,
     ):
         self.model = model
-        self.max_positions = max_positions  # both models' context: no node is ever placed past it
+        # the draft's own positions: no node is ever placed past them (both models' context where they are the
+        # target's too; the draft's own where it reads a window of the text)
+        self.max_positions = max_positions
+        self.window = window  # tokens a row keeps when the text fills the draft's context (None: it never does)
         self.attention = attention
         self.architecture = architecture or describe(model, "draft")
         self.device = model.device
@@ -76,6 +84,7 @@ class DraftModelDrafter:
         self.grafted: list[list[int] | None] = [None] * batch_size  # per row, the sent subtree's nodes in its tree (graft)
         self.new_roots: list[int] = [0] * batch_size  # per row, the node its deferred re-root keeps (accept, settle)
         self.unsettled: tuple | None = None  # what accept(defer=True) left to settle()
+        self.stopped: list[bool] = [False] * batch_size  # rows a recurrent draft's context ran out on
         self.counters = DraftCounters()
 
     @property
@@ -92,9 +101,12 @@ class DraftModelDrafter:
         """Begin a generation: per row, the prompt (token ids, no padding) minus its last token is
         pending, the last is the root. (features: the target's states, for drafters that read them.)"""
         for b, ids in enumerate(prompts):
+            if self.window is not None and len(ids) > self.max_positions - slide_margin(self.max_positions):
+                ids = ids[-self.window :]  # the last part of the prompt that fits the draft's context
             self.pending[b] = ids[:-1]
             self.committed[b] = list(ids)
             self.grafted[b] = None
+            self.stopped[b] = False
             reset_tree(self.trees[b], ids[-1])
 
     @property
@@ -217,6 +229,8 @@ class DraftModelDrafter:
         """How deep below row b's root a node may sit before its position passes the models' context
         (None: no limit). Learned position embeddings have no row past it: the tree stops short of
         it, as target.generate's own last step does."""
+        if self.stopped[b]:
+            return 0
         return depth_room(self.max_positions, len(self.committed[b]) - 1)
 
     def catch_up(self) -> None:
@@ -236,11 +250,14 @@ class DraftModelDrafter:
 
     def propose(self, b: int, max_nodes: int, max_depth: int | None, policy: GoodputPolicy) -> Proposal:
         """Row b's best `max_nodes` nodes (a connected subtree with the root), with their draft scores and the
-        policy's calibrated P(accepted) of each. max_depth holds already: the tree never grows a node past
-        the models' context (`depth_room`). The first row asked after an expansion reads every row's new
-        children (one host sync for the batch); the others, and rounds with no expansion, read nothing."""
+        policy's calibrated P(accepted) of each, none deeper than max_depth (the target's room: the draft's own,
+        `depth_room`, bounds the tree already, and is the target's unless the draft reads a window). The first row
+        asked after an expansion reads every row's new children (one host sync for the batch); the others, and
+        rounds with no expansion, read nothing."""
         read_views(self.trees)
         subtree, scores = select_subtree(self.trees[b], max_nodes, self.new_roots[b])
+        if self.window is not None and max_depth is not None:
+            subtree, scores = within_depth(subtree, scores, max_depth)
         return Proposal(subtree, policy.draft_probs(scores), scores, [-1] * len(scores), 0, ([], [], []))
 
     def top_up(self, budget: int) -> int:
@@ -307,13 +324,39 @@ class DraftModelDrafter:
         self.cache.commit_rows(paths, keeps)
         if self.states.active and followed:  # one row (recurrent.py)
             self.follow_accepted_path(ran)
+        if self.window is not None:
+            self.slide_rows(out)
         return out
+
+    def slide_rows(self, sent: list[Subtree | None] | None = None) -> None:
+        """Every row whose text (nearly) fills the draft's context forgets its KV and tree and reads its last
+        `window` tokens again (they become pending: one catch-up); a recurrent draft stops drafting the row. A
+        subtree `sent` meanwhile (asynchronous engines) then names no node of the new tree."""
+        for b, committed in enumerate(self.committed):
+            if self.stopped[b] or len(committed) <= self.max_positions - slide_margin(self.max_positions):
+                continue
+            if self.states.active:  # recurrent states cannot be cut to a window: plain rounds from here
+                self.stopped[b] = True
+                self.pending[b] = []
+                self.cache.truncate(self.cache.prefix_lens[b], b)  # the tree region goes with the tree
+            else:
+                self.committed[b] = kept = committed[-self.window :]
+                self.pending[b] = kept[:-1]
+                self.cache.truncate(self.cache.starts[b], b)
+            self.counters.slides += 1
+            reset_tree(self.trees[b], self.committed[b][-1])
+            if sent is not None and sent[b] is not None:
+                sent[b] = Subtree([0] + [-1] * (len(sent[b]) - 1), sent[b].tokens, sent[b].parents)
+                self.grafted[b] = sent[b].node_ids
 
     def reroot_row(self, b: int, subtree: Subtree, verified: Verified) -> tuple[list[int] | None, int | None, bool]:
         """accept for row b: (its path slots to commit, the node that becomes its root (None: the tree was
         reset), whether it was a hit)."""
         tree = self.trees[b]
         nodes, self.grafted[b] = self.grafted[b] or subtree.node_ids, None  # the sent nodes in this tree (graft)
+        if self.stopped[b]:  # past a recurrent draft's context: nothing to follow, its tree region dropped
+            reset_tree(tree, verified.tokens[-1])
+            return [], None, False
         if tree.num_slots == 0:  # the draft has run nothing of this tree: every verified token is pending
             self.counters.reroot_misses += 1
             self.pending[b] += [subtree.tokens[i] for i in verified.path]
@@ -359,6 +402,7 @@ class DraftModelDrafter:
         self.committed += other.committed
         self.grafted += other.grafted
         self.new_roots += other.new_roots
+        self.stopped += other.stopped
 
     def keep_rows(self, rows: list[int]) -> None:
         """Keep only the batch rows `rows`: row rows[i] becomes row i (cache.keep_order moves few)."""
@@ -368,6 +412,7 @@ class DraftModelDrafter:
         self.committed = [self.committed[b] for b in rows]
         self.grafted = [self.grafted[b] for b in rows]
         self.new_roots = [self.new_roots[b] for b in rows]
+        self.stopped = [self.stopped[b] for b in rows]
 
 
 def depth_room(max_positions: int | None, root_position: int) -> int | None:
@@ -376,3 +421,30 @@ def depth_room(max_positions: int | None, root_position: int) -> int | None:
     if max_positions is None:
         return None
     return max(max_positions - 1 - root_position, 0)
+
+
+def slide_margin(max_positions: int) -> int:
+    """Room a windowed draft keeps free for its trees: a row whose text leaves less slides (an eighth of the
+    context, so a slide comes every (1/2 - 1/8) of it and costs one catch-up of half of it)."""
+    return max(max_positions // 8, 1)
+
+
+def window_for(draft_positions: int | None, target_positions: int | None) -> int | None:
+    """Tokens a draft keeps when the text fills its context (half of it), where it is shorter than the target's;
+    None where the draft follows the target as far as the target goes."""
+    if draft_positions is None or (target_positions is not None and draft_positions >= target_positions):
+        return None
+    return max(draft_positions // 2, 1)
+
+
+def within_depth(subtree: Subtree, scores: list[float], max_depth: int) -> tuple[Subtree, list[float]]:
+    """The nodes of `subtree` (topological) no deeper than `max_depth` below its root, still connected."""
+    depths = [0] * len(subtree)
+    for i, p in enumerate(subtree.parents[1:], 1):
+        depths[i] = depths[p] + 1
+    keep = [i for i, d in enumerate(depths) if d <= max_depth]
+    if len(keep) == len(subtree):
+        return subtree, scores
+    local = {old: new for new, old in enumerate(keep)}
+    return Subtree([subtree.node_ids[i] for i in keep], [subtree.tokens[i] for i in keep],
+                   [local[subtree.parents[i]] if subtree.parents[i] >= 0 else -1 for i in keep]), [scores[i] for i in keep]

@@ -100,6 +100,10 @@ def device_round_gaps(config, target, draft, architectures, logits_processor, pl
                     "set ngram_size > 0 or give a draft model")
     if isinstance(draft, DraftHead):
         gaps += head_gaps(draft, MASKS_4D)
+    elif draft is not None and context_limit(draft, target) != context_limit(target):
+        gaps.append(f"the draft's context ({context_limit(draft)} positions) is shorter than the target's "
+                    f"({context_limit(target)}): the host round has it read the text in windows of its own; use "
+                    "round='host'")
     for role, model, architecture in (("target", target, architectures[0]), ("draft", draft, architectures[1])):
         if model is None or architecture is None or isinstance(model, DraftHead):
             continue

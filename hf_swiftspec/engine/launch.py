@@ -10,11 +10,12 @@ import contextlib
 import time
 
 from ..config import MAX_BUDGET, SwiftSpecConfig
-from ..drafters.draft_model import DraftModelDrafter
+from ..drafters.draft_model import DraftModelDrafter, window_for
 from ..drafters.drafting import Drafters
 from ..drafters.eagle3 import DraftHead
 from ..drafters.heads import HeadDrafter
 from ..drafters.suffix import OutputHistory, SuffixDrafter
+from ..drafters.translated import TranslatedDrafter
 from ..models.architectures import context_limit
 from ..policy.choice import SERIAL
 from ..policy.goodput import GoodputPolicy
@@ -45,10 +46,12 @@ def remember_outputs(history: OutputHistory | None, config: SwiftSpecConfig, req
 
 
 def decode_adaptive(target, draft, request: DecodeRequest, config: SwiftSpecConfig, placement, groups,
-                    chain_reasons: list[str] = (), architectures=None, captures: Captures | None = None) -> DecodeResult:
+                    chain_reasons: list[str] = (), architectures=None, captures: Captures | None = None,
+                    vocabularies=None) -> DecodeResult:
     """The adaptive round (engine/adaptive.py, or an asynchronous engine) over the two workers; chains
     instead of trees where `chain_reasons` say this call needs them. architectures: the models' (probes.describe),
-    when the caller has them. captures: the pair's replayed forwards, kept across calls (None: every step eager)."""
+    when the caller has them. captures: the pair's replayed forwards, kept across calls (None: every step eager).
+    vocabularies: a draft with another tokenizer's (drafters/vocabulary.py), None for one of the target's."""
     if config.round == "device":  # generation.py's check_device_round cleared the call
         return run_device(target, draft, request, config, captures)
     batch = request.batch_size
@@ -57,7 +60,7 @@ def decode_adaptive(target, draft, request: DecodeRequest, config: SwiftSpecConf
         captures = None  # a tensor-parallel forward's collectives stay eager: a capture failing on one rank would hang the rest
     engine = engine_for_call(placement, groups, request, config)
     workers = build_workers(target, draft, config, length, groups, batch, chain_reasons, request.corpus, request.history,
-                            architectures, captures, draft_here=engine == SERIAL)
+                            architectures, captures, draft_here=engine == SERIAL, vocabularies=vocabularies)
     with contextlib.ExitStack() as routes:  # each model attends the tree its way for this call only
         attend_the_tree(routes, target, draft, *workers)
         setup = setup_s(*workers)
@@ -71,7 +74,8 @@ def decode_adaptive(target, draft, request: DecodeRequest, config: SwiftSpecConf
 
 
 def continuous_engine(target, draft, config: SwiftSpecConfig, placement: Placement | None, groups: Groups | None,
-                      policy: GoodputPolicy, history: OutputHistory | None, latency_guard: bool = True) -> ContinuousEngine:
+                      policy: GoodputPolicy, history: OutputHistory | None, latency_guard: bool = True,
+                      vocabularies=None) -> ContinuousEngine:
     """An engine decoding concurrent one-sequence generate() calls in one running batch (engine/continuous.py;
     calls pass it as swiftspec_engine=(engine, key)). ValueError where the pair cannot share a batch."""
     if (placement is not None and placement.mode != "serial") or groups is not None:
@@ -85,13 +89,14 @@ def continuous_engine(target, draft, config: SwiftSpecConfig, placement: Placeme
         raise ValueError(f"this pair cannot decode rows in one batch: {'; '.join(reasons)}")
     if config.round == "device":  # the running batch on the device round, its rows in buckets (continuous_device.py)
         check_device_round(config, target, draft, architectures, [], placement, groups, False,
-                           running_batch_gaps(config, draft))
+                           running_batch_gaps(config, draft) + translation_gaps(vocabularies))
         return DeviceContinuousEngine(target, draft, policy, config,
                                       lambda request, result: remember_outputs(history, config, request, result))
 
     def build(request: DecodeRequest):
         length = request.prompt.shape[1] + request.max_new_tokens
-        return build_workers(target, draft, config, length, None, 1, (), request.corpus, request.history, architectures)
+        return build_workers(target, draft, config, length, None, 1, (), request.corpus, request.history, architectures,
+                             vocabularies=vocabularies)
 
     def finish(request: DecodeRequest, result: DecodeResult) -> None:
         remember_outputs(history, config, request, result)
@@ -101,7 +106,7 @@ def continuous_engine(target, draft, config: SwiftSpecConfig, placement: Placeme
 
 def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: Groups | None, batch_size: int = 1,
                   chain_reasons=(), corpus: list[list[int]] | None = None, history: OutputHistory | None = None,
-                  architectures=None, captures: Captures | None = None, draft_here: bool = False):
+                  architectures=None, captures: Captures | None = None, draft_here: bool = False, vocabularies=None):
     """(TargetWorker, Drafters) with caches for `length` tokens per row; under torchrun only this rank's (and the
     Drafters on a target rank too with `draft_here`: a serial call's, serial_fallback).
 
@@ -109,7 +114,11 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
     ngram_size 0; copying from `corpus` and `history` as well). Trees shrink to chains (draft width 1,
     no suffix branch beside the draft's chain) when either model places tokens by cache slot, or when
     `chain_reasons` say this call reaches a slot limit. captures: where each model's replayed forwards
-    are kept (config.capture decides whether it has any; None: every forward eager).
+    are kept (config.capture decides whether it has any; None: every forward eager). vocabularies: a draft with
+    another tokenizer's (drafters/vocabulary.py): its drafter translates its branches into the target's tokens.
+
+    A draft model whose context is shorter than the target's (or whose tokens are not the target's) reads the
+    text in a window of its own positions (draft_model.py); the proposals stay within the target's context.
     """
     role = groups.role if groups is not None else None
     target_arch, draft_arch = architectures or (describe(target, "target"), draft_architecture(draft))
@@ -122,7 +131,7 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
         capacity = length + budget if runner is None else replayed_capacity(runner, length + budget, context_limit(target), budget)
         target_worker = TargetWorker(target, capacity, attention, target_arch, batch_size, runner)
     if role in (None, "draft") or draft_here:
-        max_positions = context_limit(*(m for m in (target, draft) if m is not None and not isinstance(m, DraftHead)))
+        max_positions = context_limit(target)  # no proposal's node is placed past the target's context
         tree = dict(
             capacity=length + config.tree_capacity,
             tree_capacity=config.tree_capacity,
@@ -137,11 +146,16 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
                 tree["capacity"] = replayed_capacity(runner, tree["capacity"], max_positions, config.tree_capacity)
             model = HeadDrafter(draft, runner=runner, **tree)
         elif draft is not None:
-            runner = step_runner(captures, "draft", draft, draft_arch, config)
+            runner = None if vocabularies is not None else step_runner(captures, "draft", draft, draft_arch, config)
             draft_attention = resolve_attention(config.attention, draft, draft_arch, replayed=runner is not None)
+            tree.update(draft_positions(draft, max_positions, vocabularies))
             if runner is not None:
-                tree["capacity"] = replayed_capacity(runner, tree["capacity"], max_positions, config.tree_capacity)
-            model = DraftModelDrafter(draft, attention=draft_attention, architecture=draft_arch, runner=runner, **tree)
+                tree["capacity"] = replayed_capacity(runner, tree["capacity"], tree["max_positions"], config.tree_capacity)
+            if vocabularies is not None:
+                tree["vocab_limit"] = min(len(vocabularies.draft), draft.config.get_text_config().vocab_size)
+                model = TranslatedDrafter(draft, vocabularies, attention=draft_attention, architecture=draft_arch, **tree)
+            else:
+                model = DraftModelDrafter(draft, attention=draft_attention, architecture=draft_arch, runner=runner, **tree)
         else:
             model = None
         ngram_size = 0 if chain and draft is not None else config.ngram_size
@@ -150,6 +164,27 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
         )
         draft_worker = Drafters(model, suffix, batch_size, max_positions, target.device)
     return target_worker, draft_worker
+
+
+def draft_positions(draft, target_positions: int | None, vocabularies) -> dict:
+    """A draft model's own positions (`max_positions`) and the window it keeps when the text fills them
+    (`window`, draft_model.py): the target's positions where the draft follows the target as far as the target goes;
+    else its own context, read in windows. A draft with another tokenizer sizes both from its prompts' spelling
+    (TranslatedDrafter.size_cache); here its own context."""
+    own = context_limit(draft)
+    if vocabularies is not None:
+        return {"max_positions": own}
+    limit = min(n for n in (own, target_positions) if n is not None) if (own or target_positions) else None
+    return {"max_positions": limit, "window": window_for(own, target_positions)}
+
+
+def translation_gaps(vocabularies) -> list[str]:
+    """Why the device round cannot run this pair's draft (its refusal list, device_sides.device_round_gaps)."""
+    if vocabularies is None:
+        return []
+    return ["the draft has another tokenizer than the target's: its branches are translated into the target's "
+            "tokens through their text, on the host between the draft's growth and the verification (the host "
+            "round does that); use round='host'"]
 
 
 def replayed_capacity(runner: StepRunner, needed: int, context: int | None, room: int) -> int:

@@ -1,6 +1,8 @@
 """Can these two models speculate together? Checks on their configs and tokenizers, no weights.
 
-Each check raises PairConfigError naming the value that is wrong and what to pick instead.
+Each check raises PairConfigError naming the value that is wrong and what to pick instead. A draft with
+another tokenizer than the target's, or a shorter context, is no error: it proposes through text
+(drafters/translated.py) and reads long texts in windows (drafters/draft_model.py).
 """
 
 from __future__ import annotations
@@ -28,13 +30,13 @@ def context_length(config: PreTrainedConfig) -> int | None:
 
 
 def check_context_lengths(target: PreTrainedConfig, draft: PreTrainedConfig) -> None:
-    """The draft must follow the target as far as the target can go, or speculation dies past its window."""
+    """A draft whose context is shorter than the target's is fine: it reads the text in windows of its own
+    (drafters/draft_model.py). Say so, once, where it happens: past its context it drafts from the last part."""
     t_len, d_len = context_length(target), context_length(draft)
     if t_len is not None and d_len is not None and d_len < t_len:
-        raise PairConfigError(
-            f"Context length mismatch: the draft's max_position_embeddings={d_len} is shorter than the target's "
-            f"{t_len}, so the draft could not follow generations past {d_len} tokens. Pick a draft with at least the "
-            "target's context length."
+        logger.info(
+            "The draft's context (max_position_embeddings=%d) is shorter than the target's (%d): it drafts from the "
+            "last %d tokens of longer texts.", d_len, t_len, d_len // 2,
         )
 
 
@@ -116,14 +118,16 @@ def check_tokenizer_fits(tokenizer, config: PreTrainedConfig, role: str) -> None
         )
 
 
-def check_vocabularies(target: PreTrainedConfig, draft: PreTrainedConfig, target_tokenizer=None, draft_tokenizer=None) -> None:
-    """The draft's token ids must mean the target's.
+def check_vocabularies(target: PreTrainedConfig, draft: PreTrainedConfig, target_tokenizer=None, draft_tokenizer=None) -> bool:
+    """Whether the draft's token ids mean the target's (False), or the draft has a tokenizer of its own (True: it
+    proposes through its branches' text, drafters/translated.py).
 
-    With the target's tokenizer: the same token -> id mapping over the draft's vocabulary and the
-    same special tokens; the embeddings may differ in size (padding rows, e.g. Qwen2.5 0.5B 151936
-    vs 72B 152064). A missing draft tokenizer means the draft uses the target's. Without the
-    target's tokenizer nothing says what its ids mean (the draft's tokenizer alone does not), so the
-    sizes must be equal, the only evidence there is.
+    With the target's tokenizer: the same token -> id mapping over the draft's vocabulary and the same special
+    tokens mean a shared vocabulary; the embeddings may differ in size (padding rows, e.g. Qwen2.5 0.5B 151936 vs
+    72B 152064). A missing draft tokenizer means the draft uses the target's. Another mapping means another
+    vocabulary, which needs both tokenizers and a draft tokenizer that spells text (check_translatable). Without
+    the target's tokenizer nothing says what its ids mean (the draft's tokenizer alone does not), so the sizes
+    must be equal, the only evidence there is.
     """
     t_size, d_size = vocab_size(target), vocab_size(draft)
     if target_tokenizer is None:
@@ -131,24 +135,60 @@ def check_vocabularies(target: PreTrainedConfig, draft: PreTrainedConfig, target
             known = "no tokenizer" if draft_tokenizer is None else "only the draft's tokenizer"
             raise PairConfigError(
                 f"Vocabulary mismatch: target vocab_size={t_size}, draft vocab_size={d_size}, and with {known} the "
-                "token -> id mapping cannot be checked. The draft must share the target's tokenizer; pick a draft "
-                "from the target's model family. If they do share one and only the padding differs, pass the "
-                "target's tokenizer as tokenizer= so the mapping is checked instead of the sizes."
+                "token -> id mapping cannot be checked nor translated. Pass the target's tokenizer as tokenizer= (and "
+                "a draft with another tokenizer its own as draft_tokenizer=): a draft of the same tokenizer with "
+                "padded embeddings is then checked token by token, a draft of another one proposes through text."
             )
         if draft_tokenizer is None:
-            return
+            return False
     target_tokenizer = target_tokenizer or draft_tokenizer
     draft_tokenizer = draft_tokenizer or target_tokenizer
-    if draft_tokenizer is not target_tokenizer:
-        check_special_tokens(target_tokenizer, draft_tokenizer)
-        check_token_mapping(target_tokenizer, draft_tokenizer, t_size)
     check_tokenizer_fits(target_tokenizer, target, "target")
     check_tokenizer_fits(draft_tokenizer, draft, "draft")
+    if draft_tokenizer is target_tokenizer or shares_vocabulary(target_tokenizer, draft_tokenizer, t_size):
+        return False
+    check_translatable(target_tokenizer, draft_tokenizer)
+    logger.info("The draft's tokenizer is not the target's: it proposes through its branches' text.")
+    return True
+
+
+def shares_vocabulary(target_tokenizer, draft_tokenizer, target_vocab_size: int) -> bool:
+    """Whether the draft's tokenizer is the target's in all that matters: the same special tokens with the same
+    ids, the same token -> id mapping (added tokens named differently only warn, check_token_mapping)."""
+    try:
+        check_special_tokens(target_tokenizer, draft_tokenizer)
+        check_token_mapping(target_tokenizer, draft_tokenizer, target_vocab_size)
+    except PairConfigError:
+        return False
+    return True
+
+
+PROBE_TEXT = "Hello, world! The 3 quick foxes."  # plain text every tokenizer of a language model spells
+
+
+def check_translatable(target_tokenizer, draft_tokenizer) -> None:
+    """A draft of another tokenizer proposes through text: its tokenizer must spell the target's text and read it
+    back (encode, then decode, to the same text). PairConfigError naming what it made of it, and the fix."""
+    text = target_tokenizer.decode(target_tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"],
+                                   skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    try:
+        ids = draft_tokenizer(text, add_special_tokens=False)["input_ids"]
+        back = draft_tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    except Exception as error:  # a tokenizer that cannot decode at all names itself here
+        back = f"an error: {error}"
+    if back != text:
+        raise PairConfigError(
+            f"The draft's tokenizer is not the target's, and it cannot spell the target's text: {text!r} encodes and "
+            f"decodes to {back!r} with the draft's tokenizer. A draft of another tokenizer proposes through text, so "
+            "its tokenizer must read text back exactly (byte-level or byte-fallback tokenizers do). Pass the draft's "
+            "own tokenizer as draft_tokenizer=, or pick a draft that shares the target's tokenizer."
+        )
 
 
 def check_compatibility(target: PreTrainedConfig, draft: PreTrainedConfig, target_tokenizer=None, draft_tokenizer=None,
-                        architectures: bool = True) -> None:
-    """All load-time checks on the two configs (and tokenizers, when known); no weights needed.
+                        architectures: bool = True) -> bool:
+    """All load-time checks on the two configs (and tokenizers, when known); no weights needed. Returns whether
+    the draft has a tokenizer of its own (check_vocabularies).
 
     architectures=False: the models are loaded and describe() has judged them already (by what they do,
     which also accepts decoders whose attention claims is_causal=False yet masks causally).
@@ -157,4 +197,4 @@ def check_compatibility(target: PreTrainedConfig, draft: PreTrainedConfig, targe
         check_architecture(target, "target")
         check_architecture(draft, "draft")
     check_context_lengths(target, draft)
-    check_vocabularies(target, draft, target_tokenizer, draft_tokenizer)
+    return check_vocabularies(target, draft, target_tokenizer, draft_tokenizer)

@@ -2,7 +2,8 @@
 
 A pair repo is a model repo with no weights of its own. Its config.json (model_type "swiftspec")
 names the target and the draft, each a Hub id with a pinned revision or a folder relative to the
-pair; beside it sit the tokenizer, a generation config and a README.md model card. Everything here
+pair; beside it sit the tokenizer, a generation config and a README.md model card. A draft with a
+tokenizer of its own (not the target's) has it in the pair's `draft_tokenizer/` folder. Everything here
 works on configs and tokenizers, before any weights load, so a bad pair fails in seconds with an
 error that names the field to fix, and `swiftspec pair check` can vet a 70B pair on a laptop.
 """
@@ -160,6 +161,8 @@ def read_members(folder: Path, config: SwiftSpecConfig, hub: HubOptions, trust_r
     sources = {role: (m.location, m.revision, hub) for role, m in members.items() if not (role == "draft" and head)}
     if own_tokenizer:
         sources["pair"] = (str(folder), None, HubOptions())
+        if (folder / DRAFT_TOKENIZER).is_dir():  # the draft's own tokenizer, as the pair was written with it
+            sources["draft"] = (str(folder / DRAFT_TOKENIZER), None, HubOptions())
     loaded = load_tokenizers(sources, trust_remote_code)
     tokenizers, own = {role: loaded.get(role) for role in members}, loaded.get("pair")
     if head is None:
@@ -175,6 +178,8 @@ def read_members(folder: Path, config: SwiftSpecConfig, hub: HubOptions, trust_r
 
 
 # ---------------------------------------------------------------- the pair's own files
+DRAFT_TOKENIZER = "draft_tokenizer"  # the pair's subfolder holding a draft's own tokenizer (not the target's)
+
 
 
 def check_pair_files(folder: Path) -> SwiftSpecConfig:
@@ -196,10 +201,12 @@ def write_pair_repo(
     generation_config=None,
     load_id: str | None = None,
     members_base: Path | None = None,
+    draft_tokenizer=None,
 ) -> Path:
     """Write a pair repo: config.json, README.md, and the tokenizer / generation config when given.
 
     members_base: the folder relative member entries are found from, for the card (default: `folder`).
+    draft_tokenizer: a draft's own tokenizer (not the target's), written to draft_tokenizer/.
     """
     folder = Path(folder)
     if members_base is None:  # save_pretrained: its members are found from where the pair is written
@@ -208,6 +215,8 @@ def write_pair_repo(
     config.save_pretrained(folder)
     if tokenizer is not None:
         save_tokenizer(tokenizer, folder)
+    if draft_tokenizer is not None:
+        save_tokenizer(draft_tokenizer, folder / DRAFT_TOKENIZER)
     if generation_config is not None:
         generation_config.save_pretrained(folder)
     text = render_card(config, card or default_card(config), load_id or str(folder), members_base or folder)
@@ -247,6 +256,8 @@ def move_into_place(staging: Path, folder: Path) -> None:
     for old in folder.iterdir():
         if old.is_file() and old.name not in written and any(old.match(pattern) for pattern in PAIR_FILE_PATTERNS):
             old.unlink()  # the previous pair's, which --force replaces
+        elif old.is_dir() and old.name == DRAFT_TOKENIZER:
+            shutil.rmtree(old)  # the previous pair's draft tokenizer (the new one, if any, moves in below)
     for item in sorted(staging.iterdir()):
         os.replace(item, folder / item.name)
 
@@ -332,7 +343,8 @@ def create_pair_repo(
 
     Hub members without a revision are pinned to their current commit; folders are named relative
     to the pair. The pair gets the target's tokenizer, checked to reload as the same class and to
-    encode the same ids, and the target's generation config. settings: SwiftSpecConfig fields.
+    encode the same ids, and the target's generation config; a draft with a tokenizer of its own gets it in
+    draft_tokenizer/, checked alike. settings: SwiftSpecConfig fields.
     The destination must be new or empty (the members' own folders may sit inside it), or with
     force=True hold a previous pair repo; it is never a member's folder.
     """
@@ -368,10 +380,23 @@ def create_pair_repo(
         card = replace(default_card(pair.config), license=license, license_name=license_name, license_link=license_link)
         if title:
             card = replace(card, title=title)
-        write_pair_repo(staging, pair.config, card, pair.tokenizer, generation_config, str(folder), members_base)
+        draft_tokenizer = own_draft_tokenizer(pair)
+        write_pair_repo(staging, pair.config, card, pair.tokenizer, generation_config, str(folder), members_base,
+                        draft_tokenizer)
         if pair.tokenizer is not None:
             check_written_tokenizer(staging, pair.tokenizer)
+        if draft_tokenizer is not None:
+            check_written_tokenizer(staging / DRAFT_TOKENIZER, draft_tokenizer)
         move_into_place(staging, folder)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return replace(pair, folder=folder, members=pair_members(pair.config, folder))
+
+
+def own_draft_tokenizer(pair: ResolvedPair):
+    """The draft's tokenizer where it is not the target's (the pair writes it beside the target's), else None."""
+    draft, target = pair.member_tokenizers.get("draft"), pair.tokenizer
+    if draft is None or target is None or draft is target:
+        return None
+    configs = pair.member_configs
+    return draft if check_compatibility(configs["target"], configs["draft"], target, draft, architectures=False) else None

@@ -197,3 +197,71 @@ def real_shaped_pair(name: str, draft_layers: int = 2, seed: int = 0, initialize
         raise ValueError(f"Unknown model shape {name!r}; choose from {sorted(REAL_SHAPES)}.")
     target = shaped_model(REAL_SHAPES[name], seed, initializer_range)
     return target, truncated_draft(target, keep_layers=draft_layers)
+
+
+# A text whose words never repeat within a cycle: each word has one successor, so a model of it is predictable
+# whichever tokenizer spells it (two_tokenizer_pair).
+CYCLE_TEXT = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
+              "quebec romeo sierra tango uniform victor whiskey xray yankee zulu ")
+
+
+def bpe_tokenizer(vocab_size: int, style: str = "bytes", corpus: tuple[str, ...] = (CYCLE_TEXT,)):
+    """A BPE tokenizer trained on `corpus` (a few ms), as a transformers fast tokenizer with <pad> <s> </s> first.
+
+    Three ways to spell one text: "bytes", byte-level as GPT-2's (a space starts the word after it: "Ġgolf");
+    "pieces", SentencePiece-like ("▁" before every word; printable ASCII, and bytes for anything else);
+    "trailing", a space ends the word before it ("golf "), so its word boundaries fall one character off the
+    others' (bytes for anything else too).
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = list(CHAR_SPECIALS)
+    if style == "bytes":
+        backend = Tokenizer(models.BPE())
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+    else:
+        backend = Tokenizer(models.BPE(byte_fallback=True))
+        if style == "pieces":
+            backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+            backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                                 decoders.Strip(" ", 1, 0)])  # as Llama's tokenizer.json decodes
+            alphabet = [chr(c) for c in range(33, 127)] + ["▁"]
+        else:
+            backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^ ]+ ?| "), behavior="isolated")
+            backend.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+            alphabet = [chr(c) for c in range(32, 127)]
+        specials += [f"<0x{i:02X}>" for i in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, initial_alphabet=alphabet,
+                                  show_progress=False)
+    backend.train_from_iterator(list(corpus) * 4, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   padding_side="left")
+
+
+def text_model(tokenizer, text: str = CYCLE_TEXT, seed: int = 0, layers: int = 2, hidden: int = 128,
+               scale: float = 12.0, damp: float = 0.3):
+    """A tiny Llama over `tokenizer`'s vocabulary that continues `text` (cyclically) from its last token: its head
+    maps each token's embedding to the token that follows it in `text` as this tokenizer spells it; its layers, damped,
+    still attend (so trees and caches must be right for its tokens to come out right). Two of them over two tokenizers
+    of one text predict one another's text: a draft that is a copy of the target's behaviour in other tokens."""
+    ids = tokenizer(text * 3, add_special_tokens=False)["input_ids"]
+    successor: dict[int, dict[int, int]] = {}
+    for a, b in zip(ids, ids[1:]):
+        successor.setdefault(a, {}).setdefault(b, 0)
+        successor[a][b] += 1
+    model = tiny_model("llama", seed=seed, vocab_size=len(tokenizer), layers=layers, hidden=hidden, sharpness=1.0)
+    with torch.no_grad():
+        embed = torch.nn.functional.normalize(torch.randn(len(tokenizer), hidden), dim=-1)
+        head = torch.zeros(len(tokenizer), hidden)
+        for a, following in successor.items():
+            head[max(following, key=following.get)] += embed[a]
+        model.get_input_embeddings().weight.copy_(embed)
+        model.get_output_embeddings().weight.copy_(head * scale / hidden**0.5)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(damp)
+            layer.mlp.down_proj.weight.mul_(damp)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model
