@@ -398,10 +398,10 @@ def distill(config: DistillConfig, on_step=None, speed: SpeedFunction | None = N
         before = evaluate(draft_in_target_dtype(student), tokenizer, windows, prompts, config.eval, references, progress,
                           "evaluate-start", clock=clock)
         spent = clock() - started
-        # afterwards: no references to compute, the pair under its own settings besides the fixed tree, and each
-        # --compare-draft measured as the starting draft was
-        progress.expect("evaluate-end", spent - sum(references.seconds) + len(prompts) * references.generate_s
-                        + spent * len(config.compare_drafts))
+        # afterwards: no references to compute; per prompt the pair with a fixed tree and under its own settings,
+        # and each --compare-draft with a fixed tree, each about as long as target.generate (a trained draft)
+        progress.expect("evaluate-end", tried.step_s * len(windows) / 12 * (1 + len(config.compare_drafts))
+                        + len(prompts) * references.generate_s * (2 + len(config.compare_drafts)))
         if "speed" in progress.estimates:
             progress.expect("speed", (min(SPEED_PROMPTS, len(prompts)) + 1) * 3 * references.generate_s)
     budget_s = training_budget(config, progress, run_started, clock)

@@ -1,6 +1,6 @@
 """The draft `swiftspec distill` starts from (--draft):
 
-    small[:HIDDEN[xLAYERS]]  a new model of the target's architecture, one layer (LAYERS) about 0.4 of its width
+    small[:HIDDEN[xLAYERS]]  a new model of the target's architecture, one layer (LAYERS), about 0.4 of its width
                              (HIDDEN), its embeddings the target's projected on their main directions (the default)
     early-exit[:K]           the target's embeddings, first K layers (1), final norm and head
     eagle3                   a new EAGLE-3 head
@@ -23,7 +23,7 @@ from .models import truncated_draft
 
 DRAFT_KINDS = ("small[:HIDDEN[xLAYERS]] (a new small model of the target's architecture), early-exit:K (the target's "
                "first K layers), eagle3 (a new EAGLE-3 head), or a causal LM's Hub id or folder")
-SMALL_WIDTH = 0.4  # of the target's attention heads: the demo pair's hand-made draft is 3 heads of its target's 7
+SMALL_WIDTH = 0.4  # of the target's width: the demo pair's hand-made draft is 192 wide beside its target's 448
 
 
 def early_exit_layers(spec: str) -> int | None:
@@ -41,7 +41,7 @@ def early_exit_layers(spec: str) -> int | None:
 
 @dataclass(frozen=True)
 class SmallShape:
-    """A new draft's size; hidden None: SMALL_WIDTH of the target's heads (at least one), at its head size."""
+    """A new draft's size; hidden None: SMALL_WIDTH of the target's, rounded to a multiple of 64."""
 
     hidden: int | None = None
     layers: int = 1
@@ -61,23 +61,29 @@ def small_shape(spec: str) -> SmallShape | None:
 
 
 def small_config(target_config, shape: SmallShape):
-    """The target's text config cut to `shape`: heads of the target's head size, the MLP in the target's ratio,
-    grouped-query attention in the target's ratio. DistillError when the shape does not fit it."""
+    """The target's text config cut to `shape`: attention heads of the target's head size, as many as the width's
+    share of the target's (a config without its own head_dim: the width over the head size), the MLP and
+    grouped-query attention in the target's ratios. DistillError when the shape does not fit the architecture."""
     config = copy.deepcopy(target_config.get_text_config(decoder=True))
-    heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    hidden = shape.hidden or max(round(heads * SMALL_WIDTH), 1) * head_dim
-    if hidden % head_dim:
-        raise DistillError(f"--draft small:{hidden}: the width must be a multiple of the target's head size, {head_dim}.")
-    new_heads = hidden // head_dim
-    groups = max(heads // kv, 1)
-    new_kv = max(new_heads // groups, 1)
+    width, heads = config.hidden_size, config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    explicit = getattr(config, "head_dim", None)
+    head_dim = explicit or width // heads
+    hidden = shape.hidden or max(round(width * SMALL_WIDTH / 64), 1) * 64
+    new_heads = max(round(heads * hidden / width), 1) if explicit else max(hidden // head_dim, 1)
+    if not explicit and hidden % new_heads:
+        raise DistillError(f"--draft small:{hidden}: {type(config).__name__} derives its head size from the width; give a "
+                           f"multiple of the target's head size, {head_dim}.")
+    new_kv = max(new_heads // max(heads // kv, 1), 1)
     while new_heads % new_kv:
         new_kv -= 1
-    ratio = getattr(config, "intermediate_size", 4 * config.hidden_size) / config.hidden_size
-    config.hidden_size, config.num_attention_heads, config.num_key_value_heads = hidden, new_heads, new_kv
-    config.head_dim = head_dim
-    if hasattr(config, "intermediate_size"):
+    ratio = getattr(config, "intermediate_size", 4 * width) / width
+    config.hidden_size, config.num_attention_heads = hidden, new_heads
+    if hasattr(config, "num_key_value_heads"):
+        config.num_key_value_heads = new_kv
+    if explicit:
+        config.head_dim = head_dim
+    if hasattr(config, "intermediate_size") and config.intermediate_size is not None:
         config.intermediate_size = max(round(hidden * ratio / 64), 1) * 64
     config.num_hidden_layers = shape.layers
     if getattr(config, "layer_types", None) is not None:

@@ -46,6 +46,7 @@ class Phase:
     done: int = 0
     shown: int = -1  # `done` when the last line was printed
     shown_at: float = 0.0
+    left: float | None = None  # the seconds left when the phase knows them (training under --minutes), not its rate
 
 
 @dataclass
@@ -105,11 +106,12 @@ class Progress:
         if self.phase is not None:
             self.phase.total = max(total, self.phase.done)
 
-    def advance(self, count: int = 1, status: str = "") -> None:
+    def advance(self, count: int = 1, status: str = "", left: float | None = None) -> None:
         phase = self.phase
         if phase is None:
             return
         phase.done += count
+        phase.left = left
         tenth = max(phase.total // 10, 1)
         due = (self.tty or phase.done // tenth > phase.shown // tenth or phase.done >= phase.total
                or self.clock() - phase.shown_at >= self.every_s)
@@ -132,6 +134,8 @@ class Progress:
         phase = self.phase
         if phase is None:
             return 0.0
+        if phase.left is not None:
+            return phase.left
         if phase.done == 0:
             return self.estimates.get(phase.name, 0.0)
         rate = (self.clock() - phase.started) / phase.done

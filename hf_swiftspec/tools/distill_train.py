@@ -432,7 +432,8 @@ def train(student, stream: torch.Tensor, settings: TrainSettings, checkpoints: P
                          interrupts, clock)
                 progress.retotal(history.planned)
                 loss, agree = history.recent()
-                progress.advance(1, f"loss {loss:.4f}  top-1 agreement {agree:.1%}  {history.seconds_per_step:.2f} s/step")
+                left = history.budget_s - history.seconds if history.budget_s is not None else None
+                progress.advance(1, f"loss {loss:.4f}  top-1 agreement {agree:.1%}  {history.seconds_per_step:.2f} s/step", left)
                 if on_step is not None:
                     on_step(history)
                 if history.step % save_every == 0 and not plan.done(history):
@@ -444,7 +445,7 @@ def train(student, stream: torch.Tensor, settings: TrainSettings, checkpoints: P
             checkpoint()
             raise
     checkpoint()
-    progress.finish(f"{history.step} steps")
+    progress.finish(f"loss {history.recent()[0]:.4f}, top-1 agreement {history.recent()[1]:.1%} over the last 50 steps")
     module.eval()
     return history
 
