@@ -294,7 +294,9 @@ def estimates(config: DistillConfig, trial: Trial, answers: int, answer_tokens: 
     found = {"tokenise": trial.tokenise_s}
     if answers:
         found["self-distill"] = -(-answers // 8) * generation * answer_tokens / e.new_tokens * 1.5
-    found["evaluate-start"] = e.prompts * 2 * generation + e.windows / 4 * trial.step_s / 3
+    # the reference, then the pair with a draft that may agree with nothing yet: each token a round of draft_depth
+    # draft forwards and a verification
+    found["evaluate-start"] = e.prompts * (2 + e.draft_depth) * generation + e.windows / 4 * trial.step_s / 3
     found["train"] = 0.0
     found["evaluate-end"] = (e.prompts * 2 * generation + e.windows / 4 * trial.step_s / 3) * (1 + len(config.compare_drafts))
     if timed:

@@ -169,8 +169,8 @@ def dataset_rows(source: str, options: DataOptions):
     datasets = import_datasets()
     if source.startswith(HUB_PREFIX):
         name = source[len(HUB_PREFIX):]
-        try:
-            return name, datasets.load_dataset(name, split=options.split)
+        try:  # with --data-limit, streamed: only the rows read are downloaded
+            return name, datasets.load_dataset(name, split=options.split, streaming=options.limit is not None)
         except Exception as err:  # the Hub's and the builders' errors have no common base
             raise DistillError(f"--data {source}: cannot load split {options.split!r} ({str(err).splitlines()[0]}).") from err
     loaded = datasets.load_from_disk(source)
