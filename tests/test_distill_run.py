@@ -26,7 +26,7 @@ from hf_swiftspec.pair import PairConfigError, create_pair_repo
 from hf_swiftspec.tools.distill import distill
 from hf_swiftspec.tools.distill_corpus import DataOptions, DistillError, read_records, split_records
 from hf_swiftspec.tools.distill_data import tokenise_all, token_stream
-from hf_swiftspec.tools.distill_progress import PHASES, Progress
+from hf_swiftspec.tools.distill_progress import PHASES, Progress, minutes
 from hf_swiftspec.tools.distill_report import Speed
 from hf_swiftspec.tools.distill_train import ModelStudent, TrainSettings, train
 from hf_swiftspec.tools.models import char_tokenizer, tiny_model
@@ -270,9 +270,17 @@ def test_minutes_train_until_the_time_is_spent_with_the_schedule_sized_to_it(sec
     clock = StepClock(seconds)
     settings = TrainSettings(minutes=1.0, batch=2, window=16, lr=1e-2, warmup=3)
     stream = torch.randint(0, 98, (400,), generator=torch.Generator().manual_seed(0))
-    history = train(timed_student(clock), stream, settings, tmp_path / "checkpoints", {}, Progress(False),
+    shown = io.StringIO()
+    history = train(timed_student(clock), stream, settings, tmp_path / "checkpoints", {}, Progress(True, clock, shown),
                     save_every=1000, clock=clock, step_s=seconds[0])
     assert history.step == steps and history.seconds == pytest.approx(60.0)
+    # The training line's ETA is the time left, whatever the steps' rate so far has been
+    spent = [sum(seconds[min(i, len(seconds) - 1)] for i in range(k)) for k in range(steps + 1)]
+    lines = [line for line in shown.getvalue().splitlines() if line.startswith("distill: train: ") and "done" not in line]
+    assert len(lines) > 5
+    for line in lines:
+        done = int(line.split(": ")[2].split("/")[0])
+        assert line.endswith(f"ETA {minutes(60 - spent[done])}, run {minutes(60 - spent[done])}"), line
     assert history.learning_rates[-1] == pytest.approx(settings.learning_rate(steps - 1, steps))
     assert history.learning_rates[-1] < settings.lr * (settings.min_lr_ratio + 0.02)
     decaying = history.learning_rates[settings.warmup :]

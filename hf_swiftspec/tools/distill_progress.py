@@ -96,9 +96,9 @@ class Progress:
 
     # ---------------------------------------------------------------- phases
 
-    def start(self, name: str, total: int, unit: str) -> None:
+    def start(self, name: str, total: int, unit: str, left: float | None = None) -> None:
         now = self.clock()
-        self.phase = Phase(name, max(total, 0), unit, now, shown_at=now)
+        self.phase = Phase(name, max(total, 0), unit, now, shown_at=now, left=left)
         self.show("")
 
     def retotal(self, total: int) -> None:

@@ -423,7 +423,8 @@ def train(student, stream: torch.Tensor, settings: TrainSettings, checkpoints: P
             where = save_checkpoint(checkpoints, module, optimizer, data_rng, history, fingerprint)
             progress.note(f"checkpoint {where}")
 
-    progress.start("train", history.planned, "steps")
+    progress.start("train", history.planned, "steps",
+                   left=history.budget_s - history.seconds if history.budget_s is not None else None)
     progress.phase.done = history.step
     with Interrupts() as interrupts:
         try:
