@@ -203,8 +203,10 @@ def test_every_phase_shows_progress_and_the_plan_comes_first(target_dir, tmp_pat
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[:10])
                     + "".join(json.dumps({"turns": [t[:20]]}) + "\n" for t in texts[10:]))  # conversations: answered
     stream = io.StringIO()
-    distill(config(target_dir, data, tmp_path / "out", draft="small", verbose=True, **QUICK), speed=speed_stub,
-            clock=Ticks(), stream=stream)
+    result = distill(config(target_dir, data, tmp_path / "out", draft="small", verbose=True, **QUICK), speed=speed_stub,
+                     clock=Ticks(), stream=stream)
+    train, _ = split_records(read_records([data]), 10)
+    assert result.self_distilled == sum(r.messages is not None for r in train) > 0  # by default: the conversations alone
     lines = stream.getvalue().splitlines()
     assert lines[0].startswith("distill: reading the data")
     plan = next(i for i, line in enumerate(lines) if line.startswith("distill: the run:"))
