@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,29 +18,19 @@ from hf_swiftspec import Eagle3Head, SwiftSpecForCausalLM
 from hf_swiftspec.bench.methods import eagle3_head
 from hf_swiftspec.cli import main
 from hf_swiftspec.tools import distill as distill_module
-from hf_swiftspec.tools.distill import DistillConfig, EvalSettings, distill
-from hf_swiftspec.tools.distill_data import DistillError, Record, self_distilled, tokenise
+from hf_swiftspec.tools.distill import distill
+from hf_swiftspec.tools.distill_corpus import DistillError, Record
+from hf_swiftspec.tools.distill_data import self_distilled, tokenise
+from hf_swiftspec.tools.distill_progress import Progress
 from hf_swiftspec.tools.distill_train import TopK, TrainSettings, teacher_topk, topk_kl
 from hf_swiftspec.tools.eagle3_training import new_head_for
 from hf_swiftspec.tools.models import char_tokenizer, tiny_model, truncated_draft
-
-WORDS = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "print", "x", "y", "(", ")", ":"]
-EVAL = EvalSettings(prompts=5, new_tokens=24, windows=6)  # fixed tree settings: tau is deterministic
-TREE = dict(tree_budget=EVAL.tree_budget, draft_width=EVAL.draft_width, draft_depth=EVAL.draft_depth, ngram_size=0)
-
-
-def word_texts(count: int, seed: int, words: int = 40) -> list[str]:
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(count)]
+from distill_helpers import EVAL, TREE, config, load_target, save_target, word_texts
 
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory) -> Path:
-    """A 3-layer random Llama with the character tokenizer, saved as a user's target folder."""
-    folder = tmp_path_factory.mktemp("distill") / "target"
-    tiny_model("llama", layers=3, hidden=64, sharpness=4.0).save_pretrained(folder)
-    char_tokenizer().save_pretrained(folder)
-    return folder
+    return save_target(tmp_path_factory.mktemp("distill") / "target")
 
 
 @pytest.fixture(scope="module")
@@ -49,18 +38,6 @@ def data_file(target_dir) -> Path:
     path = target_dir.parent / "data.jsonl"
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in word_texts(40, seed=0)))
     return path
-
-
-def config(target_dir, data_file, output, **changes) -> DistillConfig:
-    base = DistillConfig(
-        target=str(target_dir), output=str(output), data=(str(data_file),), draft="early-exit:1",
-        train=TrainSettings(steps=60, batch=4, window=48, lr=3e-3, warmup=5), eval=EVAL, save_every=20, verbose=False,
-    )
-    return replace(base, **changes)
-
-
-def load_target(target_dir):
-    return AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
 
 
 @torch.no_grad()
@@ -158,7 +135,7 @@ def test_a_smaller_model_learns_the_targets_own_continuations_of_prompts(target_
                             train=TrainSettings(steps=60, batch=4, window=32, lr=3e-3, warmup=5)))
     assert result.after.agreement > result.before.agreement + 0.1 and result.after.tau > result.before.tau
     assert result.after.identical
-    assert "greedy continuations (40 tokens)" in (out / "README.md").read_text()
+    assert "continued by the target itself (its greedy continuations, 40 tokens at most)" in (out / "README.md").read_text()
     assert result.train_tokens >= (30 - result.heldout_sequences) * 41  # prompts of 25 tokens did not train alone
 
 
@@ -230,11 +207,11 @@ def test_self_distillation_trains_on_the_targets_own_continuations(target_dir):
                                   max_new_tokens=12, do_sample=False)
             assert sequence.ids == own[0].tolist() and sequence.prompt == len(prompt)
 
-    first = self_distilled(records, tokenizer, target, new_tokens=12, batch=2)
+    first = self_distilled(records, tokenizer, target, new_tokens=12, progress=Progress(False), batch=2)
     check(first)
     # A row that stops early (its 4th new token made the stop token) ends there, not padded to its batch's length
     target.generation_config.eos_token_id = first[0].ids[first[0].prompt + 3]
-    stopped = self_distilled(records, tokenizer, target, new_tokens=12, batch=2)
+    stopped = self_distilled(records, tokenizer, target, new_tokens=12, progress=Progress(False), batch=2)
     assert len(stopped[0].ids) <= first[0].prompt + 4
     check(stopped)
 
@@ -307,8 +284,8 @@ def test_bad_input_is_a_clear_error_before_any_training(case, named, target_dir,
 
 def test_the_command_refuses_bad_input_in_one_line(target_dir, data_file, tmp_path, capsys, no_loading):
     assert main(["distill", str(tmp_path / "out"), "--target", str(target_dir), "--data", str(tmp_path / "missing.txt")]) == 1
-    err = capsys.readouterr().err
-    assert err.startswith("swiftspec: error: --data") and "missing.txt" in err
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("swiftspec: error: --data") and "missing.txt" in err[-1] and len(err) <= 2
 
 
 @pytest.mark.parametrize("repo, target, named", [
@@ -322,17 +299,32 @@ def test_push_to_hub_arguments_are_checked_before_training(repo, target, named, 
 
 
 def test_the_command_distills_and_reports(target_dir, data_file, tmp_path, capsys):
+    """The command line: progress on stderr, the user's own run reported on stdout, and a card that says what to
+    expect (agreement, tau with a fixed tree and under the policy, the bench's speed-ups), all from distill.json."""
     out = tmp_path / "cli-pair"
     code = main(["distill", str(out), "--target", str(target_dir), "--data", str(data_file), "--steps", "20",
-                 "--batch", "4", "--window", "32", "--eval-prompts", "3", "--eval-new-tokens", "16"])
+                 "--batch", "4", "--window", "32", "--eval-prompts", "3", "--eval-new-tokens", "16", "--threads", "1"])
     captured = capsys.readouterr()
     printed = captured.out
     assert code == 0, printed
-    progress = [line for line in captured.err.replace("\r", "\n").splitlines() if line.startswith("distill: step 20/20")]
+    progress = [line for line in captured.err.replace("\r", "\n").splitlines() if line.startswith("distill: train: 20/20 steps")]
     assert progress and all(word in progress[-1] for word in ("loss", "top-1 agreement", "s/step", "ETA")), captured.err
     report = json.loads((out / "distill.json").read_text())
     assert report["steps"] == 20 and f"tau {report['before']['tau']:.2f} -> {report['after']['tau']:.2f}" in printed
     assert math.isfinite(report["after"]["kl"])
+    after, speed = report["after"], report["speed"]
+    bench = json.loads((out / "bench" / "results.json").read_text())
+    timed = {m["name"]: m for m in bench["sets"][0]["batches"][0]["methods"]}
+    assert speed["speedup"] == timed["swiftspec_serial"]["speedup"]["mean"]
+    assert speed["prompt_lookup_speedup"] == timed["prompt_lookup"]["speedup"]["mean"]
+    card = (out / "README.md").read_text()
+    expect = card[card.index("## What to expect"):card.index("## Measured on held-out data")]
+    for figure in (f"{after['agreement']:.1%}", f"{after['tau']:.2f}", f"{after['policy_tau']:.2f}", f"{speed['speedup']:.2f}x",
+                   f"{speed['speedup'] / speed['prompt_lookup_speedup']:.2f}x prompt lookup"):
+        assert figure in expect, figure
+    assert f"{speed['speedup']:.2f}x target.generate" in printed
+    everything = printed + captured.err + json.dumps(report) + card
+    assert "shared" not in everything and "loaded machine" not in everything  # the user's own run, in the user's terms
 
 
 # ---------------------------------------------------------------- several processes

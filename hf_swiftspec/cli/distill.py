@@ -1,5 +1,6 @@
 """`swiftspec distill`: the command line of tools/distill.py (train a draft that agrees with a target and
-write a pair folder). Defaults come from DistillConfig, TrainSettings and EvalSettings."""
+write a pair folder), and the pair's speed measurement, which runs `swiftspec bench` on the held-out prompts.
+Defaults come from DistillConfig, TrainSettings, EvalSettings and DataOptions."""
 
 from __future__ import annotations
 
@@ -7,19 +8,22 @@ import argparse
 import shlex
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 from ..tools.distill import DRAFT_KINDS, DistillConfig, EvalSettings, distill
-from ..tools.distill_train import TrainSettings
+from ..tools.distill_corpus import HUB_PREFIX, DataOptions
+from ..tools.distill_report import SPEED_FOLDER, Speed
+from ..tools.distill_train import DEFAULT_STEPS, TrainSettings
+from ..tools.options import add_tree_options, tree_overrides
 
-TRAIN_FLAGS = {"steps": int, "batch": int, "window": int, "lr": float, "warmup": int, "weight_decay": float,
-               "top_k": int, "seed": int}
+TRAIN_FLAGS = {"batch": int, "window": int, "lr": float, "warmup": int, "weight_decay": float, "top_k": int, "seed": int}
 EVAL_FLAGS = {"prompts": int, "new_tokens": int, "windows": int, "tree_budget": int, "draft_width": int,
               "draft_depth": int}
 
 
 def add_distill_parser(commands) -> None:
     parser = commands.add_parser(
-        "distill", help="train a draft (or an EAGLE-3 head) that agrees with a target and write a pair folder",
+        "distill", help="train a draft that agrees with a target and write a pair folder",
         description="Train a draft that agrees with TARGET (KL to its top-k next-token distribution) and write a "
                     "pair folder that SwiftSpecForCausalLM.from_pretrained loads.",
     )
@@ -27,24 +31,38 @@ def add_distill_parser(commands) -> None:
     parser.add_argument("output", help="pair folder to write (checkpoints go to OUTPUT/checkpoints)")
     parser.add_argument("--target", required=True, help="target Hub id or folder")
     parser.add_argument("--draft", default=defaults.draft, help=f"starting draft: {DRAFT_KINDS} (default: %(default)s)")
-    parser.add_argument("--data", nargs="+", default=[], metavar="FILE",
-                        help="text files, or .jsonl files with a 'text', 'prompt' (+ 'completion') or 'turns' field per line")
-    parser.add_argument("--self-distill", type=int, default=0, metavar="N", dest="self_distill_tokens",
-                        help="train on the target's own greedy continuations (N new tokens) of the records' prompts")
+    parser.add_argument("--data", nargs="+", default=[], metavar="SOURCE",
+                        help="text files, folders of them, .jsonl files (a 'text', 'prompt' (+ 'completion') or 'turns' "
+                             f"field a line), a folder a `datasets` dataset was saved to, or {HUB_PREFIX}ID for a dataset on the Hub")
+    parser.add_argument("--data-split", default=DataOptions.split, help="a dataset's split (default: %(default)s)")
+    parser.add_argument("--data-column", default=None,
+                        help="a dataset's (or jsonl's) text or messages column (default: text, messages, conversations or prompt)")
+    parser.add_argument("--data-limit", type=int, default=None, metavar="N", help="the first N records of each source")
+    parser.add_argument("--record-chars", type=int, default=DataOptions.record_chars,
+                        help="plain text is cut at line ends into records of at most this many characters (default: %(default)s)")
+    parser.add_argument("--self-distill", type=int, default=None, metavar="N", dest="self_distill_tokens",
+                        help="train on the target's own greedy answers (N new tokens) to every record's prompt; 0: never "
+                             "(default: the conversations' prompts are answered, plain text trains as it is)")
     parser.add_argument("--heldout-percent", type=int, default=defaults.heldout_percent,
                         help="records held out for the final measurement (default: %(default)s)")
-    parser.add_argument("--heldout-data", nargs="+", default=[], metavar="FILE",
-                        help="held-out records in files of their own (then --data is all training)")
+    parser.add_argument("--heldout-data", nargs="+", default=[], metavar="SOURCE",
+                        help="held-out records in sources of their own (then --data is all training)")
     parser.add_argument("--compare-draft", nargs="+", default=[], metavar="ID_OR_DIR", dest="compare_drafts",
                         help="other draft models to measure beside the distilled one, on the same held-out data")
     parser.add_argument("--eval-prompts-file", default=None, metavar="FILE",
                         help="held-out prompts for tau (text or .jsonl; default: the held-out records' prompts)")
+    parser.add_argument("--steps", type=int, default=None, help=f"training steps (default: {DEFAULT_STEPS}; not with --minutes)")
+    parser.add_argument("--minutes", type=float, default=None,
+                        help="the whole run's time: train as long as the other phases leave, the schedule sized to it")
     for name, kind in TRAIN_FLAGS.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=getattr(defaults.train, name),
                             help="(default: %(default)s)")
     for name, kind in EVAL_FLAGS.items():
         parser.add_argument(f"--eval-{name.replace('_', '-')}", type=kind, default=getattr(defaults.eval, name),
                             dest=f"eval_{name}", help="held-out measurement (default: %(default)s)")
+    add_tree_options(parser)  # the written pair's own tree settings; not given: the library's (the goodput policy)
+    parser.add_argument("--no-speed", dest="speed", action="store_false",
+                        help="do not time the pair against target.generate and prompt lookup at the end")
     parser.add_argument("--head-hidden", type=int, default=None, help="EAGLE-3 head width (default: the target's)")
     parser.add_argument("--head-depth", type=int, default=defaults.head_depth,
                         help="EAGLE-3 training-time test levels (default: %(default)s)")
@@ -56,21 +74,45 @@ def add_distill_parser(commands) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--push-to-hub", default=None, metavar="REPO_ID", help="upload the pair folder to this Hub repo")
     parser.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
-    parser.add_argument("--quiet", action="store_true", help="no progress line")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
 def distill_config(args: argparse.Namespace) -> DistillConfig:
-    train = TrainSettings(**{name: getattr(args, name) for name in TRAIN_FLAGS})
+    train = TrainSettings(steps=args.steps, minutes=args.minutes, **{name: getattr(args, name) for name in TRAIN_FLAGS})
     evaluation = replace(EvalSettings(), **{name: getattr(args, f"eval_{name}") for name in EVAL_FLAGS})
+    data_options = DataOptions(split=args.data_split, column=args.data_column, limit=args.data_limit,
+                               record_chars=args.record_chars)
     return DistillConfig(
-        target=args.target, output=args.output, data=tuple(args.data), draft=args.draft, train=train, eval=evaluation,
-        self_distill_tokens=args.self_distill_tokens, heldout_percent=args.heldout_percent,
+        target=args.target, output=args.output, data=tuple(args.data), data_options=data_options, draft=args.draft,
+        train=train, eval=evaluation, self_distill_tokens=args.self_distill_tokens, heldout_percent=args.heldout_percent,
         heldout_data=tuple(args.heldout_data), compare_drafts=tuple(args.compare_drafts),
-        eval_prompts_file=args.eval_prompts_file, head_hidden=args.head_hidden, head_depth=args.head_depth,
-        save_every=args.save_every, resume=args.resume, force=args.force, device=args.device, dtype=args.dtype,
-        push_to_hub=args.push_to_hub, private=args.private, verbose=not args.quiet,
+        eval_prompts_file=args.eval_prompts_file, pair_settings=tree_overrides(args), head_hidden=args.head_hidden,
+        head_depth=args.head_depth, save_every=args.save_every, resume=args.resume, force=args.force, device=args.device,
+        dtype=args.dtype, push_to_hub=args.push_to_hub, private=args.private, verbose=not args.quiet,
         command=shlex.join(["swiftspec", *sys.argv[1:]]) if sys.argv[1:2] == ["distill"] else None,
     )
+
+
+def bench_speed(pair, prompts_file: Path, folder: Path, config: DistillConfig) -> Speed:
+    """The written pair against target.generate and prompt lookup on the held-out prompts: `swiftspec bench`
+    (interleaved, greedy, every output checked against target.generate's), its files under OUTPUT/bench/."""
+    import torch
+
+    from ..bench import BenchConfig, BenchModels, run_bench
+
+    settings = {name: getattr(pair.config, name) for name in ("tree_budget", "draft_width", "draft_depth")}
+    models = BenchModels(pair.target, pair.draft, pair.tokenizer, name=folder.name, settings=settings)
+    prompts = sum(1 for line in prompts_file.read_text().splitlines() if line.strip())
+    threads = torch.get_num_threads() if pair.target.device.type == "cpu" else None
+    report = run_bench(BenchConfig(
+        models=models, prompts=(str(prompts_file),), num_prompts=max(prompts - 1, 1), max_new_tokens=config.eval.new_tokens,
+        methods=("target", "prompt_lookup", "swiftspec_serial"), output_dir=str(folder / SPEED_FOLDER), threads=threads,
+        chat_template=False, growth_check_tokens=0, progress=config.verbose,
+    ))
+    methods = {m.name: m for m in report.sets[0].at(1)}
+    ours, lookup = methods["swiftspec_serial"], methods["prompt_lookup"]
+    return Speed(len(report.sets[0].prompts), config.eval.new_tokens, ours.speedup.mean, lookup.speedup.mean,
+                 ours.tau.mean, threads, SPEED_FOLDER)
 
 
 def run_distill(args: argparse.Namespace) -> int:
@@ -80,14 +122,19 @@ def run_distill(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise ValueError(f"--threads {args.threads} must be at least 1.")
         torch.set_num_threads(args.threads)
-    result = distill(distill_config(args))
+    result = distill(distill_config(args), speed=bench_speed if args.speed else None)
     if result is None:  # a rank other than 0 under torchrun: rank 0 reports
         return 0
     b, a = result.before, result.after
-    print(f"wrote pair {result.folder} ({result.steps} steps, {result.train_tokens:,} training tokens)")
-    print(f"held-out top-1 agreement {b.agreement:.1%} -> {a.agreement:.1%}; tau {b.tau:.2f} -> {a.tau:.2f} "
-          f"({a.new_tokens} tokens from {a.prompts} held-out prompts); identical to target.generate: {a.identical}")
+    print(f"wrote pair {result.folder} ({result.steps} steps in {result.training_seconds / 60:.1f} minutes, "
+          f"{result.train_tokens:,} training tokens)")
+    print(f"held-out top-1 agreement {b.agreement:.1%} -> {a.agreement:.1%}; tau {b.tau:.2f} -> {a.tau:.2f} with a fixed tree, "
+          f"{a.policy_tau:.2f} under the pair's own settings ({a.new_tokens} tokens from {a.prompts} held-out prompts); "
+          f"identical to target.generate: {a.identical}")
     for name, other in result.compared.items():
         print(f"beside it, {name}: top-1 agreement {other.agreement:.1%}, tau {other.tau:.2f}; identical: {other.identical}")
-    print(f"measured on a shared, loaded machine: {result.seconds_per_step:.3f} s/step, peak RSS {result.peak_rss_mib:.0f} MiB")
+    if result.speed is not None:
+        s = result.speed
+        print(f"speed on {s.prompts} held-out prompts: {s.speedup:.2f}x target.generate, {s.over_prompt_lookup:.2f}x prompt "
+              f"lookup ({result.folder / s.files})")
     return 0 if a.identical else 1

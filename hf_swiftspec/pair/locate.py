@@ -152,6 +152,7 @@ class PairMember:
     revision: str | None
     is_local: bool
     entry: str
+    pair_folder: Path | None = None  # where a relative entry was looked for first (errors say so)
 
 
 def pair_members(config: SwiftSpecConfig, folder: Path | None = None) -> dict[str, PairMember]:
@@ -164,7 +165,8 @@ def pair_members(config: SwiftSpecConfig, folder: Path | None = None) -> dict[st
         if inside is not None and inside.is_dir():
             members[role] = PairMember(role, str(inside), revision, True, entry)
         else:
-            members[role] = PairMember(role, entry, revision, os.path.isdir(entry) or looks_like_path(entry), entry)
+            is_local = os.path.isdir(entry) or looks_like_path(entry)
+            members[role] = PairMember(role, entry, revision, is_local, entry, folder if inside is not None else None)
     return members
 
 
@@ -198,6 +200,10 @@ def unreachable_member(member: PairMember, hub: HubOptions, err: BaseException) 
         )
     elif os.path.isdir(member.location):
         hint = f"the folder {member.location} holds no model transformers can load"
+    elif member.pair_folder is not None:
+        hint = (f"no such folder relative to the pair folder ({os.path.abspath(member.pair_folder / member.entry)}) nor to "
+                f"the working directory ({os.path.abspath(member.entry)}); a pair moved away from a member it names by a "
+                f"relative path loses it: set field {member.role!r} to the member's absolute path or Hub id")
     else:
         hint = f"the folder {member.location} does not exist"
     return PairConfigError(f"Cannot load the {member.role} from field {member.role!r}={member.entry!r}: {reason}; {hint}.")

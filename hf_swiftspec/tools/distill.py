@@ -1,50 +1,49 @@
 """`swiftspec distill`: train a draft that agrees with the user's own target, and write a pair folder.
 
-    distill(DistillConfig(target="my/target", output="my-pair", draft="early-exit:2", data=("chat.jsonl",)))
+    distill(DistillConfig(target="my/target", output="my-pair", data=("corpus/",), train=TrainSettings(minutes=30)))
 
-1. check every input (numbers, the draft's vocabulary, the data, the output folder) before any weights load;
-2. load the target and the starting draft: an early exit of the target (its embeddings, first k layers,
-   final norm and head), a smaller causal LM sharing its tokenizer, or a new EAGLE-3 head;
-3. tokenise the data (distill_data.py: chat templates applied), or have the target continue the prompts
-   (self-distillation);
-4. train (distill_train.py: top-k KL to the target, checkpoints, --resume, Ctrl-C);
-5. measure the starting and the trained draft on held-out data (distill_report.py): teacher-forced top-1
-   agreement, and tau from the pair's own greedy generate with fixed tree settings (deterministic),
-   checked against target.generate token for token;
-6. write the pair folder (swiftspec pair create's layout: config.json, tokenizer, generation config, a
-   model card with the figures, the draft under draft/) and optionally push it to the Hub.
+1. check every input (numbers, the draft's vocabulary, the data, the output folder) and read the data
+   (distill_corpus.py) before any weights load;
+2. load the target and the starting draft (distill_drafts.py: by default a new small model of the target's
+   architecture), time a trial step and a trial generation, and print the run's plan with its ETA;
+3. tokenise the data (distill_data.py: chat templates applied), and have the target answer the
+   conversations' prompts (self-distillation);
+4. measure the starting draft on held-out data (distill_eval.py);
+5. train (distill_train.py: top-k KL to the target, for --steps or as many as --minutes allow, checkpoints,
+   --resume, Ctrl-C);
+6. measure the trained draft (with fixed trees, and as the pair will run), write the pair folder
+   (distill_report.py: `swiftspec pair create`'s layout and settings, a model card saying what to expect),
+   time it against target.generate and prompt lookup when given a `speed` function (the command line's
+   runs `swiftspec bench`), and optionally push it to the Hub.
+
+Every phase shows its progress and the whole run's ETA (distill_progress.py).
 """
 
 from __future__ import annotations
 
+import json
 import os
-import re
 import sys
-from dataclasses import asdict
+import time
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from ..pair import HubOptions, PairConfigError, check_compatibility, load_tokenizer
-from .distill_data import (
-    Dataset,
-    DistillError,
-    encode,
-    even_windows,
-    read_records,
-    render,
-    self_distilled,
-    split_records,
-    token_stream,
-    tokenise,
-)
-from .distill_config import DRAFT_KINDS, DistillConfig, EvalSettings
-from .distill_report import DistillResult, draft_in_target_dtype, evaluate, push, write_pair
-from .distill_train import HeadStudent, ModelStudent, World, train
-from .eagle3_training import new_head_for
-from .models import truncated_draft
+from .distill_config import DRAFT_KINDS, SELF_DISTILL_AUTO_TOKENS, DistillConfig, EvalSettings
+from .distill_corpus import DistillError, read_records, split_records
+from .distill_data import Dataset, encode, even_windows, render, self_distilled, token_stream, tokenise, tokenise_all
+from .distill_drafts import describe_draft, early_exit_layers, small_shape, starting_draft
+from .distill_eval import References, draft_in_target_dtype, evaluate
+from .distill_progress import Clock, Progress
+from .distill_report import DistillResult, own_pair, push, rewrite_card, write_heldout_prompts, write_pair
+from .distill_train import HeadStudent, ModelStudent, World, autocast_for, train
 
 __all__ = ["DRAFT_KINDS", "DistillConfig", "EvalSettings", "distill"]
+
+SPEED_PROMPTS = 8  # held-out prompts the speed measurement times (of --eval-prompts)
 
 
 # ---------------------------------------------------------------- checks, before any weights load
@@ -52,12 +51,18 @@ __all__ = ["DRAFT_KINDS", "DistillConfig", "EvalSettings", "distill"]
 
 def check_numbers(config: DistillConfig) -> None:
     t, e = config.train, config.eval
-    positive = {"--steps": t.steps, "--batch": t.batch, "--top-k": t.top_k, "--save-every": config.save_every,
-                "--eval-prompts": e.prompts, "--eval-new-tokens": e.new_tokens, "--eval-windows": e.windows,
-                "--head-depth": config.head_depth}
+    positive = {"--batch": t.batch, "--top-k": t.top_k, "--save-every": config.save_every, "--eval-prompts": e.prompts,
+                "--eval-new-tokens": e.new_tokens, "--eval-windows": e.windows, "--head-depth": config.head_depth,
+                "--record-chars": config.data_options.record_chars}
+    if t.steps is not None:
+        positive["--steps"] = t.steps
     for flag, value in positive.items():
         if value < 1:
             raise DistillError(f"{flag} {value}: must be at least 1.")
+    if t.minutes is not None and t.steps is not None:
+        raise DistillError(f"--steps {t.steps} and --minutes {t.minutes:g}: give one (a number of steps, or the run's minutes).")
+    if t.minutes is not None and t.minutes <= 0:
+        raise DistillError(f"--minutes {t.minutes:g}: must be positive.")
     if t.lr <= 0:
         raise DistillError(f"--lr {t.lr}: must be positive.")
     shortest = config.head_depth + 2 if config.draft == "eagle3" else 2
@@ -65,21 +70,8 @@ def check_numbers(config: DistillConfig) -> None:
         raise DistillError(f"--window {t.window}: must be at least {shortest} tokens.")
     if not 1 <= config.heldout_percent <= 50:
         raise DistillError(f"--heldout-percent {config.heldout_percent}: must be between 1 and 50.")
-    if config.self_distill_tokens < 0:
+    if config.self_distill_tokens is not None and config.self_distill_tokens < 0:
         raise DistillError(f"--self-distill {config.self_distill_tokens}: a number of new tokens, 0 (off) or more.")
-
-
-def early_exit_layers(spec: str) -> int | None:
-    """K of "early-exit:K" ("early-exit" alone: 1), or None for another kind of draft."""
-    match = re.fullmatch(r"early-exit(?::(\d+))?", spec)
-    if match is None:
-        if spec.startswith("early-exit"):
-            raise DistillError(f"--draft {spec!r}: write early-exit:K with K the number of the target's layers to keep.")
-        return None
-    layers = int(match.group(1) or 1)
-    if layers < 1:
-        raise DistillError(f"--draft {spec!r}: keep at least one layer (early-exit:1).")
-    return layers
 
 
 def check_output(folder: Path, config: DistillConfig) -> None:
@@ -116,6 +108,15 @@ def check_push(config: DistillConfig) -> None:
         )
 
 
+def check_pair_settings(settings: dict) -> None:
+    from ..config import SwiftSpecConfig
+
+    try:
+        SwiftSpecConfig(**settings)
+    except (TypeError, ValueError) as err:
+        raise DistillError(f"the pair's tree settings {settings}: {err}") from err
+
+
 def target_config_and_tokenizer(target: str):
     from transformers import AutoConfig
 
@@ -142,6 +143,33 @@ def check_draft_model(spec: str, target_config, tokenizer) -> None:
         check_compatibility(target_config, draft_config, tokenizer, load_tokenizer(spec, None, HubOptions()))
     except PairConfigError as err:
         raise DistillError(f"--draft {spec!r} cannot draft for the target: {err}") from err
+
+
+def check_inputs(config: DistillConfig, world: World) -> tuple[list, list, object]:
+    """Every check that needs no weights (DistillError naming the value and the fix); returns the training and
+    held-out records and the target's tokenizer."""
+    check_numbers(config)
+    check_pair_settings(config.pair_settings)
+    layers = early_exit_layers(config.draft)
+    small_shape(config.draft)  # refuses a malformed small:... now
+    check_push(config)
+    if world.writes:
+        check_output(Path(config.output), config)
+    records = read_records(config.data, config.data_options)
+    if config.heldout_data:
+        train_records, heldout_records = records, read_records(config.heldout_data, config.data_options)
+    else:
+        train_records, heldout_records = split_records(records, config.heldout_percent)
+    target_config, tokenizer = target_config_and_tokenizer(config.target)
+    if layers is not None:
+        total = target_config.get_text_config(decoder=True).num_hidden_layers
+        if layers >= total:
+            raise DistillError(f"--draft early-exit:{layers}: the target has {total} layers; keep fewer (early-exit:1 to {total - 1}).")
+    elif config.draft != "eagle3" and small_shape(config.draft) is None:
+        check_draft_model(config.draft, target_config, tokenizer)
+    for other in config.compare_drafts:
+        check_draft_model(other, target_config, tokenizer)
+    return train_records, heldout_records, tokenizer
 
 
 # ---------------------------------------------------------------- models and data
@@ -172,51 +200,133 @@ def load_target(location: str, device: torch.device, dtype: torch.dtype):
     return target
 
 
-def starting_draft(config: DistillConfig, target, device: torch.device):
-    """The draft to train, in float32 (the optimizer's master weights)."""
-    layers = early_exit_layers(config.draft)
-    if layers is not None:
-        try:
-            draft = truncated_draft(target, layers)
-            draft.name_or_path = draft.config.name_or_path = ""  # built in memory: the pair stores it under draft/, not at the target's path
-        except AttributeError as err:
-            raise DistillError(f"--draft early-exit: cannot cut {type(target).__name__}'s layers ({err}); use another --draft.") from err
-        return draft.float().requires_grad_(True)
-    if config.draft == "eagle3":
-        return new_head_for(target, hidden=config.head_hidden, seed=config.train.seed).to(device=device, dtype=torch.float32)
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(config.draft, dtype=torch.float32).to(device)
+def to_answer(config: DistillConfig, records: list) -> tuple[list, int]:
+    """(the records the target answers, the new tokens of each answer): under auto, the conversations."""
+    if config.self_distill_tokens is None:
+        return [r for r in records if r.messages is not None], SELF_DISTILL_AUTO_TOKENS
+    return (records if config.self_distill_tokens else []), config.self_distill_tokens
 
 
-def split(config: DistillConfig, records) -> tuple[list, list]:
-    """(training, held-out) records: --heldout-data's files, else a hash-chosen share of --data."""
-    if config.heldout_data:
-        return records, read_records(config.heldout_data)
-    return split_records(records, config.heldout_percent)
-
-
-def prepare_data(config: DistillConfig, records, tokenizer, target) -> Dataset:
-    train_records, heldout_records = split(config, records)
-    if config.self_distill_tokens:
-        train = self_distilled(train_records, tokenizer, target, config.self_distill_tokens)
-        heldout = self_distilled(heldout_records, tokenizer, target, config.self_distill_tokens)
-    else:
-        train = [tokenise(r, tokenizer) for r in train_records]
-        heldout = [tokenise(r, tokenizer) for r in heldout_records]
-    return Dataset(train, heldout, tuple(config.data))
+def prepare_data(config: DistillConfig, train_records, heldout_records, tokenizer, target, progress: Progress) -> tuple[Dataset, int]:
+    """The tokenised data, the records the target answers replaced by its answers; and how many it answered."""
+    answered_records, new_tokens = to_answer(config, train_records)
+    answered_heldout, _ = to_answer(config, heldout_records)
+    answer_ids = {id(r) for r in answered_records + answered_heldout}
+    plain_train = [r for r in train_records if id(r) not in answer_ids]
+    plain_heldout = [r for r in heldout_records if id(r) not in answer_ids]
+    progress.start("tokenise", len(plain_train) + len(plain_heldout), "records")
+    train, heldout = tokenise_all(plain_train, tokenizer, progress), tokenise_all(plain_heldout, tokenizer, progress)
+    progress.finish()
+    if answered_records or answered_heldout:
+        progress.start("self-distill", len(answered_records) + len(answered_heldout), "prompts")
+        train += self_distilled(answered_records, tokenizer, target, new_tokens, progress)
+        heldout += self_distilled(answered_heldout, tokenizer, target, new_tokens, progress)
+        progress.finish()
+    return Dataset(train, heldout), len(answered_records)
 
 
 def eval_prompts(config: DistillConfig, data: Dataset, tokenizer) -> list[list[int]]:
     """Held-out prompts: from --eval-prompts-file, else each held-out record's prompt (a text's first tokens)."""
     if config.eval_prompts_file:
+        records = read_records([config.eval_prompts_file], replace(config.data_options, record_chars=1 << 30))
         templated = bool(getattr(tokenizer, "chat_template", None))
-        records = read_records([config.eval_prompts_file])
         prompts = [encode(tokenizer, render(r, tokenizer, True)[0] or r.text, templated and r.messages is not None) for r in records]
     else:
         prompts = [s.ids[: s.prompt] if s.prompt else s.ids[: max(min(config.eval.prompt_tokens, len(s.ids) // 2), 1)]
                    for s in data.heldout]
     return [p for p in prompts if p][: config.eval.prompts]
+
+
+# ---------------------------------------------------------------- the plan of the run
+
+
+@dataclass
+class Trial:
+    """What the run's first ETA is sized from: one training step's forward and backward (no update), one target
+    generation of the held-out measurement's length, and the tokenizer on the first records, timed before any
+    phase starts."""
+
+    step_s: float
+    generate_s: float
+    tokenise_s: float  # all the records'
+
+
+def tokenise_seconds(records: list, tokenizer, clock: Clock, sample_chars: int = 200_000) -> float:
+    """The records' tokenising time, from the first of them (up to `sample_chars` characters)."""
+    sample, chars = [], 0
+    for record in records:
+        if chars >= sample_chars:
+            break
+        sample.append(record)
+        chars += len(record.text or json.dumps(record.messages))
+    started = clock()
+    for record in sample:
+        tokenise(record, tokenizer)
+    total = sum(len(r.text or json.dumps(r.messages)) for r in records)
+    return (clock() - started) * total / max(chars, 1)
+
+
+def trial(student, config: DistillConfig, records: list, tokenizer, world: World, dtype: torch.dtype, clock: Clock) -> Trial:
+    target = student.target
+    vocab = target.get_input_embeddings().num_embeddings
+    ids = torch.randint(0, vocab, (max(config.train.batch // world.size, 1), config.train.window),
+                        generator=torch.Generator().manual_seed(0)).to(target.device)
+    started = clock()
+    loss, _ = student.step(ids, autocast_for(dtype, target.device))
+    loss.backward()
+    step_s = clock() - started
+    for p in student.module.parameters():
+        p.grad = None
+    prompt = ids[:1, : config.eval.prompt_tokens]
+    started = clock()
+    with torch.no_grad():
+        target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=config.eval.new_tokens,
+                        min_new_tokens=config.eval.new_tokens, do_sample=False)
+    generate_s = clock() - started
+    return Trial(step_s, generate_s, tokenise_seconds(records, tokenizer, clock))
+
+
+def estimates(config: DistillConfig, trial: Trial, answers: int, answer_tokens: int, timed: bool, spent: float) -> dict[str, float]:
+    """Seconds each phase is expected to take (training: --steps' at the trial's step; under --minutes, what is
+    left of them after the `spent` seconds and the other phases)."""
+    e = config.eval
+    generation = trial.generate_s
+    found = {"tokenise": trial.tokenise_s}
+    if answers:
+        found["self-distill"] = -(-answers // 8) * generation * answer_tokens / e.new_tokens * 1.5
+    # the reference, then the pair with a draft that may agree with nothing yet: each token a round of draft_depth
+    # draft forwards and a verification
+    found["evaluate-start"] = e.prompts * (2 + e.draft_depth) * generation + e.windows / 4 * trial.step_s / 3
+    found["train"] = 0.0
+    found["evaluate-end"] = (e.prompts * 2 * generation + e.windows / 4 * trial.step_s / 3) * (1 + len(config.compare_drafts))
+    if timed:
+        found["speed"] = (min(SPEED_PROMPTS, e.prompts) + 1) * 3 * generation
+    if config.train.minutes is None:
+        found["train"] = config.train.fixed_steps * trial.step_s * 1.05  # the optimizer's update and bookkeeping
+    else:
+        found["train"] = config.train.minutes * 60 - spent - sum(found.values())
+    return found
+
+
+def training_budget(config: DistillConfig, progress: Progress, run_started: float, clock: Clock) -> float | None:
+    """Under --minutes: the training's seconds, what the run has left after what it spent and the phases after
+    training are expected to take."""
+    if config.train.minutes is None:
+        return None
+    after = sum(s for name, s in progress.estimates.items() if name in ("evaluate-end", "speed"))
+    return config.train.minutes * 60 - (clock() - run_started) - after
+
+
+def check_budget(config: DistillConfig, expected: dict[str, float]) -> None:
+    if config.train.minutes is None:
+        return
+    others = sum(s for name, s in expected.items() if name != "train")
+    if others >= config.train.minutes * 60 * 0.9:
+        raise DistillError(
+            f"--minutes {config.train.minutes:g}: the run's other phases (tokenising, measuring the draft before and after, "
+            f"timing the pair) are expected to take about {others / 60:.1f} minutes here, leaving no time to train; give "
+            "more minutes, or fewer --eval-prompts / --eval-new-tokens."
+        )
 
 
 # ---------------------------------------------------------------- the whole run
@@ -226,29 +336,8 @@ def fingerprint(config: DistillConfig) -> dict:
     """What a checkpoint must have been trained with for --resume to continue it."""
     return {"target": config.target, "draft": config.draft, "data": list(config.data), "head_depth": config.head_depth,
             "self_distill_tokens": config.self_distill_tokens, "heldout_percent": config.heldout_percent,
-            "head_hidden": config.head_hidden, "heldout_data": list(config.heldout_data), "dtype": config.dtype, **asdict(config.train)}
-
-
-def check_inputs(config: DistillConfig, world: World) -> tuple[list, object]:
-    """Every check that needs no weights (DistillError naming the value and the fix); returns the data's
-    records and the target's tokenizer."""
-    check_numbers(config)
-    layers = early_exit_layers(config.draft)
-    check_push(config)
-    if world.writes:
-        check_output(Path(config.output), config)
-    records = read_records(config.data)
-    split(config, records)  # refuses too few records now, not after loading
-    target_config, tokenizer = target_config_and_tokenizer(config.target)
-    if layers is not None:
-        total = target_config.get_text_config(decoder=True).num_hidden_layers
-        if layers >= total:
-            raise DistillError(f"--draft early-exit:{layers}: the target has {total} layers; keep fewer (early-exit:1 to {total - 1}).")
-    elif config.draft != "eagle3":
-        check_draft_model(config.draft, target_config, tokenizer)
-    for other in config.compare_drafts:
-        check_draft_model(other, target_config, tokenizer)
-    return records, tokenizer
+            "head_hidden": config.head_hidden, "heldout_data": list(config.heldout_data), "dtype": config.dtype,
+            "data_options": asdict(config.data_options), **asdict(config.train)}
 
 
 def peak_rss_mib() -> float:
@@ -261,42 +350,90 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / scale
 
 
-def distill(config: DistillConfig, on_step=None) -> DistillResult | None:
+# speed(pair, prompts_file, output_folder) -> Speed: the written pair timed against target.generate and prompt lookup
+SpeedFunction = Callable[..., object]
+
+
+def distill(config: DistillConfig, on_step=None, speed: SpeedFunction | None = None, clock: Clock = time.monotonic,
+            stream=None) -> DistillResult | None:
     """Run `swiftspec distill` (see the module docstring); returns what it measured and where it wrote (None
-    on ranks other than 0). on_step(history) runs after each training step (tests interrupt a run from it)."""
+    on ranks other than 0). on_step(history) runs after each training step (tests interrupt a run from it);
+    speed: times the written pair (the command line passes `swiftspec bench`'s); clock and stream: the time
+    and where progress goes (tests give their own)."""
+    run_started = clock()
     world = World.from_env()
-    records, tokenizer = check_inputs(config, world)
+    progress = Progress(config.verbose and world.writes, clock, stream)
+    progress.note(f"reading the data ({', '.join(map(str, config.data)) or 'none given'}) and checking the inputs")
+    train_records, heldout_records, tokenizer = check_inputs(config, world)
     folder = Path(config.output)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
+    progress.note(f"{len(train_records):,} records to train on, {len(heldout_records):,} held out; loading {config.target}")
     target = load_target(config.target, device, dtype)
-    draft = starting_draft(config, target, device)
+    draft = starting_draft(config.draft, target, config.train.seed, config.head_hidden)
+    described = describe_draft(config.draft, draft)
     student = (HeadStudent(draft, target, config.train.top_k, config.head_depth) if config.draft == "eagle3"
                else ModelStudent(draft, target, config.train.top_k))
-    data = prepare_data(config, records, tokenizer, target)
-    stream = token_stream(data.train, tokenizer.eos_token_id)
-    if stream.numel() <= config.train.window:
+    answers, answer_tokens = to_answer(config, train_records + heldout_records)
+    tried = trial(student, config, train_records + heldout_records, tokenizer, world, dtype, clock)
+    expected = estimates(config, tried, len(answers), answer_tokens, speed is not None and world.writes, clock() - run_started)
+    check_budget(config, expected)
+    length = f"{config.train.fixed_steps} steps" if config.train.minutes is None else "until the minutes are spent"
+    progress.note(f"starting draft: {described}")
+    progress.plan(expected, {"train": f"train {length}"})
+
+    data, answered = prepare_data(config, train_records, heldout_records, tokenizer, target, progress)
+    stream_ids = token_stream(data.train, tokenizer.eos_token_id)
+    if stream_ids.numel() <= config.train.window:
         raise DistillError(
-            f"the training data holds {stream.numel()} tokens, fewer than one --window of {config.train.window}: "
+            f"the training data holds {stream_ids.numel()} tokens, fewer than one --window of {config.train.window}: "
             "give more data or a shorter --window."
         )
     heldout = token_stream(data.heldout, tokenizer.eos_token_id)
     windows = even_windows(heldout, config.eval.windows, min(config.train.window, heldout.numel()))
     prompts = eval_prompts(config, data, tokenizer)
+    references = References()
 
-    before = evaluate(draft_in_target_dtype(student), tokenizer, windows, prompts, config.eval) if world.writes else None
-    history = train(student, stream, config.train, folder / "checkpoints", fingerprint(config), resume=config.resume,
-                    save_every=config.save_every, dtype=dtype, world=world, on_step=on_step, verbose=config.verbose)
+    before = None
+    if world.writes:
+        started = clock()
+        before = evaluate(draft_in_target_dtype(student), tokenizer, windows, prompts, config.eval, references, progress,
+                          "evaluate-start", clock=clock)
+        spent = clock() - started
+        # afterwards: no references to compute; per prompt the pair with a fixed tree and under its own settings,
+        # and each --compare-draft with a fixed tree, each about as long as target.generate (a trained draft)
+        progress.expect("evaluate-end", tried.step_s * len(windows) / 12 * (1 + len(config.compare_drafts))
+                        + len(prompts) * references.generate_s * (2 + len(config.compare_drafts)))
+        if "speed" in progress.estimates:
+            progress.expect("speed", (min(SPEED_PROMPTS, len(prompts)) + 1) * 3 * references.generate_s)
+    budget_s = training_budget(config, progress, run_started, clock)
+    if budget_s is not None:
+        progress.expect("train", budget_s)
+    history = train(student, stream_ids, config.train, folder / "checkpoints", fingerprint(config), progress,
+                    resume=config.resume, save_every=config.save_every, dtype=dtype, world=world, on_step=on_step,
+                    clock=clock, step_s=tried.step_s, budget_s=budget_s)
     result = None
     if world.writes:
-        after = evaluate(draft_in_target_dtype(student), tokenizer, windows, prompts, config.eval)
-        compared = {other: evaluate(ModelStudent(load_target(other, device, dtype), target, config.train.top_k),
-                                    tokenizer, windows, prompts, config.eval) for other in config.compare_drafts}
-        result = DistillResult(folder, history.step, int(stream.numel()), len(data.heldout), before, after,
-                               history.seconds_per_step, peak_rss_mib(), compared)
+        measured = draft_in_target_dtype(student)
+        after = evaluate(measured, tokenizer, windows, prompts, config.eval, references, progress, "evaluate-end",
+                         own_pair=own_pair(config, measured, tokenizer), clock=clock)
+        compared = {other: evaluate(ModelStudent(load_target(other, device, dtype), target, config.train.top_k), tokenizer,
+                                    windows, prompts, config.eval, references, Progress(False), "evaluate-end")
+                    for other in config.compare_drafts}
+        result = DistillResult(folder, history.step, int(stream_ids.numel()), len(data.heldout), before, after,
+                               history.seconds_per_step, history.seconds, peak_rss_mib(), described, compared,
+                               self_distilled=answered)
         student.module.to(dtype)  # trained in float32 (the optimizer's weights), written in the run's dtype
         write_pair(config, student, tokenizer, result)
+        prompts_file = write_heldout_prompts(folder, prompts[:SPEED_PROMPTS + 1], tokenizer)
+        if speed is not None:
+            progress.start("speed", 1, "bench runs")
+            result.speed = speed(own_pair(config, student, tokenizer), prompts_file, folder, config)
+            progress.advance()
+            progress.finish()
+            rewrite_card(config, result)
         if config.push_to_hub:
             push(folder, config.push_to_hub, config.private)
     world.barrier()
     return result
+

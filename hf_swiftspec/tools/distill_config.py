@@ -1,11 +1,17 @@
-"""What `swiftspec distill` is asked to do: DistillConfig (with TrainSettings and EvalSettings), which the
-command's options fill and a checkpoint's settings are compared with on --resume."""
+"""What `swiftspec distill` is asked to do: DistillConfig (with TrainSettings, EvalSettings and DataOptions),
+which the command's options fill and a checkpoint's settings are compared with on --resume."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from .distill_corpus import DataOptions
+from .distill_drafts import DRAFT_KINDS
 from .distill_train import TrainSettings
+
+__all__ = ["DRAFT_KINDS", "DataOptions", "DistillConfig", "EvalSettings", "TrainSettings"]
+
+SELF_DISTILL_AUTO_TOKENS = 256  # the target's answer to a conversation, at most (and at most its context)
 
 
 @dataclass(frozen=True)
@@ -22,24 +28,27 @@ class EvalSettings:
     ngram_size: int = 0  # 0: the draft's proposals alone, so tau measures the draft
 
 
-DRAFT_KINDS = "early-exit:K (the target's first K layers), eagle3 (a new EAGLE-3 head), or a causal LM's Hub id or folder"
-
-
 @dataclass(frozen=True)
 class DistillConfig:
     """Everything `swiftspec distill` does; the command's defaults come from here."""
 
     target: str
     output: str
-    data: tuple[str, ...] = ()
-    draft: str = "early-exit:1"  # DRAFT_KINDS
+    data: tuple[str, ...] = ()  # text files, folders, .jsonl files, saved datasets, hf:ID (distill_corpus.py)
+    data_options: DataOptions = DataOptions()
+    draft: str = "small"  # DRAFT_KINDS
     train: TrainSettings = TrainSettings()
     eval: EvalSettings = EvalSettings()
-    self_distill_tokens: int = 0  # > 0: train on the target's own greedy continuations of the records' prompts
+    # None (auto): the target answers the conversations (their assistant turns become its own, up to
+    # SELF_DISTILL_AUTO_TOKENS tokens), plain text trains as it is; 0: off; N: every record's prompt, N new tokens
+    self_distill_tokens: int | None = None
     heldout_percent: int = 10
     heldout_data: tuple[str, ...] = ()  # held-out records in files of their own (then `data` is all training)
     compare_drafts: tuple[str, ...] = ()  # other draft models measured beside, on the same held-out data
     eval_prompts_file: str | None = None  # held-out prompts for tau (text lines or jsonl); default: from the data
+    # The written pair's SwiftSpecConfig tree settings (tree_budget, draft_width, draft_depth); those not given stay
+    # the library's (tree_budget None: the goodput policy sizes each tree), as `swiftspec pair create` leaves them.
+    pair_settings: dict = field(default_factory=dict)
     head_hidden: int | None = None  # EAGLE-3 head width (default: the target's)
     head_depth: int = 3  # levels of training-time test
     save_every: int = 100

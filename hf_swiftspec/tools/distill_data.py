@@ -1,143 +1,37 @@
-"""What `swiftspec distill` trains on: records read from text and jsonl files, rendered through the
-tokenizer's chat template where it has one, optionally continued by the target itself
-(self-distillation), split into training and held-out, and tokenised.
-
-A record is one document: a plain text file is one record; a jsonl line is one record with a "text"
-field (used as it is), or a "prompt" field (with an optional "completion" or "response") or a "turns"
-field (a list of messages: strings alternating user / assistant, or {"role", "content"} dicts).
+"""What `swiftspec distill` trains on, from the records distill_corpus.py read: rendered through the
+tokenizer's chat template where it has one, tokenised, optionally answered by the target itself
+(self-distillation), and packed into one token stream that training draws windows from.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-
-class DistillError(ValueError):
-    """Bad input to `swiftspec distill`: the message names the value and the fix."""
-
-
-@dataclass(frozen=True)
-class Record:
-    """One document. messages: a conversation (role/content dicts) or None for plain text;
-    open_ended: it ends with the user's turn, so the target may continue it (self-distillation)."""
-
-    source: str  # "file:line", for errors and the split
-    text: str | None
-    messages: tuple[dict, ...] | None = None
-
-    @property
-    def open_ended(self) -> bool:
-        return self.messages is not None and self.messages[-1]["role"] == "user"
+from .distill_corpus import Record
+from .distill_progress import Progress
 
 
 @dataclass
 class Sequence:
     """A tokenised record: ids (list of ints); prompt: how many of its first ids are the prompt (what a
-    held-out tau measurement gives the pair), 0 for plain text."""
+    held-out tau measurement gives the pair), 0 for plain text; follows: it continues the previous sequence's
+    document (packed with no end-of-sequence token between them)."""
 
     ids: list[int]
     prompt: int
+    follows: bool = False
 
 
 @dataclass
 class Dataset:
     train: list[Sequence]
     heldout: list[Sequence]
-    files: tuple[str, ...]
 
     @property
     def train_tokens(self) -> int:
         return sum(len(s.ids) for s in self.train)
-
-
-# ---------------------------------------------------------------- reading files
-
-
-def read_records(paths) -> list[Record]:
-    """Every record of `paths` (text or .jsonl files), in order; DistillError for a missing file, a bad
-    line, or no records at all."""
-    records = []
-    for path in map(Path, paths):
-        if not path.is_file():
-            raise DistillError(f"--data {path}: no such file; give text or .jsonl files.")
-        if path.suffix == ".jsonl":
-            records += jsonl_records(path)
-        else:
-            text = path.read_text(encoding="utf-8", errors="replace")
-            if text.strip():
-                records.append(Record(str(path), text))
-    if not records:
-        listed = ", ".join(map(str, paths)) or "none given"
-        raise DistillError(
-            f"no training data: the --data files ({listed}) hold no text. Give text files, or .jsonl files with a "
-            "'text', 'prompt' or 'turns' field per line."
-        )
-    return records
-
-
-def jsonl_records(path: Path) -> list[Record]:
-    records = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            data = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise DistillError(f"{where} is not valid JSON ({err}); each line of a .jsonl file is one JSON object.") from err
-        records.append(record_of(data, where))
-    return records
-
-
-def record_of(data, where: str) -> Record:
-    if not isinstance(data, dict):
-        raise DistillError(f"{where}: a line must be a JSON object, got {type(data).__name__}.")
-    if isinstance(data.get("text"), str):
-        return Record(where, data["text"])
-    if isinstance(data.get("prompt"), str):
-        messages = [{"role": "user", "content": data["prompt"]}]
-        answer = data.get("completion", data.get("response"))
-        if isinstance(answer, str):
-            messages.append({"role": "assistant", "content": answer})
-        return Record(where, None, tuple(messages))
-    if isinstance(data.get("turns"), list) and data["turns"]:
-        return Record(where, None, tuple(message_of(turn, i, where) for i, turn in enumerate(data["turns"])))
-    raise DistillError(
-        f"{where}: no 'text' (a string), 'prompt' (a string) or 'turns' (a non-empty list) field; got keys {sorted(data)}."
-    )
-
-
-def message_of(turn, index: int, where: str) -> dict:
-    if isinstance(turn, str):
-        return {"role": "user" if index % 2 == 0 else "assistant", "content": turn}
-    if isinstance(turn, dict) and isinstance(turn.get("content"), str) and turn.get("role"):
-        return {"role": turn["role"], "content": turn["content"]}
-    raise DistillError(f"{where}: turn {index} must be a string or a {{'role', 'content'}} object, got {turn!r}.")
-
-
-def is_heldout(record: Record, percent: int) -> bool:
-    """A stable `percent`% of records, chosen by a hash of their content (not their order)."""
-    content = record.text if record.text is not None else json.dumps(record.messages)
-    return int(hashlib.sha1(content.encode()).hexdigest(), 16) % 100 < percent
-
-
-def split_records(records: list[Record], percent: int) -> tuple[list[Record], list[Record]]:
-    """(training, held-out); with fewer than two records in either, the last record is held out."""
-    heldout = [r for r in records if is_heldout(r, percent)]
-    train = [r for r in records if not is_heldout(r, percent)]
-    if not heldout or not train:
-        if len(records) < 2:
-            raise DistillError(
-                f"only {len(records)} record in the data: distill needs at least two, one to train on and one held out "
-                "to measure agreement and tau on."
-            )
-        train, heldout = records[:-1], records[-1:]
-    return train, heldout
 
 
 # ---------------------------------------------------------------- tokenising
@@ -162,42 +56,74 @@ def render(record: Record, tokenizer, continue_it: bool) -> tuple[str, str]:
 
 def encode(tokenizer, text: str, templated: bool) -> list[int]:
     # A chat template writes its own special tokens (BOS among them); plain text gets the tokenizer's.
-    return tokenizer(text, add_special_tokens=not templated).input_ids
+    # verbose=False: a record longer than the model's context is fine here (training reads windows of it), so
+    # transformers' "Token indices sequence length is longer than ..." warning does not apply.
+    return tokenizer(text, add_special_tokens=not templated, verbose=False).input_ids
+
+
+def templated(record: Record, tokenizer) -> bool:
+    return record.messages is not None and bool(getattr(tokenizer, "chat_template", None))
 
 
 def tokenise(record: Record, tokenizer) -> Sequence:
-    templated = record.messages is not None and bool(getattr(tokenizer, "chat_template", None))
     prompt, full = render(record, tokenizer, continue_it=False)
-    ids = encode(tokenizer, full, templated)
-    return Sequence(ids, len(encode(tokenizer, prompt, templated)) if prompt else 0)
+    ids = encode(tokenizer, full, templated(record, tokenizer))
+    return Sequence(ids, len(encode(tokenizer, prompt, templated(record, tokenizer))) if prompt else 0)
+
+
+def tokenise_all(records: list[Record], tokenizer, progress: Progress) -> list[Sequence]:
+    """Every record tokenised, in order, each piece of a document marked as following the one before it."""
+    sequences = []
+    for i, record in enumerate(records):
+        sequence = tokenise(record, tokenizer)
+        before = records[i - 1] if i else None
+        sequence.follows = bool(before is not None and record.document and before.document == record.document
+                                and record.part == before.part + 1 and record.messages is None)
+        if sequence.follows and tokenizer.bos_token_id is not None and sequence.ids[:1] == [tokenizer.bos_token_id]:
+            sequence.ids = sequence.ids[1:]  # the tokenizer's BOS begins a document, not each of its pieces
+        sequences.append(sequence)
+        progress.advance()
+    return sequences
+
+
+# ---------------------------------------------------------------- self-distillation
+
+
+def self_distill_prompt(record: Record, tokenizer, longest: int) -> list[int]:
+    """A record's prompt for the target to answer: a conversation up to its last user turn, through the chat
+    template with its generation prompt; a text's first half; at most `longest` tokens (its last ones)."""
+    if record.messages is not None:
+        ids = encode(tokenizer, render(record, tokenizer, continue_it=True)[0], templated(record, tokenizer))
+    else:
+        ids = encode(tokenizer, record.text, False)
+        ids = ids[: max(len(ids) // 2, 1)]
+    return ids[-longest:]
 
 
 @torch.no_grad()
-def self_distilled(records: list[Record], tokenizer, target, new_tokens: int, batch: int = 8) -> list[Sequence]:
-    """Each record's prompt (a conversation ending with the user, through the chat template; or a text's
-    first half) continued greedily by `target` for `new_tokens` tokens: the text the draft then learns is
-    the target's own, which is what verification accepts."""
-    prompts = []
-    for record in records:
-        if record.messages is not None:
-            templated = bool(getattr(tokenizer, "chat_template", None))
-            prompts.append(encode(tokenizer, render(record, tokenizer, continue_it=True)[0], templated))
-        else:
-            ids = encode(tokenizer, record.text, False)
-            prompts.append(ids[: max(len(ids) // 2, 1)])
+def self_distilled(records: list[Record], tokenizer, target, new_tokens: int, progress: Progress, batch: int = 8) -> list[Sequence]:
+    """Each record's prompt (self_distill_prompt) continued greedily by `target` for `new_tokens` tokens: the
+    text the draft then learns is the target's own, which is what verification accepts."""
+    context = getattr(target.config.get_text_config(decoder=True), "max_position_embeddings", None) or 1 << 30
+    longest = max(context - new_tokens, 1)
+    prompts = [self_distill_prompt(r, tokenizer, longest) for r in records]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     stops = stop_ids(target, tokenizer)
-    sequences = []
-    for start in range(0, len(prompts), batch):
-        rows = prompts[start : start + batch]
+    # Prompts of like length batch together (less padding); the sequences come back in the records' order.
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    answered: dict[int, Sequence] = {}
+    for start in range(0, len(order), batch):
+        chosen = order[start : start + batch]
+        rows = [prompts[i] for i in chosen]
         width = max(len(r) for r in rows)
         ids = torch.tensor([[pad or 0] * (width - len(r)) + r for r in rows], device=target.device)
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=target.device)
         out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
                               pad_token_id=pad)
-        for row, prompt in zip(out[:, width:].tolist(), rows):
-            sequences.append(Sequence(prompt + until_stop(row, stops), len(prompt)))
-    return sequences
+        for i, row, prompt in zip(chosen, out[:, width:].tolist(), rows):
+            answered[i] = Sequence(prompt + until_stop(row, stops), len(prompt))
+        progress.advance(len(chosen))
+    return [answered[i] for i in range(len(prompts))]
 
 
 def stop_ids(target, tokenizer) -> set[int]:
@@ -215,11 +141,19 @@ def until_stop(row: list[int], stops: set[int]) -> list[int]:
     return row
 
 
+# ---------------------------------------------------------------- the stream and its windows
+
+
 def token_stream(sequences: list[Sequence], eos: int | None) -> torch.Tensor:
-    """(N,) the sequences one after another, an end-of-sequence token between documents."""
+    """(N,) the sequences one after another, an end-of-sequence token between documents (none between the
+    pieces of one document that follow each other)."""
     ids = []
-    for s in sequences:
-        ids += s.ids + ([eos] if eos is not None else [])
+    for i, s in enumerate(sequences):
+        if i and not s.follows and eos is not None:
+            ids.append(eos)
+        ids += s.ids
+    if eos is not None and sequences:
+        ids.append(eos)
     return torch.tensor(ids, dtype=torch.long)
 
 

@@ -1,33 +1,37 @@
-"""What `swiftspec distill` measures and writes: the held-out measurement of a draft (teacher-forced
-top-1 agreement, tau from the pair's own generate with fixed tree settings), the pair folder with its
-model card and distill.json, and the upload to the Hub."""
+"""What `swiftspec distill` writes: the pair folder (the draft, config.json with the pair's own tree settings,
+the tokenizer), its model card with what to expect of the pair, distill.json, and the upload to the Hub."""
 
 from __future__ import annotations
 
-import copy
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
-
 from ..drafters.eagle3 import save_eagle3_head
-from ..pair import PairCard
-from .distill_config import DistillConfig, EvalSettings
+from ..pair import PairCard, pinned, write_pair_repo
+from .distill_config import SELF_DISTILL_AUTO_TOKENS, DistillConfig
+from .distill_eval import Evaluation
+
+HELDOUT_PROMPTS = "heldout_prompts.jsonl"  # in the pair folder: the held-out prompts, for `swiftspec bench --prompts`
+SPEED_FOLDER = "bench"  # in the pair folder: what the speed measurement wrote (results.json, results.md)
 
 
 @dataclass
-class Evaluation:
-    """A draft measured on held-out data."""
+class Speed:
+    """The written pair timed side by side with target.generate and prompt lookup on the held-out prompts
+    (`swiftspec bench`, greedy, every output checked against target.generate's)."""
 
-    agreement: float  # teacher-forced: the draft's argmax is the target's, share of held-out positions
-    kl: float  # the training objective on the held-out windows
-    tau: float  # tokens per target verification, greedy, EvalSettings' tree
-    new_tokens: int
-    verify_steps: int
     prompts: int
-    identical: bool  # every continuation equalled target.generate's
+    new_tokens: int
+    speedup: float  # the pair's tokens/s over target.generate's
+    prompt_lookup_speedup: float  # prompt lookup's over target.generate's
+    tau: float  # the pair's, under its own settings
+    threads: int | None
+    files: str  # the folder the bench wrote, relative to the pair
+
+    @property
+    def over_prompt_lookup(self) -> float:
+        return self.speedup / self.prompt_lookup_speedup
 
 
 @dataclass
@@ -39,61 +43,45 @@ class DistillResult:
     before: Evaluation
     after: Evaluation
     seconds_per_step: float
+    training_seconds: float
     peak_rss_mib: float
+    starting_draft: str  # in words (distill_drafts.describe_draft)
     compared: dict[str, Evaluation] = field(default_factory=dict)  # --compare-draft's, by location
+    speed: Speed | None = None
+    self_distilled: int = 0  # records the target answered
 
 
-# ---------------------------------------------------------------- held-out measurement
+# ---------------------------------------------------------------- the card
 
 
-@torch.no_grad()
-def evaluate(student, tokenizer, windows: torch.Tensor, prompts: list[list[int]], settings: EvalSettings) -> Evaluation:
-    """Teacher-forced agreement and KL on `windows` (C, L), and tau on `prompts` from the pair's greedy
-    generate with settings' fixed tree, each continuation checked against target.generate."""
-    from contextlib import nullcontext
-
-    from ..modeling import SwiftSpecForCausalLM
-
-    target, draft = student.target, student.module
-    draft.eval()
-    scores = [student.step(windows[i : i + 4].to(target.device), nullcontext()) for i in range(0, len(windows), 4)]
-    sizes = [len(windows[i : i + 4]) for i in range(0, len(windows), 4)]
-    kl = sum(float(s[0]) * n for s, n in zip(scores, sizes)) / sum(sizes)
-    agree = sum(float(s[1]) * n for s, n in zip(scores, sizes)) / sum(sizes)
-    pair = SwiftSpecForCausalLM.from_models(
-        target, draft, tokenizer=tokenizer, tree_budget=settings.tree_budget, draft_width=settings.draft_width,
-        draft_depth=settings.draft_depth, ngram_size=settings.ngram_size,
-    )
-    new_tokens = verify_steps = 0
-    identical = True
-    for prompt in prompts:
-        ids = torch.tensor([prompt], device=target.device)
-        kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=settings.new_tokens, do_sample=False)
-        expected = target.generate(ids, **kwargs)
-        out = pair.generate(ids, **kwargs)
-        identical &= out.tolist() == expected.tolist()
-        new_tokens += pair.swiftspec_stats.new_tokens
-        verify_steps += pair.swiftspec_stats.verify_steps
-    return Evaluation(agree, kl, new_tokens / max(verify_steps, 1), new_tokens, verify_steps, len(prompts), identical)
-
-
-def draft_in_target_dtype(student):
-    """The draft for measuring: itself in float32 runs, else a copy in the target's dtype (the float32
-    master weights stay for training)."""
-    if student.target.dtype == torch.float32:
-        return student
-    twin = copy.copy(student)
-    twin.module = copy.deepcopy(student.module).to(student.target.dtype)
-    return twin
-
-
-# ---------------------------------------------------------------- the pair folder
+def expectations(config: DistillConfig, result: DistillResult) -> str:
+    a, e = result.after, config.eval
+    lines = [
+        f"- **Top-1 agreement with the target: {a.agreement:.1%}** (held-out text, teacher-forced).",
+        f"- **Tokens per target verification (tau): {a.tau:.2f}** with a fixed tree (tree_budget={e.tree_budget}, "
+        f"draft_width={e.draft_width}, draft_depth={e.draft_depth}, no suffix proposals: the draft alone, the same every run)"
+        + (f"; **{a.policy_tau:.2f}** under the pair's own settings (the goodput policy sizes each tree)" if a.policy_tau else "")
+        + f", greedy, {e.new_tokens} new tokens from each of {a.prompts} held-out prompts.",
+    ]
+    s = result.speed
+    if s is not None:
+        lines.append(
+            f"- **Speed-up: {s.speedup:.2f}x `target.generate`** and {s.over_prompt_lookup:.2f}x prompt lookup ({s.prompt_lookup_speedup:.2f}x "
+            f"`target.generate`), timed side by side by `swiftspec bench` on {s.prompts} held-out prompts x {s.new_tokens} tokens, greedy"
+            + (f", {s.threads} CPU thread(s)" if s.threads else "") + f", on the machine that distilled it (`{s.files}/`). "
+            "Speed-ups depend on the hardware: `swiftspec bench --pair` measures yours."
+        )
+    else:
+        lines.append(f"- Speed: not measured in this run; `swiftspec bench --pair {config.output} --prompts {config.output}/"
+                     f"{HELDOUT_PROMPTS} --methods target,prompt_lookup,swiftspec_serial` times it on the held-out prompts.")
+    lines.append(f"- Every continuation equalled `target.generate`'s token for token: {a.identical}.")
+    return "\n".join(lines)
 
 
 def card_for(config: DistillConfig, result: DistillResult) -> PairCard:
     b, a, e = result.before, result.after, config.eval
     table = (
-        "| draft | top-1 agreement | held-out KL | tau |\n|---|---|---|---|\n"
+        "| draft | top-1 agreement | held-out KL | tau (fixed tree) |\n|---|---|---|---|\n"
         f"| starting draft ({config.draft}) | {b.agreement:.1%} | {b.kl:.3f} | {b.tau:.2f} |\n"
         f"| distilled, {result.steps} steps | {a.agreement:.1%} | {a.kl:.3f} | {a.tau:.2f} |"
         + "".join(f"\n| `{name}` | {c.agreement:.1%} | {c.kl:.3f} | {c.tau:.2f} |" for name, c in result.compared.items())
@@ -101,67 +89,109 @@ def card_for(config: DistillConfig, result: DistillResult) -> PairCard:
     measured = (
         f"{table}\n\nTop-1 agreement: teacher-forced, the draft's most likely next token is the target's, over "
         f"{e.windows} held-out windows of {config.train.window} tokens. tau: tokens per target verification in greedy "
-        f"generation of {e.new_tokens} new tokens from {a.prompts} held-out prompts (tree_budget={e.tree_budget}, "
-        f"draft_width={e.draft_width}, draft_depth={e.draft_depth}, ngram_size={e.ngram_size}: fixed, so deterministic); "
-        f"output identical to target.generate: {a.identical}."
+        f"generation of {e.new_tokens} new tokens from {a.prompts} held-out prompts with a fixed tree (tree_budget={e.tree_budget}, "
+        f"draft_width={e.draft_width}, draft_depth={e.draft_depth}, ngram_size={e.ngram_size}), so it depends on the draft alone."
     )
     t = config.train
     data = ", ".join(f"`{Path(p).name}`" for p in config.data)
-    source = (f"the target's own greedy continuations ({config.self_distill_tokens} tokens) of the prompts in {data}"
-              if config.self_distill_tokens else data)
+    tokens = config.self_distill_tokens or SELF_DISTILL_AUTO_TOKENS
+    source = data + (f", the prompts of {result.self_distilled} of its records continued by the target itself (its greedy "
+                     f"continuations, {tokens} tokens at most)" if result.self_distilled else "")
+    length = f"{result.steps} steps" + (f" ({t.minutes:g} minutes)" if t.minutes is not None else "")
     training = (
-        f"Distilled with `swiftspec distill` from {source}: {result.train_tokens:,} training tokens, "
-        f"{result.heldout_sequences} held-out records ({config.heldout_percent}% by a hash of their content). "
-        f"{result.steps} steps of {t.batch} x {t.window}-token windows, AdamW (lr {t.lr}, warm-up {t.warmup}, cosine), "
-        f"KL to the target's top-{t.top_k} next-token distribution plus a tail bucket"
-        + (f", {config.head_depth} levels of EAGLE-3's training-time test" if config.draft == "eagle3" else "")
+        f"Distilled with `swiftspec distill` from {result.starting_draft}, on {source}: {result.train_tokens:,} training "
+        f"tokens, {result.heldout_sequences} held-out records. {length} of {t.batch} x {t.window}-token windows, "
+        f"AdamW (lr {t.lr}, warm-up {t.warmup}, cosine), KL to the target's top-{t.top_k} next-token distribution plus a "
+        "tail bucket" + (f", {config.head_depth} levels of EAGLE-3's training-time test" if config.draft == "eagle3" else "")
         + f", seed {t.seed}."
     )
-    sections = [("Measured on held-out data", measured), ("Training", training)]
+    sections = [("What to expect", expectations(config, result)), ("Measured on held-out data", measured), ("Training", training)]
     if config.command:
         sections.append(("Reproduce", f"```bash\n{config.command}\n```"))
     return PairCard(
         title=f"SwiftSpec pair: {config.target} with a distilled draft",
-        summary=(f"Lossless tree speculative decoding for `{config.target}` with a draft distilled to agree with it "
-                 f"({'an EAGLE-3 head' if config.draft == 'eagle3' else config.draft}). Outputs are exactly the target's own."),
+        summary=(f"Lossless tree speculative decoding for `{config.target}` with a draft distilled to agree with it. "
+                 "Outputs are exactly the target's own."),
         tags=("distilled",), sections=tuple(sections),
     )
 
 
-def write_pair(config: DistillConfig, student, tokenizer, result: DistillResult) -> Path:
-    """The pair folder: draft/ (the draft model with the tokenizer, or the head in the speculators layout),
-    config.json naming the target (a folder relative to the pair, or a pinned Hub id), README.md, tokenizer."""
+# ---------------------------------------------------------------- the pair folder
+
+
+def target_entry(target: str) -> str:
+    """How config.json names the target: a local folder by its absolute path (the pair then loads wherever it is
+    moved or copied to, as long as the target stays), a Hub id as it is (pinned to a commit by write_pair)."""
+    path = Path(target)
+    return str(path.resolve()) if path.is_dir() else target
+
+
+def write_draft(config: DistillConfig, student, tokenizer) -> None:
+    """draft/: the draft model with the tokenizer, or the head in the speculators layout."""
+    folder = Path(config.output) / "draft"
+    if config.draft == "eagle3":
+        save_eagle3_head(student.module, folder, "speculators")
+    else:
+        student.module.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+
+
+def own_pair(config: DistillConfig, student, tokenizer):
+    """The pair as written: the pair's own settings (config.pair_settings over the library's), the draft under draft/."""
     from ..modeling import SwiftSpecForCausalLM
 
+    pair = SwiftSpecForCausalLM.from_models(student.target, student.module, tokenizer=tokenizer, **config.pair_settings)
+    pair.config.target, pair.config.draft = target_entry(config.target), "draft"
+    return pair
+
+
+def write_pair(config: DistillConfig, student, tokenizer, result: DistillResult) -> Path:
+    """The pair folder: draft/, config.json (the target by absolute path or pinned Hub id, the draft as draft/, the
+    tree settings the user gave and the library's for the rest), README.md, tokenizer, distill.json."""
     folder = Path(config.output)
-    draft = student.module
-    if config.draft == "eagle3":
-        save_eagle3_head(draft, folder / "draft", "speculators")
-    else:
-        draft.save_pretrained(folder / "draft")
-        tokenizer.save_pretrained(folder / "draft")
-    pair = SwiftSpecForCausalLM.from_models(student.target, draft, tokenizer=tokenizer, tree_budget=config.eval.tree_budget,
-                                            draft_width=config.eval.draft_width)
-    local = Path(config.target).is_dir()
-    pair.config.target = os.path.relpath(Path(config.target).resolve(), folder.resolve()) if local else config.target
-    pair.config.draft = "draft"
-    pair.pair_folder = folder
-    pair.save_pretrained(folder, card=card_for(config, result), pin_revisions=not local,
-                         load_id=config.push_to_hub or str(folder))
-    (folder / "distill.json").write_text(json.dumps(result_json(config, result), indent=1) + "\n")
+    write_draft(config, student, tokenizer)
+    pair = own_pair(config, student, tokenizer)
+    settings = pair.config if Path(config.target).is_dir() else pinned(pair.config, folder)
+    write_pair_repo(folder, settings, card_for(config, result), tokenizer, pair.generation_config,
+                    config.push_to_hub or str(folder))
+    write_result(config, result)
     return folder
+
+
+def write_result(config: DistillConfig, result: DistillResult) -> None:
+    folder = Path(config.output)
+    (folder / "distill.json").write_text(json.dumps(result_json(config, result), indent=1) + "\n")
+
+
+def rewrite_card(config: DistillConfig, result: DistillResult) -> None:
+    """README.md and distill.json again, with what was measured after the pair was written (its speed)."""
+    from ..pair import load_pair_config, render_card
+
+    folder = Path(config.output)
+    settings = load_pair_config(folder, str(folder))
+    (folder / "README.md").write_text(render_card(settings, card_for(config, result), config.push_to_hub or str(folder), folder))
+    write_result(config, result)
 
 
 def result_json(config: DistillConfig, result: DistillResult) -> dict:
     return {
-        "target": config.target, "draft": config.draft, "data": list(config.data),
-        "self_distill_tokens": config.self_distill_tokens, "train": asdict(config.train), "eval": asdict(config.eval),
+        "target": config.target, "draft": config.draft, "starting_draft": result.starting_draft, "data": list(config.data),
+        "self_distill_tokens": config.self_distill_tokens, "self_distilled_records": result.self_distilled,
+        "train": asdict(config.train), "eval": asdict(config.eval), "pair_settings": dict(config.pair_settings),
         "steps": result.steps, "train_tokens": result.train_tokens, "heldout_records": result.heldout_sequences,
         "before": asdict(result.before), "after": asdict(result.after),
         "compared": {name: asdict(e) for name, e in result.compared.items()},
-        "measured_on_a_shared_loaded_machine": {"seconds_per_step": round(result.seconds_per_step, 3),
-                                                "peak_rss_mib": round(result.peak_rss_mib, 1)},
+        "speed": asdict(result.speed) if result.speed is not None else None,
+        "training_time": {"seconds": round(result.training_seconds, 1), "seconds_per_step": round(result.seconds_per_step, 3),
+                          "peak_rss_mib": round(result.peak_rss_mib, 1)},
     }
+
+
+def write_heldout_prompts(folder: Path, prompts: list[list[int]], tokenizer) -> Path:
+    """The held-out prompts as text, one {"prompt": ...} a line: what `swiftspec bench --prompts` reads."""
+    path = folder / HELDOUT_PROMPTS
+    path.write_text("".join(json.dumps({"prompt": tokenizer.decode(p, skip_special_tokens=True)}) + "\n" for p in prompts))
+    return path
 
 
 def push(folder: Path, repo_id: str, private: bool) -> None:

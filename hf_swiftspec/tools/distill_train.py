@@ -1,6 +1,7 @@
 """The training loop of `swiftspec distill`: the objective (KL to the target's top-k next-token
-distribution), students (a draft model, an EAGLE-3 head), checkpoints that resume exactly, a progress
-line, and rank 0 alone writing under torchrun.
+distribution), students (a draft model, an EAGLE-3 head), the plan of a run (fixed steps, or as many as
+--minutes allow), checkpoints that resume exactly (a Ctrl-C inside a step included), and rank 0 alone
+writing under torchrun.
 
 The objective: at each position the target's distribution is kept as its k most likely tokens plus one
 tail bucket holding the rest of its mass, and the student's distribution is folded the same way (its
@@ -15,9 +16,12 @@ import json
 import math
 import os
 import shutil
-import sys
+import signal
+import statistics
+import threading
 import time
-from contextlib import nullcontext
+from collections import deque
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -26,7 +30,9 @@ import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 from ..drafters.eagle3 import FeatureTap
-from .distill_data import DistillError, random_windows
+from .distill_corpus import DistillError
+from .distill_data import random_windows
+from .distill_progress import Clock, Progress
 from .eagle3_training import ttt_levels
 
 
@@ -141,9 +147,10 @@ class HeadStudent:
 class TrainSettings:
     """What decides the trained weights (a checkpoint records them; --resume refuses others)."""
 
-    steps: int = 400
+    steps: int | None = None  # None: DEFAULT_STEPS, or as many as `minutes` allow
+    minutes: float | None = None  # train until this many minutes of training are spent (the schedule sized to it)
     batch: int = 8  # windows per step, over all ranks
-    window: int = 128  # tokens per window
+    window: int = 256  # tokens per window
     lr: float = 3e-3
     warmup: int = 20
     weight_decay: float = 0.0
@@ -151,11 +158,22 @@ class TrainSettings:
     top_k: int = 64
     seed: int = 0
 
-    def learning_rate(self, step: int) -> float:
+    @property
+    def fixed_steps(self) -> int | None:
+        """The run's steps when they are fixed in advance (None under `minutes`)."""
+        if self.minutes is not None:
+            return None
+        return DEFAULT_STEPS if self.steps is None else self.steps
+
+    def learning_rate(self, step: int, total: int) -> float:
+        """Linear warm-up, then a cosine from lr to lr * min_lr_ratio at step `total`."""
         if step < self.warmup:
             return self.lr * (step + 1) / self.warmup
-        progress = min((step - self.warmup) / max(self.steps - self.warmup, 1), 1.0)
+        progress = min((step - self.warmup) / max(total - self.warmup, 1), 1.0)
         return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+DEFAULT_STEPS = 400
 
 
 @dataclass(frozen=True)
@@ -200,13 +218,16 @@ class World:
 
 @dataclass
 class History:
-    """Per-step figures, saved in checkpoints so that a resumed run reports the whole run."""
+    """Per-step figures, saved in checkpoints so that a resumed run reports (and plans) the whole run."""
 
     step: int = 0
     losses: list[float] = field(default_factory=list)
     agreements: list[float] = field(default_factory=list)
-    seconds: float = 0.0  # wall time of the steps taken, over all resumed segments (a report, never a decision)
+    learning_rates: list[float] = field(default_factory=list)
+    seconds: float = 0.0  # wall time of training so far, over all resumed segments
     timed_steps: int = 0
+    planned: int = 0  # the steps the run means to take: fixed, or (under --minutes) what the time left allowed when last planned
+    budget_s: float | None = None  # --minutes: the training seconds the first segment was given
 
     @property
     def seconds_per_step(self) -> float:
@@ -218,28 +239,76 @@ class History:
         return sum(losses) / max(len(losses), 1), sum(agree) / max(len(agree), 1)
 
 
-class Progress:
-    """One line on stderr, rewritten in place on a terminal (a line every `every` steps elsewhere):
-    step, loss and agreement over the last 50 steps, time per step, ETA."""
+class Interrupts:
+    """Ctrl-C (SIGINT) raises KeyboardInterrupt at once, except while `updating()` holds (the optimizer writing
+    the weights, and the step's bookkeeping): then as it ends. So a Ctrl-C lands either before a step's update,
+    and the step is dropped whole, or after it; the checkpoint it writes never holds half a step. Only the main
+    thread can take signals; elsewhere the handler is left as it is."""
 
-    def __init__(self, total: int, first: int, enabled: bool, every: int = 25):
-        self.total, self.first, self.enabled, self.every = total, first, enabled, every
-        self.start = time.monotonic()
-        self.tty = sys.stderr.isatty()
+    def __init__(self):
+        self.holding = self.pending = False
+        self.previous = None
 
-    def update(self, history: History) -> None:
-        if not self.enabled or not (self.tty or history.step % self.every == 0 or history.step == self.total):
-            return
-        loss, agree = history.recent()
-        per_step = (time.monotonic() - self.start) / max(history.step - self.first, 1)
-        eta = per_step * (self.total - history.step)
-        line = (f"distill: step {history.step}/{self.total}  loss {loss:.4f}  top-1 agreement {agree:.1%}  "
-                f"{per_step:.2f} s/step  ETA {int(eta // 60)}m{int(eta % 60):02d}s")
-        print(f"\r{line}" if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
+    def __enter__(self) -> "Interrupts":
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not None:
+            self.previous = signal.signal(signal.SIGINT, self.handle)
+        return self
 
-    def note(self, message: str) -> None:
-        if self.enabled:
-            print(("\n" if self.tty else "") + f"distill: {message}", file=sys.stderr, flush=True)
+    def __exit__(self, *exc) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+
+    def handle(self, signum, frame) -> None:
+        if self.holding:
+            self.pending = True
+        else:
+            raise KeyboardInterrupt
+
+    @contextmanager
+    def updating(self):
+        self.holding = True
+        try:
+            yield
+        finally:
+            self.holding = False
+        if self.pending:
+            self.pending = False
+            raise KeyboardInterrupt
+
+
+@dataclass
+class Plan:
+    """How many steps a run takes: settings.fixed_steps, or under --minutes as many as the time left allows at the
+    median of the last steps' seconds, planned again after every step (so that the cosine ends when the time does,
+    however the machine's speed changes)."""
+
+    settings: TrainSettings
+    step_s: float | None = None  # the seconds one step is expected to take before any is measured (a trial step)
+    budget_s: float | None = None  # under --minutes: the training's seconds
+    recent: deque = field(default_factory=lambda: deque(maxlen=9))  # the last steps' seconds
+
+    def start(self, history: History) -> None:
+        if self.settings.fixed_steps is not None:
+            history.planned = self.settings.fixed_steps
+        elif history.budget_s is None:  # (a resumed run keeps the first segment's budget)
+            history.budget_s = self.settings.minutes * 60 if self.budget_s is None else self.budget_s
+            history.planned = self.steps_left(history, self.step_s) if self.step_s else 0
+
+    def steps_left(self, history: History, step_s: float) -> int:
+        return history.step + max(int((history.budget_s - history.seconds) / max(step_s, 1e-9)), 0)
+
+    def took(self, history: History, seconds: float) -> None:
+        """A step ended after `seconds`; under --minutes, plan again."""
+        self.recent.append(seconds)
+        if self.settings.fixed_steps is None:
+            history.planned = self.steps_left(history, statistics.median(self.recent))
+
+    def done(self, history: History) -> bool:
+        if self.settings.fixed_steps is not None:
+            return history.step >= history.planned
+        if history.step == 0 and not history.planned:
+            return history.budget_s <= 0
+        return history.step >= history.planned or history.seconds >= history.budget_s
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -320,14 +389,18 @@ def autocast_for(dtype: torch.dtype, device: torch.device):
 
 
 def train(student, stream: torch.Tensor, settings: TrainSettings, checkpoints: Path, fingerprint: dict,
-          resume: bool = False, save_every: int = 100, dtype: torch.dtype = torch.float32, world: World = World(),
-          on_step: Callable[[History], None] | None = None, verbose: bool = True) -> History:
-    """Train `student` on windows of `stream` (N,) for settings.steps steps; returns the run's history.
+          progress: Progress, resume: bool = False, save_every: int = 100, dtype: torch.dtype = torch.float32,
+          world: World = World(), on_step: Callable[[History], None] | None = None, clock: Clock = time.monotonic,
+          step_s: float | None = None, budget_s: float | None = None) -> History:
+    """Train `student` on windows of `stream` (N,) for settings' steps (or minutes); returns the run's history.
 
     Every `save_every` steps, at the end, and on KeyboardInterrupt (Ctrl-C, then re-raised) rank 0 writes
     a checkpoint under `checkpoints`; resume=True starts from the latest one there and, with the same
-    settings and seed, ends with exactly the weights of an uninterrupted run. on_step(history) runs after
-    each step (tests interrupt a run from it).
+    settings and seed, ends with exactly the weights of an uninterrupted run (a Ctrl-C inside a step drops
+    that step whole: its windows are drawn again on resume). on_step(history) runs after each step (tests
+    interrupt a run from it). clock: the time, for --minutes and the progress line (tests give their own);
+    step_s: a trial step's seconds, to plan a --minutes run before its first step; budget_s: its training
+    seconds (default: all of settings.minutes).
     """
     module = student.module
     device = next(module.parameters()).device
@@ -336,13 +409,12 @@ def train(student, stream: torch.Tensor, settings: TrainSettings, checkpoints: P
     optimizer = make_optimizer(student, settings)
     params = [p for _, p in student.trainable()]
     history = History()
-    if resume:
-        found = checkpoint_folders(checkpoints)
-        if found:
-            history = load_checkpoint(found[-1], module, optimizer, data_rng, fingerprint)
-    progress = Progress(settings.steps, history.step, verbose and world.writes)
-    if history.step:
+    found = checkpoint_folders(checkpoints) if resume else []
+    if found:
+        history = load_checkpoint(found[-1], module, optimizer, data_rng, fingerprint)
         progress.note(f"resumed from {found[-1]} at step {history.step}")
+    plan = Plan(settings, step_s, budget_s)
+    plan.start(history)
     autocast = autocast_for(dtype, device)
     module.train()
 
@@ -351,32 +423,62 @@ def train(student, stream: torch.Tensor, settings: TrainSettings, checkpoints: P
             where = save_checkpoint(checkpoints, module, optimizer, data_rng, history, fingerprint)
             progress.note(f"checkpoint {where}")
 
-    try:
-        while history.step < settings.steps:
-            started = time.monotonic()
-            for group in optimizer.param_groups:
-                group["lr"] = settings.learning_rate(history.step)
-            ids = random_windows(stream, settings.batch, settings.window, data_rng)[world.rank :: world.size].to(device)
-            loss, agree = student.step(ids, autocast)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            world.average_gradients(params)
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            history.step += 1
-            history.timed_steps += 1
-            history.seconds += time.monotonic() - started
-            history.losses.append(loss.item())
-            history.agreements.append(agree.item())
-            progress.update(history)
-            if on_step is not None:
-                on_step(history)
-            if history.step % save_every == 0 and history.step < settings.steps:
-                checkpoint()
-    except KeyboardInterrupt:
-        progress.note(f"interrupted at step {history.step}; writing a last checkpoint (continue with --resume)")
-        checkpoint()
-        raise
+    progress.start("train", history.planned, "steps",
+                   left=history.budget_s - history.seconds if history.budget_s is not None else None)
+    progress.phase.done = history.step
+    with Interrupts() as interrupts:
+        try:
+            while not plan.done(history):
+                one_step(student, stream, settings, optimizer, params, data_rng, history, plan, autocast, world,
+                         interrupts, clock)
+                progress.retotal(history.planned)
+                loss, agree = history.recent()
+                left = history.budget_s - history.seconds if history.budget_s is not None else None
+                progress.advance(1, f"loss {loss:.4f}  top-1 agreement {agree:.1%}  {history.seconds_per_step:.2f} s/step", left)
+                if on_step is not None:
+                    on_step(history)
+                if history.step % save_every == 0 and not plan.done(history):
+                    started = clock()
+                    checkpoint()
+                    history.seconds += clock() - started
+        except KeyboardInterrupt:
+            progress.note(f"interrupted at step {history.step}; writing a last checkpoint (continue with --resume)")
+            checkpoint()
+            raise
     checkpoint()
+    progress.finish(f"loss {history.recent()[0]:.4f}, top-1 agreement {history.recent()[1]:.1%} over the last 50 steps")
     module.eval()
     return history
+
+
+def one_step(student, stream, settings: TrainSettings, optimizer, params, data_rng: torch.Generator, history: History,
+             plan: Plan, autocast, world: World, interrupts: Interrupts, clock: Clock) -> None:
+    """One optimizer step on a batch of windows. A KeyboardInterrupt before its update puts the random states
+    back as the step found them, so the checkpoint that follows resumes with this very step."""
+    started = clock()
+    states = data_rng.get_state(), torch.get_rng_state()
+    lr = settings.learning_rate(history.step, history.planned)
+    try:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        ids = random_windows(stream, settings.batch, settings.window, data_rng)[world.rank :: world.size]
+        loss, agree = student.step(ids.to(next(student.module.parameters()).device), autocast)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        world.average_gradients(params)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        loss, agree = loss.item(), agree.item()
+    except KeyboardInterrupt:
+        data_rng.set_state(states[0])
+        torch.set_rng_state(states[1])
+        raise
+    with interrupts.updating():
+        optimizer.step()
+        history.step += 1
+        history.timed_steps += 1
+        history.losses.append(loss)
+        history.agreements.append(agree)
+        history.learning_rates.append(lr)
+        seconds = clock() - started
+        history.seconds += seconds
+        plan.took(history, seconds)
