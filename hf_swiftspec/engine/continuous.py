@@ -29,9 +29,10 @@ import contextlib
 import queue
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
+from ..config import MAX_BUDGET
 from ..steps.cache import keep_order
 from ..stats import RoundRecord, SwiftSpecStats
 from ..steps.verify import StopRule, Verified, split_criteria
@@ -106,6 +107,11 @@ class Member:
     def budget(self) -> int:
         return self.request.max_new_tokens - len(self.result.tokens)
 
+    @property
+    def positions(self) -> int:
+        """Cache positions its row may reach: its prompt, its new tokens and the largest tree."""
+        return self.request.prompt.shape[1] + self.request.max_new_tokens + MAX_BUDGET
+
 
 @dataclass(eq=False)
 class Joining:
@@ -167,6 +173,11 @@ class ContinuousEngine:
     build:         builds (TargetWorker, Drafters) for one request's row (launch.build_workers)
     finish:        called on the engine's thread with (request, result) when a row is done (output history)
     latency_guard: whether the policy caps each round's tree size for its slowest row (policy/guard.py)
+
+    Set by a server after building it (serving/admission.py):
+    max_positions: the most cache positions the batch holds (rows x the largest row's `Member.positions`); a
+                   request past it waits in arrival order (`held`) until rows leave (None: no limit)
+    on_start:      called with a request's key on the engine's thread when its row starts (its prefill)
     """
 
     def __init__(self, target, draft, policy, build, finish=None, latency_guard: bool = True):
@@ -189,6 +200,10 @@ class ContinuousEngine:
         self.guarded_rows = 0  # over those rounds, the rows it was lowered for (each round's RoundPlan.guarded)
         self.thread: threading.Thread | None = None
         self.closed = False
+        self.max_positions: int | None = None
+        self.on_start = None
+        self.held: deque[Member] = deque()  # requests taken from `waiting` that do not fit yet, in arrival order
+        self.plain_rounds = 0  # rounds that verified every row's root alone (a plain step of the batch)
 
     # ------------------------------------------------------------------ callers' side
     def decode(self, request: DecodeRequest, key: str | None = None) -> DecodeResult:
@@ -201,6 +216,12 @@ class ContinuousEngine:
             )
         if request.max_new_tokens == 0:
             return DecodeResult(rows=[RowResult()], end=0, stats=SwiftSpecStats(engine="continuous"))
+        need = request.prompt.shape[1] + request.max_new_tokens + MAX_BUDGET
+        if self.max_positions is not None and need > self.max_positions:
+            raise ValueError(
+                f"This request needs {need} cache positions (its prompt, max_tokens and a {MAX_BUDGET}-node tree); the "
+                f"running batch holds at most {self.max_positions} (--cache-positions). Ask for fewer tokens."
+            )
         with self.lock:
             if self.closed:
                 raise RuntimeError("the continuous engine was closed; start a new one")
@@ -262,7 +283,8 @@ class ContinuousEngine:
                         self.guarded(self.one_round)
         except BaseException as error:  # nothing may wait for a thread that is gone
             joining, self.joining = [j.member for j in self.joining], []
-            self.fail(list(self.rows.members.values()) + joining + self.waiting_members(), error)
+            held, self.held = list(self.held), deque()
+            self.fail(list(self.rows.members.values()) + joining + held + self.waiting_members(), error)
             raise
         finally:
             self.end_batch()
@@ -278,20 +300,45 @@ class ContinuousEngine:
                 members.append(member)
 
     def admit(self, block: bool) -> bool:
-        """Take in every request waiting (waiting for one when `block`); False once the engine closes."""
+        """Take in every request waiting that fits (waiting for one when `block` and none is held); False once
+        the engine closes."""
+        closing = False
         while True:
             try:
-                member = self.waiting.get(block=block)
+                member = self.waiting.get(block=block and not self.held)
             except queue.Empty:
-                return True
+                break
             if member is None:
-                return self.drain()
-            self.guarded(lambda m=member: self.join(m), members=[member])
+                closing = True
+                break
+            self.held.append(member)
             block = False
+        self.start_held()
+        return self.drain() if closing else True
+
+    def start_held(self) -> None:
+        """Start the held requests, in arrival order, while the next one fits (a cancelled one leaves)."""
+        for member in [m for m in self.held if m.cancelled.is_set()]:
+            self.held.remove(member)
+            member.done.set()  # its decode() raises RequestCancelled
+        while self.held and self.fits(self.held[0]):
+            member = self.held.popleft()
+            if self.on_start is not None:
+                self.on_start(member.key)
+            self.guarded(lambda m=member: self.join(m), members=[member])
+
+    def fits(self, member: Member) -> bool:
+        """Whether the batch can take `member`'s row within max_positions (its caches are rows x the largest
+        row's positions)."""
+        if self.max_positions is None:
+            return True
+        rows = [self.rows.members[i] for i in self.rows.live] + [j.member for j in self.joining] + [member]
+        return len(rows) * max(m.positions for m in rows) <= self.max_positions
 
     def drain(self) -> bool:
-        """After close(): run the rows held (and joining) to their end."""
-        while self.rows.live or self.joining:
+        """After close(): run the rows held (and joining, and waiting for room) to their end."""
+        while self.rows.live or self.joining or self.held:
+            self.start_held()
             self.prefill_pieces()
             if self.rows.live:
                 self.guarded(self.one_round)
@@ -361,7 +408,9 @@ class ContinuousEngine:
     def one_round(self) -> None:
         """The round of engine/rounds.py over every row held, then the rows that are done leave."""
         self.rounds_by_batch[len(self.rows.live)] += 1
+        first = self.rows.members[self.rows.live[0]]
         keep = rounds.one_round(self.sides, self.rows)
+        self.plain_rounds += bool(first.rounds) and first.rounds[-1].budget == 1
         guarded = len(self.policy.plan.guarded)
         self.guarded_rounds += guarded > 0
         self.guarded_rows += guarded
