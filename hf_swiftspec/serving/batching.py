@@ -286,6 +286,7 @@ class ServingManager:
         beside it), then its own."""
         for sibling in request.siblings:
             self.decode(sibling, ServerStreamer, **extra)
+            self.record_usage(sibling)
         self.decode(request, streamer_class, **extra)
 
     def decode(self, request: ServedRequest, streamer_class=ServerStreamer, **extra) -> None:
