@@ -12,7 +12,7 @@ is the server's and the clients' together. At the end it prints the server's /me
 
     python examples/serve_soak.py --requests 100 --clients 16           # a short run
     python examples/serve_soak.py --requests 1200 --clients 64 --max-seconds 1800 --suffix-cache-tokens 4096
-    python examples/serve_soak.py --requests 400 --clients 32 --max-queue 8 --cache-positions 1400  # past capacity
+    python examples/serve_soak.py --requests 400 --clients 32 --max-queue 8 --cache-positions 1400 --retries 50
 """
 
 from __future__ import annotations
@@ -89,6 +89,8 @@ def main() -> None:
     parser.add_argument("--max-queue", type=int, default=None, help="the server's --max-queue (429s are refusals)")
     parser.add_argument("--cache-positions", type=int, default=None, help="the server's --cache-positions")
     parser.add_argument("--request-timeout", type=float, default=None, help="the server's --request-timeout")
+    parser.add_argument("--retries", type=int, default=0,
+                        help="times a client refused with 429 tries again after the Retry-After it was given")
     parser.add_argument("--suffix-cache-tokens", type=int, default=None,
                         help="the pair's output history (earlier answers suffix proposals copy from), in tokens")
     args = parser.parse_args()
@@ -138,12 +140,16 @@ def main() -> None:
                       temperature=0.9 if sampled else 0, seed=spec["seed"] if sampled else None,
                       n=2 if spec["kind"] == "n2" else None, logprobs=1 if spec["kind"] == "logprobs" else None)
         began = time.perf_counter()
-        try:
-            return {**spec, **ask(kwargs, spec), "latency": time.perf_counter() - began, "stop": stop}
-        except openai.RateLimitError:
-            return {**spec, "refused": True}
-        except Exception as error:  # noqa: BLE001 (a lost request: reported)
-            return {**spec, "lost": f"{type(error).__name__}: {error}"}
+        for attempt in range(args.retries + 1):
+            try:
+                return {**spec, **ask(kwargs, spec), "latency": time.perf_counter() - began, "stop": stop,
+                        "retried": attempt}
+            except openai.RateLimitError as busy:  # the server said when to come back
+                if attempt == args.retries:
+                    return {**spec, "refused": True}
+                time.sleep(float(busy.response.headers.get("retry-after", 1)))
+            except Exception as error:  # noqa: BLE001 (a lost request: reported)
+                return {**spec, "lost": f"{type(error).__name__}: {error}"}
 
     def ask(kwargs: dict, spec: dict) -> dict:
         if spec["stream"]:
@@ -189,7 +195,8 @@ def main() -> None:
     new_tokens = sum(r["tokens"] or 0 for r in done)
     gc.collect()
     print(f"requests: {len(done)} answered of {len(jobs)} ({sum(r['kind'] == 'leaves' for r in done)} clients left "
-          f"mid-stream), {len(refused)} refused (429), {len(lost)} lost, {args.clients} clients, {wall:.1f} s")
+          f"mid-stream), {len(refused)} refused (429, after {args.retries} retries), {len(lost)} lost, "
+          f"{sum(r.get('retried', 0) for r in done)} retries after a 429, {args.clients} clients, {wall:.1f} s")
     for item in lost[:5]:
         print("  lost:", item["i"], item["kind"], item["lost"][:200])
     print(f"answers checked: {len(done) - sum(r['kind'] == 'leaves' for r in done)}, wrong or mixed: {len(wrong)}")
