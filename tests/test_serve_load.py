@@ -189,13 +189,20 @@ def test_logprobs_end_where_a_stop_string_cuts_the_text(plain_server, reference)
     assert len("".join(reply.choices[0].logprobs.tokens)) <= len(text)
 
 
-def test_n_answers_share_a_request_greedy_all_the_targets_and_seeded_reproducible(plain_server, reference, lone_pair):
-    """n=3 greedy: three choices, each the target's own answer. n=3 sampled with a seed: answer i is the pair's lone
-    call with seed + i, and the same request again gets the same three; usage counts all three answers."""
+def test_n_answers_share_a_request_greedy_all_the_targets_and_seeded_reproducible(plain_server, reference, lone_pair,
+                                                                                   monkeypatch):
+    """n=3 greedy: three choices, each the target's own answer (in the running batch, three rows that share the
+    prompt's one prefill). n=3 sampled with a seed: answer i is the pair's lone call with seed + i, and the same
+    request again gets the same three; usage counts all three answers."""
+    from test_shared_prefill import counting_prefills
+
     running, client, name = plain_server
     tokenizer, answer = reference
     ids = tokenizer(PROMPTS[3], return_tensors="pt").input_ids
+    prefills = counting_prefills(monkeypatch)
     greedy = client.completions.create(model=name, prompt=PROMPTS[3], max_tokens=12, temperature=0, n=3)
+    if served_model(running).served.usage.engine is not None:
+        assert prefills == [ids.shape[1]]  # one prefill for the three rows
     assert [c.index for c in greedy.choices] == [0, 1, 2]
     assert [c.text for c in greedy.choices] == [answer(ids, 12)] * 3
     assert greedy.usage.completion_tokens == 36

@@ -115,11 +115,39 @@ class Member:
 
 @dataclass(eq=False)
 class Joining:
-    """A request on its way into the running batch: its own sides, prefilled a piece at a time (`pieces`)."""
+    """A request on its way into the running batch: its own sides, prefilled a piece at a time (`pieces`).
+
+    copies: requests for the same prompt and length that joined with it (a request's n answers): they share its
+            prefill, each with drafters of its own (`share_prefill`)
+    """
 
     member: Member
     sides: AdaptiveSides
     pieces: object  # AdaptiveSides.start_in_pieces's generator
+    copies: list[tuple[Member, object]] = field(default_factory=list)  # (member, its Drafters, started)
+
+    @property
+    def members(self) -> list[Member]:
+        return [self.member] + [m for m, _ in self.copies]
+
+
+def same_prefill(a: DecodeRequest, b: DecodeRequest) -> bool:
+    """Whether two one-row requests prefill the same KV into caches of the same capacity."""
+    return (a.max_new_tokens == b.max_new_tokens and a.attention_mask is None and b.attention_mask is None
+            and a.prompt.shape == b.prompt.shape and bool((a.prompt == b.prompt).all()))
+
+
+def share_prefill(joining: Joining) -> None:
+    """Give a prefilled request's copies their rows: its one-row target cache absorbs itself (the prompt's KV copied,
+    never run again) until it holds a row per member, and each copy's own drafters join its drafters after its row."""
+    target, members = joining.sides.target, len(joining.members)
+    forwards = target.counters.forwards
+    while target.cache.batch_size < members:
+        target.absorb(target)
+    target.keep_rows(list(range(members)))
+    target.counters.forwards = forwards  # (absorb adds the forwards of what it takes in: here, its own)
+    for _, drafters in joining.copies:
+        joining.sides.draft.absorb(drafters)
 
 
 @dataclass
@@ -178,6 +206,9 @@ class ContinuousEngine:
     max_positions: the most cache positions the batch holds (rows x the largest row's `Member.positions`); a
                    request past it waits in arrival order (`held`) until rows leave (None: no limit)
     on_start:      called with a request's key on the engine's thread when its row starts (its prefill)
+
+    Requests for the same prompt and length taken in together (`together()`: a request's n answers) share one
+    prefill (Joining.copies).
     """
 
     def __init__(self, target, draft, policy, build, finish=None, latency_guard: bool = True):
@@ -203,6 +234,7 @@ class ContinuousEngine:
         self.max_positions: int | None = None
         self.on_start = None
         self.held: deque[Member] = deque()  # requests taken from `waiting` that do not fit yet, in arrival order
+        self.gate = threading.Lock()  # held by together(): the engine takes no request in meanwhile
         self.plain_rounds = 0  # rounds that verified every row's root alone (a plain step of the batch)
 
     # ------------------------------------------------------------------ callers' side
@@ -244,6 +276,21 @@ class ContinuousEngine:
             raise RequestCancelled(key)
         return self.result_of(member)
 
+    @contextlib.contextmanager
+    def together(self, keys: list[str], submitting=lambda: True, timeout_s: float = 30.0):
+        """Requests submitted inside this block (by other threads, as decode(..., key) for each of `keys`) are taken
+        in together once all of them wait (or once `submitting()` says their threads stopped trying, or after
+        `timeout_s`), so those for one prompt share its prefill. The engine takes no request in meanwhile (its rows
+        keep decoding until a round would take one in)."""
+        with self.gate:
+            yield
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline and submitting():
+                with self.lock:
+                    if all(key in self.by_key for key in keys):
+                        return
+                time.sleep(0.001)
+
     def cancel(self, key: str) -> bool:
         """Cancel the request named `key`; it leaves the batch after the round in flight. False if unknown."""
         with self.lock:
@@ -282,7 +329,7 @@ class ContinuousEngine:
                     if self.rows.live:
                         self.guarded(self.one_round)
         except BaseException as error:  # nothing may wait for a thread that is gone
-            joining, self.joining = [j.member for j in self.joining], []
+            joining, self.joining = [m for j in self.joining for m in j.members], []
             held, self.held = list(self.held), deque()
             self.fail(list(self.rows.members.values()) + joining + held + self.waiting_members(), error)
             raise
@@ -303,17 +350,19 @@ class ContinuousEngine:
         """Take in every request waiting that fits (waiting for one when `block` and none is held); False once
         the engine closes."""
         closing = False
-        while True:
-            try:
-                member = self.waiting.get(block=block and not self.held)
-            except queue.Empty:
-                break
-            if member is None:
-                closing = True
-                break
-            self.held.append(member)
-            block = False
-        self.start_held()
+        arrived = [self.waiting.get()] if block and not self.held else []  # outside the gate: together() may hold it
+        with self.gate:
+            while True:
+                try:
+                    arrived.append(self.waiting.get_nowait())
+                except queue.Empty:
+                    break
+            for member in arrived:
+                if member is None:
+                    closing = True
+                    break
+                self.held.append(member)
+            self.start_held()
         return self.drain() if closing else True
 
     def start_held(self) -> None:
@@ -332,7 +381,7 @@ class ContinuousEngine:
         row's positions)."""
         if self.max_positions is None:
             return True
-        rows = [self.rows.members[i] for i in self.rows.live] + [j.member for j in self.joining] + [member]
+        rows = [self.rows.members[i] for i in self.rows.live] + [m for j in self.joining for m in j.members] + [member]
         return len(rows) * max(m.positions for m in rows) <= self.max_positions
 
     def drain(self) -> bool:
@@ -345,10 +394,16 @@ class ContinuousEngine:
         return False
 
     def join(self, member: Member) -> None:
-        """Start the request on fresh sides of its own; prefill_pieces() prefills it."""
+        """Start the request on fresh sides of its own, prefill_pieces() prefilling it; or, if a request joining
+        meanwhile prefills the same prompt for as many tokens, as its copy (its drafters started, no prefill)."""
         target_worker, drafters = self.build(member.request)
         if self.routes is None:
             self.start_batch(target_worker, drafters)
+        leader = next((j for j in self.joining if same_prefill(j.member.request, member.request)), None)
+        if leader is not None and not drafters.reads_features:  # (a head drafts from the prompt's states: its own)
+            drafters.start(member.request.prompt_ids(), None)
+            leader.copies.append((member, drafters))
+            return
         target_worker.tap = self.tap
         sides = AdaptiveSides(target_worker, drafters, self.policy, latency_guard=self.latency_guard)
         self.joining.append(Joining(member, sides, sides.start_in_pieces(member.request, PREFILL_PIECE)))
@@ -358,7 +413,7 @@ class ContinuousEngine:
         running sides take each prefilled one in."""
         while self.joining:
             for joining in list(self.joining):
-                self.guarded(lambda j=joining: self.prefill_piece(j), members=[joining.member])
+                self.guarded(lambda j=joining: self.prefill_piece(j), members=joining.members)
                 if joining.member.done.is_set():  # it failed
                     self.joining.remove(joining)
             if self.rows.live:
@@ -373,14 +428,15 @@ class ContinuousEngine:
         except StopIteration:
             pass
         self.joining.remove(joining)
-        member = joining.member
+        if joining.copies:
+            share_prefill(joining)
         self.take_in(joining)
-        self.rows.members[member.row_id] = member
-        self.rows.live.append(member.row_id)
+        for member in joining.members:
+            self.rows.members[member.row_id] = member
+            self.rows.live.append(member.row_id)
 
     def take_in(self, joining: Joining) -> None:
-        """The running sides take the prefilled request's row in (its own sides, when none run yet)."""
-        member = joining.member
+        """The running sides take the prefilled request's rows in (its own sides, when none run yet)."""
         if self.sides is None:
             self.sides = joining.sides
             self.sides.samplers = {}
@@ -389,7 +445,8 @@ class ContinuousEngine:
                 self.sides.absorb(joining.sides)
             except Exception as error:
                 raise BatchBroken(error) from error
-        self.sides.samplers[member.row_id] = member.request.samplers[0]
+        for member in joining.members:
+            self.sides.samplers[member.row_id] = member.request.samplers[0]
 
     def start_batch(self, target_worker, drafters) -> None:
         """A batch begins: each model attends the tree its way (and a head reads the target's states) until it

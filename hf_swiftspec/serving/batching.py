@@ -416,23 +416,28 @@ class SpeculatingBatcher(ServingManager):
             )
 
     def run_answers(self, request: ServedRequest, streamer_class=ServerStreamer, **extra) -> None:
-        """The request's answers, each a row of the running batch: its other ones (n > 1) beside its own."""
+        """The request's answers, each a row of the running batch: its other ones (n > 1) beside its own, taken in
+        together so that they share the prompt's prefill (ContinuousEngine.together)."""
+        if not request.siblings:
+            self.decode(request, streamer_class, **extra)
+            return
         errors: list[BaseException] = []
 
-        def answer(sibling: ServedRequest) -> None:
+        def answer(one: ServedRequest, streamer) -> None:
             try:
-                self.decode(sibling, swiftspec=True, swiftspec_engine=(self.engine, sibling.request_id))
+                self.decode(one, streamer, swiftspec=True, swiftspec_engine=(self.engine, one.request_id))
             except BaseException as error:  # noqa: BLE001 (raised below, on the request's own thread)
                 errors.append(error)
 
-        threads = [threading.Thread(target=answer, args=(s,), daemon=True) for s in request.siblings]
-        for thread in threads:
-            thread.start()
-        self.decode(request, streamer_class, **extra)
+        answers = [(request, streamer_class)] + [(s, ServerStreamer) for s in request.siblings]
+        threads = [threading.Thread(target=answer, args=pair, daemon=True) for pair in answers]
+        with self.engine.together([one.request_id for one, _ in answers], lambda: any(t.is_alive() for t in threads)):
+            for thread in threads:
+                thread.start()
         for thread in threads:
             thread.join()
         if errors:
-            raise errors[0]
+            raise next((e for e in errors if not isinstance(e, RequestCancelled)), errors[0])
 
     def run(self, request: ServedRequest) -> None:
         try:
