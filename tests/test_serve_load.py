@@ -224,14 +224,16 @@ def test_n_answers_share_a_request_greedy_all_the_targets_and_seeded_reproducibl
         assert refused.value.body["param"] == param
 
 
-def test_the_model_is_named_as_the_client_named_it(plain_server):
-    _, client, name = plain_server
-    assert [m.id for m in client.models.list().data] == [name]
-    assert client.completions.create(model=name, prompt="def f", max_tokens=4, temperature=0).model == name
-    chunks = list(client.completions.create(model=name, prompt="def f", max_tokens=4, temperature=0, stream=True))
-    assert {c.model for c in chunks} == {name}
-    reply = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
-    assert reply.model == name
+@pytest.mark.parametrize("mode", ["sequential", "continuous-batching"])
+def test_the_model_is_named_as_the_client_named_it(mode):
+    """The shipped demo pair served by its bundled name: every response, whole or streamed, names the model as the
+    client did and /v1/models lists it (transformers' handler writes 'swiftspec-demo-pystdlib@main')."""
+    name = "swiftspec-demo-pystdlib"
+    with started(name, mode) as (_, client, served_as):
+        assert served_as == name and [m.id for m in client.models.list().data] == [name]
+        assert client.completions.create(model=name, prompt="def f", max_tokens=4, temperature=0).model == name
+        chunks = list(client.completions.create(model=name, prompt="def f", max_tokens=4, temperature=0, stream=True))
+        assert chunks and {c.model for c in chunks} == {name}
 
 
 def test_metrics_add_up_to_what_the_responses_said(pair_folder, reference):
