@@ -7,10 +7,12 @@ its own, and waits for its row. The engine's one thread runs the round of engine
 every row it holds:
 
     while the engine runs:
-        admit: each waiting request is prefilled alone on fresh sides (its target rows, its drafters),
-               PREFILL_PIECE tokens per forward, one forward between two rounds (a long prompt does not
-               hold the batch for its whole prefill); once prefilled, the running sides absorb its row
-               (the rows already there are not copied: cache.absorb)
+        admit: each waiting request that fits (max_positions; the others wait, in arrival order) is
+               prefilled alone on fresh sides (its target rows, its drafters), PREFILL_PIECE tokens per
+               forward, one forward between two rounds (a long prompt does not hold the batch for its whole
+               prefill); requests for the same prompt taken in together (together(): a request's n answers)
+               share one prefill; once prefilled, the running sides absorb its rows (the rows already there
+               are not copied: cache.absorb)
         one round over every row: propose, verify (each row with its own sampler, stops and budget),
                record, accept, observe; the policy sizes the round's trees for the batch it has, under
                its latency guard (policy/guard.py: no row's tree decodes it slower than a plain batch)
