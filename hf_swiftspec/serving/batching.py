@@ -6,7 +6,9 @@ cancel_request, background_thread_status); `ServingManager` is that interface fo
 every way shares: the request's checks (its length against the target's context, its settings), its
 generate() arguments, handing its tokens to the server's handler, how it ended (finish_reason) and
 forgetting it. transformers hands a manager only max_new_tokens and eos_token_id; the rest of a
-request's settings come from the server's `RequestBook`, by request id.
+request's settings come from the server's `RequestBook`, by request id. A request for n answers runs n
+generate() calls (its siblings, answer i drawing with seed + i), whose tokens, logprobs and finish reasons go
+to the book for the response (serving/responses.py); one past --request-timeout fails with RequestTimedOut.
 
 - `SequentialServer` (the default): one request at a time, on one thread, each speculating alone.
 - `SpeculatingBatcher` (--continuous-batching): every request decodes in the pair's continuous engine
@@ -26,11 +28,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..config import MAX_BUDGET
 from ..models import compat
 from ..engine.continuous import RequestCancelled, RowUsage
 from .admission import Admission
 from .logprobs import token_logprobs
-from ..config import MAX_BUDGET
 from .request_settings import Choice, RequestBook, RequestRefused, RequestSettings, cut_at_stop
 
 USAGE_KEPT = 4096  # finished sequential requests whose usage stays readable by id (oldest dropped first)
@@ -268,7 +270,7 @@ class ServingManager:
     # ------------------------------------------------ running one request
     def run_request(self, request: ServedRequest, streamer_class=ServerStreamer, **extra) -> None:
         """The request's generate() call with its own settings, its tokens to its handler (its other answers,
-        n > 1, run first by `run_siblings`); a cancelled request is forgotten, one past its timeout fails with
+        n > 1, beside it: `run_answers`); a cancelled request is forgotten, one past its timeout fails with
         RequestTimedOut, a failing one fails alone (the server goes on)."""
         request.registered.wait(timeout=30)  # a streaming request's handler comes just after add_request
         try:
