@@ -15,7 +15,10 @@ id, and so its settings, reach its generate() call: one request at a time (the d
 share a batch (recurrent or chain-shaped) keeps the older rule: a request speculates when alone and
 joins transformers' continuous batch of the target when others decode (routing.py). Each response's
 usage says what speculation did for it (`usage.speculation`: verifications, proposed and accepted
-tokens); GET /v1/swiftspec/usage gives the server's totals.
+tokens); GET /v1/swiftspec/usage gives the server's totals, GET /metrics the server's Prometheus metrics
+(metrics.py). The same middleware admits each request or answers 429 past --max-queue and arms its
+--request-timeout (admission.py); responses.py edits what transformers' handler answered (the model's name,
+logprobs, n answers).
 """
 
 from __future__ import annotations
