@@ -147,3 +147,22 @@ def test_a_rows_credit_is_charged_the_rounds_draft_time():
 
     policy.observe_credit([(1, Proposed, Outcome)])
     assert policy.call.row_credit[1] == pytest.approx(2 - (0.15 + 0.05 + 1.15) / 1.0)
+
+
+def probing(guard: bool, catch_up: int) -> bool:
+    """Whether a probe round of 2 rows runs its forced expansion with `catch_up` tokens for the draft to run first,
+    each 0.01 s (the demo's prices: a plain step 1 s, an expansion 0.2 s, the probe's 4-node verification 1.55 s)."""
+    policy = GoodputPolicy()
+    policy.batches[2] = BatchSize(CostModel(batch=2, expand_s=0.2, verify_s=dict(VERIFY_S), given=True))
+    policy.catch_up_token_s = 0.01
+    policy.plan_round(2, [0, 1], guard=guard)
+    return policy.keep_expanding(0, 0.0, [GOOD, BAD], probing=True, catch_up=catch_up)
+
+
+def test_a_probe_in_a_running_batch_delays_its_rows_by_at_most_a_plain_step():
+    # The probe's price: catch-up x 0.01 s + 0.2 s + (1.55 - 1.0) s. Its rows' lengths are not said (a running batch),
+    # so unguarded it always runs; under the guard it runs while that is at most a plain step (1 s): with 24 tokens
+    # of catch-up (0.99 s), not 27 (1.02 s; a batch's catch-up piles up over plain rounds and would stall every row).
+    assert probing(guard=False, catch_up=200) is True
+    assert probing(guard=True, catch_up=24) is True
+    assert probing(guard=True, catch_up=27) is False

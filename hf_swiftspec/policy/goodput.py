@@ -391,13 +391,17 @@ class GoodputPolicy(LatencyGuarding):
         """Whether a probe, priced by what was measured (the draft's catch-up, an expansion, the probe's larger
         verification over a plain one), costs at most PROBE_SHARE of the call decoded plainly (its
         max_new_tokens plain steps). Unpriced (nothing measured yet, or no length said): allowed. On the
-        gemma-3-270m shape at 4 rows a probe cost ~320 ms, a 16-token call 3.5 s: every other call paid 9%."""
+        gemma-3-270m shape at 4 rows a probe cost ~320 ms, a 16-token call 3.5 s: every other call paid 9%.
+        Under the latency guard (a running batch, whose rows' lengths are not said) every row waits for it: at
+        most one plain step more (guard.py), so a batch's catch-up piled up over plain rounds never stalls it."""
         costs, new_tokens = self.costs, self.call.new_tokens
-        if new_tokens is None or self.catch_up_token_s is None or costs.expand_cost is None or not costs.verify_s:
+        if self.catch_up_token_s is None or costs.expand_cost is None or not costs.verify_s:
             return True
         times = costs.verify_times(self.probe_size())
         price = catch_up * self.catch_up_token_s + costs.expand_cost + times[-1] - times[0]
-        return price <= PROBE_SHARE * new_tokens * times[0]
+        if self.plan.guard:
+            return price <= times[0]
+        return new_tokens is None or price <= PROBE_SHARE * new_tokens * times[0]
 
     def overlap_depth(self) -> int:
         """Expansions that fit wholly in one verification (asynchronous engines, where drafting is
