@@ -113,7 +113,7 @@ def main() -> int:
     parser.add_argument("--pair", default="swiftspec-demo-pystdlib")
     parser.add_argument("--target", default=None, help="the target's folder (default: the pair's target/)")
     parser.add_argument("--prompts", default="humaneval,spec_bench", help="bundled sets or files, comma-separated")
-    parser.add_argument("--clients", default="1,2,4,8,16")
+    parser.add_argument("--clients", default="1,2,4,8,16,32")
     parser.add_argument("--requests", type=int, default=32, help="requests per client count (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-prompt-chars", type=int, default=400, help="the demo target reads 256 tokens")

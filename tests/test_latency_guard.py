@@ -104,3 +104,65 @@ def test_greedy_rows_under_the_guard_equal_target_generate():
     assert_greedy_answers(pair, out, PROMPTS, news)
     assert engine.guarded_rounds > 0 and engine.guarded_rows >= engine.guarded_rounds, (
         engine.guarded_rounds, engine.rounds_by_batch)
+
+
+def expanding(guard: bool, credit: float = 0.0, expand_s: float = 0.2) -> bool:
+    """keep_expanding's first decision for GOOD and BAD (the bad row at scale 0.25), each expansion expected to add
+    0.5 tokens per row, an expansion priced at `expand_s` seconds (a fifth of a plain step by default)."""
+    policy = GoodputPolicy()
+    policy.batches[2] = BatchSize(CostModel(batch=2, expand_s=expand_s, verify_s=dict(VERIFY_S), given=True))
+    policy.call.row_yield[1] = (0.0, 6.0)
+    policy.call.row_credit[1] = credit
+    policy.gains = [0.5] * len(policy.gains)
+    policy.plan_round(2, [0, 1], guard=guard)
+    return policy.keep_expanding(0, 0.0, [GOOD, BAD], probing=False)
+
+
+def test_the_drafts_expansions_count_in_every_rows_break_even():
+    # The batch's goodput pays for an expansion of 0.2 s. The bad row breaks even at T = 2 on the verification
+    # alone (1.2 >= 1.15), but every expansion adds 0.2 to the tokens it needs ((D + c(T)) / c(1)) and only
+    # 0.25 x 0.5 = 0.125 to those it expects: after k expansions it expects 1.2 + 0.125k at T = 2 against
+    # 1.15 + 0.2k needed, 1.3 + 0.125k at T = 3 against 1.35 + 0.2k, never enough. So the guard stops the draft.
+    assert expanding(guard=False) is True
+    assert expanding(guard=True) is False
+    # A row a token ahead of plain steps pays for that wait: the goodput's T = 3 stands, and after k expansions the
+    # bad row expects 1 + 1.35 + 0.125k at T = 4 against 1.55 + 0.2k needed.
+    assert expanding(guard=True, credit=1.0) is True
+    assert expanding(guard=True, expand_s=0.0) is True  # free expansions: the verification's break-even alone
+
+
+def test_a_rows_credit_is_charged_the_rounds_draft_time():
+    # A round that drafted for 0.2 s and verified 2 nodes a row (c(2) = 1.15 s, c(1) = 1 s) cost each row 1.35
+    # plain steps' time: 2 tokens put it 0.65 ahead, not 0.85.
+    assert credit_after(0.0, 2, [1.0, 1.15], 2, draft_s=0.2) == pytest.approx(0.65)
+    policy = guarded_policy(guard=True)
+    policy.observe_round(expansions=1, draft_s=0.15, budget=2, verify_s=1.15, catch_up_s=0.05)
+    from hf_swiftspec.steps.tree import Subtree
+
+    class Outcome:  # what observe_credit reads of a walk: its tokens
+        tokens = [5, 6]
+
+    class Proposed:
+        subtree = Subtree(node_ids=[0, 1], tokens=[1, 2], parents=[-1, 0])
+
+    policy.observe_credit([(1, Proposed, Outcome)])
+    assert policy.call.row_credit[1] == pytest.approx(2 - (0.15 + 0.05 + 1.15) / 1.0)
+
+
+def probing(guard: bool, catch_up: int) -> bool:
+    """Whether a probe round of 2 rows runs its forced expansion with `catch_up` tokens for the draft to run first,
+    each 0.01 s (the demo's prices: a plain step 1 s, an expansion 0.2 s, the probe's 4-node verification 1.55 s)."""
+    policy = GoodputPolicy()
+    policy.batches[2] = BatchSize(CostModel(batch=2, expand_s=0.2, verify_s=dict(VERIFY_S), given=True))
+    policy.catch_up_token_s = 0.01
+    policy.plan_round(2, [0, 1], guard=guard)
+    return policy.keep_expanding(0, 0.0, [GOOD, BAD], probing=True, catch_up=catch_up)
+
+
+def test_a_probe_in_a_running_batch_delays_its_rows_by_at_most_a_plain_step():
+    # The probe's price: catch-up x 0.01 s + 0.2 s + (1.55 - 1.0) s. Its rows' lengths are not said (a running batch),
+    # so unguarded it always runs; under the guard it runs while that is at most a plain step (1 s): with 24 tokens
+    # of catch-up (0.99 s), not 27 (1.02 s; a batch's catch-up piles up over plain rounds and would stall every row).
+    assert probing(guard=False, catch_up=200) is True
+    assert probing(guard=True, catch_up=24) is True
+    assert probing(guard=True, catch_up=27) is False

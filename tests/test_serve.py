@@ -93,9 +93,10 @@ FIXED_TREES = {"tree_budget": 8, "draft_depth": 4}  # so speculation provably ha
 
 
 @contextlib.contextmanager
-def started(pair_folder, mode: str, **settings):
+def started(pair_folder, mode: str, options: dict | None = None, **settings):
     """A served pair: one request at a time, in one speculating batch, or (as for a pair whose models cannot
-    share a batch) routed: speculating alone, batched without speculation among others."""
+    share a batch) routed: speculating alone, batched without speculation among others. options: more
+    ServeOptions (admission limits)."""
     threads = torch.get_num_threads()
     port = free_port()
     patch = pytest.MonkeyPatch()
@@ -105,7 +106,8 @@ def started(pair_folder, mode: str, **settings):
 
         patch.setattr(batching.SpeculatingBatcher, "__init__", cannot_batch)
     options = ServeOptions(pair=str(pair_folder), port=port, log_level="error", continuous_batching=mode != "sequential",
-                           settings=settings, cb_max_memory_percent=0.02)  # transformers' batch (the router's): 60% of RAM else
+                           settings=settings, cb_max_memory_percent=0.02,  # transformers' batch (the router's): 60% of RAM else
+                           **(options or {}))
     running = serve(options, blocking=False)
     client = openai.OpenAI(base_url=f"http://localhost:{port}/v1", api_key="unused", max_retries=0, timeout=120)
     deadline = time.monotonic() + 60
@@ -401,7 +403,8 @@ def test_a_request_past_the_context_is_refused_and_an_open_one_ends_at_it(server
 def test_settings_the_server_cannot_honour_are_refused_by_name(server):
     _, client, name = server
     refusals = {
-        "n": dict(n=2), "logprobs": dict(logprobs=2), "presence_penalty": dict(presence_penalty=3.0, temperature=1.0),
+        "n": dict(n=2, stream=True), "logprobs": dict(logprobs=2, stream=True),
+        "presence_penalty": dict(presence_penalty=3.0, temperature=1.0),
         "top_p": dict(temperature=0, top_p=0.5), "top_k": dict(temperature=0, extra_body={"top_k": 5}),
         "stop": dict(stop=["a", "b", "c", "d", "e"]),
     }

@@ -239,7 +239,8 @@ def run_serve(args) -> int:
         pair=args.pair, host=args.host, port=args.port, device=args.device, dtype=args.dtype, threads=args.threads,
         log_level=args.log_level, enable_cors=args.enable_cors, continuous_batching=args.continuous_batching,
         settings=serve_overrides(args), cb_max_memory_percent=args.cb_max_memory_percent,
-        latency_guard=args.latency_guard,
+        latency_guard=args.latency_guard, max_queue=args.max_queue, request_timeout=args.request_timeout,
+        cache_positions=args.cache_positions,
     )
     serve(options)
     return 0
@@ -383,6 +384,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-latency-guard", dest="latency_guard", action="store_false",
         help="with --continuous-batching: size the running batch's trees for its goodput alone, without capping "
         "them so that no request decodes slower than the batch would plainly (serving.md)",
+    )
+    srv.add_argument("--max-queue", type=int, default=None, metavar="N",
+                     help="the most requests waiting to decode; one more is answered 429 with Retry-After (default: no limit)")
+    srv.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                     help="cancel a request not done this long after it arrived, answering 504 (default: none)")
+    srv.add_argument(
+        "--cache-positions", type=int, default=None, metavar="N",
+        help="with --continuous-batching: the most cache positions the running batch holds (rows x each row's prompt, "
+        "max_tokens and largest tree); requests past it wait in the queue (default: no limit)",
     )
     srv.add_argument(
         "--round", choices=("host", "device"), default=None,

@@ -7,10 +7,12 @@ its own, and waits for its row. The engine's one thread runs the round of engine
 every row it holds:
 
     while the engine runs:
-        admit: each waiting request is prefilled alone on fresh sides (its target rows, its drafters),
-               PREFILL_PIECE tokens per forward, one forward between two rounds (a long prompt does not
-               hold the batch for its whole prefill); once prefilled, the running sides absorb its row
-               (the rows already there are not copied: cache.absorb)
+        admit: each waiting request that fits (max_positions; the others wait, in arrival order) is
+               prefilled alone on fresh sides (its target rows, its drafters), PREFILL_PIECE tokens per
+               forward, one forward between two rounds (a long prompt does not hold the batch for its whole
+               prefill); requests for the same prompt taken in together (together(): a request's n answers)
+               share one prefill; once prefilled, the running sides absorb its rows (the rows already there
+               are not copied: cache.absorb)
         one round over every row: propose, verify (each row with its own sampler, stops and budget),
                record, accept, observe; the policy sizes the round's trees for the batch it has, under
                its latency guard (policy/guard.py: no row's tree decodes it slower than a plain batch)
@@ -29,9 +31,10 @@ import contextlib
 import queue
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
+from ..config import MAX_BUDGET
 from ..steps.cache import keep_order
 from ..stats import RoundRecord, SwiftSpecStats
 from ..steps.verify import StopRule, Verified, split_criteria
@@ -106,14 +109,47 @@ class Member:
     def budget(self) -> int:
         return self.request.max_new_tokens - len(self.result.tokens)
 
+    @property
+    def positions(self) -> int:
+        """Cache positions its row may reach: its prompt, its new tokens and the largest tree."""
+        return self.request.prompt.shape[1] + self.request.max_new_tokens + MAX_BUDGET
+
 
 @dataclass(eq=False)
 class Joining:
-    """A request on its way into the running batch: its own sides, prefilled a piece at a time (`pieces`)."""
+    """A request on its way into the running batch: its own sides, prefilled a piece at a time (`pieces`).
+
+    copies: requests for the same prompt and length that joined with it (a request's n answers): they share its
+            prefill, each with drafters of its own (`share_prefill`)
+    """
 
     member: Member
     sides: AdaptiveSides
     pieces: object  # AdaptiveSides.start_in_pieces's generator
+    copies: list[tuple[Member, object]] = field(default_factory=list)  # (member, its Drafters, started)
+
+    @property
+    def members(self) -> list[Member]:
+        return [self.member] + [m for m, _ in self.copies]
+
+
+def same_prefill(a: DecodeRequest, b: DecodeRequest) -> bool:
+    """Whether two one-row requests prefill the same KV into caches of the same capacity."""
+    return (a.max_new_tokens == b.max_new_tokens and a.attention_mask is None and b.attention_mask is None
+            and a.prompt.shape == b.prompt.shape and bool((a.prompt == b.prompt).all()))
+
+
+def share_prefill(joining: Joining) -> None:
+    """Give a prefilled request's copies their rows: its one-row target cache absorbs itself (the prompt's KV copied,
+    never run again) until it holds a row per member, and each copy's own drafters join its drafters after its row."""
+    target, members = joining.sides.target, len(joining.members)
+    forwards = target.counters.forwards
+    while target.cache.batch_size < members:
+        target.absorb(target)
+    target.keep_rows(list(range(members)))
+    target.counters.forwards = forwards  # (absorb adds the forwards of what it takes in: here, its own)
+    for _, drafters in joining.copies:
+        joining.sides.draft.absorb(drafters)
 
 
 @dataclass
@@ -167,6 +203,14 @@ class ContinuousEngine:
     build:         builds (TargetWorker, Drafters) for one request's row (launch.build_workers)
     finish:        called on the engine's thread with (request, result) when a row is done (output history)
     latency_guard: whether the policy caps each round's tree size for its slowest row (policy/guard.py)
+
+    Set by a server after building it (serving/admission.py):
+    max_positions: the most cache positions the batch holds (rows x the largest row's `Member.positions`); a
+                   request past it waits in arrival order (`held`) until rows leave (None: no limit)
+    on_start:      called with a request's key on the engine's thread when its row starts (its prefill)
+
+    Requests for the same prompt and length taken in together (`together()`: a request's n answers) share one
+    prefill (Joining.copies).
     """
 
     def __init__(self, target, draft, policy, build, finish=None, latency_guard: bool = True):
@@ -189,6 +233,11 @@ class ContinuousEngine:
         self.guarded_rows = 0  # over those rounds, the rows it was lowered for (each round's RoundPlan.guarded)
         self.thread: threading.Thread | None = None
         self.closed = False
+        self.max_positions: int | None = None
+        self.on_start = None
+        self.held: deque[Member] = deque()  # requests taken from `waiting` that do not fit yet, in arrival order
+        self.gate = threading.Lock()  # held by together(): the engine takes no request in meanwhile
+        self.plain_rounds = 0  # rounds that verified every row's root alone (a plain step of the batch)
 
     # ------------------------------------------------------------------ callers' side
     def decode(self, request: DecodeRequest, key: str | None = None) -> DecodeResult:
@@ -201,6 +250,12 @@ class ContinuousEngine:
             )
         if request.max_new_tokens == 0:
             return DecodeResult(rows=[RowResult()], end=0, stats=SwiftSpecStats(engine="continuous"))
+        need = request.prompt.shape[1] + request.max_new_tokens + MAX_BUDGET
+        if self.max_positions is not None and need > self.max_positions:
+            raise ValueError(
+                f"This request needs {need} cache positions (its prompt, max_tokens and a {MAX_BUDGET}-node tree); the "
+                f"running batch holds at most {self.max_positions} (--cache-positions). Ask for fewer tokens."
+            )
         with self.lock:
             if self.closed:
                 raise RuntimeError("the continuous engine was closed; start a new one")
@@ -222,6 +277,21 @@ class ContinuousEngine:
         if member.cancelled.is_set() and member.result.done_at is None:
             raise RequestCancelled(key)
         return self.result_of(member)
+
+    @contextlib.contextmanager
+    def together(self, keys: list[str], submitting=lambda: True, timeout_s: float = 30.0):
+        """Requests submitted inside this block (by other threads, as decode(..., key) for each of `keys`) are taken
+        in together once all of them wait (or once `submitting()` says their threads stopped trying, or after
+        `timeout_s`), so those for one prompt share its prefill. The engine takes no request in meanwhile (its rows
+        keep decoding until a round would take one in)."""
+        with self.gate:
+            yield
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline and submitting():
+                with self.lock:
+                    if all(key in self.by_key for key in keys):
+                        return
+                time.sleep(0.001)
 
     def cancel(self, key: str) -> bool:
         """Cancel the request named `key`; it leaves the batch after the round in flight. False if unknown."""
@@ -261,8 +331,9 @@ class ContinuousEngine:
                     if self.rows.live:
                         self.guarded(self.one_round)
         except BaseException as error:  # nothing may wait for a thread that is gone
-            joining, self.joining = [j.member for j in self.joining], []
-            self.fail(list(self.rows.members.values()) + joining + self.waiting_members(), error)
+            joining, self.joining = [m for j in self.joining for m in j.members], []
+            held, self.held = list(self.held), deque()
+            self.fail(list(self.rows.members.values()) + joining + held + self.waiting_members(), error)
             raise
         finally:
             self.end_batch()
@@ -278,30 +349,63 @@ class ContinuousEngine:
                 members.append(member)
 
     def admit(self, block: bool) -> bool:
-        """Take in every request waiting (waiting for one when `block`); False once the engine closes."""
-        while True:
-            try:
-                member = self.waiting.get(block=block)
-            except queue.Empty:
-                return True
-            if member is None:
-                return self.drain()
+        """Take in every request waiting that fits (waiting for one when `block` and none is held); False once
+        the engine closes."""
+        closing = False
+        arrived = [self.waiting.get()] if block and not self.held else []  # outside the gate: together() may hold it
+        with self.gate:
+            while True:
+                try:
+                    arrived.append(self.waiting.get_nowait())
+                except queue.Empty:
+                    break
+            for member in arrived:
+                if member is None:
+                    closing = True
+                    break
+                self.held.append(member)
+            self.start_held()
+        return self.drain() if closing else True
+
+    def start_held(self) -> None:
+        """Start the held requests, in arrival order, while the next one fits (a cancelled one leaves)."""
+        for member in [m for m in self.held if m.cancelled.is_set()]:
+            self.held.remove(member)
+            member.done.set()  # its decode() raises RequestCancelled
+        while self.held and self.fits(self.held[0]):
+            member = self.held.popleft()
+            if self.on_start is not None:
+                self.on_start(member.key)
             self.guarded(lambda m=member: self.join(m), members=[member])
-            block = False
+
+    def fits(self, member: Member) -> bool:
+        """Whether the batch can take `member`'s row within max_positions (its caches are rows x the largest
+        row's positions)."""
+        if self.max_positions is None:
+            return True
+        rows = [self.rows.members[i] for i in self.rows.live] + [m for j in self.joining for m in j.members] + [member]
+        return len(rows) * max(m.positions for m in rows) <= self.max_positions
 
     def drain(self) -> bool:
-        """After close(): run the rows held (and joining) to their end."""
-        while self.rows.live or self.joining:
+        """After close(): run the rows held (and joining, and waiting for room) to their end."""
+        while self.rows.live or self.joining or self.held:
+            self.start_held()
             self.prefill_pieces()
             if self.rows.live:
                 self.guarded(self.one_round)
         return False
 
     def join(self, member: Member) -> None:
-        """Start the request on fresh sides of its own; prefill_pieces() prefills it."""
+        """Start the request on fresh sides of its own, prefill_pieces() prefilling it; or, if a request joining
+        meanwhile prefills the same prompt for as many tokens, as its copy (its drafters started, no prefill)."""
         target_worker, drafters = self.build(member.request)
         if self.routes is None:
             self.start_batch(target_worker, drafters)
+        leader = next((j for j in self.joining if same_prefill(j.member.request, member.request)), None)
+        if leader is not None and not drafters.reads_features:  # (a head drafts from the prompt's states: its own)
+            drafters.start(member.request.prompt_ids(), None)
+            leader.copies.append((member, drafters))
+            return
         target_worker.tap = self.tap
         sides = AdaptiveSides(target_worker, drafters, self.policy, latency_guard=self.latency_guard)
         self.joining.append(Joining(member, sides, sides.start_in_pieces(member.request, PREFILL_PIECE)))
@@ -311,7 +415,7 @@ class ContinuousEngine:
         running sides take each prefilled one in."""
         while self.joining:
             for joining in list(self.joining):
-                self.guarded(lambda j=joining: self.prefill_piece(j), members=[joining.member])
+                self.guarded(lambda j=joining: self.prefill_piece(j), members=joining.members)
                 if joining.member.done.is_set():  # it failed
                     self.joining.remove(joining)
             if self.rows.live:
@@ -326,14 +430,15 @@ class ContinuousEngine:
         except StopIteration:
             pass
         self.joining.remove(joining)
-        member = joining.member
+        if joining.copies:
+            share_prefill(joining)
         self.take_in(joining)
-        self.rows.members[member.row_id] = member
-        self.rows.live.append(member.row_id)
+        for member in joining.members:
+            self.rows.members[member.row_id] = member
+            self.rows.live.append(member.row_id)
 
     def take_in(self, joining: Joining) -> None:
-        """The running sides take the prefilled request's row in (its own sides, when none run yet)."""
-        member = joining.member
+        """The running sides take the prefilled request's rows in (its own sides, when none run yet)."""
         if self.sides is None:
             self.sides = joining.sides
             self.sides.samplers = {}
@@ -342,7 +447,8 @@ class ContinuousEngine:
                 self.sides.absorb(joining.sides)
             except Exception as error:
                 raise BatchBroken(error) from error
-        self.sides.samplers[member.row_id] = member.request.samplers[0]
+        for member in joining.members:
+            self.sides.samplers[member.row_id] = member.request.samplers[0]
 
     def start_batch(self, target_worker, drafters) -> None:
         """A batch begins: each model attends the tree its way (and a head reads the target's states) until it
@@ -361,7 +467,9 @@ class ContinuousEngine:
     def one_round(self) -> None:
         """The round of engine/rounds.py over every row held, then the rows that are done leave."""
         self.rounds_by_batch[len(self.rows.live)] += 1
+        first = self.rows.members[self.rows.live[0]]
         keep = rounds.one_round(self.sides, self.rows)
+        self.plain_rounds += bool(first.rounds) and first.rounds[-1].budget == 1
         guarded = len(self.policy.plan.guarded)
         self.guarded_rounds += guarded > 0
         self.guarded_rows += guarded

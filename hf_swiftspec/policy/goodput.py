@@ -55,7 +55,7 @@ from .costs import CostModel
 from .choice import EngineChoice
 from .calibration import (BUCKET, BUCKETS, Calibration, SuffixWatch, score_bucket, suffix_bucket,
                           suffix_priors)
-from .guard import credit_after, latency_cap
+from .guard import LatencyGuarding, latency_cap
 from ..steps.tree import Proposal, SuffixTree
 from ..steps.verify import Verified
 
@@ -140,6 +140,7 @@ class RoundPlan:
     guarded:      the rows (positions in the batch) that would not have broken even at the goodput's tree
                   size, so the guard lowered it, at the round's last sizing (empty: it did not)
     row_ids:      the rows' ids, in plan_round's order
+    draft_s:      the round's draft time (observe_round), which the guard's credit charges every row
     """
 
     batch: int = 1
@@ -150,10 +151,11 @@ class RoundPlan:
     guard: bool = False
     guarded: tuple[int, ...] = ()
     row_ids: list[int] = field(default_factory=list)
+    draft_s: float = 0.0
 
 
 @dataclass
-class GoodputPolicy:
+class GoodputPolicy(LatencyGuarding):
     """Chooses draft expansions and the verified tree size each round; see the module docstring.
 
     Its state has three lifetimes: what it learns across generate() calls (its own fields: step costs
@@ -338,9 +340,7 @@ class GoodputPolicy:
         rates = [e / (spent_s + t) for e, t in zip(expected, times)]
         best = max(range(len(rates)), key=rates.__getitem__)
         if self.plan.guard:
-            scales = self.plan.row_scales if len(self.plan.row_scales) == len(rows) else [1.0] * len(rows)
-            per_row = [self.expected_tokens(probs, scale) for probs, scale in zip(rows, scales)]
-            credit = [self.call.row_credit.get(r, 0.0) for r in self.plan.row_ids] if len(self.plan.row_ids) == len(rows) else None
+            _, per_row, credit = self.guard_inputs(rows)
             guarded = latency_cap(per_row, times, best + 1, credit)
             best, self.plan.guarded = guarded.budget - 1, guarded.rows
         return best + 1, rates[best]
@@ -374,7 +374,9 @@ class GoodputPolicy:
         spent_s += catch_up * (self.catch_up_token_s or 0.0)
         for k in range(1, self.max_depth - done + 1):
             expected += len(rows) * self.gains[done + k - 1]
-            if expected / (spent_s + k * costs.expand_cost + times[min(T + k, self.max_budget) - 1]) > now:
+            budget = min(T + k, self.max_budget)
+            if expected / (spent_s + k * costs.expand_cost + times[budget - 1]) > now and self.guard_allows(
+                    rows, done, k, spent_s + k * costs.expand_cost, budget):
                 return True
         return False
 
@@ -389,13 +391,17 @@ class GoodputPolicy:
         """Whether a probe, priced by what was measured (the draft's catch-up, an expansion, the probe's larger
         verification over a plain one), costs at most PROBE_SHARE of the call decoded plainly (its
         max_new_tokens plain steps). Unpriced (nothing measured yet, or no length said): allowed. On the
-        gemma-3-270m shape at 4 rows a probe cost ~320 ms, a 16-token call 3.5 s: every other call paid 9%."""
+        gemma-3-270m shape at 4 rows a probe cost ~320 ms, a 16-token call 3.5 s: every other call paid 9%.
+        Under the latency guard (a running batch, whose rows' lengths are not said) every row waits for it: at
+        most one plain step more (guard.py), so a batch's catch-up piled up over plain rounds never stalls it."""
         costs, new_tokens = self.costs, self.call.new_tokens
-        if new_tokens is None or self.catch_up_token_s is None or costs.expand_cost is None or not costs.verify_s:
+        if self.catch_up_token_s is None or costs.expand_cost is None or not costs.verify_s:
             return True
         times = costs.verify_times(self.probe_size())
         price = catch_up * self.catch_up_token_s + costs.expand_cost + times[-1] - times[0]
-        return price <= PROBE_SHARE * new_tokens * times[0]
+        if self.plan.guard:
+            return price <= times[0]
+        return new_tokens is None or price <= PROBE_SHARE * new_tokens * times[0]
 
     def overlap_depth(self) -> int:
         """Expansions that fit wholly in one verification (asynchronous engines, where drafting is
@@ -472,6 +478,7 @@ class GoodputPolicy:
             many it ran (what a later catch-up is priced by).
         """
         self.last_budget = budget
+        self.plan.draft_s = draft_s + catch_up_s
         if catch_up_tokens:
             per_token = catch_up_s / catch_up_tokens
             self.catch_up_token_s = per_token if self.catch_up_token_s is None else 0.8 * self.catch_up_token_s + 0.2 * per_token
@@ -533,13 +540,6 @@ class GoodputPolicy:
             ROW_DECAY * realized + B * B / sum(1.0 / g for g in got) - B,
             ROW_DECAY * predicted + B * B / sum(1.0 / e for e in expected) - B,
         )
-
-    def observe_credit(self, outcomes: list[tuple[int, Proposal, Verified]]) -> None:
-        """Fold each row's tokens of a round into its credit against plain steps (guard.py), at the round's price."""
-        budget = max(len(p.subtree) for _, p, _ in outcomes)
-        times = self.costs.verify_times(budget)
-        for row, _, verified in outcomes:
-            self.call.row_credit[row] = credit_after(self.call.row_credit.get(row, 0.0), len(verified.tokens), times, budget)
 
     def observe_row_yield(self, row: int, proposal: Proposal, verified: Verified) -> None:
         """Fold in what a verified tree was expected to yield beyond its root and what it did (rounds cut

@@ -16,8 +16,14 @@ credit + E_r(T) >= c(T) / c(1). Without it, some row of a busy batch is at a pos
 of in almost every round, and the batch would hardly ever verify a tree. Only the tree size can do it: the verification is one rectangle of rows x T
 queries (steps/step.py), so a row verifying its root alone beside others' trees costs the same c(T)
 and yields 1 token, worse for it than its own tree; what a row the draft predicts badly pays for is
-the others' tree size. The draft's expansions are not in c(T): by the time the size is chosen they
-have run (keep_expanding priced them).
+the others' tree size.
+
+The draft's expansions are part of a row's wait too: a round of draft time D and a T-node verification gives a
+row its tokens in D + c(T), where a plain step (no draft) takes c(1). By the time the size is chosen they have
+run (a sunk cost that every size shares), so the cap compares sizes on c(T) alone; the guard prices them where
+they are decided, in keep_expanding: k more expansions run only if, at the size the cap would then allow, every
+row still expects credit + E_r(T) >= (D + c(T)) / c(1) (`expansions_break_even`), and a row's credit is charged the
+round's draft time with its verification (`credit_after`).
 """
 
 from __future__ import annotations
@@ -69,7 +75,57 @@ def latency_cap(per_row: list[list[float]], times: list[float], budget: int, cre
     return Guarded(T, short)
 
 
-def credit_after(credit: float, tokens: int, times: list[float], budget: int) -> float:
-    """A row's credit after a round that verified `budget` nodes a row (at `times`' prices) and gave it
-    `tokens`: behind plain steps it stays at 0 (plain rounds cannot repay it; the round's own break-even holds)."""
-    return max(credit + tokens - times[budget - 1] / times[0], 0.0)
+def credit_after(credit: float, tokens: int, times: list[float], budget: int, draft_s: float = 0.0) -> float:
+    """A row's credit after a round that drafted for `draft_s` seconds, verified `budget` nodes a row (at `times`'
+    prices) and gave it `tokens`: behind plain steps it stays at 0 (plain rounds cannot repay it; the round's own
+    break-even holds)."""
+    return max(credit + tokens - (draft_s + times[budget - 1]) / times[0], 0.0)
+
+
+def expansions_break_even(scales: list[float], per_row: list[list[float]], credit: list[float], gained: float, k: int,
+                          times: list[float], budget: int, draft_s: float) -> bool:
+    """Whether k more expansions leave every row decoding no slower than a plain step (see the module docstring).
+
+    scales, per_row, credit: each row's scale, expected tokens E_r(T) now and credit (latency_cap's)
+    gained:  the batch's expected tokens per row from the k expansions (the policy's measured gains); a row
+             gains its scale times that at every size past its root, and k more candidates
+    times:   the verification's seconds for T = 1..at least `budget`; budget: the size the expansions aim at
+    draft_s: the round's draft time once they ran
+    """
+    grown = [row[:1] + [e + scale * gained for e in row[1:]] + [row[-1] + scale * gained] * k
+             for row, scale in zip(per_row, scales)]
+    T = latency_cap(grown, times, budget, credit).budget
+    if T == 1:  # the guard would verify the roots alone: the expansions would only delay every row
+        return False
+    need = (draft_s + times[T - 1]) / times[0]
+    return all(ahead + row[min(T, len(row)) - 1] >= need for row, ahead in zip(grown, credit))
+
+
+class LatencyGuarding:
+    """The goodput policy's side of the guard (GoodputPolicy inherits it): the rows' view the cap and the
+    expansions' check read, and each row's credit after a round. Reads the policy's plan (RoundPlan: guard, row
+    scales and ids, draft_s), call (CallState.row_credit), costs, gains and expected_tokens."""
+
+    def guard_inputs(self, rows: list[list[float]]) -> tuple[list[float], list[list[float]], list[float]]:
+        """The latency guard's view of the rows (their sorted node probabilities): (scales, each row's E(T), each
+        row's credit)."""
+        scales = self.plan.row_scales if len(self.plan.row_scales) == len(rows) else [1.0] * len(rows)
+        per_row = [self.expected_tokens(probs, scale) for probs, scale in zip(rows, scales)]
+        ids = self.plan.row_ids if len(self.plan.row_ids) == len(rows) else [None] * len(rows)
+        return scales, per_row, [self.call.row_credit.get(r, 0.0) for r in ids]
+
+    def guard_allows(self, rows: list[list[float]], done: int, k: int, draft_s: float, budget: int) -> bool:
+        """Under the latency guard, whether k more expansions (the round's draft time then draft_s) still leave every
+        row decoding no slower than a plain step (expansions_break_even); always, without the guard."""
+        if not self.plan.guard:
+            return True
+        times = self.costs.verify_times(self.max_budget)
+        return expansions_break_even(*self.guard_inputs(rows), sum(self.gains[done : done + k]), k, times, budget, draft_s)
+
+    def observe_credit(self, outcomes: list[tuple]) -> None:
+        """Fold each row's tokens of a round into its credit against plain steps (see the module docstring), at the round's price."""
+        budget = max(len(p.subtree) for _, p, _ in outcomes)
+        times = self.costs.verify_times(budget)
+        for row, _, verified in outcomes:
+            self.call.row_credit[row] = credit_after(self.call.row_credit.get(row, 0.0), len(verified.tokens), times, budget,
+                                                     self.plan.draft_s)

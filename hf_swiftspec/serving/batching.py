@@ -6,7 +6,9 @@ cancel_request, background_thread_status); `ServingManager` is that interface fo
 every way shares: the request's checks (its length against the target's context, its settings), its
 generate() arguments, handing its tokens to the server's handler, how it ended (finish_reason) and
 forgetting it. transformers hands a manager only max_new_tokens and eos_token_id; the rest of a
-request's settings come from the server's `RequestBook`, by request id.
+request's settings come from the server's `RequestBook`, by request id. A request for n answers runs n
+generate() calls (its siblings, answer i drawing with seed + i), whose tokens, logprobs and finish reasons go
+to the book for the response (serving/responses.py); one past --request-timeout fails with RequestTimedOut.
 
 - `SequentialServer` (the default): one request at a time, on one thread, each speculating alone.
 - `SpeculatingBatcher` (--continuous-batching): every request decodes in the pair's continuous engine
@@ -19,15 +21,19 @@ request's settings come from the server's `RequestBook`, by request id.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 from dataclasses import dataclass, field
 
 import torch
 
+from ..config import MAX_BUDGET
 from ..models import compat
 from ..engine.continuous import RequestCancelled, RowUsage
-from .request_settings import RequestBook, RequestSettings, cut_at_stop
+from .admission import Admission
+from .logprobs import token_logprobs
+from .request_settings import Choice, RequestBook, RequestRefused, RequestSettings, cut_at_stop
 
 USAGE_KEPT = 4096  # finished sequential requests whose usage stays readable by id (oldest dropped first)
 
@@ -42,11 +48,15 @@ class SpeculationUsage:
     by_id: dict[str, RowUsage] = field(default_factory=dict)
     total: RowUsage = field(default_factory=RowUsage)
     served: int = 0
+    rounds: int = 0  # rounds of the requests run alone, and of them those that verified the root alone
+    plain_rounds: int = 0
 
-    def record(self, request_id: str, usage: RowUsage) -> None:
+    def record(self, request_id: str, usage: RowUsage, rounds: int = 0, plain_rounds: int = 0) -> None:
         self.by_id[request_id] = usage
         self.total.add(usage)
         self.served += 1
+        self.rounds += rounds
+        self.plain_rounds += plain_rounds
         while len(self.by_id) > USAGE_KEPT:
             self.by_id.pop(next(iter(self.by_id)))
 
@@ -54,6 +64,12 @@ class SpeculationUsage:
         if request_id in self.by_id:
             return self.by_id[request_id]
         return None if self.engine is None else self.engine.usage_of(request_id)
+
+    def round_counts(self) -> tuple[int, int]:
+        """(rounds, plain rounds) so far: the running batch's, or the lone requests'."""
+        if self.engine is None:
+            return self.rounds, self.plain_rounds
+        return sum(self.engine.rounds_by_batch.values()), self.engine.plain_rounds
 
     def totals(self) -> dict:
         engine = self.engine
@@ -69,10 +85,14 @@ class SpeculationUsage:
 
 @dataclass
 class Served:
-    """What the app and the batching manager share: the requests' settings and what speculation did."""
+    """What the app and the batching manager share: the requests' settings, what speculation did, the requests
+    held (admission.py) and the batching manager (set when transformers' server builds it)."""
 
     book: RequestBook = field(default_factory=RequestBook)
     usage: SpeculationUsage = field(default_factory=SpeculationUsage)
+    admission: Admission = field(default_factory=Admission)
+    manager: object = None
+    tokenizer: object = None  # the pair's (the responses decode further answers and logprobs' tokens with it)
 
 
 @dataclass
@@ -89,6 +109,8 @@ class ServedRequest:
     max_new_tokens: its limit on new tokens (its max_tokens, or what the context leaves it)
     handler: (callback, event loop) the server registered; outputs are delivered on that loop
     generate_kwargs: its generate() arguments from its settings (generation config, processors, stops, seed)
+    logprobs: its tokens' TokenLogprob entries, once done (when its settings ask for logprobs)
+    siblings: its other answers' requests (n > 1: answer i draws with seed + i), decoded beside it
     """
 
     request_id: str
@@ -102,6 +124,13 @@ class ServedRequest:
     registered: threading.Event = field(default_factory=threading.Event)
     cancelled: threading.Event = field(default_factory=threading.Event)
     added: bool = False
+    logprobs: list | None = None
+    siblings: list["ServedRequest"] = field(default_factory=list)
+    timed_out: bool = False  # cancelled for passing --request-timeout: it fails with RequestTimedOut
+
+
+class RequestTimedOut(Exception):
+    """A request cancelled for passing --request-timeout (the server answers 504)."""
 
 
 class ServerStreamer:
@@ -135,6 +164,7 @@ class ServingManager:
     def __init__(self, pair, served: Served | None = None):
         self.pair = pair
         self.served = served or Served()
+        self.served.manager = self  # the app cancels a request past its timeout through it
         self.generation_config = pair.generation_config  # the pair's, never a request's: settings are per request
         self.requests: dict[str, ServedRequest] = {}
         self.lock = threading.Lock()
@@ -167,15 +197,33 @@ class ServingManager:
             request.settings = self.served.book.settings(request_id)
             request.input_ids, request.streaming = list(input_ids), streaming
             request.max_new_tokens = self.pair.request_length(len(input_ids), request.settings.max_tokens)
-            request.generate_kwargs = request.settings.generation_kwargs(
-                self.generation_config, len(input_ids), request.max_new_tokens, self.pair.tokenizer, self.pair.device
-            )
+            request.generate_kwargs = self.generate_kwargs(request.settings, request)
+            request.siblings = [self.sibling(request, i) for i in range(1, request.settings.n)]
+            self.check_room(request)
         except ValueError:
             self.forget(request_id)
             raise
         request.added = True
         self.submit(request)
         return request_id
+
+    def check_room(self, request: ServedRequest) -> None:
+        """RequestRefused (a 400) for a request this manager could never run (the running batch's bound)."""
+
+    def generate_kwargs(self, settings: RequestSettings, request: ServedRequest) -> dict:
+        return settings.generation_kwargs(
+            self.generation_config, len(request.input_ids), request.max_new_tokens, self.pair.tokenizer, self.pair.device
+        )
+
+    def sibling(self, request: ServedRequest, i: int) -> ServedRequest:
+        """Answer i of a request for n answers: its prompt and settings, drawing with seed + i (reproducible)."""
+        settings = request.settings
+        settings = dataclasses.replace(settings, n=1, seed=None if settings.seed is None else settings.seed + i)
+        sibling = ServedRequest(f"{request.request_id}/{i}", list(request.input_ids), request.max_new_tokens, settings,
+                                added=True)
+        sibling.generate_kwargs = self.generate_kwargs(settings, sibling)
+        sibling.registered.set()  # its tokens go to the first answer's response, not to a handler of its own
+        return sibling
 
     def register_result_handler(self, request_id: str, callback) -> None:
         """Called on the server's event loop, before add_request (non-streaming) or after it (streaming)."""
@@ -194,8 +242,17 @@ class ServingManager:
         with self.lock:
             request = self.requests.get(request_id)
         if request is not None:
-            request.cancelled.set()
-            self.cancelled(request)
+            for one in (request, *request.siblings):
+                one.cancelled.set()
+                self.cancelled(one)
+
+    def time_out(self, request_id: str) -> None:
+        """Cancel a request past --request-timeout: it fails with RequestTimedOut (the app answers 504)."""
+        with self.lock:
+            request = self.requests.get(request_id)
+        if request is not None:
+            request.timed_out = True
+            self.cancel_request(request_id)
 
     def start(self) -> None:
         pass
@@ -212,27 +269,48 @@ class ServingManager:
 
     # ------------------------------------------------ running one request
     def run_request(self, request: ServedRequest, streamer_class=ServerStreamer, **extra) -> None:
-        """The request's generate() call with its own settings, its tokens to its handler; a cancelled
-        request is forgotten, a failing one fails alone (the server goes on)."""
-        status = compat.cb_request_status()
+        """The request's generate() call with its own settings, its tokens to its handler (its other answers,
+        n > 1, beside it: `run_answers`); a cancelled request is forgotten, one past its timeout fails with
+        RequestTimedOut, a failing one fails alone (the server goes on)."""
         request.registered.wait(timeout=30)  # a streaming request's handler comes just after add_request
         try:
-            self.pair.generate(
-                torch.tensor([request.input_ids], device=self.pair.device),
-                attention_mask=torch.ones(1, len(request.input_ids), dtype=torch.long, device=self.pair.device),
-                streamer=streamer_class(self, request),
-                **request.generate_kwargs,
-                **extra,
-            )
+            self.run_answers(request, streamer_class, **extra)
             self.finished(request)
         except RequestCancelled:
-            self.forget(request.request_id)
+            if not request.timed_out:
+                self.forget(request.request_id)
+                return
+            timeout = self.served.admission.limits.request_timeout
+            self.fail(request, RequestTimedOut(f"the request took longer than --request-timeout {timeout:g} s"))
+
+    def run_answers(self, request: ServedRequest, streamer_class=ServerStreamer, **extra) -> None:
+        """The request's answers: its other ones (n > 1) one after the other here (the running batch decodes them
+        beside it), then its own."""
+        for sibling in request.siblings:
+            self.decode(sibling, ServerStreamer, **extra)
+            self.record_usage(sibling)
+        self.decode(request, streamer_class, **extra)
+
+    def decode(self, request: ServedRequest, streamer_class=ServerStreamer, **extra) -> None:
+        """One answer's generate() call; its logprobs kept when asked for (from the target's logits)."""
+        output = self.pair.generate(
+            torch.tensor([request.input_ids], device=self.pair.device),
+            attention_mask=torch.ones(1, len(request.input_ids), dtype=torch.long, device=self.pair.device),
+            streamer=streamer_class(self, request),
+            **request.generate_kwargs,
+            **extra,
+        )
+        if request.settings.logprobs is not None:
+            request.logprobs = token_logprobs(output.logits, request.tokens, request.settings.logprobs)
 
     def finished(self, request: ServedRequest, status=None) -> None:
-        """Say how the request ended (the response's finish_reason) and what speculation did for it, and hand
-        over its last tokens."""
+        """Say how the request ended (the response's finish_reason), its logprobs and other answers, and what
+        speculation did for it, and hand over its last tokens."""
         self.record_usage(request)
-        self.served.book.finished(request.request_id, self.finish_reason(request, request.tokens))
+        choices = [Choice(s.tokens, self.finish_reason(s, s.tokens), s.logprobs, self.served.usage.of(s.request_id))
+                   for s in request.siblings]
+        self.served.book.finished(request.request_id, self.finish_reason(request, request.tokens), request.logprobs,
+                                  choices)
         self.deliver(request, status or compat.cb_request_status().FINISHED)
 
     def record_usage(self, request: ServedRequest) -> None:
@@ -242,7 +320,7 @@ class ServingManager:
         self.served.usage.record(request.request_id, RowUsage(
             verifications=stats.verify_steps, proposed=sum(r.budget - 1 for r in stats.rounds),
             accepted=sum(r.accepted for r in stats.rounds),
-        ))
+        ), rounds=len(stats.rounds), plain_rounds=sum(r.budget == 1 for r in stats.rounds))
 
     def finish_reason(self, request: ServedRequest, tokens: list[int]) -> str:
         """OpenAI's finish_reason: "stop" at an EOS token or a stop string, else "length" at the limit."""
@@ -296,7 +374,8 @@ class SequentialServer(ServingManager):
 
     def run(self) -> None:
         while (request := self.queue.get()) is not None:
-            if request.cancelled.is_set():
+            self.served.admission.started(request.request_id)
+            if request.cancelled.is_set() and not request.timed_out:
                 self.forget(request.request_id)
                 continue
             try:
@@ -313,6 +392,8 @@ class SpeculatingBatcher(ServingManager):
         super().__init__(pair, served)
         self.engine = pair.continuous_engine(latency_guard)  # ValueError for a pair that cannot batch (the server routes it)
         self.served.usage.engine = self.engine
+        self.engine.on_start = self.served.admission.started
+        self.engine.max_positions = self.served.admission.limits.cache_positions
 
     def stop(self, block: bool = True, timeout: float | None = None) -> None:
         self.engine.close()
@@ -325,6 +406,40 @@ class SpeculatingBatcher(ServingManager):
 
     def record_usage(self, request: ServedRequest) -> None:
         pass  # the engine keeps each row's (SpeculationUsage reads it there)
+
+    def check_room(self, request: ServedRequest) -> None:
+        limit = self.engine.max_positions
+        need = len(request.input_ids) + request.max_new_tokens + MAX_BUDGET
+        if limit is not None and need > limit:
+            raise RequestRefused(
+                f"This request needs {need} cache positions (its {len(request.input_ids)}-token prompt, max_tokens="
+                f"{request.max_new_tokens} and a {MAX_BUDGET}-node tree); the running batch holds at most {limit} "
+                f"(--cache-positions). Ask for max_tokens <= {limit - len(request.input_ids) - MAX_BUDGET}.", "max_tokens",
+            )
+
+    def run_answers(self, request: ServedRequest, streamer_class=ServerStreamer, **extra) -> None:
+        """The request's answers, each a row of the running batch: its other ones (n > 1) beside its own, taken in
+        together so that they share the prompt's prefill (ContinuousEngine.together)."""
+        if not request.siblings:
+            self.decode(request, streamer_class, **extra)
+            return
+        errors: list[BaseException] = []
+
+        def answer(one: ServedRequest, streamer) -> None:
+            try:
+                self.decode(one, streamer, swiftspec=True, swiftspec_engine=(self.engine, one.request_id))
+            except BaseException as error:  # noqa: BLE001 (raised below, on the request's own thread)
+                errors.append(error)
+
+        answers = [(request, streamer_class)] + [(s, ServerStreamer) for s in request.siblings]
+        threads = [threading.Thread(target=answer, args=pair, daemon=True) for pair in answers]
+        with self.engine.together([one.request_id for one, _ in answers], lambda: any(t.is_alive() for t in threads)):
+            for thread in threads:
+                thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise next((e for e in errors if not isinstance(e, RequestCancelled)), errors[0])
 
     def run(self, request: ServedRequest) -> None:
         try:

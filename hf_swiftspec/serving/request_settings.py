@@ -25,6 +25,8 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 MAX_STOPS = 4  # OpenAI's limit on stop strings
+MAX_TOP_LOGPROBS = {"completions": 5, "chat": 20}  # OpenAI's limits on the alternatives a token's logprobs list
+MAX_CHOICES = 16  # the most answers (n) one request may ask for: each is a row of the running batch
 PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's range for frequency_penalty and presence_penalty
 DEFAULT_MAX_TOKENS = 1024  # transformers' server's default for a request without max_tokens (capped by the context)
 
@@ -33,8 +35,6 @@ DEFAULT_MAX_TOKENS = 1024  # transformers' server's default for a request withou
 UNHONOURED = {
     "best_of": lambda v: v in (None, 1),
     "echo": lambda v: not v,
-    "logprobs": lambda v: not v,
-    "top_logprobs": lambda v: not v,
     "logit_bias": lambda v: not v,
     "generation_config": lambda v: v is None,  # transformers' extension: a whole config, not per-request settings
 }
@@ -65,19 +65,24 @@ class RequestSettings:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     max_tokens: int | None = None
+    logprobs: int | None = None  # None: not asked; k >= 0: each chosen token's log-probability and its k likeliest
+    n: int = 1  # answers to the one prompt (choice i draws with seed + i)
 
     @classmethod
-    def from_body(cls, body: dict) -> "RequestSettings":
-        """The settings of an OpenAI request body; RequestRefused for a value out of range or a field the
-        server cannot honour."""
+    def from_body(cls, body: dict, endpoint: str = "completions") -> "RequestSettings":
+        """The settings of an OpenAI request body sent to `endpoint` ("completions", "chat" or "responses");
+        RequestRefused for a value out of range or a field the server cannot honour."""
         for name, no_op in UNHONOURED.items():
             if name in body and not no_op(body[name]):
                 raise RequestRefused(
                     f"{name}={body[name]!r} is not supported by swiftspec serve; leave it out of the request.", name
                 )
-        n = body.get("n")
-        if n not in (None, 1):
-            raise RequestRefused(f"n={n!r}: swiftspec serve answers one choice per request; send {n} requests.", "n")
+        n = cls.integer(body, "n", 1)
+        if n is not None and n > MAX_CHOICES:
+            raise RequestRefused(f"n={n} is above {MAX_CHOICES}, the most answers one request may ask for.", "n")
+        if n not in (None, 1) and body.get("stream"):
+            raise RequestRefused(f"n={n} with stream=true is not supported; send stream=false, or {n} requests.", "n")
+        logprobs = cls.logprobs_asked(body, endpoint)
         max_tokens = cls.first_of(body, "max_completion_tokens", "max_tokens", "max_output_tokens")
         settings = cls(
             temperature=cls.number(body, "temperature", 0.0, 2.0),
@@ -89,8 +94,37 @@ class RequestSettings:
             seed=cls.integer(body, "seed", None),
             stop=cls.stop_strings(body.get("stop")),
             max_tokens=None if max_tokens is None else cls.integer(body, max_tokens, 1),
+            logprobs=logprobs,
+            n=n or 1,
         )
         return settings
+
+    @classmethod
+    def logprobs_asked(cls, body: dict, endpoint: str) -> int | None:
+        """How many alternatives each token's logprobs list (None: no logprobs). Completions: `logprobs` is that
+        number (0-5); chat: `logprobs` true, with `top_logprobs` (0-20) alternatives."""
+        if endpoint == "chat":
+            asked, top = body.get("logprobs"), cls.integer(body, "top_logprobs", 0)
+            if asked not in (None, True, False):
+                raise RequestRefused(f"logprobs={asked!r} must be true or false in a chat request.", "logprobs")
+            if top is not None and not asked:
+                raise RequestRefused(f"top_logprobs={top} needs logprobs=true.", "top_logprobs")
+            count = (top or 0) if asked else None
+            name = "top_logprobs"
+        elif endpoint != "completions":
+            if body.get("top_logprobs") or body.get("logprobs"):
+                raise RequestRefused(f"logprobs are served on /v1/completions and /v1/chat/completions, not /v1/{endpoint}.",
+                                     "top_logprobs")
+            return None
+        else:
+            count, name = (None if body.get("logprobs") is False else cls.integer(body, "logprobs", 0)), "logprobs"
+        if count is None:
+            return None
+        if count > MAX_TOP_LOGPROBS[endpoint]:
+            raise RequestRefused(f"{name}={count} is above OpenAI's limit of {MAX_TOP_LOGPROBS[endpoint]}.", name)
+        if body.get("stream"):
+            raise RequestRefused("logprobs with stream=true is not supported yet; send stream=false.", "logprobs")
+        return count
 
     # ------------------------------------------------ reading the body
     @staticmethod
@@ -173,6 +207,9 @@ class RequestSettings:
             kwargs["stopping_criteria"] = StoppingCriteriaList([TextStops(tokenizer, self.stop, prompt_length)])
         if self.seed is not None and kwargs["generation_config"].do_sample:
             kwargs["generator"] = torch.Generator(device=device).manual_seed(self.seed)
+        if self.logprobs is not None:  # the target's raw logits at every emitted token, kept for the logprobs
+            kwargs["generation_config"].return_dict_in_generate = True
+            kwargs["generation_config"].output_logits = True
         return kwargs
 
 
@@ -241,11 +278,31 @@ class StopCutter:
 
 
 @dataclass
+class Choice:
+    """One answer of a request: its tokens, how it ended, its logprobs (TokenLogprob, when asked for) and what
+    speculation did for it (RowUsage, or None where unknown)."""
+
+    tokens: list[int]
+    finish_reason: str
+    logprobs: list | None = None
+    usage: object = None
+
+
+@dataclass
 class BookEntry:
-    """What the server knows of one request besides transformers: its settings and how it ended."""
+    """What the server knows of one request besides transformers: its settings and how it ended.
+
+    finish_reason: "stop" (EOS or a stop string) or "length", once it ended
+    logprobs:      its first answer's TokenLogprob entries (serving/logprobs.py), when asked for
+    choices:       its other answers (n > 1), in order
+    timed_out:     it passed --request-timeout and was cancelled (the server's 504)
+    """
 
     settings: RequestSettings
-    finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length", once it ended
+    finish_reason: str | None = None
+    logprobs: list | None = None
+    choices: list[Choice] = field(default_factory=list)
+    timed_out: bool = False
 
 
 @dataclass
@@ -268,10 +325,11 @@ class RequestBook:
             entry = self.entries.get(request_id)
         return entry.settings if entry is not None else RequestSettings()
 
-    def finished(self, request_id: str, reason: str) -> None:
+    def finished(self, request_id: str, reason: str, logprobs: list | None = None, choices: list[Choice] = ()) -> None:
         with self.lock:
             if request_id in self.entries:
-                self.entries[request_id].finish_reason = reason
+                entry = self.entries[request_id]
+                entry.finish_reason, entry.logprobs, entry.choices = reason, logprobs, list(choices)
 
     def close(self, request_id: str) -> BookEntry | None:
         with self.lock:

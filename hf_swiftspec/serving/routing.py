@@ -121,6 +121,7 @@ class SpeculationRouter(ServingManager):
         with self.lock:
             busy = any(r.added for r in self.requests.values() if r is not request)
             request.own_settings = differs_from(request.generate_kwargs, self.generation_config)
+            request.own_settings = request.own_settings or bool(request.siblings) or request.settings.logprobs is not None
             request.speculate = request.own_settings or not busy
             self.routed["speculate" if request.speculate else "batch"] += 1
             if not request.speculate and self.speculating is not None:
@@ -129,6 +130,7 @@ class SpeculationRouter(ServingManager):
         if request.speculate:
             self.queue.put(request)
             return
+        self.served.admission.started(request.request_id)  # transformers' batch takes it in at once
         if registered:  # registered before it was added (the server's non-streaming order)
             self.batcher.register_result_handler(request.request_id, self.batched_handler(request))
         self.batcher.add_request(
@@ -171,6 +173,7 @@ class SpeculationRouter(ServingManager):
         """The speculative route's thread: one pair.generate() at a time."""
         while (request := self.queue.get()) is not None:
             request.registered.wait(timeout=30)  # a streaming request's handler comes just after add_request
+            self.served.admission.started(request.request_id)
             with self.lock:
                 self.speculating = request
                 if any(r.added and r is not request for r in self.requests.values()):

@@ -15,7 +15,10 @@ id, and so its settings, reach its generate() call: one request at a time (the d
 share a batch (recurrent or chain-shaped) keeps the older rule: a request speculates when alone and
 joins transformers' continuous batch of the target when others decode (routing.py). Each response's
 usage says what speculation did for it (`usage.speculation`: verifications, proposed and accepted
-tokens); GET /v1/swiftspec/usage gives the server's totals.
+tokens); GET /v1/swiftspec/usage gives the server's totals, GET /metrics the server's Prometheus metrics
+(metrics.py). The same middleware admits each request or answers 429 past --max-queue and arms its
+--request-timeout (admission.py); responses.py edits what transformers' handler answered (the model's name,
+logprobs, n answers).
 """
 
 from __future__ import annotations
@@ -29,8 +32,10 @@ import torch
 from ..models import compat
 from ..tools.options import load_pair, progress, resolve_device, set_threads
 from ..modeling import SwiftSpecForCausalLM
+from .admission import Admission, Busy, Limits
 from .batching import SequentialServer, Served, SpeculatingBatcher
-from .request_settings import DEFAULT_MAX_TOKENS, RequestRefused, RequestSettings, StopCutter, cut_at_stop
+from .request_settings import DEFAULT_MAX_TOKENS, RequestRefused, RequestSettings
+from .responses import ResponseEditor, error_body
 from ..pair import PairConfigError
 from ..pair.checks import context_length
 
@@ -57,6 +62,11 @@ class ServeOptions:
     # gives its paged cache; None: transformers' default (60% of RAM on a CPU)
     cb_max_memory_percent: float | None = None
     latency_guard: bool = True  # the running batch caps its trees for its slowest row (policy/guard.py)
+    # admission control (serving/admission.py; None: no limit): requests waiting to decode, seconds a request may
+    # take, cache positions the running batch holds
+    max_queue: int | None = None
+    request_timeout: float | None = None
+    cache_positions: int | None = None
 
     def __post_init__(self):
         share = self.cb_max_memory_percent
@@ -65,6 +75,11 @@ class ServeOptions:
                 f"--cb-max-memory-percent {share}: it is the share of free memory the paged cache may take, above 0 "
                 "and at most 1 (0.6 for 60%)."
             )
+        self.limits  # noqa: B018 (a limit out of range is refused here, naming its flag)
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(self.max_queue, self.request_timeout, self.cache_positions)
 
 
 class ServedPair(SwiftSpecForCausalLM):
@@ -172,6 +187,7 @@ def pair_model_manager(options: ServeOptions, device: str, served: Served | None
                 settings["revision"] = revision
             model = load_pair(name, name, device, options.dtype, model_class=ServedPair, **settings)
             model.served, model.sequential = served or Served(), not options.continuous_batching
+            model.served.tokenizer = model.tokenizer
             model.latency_guard = options.latency_guard
             self.loading[model_id_and_revision] = model
             return model.tokenizer
@@ -188,12 +204,6 @@ def pair_model_manager(options: ServeOptions, device: str, served: Served | None
         get_gen_models = list_models  # 5.23's name for it
 
     return PairModelManager
-
-
-def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
-    """OpenAI's error shape (the `openai` client shows its message)."""
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def answer_errors(app):
@@ -226,105 +236,109 @@ GENERATING = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 EXTENSIONS = {"top_k", "min_p"}  # settings honoured per request that OpenAI's schema (so transformers' handler) lacks
 
 
-class ResponseEditor:
-    """One response's JSON payloads as the request's settings make them: the text cut at its first stop
-    string (held back while streaming until it is settled), finish_reason as the batching manager saw the
-    request end, and usage.speculation."""
-
-    def __init__(self, served: Served, request_id: str, settings: RequestSettings):
-        self.served, self.request_id, self.settings = served, request_id, settings
-        self.cutter = StopCutter(settings.stop)
-
-    def whole(self, payload: dict) -> dict:
-        for choice in payload.get("choices") or []:
-            holder, key = self.text_of(choice)
-            if holder is not None and self.settings.stop:
-                holder[key] = cut_at_stop(holder[key], self.settings.stop)[0]
-            self.set_finish_reason(choice)
-        return self.with_figures(payload)
-
-    def event(self, payload: dict) -> dict:
-        for choice in payload.get("choices") or []:
-            holder, key = self.text_of(choice)
-            ending = choice.get("finish_reason") is not None
-            if self.settings.stop and (holder is not None or ending):
-                text = self.cutter.feed(holder[key] if holder is not None else "") + (self.cutter.flush() if ending else "")
-                if holder is None:
-                    holder, key = self.holder_for(choice)
-                holder[key] = text
-            if ending:
-                self.set_finish_reason(choice)
-        return self.with_figures(payload)
-
-    @staticmethod
-    def text_of(choice: dict) -> tuple[dict | None, str]:
-        """Where a choice holds its text: completions' text, chat's message or delta content."""
-        if isinstance(choice.get("text"), str):
-            return choice, "text"
-        for name in ("message", "delta"):
-            inner = choice.get(name)
-            if isinstance(inner, dict) and isinstance(inner.get("content"), str):
-                return inner, "content"
-        return None, ""
-
-    @staticmethod
-    def holder_for(choice: dict) -> tuple[dict, str]:
-        if "delta" in choice:
-            return choice["delta"], "content"
-        return choice, "text"
-
-    def set_finish_reason(self, choice: dict) -> None:
-        entry = self.served.book.entry(self.request_id)
-        if entry is not None and entry.finish_reason is not None and choice.get("finish_reason") in ("stop", "length"):
-            choice["finish_reason"] = entry.finish_reason
-
-    def with_figures(self, payload: dict) -> dict:
-        figures = self.served.usage.of(self.request_id) if isinstance(payload.get("usage"), dict) else None
-        if figures is not None:
-            payload["usage"]["speculation"] = figures.as_dict()
-        return payload
+ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/v1/responses": "responses"}
 
 
 def serve_requests(served: Served):
-    """An app hook: each generating request's body is read before transformers' handler, its settings kept by
-    request id for the batching manager (a refused one is a 400 naming the field), and its response edited
-    (`ResponseEditor`), streamed or not; GET /v1/swiftspec/usage answers the server's totals (requests,
-    usage, rounds by batch size)."""
+    """An app hook: each generating request is admitted or refused (admission.py: a 429 past --max-queue), its
+    body read before transformers' handler (its settings kept by request id for the batching manager; a refused
+    one is a 400 naming the field), its timeout armed, and its response edited (responses.ResponseEditor),
+    streamed or not. GET /v1/swiftspec/usage answers the server's totals (requests, usage, rounds by batch size);
+    GET /metrics its Prometheus metrics (metrics.py)."""
+    import asyncio
+    import time
     import uuid
 
     from fastapi.responses import JSONResponse, Response
 
-    def edited_event(line: bytes, editor: ResponseEditor) -> bytes:
+    from .metrics import ServerMetrics
+
+    metrics = ServerMetrics(served)
+
+    def edited_event(line: bytes, editor: ResponseEditor, seen: dict) -> bytes:
         if not line.startswith(b"data: {"):
             return line
-        return b"data: " + json.dumps(editor.event(json.loads(line[6:]))).encode()
+        payload = json.loads(line[6:])
+        if "error" in payload:  # transformers' {"error": "reason"}: in OpenAI's shape, a timeout's named as such
+            seen["error"] = True
+            entry = editor.entry
+            late = entry is not None and entry.timed_out
+            if isinstance(payload["error"], str):
+                return b"data: " + json.dumps(error_body(payload["error"], 504 if late else 500, None,
+                                                         "request_timeout" if late else None)).encode()
+        elif payload.get("usage") is not None:
+            seen["usage"] = payload["usage"]
+        return b"data: " + json.dumps(editor.event(payload)).encode()
 
-    async def streamed(chunks, editor: ResponseEditor):
-        pending = b""
+    async def streamed(chunks, editor: ResponseEditor, arrived: float, release):
+        pending, seen = b"", {}
         try:
             async for chunk in chunks:
+                if "first" not in seen:
+                    seen["first"] = True
+                    metrics.first_token.observe(time.perf_counter() - arrived)
                 pending += chunk if isinstance(chunk, bytes) else chunk.encode()
                 *lines, pending = pending.split(b"\n")
                 if lines:
-                    yield b"\n".join(edited_event(line, editor) for line in lines) + b"\n"
+                    yield b"\n".join(edited_event(line, editor, seen) for line in lines) + b"\n"
             if pending:
-                yield edited_event(pending, editor)
+                yield edited_event(pending, editor, seen)
         finally:
-            served.book.close(editor.request_id)
+            entry = editor.entry
+            if entry is not None and entry.timed_out:
+                release("timed_out")
+            elif "usage" in seen and "error" not in seen:
+                release("finished", seen["usage"])
+            else:
+                release("failed" if "error" in seen else "cancelled")
+
+    def busy(refusal: Busy) -> JSONResponse:
+        metrics.ended("busy")
+        return JSONResponse(error_body(str(refusal), 429, None, "server_busy"), status_code=429,
+                            headers={"Retry-After": str(refusal.retry_after)})
+
+    def timed_out() -> JSONResponse:
+        timeout = served.admission.limits.request_timeout
+        message = f"The request took longer than --request-timeout {timeout:g} s and was cancelled."
+        return JSONResponse(error_body(message, 504, None, "request_timeout"), status_code=504)
+
+    def arm_timeout(request_id: str):
+        """Cancel the request once it passes --request-timeout (None: no timeout)."""
+        timeout = served.admission.limits.request_timeout
+        if timeout is None:
+            return None
+
+        def expire() -> None:
+            entry = served.book.entry(request_id)
+            if entry is None:
+                return
+            entry.timed_out = True
+            if served.manager is not None:
+                served.manager.time_out(request_id)
+
+        return asyncio.get_running_loop().call_later(timeout, expire)
 
     def hook(app):
         @app.get("/v1/swiftspec/usage")
         def speculation_totals():
             return JSONResponse(served.usage.totals())
 
+        @app.get("/metrics")
+        def scrape():
+            body, content_type = metrics.exposition()
+            return Response(body, media_type=content_type)
+
         @app.middleware("http")
         async def per_request(request, call_next):
             if request.method != "POST" or request.url.path not in GENERATING:
                 return await call_next(request)
+            arrived = time.perf_counter()
             try:
                 body = await request.json()
-                settings = RequestSettings.from_body(body) if isinstance(body, dict) else RequestSettings()
+                endpoint = ENDPOINTS[request.url.path]
+                settings = RequestSettings.from_body(body, endpoint) if isinstance(body, dict) else RequestSettings()
             except RequestRefused as refusal:
+                metrics.ended("refused")
                 return JSONResponse(error_body(str(refusal), 400, refusal.param), status_code=400)
             except ValueError:  # not JSON: transformers' handler answers it
                 return await call_next(request)
@@ -340,32 +354,60 @@ def serve_requests(served: Served):
             try:
                 served.book.open(request_id, settings)
             except RequestRefused as refusal:
+                metrics.ended("refused")
                 return JSONResponse(error_body(str(refusal), 400, "X-Request-ID"), status_code=400)
-            editor = ResponseEditor(served, request_id, settings)
+            try:
+                served.admission.admit(request_id)
+            except Busy as refusal:
+                served.book.close(request_id)
+                return busy(refusal)
+            timer = arm_timeout(request_id)
+
+            def release(outcome: str, usage: dict | None = None) -> None:
+                """The request ends: counted, its place and its settings let go."""
+                latency = time.perf_counter() - arrived
+                if outcome == "finished":
+                    metrics.finished(usage, latency)
+                else:
+                    metrics.ended(outcome)
+                if timer is not None:
+                    timer.cancel()
+                served.admission.ended(request_id, latency if outcome == "finished" else None)
+                served.book.close(request_id)
+
+            model = body.get("model") if isinstance(body, dict) else None
+            editor = ResponseEditor(served, request_id, settings, model, chat=endpoint == "chat")
             try:
                 response = await call_next(request)
             except BaseException:
-                served.book.close(request_id)
+                release("failed")
                 raise
             if response.headers.get("content-type", "").startswith("text/event-stream"):
-                response.body_iterator = streamed(response.body_iterator, editor)
+                response.body_iterator = streamed(response.body_iterator, editor, arrived, release)
                 return response
+            outcome, usage = "failed", None
             try:
                 body = b"".join([chunk async for chunk in response.body_iterator])
+                entry = editor.entry
+                if entry is not None and entry.timed_out:
+                    outcome = "timed_out"
+                    return timed_out()
                 if response.status_code == 200:
                     try:
-                        body = json.dumps(editor.whole(json.loads(body))).encode()
+                        payload = editor.whole(json.loads(body))
+                        body, outcome, usage = json.dumps(payload).encode(), "finished", payload.get("usage")
                     except (ValueError, AttributeError):
                         pass
+                elif response.status_code < 500:
+                    outcome = "refused"
             finally:
-                served.book.close(request_id)
+                release(outcome, usage)
             headers = {k: v for k, v in response.headers.items() if k.lower() != "content-length"}
             return Response(body, status_code=response.status_code, headers=headers, media_type=response.media_type)
 
         return app
 
     return hook
-
 
 def serve(options: ServeOptions, blocking: bool = True):
     """Start transformers' server with the pair loaded (blocking: until interrupted). Returns
@@ -378,7 +420,7 @@ def serve(options: ServeOptions, blocking: bool = True):
     device = resolve_device(options.device)
     progress(set_threads(options.threads, device))
     progress(f"loading {options.pair!r} on {device}; serving it at http://{options.host}:{options.port}/v1")
-    served = Served()
+    served = Served(admission=Admission(options.limits))
     finish_app = lambda app: serve_requests(served)(answer_errors(app))  # noqa: E731
     with compat.serving_built_with(pair_model_manager(options, device, served), finish_app):
         return compat.serving_server()(
