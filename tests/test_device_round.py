@@ -9,9 +9,9 @@ import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper
 
-from hf_swiftspec.steps.cache import TreeCache
+from hf_swiftspec.steps.cache import TreeCache, move_positions
 from hf_swiftspec.steps.device_round import (
-    commit_device, greedy_choices, round_result, sampled_choices, select_device, stack_trees, walk_device,
+    commit_plan, greedy_choices, round_result, sampled_choices, select_device, stack_trees, walk_device,
 )
 from hf_swiftspec.steps.tree import (
     add_children, best_node_ids, new_tree, reroot, select_leaves, select_subtree, subtree_mask,
@@ -174,7 +174,7 @@ def filled_cache(rng: random.Random, B: int, layers: int = 2, capacity: int = 32
 
 @pytest.mark.parametrize("seed", range(6))
 def test_commit_equals_commit_rows(seed):
-    """commit_device moves every slot TreeCache.commit_rows moves (paths then kept slots, per row, rows
+    """commit_plan's moves are every move TreeCache.commit_rows makes (paths then kept slots, per row, rows
     of different prefixes; padding ignored) and leaves the same prefix lengths and lengths."""
     rng = random.Random(300 + seed)
     B, M, K = 4, 6, 5
@@ -189,10 +189,11 @@ def test_commit_equals_commit_rows(seed):
         paths.append(path)
         keeps.append(sorted(rest))
     pad = lambda rows, width: torch.tensor([row + [rng.randrange(30)] * (width - len(row)) for row in rows])
-    prefixes, lengths = commit_device(
-        data, cache.buffers[0].dim, torch.tensor(cache.prefix_lens),
-        pad(paths, M), torch.tensor([len(p) for p in paths]), pad(keeps, K), torch.tensor([len(k) for k in keeps]),
+    src, dst, prefixes, lengths = commit_plan(
+        torch.tensor(cache.prefix_lens), pad(paths, M), torch.tensor([len(p) for p in paths]), pad(keeps, K),
+        torch.tensor([len(k) for k in keeps]), cache.scratch,
     )
+    move_positions(data, cache.buffers[0].dim, src, dst)
     cache.commit_rows([torch.tensor(p) for p in paths], [torch.tensor(k, dtype=torch.long) for k in keeps])
     assert prefixes.tolist() == cache.prefix_lens and lengths.tolist() == cache.lengths
     scratch = cache.scratch
@@ -218,7 +219,8 @@ def test_a_composed_round_reads_the_device_once():
     with SyncCounter() as inside:
         sub = select_device(device_tree, budget)
         walk = walk_device(greedy_choices(logits), sub, max_tokens, torch.tensor([2]))
-        commit_device(data, cache.buffers[0].dim, prefix_lens, walk.path.clamp(min=0), walk.count)
+        src, dst, _, _ = commit_plan(prefix_lens, walk.path.clamp(min=0), walk.count, None, None, cache.scratch)
+        move_positions(data, cache.buffers[0].dim, src, dst)
         result = round_result(walk)
     assert sum(inside.calls.values()) == 0, inside.calls
     with SyncCounter() as read:

@@ -100,11 +100,11 @@ def test_both_caches_hold_a_fresh_prefill_of_the_committed_tokens(targets, captu
 
     def accept_and_check(sides, proposed, verified, keep):
         accept(sides, proposed, verified, keep)
-        prefix_lens = sides.rows.prefix_lens.tolist()
+        prefix_lens = sides.slots.rows.prefix_lens.tolist()
         for b, row in enumerate(proposed.rows):
-            committed = sides.sequences[b][ids.shape[1] - len(PROMPTS[row]) : -1]  # the root: no model holds it
+            committed = sides.host[b].sequence[ids.shape[1] - len(PROMPTS[row]) : -1]  # the root: no model holds it
             assert prefix_lens[b] == len(committed)
-            for model, cache in zip((target, sides.draft), sides.models.caches, strict=True):
+            for model, cache in zip((target, sides.drafter.model), [c for c in sides.slots.caches if c is not None], strict=True):
                 assert_holds_prefill(model, cache, b, committed)
             checked.append(len(committed))
 
@@ -274,9 +274,9 @@ def test_plain_rounds_of_the_menu_decode_exactly_and_keep_the_draft_cache_whole(
     def accept_and_check(sides, proposed, verified, keep):
         accept(sides, proposed, verified, keep)
         for b, row in enumerate(proposed.rows):
-            committed = sides.sequences[b][ids.shape[1] - len(PROMPTS[row]) : -1]
-            models = (target,) if draft_free else (target, sides.draft)
-            for model, cache in zip(models, sides.models.caches, strict=True):
+            committed = sides.host[b].sequence[ids.shape[1] - len(PROMPTS[row]) : -1]
+            models = (target,) if draft_free else (target, sides.drafter.model)
+            for model, cache in zip(models, [c for c in sides.slots.caches if c is not None], strict=True):
                 assert_holds_prefill(model, cache, b, committed)
             checked.append(len(committed))
 

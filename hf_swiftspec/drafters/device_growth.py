@@ -55,7 +55,7 @@ def grow(model, cache: SlotCache, prefix_lens: torch.Tensor, roots: torch.Tensor
     for level in range(1, depth + 1):
         seen = tree.ancestors.gather(1, frontier[:, :, None].expand(B, frontier.shape[1], N))  # (B, F, N)
         logits = slot_forward(model, cache, tree.tokens.gather(1, frontier), prefix_lens[:, None] + level - 1,
-                              node_slots.gather(1, frontier), tree_visible(cache.capacity, prefix_lens, seen))
+                              node_slots.gather(1, frontier), tree_visible(cache.span, prefix_lens, seen))
         logprobs = torch.log_softmax(logits[..., :vocab_limit], dim=-1)  # (B, F, V')
         frontier, _ = add_level(tree, frontier, tree.scores.gather(1, frontier)[:, :, None] + logprobs, level, width)
     return Growth(tree, prefix_lens)
@@ -67,8 +67,8 @@ def seed_tree(cache: SlotCache, roots: torch.Tensor, depth: int, width: int, cal
     if depth < 1 or width < 1:
         raise ValueError(f"{caller}(depth={depth}, width={width}): both must be at least 1")
     B, N, device = roots.shape[0], 1 + depth * width, roots.device
-    if cache.capacity < N + 2:
-        raise ValueError(f"SlotCache of {cache.capacity} slots cannot hold a tree of {N} nodes behind a prefix; "
+    if cache.span < N + 2:
+        raise ValueError(f"SlotCache attending {cache.span} slots cannot hold a tree of {N} nodes behind a prefix; "
                          "allocate at least the longest prefix + N + 1 slots")
     tokens = torch.zeros(B, N, dtype=torch.long, device=device)
     tokens[:, 0] = roots

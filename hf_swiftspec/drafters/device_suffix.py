@@ -22,15 +22,15 @@ Every shape is fixed by (B rows, N, S, T), so both phases replay (steps/phase_gr
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..policy.goodput import GoodputPolicy
 from ..policy.shapes import PLAIN, Shape, ShapeMenu
-from ..steps.device_round import DeviceSubtree, DeviceTree, DeviceWalk
+from ..steps.device_round import DeviceSubtree, DeviceTree, DeviceWalk, to_device
 from ..steps.slot_cache import SlotCache, accepted_nodes, catch_up, commit_cache
-from .suffix import SuffixDrafter
+from .suffix import index_for
 
 FIELDS = 4  # the copied tensor's rows per proposal: tokens, parents, depths, scores
 
@@ -159,51 +159,39 @@ def draft_free_menu(config) -> ShapeMenu:
     return ShapeMenu((Shape(0, 0, config.tree_budget),) if config.tree_budget else (Shape(0, 0, 8), Shape(*PLAIN)))
 
 
-def proposal_tensor(indices: list, nodes: int, limit: int | None, policy: GoodputPolicy,
-                    device: torch.device) -> torch.Tensor:
-    """(B, FIELDS, S) float64 each row's suffix proposal of at most `nodes` nodes (SuffixNodes.unpack's layout; a row
-    whose index is None, a dead row of the running batch, proposes nothing), scored by the log of the policy's
-    prior P(accepted), in one host-to-device copy."""
-    rows = []
-    for index in indices:
-        tokens, parents, depths, scores = [], [], [], []
-        if index is not None:
-            room = None if limit is None else max(limit - len(index.tokens), 0)
-            tree = index.propose(nodes, room)
-            probs, _ = policy.suffix_probs(tree)
-            tokens, parents, scores = tree.tokens, tree.parents, [math.log(p) for p in probs]
-            for p in tree.parents:
-                depths.append(depths[p] + 1 if p >= 0 else 1)
-        pad = nodes - len(tokens)
-        rows.append([tokens + [0] * pad, parents + [-1] * pad, depths + [0] * pad, scores + [float("-inf")] * pad])
-    host = torch.tensor(rows, dtype=torch.float64).reshape(len(rows), FIELDS, nodes)
-    if device.type == "cuda":
-        host = host.pin_memory()  # the copy runs behind the queued work; this buffer is the copy's alone
-    return host.to(device, non_blocking=True)
+@dataclass
+class SuffixProposals:
+    """Each round's suffix proposals of the device round's rows (each row's SuffixIndex is the host's, kept with the
+    row: device_sides.RowOnHost.suffix), as one device tensor.
 
-
-class DeviceSuffix:
-    """The rows' suffix indices (SuffixDrafter's, on the host) and each round's proposals as one device tensor.
-
-    nodes: S, the suffix nodes each row proposes (the menu's largest T less the root: a proposal may fill a tree)
+    nodes: S, the suffix nodes a row proposes a round (the menu's largest T less the root: a proposal may fill a tree)
     limit: the models' context (no node is placed past it), or None
     """
 
-    def __init__(self, config, request, nodes: int, limit: int | None, device: torch.device):
-        self.drafter = SuffixDrafter(config.ngram_size, request.batch_size, branching=True, corpus=request.corpus,
-                                     history=request.history)
-        self.drafter.start(request.prompt_ids())
-        self.nodes, self.limit, self.device = nodes, limit, device
-        self.policy = GoodputPolicy()  # its calibration's priors score the nodes, as the host round's first call does
+    ngram_size: int
+    nodes: int
+    limit: int | None
+    device: torch.device
+    policy: GoodputPolicy = field(default_factory=GoodputPolicy)  # its priors score the nodes, as a first call's do
 
-    def propose(self) -> torch.Tensor:
-        """(B, FIELDS, S) float64 every row's proposal (SuffixNodes.unpack's layout), copied in one host-to-device copy."""
-        return proposal_tensor(self.drafter.indices, self.nodes, self.limit, self.policy, self.device)
+    def index_for(self, request, tokens: list[int]):
+        """A joining row's index over its prompt, the request's corpus and the model's earlier outputs."""
+        return index_for(tokens, self.ngram_size, request.corpus, request.history)
 
-    def accept(self, tokens: list[list[int]]) -> None:
-        """Each row's verified tokens (the round's read, cut where the host's stops cut it)."""
-        for index, new in zip(self.drafter.indices, tokens):
-            index.extend(new)
-
-    def keep_rows(self, order: list[int]) -> None:
-        self.drafter.keep_rows(order)
+    def propose(self, indices: list) -> torch.Tensor:
+        """(B, FIELDS, S) float64 each cache row's proposal of at most S nodes (SuffixNodes.unpack's layout; a row
+        whose index is None, a dead row, proposes nothing), scored by the log of the policy's prior P(accepted), in
+        one pinned, non-blocking host-to-device copy."""
+        rows = []
+        for index in indices:
+            tokens, parents, depths, scores = [], [], [], []
+            if index is not None:
+                room = None if self.limit is None else max(self.limit - len(index.tokens), 0)
+                tree = index.propose(self.nodes, room)
+                probs, _ = self.policy.suffix_probs(tree)
+                tokens, parents, scores = tree.tokens, tree.parents, [math.log(p) for p in probs]
+                for p in tree.parents:
+                    depths.append(depths[p] + 1 if p >= 0 else 1)
+            pad = self.nodes - len(tokens)
+            rows.append([tokens + [0] * pad, parents + [-1] * pad, depths + [0] * pad, scores + [float("-inf")] * pad])
+        return to_device(rows, self.device, torch.float64)

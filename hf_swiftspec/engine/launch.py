@@ -25,7 +25,7 @@ from ..steps.verify import batch_dependent
 from .adaptive import run_serial, setup_s
 from .asynchronous import run_threads
 from .continuous import ContinuousEngine
-from .continuous_device import DeviceContinuousEngine, running_batch_gaps
+from .continuous_device import DeviceContinuousEngine
 from .device_sides import check_device_round, run_device
 from .distributed import Groups, agree_engine, run_distributed, run_serial_distributed
 from .placement import Placement
@@ -84,8 +84,7 @@ def continuous_engine(target, draft, config: SwiftSpecConfig, placement: Placeme
     if reasons:
         raise ValueError(f"this pair cannot decode rows in one batch: {'; '.join(reasons)}")
     if config.round == "device":  # the running batch on the device round, its rows in buckets (continuous_device.py)
-        check_device_round(config, target, draft, architectures, [], placement, groups, False,
-                           running_batch_gaps(config, draft))
+        check_device_round(config, target, draft, architectures, [], placement, groups, False, [])
         return DeviceContinuousEngine(target, draft, policy, config,
                                       lambda request, result: remember_outputs(history, config, request, result))
 

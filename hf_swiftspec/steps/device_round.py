@@ -7,8 +7,7 @@ expansion, where the goodput policy decides from the new candidates whether to g
 can be captured in a CUDA graph and the host reads one small tensor a round (`round_result`).
 Every shape depends on (B rows, N tree capacity, T verified nodes, V vocabulary, C cache slots) alone;
 what varies (how many nodes are live, how many tokens were accepted) rides in tensors as counts
-and padding. Each equals its host twin (tree.best_node_ids / subtree_mask, verify.walk_path /
-walk_to_stop, cache.TreeCache.commit_rows), which tests/test_device_round.py checks on random trees.
+and padding. tests/test_device_round.py checks each against a plain reference written in the test.
 
 engine/device_sides.py runs the round of them (SwiftSpecConfig round="device").
 """
@@ -239,21 +238,12 @@ def commit_plan(prefix_lens: torch.Tensor, path_slots: torch.Tensor, path_count:
     return src, dst, prefix_lens + path_count, prefix_lens + path_count + keep_count
 
 
-def move_slots(data: torch.Tensor, dim: int, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """In place: per row b, positions src[b] (B, P) of `data` move to dst[b]; sources are read before any
-    write (overlapping ranges are safe). data: (n, B, ...) a SlotBuffer's stacked layers, positions at
-    `dim` (cache.SlotBuffer.move's gather)."""
-    by_row = data.movedim(dim, 2)  # (n, B, capacity, ...): a view, written through
-    rows = torch.arange(src.shape[0], device=src.device)[:, None].expand_as(src)
-    by_row[:, rows, dst] = by_row[:, rows, src]
-
-
-def commit_device(data: torch.Tensor, dim: int, prefix_lens: torch.Tensor, path_slots: torch.Tensor,
-                  path_count: torch.Tensor, keep_slots: torch.Tensor | None = None,
-                  keep_count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """TreeCache.commit_rows on one shared buffer (n, B, ..., C, ...) (positions at `dim`), on the device:
-    commit_plan's moves in one gather/scatter. Returns the new prefix_lens (B,) and lengths (B,)."""
-    src, dst, prefixes, lengths = commit_plan(prefix_lens, path_slots, path_count, keep_slots, keep_count,
-                                              data.shape[dim] - 1)
-    move_slots(data, dim, src, dst)
-    return prefixes, lengths
+def to_device(values, device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Host data (nested lists of numbers) as a tensor on `device` in one copy that never waits for the device: on
+    CUDA staged in pinned memory and copied non-blocking (a `torch.tensor(list, device="cuda")` copies from pageable
+    memory and then waits for the stream, as a read does). The device round's every host-to-device copy."""
+    device = torch.device(device)
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        host = host.pin_memory()  # the caching host allocator keeps it until the copy has run
+    return host.to(device, non_blocking=True)

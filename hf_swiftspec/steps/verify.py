@@ -23,14 +23,45 @@ from .tree import Subtree
 MASK64 = (1 << 64) - 1
 
 
-def noise_seed(seed: int, row: int, position: int) -> int:
-    """The seed of one (row, position)'s Gumbel noise: splitmix64 of the three, so every pair has a
-    stream of its own (torch's CPU generator keeps only the low 32 bits of a seed, so seeds that
-    differ by a multiple of 2**32 would share their noise)."""
-    z = (seed + (row << 40) + position + 0x9E3779B97F4A7C15) & MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
-    return (z ^ (z >> 31)) >> 1  # manual_seed takes up to 63 bits
+def _int64(x: int) -> int:
+    """A 64-bit constant as torch's int64 holds it (two's complement)."""
+    x &= MASK64
+    return x - (1 << 64) if x >> 63 else x
+
+
+GOLDEN = _int64(0x9E3779B97F4A7C15)
+MIX = (_int64(0xBF58476D1CE4E5B9), _int64(0x94D049BB133111EB))
+
+
+def _shift_right(z: torch.Tensor, k: int) -> torch.Tensor:
+    """z >> k as unsigned 64-bit (torch shifts int64 arithmetically)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def splitmix64(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser over int64 tensors (multiplications wrap, as the 64-bit original's)."""
+    z = z ^ _shift_right(z, 30)
+    z = z * MIX[0]
+    z = z ^ _shift_right(z, 27)
+    z = z * MIX[1]
+    return z ^ _shift_right(z, 31)
+
+
+def gumbel_noise(seeds: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel noise (B, D, V) float64 for each row's positions: a counter-based generator, so the noise of a (seed,
+    row, position, token) is a pure function of the four, drawn on the device with no generator state and no host
+    data (the device round draws it inside its replayed verification).
+
+    seeds (B,) long: each row's seed; rows (B,) long: its row number (rows of a batch are independent draws);
+    positions (B, D) long: absolute sequence positions. Uniforms from splitmix64 of the four (53 bits, in (0, 1)),
+    then -log(-log(u))."""
+    state = splitmix64(seeds + GOLDEN * (rows + 1))  # (B,)
+    state = splitmix64(state[:, None] + GOLDEN * (positions + 1))  # (B, D)
+    tokens = torch.arange(1, vocab + 1, device=positions.device)
+    bits = _shift_right(splitmix64(state[:, :, None] + GOLDEN * tokens), 11)  # (B, D, V) 53 random bits
+    u = (bits.double() + 0.5) * 2.0**-53
+    return -torch.log(-torch.log(u))
+
 
 # Processors whose output for a row depends on that row's logits alone, never on the tokens before
 # it (input_ids) or their count: with only these, every tree node can be processed at once. Matched
@@ -113,12 +144,12 @@ def processors_for_row(processors: LogitsProcessorList, row: int) -> LogitsProce
 class Sampler:
     """The target's next-token rule: generate()'s logits processors, then argmax or a sample.
 
-    Sampling is Gumbel-max with noise drawn per sequence position (a generator seeded from the seed
-    and the position), so the token at a position depends on its context and the seed only, never on
+    Sampling is Gumbel-max with noise drawn per sequence position (gumbel_noise: a function of the seed,
+    the row and the position), so the token at a position depends on its context and the seed only, never on
     the tree that was verified: every node at one depth shares that depth's noise, and the walk
     uses one node per depth, so the emitted tokens are exact draws from the target's distribution,
     and a seed reproduces them whatever trees the policy chose. Each row of a batch has noise of
-    its own (`noise_seed`), so rows are independent draws.
+    its own (gumbel_noise keys it by the row), so rows are independent draws.
 
     generator: explicit RNG for sampling, on the target's device (None for greedy); the seed is
         drawn from it on first use.
@@ -152,14 +183,10 @@ class Sampler:
         return all(type(p) in PATH_FREE_PROCESSORS for p in self.logits_processor)
 
     def gumbel(self, positions: list[int], vocab: int, device: torch.device) -> torch.Tensor:
-        """Gumbel noise (n, V) float64 for each of `positions` (absolute sequence positions)."""
+        """Gumbel noise (n, V) float64 for each of `positions` (absolute sequence positions): gumbel_noise's."""
         seed = self.draw_seed()
-        rows = {}
-        for p in set(positions):
-            g = torch.Generator(device=device).manual_seed(noise_seed(seed, self.row, p))
-            rows[p] = torch.rand(vocab, generator=g, dtype=torch.float64, device=device)
-        u = torch.stack([rows[p] for p in positions]).clamp_(min=1e-300)
-        return -torch.log(-torch.log(u))
+        at = torch.tensor([positions], dtype=torch.long, device=device)
+        return gumbel_noise(torch.tensor([seed], device=device), torch.tensor([self.row], device=device), at, vocab)[0]
 
     def pick(self, scores: torch.Tensor, positions: list[int]) -> torch.Tensor:
         """Tokens (n,) from processed scores (n, V): argmax, or a draw for the row's position."""
