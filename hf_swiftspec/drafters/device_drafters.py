@@ -4,14 +4,17 @@ proposals alone). The sides hold one and never ask which it is; a new drafter on
 
 What a drafter does, each a fixed-shape device function (no host read: the round's phases are captured whole):
 
-    prefill(cache, tokens, counts, starts, state)    after the target's forward over the same prompt tokens (a
-                                                      whole prompt, or one piece of it): its cache, its row state
-    grow(cache, rows, shape, vocab_limit)            depth x width nodes below every root (shape.depth >= 1)
-    after_verify(cache, rows, sub, walk, round)      its commit and catch-up once the target walked the tree
-    catch_up_width(T, depth, S)                      the fixed width of that catch-up
+    prefill(cache, tokens, counts, starts, state)   after the target's forward over the same prompt tokens (a whole
+                                                     prompt, or one piece of it): its cache, its row state
+    grow(cache, rows, depth, width, limit, lag)      depth x width nodes below every root (depth >= 1), after catching
+                                                     up on the `lag` committed tokens it has not run (a draft model's)
+    after_verify(cache, rows, sub, walk, facts)      its commit (and a head's catch-up) once the target walked the tree
+    catch_up_width(T, depth, S)                      the fixed width of a catch-up inside the verification (a head's)
 
-Its per-row state (a head's root input) lives in the rows' device state (`RowsOnDevice.drafter`), named by
-`state_fields`, moved with the rows; `tapped()` is entered around the target's forwards it reads.
+Its per-row state (a head's root input; a draft model's committed length and the tokens it catches up on) lives in
+the rows' device state (`RowsOnDevice.drafter`), declared by `state_fields`, moved with the rows; `tapped()` is
+entered around the target's forwards it reads. A drafter that `defers` its catch-up runs nothing in a plain round:
+the host counts what it lags by (DeviceSides) and the next growth catches up first.
 """
 
 from __future__ import annotations
@@ -23,9 +26,8 @@ from typing import Protocol
 import torch
 
 from ..steps.device_round import DeviceSubtree, DeviceTree, DeviceWalk
-from ..steps.slot_cache import SlotCache, catch_up
+from ..steps.slot_cache import SlotCache, accepted_nodes, catch_up, commit_cache
 from .device_growth import grow
-from .device_suffix import catch_up_width, follow_walk
 from .eagle3 import DraftHead
 
 
@@ -48,8 +50,11 @@ class DeviceDrafter(Protocol):
     model: object  # what its forwards run (a draft model or head); None: draft-free
     context_model: object  # a model whose positions limit the call's (a draft model; a head's rope places any)
     layers: int  # its slot cache's layers (0: it keeps none)
-    state_fields: dict[str, tuple[int, torch.dtype]]  # per-row device state: name -> (width, dtype)
     poolable: bool  # its phases may replay across generate() calls (nothing of one call's baked in)
+    defers: bool  # its catch-up waits for its next growth (a plain round runs nothing of it)
+
+    def state_fields(self, capacity: int) -> dict[str, tuple[tuple[int, ...], torch.dtype, float]]:
+        """Its per-row device state for slots of `capacity`: name -> (shape past the rows, dtype, a dead row's value)."""
 
     def gaps(self, architecture, masks: tuple[str, ...]) -> list[str]:
         """Why the device round cannot run it exactly (architecture: its probes.describe, None for a head or none)."""
@@ -62,13 +67,15 @@ class DeviceDrafter(Protocol):
     def prefill(self, cache: SlotCache | None, tokens: torch.Tensor, counts: torch.Tensor, starts: torch.Tensor,
                 state: dict[str, torch.Tensor]) -> None: ...
 
-    def grow(self, cache: SlotCache | None, prefix_lens: torch.Tensor, roots: torch.Tensor,
-             state: dict[str, torch.Tensor], depth: int, width: int, vocab_limit: int) -> DeviceTree: ...
+    def grow(self, cache: SlotCache | None, rows, depth: int, width: int, vocab_limit: int, lag: int) -> DeviceTree: ...
 
     def catch_up_width(self, budget: int, depth: int, suffix_nodes: int) -> int: ...
 
-    def after_verify(self, cache: SlotCache | None, prefix_lens: torch.Tensor, sub: DeviceSubtree, walk: DeviceWalk,
-                     state: dict[str, torch.Tensor], facts: RoundFacts) -> dict[str, torch.Tensor]: ...
+    def after_verify(self, cache: SlotCache | None, rows, sub: DeviceSubtree, walk: DeviceWalk,
+                     facts: RoundFacts) -> dict[str, torch.Tensor]: ...
+
+    def cut(self, rows, after: dict, kept: torch.Tensor, cut: torch.Tensor) -> None:
+        """Rows whose walk a host-side stop cut (cut (B,) > 0, `kept` tokens kept) move back in its state too."""
 
 
 def device_drafter(draft, target) -> DeviceDrafter:
@@ -103,8 +110,11 @@ class RootOnly:
     model = None
     context_model = None
     layers = 0
-    state_fields: dict = {}
     poolable = True
+    defers = False
+
+    def state_fields(self, capacity: int) -> dict:
+        return {}
 
     def gaps(self, architecture, masks) -> list[str]:
         return []
@@ -118,24 +128,32 @@ class RootOnly:
     def prefill(self, cache, tokens, counts, starts, state) -> None:
         return None
 
-    def grow(self, cache, prefix_lens, roots, state, depth, width, vocab_limit) -> DeviceTree:
+    def grow(self, cache, rows, depth, width, vocab_limit, lag) -> DeviceTree:
         raise ValueError(f"a shape of depth {depth} needs a draft to grow it; draft-free mode grows nothing")
 
     def catch_up_width(self, budget: int, depth: int, suffix_nodes: int) -> int:
         return 0
 
-    def after_verify(self, cache, prefix_lens, sub, walk, state, facts) -> dict:
+    def after_verify(self, cache, rows, sub, walk, facts) -> dict:
         return {}
+
+    def cut(self, rows, after, kept, cut) -> None:
+        return None
 
 
 @dataclass
 class DraftModelOnDevice:
-    """A draft model: grows the tree (device_growth.grow); after the walk its cache commits the walked nodes it ran
-    and catches up on the others (device_suffix.follow_walk)."""
+    """A draft model: grows the tree (device_growth.grow); after the walk its cache commits the walked nodes it ran,
+    and the rest of the committed tokens (the walk's last-depth node, suffix nodes, a plain round's root) wait in
+    `history` until its next growth catches up on them in one forward (`draft_lens` says how far it has run), so a
+    plain round runs the target alone.
+
+    state: draft_lens (B,) long its committed slots (<= the target's prefix_lens); history (B, C) long every committed
+    token by slot (what the catch-up reads)."""
 
     model: object
-    state_fields = {}
     poolable = True
+    defers = True
 
     @property
     def context_model(self):
@@ -144,6 +162,9 @@ class DraftModelOnDevice:
     @property
     def layers(self) -> int:
         return self.model.config.get_text_config().num_hidden_layers
+
+    def state_fields(self, capacity: int) -> dict:
+        return {"draft_lens": ((), torch.long, 0), "history": ((capacity,), torch.long, 0)}
 
     def gaps(self, architecture, masks) -> list[str]:
         return model_gaps("draft", self.model, architecture, masks) if architecture is not None else []
@@ -156,13 +177,44 @@ class DraftModelOnDevice:
 
     def prefill(self, cache, tokens, counts, starts, state) -> None:
         catch_up(self.model, cache, tokens, counts, starts)
+        record(state["history"], tokens, counts, starts)
+        state["draft_lens"].copy_(starts + counts)
 
-    def grow(self, cache, prefix_lens, roots, state, depth, width, vocab_limit) -> DeviceTree:
-        return grow(self.model, cache, prefix_lens, roots, depth, width, vocab_limit).tree
+    def grow(self, cache, rows, depth, width, vocab_limit, lag) -> DeviceTree:
+        """Catch up on the `lag` (a width: every row's lag fits it) committed tokens not run yet, then grow."""
+        draft_lens, history = rows.drafter["draft_lens"], rows.drafter["history"]
+        if lag:
+            at = (draft_lens[:, None] + torch.arange(lag, device=draft_lens.device)[None]).clamp(
+                max=history.shape[1] - 1)
+            catch_up(self.model, cache, history.gather(1, at), rows.prefix_lens - draft_lens, draft_lens)
+            draft_lens.copy_(rows.prefix_lens)
+        return grow(self.model, cache, rows.prefix_lens, rows.roots, depth, width, vocab_limit).tree
 
     def catch_up_width(self, budget: int, depth: int, suffix_nodes: int) -> int:
-        return catch_up_width(budget, depth, suffix_nodes)
+        return 0
 
-    def after_verify(self, cache, prefix_lens, sub, walk, state, facts: RoundFacts) -> dict:
-        follow_walk(self.model, cache, walk, sub, prefix_lens, facts.depth, facts.nodes, facts.lag)
+    def after_verify(self, cache, rows, sub, walk, facts: RoundFacts) -> dict:
+        """The walked nodes it ran (its own tree's, above the last depth: on the walk they come first) move behind the
+        prefix; every walked token is recorded for the next catch-up. A plain round's walk ran none of its nodes."""
+        prefix_lens = rows.prefix_lens
+        if facts.depth:
+            T = sub.tokens.shape[1]
+            ids = accepted_nodes(walk, sub)  # (B, T)
+            walked = torch.arange(T, device=ids.device)[None] < walk.count[:, None]
+            ran = ((ids < facts.nodes) & walked).sum(dim=1).clamp(max=facts.depth)  # (B,)
+            commit_cache(cache, prefix_lens, ids, ran)
+            rows.drafter["draft_lens"].copy_(prefix_lens + ran)
+        record(rows.drafter["history"], sub.tokens.gather(1, walk.path.clamp(min=0)), walk.count, prefix_lens)
         return {}
+
+    def cut(self, rows, after, kept, cut) -> None:
+        draft_lens = rows.drafter["draft_lens"]
+        draft_lens.copy_(torch.minimum(draft_lens, rows.prefix_lens))  # its KV below the cut is the kept tokens'
+
+
+def record(history: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor, starts: torch.Tensor) -> None:
+    """history (B, C) in place: each row's tokens (B, L) (counts (B,) of them) at slots starts + j; padding writes the
+    last slot (never read: a catch-up reads below the prefix)."""
+    j = torch.arange(tokens.shape[1], device=tokens.device)[None]
+    slots = torch.where(j < counts[:, None], starts[:, None] + j, history.shape[1] - 1).clamp(max=history.shape[1] - 1)
+    history.scatter_(1, slots, tokens)

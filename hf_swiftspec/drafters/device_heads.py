@@ -138,6 +138,7 @@ class DeviceHead:
     layers = 1
     poolable = False  # its phases read the target's states through this call's tap
     context_model = None  # its rope places any position: the target's limit alone
+    defers = False  # its catch-up reads the verification's target states: it runs inside the verification
 
     @classmethod
     def of(cls, head: DraftHead, target) -> "DeviceHead":
@@ -147,9 +148,8 @@ class DeviceHead:
     def model(self) -> DraftHead:
         return self.head
 
-    @property
-    def state_fields(self) -> dict[str, tuple[int, torch.dtype]]:
-        return {"root_inputs": (self.head.hidden_size, self.head.dtype)}
+    def state_fields(self, capacity: int) -> dict:
+        return {"root_inputs": ((self.head.hidden_size,), self.head.dtype, 0)}
 
     def gaps(self, architecture, masks: tuple[str, ...]) -> list[str]:
         return head_gaps(self.head, masks)
@@ -181,16 +181,16 @@ class DeviceHead:
             last = (counts - 1).clamp(min=0)[:, None, None].expand(B, 1, H)
             root_inputs.copy_(torch.where((counts > 0)[:, None], fused.gather(1, last).squeeze(1), root_inputs))
 
-    def grow(self, cache: SlotCache, prefix_lens: torch.Tensor, roots: torch.Tensor, state: dict[str, torch.Tensor],
-             depth: int, width: int, vocab_limit: int):
-        return grow_head(self.head, cache, prefix_lens, roots, state["root_inputs"], depth, width, vocab_limit).tree
+    def grow(self, cache: SlotCache, rows, depth: int, width: int, vocab_limit: int, lag: int):
+        return grow_head(self.head, cache, rows.prefix_lens, rows.roots, rows.drafter["root_inputs"], depth, width,
+                         vocab_limit).tree
 
     def catch_up_width(self, budget: int, depth: int, suffix_nodes: int) -> int:
         """The head re-runs the walked chain every round: the root and at most `deepest` walked nodes."""
         return min(budget, max(depth, suffix_nodes) + 1)
 
-    def after_verify(self, cache: SlotCache, prefix_lens: torch.Tensor, subtree: DeviceSubtree, walk: DeviceWalk,
-                     state: dict[str, torch.Tensor], facts) -> dict[str, torch.Tensor]:
+    def after_verify(self, cache: SlotCache, rows, subtree: DeviceSubtree, walk: DeviceWalk,
+                     facts) -> dict[str, torch.Tensor]:
         """The head's commit after the target verified `subtree` and walked it (its states still in the tap): the
         tree's KV dropped, the walked chain (the root and every accepted node, facts.lag of them at most) run as one
         catch-up with the target's fused states before each; root_inputs moves to the fused state at the last walked
@@ -199,7 +199,7 @@ class DeviceHead:
         fused = self.fused_states()  # (B, T, H) at every verified node
         B, T, H = fused.shape
         L = facts.lag
-        root_inputs = state["root_inputs"]
+        prefix_lens, root_inputs = rows.prefix_lens, rows.drafter["root_inputs"]
         path = walk.path[:, :L].clamp(min=0)  # (B, L)
         path_inputs = fused.gather(1, path[:, :, None].expand(B, L, H))  # (B, L, H)
         chain = subtree.tokens.gather(1, path)  # (B, L): the root, then the walked nodes
@@ -208,11 +208,10 @@ class DeviceHead:
         root_inputs.copy_(root_input_at(path_inputs, walk.count, root_inputs))
         return dict(path_inputs=path_inputs)
 
-    def cut(self, state: dict[str, torch.Tensor], after: dict[str, torch.Tensor], kept: torch.Tensor,
-            cut: torch.Tensor) -> None:
+    def cut(self, rows, after: dict[str, torch.Tensor], kept: torch.Tensor, cut: torch.Tensor) -> None:
         """Rows whose walk a host-side stop cut (cut (B,) long > 0) keep `kept` (B,) tokens: their root input is the
         fused state at the last node they kept."""
-        root_inputs = state["root_inputs"]
+        root_inputs = rows.drafter["root_inputs"]
         root_inputs.copy_(torch.where((cut > 0)[:, None], root_input_at(after["path_inputs"], kept, root_inputs),
                                       root_inputs))
 

@@ -11,12 +11,10 @@ ONE host-to-device copy, read back never. On the device:
                  a draft node is that node (it takes the higher score, tree.merge_suffix's rule), the others hang
                  below it as nodes of their own, placed right after the draft's (dead ones last), so
                  device_round.select_device ranks both kinds together and picks T;
-  follow_walk    the draft cache after the walk: the walked nodes it ran (its own tree's, above the last depth) are
-                 committed from their tree slots, and the rest (a node at the last depth, every suffix node: the
-                 draft never ran them) are caught up, padded to a fixed width;
   root_tree      draft-free mode's tree before the merge: each row's root alone (no draft model, no growth).
 
-Every shape is fixed by (B rows, N, S, T), so both phases replay (steps/phase_graphs.py).
+Every shape is fixed by (B rows, N, S, T), so both phases replay (steps/phase_graphs.py). A walk through suffix nodes commits tokens the
+draft never ran: it catches up on them before its next growth (device_drafters.DraftModelOnDevice).
 """
 
 from __future__ import annotations
@@ -28,8 +26,7 @@ import torch
 
 from ..policy.goodput import GoodputPolicy
 from ..policy.shapes import PLAIN, Shape, ShapeMenu
-from ..steps.device_round import DeviceSubtree, DeviceTree, DeviceWalk, to_device
-from ..steps.slot_cache import SlotCache, accepted_nodes, catch_up, commit_cache
+from ..steps.device_round import DeviceTree, to_device
 from .suffix import index_for
 
 FIELDS = 4  # the copied tensor's rows per proposal: tokens, parents, depths, scores
@@ -123,34 +120,6 @@ def merge_suffix(tree: DeviceTree, suffix: SuffixNodes, depth: int) -> DeviceTre
         ancestors=ancestors,
         size=tree.size + count,
     )
-
-
-def catch_up_width(budget: int, depth: int, suffix_nodes: int) -> int:
-    """Tokens the draft may have to catch up after a walk (the fixed width of follow_walk's catch-up): a walked
-    node at the last depth (the draft never runs it), then the suffix's own nodes below it; at most the path past
-    the root (T - 1), and past the first node the draft did not run, no deeper than the tree."""
-    if depth == 0:  # nothing grown, so the draft ran no node of the walk, the root included
-        return min(budget, suffix_nodes + 1)
-    if suffix_nodes == 0:
-        return int(budget > depth)
-    return min(budget - 1, max(depth, suffix_nodes))
-
-
-def follow_walk(draft, cache: SlotCache, walk: DeviceWalk, sub: DeviceSubtree, prefix_lens: torch.Tensor, depth: int,
-                nodes: int, width: int) -> None:
-    """The draft cache after the walk, with no read: the walked nodes it ran move behind the prefix (nodes of its
-    own tree, ids below `nodes`, above the last depth: on the walk they come first, since nothing of the draft's
-    hangs below a suffix node of its own), then it runs the rest of the walk (the last depth's node and the suffix's
-    nodes, `width` tokens padded, counts per row) behind them. width: catch_up_width's."""
-    T = sub.tokens.shape[1]
-    ids = accepted_nodes(walk, sub)  # (B, T)
-    walked = torch.arange(T, device=ids.device)[None] < walk.count[:, None]
-    ran = ((ids < nodes) & walked).sum(dim=1).clamp(max=depth)  # (B,)
-    commit_cache(cache, prefix_lens, ids, ran)
-    if width:
-        steps = (ran[:, None] + torch.arange(width, device=ids.device)[None]).clamp(max=T - 1)  # (B, width)
-        tokens = sub.tokens.gather(1, walk.path.gather(1, steps).clamp(min=0))
-        catch_up(draft, cache, tokens, walk.count - ran, prefix_lens + ran)
 
 
 def draft_free_menu(config) -> ShapeMenu:

@@ -50,11 +50,11 @@ class Prefill:
         sampler = request.samplers[0]
         suffix = sides.suffix.index_for(request, self.sequence) if sides.suffix is not None else None
         self.row = RowOnHost(sampler, list(self.sequence), committed, (request.keeps_scores, request.keeps_logits),
-                             sides.room(len(self.sequence), request.max_new_tokens), suffix)
+                             sides.room(len(self.sequence), request.max_new_tokens), suffix, committed)
         width = max(committed, 1)
         target_layers, draft_layers = sides.layers()
         self.slots = Slots((SlotCache(target_layers, width + 1), SlotCache(draft_layers, width + 1) if draft_layers
-                            else None), RowsOnDevice.empty(1, self.eos_width, sides.drafter.state_fields, sides.device))
+                            else None), RowsOnDevice.empty(1, self.eos_width, sides.drafter.state_fields(width + 1), sides.device))
         state = row_values(sampler, self.sequence[-1], committed, request.max_new_tokens, len(self.sequence), stops.eos,
                            self.eos_width)
         packed = to_device([(self.sequence[:-1] or [0]) + state], sides.device)  # its prompt and state, one copy

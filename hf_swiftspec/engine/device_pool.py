@@ -56,7 +56,7 @@ class RowsOnDevice:
                               position its next token's sampling noise is drawn for
     seeds:       (B,) long    each row's sampling seed (Sampler.seed), and noise_rows (B,) long its row number
     sampled:     (B,) bool    whether the row samples (greedy and dead rows: no noise)
-    drafter:     per-row state the drafter keeps (device_drafters.DeviceDrafter.state_fields), (B, width) each
+    drafter:     per-row state the drafter keeps (device_drafters.DeviceDrafter.state_fields): (B, *shape) each
     """
 
     prefix_lens: torch.Tensor
@@ -68,43 +68,42 @@ class RowsOnDevice:
     noise_rows: torch.Tensor
     sampled: torch.Tensor
     drafter: dict[str, torch.Tensor] = field(default_factory=dict)
+    fills: dict[str, float] = field(default_factory=dict)  # a drafter field's value in a dead row
 
     @classmethod
     def empty(cls, rows: int, eos_width: int, drafter_fields: dict, device) -> "RowsOnDevice":
+        """drafter_fields: name -> (shape past the rows, dtype, fill) (DeviceDrafter.state_fields')."""
         long = dict(dtype=torch.long, device=device)
         return cls(torch.zeros(rows, **long), torch.zeros(rows, **long), torch.zeros(rows, **long),
                    torch.full((rows, eos_width), -1, **long), torch.zeros(rows, **long), torch.zeros(rows, **long),
                    torch.zeros(rows, **long), torch.zeros(rows, dtype=torch.bool, device=device),
-                   {name: torch.zeros(rows, width, dtype=dtype, device=device)
-                    for name, (width, dtype) in drafter_fields.items()})
+                   {name: torch.full((rows, *shape), fill, dtype=dtype, device=device)
+                    for name, (shape, dtype, fill) in drafter_fields.items()},
+                   {name: fill for name, (_, _, fill) in drafter_fields.items()})
 
     def fields(self) -> list[torch.Tensor]:
         return [self.prefix_lens, self.roots, self.budgets, self.eos, self.positions, self.seeds, self.noise_rows,
                 self.sampled, *self.drafter.values()]
 
-    def copy_rows(self, source: "RowsOnDevice", index: torch.Tensor | slice, count: int) -> None:
-        """Rows `index` of `source` (count of them) into rows 0 .. count - 1, in place; the rest become dead."""
-        for mine, theirs in zip(self.fields(), source.fields()):
-            part = theirs[index]
-            if mine.dim() > 1 and part.shape[1] != mine.shape[1]:  # EOS ids of another width
-                part = torch.nn.functional.pad(part, (0, mine.shape[1] - part.shape[1]), value=-1)[:, : mine.shape[1]]
-            mine[:count] = part
-        self.kill(slice(count, None))
+    def field_fills(self) -> list[float]:
+        return [0, 0, 0, -1, 0, 0, 0, False, *self.fills.values()]
 
-    def copy_row(self, source: "RowsOnDevice", row: int, at: int) -> None:
-        """Row `row` of `source` into row `at` (EOS ids padded to this state's width)."""
-        for mine, theirs in zip(self.fields(), source.fields()):
-            part = theirs[row : row + 1]
+    def copy_rows(self, source: "RowsOnDevice", index: torch.Tensor | slice, count: int, at: int = 0) -> None:
+        """Rows `index` of `source` (count of them) into rows at .. at + count - 1, in place. A field of another width
+        here (EOS ids, a drafter's per-slot state at another capacity) keeps the columns both have, the rest filled."""
+        for mine, theirs, fill in zip(self.fields(), source.fields(), self.field_fills()):
+            part = theirs[index]
             if mine.dim() > 1 and part.shape[1] != mine.shape[1]:
-                part = torch.nn.functional.pad(part, (0, mine.shape[1] - part.shape[1]), value=-1)
-            mine[at : at + 1] = part
+                width = min(part.shape[1], mine.shape[1])
+                mine[at : at + count, width:] = fill
+                mine, part = mine[:, :width], part[:, :width]
+            mine[at : at + count] = part
 
     def kill(self, rows: slice) -> None:
-        """Rows `rows` become dead: budget 0, no EOS, greedy, prefix 0 (they write their own cache rows only)."""
-        for name in ("prefix_lens", "roots", "budgets", "positions"):
-            getattr(self, name)[rows] = 0
-        self.eos[rows] = -1
-        self.sampled[rows] = False
+        """Rows `rows` become dead: budget 0, no EOS, greedy, prefix 0 (they write their own cache rows only), the
+        drafter's state at its fill."""
+        for tensor, fill in zip(self.fields(), self.field_fills()):
+            tensor[rows] = fill
 
 
 @dataclass
@@ -148,7 +147,7 @@ class SlotPool:
             for mine, theirs in zip(caches, like.caches):
                 if mine is not None and theirs is not None and theirs.buffers:
                     mine.allocate(theirs, rows)
-        made = Slots(caches, RowsOnDevice.empty(rows, eos_width, drafter_fields, device))
+        made = Slots(caches, RowsOnDevice.empty(rows, eos_width, drafter_fields, device))  # (fields at this capacity)
         self.sets[key] = made
         while len(self.sets) > KEPT:
             self.sets.popitem(last=False)

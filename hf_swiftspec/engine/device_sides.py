@@ -164,11 +164,12 @@ def subtree_tensors(sub: DeviceSubtree) -> dict[str, torch.Tensor]:
     return {f.name: getattr(sub, f.name) for f in fields(sub)}
 
 
-def grow_phase(suffix: torch.Tensor | None = None, *, models: RoundModels, slots: Slots, shape: Shape,
-               span: int) -> dict:
-    """1. the drafter's growth of `shape` below every root (depth 0: the root alone), the suffix nodes merged in
-    (suffix: (B, 4, S) the host's proposals, drafters/device_suffix.py) and the best T nodes with their mask
-    (DeviceSubtree's fields): d draft forwards and the selection, no host read."""
+def grow_phase(suffix: torch.Tensor | None = None, *, models: RoundModels, slots: Slots, shape: Shape, span: int,
+               lag: int) -> dict:
+    """1. the drafter's growth of `shape` below every root (depth 0: the root alone; lag: the width of the catch-up a
+    drafter that defers it runs first), the suffix nodes merged in (suffix: (B, 4, S) the host's proposals,
+    drafters/device_suffix.py) and the best T nodes with their mask (DeviceSubtree's fields): d draft forwards and the
+    selection, no host read."""
     rows, cache = slots.rows, slots.caches[1]
     for c in slots.caches:
         if c is not None:
@@ -176,8 +177,7 @@ def grow_phase(suffix: torch.Tensor | None = None, *, models: RoundModels, slots
     if shape.depth == 0:  # the plain shape (or draft-free): no growth
         tree = root_tree(rows.roots)
     else:
-        tree = models.drafter.grow(cache, rows.prefix_lens, rows.roots, rows.drafter, shape.depth, shape.width,
-                                   models.vocab_limit)
+        tree = models.drafter.grow(cache, rows, shape.depth, shape.width, models.vocab_limit, lag)
     if suffix is not None:
         tree = merge_suffix(tree, SuffixNodes.unpack(suffix), shape.depth)
     return subtree_tensors(select_device(tree, shape.budget))
@@ -205,7 +205,7 @@ def verify_phase(*, models: RoundModels, slots: Slots, facts: RoundFacts, span: 
         choices = greedy_choices(scores)
     walk = walk_device(choices, sub, rows.budgets, rows.eos)
     commit_cache(target_cache, rows.prefix_lens, walk.path.clamp(min=0), walk.count)  # verified node j sat at slot j
-    out = models.drafter.after_verify(draft_cache, rows.prefix_lens, sub, walk, rows.drafter, facts)
+    out = models.drafter.after_verify(draft_cache, rows, sub, walk, facts)
     emitted = walk.tokens.gather(1, (walk.count - 1).clamp(min=0)[:, None]).squeeze(1)
     rows.roots.copy_(torch.where(walk.count > 0, emitted, rows.roots))
     rows.prefix_lens.add_(walk.count)
@@ -246,6 +246,7 @@ class RowOnHost:
     keeps: tuple[bool, bool] = (False, False)
     room: int = NO_ROOM
     suffix: object = None
+    drafted: int = 0  # of its committed slots, those the drafter has run (a drafter that defers its catch-up)
 
 
 @dataclass
@@ -330,7 +331,7 @@ class DeviceSides:
         keeps = request.keeps_scores, request.keeps_logits
         room = self.room(L, request.max_new_tokens)
         self.host = [RowOnHost(sampler, sequence, len(ids) - 1, keeps, room,
-                               self.suffix.index_for(request, ids) if self.suffix is not None else None)
+                               self.suffix.index_for(request, ids) if self.suffix is not None else None, len(ids) - 1)
                      for sampler, sequence, ids in zip(request.samplers, sequences, prompts)]
         self.live = n
         self.slots = None
@@ -375,7 +376,7 @@ class DeviceSides:
         for mine, theirs in zip(self.slots.caches, joining.caches):
             if mine is not None:
                 mine.copy_rows(theirs, slice(0, 1), at=n, slots=row.prefix)
-        self.slots.rows.copy_row(joining.rows, 0, n)
+        self.slots.rows.copy_rows(joining.rows, slice(0, 1), 1, at=n)
         self.host[n] = row
         self.live = n + 1
         self.menu = self.menu_for(min(h.room for h in self.host[: self.live]))
@@ -404,13 +405,14 @@ class DeviceSides:
                 if mine is not None and (new is not old or index is not None):
                     mine.copy_rows(theirs, rows)
             new.rows.copy_rows(old.rows, rows, count)
+            new.rows.kill(slice(count, None))
             self.changes["bucket"] += bucket != self.bucket and self.bucket > 0
         self.slots = new
         self.host = (self.host[:count] + [RowOnHost() for _ in range(bucket)])[:bucket]
 
     def slots_for(self, bucket: int, like: Slots | None = None) -> Slots:
-        return self.pool.slots(bucket, self.capacity, self.layers(), self.eos_width, self.drafter.state_fields,
-                               self.device, like)
+        return self.pool.slots(bucket, self.capacity, self.layers(), self.eos_width,
+                               self.drafter.state_fields(self.capacity), self.device, like)
 
     def round_models(self) -> RoundModels:
         live = [h.sampler for h in self.host if h.sampler is not None]
@@ -427,6 +429,18 @@ class DeviceSides:
         key = (self.bucket, phase.__name__, tuple(sorted(static.items())), self.models.key(), self.slots.addresses())
         return self.runner.run(key, bound, inputs)
 
+    def catch_up(self, shape: Shape) -> int:
+        """The width of the catch-up a drafter that defers it runs before growing `shape` (0: none): the live rows'
+        largest lag, rounded up to a power of two (a replayed growth is captured per width). The rows have run it
+        by the growth's end."""
+        if not (self.drafter.defers and shape.depth):
+            return 0
+        live = self.host[: self.live]
+        lag = max((h.prefix - h.drafted for h in live), default=0)
+        for h in live:
+            h.drafted = h.prefix
+        return power_of_two(lag) if lag else 0
+
     def round_span(self) -> int:
         """The live length this round's forwards attend: every live row's prefix and the largest tree, rounded up."""
         longest = max((h.prefix for h in self.host[: self.live]), default=0)
@@ -436,18 +450,19 @@ class DeviceSides:
         """1. the drafter grows the menu's shape below every root, the suffix proposals join it; the best T nodes are
         selected, on the device."""
         proposed = DeviceProposed([], rows=list(rows.live), shape=self.menu.pick(), span=self.round_span())
+        lag = self.catch_up(proposed.shape)
         captured = self.runner.captured if self.runner is not None else 0
         inputs = {}
         if self.suffix is not None:
             inputs["suffix"] = self.suffix.propose([h.suffix for h in self.host])  # the round's one host-to-device copy
         with self.clock.phase("expand"):
-            proposed.subtree = DeviceSubtree(**self.run(grow_phase, dict(shape=proposed.shape, span=proposed.span),
-                                                        inputs))
+            proposed.subtree = DeviceSubtree(**self.run(grow_phase, dict(shape=proposed.shape, span=proposed.span,
+                                                                         lag=lag), inputs))
         proposed.captured = self.runner is not None and self.runner.captured > captured
         depth = proposed.shape.depth
         proposed.expansions = depth
         draft = self.counters[1]
-        draft.forwards += depth
+        draft.forwards += depth + (lag > 0)
         draft.expansions += depth
         draft.rounds += 1
         draft.busy_s += time.perf_counter() - proposed.started
@@ -484,8 +499,13 @@ class DeviceSides:
                 outcome.logits = [kept[1][b, j : j + 1] for j in range(count)] if kept[1] is not None else []
                 cut = self.stop_on_host(outcome, b, criteria[b])
                 proposed.cut.append(cut)
-                self.host[b].sequence += outcome.tokens
-                self.host[b].prefix += count - cut
+                row = self.host[b]
+                if shape.depth:  # the walked nodes the drafter ran: its own tree's, above the last depth
+                    ran = sum(1 for j in path if subtree.node_ids[j] < shape.nodes)
+                    row.drafted = row.prefix + min(ran, shape.depth)
+                row.sequence += outcome.tokens
+                row.prefix += count - cut
+                row.drafted = min(row.drafted, row.prefix)
                 verified.append(outcome)
         self.counters[0].forwards += 1
         self.counters[0].verify_steps += len(verified)
@@ -520,8 +540,7 @@ class DeviceSides:
         rows.positions.sub_(cut)
         rows.roots.copy_(torch.where(stopped, root, rows.roots))
         rows.eos.masked_fill_(stopped[:, None], -1)
-        if hasattr(self.drafter, "cut"):
-            self.drafter.cut(rows.drafter, after, kept, cut)
+        self.drafter.cut(rows, after, kept, cut)
 
     def observe(self, proposed: DeviceProposed, verified: list[Verified], round_s: float, first: bool) -> None:
         """4. the shape menu prices the round's shape (tokens over the time between two reads), unless the round
