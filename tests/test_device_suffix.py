@@ -13,7 +13,7 @@ import torch
 
 from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.config import SwiftSpecConfig
-from hf_swiftspec.drafters.device_suffix import SuffixNodes, draft_free_menu, merge_suffix
+from hf_swiftspec.drafters.device_suffix import SuffixNodes, draft_free_menu, host_nodes, merge_suffix
 from hf_swiftspec.policy.shapes import PLAIN, Shape, ShapeMenu
 from hf_swiftspec.engine import device_sides
 from hf_swiftspec.steps.device_round import DeviceTree, select_device
@@ -249,9 +249,7 @@ def test_the_merge_is_the_host_rounds_merge():
     drafts = [random_tree(g, N, vocab) for _ in range(B)]
     suffixes = [random_suffix(g, d, int(torch.randint(0, S + 1, (1,), generator=g)), vocab) for d in drafts]
     tree = device_tree(drafts)
-    packed = torch.tensor([[t + [0] * (S - len(t)), p + [-1] * (S - len(t)),
-                            [len(x) for x in paths(t, p)] + [0] * (S - len(t)), s + [-math.inf] * (S - len(t))]
-                           for t, p, s in suffixes], dtype=torch.float64)
+    packed = torch.tensor([host_nodes(t, p, s, S) for t, p, s in suffixes], dtype=torch.float64)  # as a round copies it
     merged = merge_suffix(tree, SuffixNodes.unpack(packed), int(tree.depths.max()))
     merged_away = [N + len(s[0]) - int(size) for s, size in zip(suffixes, merged.size)]
     assert sum(merged_away) >= 3 and packed[:, 3].isinf().any()  # suffix nodes that are draft nodes; padding

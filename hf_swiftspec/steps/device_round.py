@@ -31,6 +31,8 @@ class DeviceTree:
     scores:    (B, N) float32 cumulative draft log-prob from the root; -inf for dead nodes (past a row's size)
     ancestors: (B, N, N) bool ancestors[b, i, j]: j is i or an ancestor of i (False on dead rows)
     size:      (B,) long      live nodes per row
+    hashes:    (B, N) long    each node's path hash (path_hash over the tokens below the root; the root's 0), or None
+                              (path_hashes makes them): what a suffix proposal's nodes are matched to draft nodes by
     """
 
     tokens: torch.Tensor
@@ -39,6 +41,37 @@ class DeviceTree:
     scores: torch.Tensor
     ancestors: torch.Tensor
     size: torch.Tensor
+    hashes: torch.Tensor | None = None
+
+
+HASH_MULTIPLIER = 0x5851F42D4C957F2D  # odd: a path's hash is a polynomial in its tokens modulo 2**64
+HASH_BITS = (1 << 52) - 1  # the bits compared (the host's hashes travel as float64, exact to 53 bits)
+
+
+def path_hash(parent_hashes: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The hash of a node's path from the root: its parent's times HASH_MULTIPLIER plus its token + 1, wrapping in
+    int64 (host_path_hash is the same on host ints). Two nodes of one hash are the same path (a collision, 2**-52 a
+    pair, would only merge a proposal onto another node: the target decides every token all the same)."""
+    return parent_hashes * _signed(HASH_MULTIPLIER) + (tokens + 1)
+
+
+def host_path_hash(parent_hash: int, token: int) -> int:
+    """path_hash on host ints (the suffix proposals' nodes), as an unsigned 64-bit value (compare its HASH_BITS)."""
+    return (parent_hash * HASH_MULTIPLIER + token + 1) & ((1 << 64) - 1)
+
+
+def _signed(x: int) -> int:
+    return x - (1 << 64) if x >> 63 else x
+
+
+def path_hashes(tree: DeviceTree) -> torch.Tensor:
+    """(B, N) every node's path hash, for a tree built without them (nodes are in topological order: N passes, no
+    host read)."""
+    hashes = torch.zeros_like(tree.tokens)
+    for _ in range(tree.tokens.shape[1]):
+        parent = hashes.gather(1, tree.parents.clamp(min=0))
+        hashes = torch.where(tree.parents >= 0, path_hash(parent, tree.tokens), 0)
+    return hashes
 
 
 def stack_trees(trees: list[TokenTree]) -> DeviceTree:
@@ -176,17 +209,16 @@ def walk_device(choices: torch.Tensor, subtree: DeviceSubtree, max_tokens: torch
     eos:        (E,) long EOS ids, or (B, E) each row's (-1: no id; a row that is done and decodes on has none),
                 or None. Other stopping criteria (stop strings, max_time, custom ones) read
                 the decoded text or the clock: the host applies them to the read result, as walk_to_stop does.
-    The walk follows at most T nodes: T - 1 fixed-shape gathers, no read.
+    The walk's nodes are found at once, no read and no pass per node: a node is on it when it and each of its
+    ancestors below the root is its parent's first child carrying the target's choice (subtree.mask: ancestors).
     """
     B, T = choices.shape
+    ids = torch.arange(T, device=choices.device)[None]
     nxt = next_nodes(choices, subtree.tokens, subtree.parents, subtree.valid)
-    nxt = torch.cat([nxt, torch.full((B, 1), T, dtype=torch.long, device=nxt.device)], dim=1)  # T: off the tree
-    node = torch.zeros(B, dtype=torch.long, device=choices.device)
-    steps = [node]
-    for _ in range(T - 1):
-        node = nxt.gather(1, node[:, None]).squeeze(1)
-        steps.append(node)
-    path = torch.stack(steps, dim=1)  # (B, T), T once the walk left the tree (it never comes back)
+    chosen = (nxt.gather(1, subtree.parents.clamp(min=0)) == ids) | (ids == 0)  # (B, T) where the walk goes from its parent
+    on_path = ~(subtree.mask & ~chosen[:, None, :]).any(-1) & subtree.valid  # (B, T)
+    at = torch.where(on_path, subtree.depths, T)  # one walked node per depth
+    path = torch.full((B, T + 1), T, dtype=torch.long, device=choices.device).scatter_(1, at, ids.expand(B, T))[:, :T]
     j = torch.arange(T, device=choices.device)[None]
     count = (path < T).sum(dim=1).clamp(max=max_tokens.clamp(min=0))
     emitted = choices.gather(1, path.clamp(max=T - 1))
@@ -222,9 +254,13 @@ def commit_plan(prefix_lens: torch.Tensor, path_slots: torch.Tensor, path_count:
     Returns src (B, M + K), dst (B, M + K) absolute slots, the new prefix_lens (B,) and lengths (B,).
     """
     B, M = path_slots.shape
-    if keep_slots is None:
-        keep_slots = path_slots.new_zeros(B, 0)
-        keep_count = path_slots.new_zeros(B)
+    if keep_slots is None:  # the path alone (both caches' commit a round): half the operations
+        prefix = prefix_lens[:, None]
+        j = torch.arange(M, device=path_slots.device)[None]
+        real = j < path_count[:, None]
+        src = torch.where(real, prefix + path_slots, scratch)
+        dst = torch.where(real, prefix + j, scratch)
+        return src, dst, prefix_lens + path_count, prefix_lens + path_count
     K = keep_slots.shape[1]
     j = torch.arange(M + K, device=path_slots.device)[None]  # (1, M + K)
     m, n = path_count[:, None], (path_count + keep_count)[:, None]
