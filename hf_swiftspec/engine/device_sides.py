@@ -354,9 +354,10 @@ class DeviceSides:
         its root, or a piece of it), each forward attending the live length (`end`: the furthest slot written)."""
         B, L = tokens.shape
         starts = torch.zeros_like(counts) if starts is None else starts
+        need = (L if end is None else end) + 1
         for cache in slots.caches:
             if cache is not None:
-                cache.span = min(span_bucket((L if end is None else end) + 1), cache.capacity)
+                cache.span = min(span_bucket(need) if self.runner is not None else need, cache.capacity)
         with self.drafter.tapped():
             catch_up(self.target, slots.caches[0], tokens, counts, starts)
             self.drafter.prefill(slots.caches[1], tokens, counts, starts, slots.rows.drafter)
@@ -442,9 +443,10 @@ class DeviceSides:
         return power_of_two(lag) if lag else 0
 
     def round_span(self) -> int:
-        """The live length this round's forwards attend: every live row's prefix and the largest tree, rounded up."""
-        longest = max((h.prefix for h in self.host[: self.live]), default=0)
-        return min(span_bucket(longest + self.tree_slots), self.capacity)
+        """The live length this round's forwards attend: every live row's prefix and the largest tree (and scratch),
+        rounded up to a power of two where the phases replay (a graph per span), exactly where they run eagerly."""
+        need = max((h.prefix for h in self.host[: self.live]), default=0) + self.tree_slots
+        return min(span_bucket(need) if self.runner is not None else need, self.capacity)
 
     def propose(self, rows) -> DeviceProposed:
         """1. the drafter grows the menu's shape below every root, the suffix proposals join it; the best T nodes are
