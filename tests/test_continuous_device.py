@@ -138,6 +138,28 @@ def test_rows_joining_and_leaving_a_bucketed_batch_equal_target_generate(target,
         assert engine.runner is None
 
 
+@pytest.mark.parametrize("capture", [False, True], ids=["eager", "replayed"])
+def test_rows_joining_with_wider_eos_lists(target, capture):
+    """Requests with one, three and five EOS ids (each reached mid-answer by one of them) join the running batch at
+    different rounds: the batch's EOS width grows with them (its rows moved to slots of the wider width, graphs of
+    their own), and every answer is target.generate's."""
+    pair = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), capture=capture, **DEVICE)
+    calls = []
+    for i, width in enumerate((1, 3, 5)):
+        ids = torch.tensor([PROMPTS[i]])
+        new = target.generate(ids, max_new_tokens=NEW[i] + 20, do_sample=False)[0, ids.shape[1]:].tolist()
+        unused = [t for t in range(98) if t not in new]
+        eos = unused[: width - 1] + [new[min(6, len(new) - 1)]]
+        calls.append(dict(input_ids=ids, max_new_tokens=NEW[i] + 20, do_sample=False, eos_token_id=eos))
+    engine = pair.continuous_engine()
+    try:
+        out = relay(pair, engine, calls, at=(2, 2, 1))
+    finally:
+        engine.close()
+    assert_answers_are_target_generates(target, calls, out)
+    assert all(out[i].shape[1] < c["input_ids"].shape[1] + c["max_new_tokens"] for i, c in enumerate(calls))  # EOS ended each
+
+
 def test_stop_strings_and_sampled_rows_among_greedy_ones(target):
     """A request with a stop string (cut on the host after the round's read) and a sampled one (temperature, top_k:
     its noise keyed by its seed and positions) share the batch with greedy ones: the greedy and stopped answers are

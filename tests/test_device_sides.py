@@ -169,6 +169,67 @@ def test_calls_it_cannot_decode_exactly_are_refused_with_the_reason():
         SwiftSpecConfig(round="gpu")
 
 
+def test_every_documented_refusal_names_its_reason():
+    """settings.md's list of what the device round refuses, each by its message (beside the test above's): compile=True,
+    attention="kernel", a placement other than serial, a recurrent model. (An attention that takes no 4D mask is
+    refused by the pair itself, whatever the round: architectures.UnsupportedArchitecture.)"""
+    target = tiny_model("llama", seed=0)
+    ids = torch.tensor([[5, 17, 33, 8]])
+    for settings in (dict(compile=True), dict(attention="kernel")):
+        message = refused(SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), **DEVICE, **settings), ids)
+        assert "compile=True and attention='kernel' are not honoured" in message
+    threads = dict(placement={"target": ["cpu"], "draft": ["cpu"]})
+    message = refused(SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), **DEVICE, **threads), ids)
+    assert "placement='serial'" in message
+    from hf_swiftspec.tools import sweep
+
+    recurrent = sweep.tiny_of_type("mamba2", seed=0, vocab_size=98)
+    message = refused(SwiftSpecForCausalLM.from_models(recurrent, None, round="device", ngram_size=3), ids)
+    assert "recurrent" in message and "mamba2" in message
+
+
+@pytest.mark.parametrize("capture", [False, True])
+def test_eos_lists_of_other_widths_across_calls_replay_exactly(capture):
+    """A first call with one EOS id captures its phases; later calls of the same rows with three and then five EOS ids
+    (Llama-3 Instruct targets have three), one of them reached mid-call, equal target.generate's (the EOS width is in
+    the graphs' key: a wider list captures its own graphs rather than failing to copy into the narrower ones)."""
+    target = tiny_model("llama", seed=0)
+    target.generation_config.eos_token_id = None
+    pair = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), capture=capture, **DEVICE, **FIXED)
+    ids, mask = batch(seed=4)
+    free = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=24)
+    new = free[:, ids.shape[1]:]
+    unused = [t for t in range(98) if t not in set(new.flatten().tolist())]
+    for eos in ([unused[0]], [unused[1], int(new[2, 8]), unused[2]], unused[3:6] + [int(new[0, 12]), int(new[1, 5])]):
+        kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=24, eos_token_id=eos)
+        assert pair.generate(ids, **kwargs).tolist() == target.generate(ids, **kwargs).tolist(), eos
+        assert pair.swiftspec_stats.engine == "device"
+
+
+@pytest.mark.parametrize("ngram_size", [0, 3])
+def test_sampled_draws_follow_the_targets_distribution(ngram_size):
+    """The device round's own draws (noise drawn on the device: verify.gumbel_noise) against the target's exact joint
+    distribution of the first two new tokens, by chi-square: 1,500 rows of one batched call, each row its own draw."""
+    from test_sampling import ALPHA, VOCAB, exact_joint, pooled_chisquare, warpers
+
+    target = tiny_model("llama", seed=3, vocab_size=VOCAB)
+    target.generation_config.eos_token_id = None
+    pair = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), round="device", ngram_size=ngram_size,
+                                            draft_depth=2, draft_width=3, tree_budget=6)
+    prompt = [3, 7, 5, 9, 3, 7, 5] if ngram_size else [3, 7, 5, 9]
+    draws = 1500
+    out = pair.generate(torch.tensor([prompt] * draws), do_sample=True, temperature=0.9, max_new_tokens=2,
+                        generator=torch.Generator().manual_seed(0))
+    stats = pair.swiftspec_stats
+    assert stats.engine == "device" and stats.verify_steps < 2 * draws  # trees were accepted: some rows took both at once
+    counts = torch.zeros(VOCAB * VOCAB, dtype=torch.float64)
+    for t1, t2 in out[:, -2:].tolist():
+        counts[t1 * VOCAB + t2] += 1
+    expected = exact_joint(target, torch.tensor([prompt]), warpers(0.9))
+    pvalue = pooled_chisquare(counts, expected.flatten() * draws)
+    assert pvalue > ALPHA, f"p={pvalue:.2e}: the device round's draws do not follow the target's distribution"
+
+
 def test_the_menu_prices_shapes_by_measured_rounds():
     """Every shape runs once, then the best measured tokens per second runs, and the others again every `retry`
     rounds; a round with no time (the first) prices nothing; settings that fix the shape give a menu of one."""
