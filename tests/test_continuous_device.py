@@ -140,24 +140,29 @@ def test_rows_joining_and_leaving_a_bucketed_batch_equal_target_generate(target,
 
 @pytest.mark.parametrize("capture", [False, True], ids=["eager", "replayed"])
 def test_rows_joining_with_wider_eos_lists(target, capture):
-    """Requests with one, three and five EOS ids (each reached mid-answer by one of them) join the running batch at
-    different rounds: the batch's EOS width grows with them (its rows moved to slots of the wider width, graphs of
-    their own), and every answer is target.generate's."""
+    """Requests with one, three and one EOS ids (none reached: they run on) and then one with five (reached mid-answer,
+    the largest of them, so the last the device holds) join the running batch: the last joins a bucket of 4 with room
+    for it, so the batch moves to slots of the wider EOS width for it alone (graphs of their own); every answer is
+    target.generate's, the last cut at its EOS."""
     pair = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), capture=capture, **DEVICE)
     calls = []
-    for i, width in enumerate((1, 3, 5)):
-        ids = torch.tensor([PROMPTS[i]])
-        new = target.generate(ids, max_new_tokens=NEW[i] + 20, do_sample=False)[0, ids.shape[1]:].tolist()
-        unused = [t for t in range(98) if t not in new]
-        eos = unused[: width - 1] + [new[min(6, len(new) - 1)]]
-        calls.append(dict(input_ids=ids, max_new_tokens=NEW[i] + 20, do_sample=False, eos_token_id=eos))
+    for prompt, width in zip((PROMPTS[0], PROMPTS[2], PROMPTS[5], PROMPTS[1]), (1, 3, 1, 5)):
+        ids = torch.tensor([prompt])
+        new = target.generate(ids, max_new_tokens=40, do_sample=False)[0, ids.shape[1]:].tolist()
+        if width < 5:
+            eos = [t for t in range(98) if t not in new][:width]
+        else:
+            reached = new[next(k for k in range(10, 40) if new[k] not in new[:k])]  # its first time: mid-answer
+            eos = [t for t in range(reached) if t not in new][: width - 1] + [reached]
+        assert len(eos) == width
+        calls.append(dict(input_ids=ids, max_new_tokens=40, do_sample=False, eos_token_id=eos))
     engine = pair.continuous_engine()
     try:
-        out = relay(pair, engine, calls, at=(2, 2, 1))
+        out = relay(pair, engine, calls, at=(2, 2, 2, 2))
     finally:
         engine.close()
     assert_answers_are_target_generates(target, calls, out)
-    assert all(out[i].shape[1] < c["input_ids"].shape[1] + c["max_new_tokens"] for i, c in enumerate(calls))  # EOS ended each
+    assert out[3].shape[1] < calls[3]["input_ids"].shape[1] + 40  # its EOS ended it
 
 
 def test_stop_strings_and_sampled_rows_among_greedy_ones(target):
