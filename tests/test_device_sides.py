@@ -266,3 +266,39 @@ def test_a_draft_equal_to_the_target_has_its_whole_chain_accepted(width, capture
     full = [r.accepted == 3 * r.rows for r in records]  # 26 tokens: 6 rounds of 4, and the last's 2
     assert all(r.budget == 1 + 3 * width for r in records)
     assert (sum(full), len(records)) == (6, 7) if width == 1 else (sum(full) >= 4 and len(records) <= 8)
+
+
+class OnCuda(torch.nn.Module):
+    """A model as choose_round sees one on CUDA (its device and config; nothing runs)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.config, self.wrapped = model.config, [model]
+
+    @property
+    def device(self):
+        return torch.device("cuda")
+
+
+def test_auto_takes_the_device_round_on_cuda_where_it_applies_and_says_why():
+    """round="auto" (the default): on a CPU the host round; on CUDA the device round, unless it cannot decode the call
+    exactly (then the host round, naming the reason); each call's stats say which ran and why."""
+    from hf_swiftspec.engine.device_sides import choose_round
+    from hf_swiftspec.steps.probes import describe
+
+    target = tiny_model("llama", seed=0)
+    target.generation_config.eos_token_id = None
+    pair = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2))
+    assert pair.config.round == "auto"
+    ids = torch.tensor([[5, 17, 33, 8, 61]])
+    assert pair.generate(ids, max_new_tokens=8, do_sample=False).tolist() == target.generate(
+        ids, max_new_tokens=8, do_sample=False).tolist()
+    assert pair.swiftspec_stats.engine == "serial" and "round='auto' on cpu" in pair.swiftspec_stats.round_choice
+    config, cuda = SwiftSpecConfig(ngram_size=3), OnCuda(target)
+    architectures = describe(target, "target"), None
+    assert choose_round(config, cuda, None, architectures, [], None, None, False, []) == (
+        "device", "round='auto' on CUDA: the device round")
+    penalty = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3)])
+    round_, why = choose_round(config, cuda, None, architectures, penalty, None, None, False, [])
+    assert round_ == "host" and "RepetitionPenaltyLogitsProcessor" in why
+    assert choose_round(SwiftSpecConfig(round="host"), cuda, None, architectures, [], None, None, False, [])[0] == "host"

@@ -123,6 +123,24 @@ def device_round_gaps(config, target, draft, architectures, logits_processor, pl
     return gaps
 
 
+def choose_round(config, target, *args, **kwargs) -> tuple[str, str]:
+    """The round this call runs, "host" or "device", and why (SwiftSpecStats.round_choice). round="device": the device
+    round, or a ValueError naming why it cannot be exact (check_device_round); "host": the host round; "auto": the
+    device round on CUDA where it decodes the call exactly (its one read a round and replayed phases are what a GPU
+    rewards), else the host round (on a CPU it is the faster one: settings.md). args: device_round_gaps'."""
+    if config.round == "device":
+        check_device_round(config, target, *args, **kwargs)
+        return "device", "asked for (round='device')"
+    if config.round == "host":
+        return "host", "asked for (round='host')"
+    if target.device.type != "cuda":
+        return "host", f"round='auto' on {target.device.type}: the host round (the device round pays on CUDA)"
+    gaps = device_round_gaps(config, target, *args, **kwargs)
+    if gaps:
+        return "host", f"round='auto' on CUDA, host round: the device round cannot decode this call exactly ({gaps[0]})"
+    return "device", "round='auto' on CUDA: the device round"
+
+
 def check_device_round(*args, **kwargs) -> None:
     """round="device" where it cannot be exact: ValueError naming why and the fix (never a silent fallback)."""
     gaps = device_round_gaps(*args, **kwargs)
@@ -484,7 +502,7 @@ class DeviceSides:
                                               subtree_tensors(sub))
         proposed.captured = proposed.captured or (self.runner is not None and self.runner.captured > captured)
         with self.clock.phase("walk"):
-            read = after["result"].tolist()
+            read = read_once(after["result"])
             now = time.perf_counter()
             proposed.read_s, self.last_read = (None if self.last_read is None else now - self.last_read), now
             kept = [after[name].clone() if name in after else None for name in ("scores", "logits")]  # replays overwrite
@@ -568,6 +586,19 @@ class DeviceSides:
                 outcome.finished = True
                 return cut
         return 0
+
+
+def read_once(result: torch.Tensor) -> list[list[int]]:
+    """The round's one read of the device: on CUDA a non-blocking copy into pinned memory and a wait on its event (no
+    stream or device synchronisation: the round runs under torch.cuda.set_sync_debug_mode("error")), else tolist()."""
+    if result.device.type != "cuda":
+        return result.tolist()
+    host = torch.empty(result.shape, dtype=result.dtype, pin_memory=True)
+    host.copy_(result, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    return host.tolist()
 
 
 STATE_FIELDS = ("prefix_lens", "roots", "budgets", "positions", "seeds", "noise_rows", "sampled")
