@@ -231,9 +231,10 @@ def test_sampled_draws_follow_the_targets_distribution(ngram_size):
 
 
 def test_the_menu_prices_shapes_by_measured_rounds():
-    """Every shape runs once, then the best measured tokens per second runs, and the others again every `retry`
-    rounds; a round with no time (the first) prices nothing; settings that fix the shape give a menu of one."""
-    menu = ShapeMenu((Shape(1, 2, 2), Shape(3, 2, 6), Shape(4, 4, 8)), retry=10)
+    """Every shape runs once, then the best measured tokens per second runs, and the others again every `retry_every`
+    rounds while a re-price pays, twice as far apart after each that does not; a round with no time (the first) prices
+    nothing; settings that fix the shape give a menu of one."""
+    menu = ShapeMenu((Shape(1, 2, 2), Shape(3, 2, 6), Shape(4, 4, 8)), retry_every=10)
     first = menu.pick()
     menu.observe(first, 5, None)
     assert menu.pick() == first  # unpriced still
@@ -242,6 +243,14 @@ def test_the_menu_prices_shapes_by_measured_rounds():
         menu.observe(shape, tokens, 1.0)
     picks = [menu.pick() for _ in range(20)]
     assert picks.count(Shape(3, 2, 6)) == 18 and len(set(picks)) == 3
+    retried = []
+    for _ in range(400):  # re-prices that never pay: each one twice as far from the last
+        shape = menu.pick()
+        if shape != Shape(3, 2, 6):
+            retried.append(menu.rounds)
+        menu.observe(shape, 9 if shape == Shape(3, 2, 6) else 1, 1.0)
+    gaps = [b - a for a, b in zip(retried, retried[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] >= 8 * gaps[0], retried
     assert ShapeMenu.of(3, 5, 9, room=100).shapes == (Shape(3, 5, 9),)
     with pytest.raises(ValueError, match="positions"):
         ShapeMenu.of(3, 5, 9, room=2)

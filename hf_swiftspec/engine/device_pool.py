@@ -128,6 +128,7 @@ class SlotPool:
     backend: str | None
     runner: PhaseRunner | None = None
     sets: OrderedDict = field(default_factory=OrderedDict)  # (rows, capacity, layers, eos width) -> Slots
+    prices: dict = field(default_factory=dict)  # per row bucket, the shape menu's prices (policy/shapes.py), kept
 
     def __post_init__(self):
         if self.runner is None and self.backend is not None:

@@ -294,6 +294,7 @@ class DeviceSides:
         self.device = target.device
         self.vocab_limit = target.config.get_text_config().vocab_size
         self.limit = context_limit(*(m for m in (target, drafter.context_model) if m is not None))
+        self.host: list[RowOnHost] = []  # per cache row
         self.menu: ShapeMenu | None = None
         self.menu = unbounded = self.menu_for(NO_ROOM)
         # the suffix proposals (none with ngram_size 0): S nodes a round, enough to fill the largest tree
@@ -305,7 +306,6 @@ class DeviceSides:
         self.clock = PhaseClock.on(self.device)
         self.slots: Slots | None = None
         self.models: RoundModels | None = None
-        self.host: list[RowOnHost] = []  # per cache row
         self.live = 0
         self.capacity = 0
         self.eos_width = EOS_WIDTH
@@ -320,15 +320,16 @@ class DeviceSides:
         return self.target.config.get_text_config().num_hidden_layers, self.drafter.layers
 
     def menu_for(self, room: int) -> ShapeMenu:
-        """The shapes rows with `room` positions left can grow, the current menu's prices kept."""
+        """The shapes rows with `room` positions left can grow, priced by what this pool measured for the bucket."""
         config = self.config
         if self.drafter.model is None:
             menu = draft_free_menu(config)
         else:
-            menu = ShapeMenu.of(config.draft_depth, config.draft_width, config.tree_budget, room)
-        if self.menu is not None:
-            menu.prices = {s: p for s, p in self.menu.prices.items() if s in menu.shapes}
-            menu.rounds = self.menu.rounds
+            menu = ShapeMenu.of(config.draft_depth, config.draft_width, config.tree_budget, room, config.ngram_size > 0)
+        menu.prices = self.pool.prices.setdefault(max(self.bucket, 1), {})  # the pair's, for this many rows
+        if self.menu is not None:  # the re-price schedule goes on
+            for name in ("rounds", "retry", "next_retry", "retries", "pending"):
+                setattr(menu, name, getattr(self.menu, name))
         return menu
 
     def room(self, prompt: int, new_tokens: int) -> int:
@@ -473,7 +474,7 @@ class DeviceSides:
         lag = self.catch_up(proposed.shape)
         captured = self.runner.captured if self.runner is not None else 0
         inputs = {}
-        if self.suffix is not None:
+        if self.suffix is not None and proposed.shape.budget > 1:  # (a plain round verifies the roots alone)
             inputs["suffix"] = self.suffix.propose([h.suffix for h in self.host])  # the round's one host-to-device copy
         with self.clock.phase("expand"):
             proposed.subtree = DeviceSubtree(**self.run(grow_phase, dict(shape=proposed.shape, span=proposed.span,

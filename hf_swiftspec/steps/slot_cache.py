@@ -138,13 +138,15 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def slot_forward(model, cache: SlotCache, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                 allowed: torch.Tensor) -> torch.Tensor:
+                 allowed: torch.Tensor, logits: bool = True) -> torch.Tensor | None:
     """One forward: tokens (B, Q) at positions (B, Q), their KV written at slots (B, Q), each query seeing the slots
-    allowed (B, Q, span) says; returns float32 logits (B, Q, V)."""
+    allowed (B, Q, span) says; returns float32 logits (B, Q, V), or None with logits=False (a forward for its KV alone:
+    no row of the vocabulary's head is computed, as generate's prefill computes one)."""
     cache.index = slots
+    keep = {} if logits else {"logits_to_keep": torch.zeros(0, dtype=torch.long, device=tokens.device)}
     out = model(input_ids=tokens, position_ids=positions, attention_mask=additive_mask(allowed, model.dtype),
-                use_cache=True, **{forward_cache_argument(type(model)): cache})
-    return out.logits.float()
+                use_cache=True, **{forward_cache_argument(type(model)): cache}, **keep)
+    return out.logits.float() if logits else None
 
 
 def catch_up(model, cache: SlotCache, tokens: torch.Tensor, counts: torch.Tensor,
@@ -163,7 +165,7 @@ def catch_up(model, cache: SlotCache, tokens: torch.Tensor, counts: torch.Tensor
     c = torch.arange(cache.span, device=tokens.device)
     allowed = (c[None, None] <= at[:, :, None]) & real[:, :, None]  # the committed slots, then causal
     allowed = allowed | (~real[:, :, None] & (c == 0))
-    slot_forward(model, cache, tokens, at, slots, allowed)
+    slot_forward(model, cache, tokens, at, slots, allowed, logits=False)
 
 
 def tree_visible(span: int, prefix_lens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
