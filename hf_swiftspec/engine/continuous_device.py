@@ -80,8 +80,8 @@ class DeviceContinuousEngine(ContinuousEngine):
 
     on_device = True
 
-    def __init__(self, target, draft, policy, config, finish=None):
-        super().__init__(target, draft, policy, build=None, finish=finish, latency_guard=False)  # no policy sizes its trees
+    def __init__(self, target, draft, policy, config, finish=None, latency_guard: bool = True):
+        super().__init__(target, draft, policy, build=None, finish=finish, latency_guard=latency_guard)
         self.config = config
         self.pool = SlotPool(capture_backend(config.capture, target.device))
         self.runner = self.pool.runner
@@ -105,7 +105,7 @@ class DeviceContinuousEngine(ContinuousEngine):
 
     def new_sides(self) -> DeviceSides:
         """Sides for a new batch, at the capacity the last one reached (its slots and graphs are the pool's)."""
-        sides = DeviceSides(self.target, self.drafter, self.config, self.pool, self.changes)
+        sides = DeviceSides(self.target, self.drafter, self.config, self.pool, self.changes, guard=self.latency_guard)
         sides.capacity = self.capacity
         return sides
 

@@ -288,8 +288,10 @@ class DeviceSides:
     name = "device"
     roots_known = False  # a prefill leaves each prompt's last token as the root: round 1 verifies it
 
-    def __init__(self, target, drafter: DeviceDrafter, config, pool: SlotPool, changes: Counter | None = None):
+    def __init__(self, target, drafter: DeviceDrafter, config, pool: SlotPool, changes: Counter | None = None,
+                 guard: bool = False):
         self.target, self.drafter, self.config, self.pool = target, drafter, config, pool
+        self.guard = guard  # the latency guard prices shapes (observe): a running batch of requests
         self.runner = pool.runner
         self.device = target.device
         self.vocab_limit = target.config.get_text_config().vocab_size
@@ -565,9 +567,13 @@ class DeviceSides:
 
     def observe(self, proposed: DeviceProposed, verified: list[Verified], round_s: float, first: bool) -> None:
         """4. the shape menu prices the round's shape (tokens over the time between two reads), unless the round
-        captured a graph (its time is the capture's, not the shape's)."""
-        if not proposed.captured:
-            self.menu.observe(proposed.shape, sum(len(v.tokens) for v in verified), proposed.read_s)
+        captured a graph (its time is the capture's, not the shape's). Under the latency guard (a running batch of
+        requests) by its slowest row's tokens, as many times as rows: a shape wins only where every row gains from it,
+        so no request decodes slower than a plain batch would decode it (policy/guard.py's rule for the host round)."""
+        if proposed.captured or not verified:
+            return
+        tokens = [len(v.tokens) for v in verified]
+        self.menu.observe(proposed.shape, len(tokens) * min(tokens) if self.guard else sum(tokens), proposed.read_s)
 
     def stats(self, new_tokens: int, wall_s: float) -> SwiftSpecStats:
         return SwiftSpecStats.collect(self.name, new_tokens, wall_s, *self.counters, clock=self.clock)

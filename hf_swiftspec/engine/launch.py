@@ -88,7 +88,8 @@ def continuous_engine(target, draft, config: SwiftSpecConfig, placement: Placeme
     round_, _ = choose_round(config, target, draft, architectures, [], placement, groups, False, [])
     if round_ == "device":  # the running batch on the device round, its rows in buckets (continuous_device.py)
         return DeviceContinuousEngine(target, draft, policy, config,
-                                      lambda request, result: remember_outputs(history, config, request, result))
+                                      lambda request, result: remember_outputs(history, config, request, result),
+                                      latency_guard)
 
     def build(request: DecodeRequest):
         length = request.prompt.shape[1] + request.max_new_tokens
