@@ -25,7 +25,8 @@ from typing import Protocol
 
 import torch
 
-from ..steps.device_round import DeviceSubtree, DeviceTree, DeviceWalk
+from ..steps.acceptance import Walk
+from ..steps.device_round import DeviceSubtree, DeviceTree
 from ..steps.slot_cache import SlotCache, accepted_nodes, catch_up, commit_cache
 from .device_growth import grow
 from .eagle3 import DraftHead
@@ -71,7 +72,7 @@ class DeviceDrafter(Protocol):
 
     def catch_up_width(self, budget: int, depth: int, suffix_nodes: int) -> int: ...
 
-    def after_verify(self, cache: SlotCache | None, rows, sub: DeviceSubtree, walk: DeviceWalk,
+    def after_verify(self, cache: SlotCache | None, rows, sub: DeviceSubtree, walk: Walk,
                      facts: RoundFacts) -> dict[str, torch.Tensor]: ...
 
     def cut(self, rows, after: dict, kept: torch.Tensor, cut: torch.Tensor) -> None:

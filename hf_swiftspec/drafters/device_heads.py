@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..steps.device_round import DeviceSubtree, DeviceWalk
+from ..steps.acceptance import Walk
+from ..steps.device_round import DeviceSubtree
 from ..steps.slot_cache import SlotCache, additive_mask, tree_visible
 from .device_growth import Growth, add_level, seed_tree
 from .eagle3 import DraftHead
@@ -189,7 +190,7 @@ class DeviceHead:
         """The head re-runs the walked chain every round: the root and at most `deepest` walked nodes."""
         return min(budget, max(depth, suffix_nodes) + 1)
 
-    def after_verify(self, cache: SlotCache, rows, subtree: DeviceSubtree, walk: DeviceWalk,
+    def after_verify(self, cache: SlotCache, rows, subtree: DeviceSubtree, walk: Walk,
                      facts) -> dict[str, torch.Tensor]:
         """The head's commit after the target verified `subtree` and walked it (its states still in the tap): the
         tree's KV dropped, the walked chain (the root and every accepted node, facts.lag of them at most) run as one

@@ -29,7 +29,7 @@ from ..drafters.device_drafters import device_drafter
 from ..steps.capture import capture_backend
 from ..steps.device_round import to_device
 from ..steps.slot_cache import SlotCache
-from ..steps.verify import split_criteria
+from ..steps.acceptance import split_criteria
 from . import continuous
 from .continuous import BatchBroken, ContinuousEngine, Joining, Member
 from .device_pool import RowsOnDevice, SlotPool, Slots, capacity_bucket, power_of_two

@@ -16,7 +16,7 @@ Per round, for all B rows at once:
      (device_round.select_device);
   2. verify: one target forward over them (slot_cache.verify_forward), the target's choices (argmax, or Gumbel-max
      with noise drawn on the device from each row's seed and positions: verify.gumbel_noise), the walk with each row's
-     EOS ids and budget (device_round.walk_device), the target cache's commit, the drafter's commit and catch-up, the
+     EOS ids and budget (acceptance.walk_subtree), the target cache's commit, the drafter's commit and catch-up, the
      rows' state moved on (prefix, root, budget, position; EOS ids cleared for rows that finished), then the round's
      ONE read: counts, flags, paths, tokens and the verified subtrees, for streaming, stop strings, the record and
      the stats;
@@ -46,11 +46,12 @@ from ..models.architectures import context_limit
 from ..policy.shapes import Shape, ShapeMenu
 from ..stats import DraftCounters, PhaseClock, SwiftSpecStats, TargetCounters
 from ..steps.capture import capture_backend
-from ..steps.device_round import (DeviceSubtree, greedy_choices, round_result, sampled_choices, select_device,
-                                  to_device, walk_device)
+from ..steps.acceptance import (StopRule, cut_at_criteria, greedy_choices, gumbel_noise, round_result,
+                                sampled_choices, split_criteria, walk_subtree)
+from ..steps.device_round import DeviceSubtree, select_device, to_device
 from ..steps.slot_cache import catch_up, commit_cache, span_bucket, verify_forward
 from ..steps.tree import Proposal, Subtree
-from ..steps.verify import PATH_FREE_PROCESSORS, StopRule, Verified, apply_processors, gumbel_noise, split_criteria
+from ..steps.verify import PATH_FREE_PROCESSORS, Verified, apply_processors
 from .device_pool import RowsOnDevice, SlotPool, Slots, bucket_for, capacity_bucket, power_of_two
 from .request import DecodeRequest, DecodeResult, RowResult
 from .rounds import Proposed, run_rounds
@@ -221,7 +222,7 @@ def verify_phase(*, models: RoundModels, slots: Slots, facts: RoundFacts, span: 
         choices = sampled_choices(scores, noise * rows.sampled[:, None, None], sub.depths)
     else:
         choices = greedy_choices(scores)
-    walk = walk_device(choices, sub, rows.budgets, rows.eos)
+    walk = walk_subtree(choices, sub, rows.budgets, rows.eos)
     commit_cache(target_cache, rows.prefix_lens, walk.path.clamp(min=0), walk.count)  # verified node j sat at slot j
     out = models.drafter.after_verify(draft_cache, rows, sub, walk, facts)
     emitted = walk.tokens.gather(1, (walk.count - 1).clamp(min=0)[:, None]).squeeze(1)
@@ -580,19 +581,14 @@ class DeviceSides:
 
     def stop_on_host(self, outcome: Verified, b: int, rule: StopRule) -> int:
         """Apply the criteria the device cannot (stop strings, max_time, custom ones) to each prefix of the row's
-        walk, as verify.walk_to_stop does; cut the outcome there. Returns the tokens cut."""
-        if not rule.others or not outcome.tokens:
+        walk (acceptance.cut_at_criteria, every round's rule); cut the outcome there. Returns the tokens cut."""
+        cut = cut_at_criteria(outcome.tokens, self.host[b].sequence, rule, outcome.scores or None)
+        if cut is None:
             return 0
-        sequence = torch.tensor([self.host[b].sequence + outcome.tokens])  # on the host: the criteria read nothing
-        base = len(self.host[b].sequence)
-        for j in range(len(outcome.tokens)):
-            scores = outcome.scores[j] if outcome.scores else None
-            if bool(rule.others(sequence[:, : base + j + 1], scores).any()):
-                cut = len(outcome.tokens) - j - 1
-                del outcome.tokens[j + 1 :], outcome.path[j + 1 :], outcome.scores[j + 1 :], outcome.logits[j + 1 :]
-                outcome.finished = True
-                return cut
-        return 0
+        keep = len(outcome.tokens) - cut
+        del outcome.tokens[keep:], outcome.path[keep:], outcome.scores[keep:], outcome.logits[keep:]
+        outcome.finished = True
+        return cut
 
 
 def read_once(result: torch.Tensor) -> list[list[int]]:

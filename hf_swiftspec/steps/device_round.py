@@ -1,10 +1,9 @@
-"""A round's selection, walk and commit as pure functions of fixed-shape device tensors (building blocks).
+"""A round's trees, selection and commit as pure functions of fixed-shape device tensors (building blocks); the walk
+and the target's choices are acceptance.py's (every round's).
 
-The host round (engine/adaptive.py) reads the device once for its walk and once more after each draft
-expansion, where the goodput policy decides from the new candidates whether to grow again
-(tests/test_host_reads.py). Each function here does one of the round's jobs with no host read: no `.item()`, `.tolist()`,
+Each function here does one of the round's jobs with no host read: no `.item()`, `.tolist()`,
 `bool()`, boolean-mask indexing, `nonzero` or shape that follows a value, so a round built of them
-can be captured in a CUDA graph and the host reads one small tensor a round (`round_result`).
+can be captured in a CUDA graph and the host reads one small tensor a round (acceptance.round_result).
 Every shape depends on (B rows, N tree capacity, T verified nodes, V vocabulary, C cache slots) alone;
 what varies (how many nodes are live, how many tokens were accepted) rides in tensors as counts
 and padding. tests/test_device_round.py checks each against a plain reference written in the test.
@@ -150,94 +149,6 @@ def select_device(tree: DeviceTree, budget: int) -> DeviceSubtree:
         depths=torch.where(valid, tree.depths.gather(1, node_ids), 0),
         mask=mask,
     )
-
-
-def greedy_choices(scores: torch.Tensor) -> torch.Tensor:
-    """The target's greedy choice (B, T) after every node, from processed scores (B, T, V)."""
-    return scores.argmax(dim=-1)
-
-
-def sampled_choices(scores: torch.Tensor, noise: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
-    """The target's sampled choice (B, T) after every node: verify.Sampler.choose_rows' rule, Gumbel-max with
-    each row's noise for the node's position, `(scores.double() + noise[depth]).argmax()`.
-
-    scores: (B, T, V) processed scores (the path-free processors applied; others need the host's walk)
-    noise:  (B, D, V) float64 Gumbel noise of each row for positions context length + d, d < D
-            (Sampler.gumbel of the row's sampler: it depends on the seed, the row and the position alone,
-            so the host draws it before the round from what it already knows, with no read)
-    depths: (B, T) long each node's depth (< D)
-    """
-    B, T, V = scores.shape
-    per_node = noise.gather(1, depths[:, :, None].expand(B, T, V))  # (B, T, V)
-    return (scores.double() + per_node).argmax(dim=-1)
-
-
-@dataclass
-class DeviceWalk:
-    """Each row's accepted path (B rows, T nodes verified).
-
-    path:     (B, T) long local indices of the walked nodes, root first; -1 past `count`
-    tokens:   (B, T) long the emitted tokens (the target's choice after each walked node); -1 past `count`
-    count:    (B,) long   tokens emitted (>= 1 when max_tokens >= 1); the last one is the next root
-    finished: (B,) bool   an EOS was emitted or max_tokens reached (verify.walk_to_stop's `finished`)
-    """
-
-    path: torch.Tensor
-    tokens: torch.Tensor
-    count: torch.Tensor
-    finished: torch.Tensor
-
-
-def next_nodes(choices: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Where the walk goes from each node (B, T) long: its first real child (lowest index) carrying the
-    target's choice after it, else T (no such child): verify.children_of's lookup for every node at once."""
-    B, T = tokens.shape
-    arange_t = torch.arange(T, device=tokens.device)[None].expand(B, T)
-    parent = parents.clamp(min=0)
-    accepted = valid & (parents >= 0) & (tokens == choices.gather(1, parent))  # node i carries its parent's choice
-    nxt = torch.full((B, T), T, dtype=torch.long, device=tokens.device)
-    return nxt.scatter_reduce(1, parent, torch.where(accepted, arange_t, T), reduce="amin")
-
-
-def walk_device(choices: torch.Tensor, subtree: DeviceSubtree, max_tokens: torch.Tensor,
-                eos: torch.Tensor | None = None) -> DeviceWalk:
-    """verify.walk_path then walk_to_stop's EOS and length rules, for every row at once.
-
-    choices:    (B, T) long the target's choice after each node (greedy_choices / sampled_choices)
-    max_tokens: (B,) long tokens each row may still emit; fold max_length in on the host
-                (min(max_new_tokens left, max_length - sequence length)): walk_to_stop's length rule is that cut
-    eos:        (E,) long EOS ids, or (B, E) each row's (-1: no id; a row that is done and decodes on has none),
-                or None. Other stopping criteria (stop strings, max_time, custom ones) read
-                the decoded text or the clock: the host applies them to the read result, as walk_to_stop does.
-    The walk's nodes are found at once, no read and no pass per node: a node is on it when it and each of its
-    ancestors below the root is its parent's first child carrying the target's choice (subtree.mask: ancestors).
-    """
-    B, T = choices.shape
-    ids = torch.arange(T, device=choices.device)[None]
-    nxt = next_nodes(choices, subtree.tokens, subtree.parents, subtree.valid)
-    chosen = (nxt.gather(1, subtree.parents.clamp(min=0)) == ids) | (ids == 0)  # (B, T) where the walk goes from its parent
-    on_path = ~(subtree.mask & ~chosen[:, None, :]).any(-1) & subtree.valid  # (B, T)
-    at = torch.where(on_path, subtree.depths, T)  # one walked node per depth
-    path = torch.full((B, T + 1), T, dtype=torch.long, device=choices.device).scatter_(1, at, ids.expand(B, T))[:, :T]
-    j = torch.arange(T, device=choices.device)[None]
-    count = (path < T).sum(dim=1).clamp(max=max_tokens.clamp(min=0))
-    emitted = choices.gather(1, path.clamp(max=T - 1))
-    if eos is not None and eos.numel():
-        hits = torch.isin(emitted, eos) if eos.dim() == 1 else (emitted[:, :, None] == eos[:, None, :]).any(-1)
-        stops = hits & (j < count[:, None])
-        first_stop = torch.where(stops, j, T).amin(dim=1)  # (B,) T: none
-        count = torch.minimum(count, first_stop + 1)
-        finished = first_stop < T
-    else:
-        finished = torch.zeros(B, dtype=torch.bool, device=choices.device)
-    finished = finished | (count >= max_tokens)
-    inside = j < count[:, None]
-    return DeviceWalk(torch.where(inside, path, -1), torch.where(inside, emitted, -1), count, finished)
-
-
-def round_result(walk: DeviceWalk) -> torch.Tensor:
-    """The round's one host read: (B, 2 + T) long, per row [count, finished, tokens...]."""
-    return torch.cat([walk.count[:, None], walk.finished.long()[:, None], walk.tokens], dim=1)
 
 
 def commit_plan(prefix_lens: torch.Tensor, path_slots: torch.Tensor, path_count: torch.Tensor,

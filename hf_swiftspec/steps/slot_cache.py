@@ -22,7 +22,8 @@ import torch
 
 from ..models.compat import Cache, CacheLayerMixin, forward_cache_argument
 from .cache import KV_DIM, SlotBuffer
-from .device_round import DeviceSubtree, DeviceWalk, commit_plan
+from .acceptance import Walk
+from .device_round import DeviceSubtree, commit_plan
 
 SMALLEST_SPAN = 64  # the shortest live length a forward attends (a power of two: span_bucket)
 
@@ -196,7 +197,7 @@ def commit_cache(cache: SlotCache, prefix_lens: torch.Tensor, slots: torch.Tenso
         buffer.move(src, dst)
 
 
-def accepted_nodes(walk: DeviceWalk, subtree: DeviceSubtree) -> torch.Tensor:
+def accepted_nodes(walk: Walk, subtree: DeviceSubtree) -> torch.Tensor:
     """The draft tree's node ids (B, T) of each row's walked nodes, in order (past walk.count: 0, never read);
     commit_cache's slots for a cache that holds tree node i at slot i of its region."""
     return subtree.node_ids.gather(1, walk.path.clamp(min=0))
