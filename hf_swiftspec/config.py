@@ -11,6 +11,7 @@ from transformers import PreTrainedConfig
 MAX_BUDGET = 32  # largest tree the goodput policy verifies when tree_budget is None
 MAX_DRAFT_WIDTH = 64  # leaves per expansion and children per leaf: more only adds nodes no budget can verify
 FIRST_TREE = 8  # nodes the asynchronous draft grows before its first proposal
+ROUNDS = ("auto", "host", "device")  # SwiftSpecConfig.round
 
 
 class SwiftSpecConfig(PreTrainedConfig):
@@ -52,12 +53,14 @@ class SwiftSpecConfig(PreTrainedConfig):
             round. None (default): on for placement="auto", off for a placement you named (the asynchronous
             engine, as asked); True / False: on / off.
             `swiftspec_stats.engine_choice` says which engine a call ran and why.
-        round: where a serial round's selection, walk and commit run: "host" (default: the adaptive round,
-            every drafter, architecture and processor) or "device" (engine/device_sides.py: the draft model
-            grows a fixed (depth, width, T) shape a round from a small menu priced by measured rounds, and the
-            host reads the device once a round, the suffix proposals (ngram_size > 0) merged into its tree, or
-            alone in draft-free mode; only where that is exact: full-attention models, a draft model or
-            ngram_size > 0, path-free processors; elsewhere generate() raises a ValueError saying why).
+        round: where a serial round's selection, walk and commit run: "auto" (default: the device round on CUDA
+            where it decodes the call exactly, the host round elsewhere; `swiftspec_stats.round_choice` says which
+            and why), "host" (the adaptive round: every drafter, architecture and processor) or "device"
+            (engine/device_sides.py: the drafter grows a fixed (depth, width, T) shape a round from a small menu
+            priced by measured rounds, the host reads the device once a round and copies one pinned buffer in, the
+            suffix proposals (ngram_size > 0) merged into its tree, or alone in draft-free mode; only where that is
+            exact: full-attention models, path-free processors; elsewhere generate() raises a ValueError saying
+            why).
     """
 
     model_type = "swiftspec"
@@ -81,7 +84,7 @@ class SwiftSpecConfig(PreTrainedConfig):
         compile: bool = False,
         capture: str | bool = "auto",
         serial_fallback: bool | None = None,
-        round: str = "host",
+        round: str = "auto",
         **kwargs,
     ):
         self.target = target
@@ -142,10 +145,10 @@ class SwiftSpecConfig(PreTrainedConfig):
             raise ValueError(
                 f"SwiftSpecConfig.serial_fallback={self.serial_fallback!r}; use None (on for placement='auto'), True or False."
             )
-        if self.round not in ("host", "device"):
+        if self.round not in ROUNDS:
             raise ValueError(
-                f"SwiftSpecConfig.round={self.round!r}; use 'host' (the default, every pair and call) or 'device' "
-                "(one host read a round, for full-attention pairs with a draft model)."
+                f"SwiftSpecConfig.round={self.round!r}; use 'auto' (the default: the device round on CUDA where it "
+                "applies), 'host' (every pair and call) or 'device' (one host read a round, full-attention pairs)."
             )
         if not isinstance(self.compile, bool):
             raise ValueError(f"SwiftSpecConfig.compile must be True or False, got {self.compile!r}.")

@@ -33,7 +33,7 @@ from .models.compat import (
 from .config import SwiftSpecConfig
 from .engine import DecodeRequest, DecodeResult
 from .engine.distributed import Groups
-from .engine.device_sides import check_device_round
+from .engine.device_sides import check_device_round, choose_round
 from .engine.launch import batch_exactness_gaps, decode_adaptive, draft_architecture, remember_outputs, translation_gaps
 from .steps.capture import Captures
 from .engine.placement import Placement
@@ -107,10 +107,12 @@ def swiftspec_generate(
             f"This request cannot join the server's speculating batch: {'; '.join(reasons) or reached[0].reason} "
             f"(it reaches {slots} slots). Ask for fewer new tokens (max_tokens) or send a shorter prompt."
         )
-    if config.round == "device":  # asked for: exact, or a ValueError saying why (never the target's loop instead)
-        host_batch = swiftspec_engine is not None and not getattr(swiftspec_engine[0], "on_device", False)
-        check_device_round(config, model, swiftspec_draft, architectures, logits_processor, swiftspec_placement,
-                           swiftspec_groups, host_batch, reasons + translation_gaps(swiftspec_vocabularies))
+    device_batch = swiftspec_engine is not None and getattr(swiftspec_engine[0], "on_device", False)
+    gaps = (model, swiftspec_draft, architectures, logits_processor, swiftspec_placement, swiftspec_groups,
+            swiftspec_engine is not None and not device_batch, reasons + translation_gaps(swiftspec_vocabularies))
+    if device_batch:  # the engine's round: exact, or a ValueError saying why (never the target's loop instead)
+        check_device_round(config, *gaps)
+    round_, why = choose_round(config, *gaps)  # round="device" asked for and not exact: the same ValueError
     if reasons:
         return decode_with_target_loop(
             model, input_ids, logits_processor, stopping_criteria, generation_config, swiftspec_streamer,
@@ -149,9 +151,10 @@ def swiftspec_generate(
         with captures.claimed() as ours:  # a concurrent call on the same pair captures graphs (and buffers) of its own
             result = decode_adaptive(model, swiftspec_draft, request, config, swiftspec_placement, swiftspec_groups,
                                      chain_reasons, architectures, captures if ours else Captures(),
-                                     swiftspec_vocabularies)
+                                     swiftspec_vocabularies, round_)
         remember_outputs(swiftspec_history, config, request, result)
     result.stats.draft_model = swiftspec_draft is not None
+    result.stats.round_choice = "the running batch's" if swiftspec_engine is not None else why
     result.stats.history_tokens = copyable
     if batch > 1:
         result.stats.row_tau = [row.tau for row in result.rows]

@@ -359,6 +359,7 @@ class SwiftSpecStats:
     draft_model: bool = True  # False in draft-free mode: every proposal came from the suffix index
     overlap: OverlapBreakdown | None = None  # asynchronous engines: where a round's time went
     engine_choice: str | None = None  # with serial_fallback: which engine this call ran, and why (choice.py)
+    round_choice: str | None = None  # which round ran (host or device) and why (SwiftSpecConfig.round "auto" decides)
     capture_s: float = 0.0  # of wall_time_s, capturing (or first compiling) steps' buckets: mostly a first call's cost
     # tokens of earlier calls' outputs (model.output_history) this call's suffix proposals could copy from: a repeated
     # prompt then decodes faster than a first one (1.45-1.78x became 1.00x once cleared), which timing should know
@@ -449,6 +450,8 @@ class SwiftSpecStats:
             line = f"{line}, capturing {self.capture_s:.2f}s"
         if self.engine_choice:
             line = f"{line}, engine choice: {self.engine_choice}"
+        if self.round_choice:
+            line = f"{line}, round: {self.round_choice}"
         if self.history_tokens:
             line = (f"{line}, copying from {self.history_tokens} tokens of earlier calls' outputs "
                     "(model.output_history.clear() to time a call alone)")

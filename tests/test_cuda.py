@@ -58,3 +58,36 @@ def test_async_placement_on_one_gpu_is_refused_by_name():
     placement = {"target": ["cuda:0"], "draft": ["cuda:0"]}
     with pytest.raises(ValueError, match=r"both on cuda:0.*placement=None"):
         SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), placement=placement)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_device_round_on_cuda_replays_and_never_synchronises_a_round(rows, monkeypatch):
+    """round="auto" on CUDA takes the device round (its stats say so); its phases replay from CUDA graphs (no eager
+    fallback); every round runs under torch.cuda.set_sync_debug_mode("error") (its one read is a pinned copy and an
+    event, its one host copy pinned and non-blocking: a pageable copy or a stream sync raises); greedy output is
+    target.generate's, a second call replays the first one's graphs, and EOS lists of other widths replay exactly."""
+    from hf_swiftspec.engine import rounds
+
+    body = rounds.one_round
+
+    def strict(sides, live):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return body(sides, live)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(rounds, "one_round", strict)
+    target = tiny_model("llama", seed=0).cuda()
+    target.generation_config.eos_token_id = None
+    pair = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), draft_depth=3, draft_width=2,
+                                            tree_budget=6)
+    prompts = random_prompts([9, 17, 5, 12][:rows], seed=3)
+    ids, mask = left_padded(prompts) if rows > 1 else (torch.tensor(prompts), None)
+    ids, mask = ids.cuda(), None if mask is None else mask.cuda()
+    for eos in (None, [7], [7, 11, 90]):
+        kwargs = dict(attention_mask=mask, max_new_tokens=32, do_sample=False, eos_token_id=eos)
+        assert pair.generate(ids, **kwargs).tolist() == target.generate(ids, **kwargs).tolist(), eos
+        stats = pair.swiftspec_stats
+        assert stats.engine == "device" and "the device round" in stats.round_choice
+        assert "replayed phases, cuda" in stats.attention and "eager:" not in stats.attention, stats.attention

@@ -9,7 +9,8 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 from hf_swiftspec.drafters.device_growth import grow
 from hf_swiftspec.steps.slot_cache import SlotCache, accepted_nodes, catch_up, commit_cache, verify_forward
-from hf_swiftspec.steps.device_round import greedy_choices, round_result, sampled_choices, select_device, walk_device
+from hf_swiftspec.steps.acceptance import greedy_choices, round_result, sampled_choices, walk_subtree
+from hf_swiftspec.steps.device_round import select_device
 from hf_swiftspec.steps.tree import subtree_mask
 from hf_swiftspec.steps.verify import Sampler, apply_processors
 from hf_swiftspec.tools.models import tiny_model, truncated_draft
@@ -127,7 +128,7 @@ def device_round(target, draft, target_cache, draft_cache, prefix_lens, roots, m
     growth = grow(draft, draft_cache, prefix_lens, roots, depth, width)
     sub = select_device(growth.tree, budget)
     logits = verify_forward(target, target_cache, prefix_lens, sub)
-    walk = walk_device(choose(logits, sub), sub, max_tokens, eos)
+    walk = walk_subtree(choose(logits, sub), sub, max_tokens, eos)
     commit_cache(target_cache, prefix_lens, walk.path.clamp(min=0), walk.count)  # verified node j sat at slot j
     ran = walk.count.clamp(max=depth)  # a walked node at depth < depth was on a frontier: its draft KV is there
     commit_cache(draft_cache, prefix_lens, accepted_nodes(walk, sub), ran)

@@ -153,8 +153,8 @@ def test_every_rounds_tree_scores_as_plain_causal_forwards_of_the_head(request, 
     def recording(self, rows):
         proposed = propose(self, rows)
         sub = proposed.subtree
-        for b, seq in enumerate(self.sequences):
-            length = int(self.rows.prefix_lens[b]) + 1  # the row's tokens without its padding: prefix and root
+        for b, seq in enumerate(h.sequence for h in self.host[: self.live]):
+            length = int(self.slots.rows.prefix_lens[b]) + 1  # the row's tokens without its padding: prefix and root
             nodes = [(int(sub.tokens[b, p]) if p > 0 else -1, int(sub.tokens[b, i]), float(sub.scores[b, i]))
                      for i, p in enumerate(sub.parents[b].tolist()) if p >= 0]
             grown.append((seq[-length:], nodes))
@@ -207,9 +207,9 @@ def test_a_stop_string_cut_moves_the_heads_root_input_back(eagle, monkeypatch):
     grown, cuts, propose, accept = [], [], DeviceSides.propose, DeviceSides.accept
 
     def recording(self, rows):
-        roots = self.root_inputs.clone()
-        for b, seq in enumerate(self.sequences):
-            grown.append((seq[-(int(self.rows.prefix_lens[b]) + 1):], roots[b]))
+        roots = self.slots.rows.drafter["root_inputs"].clone()
+        for b, seq in enumerate(h.sequence for h in self.host[: self.live]):
+            grown.append((seq[-(int(self.slots.rows.prefix_lens[b]) + 1):], roots[b]))
         return propose(self, rows)
 
     def counting(self, proposed, verified, keep):
@@ -275,13 +275,13 @@ def test_the_head_with_suffix_proposals_merged_in_equals_target_generate_and_gro
     propose, grow = DeviceSides.propose, DeviceHead.grow
 
     def recording_propose(self, rows):  # copies only: the rounds' reads are counted
-        sequences.append((list(self.sequences[0]), self.rows.prefix_lens[0].clone()))
+        sequences.append((list(self.host[0].sequence), self.slots.rows.prefix_lens[0].clone()))
         return propose(self, rows)
 
     def recording_grow(self, *args, **kwargs):
-        growth = grow(self, *args, **kwargs)
-        grown.append(tuple(t[0].clone() for t in (growth.tree.tokens, growth.tree.parents, growth.tree.scores)))
-        return growth
+        tree = grow(self, *args, **kwargs)
+        grown.append(tuple(t[0].clone() for t in (tree.tokens, tree.parents, tree.scores)))
+        return tree
 
     monkeypatch.setattr(DeviceSides, "propose", recording_propose)
     monkeypatch.setattr(DeviceHead, "grow", recording_grow)

@@ -1,6 +1,7 @@
-"""The round's device-side selection, walk and commit (steps/device_round.py) against today's host code
-(tree.best_node_ids / select_subtree / subtree_mask, verify.walk_path / walk_to_stop / Sampler,
-cache.TreeCache.commit_rows) on random trees and caches, and a composed round's host reads."""
+"""The round's device-side selection and commit (steps/device_round.py) against the host round's code
+(tree.best_node_ids / select_subtree / subtree_mask, cache.TreeCache.commit_rows), and the one walk every round runs
+(steps/acceptance.py's walk_subtree) against a plain walk written here, on random trees and caches, and a composed
+round's host reads."""
 
 import random
 
@@ -9,16 +10,13 @@ import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper
 
-from hf_swiftspec.steps.cache import TreeCache
-from hf_swiftspec.steps.device_round import (
-    commit_device, greedy_choices, round_result, sampled_choices, select_device, stack_trees, walk_device,
-)
+from hf_swiftspec.steps.cache import TreeCache, move_positions
+from hf_swiftspec.steps.acceptance import greedy_choices, round_result, sampled_choices, walk_subtree
+from hf_swiftspec.steps.device_round import commit_plan, select_device, stack_trees
 from hf_swiftspec.steps.tree import (
     add_children, best_node_ids, new_tree, reroot, select_leaves, select_subtree, subtree_mask,
 )
-from hf_swiftspec.steps.verify import (
-    NO_STOPS, Sampler, StopRule, apply_processors, children_of, verify_tree, walk_path, walk_to_stop,
-)
+from hf_swiftspec.steps.verify import Sampler, Verified, apply_processors, verify_tree
 from sync_counter import SyncCounter
 
 V = 50
@@ -89,19 +87,26 @@ def leaning_choices(rng: random.Random, sub, budget: int) -> torch.Tensor:
     return choices
 
 
-def host_walk(choices_row: list[int], subtree, max_tokens: int, eos: set[int], context_len: int = 7):
-    """verify's walk and stop rule on the host, as a round runs them."""
-    T = len(subtree)
-    out = walk_path(choices_row[:T], children_of(subtree.parents, subtree.tokens), max_tokens)
-    dummy = torch.zeros(T, V)
-    rule = StopRule(eos, float("inf"), StoppingCriteriaList()) if eos else NO_STOPS
-    return walk_to_stop(out, dummy, dummy, torch.zeros(1, context_len, dtype=torch.long), rule, max_tokens)
+def host_walk(choices_row: list[int], subtree, max_tokens: int, eos: set[int]) -> Verified:
+    """The walk as its definition says, on host lists: from the root, emit the target's choice after the node and move
+    to the first child carrying it, while there is one and tokens are left; stop after an EOS token."""
+    out, node = Verified(), 0
+    while node is not None and len(out.tokens) < max_tokens:
+        out.path.append(node)
+        out.tokens.append(choices_row[node])
+        if choices_row[node] in eos:
+            out.finished = True
+            break
+        node = next((i for i, (p, t) in enumerate(zip(subtree.parents, subtree.tokens))
+                     if p == node and t == choices_row[node]), None)
+    out.finished = out.finished or len(out.tokens) >= max_tokens
+    return out
 
 
 @pytest.mark.parametrize("seed", range(8))
 def test_greedy_walk_equals_the_host_walk(seed):
-    """The accepted path, tokens, count and finished flag equal walk_path + walk_to_stop's, with max_tokens
-    limits (0 included) and EOS stops (an EOS id drawn from the walk's own tokens, so it fires)."""
+    """The accepted path, tokens, count and finished flag equal the plain walk's, with max_tokens limits (0 included)
+    and EOS stops (an EOS id drawn from the walk's own tokens, so it fires)."""
     rng = random.Random(100 + seed)
     budget = rng.choice([4, 8, 12])
     trees = [random_tree(rng) for _ in range(6)]
@@ -114,7 +119,7 @@ def test_greedy_walk_equals_the_host_walk(seed):
     pool = [t for out in free for t in out.tokens[1:]] or [0]
     eos = {rng.choice(pool), V + 7}
     for stop, limits in ((set(), unlimited), (set(), max_tokens), (eos, max_tokens), (eos, unlimited)):
-        walk = walk_device(choices, sub, torch.tensor(limits), torch.tensor(sorted(stop)) if stop else None)
+        walk = walk_subtree(choices, sub, torch.tensor(limits), torch.tensor(sorted(stop)) if stop else None)
         for b in range(len(trees)):
             out = host_walk(choices[b].tolist(), hosts[b], limits[b], stop)
             n = len(out.tokens)
@@ -149,8 +154,8 @@ def test_sampled_walk_equals_verify_under_a_seed(seed):
                           for b, (s, c) in enumerate(zip(samplers, contexts))])
     noise = torch.stack([s.gumbel([c.shape[1] + d for d in range(budget)], V, torch.device("cpu"))
                          for s, c in zip(samplers, contexts)])
-    walk = walk_device(sampled_choices(scores, noise, sub.depths), sub, max_tokens)
-    greedy = walk_device(greedy_choices(scores), sub, max_tokens)
+    walk = walk_subtree(sampled_choices(scores, noise, sub.depths), sub, max_tokens)
+    greedy = walk_subtree(greedy_choices(scores), sub, max_tokens)
     for b in range(B):
         n = len(hosts[b])
         out = verify_tree(logits[b, :n], hosts[b], contexts[b], samplers[b], StoppingCriteriaList(), int(max_tokens[b]))
@@ -174,7 +179,7 @@ def filled_cache(rng: random.Random, B: int, layers: int = 2, capacity: int = 32
 
 @pytest.mark.parametrize("seed", range(6))
 def test_commit_equals_commit_rows(seed):
-    """commit_device moves every slot TreeCache.commit_rows moves (paths then kept slots, per row, rows
+    """commit_plan's moves are every move TreeCache.commit_rows makes (paths then kept slots, per row, rows
     of different prefixes; padding ignored) and leaves the same prefix lengths and lengths."""
     rng = random.Random(300 + seed)
     B, M, K = 4, 6, 5
@@ -189,10 +194,11 @@ def test_commit_equals_commit_rows(seed):
         paths.append(path)
         keeps.append(sorted(rest))
     pad = lambda rows, width: torch.tensor([row + [rng.randrange(30)] * (width - len(row)) for row in rows])
-    prefixes, lengths = commit_device(
-        data, cache.buffers[0].dim, torch.tensor(cache.prefix_lens),
-        pad(paths, M), torch.tensor([len(p) for p in paths]), pad(keeps, K), torch.tensor([len(k) for k in keeps]),
+    src, dst, prefixes, lengths = commit_plan(
+        torch.tensor(cache.prefix_lens), pad(paths, M), torch.tensor([len(p) for p in paths]), pad(keeps, K),
+        torch.tensor([len(k) for k in keeps]), cache.scratch,
     )
+    move_positions(data, cache.buffers[0].dim, src, dst)
     cache.commit_rows([torch.tensor(p) for p in paths], [torch.tensor(k, dtype=torch.long) for k in keeps])
     assert prefixes.tolist() == cache.prefix_lens and lengths.tolist() == cache.lengths
     scratch = cache.scratch
@@ -217,8 +223,9 @@ def test_a_composed_round_reads_the_device_once():
     prefix_lens, max_tokens = torch.tensor(cache.prefix_lens), torch.tensor([budget + 1] * B)
     with SyncCounter() as inside:
         sub = select_device(device_tree, budget)
-        walk = walk_device(greedy_choices(logits), sub, max_tokens, torch.tensor([2]))
-        commit_device(data, cache.buffers[0].dim, prefix_lens, walk.path.clamp(min=0), walk.count)
+        walk = walk_subtree(greedy_choices(logits), sub, max_tokens, torch.tensor([2]))
+        src, dst, _, _ = commit_plan(prefix_lens, walk.path.clamp(min=0), walk.count, None, None, cache.scratch)
+        move_positions(data, cache.buffers[0].dim, src, dst)
         result = round_result(walk)
     assert sum(inside.calls.values()) == 0, inside.calls
     with SyncCounter() as read:

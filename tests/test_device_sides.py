@@ -169,10 +169,72 @@ def test_calls_it_cannot_decode_exactly_are_refused_with_the_reason():
         SwiftSpecConfig(round="gpu")
 
 
+def test_every_documented_refusal_names_its_reason():
+    """settings.md's list of what the device round refuses, each by its message (beside the test above's): compile=True,
+    attention="kernel", a placement other than serial, a recurrent model. (An attention that takes no 4D mask is
+    refused by the pair itself, whatever the round: architectures.UnsupportedArchitecture.)"""
+    target = tiny_model("llama", seed=0)
+    ids = torch.tensor([[5, 17, 33, 8]])
+    for settings in (dict(compile=True), dict(attention="kernel")):
+        message = refused(SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), **DEVICE, **settings), ids)
+        assert "compile=True and attention='kernel' are not honoured" in message
+    threads = dict(placement={"target": ["cpu"], "draft": ["cpu"]})
+    message = refused(SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), **DEVICE, **threads), ids)
+    assert "placement='serial'" in message
+    from hf_swiftspec.tools import sweep
+
+    recurrent = sweep.tiny_of_type("mamba2", seed=0, vocab_size=98)
+    message = refused(SwiftSpecForCausalLM.from_models(recurrent, None, round="device", ngram_size=3), ids)
+    assert "recurrent" in message and "mamba2" in message
+
+
+@pytest.mark.parametrize("capture", [False, True])
+def test_eos_lists_of_other_widths_across_calls_replay_exactly(capture):
+    """A first call with one EOS id captures its phases; later calls of the same rows with three and then five EOS ids
+    (Llama-3 Instruct targets have three), one of them reached mid-call, equal target.generate's (the EOS width is in
+    the graphs' key: a wider list captures its own graphs rather than failing to copy into the narrower ones)."""
+    target = tiny_model("llama", seed=0)
+    target.generation_config.eos_token_id = None
+    pair = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), capture=capture, **DEVICE, **FIXED)
+    ids, mask = batch(seed=4)
+    free = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=24)
+    new = free[:, ids.shape[1]:]
+    unused = [t for t in range(98) if t not in set(new.flatten().tolist())]
+    for eos in ([unused[0]], [unused[1], int(new[2, 8]), unused[2]], unused[3:6] + [int(new[0, 12]), int(new[1, 5])]):
+        kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=24, eos_token_id=eos)
+        assert pair.generate(ids, **kwargs).tolist() == target.generate(ids, **kwargs).tolist(), eos
+        assert pair.swiftspec_stats.engine == "device"
+
+
+@pytest.mark.parametrize("ngram_size", [0, 3])
+def test_sampled_draws_follow_the_targets_distribution(ngram_size):
+    """The device round's own draws (noise drawn on the device: verify.gumbel_noise) against the target's exact joint
+    distribution of the first two new tokens, by chi-square: 1,500 rows of one batched call, each row its own draw."""
+    from test_sampling import ALPHA, VOCAB, exact_joint, pooled_chisquare, warpers
+
+    target = tiny_model("llama", seed=3, vocab_size=VOCAB)
+    target.generation_config.eos_token_id = None
+    pair = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), round="device", ngram_size=ngram_size,
+                                            draft_depth=2, draft_width=3, tree_budget=6)
+    prompt = [3, 7, 5, 9, 3, 7, 5] if ngram_size else [3, 7, 5, 9]
+    draws = 1500
+    out = pair.generate(torch.tensor([prompt] * draws), do_sample=True, temperature=0.9, max_new_tokens=2,
+                        generator=torch.Generator().manual_seed(0))
+    stats = pair.swiftspec_stats
+    assert stats.engine == "device" and stats.verify_steps < 2 * draws  # trees were accepted: some rows took both at once
+    counts = torch.zeros(VOCAB * VOCAB, dtype=torch.float64)
+    for t1, t2 in out[:, -2:].tolist():
+        counts[t1 * VOCAB + t2] += 1
+    expected = exact_joint(target, torch.tensor([prompt]), warpers(0.9))
+    pvalue = pooled_chisquare(counts, expected.flatten() * draws)
+    assert pvalue > ALPHA, f"p={pvalue:.2e}: the device round's draws do not follow the target's distribution"
+
+
 def test_the_menu_prices_shapes_by_measured_rounds():
-    """Every shape runs once, then the best measured tokens per second runs, and the others again every `retry`
-    rounds; a round with no time (the first) prices nothing; settings that fix the shape give a menu of one."""
-    menu = ShapeMenu((Shape(1, 2, 2), Shape(3, 2, 6), Shape(4, 4, 8)), retry=10)
+    """Every shape runs once, then the best measured tokens per second runs, and the others again every `retry_every`
+    rounds while a re-price pays, twice as far apart after each that does not; a round with no time (the first) prices
+    nothing; settings that fix the shape give a menu of one."""
+    menu = ShapeMenu((Shape(1, 2, 2), Shape(3, 2, 6), Shape(4, 4, 8)), retry_every=10)
     first = menu.pick()
     menu.observe(first, 5, None)
     assert menu.pick() == first  # unpriced still
@@ -181,6 +243,14 @@ def test_the_menu_prices_shapes_by_measured_rounds():
         menu.observe(shape, tokens, 1.0)
     picks = [menu.pick() for _ in range(20)]
     assert picks.count(Shape(3, 2, 6)) == 18 and len(set(picks)) == 3
+    retried = []
+    for _ in range(400):  # re-prices that never pay: each one twice as far from the last
+        shape = menu.pick()
+        if shape != Shape(3, 2, 6):
+            retried.append(menu.rounds)
+        menu.observe(shape, 9 if shape == Shape(3, 2, 6) else 1, 1.0)
+    gaps = [b - a for a, b in zip(retried, retried[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] >= 8 * gaps[0], retried
     assert ShapeMenu.of(3, 5, 9, room=100).shapes == (Shape(3, 5, 9),)
     with pytest.raises(ValueError, match="positions"):
         ShapeMenu.of(3, 5, 9, room=2)
@@ -205,3 +275,39 @@ def test_a_draft_equal_to_the_target_has_its_whole_chain_accepted(width, capture
     full = [r.accepted == 3 * r.rows for r in records]  # 26 tokens: 6 rounds of 4, and the last's 2
     assert all(r.budget == 1 + 3 * width for r in records)
     assert (sum(full), len(records)) == (6, 7) if width == 1 else (sum(full) >= 4 and len(records) <= 8)
+
+
+class OnCuda(torch.nn.Module):
+    """A model as choose_round sees one on CUDA (its device and config; nothing runs)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.config, self.wrapped = model.config, [model]
+
+    @property
+    def device(self):
+        return torch.device("cuda")
+
+
+def test_auto_takes_the_device_round_on_cuda_where_it_applies_and_says_why():
+    """round="auto" (the default): on a CPU the host round; on CUDA the device round, unless it cannot decode the call
+    exactly (then the host round, naming the reason); each call's stats say which ran and why."""
+    from hf_swiftspec.engine.device_sides import choose_round
+    from hf_swiftspec.steps.probes import describe
+
+    target = tiny_model("llama", seed=0)
+    target.generation_config.eos_token_id = None
+    pair = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2))
+    assert pair.config.round == "auto"
+    ids = torch.tensor([[5, 17, 33, 8, 61]])
+    assert pair.generate(ids, max_new_tokens=8, do_sample=False).tolist() == target.generate(
+        ids, max_new_tokens=8, do_sample=False).tolist()
+    assert pair.swiftspec_stats.engine == "serial" and "round='auto' on cpu" in pair.swiftspec_stats.round_choice
+    config, cuda = SwiftSpecConfig(ngram_size=3), OnCuda(target)
+    architectures = describe(target, "target"), None
+    assert choose_round(config, cuda, None, architectures, [], None, None, False, []) == (
+        "device", "round='auto' on CUDA: the device round")
+    penalty = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3)])
+    round_, why = choose_round(config, cuda, None, architectures, penalty, None, None, False, [])
+    assert round_ == "host" and "RepetitionPenaltyLogitsProcessor" in why
+    assert choose_round(SwiftSpecConfig(round="host"), cuda, None, architectures, [], None, None, False, [])[0] == "host"

@@ -10,7 +10,7 @@ from hf_swiftspec.drafters.suffix import SuffixIndex, SuffixTree, chain
 from hf_swiftspec.policy.goodput import GoodputPolicy
 from hf_swiftspec.tools.models import real_shaped_pair, tiny_model, truncated_draft
 from hf_swiftspec.steps.tree import Proposal, Subtree, best_subtree, merge_suffix, ranked
-from hf_swiftspec.steps.verify import Sampler, Verified, walk_nodes, walk_rows
+from hf_swiftspec.steps.verify import Sampler, Verified, verify_tree, walk_nodes
 
 
 def measured_policy(expand_ms, verify_ms, per_node_ms, acceptance, rounds=60, **kwargs):
@@ -182,7 +182,9 @@ def random_tree(n, g):
 @pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("seed", range(20))
 def test_vectorised_walk_equals_the_node_by_node_walk(seed, do_sample):
-    """Same tokens, path and stop either way; sampled too, since the noise is drawn per position."""
+    """The one walk (acceptance.walk_subtree, through verify_tree for path-free processors) and the node-by-node walk
+    (walk_nodes, for processors that read the path): same tokens, path and stop either way; sampled too, since the
+    noise is drawn per position."""
     g = torch.Generator().manual_seed(seed)
     n = int(torch.randint(1, 14, (1,), generator=g))
     subtree = random_tree(n, g)
@@ -198,7 +200,7 @@ def test_vectorised_walk_equals_the_node_by_node_walk(seed, do_sample):
             children.setdefault((p, t), i)
     fast_sampler, slow_sampler = (Sampler(warpers, do_sample, generator=torch.Generator().manual_seed(seed)) for _ in range(2))
     assert fast_sampler.path_free
-    fast = walk_rows(logits, children, context, fast_sampler, criteria, max_tokens)
+    fast = verify_tree(logits, subtree, context, fast_sampler, criteria, max_tokens)
     slow = walk_nodes(logits, children, context, slow_sampler, criteria, max_tokens)
     assert (fast.tokens, fast.path, fast.finished) == (slow.tokens, slow.path, slow.finished)
     for a, b in zip(fast.scores + fast.logits, slow.scores + slow.logits):

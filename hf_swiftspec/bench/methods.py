@@ -340,8 +340,10 @@ def build_methods(models: BenchModels, config: BenchConfig, settings: dict, note
         "assisted": lambda: assisted_method(target, draft, config.assistant_tokens, universal) if draft is not None
         else no_draft("assisted", notes),
         "prompt_lookup": lambda: prompt_lookup_method(target, config.prompt_lookup_tokens),
-        "swiftspec_serial": lambda: swiftspec_method(
-            "swiftspec_serial", SwiftSpecForCausalLM.from_models(target, draft, **tokenizers, **settings), config.seed
+        "swiftspec_serial": lambda: swiftspec_method(  # the host round (round="auto" takes the device round on CUDA)
+            "swiftspec_serial", SwiftSpecForCausalLM.from_models(target, draft, **tokenizers,
+                                                                 **{"round": "host", **settings}),
+            config.seed,
         ),
         "swiftspec_async": lambda: async_method(models, settings, config.seed, notes),
         "target_static": lambda: target_static_method(target),

@@ -395,8 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
         "max_tokens and largest tree); requests past it wait in the queue (default: no limit)",
     )
     srv.add_argument(
-        "--round", choices=("host", "device"), default=None,
-        help="override the pair's round: 'device' runs each round on the models' device, read once a round (with "
+        "--round", choices=("auto", "host", "device"), default=None,
+        help="override the pair's round (default 'auto': the device round on CUDA where it applies): 'device' runs "
+        "each round on the models' device, read once a round (with "
         "--continuous-batching too: the running batch's rows in power-of-two buckets of replayed phases); a pair it "
         "cannot decode exactly is refused, naming why (serving.md)",
     )

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..steps.device_round import DeviceTree
+from ..steps.device_round import DeviceTree, path_hash
 from ..steps.slot_cache import SlotCache, slot_forward, tree_visible
 
 
@@ -55,7 +55,7 @@ def grow(model, cache: SlotCache, prefix_lens: torch.Tensor, roots: torch.Tensor
     for level in range(1, depth + 1):
         seen = tree.ancestors.gather(1, frontier[:, :, None].expand(B, frontier.shape[1], N))  # (B, F, N)
         logits = slot_forward(model, cache, tree.tokens.gather(1, frontier), prefix_lens[:, None] + level - 1,
-                              node_slots.gather(1, frontier), tree_visible(cache.capacity, prefix_lens, seen))
+                              node_slots.gather(1, frontier), tree_visible(cache.span, prefix_lens, seen))
         logprobs = torch.log_softmax(logits[..., :vocab_limit], dim=-1)  # (B, F, V')
         frontier, _ = add_level(tree, frontier, tree.scores.gather(1, frontier)[:, :, None] + logprobs, level, width)
     return Growth(tree, prefix_lens)
@@ -67,8 +67,8 @@ def seed_tree(cache: SlotCache, roots: torch.Tensor, depth: int, width: int, cal
     if depth < 1 or width < 1:
         raise ValueError(f"{caller}(depth={depth}, width={width}): both must be at least 1")
     B, N, device = roots.shape[0], 1 + depth * width, roots.device
-    if cache.capacity < N + 2:
-        raise ValueError(f"SlotCache of {cache.capacity} slots cannot hold a tree of {N} nodes behind a prefix; "
+    if cache.span < N + 2:
+        raise ValueError(f"SlotCache attending {cache.span} slots cannot hold a tree of {N} nodes behind a prefix; "
                          "allocate at least the longest prefix + N + 1 slots")
     tokens = torch.zeros(B, N, dtype=torch.long, device=device)
     tokens[:, 0] = roots
@@ -78,22 +78,24 @@ def seed_tree(cache: SlotCache, roots: torch.Tensor, depth: int, width: int, cal
     ancestors[:, 0, 0] = True
     return DeviceTree(tokens, torch.full((B, N), -1, dtype=torch.long, device=device),
                       torch.zeros(B, N, dtype=torch.long, device=device), scores, ancestors,
-                      torch.full((B,), N, device=device))
+                      torch.full((B,), N, device=device), torch.zeros(B, N, dtype=torch.long, device=device))
 
 
 def add_level(tree: DeviceTree, frontier: torch.Tensor, cumulative: torch.Tensor, level: int, width: int,
               token_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Depth `level`'s `width` nodes (ids 1 + (level - 1) * width ...: fixed by shape), in place: the top-k of
     cumulative (B, F, V) scores of the frontier's (B, F) children, their tokens (token_ids maps a child's index
-    in V to its token id; None: the index is the id), parents, depths, scores and ancestor bits.
+    in V to its token id; None: the index is the id), parents, depths, scores, path hashes and ancestor bits.
     Returns (the next frontier (B, k), each new node's parent (B, k))."""
     B, N = tree.tokens.shape
     V = cumulative.shape[-1]
     best, flat = cumulative.reshape(B, -1).topk(width, dim=-1)  # (B, k)
     new = slice(1 + (level - 1) * width, 1 + level * width)
     parent = frontier.gather(1, flat // V)  # (B, k)
-    tree.tokens[:, new] = flat % V if token_ids is None else token_ids(flat % V)
+    tokens = flat % V if token_ids is None else token_ids(flat % V)
+    tree.tokens[:, new] = tokens
     tree.parents[:, new] = parent
+    tree.hashes[:, new] = path_hash(tree.hashes.gather(1, parent), tokens)
     tree.depths[:, new] = level
     tree.scores[:, new] = best
     tree.ancestors[:, new] = tree.ancestors.gather(1, parent[:, :, None].expand(B, width, N))

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..steps.device_round import DeviceSubtree, DeviceWalk
+from ..steps.acceptance import Walk
+from ..steps.device_round import DeviceSubtree
 from ..steps.slot_cache import SlotCache, additive_mask, tree_visible
 from .device_growth import Growth, add_level, seed_tree
 from .eagle3 import DraftHead
@@ -62,19 +63,22 @@ def without_slot_zero(allowed: torch.Tensor, prefix_lens: torch.Tensor) -> torch
 
 
 def head_catch_up(head: DraftHead, cache: SlotCache, tokens: torch.Tensor, inputs: torch.Tensor,
-                  counts: torch.Tensor, starts: torch.Tensor) -> None:
+                  counts: torch.Tensor, starts: torch.Tensor, first: torch.Tensor | None = None) -> None:
     """Write each row's tokens' head KV behind its committed slots, one fixed-shape forward.
 
     tokens (B, L) long, inputs (B, L, H) their hidden inputs (the target's fused states at the token before each),
-    counts (B,) long real tokens per row, starts (B,) long the slot of each row's first token: token j goes at slot
+    counts (B,) long tokens per row, starts (B,) long the slot of each row's token 0: token j goes at slot
     starts + j, position starts + j - 1 (the head's shift), seeing the committed slots [1, starts) and the tokens
-    before it. Padding queries write the scratch slot and see slot 0 alone (their output is never read)."""
+    before it; first (B,) long: a row's tokens before it do not run (a prompt's token 0 never runs through the head).
+    Padding queries write the scratch slot and see slot 0 alone (their output is never read)."""
     B, L = tokens.shape
     j = torch.arange(L, device=tokens.device)
     real = j[None] < counts[:, None]  # (B, L)
+    if first is not None:
+        real = real & (j[None] >= first[:, None])
     at = starts[:, None] + j[None]  # (B, L)
-    c = torch.arange(cache.capacity, device=tokens.device)[None, None]
-    seen = (c <= at[:, :, None]) & ((c >= 1) | (c == at[:, :, None]))  # (B, L, C): from slot 1, and itself
+    c = torch.arange(cache.span, device=tokens.device)[None, None]
+    seen = (c <= at[:, :, None]) & ((c >= 1) | (c == at[:, :, None]))  # (B, L, span): from slot 1, and itself
     allowed = (seen & real[:, :, None]) | (~real[:, :, None] & (c == 0))
     head_forward(head, cache, tokens, (at - 1).clamp(min=0), inputs, torch.where(real, at, cache.scratch), allowed)
 
@@ -102,7 +106,7 @@ def grow_head(head: DraftHead, cache: SlotCache, prefix_lens: torch.Tensor, root
     for level in range(1, depth + 1):
         F = frontier.shape[1]
         seen = tree.ancestors.gather(1, frontier[:, :, None].expand(B, F, N))  # (B, F, N)
-        allowed = without_slot_zero(tree_visible(cache.capacity, prefix_lens, seen), prefix_lens)
+        allowed = without_slot_zero(tree_visible(cache.span, prefix_lens, seen), prefix_lens)
         inputs = hidden.gather(1, frontier[:, :, None].expand(B, F, hidden.shape[-1]))
         positions = (prefix_lens[:, None] + level - 2).clamp(min=0)  # depth level - 1, at the head's shift
         logits, out = head_forward(head, cache, tree.tokens.gather(1, frontier), positions, inputs,
@@ -126,69 +130,96 @@ def target_ids(head: DraftHead, draft_vocab: int, device) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class DeviceHead:
-    """A draft head on the device round, fixed for a call: the head and the tap that hands it the target's states
-    (entered around the call's rounds: engine/device_sides.run_device). Its per-row state is `root_inputs` (B, H),
-    which the sides keep between rounds and hand to each phase as an input."""
+    """A draft head on the device round (drafters/device_drafters.py's DeviceDrafter), fixed for a call: the head and
+    the tap that hands it the target's states (entered around the target's forwards: `tapped`). Its per-row state is
+    `root_inputs` (B, H), the fused target state before each row's root, in the rows' device state."""
 
     head: DraftHead
     tap: object  # eagle3.FeatureTap or mtp.FinalStateTap
+    layers = 1
+    poolable = False  # its phases read the target's states through this call's tap
+    context_model = None  # its rope places any position: the target's limit alone
+    defers = False  # its catch-up reads the verification's target states: it runs inside the verification
 
     @classmethod
     def of(cls, head: DraftHead, target) -> "DeviceHead":
         return cls(head, head.tap(target))
 
+    @property
+    def model(self) -> DraftHead:
+        return self.head
+
+    def state_fields(self, capacity: int) -> dict:
+        return {"root_inputs": ((self.head.hidden_size,), self.head.dtype, 0)}
+
+    def gaps(self, architecture, masks: tuple[str, ...]) -> list[str]:
+        return head_gaps(self.head, masks)
+
+    def describe(self) -> str:
+        return "draft=sdpa (a draft head)"
+
+    def tapped(self):
+        """The tap's hooks on the target, for the target's forwards of one phase (the user's model keeps none between
+        them)."""
+        return self.tap
+
     def fused_states(self) -> torch.Tensor:
         """The target's last forward's states, fused: (B, Q, H)."""
         return self.head.fuse(self.tap.take())
 
-    def prefill(self, cache: SlotCache, committed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """After the target's prefill of committed (B, W) long (counts (B,) real tokens per row, every prompt token but
-        the root): the head's, tokens 1 .. counts - 1 with the target's fused states before them. Returns root_inputs
-        (B, H), the fused state at each row's last committed token (zeros where the prompt is its root alone)."""
+    def prefill(self, cache: SlotCache, tokens: torch.Tensor, counts: torch.Tensor, starts: torch.Tensor,
+                state: dict[str, torch.Tensor]) -> None:
+        """After the target's forward over tokens (B, L) long (counts (B,) per row, token j of a row at slot starts + j:
+        a whole prompt but its root, or one piece of it): the head's KV for them, each token with the target's fused
+        state before it (the state carried in root_inputs for a piece's first token; a prompt's token 0 never runs),
+        and root_inputs (B, H) set to the fused state at each row's last token (kept where a row had none)."""
         with torch.no_grad():
-            fused = self.fused_states()  # (B, W, H)
-            B, W = committed.shape
-            head_catch_up(self.head, cache, torch.cat([committed[:, 1:], committed[:, :1]], dim=1), fused,
-                          (counts - 1).clamp(min=0), torch.ones_like(counts))
-            last = (counts - 1).clamp(min=0)[:, None, None].expand(B, 1, fused.shape[-1])
-            return torch.where((counts > 0)[:, None], fused.gather(1, last).squeeze(1), 0.0)
+            fused = self.fused_states()  # (B, L, H)
+            B, L, H = fused.shape
+            root_inputs = state["root_inputs"]
+            inputs = torch.cat([root_inputs[:, None].to(fused.dtype), fused[:, :-1]], dim=1)
+            head_catch_up(self.head, cache, tokens, inputs, counts, starts, first=(starts == 0).long())
+            last = (counts - 1).clamp(min=0)[:, None, None].expand(B, 1, H)
+            root_inputs.copy_(torch.where((counts > 0)[:, None], fused.gather(1, last).squeeze(1), root_inputs))
 
-    def grow(self, cache: SlotCache, prefix_lens: torch.Tensor, roots: torch.Tensor, root_inputs: torch.Tensor,
-             depth: int, width: int, vocab_limit: int) -> Growth:
-        return grow_head(self.head, cache, prefix_lens, roots, root_inputs, depth, width, vocab_limit)
+    def grow(self, cache: SlotCache, rows, depth: int, width: int, vocab_limit: int, lag: int):
+        return grow_head(self.head, cache, rows.prefix_lens, rows.roots, rows.drafter["root_inputs"], depth, width,
+                         vocab_limit).tree
 
-    def after_verify(self, cache: SlotCache, prefix_lens: torch.Tensor, subtree: DeviceSubtree, walk: DeviceWalk,
-                     root_inputs: torch.Tensor, deepest: int) -> dict[str, torch.Tensor]:
+    def catch_up_width(self, budget: int, depth: int, suffix_nodes: int) -> int:
+        """The head re-runs the walked chain every round: the root and at most `deepest` walked nodes."""
+        return min(budget, max(depth, suffix_nodes) + 1)
+
+    def after_verify(self, cache: SlotCache, rows, subtree: DeviceSubtree, walk: Walk,
+                     facts) -> dict[str, torch.Tensor]:
         """The head's commit after the target verified `subtree` and walked it (its states still in the tap): the
-        tree's KV dropped, the walked chain (the root and every accepted node, at most deepest + 1: the grown tree's depth,
-        or the suffix proposals' where they go deeper) run as one catch-up
-        with the target's fused states before each. Returns root_inputs (B, H), the next round's, and path_inputs
-        (B, L, H) the fused state at each walked node (a host-side stop that cuts the walk takes its root input
-        there)."""
+        tree's KV dropped, the walked chain (the root and every accepted node, facts.lag of them at most) run as one
+        catch-up with the target's fused states before each; root_inputs moves to the fused state at the last walked
+        node (in place). Returns path_inputs (B, L, H), the fused state at each walked node (a host-side stop that
+        cuts the walk takes its root input there: root_input_at)."""
         fused = self.fused_states()  # (B, T, H) at every verified node
         B, T, H = fused.shape
-        L = min(T, deepest + 1)  # a walk follows at most deepest + 1 nodes
+        L = facts.lag
+        prefix_lens, root_inputs = rows.prefix_lens, rows.drafter["root_inputs"]
         path = walk.path[:, :L].clamp(min=0)  # (B, L)
         path_inputs = fused.gather(1, path[:, :, None].expand(B, L, H))  # (B, L, H)
         chain = subtree.tokens.gather(1, path)  # (B, L): the root, then the walked nodes
         inputs = torch.cat([root_inputs[:, None], path_inputs[:, :-1]], dim=1)  # each token: the state before it
         head_catch_up(self.head, cache, chain, inputs, walk.count, prefix_lens)
-        return dict(root_inputs=self.root_input_at(path_inputs, walk.count, root_inputs), path_inputs=path_inputs)
+        root_inputs.copy_(root_input_at(path_inputs, walk.count, root_inputs))
+        return dict(path_inputs=path_inputs)
 
-    def next_root_inputs(self, after: dict[str, torch.Tensor], cut: torch.Tensor | None) -> torch.Tensor:
-        """(B, H) the next round's root inputs from the verification phase's outputs (after_verify's, with its
-        result's counts); cut (B,) long: tokens a host-side stop cut from each row's walk (None: none), whose root
-        input is then the fused state at the last node it kept."""
-        root_inputs = after["root_inputs"].clone()  # a replay overwrites the phase's outputs
-        if cut is None:
-            return root_inputs
-        kept = after["result"][:, 0] - cut
-        return torch.where((cut > 0)[:, None], self.root_input_at(after["path_inputs"], kept, root_inputs), root_inputs)
+    def cut(self, rows, after: dict[str, torch.Tensor], kept: torch.Tensor, cut: torch.Tensor) -> None:
+        """Rows whose walk a host-side stop cut (cut (B,) long > 0) keep `kept` (B,) tokens: their root input is the
+        fused state at the last node they kept."""
+        root_inputs = rows.drafter["root_inputs"]
+        root_inputs.copy_(torch.where((cut > 0)[:, None], root_input_at(after["path_inputs"], kept, root_inputs),
+                                      root_inputs))
 
-    @staticmethod
-    def root_input_at(path_inputs: torch.Tensor, count: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-        """(B, H) the fused state at walked node count - 1 (the token before the next root); a row that emitted
-        nothing keeps its old one."""
-        B, L, H = path_inputs.shape
-        at = (count - 1).clamp(0, L - 1)[:, None, None].expand(B, 1, H)
-        return torch.where((count > 0)[:, None], path_inputs.gather(1, at).squeeze(1), old)
+
+def root_input_at(path_inputs: torch.Tensor, count: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """(B, H) the fused state at walked node count - 1 (the token before the next root); a row that emitted nothing
+    keeps its old one."""
+    B, L, H = path_inputs.shape
+    at = (count - 1).clamp(0, L - 1)[:, None, None].expand(B, 1, H)
+    return torch.where((count > 0)[:, None], path_inputs.gather(1, at).squeeze(1), old)

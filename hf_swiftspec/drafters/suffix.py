@@ -299,6 +299,15 @@ def continuation(tokens: list[int], start: int, length: int) -> list[int]:
     return out
 
 
+def index_for(tokens: list[int], max_n: int, corpus: list[list[int]] | None = None,
+              history: OutputHistory | None = None, branching: bool = True) -> SuffixIndex:
+    """A row's index over its sequence so far, `corpus` and the model's earlier outputs."""
+    index = SuffixIndex(max_n=max_n, history=history, branching=branching)
+    index.add_corpus(corpus or [])
+    index.extend(tokens)
+    return index
+
+
 class SuffixDrafter:
     """Suffix proposals for every row: the continuations of its context's longest repeated suffix, in its
     prompt, its output so far, a corpus and earlier calls' outputs. It does not grow within a round: asked
@@ -315,10 +324,7 @@ class SuffixDrafter:
         self.indices = [SuffixIndex(max_n=max_n, branching=branching) for _ in range(batch_size)]
 
     def start(self, prompts: list[list[int]], features=None) -> None:
-        for b, ids in enumerate(prompts):
-            self.indices[b] = SuffixIndex(max_n=self.max_n, history=self.history, branching=self.branching)
-            self.indices[b].add_corpus(self.corpus)
-            self.indices[b].extend(ids)
+        self.indices = [index_for(ids, self.max_n, self.corpus, self.history, self.branching) for ids in prompts]
 
     def propose(self, b: int, max_nodes: int, max_depth: int | None, policy: GoodputPolicy) -> Proposal:
         """Row b's suffix proposal under its root (the last token of its sequence), at most `max_nodes` nodes no

@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 from ..config import MAX_BUDGET
 from ..steps.cache import keep_order
 from ..stats import RoundRecord, SwiftSpecStats
-from ..steps.verify import StopRule, Verified, split_criteria
+from ..steps.acceptance import StopRule, split_criteria
+from ..steps.verify import Verified
 from . import rounds
 from .request import DecodeRequest, DecodeResult, RowResult, round_record
 from .adaptive import AdaptiveSides

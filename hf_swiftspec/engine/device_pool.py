@@ -1,18 +1,16 @@
-"""The device round's replayed phases kept across a pair's generate() calls, with the slot caches they were
-captured over (steps/capture.py's Captures.device): a later call of as many rows, whose length fits a kept
-capacity, replays the earlier call's graphs instead of capturing its own (on CUDA a capture costs far more than
-a round).
+"""The device round's slot caches and row state, kept with the graphs replayed over them (engine/device_sides.py):
+one pool serves a lone generate() call (the pair's Captures keep it across calls, steps/capture.py) and the server's
+running batch (its engine keeps one) alike.
 
-A replayed phase bakes in the caches' buffers (steps/phase_graphs.py keys a graph by their addresses), so the
-pool keeps the caches too: each call's rows get the pool's caches for (rows, capacity bucket, layers), the
-capacity rounded up to a power of two so calls of nearby lengths share them; when rows finish, the rows that
-stay move into the pool's caches of their count, whose graphs a later call's finishing rows replay too. Their slots past a row's prefix may
-hold an earlier call's KV: no mask lets a query see a slot beyond its row's prefix and its own tree
-(slot_cache.tree_visible), and the prefill overwrites the prefix. At most KEPT cache sets are kept, each with its
-graphs (their memory stays held between calls: up to KEPT times a call's KV at the pooled capacity); graphs over
-caches the pool no longer keeps are dropped.
-
-A call with a draft head is not pooled: its phases read the target's states through the call's own tap.
+A replayed phase bakes in the buffers it reads and writes (steps/phase_graphs.py keys a graph by their addresses):
+the two models' slot caches and the rows' device state. So the pool keeps them together, one `Slots` per (rows,
+capacity, layers): rows a power of two (a batch of 3 runs in the 4-row slots, one row dead: `bucket_for`), capacity
+a power of two of at least SMALLEST slots (`capacity_bucket`), so calls and batches of nearby sizes share them and
+their graphs. When rows finish or join, the rows that stay move into the slots of their bucket (a device copy), whose
+graphs replay too. Slots past a row's prefix may hold an earlier call's KV: no mask lets a query see a slot beyond its
+row's prefix and its own tree (slot_cache.tree_visible), and a prefill overwrites the prefix. At most KEPT sets are
+kept, each with its graphs (their memory stays held: up to KEPT times a batch's KV at the pooled capacity); the graphs
+over sets the pool no longer keeps are dropped.
 """
 
 from __future__ import annotations
@@ -20,51 +18,154 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import torch
+
 from ..steps.phase_graphs import PhaseRunner
 from ..steps.slot_cache import SlotCache
 
-KEPT = 4  # cache sets (with their graphs) a pair keeps between calls: a batch of 4 whose rows finish one by one
+KEPT = 8  # slot sets (with their graphs) a pool keeps: the running batch's buckets 1 .. 32 and a few capacities
 SMALLEST = 256  # the smallest pooled capacity, in slots
 
 
+def power_of_two(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def capacity_bucket(slots: int) -> int:
-    """The pooled capacity for a call that needs `slots`: the next power of two, at least SMALLEST."""
-    return max(SMALLEST, 1 << max(slots - 1, 0).bit_length())
+    """The pooled capacity for rows that need `slots` slots: the next power of two, at least SMALLEST."""
+    return max(SMALLEST, power_of_two(slots))
 
 
-def buffers_of(caches: tuple[SlotCache, ...]) -> tuple[int, ...]:
-    """The caches' buffer addresses, as RoundModels.key() names them (none for a layer no forward has written yet)."""
-    return tuple(t.data_ptr() for c in caches for layer in c.layers if layer.is_initialized
-                 for t in (layer.keys, layer.values))
+def bucket_for(rows: int) -> int:
+    """The cache rows a batch of `rows` live rows runs on: the next power of two (1, 2, 4, 8, ...)."""
+    return power_of_two(rows)
 
 
 @dataclass
-class DevicePool:
-    """One pair's device-round graphs and caches (module docstring). backend: the runner's (capture.py's)."""
+class RowsOnDevice:
+    """Every cache row's state between rounds, on the device (B rows: the live rows first, then dead padding rows,
+    which verify with a budget of 0: they emit nothing and commit nothing). The verification phase updates it in place
+    (its buffers are what a replayed phase bakes in).
 
-    backend: str
-    runner: PhaseRunner = None
-    caches: OrderedDict = field(default_factory=OrderedDict)  # (rows, capacity, layers) -> tuple[SlotCache, ...]
+    prefix_lens: (B,) long    slots committed in both caches (every token but the root)
+    roots:       (B,) long    each row's last verified token, whose KV neither model holds yet
+    budgets:     (B,) long    tokens each row may still emit (max_new_tokens left; 0 for a dead row)
+    eos:         (B, E) long  each row's EOS ids, -1 padding (none for a row that is done and decodes on)
+    positions:   (B,) long    each row's sequence length as generate() counts it (left padding included): the
+                              position its next token's sampling noise is drawn for
+    seeds:       (B,) long    each row's sampling seed (Sampler.seed), and noise_rows (B,) long its row number
+    sampled:     (B,) bool    whether the row samples (greedy and dead rows: no noise)
+    drafter:     per-row state the drafter keeps (device_drafters.DeviceDrafter.state_fields): (B, *shape) each
+    """
+
+    prefix_lens: torch.Tensor
+    roots: torch.Tensor
+    budgets: torch.Tensor
+    eos: torch.Tensor
+    positions: torch.Tensor
+    seeds: torch.Tensor
+    noise_rows: torch.Tensor
+    sampled: torch.Tensor
+    drafter: dict[str, torch.Tensor] = field(default_factory=dict)
+    fills: dict[str, float] = field(default_factory=dict)  # a drafter field's value in a dead row
+
+    @classmethod
+    def empty(cls, rows: int, eos_width: int, drafter_fields: dict, device) -> "RowsOnDevice":
+        """drafter_fields: name -> (shape past the rows, dtype, fill) (DeviceDrafter.state_fields')."""
+        long = dict(dtype=torch.long, device=device)
+        return cls(torch.zeros(rows, **long), torch.zeros(rows, **long), torch.zeros(rows, **long),
+                   torch.full((rows, eos_width), -1, **long), torch.zeros(rows, **long), torch.zeros(rows, **long),
+                   torch.zeros(rows, **long), torch.zeros(rows, dtype=torch.bool, device=device),
+                   {name: torch.full((rows, *shape), fill, dtype=dtype, device=device)
+                    for name, (shape, dtype, fill) in drafter_fields.items()},
+                   {name: fill for name, (_, _, fill) in drafter_fields.items()})
+
+    def fields(self) -> list[torch.Tensor]:
+        return [self.prefix_lens, self.roots, self.budgets, self.eos, self.positions, self.seeds, self.noise_rows,
+                self.sampled, *self.drafter.values()]
+
+    def field_fills(self) -> list[float]:
+        return [0, 0, 0, -1, 0, 0, 0, False, *self.fills.values()]
+
+    def copy_rows(self, source: "RowsOnDevice", index: torch.Tensor | slice, count: int, at: int = 0) -> None:
+        """Rows `index` of `source` (count of them) into rows at .. at + count - 1, in place. A field of another width
+        here (EOS ids, a drafter's per-slot state at another capacity) keeps the columns both have, the rest filled."""
+        for mine, theirs, fill in zip(self.fields(), source.fields(), self.field_fills()):
+            part = theirs[index]
+            if mine.dim() > 1 and part.shape[1] != mine.shape[1]:
+                width = min(part.shape[1], mine.shape[1])
+                mine[at : at + count, width:] = fill
+                mine, part = mine[:, :width], part[:, :width]
+            mine[at : at + count] = part
+
+    def kill(self, rows: slice) -> None:
+        """Rows `rows` become dead: budget 0, no EOS, greedy, prefix 0 (they write their own cache rows only), the
+        drafter's state at its fill."""
+        for tensor, fill in zip(self.fields(), self.field_fills()):
+            tensor[rows] = fill
+
+
+@dataclass
+class Slots:
+    """A bucket's buffers: the target's and the drafter's slot caches (None: a drafter keeps none) and the rows' device
+    state, at fixed addresses."""
+
+    caches: tuple[SlotCache, SlotCache | None]
+    rows: RowsOnDevice
+
+    def addresses(self) -> tuple[int, ...]:
+        """What a replayed phase over these buffers bakes in (its key; none for a layer no forward has written yet)."""
+        caches = tuple(b.data.data_ptr() for c in self.caches if c is not None for b in c.buffers)
+        return caches + tuple(t.data_ptr() for t in self.rows.fields())
+
+
+@dataclass
+class SlotPool:
+    """The slot sets and the graphs over them (module docstring). backend: the runner's (steps/capture.py's), None
+    where phases run eagerly."""
+
+    backend: str | None
+    runner: PhaseRunner | None = None
+    sets: OrderedDict = field(default_factory=OrderedDict)  # (rows, capacity, layers, eos width) -> Slots
+    prices: dict = field(default_factory=dict)  # per row bucket, the shape menu's prices (policy/shapes.py), kept
 
     def __post_init__(self):
-        if self.runner is None:
+        if self.runner is None and self.backend is not None:
             self.runner = PhaseRunner(self.backend)
 
-    def slot_caches(self, rows: int, capacity: int, layers: tuple[int, ...]) -> tuple[SlotCache, ...]:
-        """The pool's caches for `rows` rows of `capacity` slots (capacity_bucket's), one per model (`layers`
-        each); made, and the oldest set with its graphs dropped past KEPT, when there are none."""
-        key = (rows, capacity, layers)
-        if key in self.caches:
-            self.caches.move_to_end(key)
-            return self.caches[key]
-        self.caches[key] = tuple(SlotCache(n, capacity) for n in layers)
-        while len(self.caches) > KEPT:
-            self.caches.popitem(last=False)
+    def slots(self, rows: int, capacity: int, layers: tuple[int, int], eos_width: int, drafter_fields: dict,
+              device, like: "Slots | None" = None) -> Slots:
+        """The pool's slots for `rows` cache rows of `capacity` slots (made, and the oldest set with its graphs dropped
+        past KEPT, when there are none). like: slots whose caches have run a forward, whose layout new caches take
+        (else a new set's caches are made by their first forward)."""
+        key = (rows, capacity, layers, eos_width)
+        if key in self.sets:
+            self.sets.move_to_end(key)
+            return self.sets[key]
+        caches = tuple(SlotCache(n, capacity) if n else None for n in layers)
+        if like is not None:
+            for mine, theirs in zip(caches, like.caches):
+                if mine is not None and theirs is not None and theirs.buffers:
+                    mine.allocate(theirs, rows)
+        made = Slots(caches, RowsOnDevice.empty(rows, eos_width, drafter_fields, device))  # (fields at this capacity)
+        self.sets[key] = made
+        while len(self.sets) > KEPT:
+            self.sets.popitem(last=False)
         self.drop_unkept_graphs()
-        return self.caches[key]
+        return made
 
     def drop_unkept_graphs(self) -> None:
-        """Drop the graphs captured over caches the pool does not keep (their buffers are no longer any call's)."""
-        kept = {buffers_of(c) for c in self.caches.values()}
-        for key in [k for k in self.runner.graphs if k[-1][0] not in kept]:
+        """Drop the graphs captured over slots the pool does not keep (their buffers are no longer any call's)."""
+        if self.runner is None:
+            return
+        kept = {s.addresses() for s in self.sets.values()}
+        for key in [k for k in self.runner.graphs if k[-1] not in kept]:
             del self.runner.graphs[key]
+
+    def drop_smaller(self, capacity: int) -> None:
+        """Drop the sets of less than `capacity` slots and their graphs (a running batch whose capacity grew never
+        comes back to them)."""
+        for key in [k for k in self.sets if k[1] < capacity]:
+            del self.sets[key]
+        self.drop_unkept_graphs()

@@ -1,92 +1,99 @@
-"""The device round's sides (engine/rounds.py's RoundSides): a draft (a draft model, or a draft head: an
-EAGLE-3 head or an MTP layer, drafters/device_heads.py) and the target over fixed-shape slot caches
-(steps/slot_cache.py), every phase a device op, one host read a round (SwiftSpecConfig round="device").
+"""The device round's sides (engine/rounds.py's RoundSides): a drafter (drafters/device_drafters.py: a draft model,
+an EAGLE-3 head or an MTP layer, or none) and the target over fixed-shape slot caches (steps/slot_cache.py), every
+phase a device op, one host read a round (SwiftSpecConfig round="device").
+
+The sides hold B cache rows (a power of two, engine/device_pool.py): the live rows first, then dead padding rows,
+which run every phase with a budget of 0 (they emit and commit nothing, and write their own cache rows only). A lone
+generate() call prefills its rows into them at the start (`start`); the server's running batch
+(engine/continuous_device.py) copies each joining row in once it is prefilled (`absorb`); rows leave between
+rounds (`keep_rows`). Everything a row needs between rounds lives on the device (RowsOnDevice: prefix, root, budget,
+EOS ids, sampling seed and position, the drafter's state), so a round copies no host data in but the suffix
+proposals (one pinned, non-blocking copy) and reads the device once.
 
 Per round, for all B rows at once:
-  1. propose: the draft grows depth x width nodes below each root (drafters/device_growth.grow, d forwards), the
-     host's suffix proposals join them (drafters/device_suffix.py: one host-to-device copy; draft-free mode: the
-     root and the suffix nodes alone) and the best T by path score are selected with their mask
+  1. propose: the drafter grows the menu's shape (policy/shapes.py) below every root (depth 0: nothing grown), the
+     suffix proposals join it (drafters/device_suffix.py) and the best T by path score are selected with their mask
      (device_round.select_device);
-  2. verify: one target forward over them (slot_cache.verify_forward), the target's choices (argmax, or the
-     sampler's Gumbel-max with noise the host draws from known positions), the walk with the EOS and length
-     rules (device_round.walk_device), the target cache's commit, then the round's ONE read: counts, flags,
-     paths, tokens and the verified subtrees, for streaming, stop strings, the record and the stats;
-  3. accept: the draft cache's commit and its catch-up on the accepted nodes it did not run (the last depth's, the
-     suffix's; device_suffix.follow_walk), the suffix index's new tokens (on the host), new prefix
-     lengths and roots (device tensors: computed on the device, corrected from the host only where a host-side
-     criterion, a stop string, cut a row's walk short); a head instead re-runs the whole verified chain with the
-     target's states (DeviceHead.after_verify, inside the verification's graph) and keeps the next root's input;
-  4. observe: the shape menu (policy/shapes.py) prices the round's shape from the tokens and the time between reads.
+  2. verify: one target forward over them (slot_cache.verify_forward), the target's choices (argmax, or Gumbel-max
+     with noise drawn on the device from each row's seed and positions: verify.gumbel_noise), the walk with each row's
+     EOS ids and budget (acceptance.walk_subtree), the target cache's commit, the drafter's commit and catch-up, the
+     rows' state moved on (prefix, root, budget, position; EOS ids cleared for rows that finished), then the round's
+     ONE read: counts, flags, paths, tokens and the verified subtrees, for streaming, stop strings, the record and
+     the stats;
+  3. accept: the suffix index's new tokens (on the host); a row whose walk a host-side criterion (a stop string) cut
+     short and that decodes on has its state corrected (rare: one copy);
+  4. observe: the shape menu prices the round's shape from the tokens and the time between reads (a round that
+     captured a graph is not priced).
 
-Exact where the caches are: full attention only, processors that ignore the path, a draft (a draft model or a
-draft head) or suffix proposals (check_device_round says why a call is refused). With SwiftSpecConfig.capture, the two phases (1; 2-3 up to the
-read) are each replayed as one graph per shape (steps/phase_graphs.py).
+Each forward attends the live length (`span`: the rows' longest prefix and the tree, rounded up to a power of two)
+rather than the slot capacity. With SwiftSpecConfig.capture, the two phases (1; 2 up to the read) are each replayed as
+one graph per shape and span (steps/phase_graphs.py). Exact where the caches are: full attention only, processors
+that ignore the path (check_device_round says why a call is refused).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
+from collections import Counter
 from dataclasses import dataclass, field, fields
 
 import torch
 
-from ..drafters.device_growth import grow
-from ..drafters.device_heads import DeviceHead, head_gaps
-from ..drafters.device_suffix import (DeviceSuffix, SuffixNodes, catch_up_width, draft_free_menu, follow_walk,
-                                      merge_suffix, root_tree)
-from ..drafters.eagle3 import DraftHead
+from ..drafters.device_drafters import DeviceDrafter, RoundFacts, device_drafter, model_gaps
+from ..drafters.device_suffix import SuffixNodes, SuffixProposals, draft_free_menu, merge_suffix, root_tree
 from ..models.architectures import context_limit
 from ..policy.shapes import Shape, ShapeMenu
 from ..stats import DraftCounters, PhaseClock, SwiftSpecStats, TargetCounters
-from ..steps.device_round import DeviceSubtree, greedy_choices, round_result, sampled_choices, select_device, walk_device
 from ..steps.capture import capture_backend
-from ..steps.phase_graphs import PhaseRunner
-from .device_pool import DevicePool, capacity_bucket
-from ..steps.slot_cache import SlotCache, catch_up, commit_cache, verify_forward
+from ..steps.acceptance import (StopRule, cut_at_criteria, greedy_choices, gumbel_noise, round_result,
+                                sampled_choices, split_criteria, walk_subtree)
+from ..steps.device_round import DeviceSubtree, select_device, to_device
+from ..steps.slot_cache import catch_up, commit_cache, span_bucket, verify_forward
 from ..steps.tree import Proposal, Subtree
-from ..steps.verify import PATH_FREE_PROCESSORS, StopRule, Verified, apply_processors
-from .request import BatchRows, DecodeRequest, DecodeResult, RowResult
+from ..steps.verify import PATH_FREE_PROCESSORS, Verified, apply_processors
+from .device_pool import RowsOnDevice, SlotPool, Slots, bucket_for, capacity_bucket, power_of_two
+from .request import DecodeRequest, DecodeResult, RowResult
 from .rounds import Proposed, run_rounds
 
 MASKS_4D = ("sdpa", "eager")  # attention implementations that take the slot caches' additive 4D mask as given
+EOS_WIDTH = 4  # EOS ids a row holds on the device, at least (more: the next power of two)
+NO_ROOM = 1 << 30  # a model with no position limit: room for any shape
 
 
 def run_device(target, draft, request: DecodeRequest, config, captures=None) -> DecodeResult:
     """The round (engine/rounds.py) on the device sides, its phases replayed where SwiftSpecConfig.capture says
     (CUDA graphs on CUDA, the emulating stand-in on a CPU with capture=True); check_device_round cleared the call.
-    captures: the pair's Captures (steps/capture.py), whose device pool keeps the graphs and their caches for the
-    next call (engine/device_pool.py); None: this call's own."""
+    captures: the pair's Captures (steps/capture.py), whose device pool keeps the slots and graphs for the next call;
+    None: this call's own."""
     if not request.max_new_tokens:
         return DecodeResult(rows=[RowResult() for _ in range(request.batch_size)])
     backend = capture_backend(config.capture, target.device)
-    pool = device_pool(captures, backend) if not isinstance(draft, DraftHead) else None
-    runner = pool.runner if pool is not None else PhaseRunner(backend) if backend is not None else None
+    drafter = device_drafter(draft, target)
+    pool = device_pool(captures, backend) if drafter.poolable else SlotPool(backend)
+    runner = pool.runner
     captured_before, setup_before = (runner.captured, runner.setup_s) if runner is not None else (0, 0.0)
-    sides = DeviceSides(target, draft, config, request, runner, pool)
+    sides = DeviceSides(target, drafter, config, pool)
     result = run_rounds(sides, request)
-    if pool is not None:
-        pool.drop_unkept_graphs()
+    pool.drop_unkept_graphs()
     how = "eager phases" if runner is None else (
         f"replayed phases, {backend}: {len(runner.graphs)} graphs, {runner.captured - captured_before} "
         f"captured by this call")
     if runner is not None and runner.fallbacks:
         how += f"; eager: {', '.join(sorted(runner.fallbacks))}"
-    drafted = ("no draft model" if draft is None else
-               f"draft={'sdpa (a draft head)' if sides.head else draft.config._attn_implementation}")
-    result.stats.attention = (f"device round (slot caches, 4D masks: target={target.config._attn_implementation}, "
-                              f"{drafted}; {how})")
+    drafted = drafter.describe()
+    result.stats.attention = (f"device round (slot caches, 4D masks over the live length: "
+                              f"target={target.config._attn_implementation}, {drafted}; {how})")
     result.stats.capture_s = runner.setup_s - setup_before if runner is not None else 0.0
     return result
 
 
-def device_pool(captures, backend: str | None) -> DevicePool | None:
-    """The pair's device pool (Captures.device), made for `backend` on first use; None where nothing replays."""
-    if captures is None or backend is None:
-        return None
+def device_pool(captures, backend: str | None) -> SlotPool:
+    """The pair's device pool (Captures.device), made for `backend` on first use; a call's own without captures."""
+    if captures is None:
+        return SlotPool(backend)
     if captures.device is None or captures.device.backend != backend:
-        captures.device = DevicePool(backend)
+        captures.device = SlotPool(backend)
     return captures.device
 
 
@@ -98,24 +105,13 @@ def device_round_gaps(config, target, draft, architectures, logits_processor, pl
     if draft is None and not config.ngram_size:
         gaps.append("draft-free mode (no draft model) proposes suffix nodes alone, and ngram_size=0 turns them off; "
                     "set ngram_size > 0 or give a draft model")
-    if isinstance(draft, DraftHead):
-        gaps += head_gaps(draft, MASKS_4D)
-    elif draft is not None and context_limit(draft, target) != context_limit(target):
+    gaps += model_gaps("target", target, architectures[0], MASKS_4D)
+    drafter = device_drafter(draft, target)
+    gaps += drafter.gaps(architectures[1], MASKS_4D)
+    if drafter.context_model is not None and context_limit(drafter.context_model, target) != context_limit(target):
         gaps.append(f"the draft's context ({context_limit(draft)} positions) is shorter than the target's "
                     f"({context_limit(target)}): the host round has it read the text in windows of its own; use "
                     "round='host'")
-    for role, model, architecture in (("target", target, architectures[0]), ("draft", draft, architectures[1])):
-        if model is None or architecture is None or isinstance(model, DraftHead):
-            continue
-        if architecture.windowed or architecture.slot_limits:
-            gaps.append(f"the {role} ({architecture.model_type}) has sliding-window or slot-limited layers; its slot cache "
-                        "attends every committed position")
-        if architecture.recurrent or architecture.shape == "chain":
-            gaps.append(f"the {role} ({architecture.model_type}) needs chains or recurrent rollback "
-                        f"({architecture.chain_reason})")
-        if model.config._attn_implementation not in MASKS_4D:
-            gaps.append(f"the {role} attends with {model.config._attn_implementation!r}, which does not take an additive "
-                        f"4D mask; load it with attn_implementation='sdpa'")
     path_bound = sorted({type(p).__name__ for p in logits_processor or () if type(p) not in PATH_FREE_PROCESSORS})
     if path_bound:
         gaps.append(f"the logits processors {', '.join(path_bound)} read the path before each node (the host's "
@@ -133,47 +129,48 @@ def device_round_gaps(config, target, draft, architectures, logits_processor, pl
     return gaps
 
 
+def choose_round(config, target, *args, **kwargs) -> tuple[str, str]:
+    """The round this call runs, "host" or "device", and why (SwiftSpecStats.round_choice). round="device": the device
+    round, or a ValueError naming why it cannot be exact (check_device_round); "host": the host round; "auto": the
+    device round on CUDA where it decodes the call exactly (its one read a round and replayed phases are what a GPU
+    rewards), else the host round (on a CPU it is the faster one: settings.md). args: device_round_gaps'."""
+    if config.round == "device":
+        check_device_round(config, target, *args, **kwargs)
+        return "device", "asked for (round='device')"
+    if config.round == "host":
+        return "host", "asked for (round='host')"
+    if target.device.type != "cuda":
+        return "host", f"round='auto' on {target.device.type}: the host round (the device round pays on CUDA)"
+    gaps = device_round_gaps(config, target, *args, **kwargs)
+    if gaps:
+        return "host", f"round='auto' on CUDA, host round: the device round cannot decode this call exactly ({gaps[0]})"
+    return "device", "round='auto' on CUDA: the device round"
+
+
 def check_device_round(*args, **kwargs) -> None:
     """round="device" where it cannot be exact: ValueError naming why and the fix (never a silent fallback)."""
     gaps = device_round_gaps(*args, **kwargs)
     if gaps:
         raise ValueError(f"SwiftSpecConfig.round='device' cannot decode this call exactly: {'; '.join(gaps)}. "
-                         "Fix that, or use round='host' (the default), which decodes it exactly.")
-
-
-@dataclass
-class RowsOnDevice:
-    """Every live row's state between rounds, on the device (B rows in cache order).
-
-    prefix_lens: (B,) long slots committed in both caches (every token but the root)
-    roots:       (B,) long each row's last verified token, whose KV neither model holds yet
-    """
-
-    prefix_lens: torch.Tensor
-    roots: torch.Tensor
-
-    def keep(self, index: torch.Tensor) -> None:
-        self.prefix_lens, self.roots = self.prefix_lens[index], self.roots[index]
+                         "Fix that, or use round='host', which decodes it exactly.")
 
 
 @dataclass(frozen=True)
 class RoundModels:
-    """What a round's phases run on, fixed for a call: the two models and their caches, each row's processors (the
-    path-free ones) and whether the round samples, keeps each token's scores / logits."""
+    """What a round's phases run on besides the slots: the target, the drafter, each cache row's processors (the
+    path-free ones; () for a dead row) and whether the round samples, keeps each token's scores / logits."""
 
     target: object
-    draft: object
-    caches: tuple[SlotCache, SlotCache]
+    drafter: DeviceDrafter
     processors: tuple
     sample: bool
     keeps: tuple[bool, bool]
     vocab_limit: int
-    head: DeviceHead | None = None  # a draft head's growth and catch-up (drafters/device_heads.py); None: a draft model
 
     def key(self) -> tuple:
-        """What a replayed phase bakes in besides its inputs' shapes: the caches' buffers and the rows' processors."""
-        buffers = tuple(t.data_ptr() for c in self.caches for layer in c.layers for t in (layer.keys, layer.values))
-        return buffers, tuple(processors_signature(p) for p in self.processors), self.sample, self.keeps
+        """What a replayed phase bakes in of these (the slots' addresses are the sides' part of the key): the rows'
+        processors by their settings (a new processor object with the same settings is no new graph)."""
+        return tuple(processors_signature(p) for p in self.processors), self.sample, self.keeps
 
 
 def processors_signature(processors) -> tuple:
@@ -187,86 +184,62 @@ def processors_signature(processors) -> tuple:
     return tuple(out)
 
 
-def copy_kept_rows(source: SlotCache, into: SlotCache, index: torch.Tensor) -> None:
-    """`source`'s rows `index` (B',) long into `into`, a cache of B' rows and the same capacity, in place where its
-    buffers exist (their addresses are what its graphs replay over)."""
-    for mine, theirs in zip(into.layers, source.layers):
-        if not theirs.is_initialized:
-            continue
-        if mine.is_initialized:
-            mine.keys.copy_(theirs.keys[index])
-            mine.values.copy_(theirs.values[index])
-        else:
-            mine.keys, mine.values, mine.is_initialized = theirs.keys[index], theirs.values[index], True
-
-
-def kept_rows(cache: SlotCache, index: torch.Tensor) -> SlotCache:
-    """A new SlotCache of `cache`'s rows `index` (B',) long (the pool's caches are never narrowed in place)."""
-    kept = SlotCache(len(cache.layers), cache.capacity)
-    for mine, theirs in zip(kept.layers, cache.layers):
-        if theirs.is_initialized:
-            mine.keys, mine.values, mine.is_initialized = theirs.keys[index], theirs.values[index], True
-    return kept
-
-
 def subtree_tensors(sub: DeviceSubtree) -> dict[str, torch.Tensor]:
     return {f.name: getattr(sub, f.name) for f in fields(sub)}
 
 
-def grow_phase(prefix_lens: torch.Tensor, roots: torch.Tensor, suffix: torch.Tensor | None = None,
-               root_inputs: torch.Tensor | None = None, *, models: RoundModels, shape: Shape) -> dict:
-    """1. the draft's growth of `shape` below every root (draft-free: the root alone), the suffix nodes merged in
-    (suffix: (B, 4, S) the host's proposals, drafters/device_suffix.py) and the best T nodes with their mask
-    (DeviceSubtree's fields): d draft forwards and the selection, no host read. root_inputs (B, H): a draft head's
-    (device_heads.py)."""
+def grow_phase(suffix: torch.Tensor | None = None, *, models: RoundModels, slots: Slots, shape: Shape, span: int,
+               lag: int) -> dict:
+    """1. the drafter's growth of `shape` below every root (depth 0: the root alone; lag: the width of the catch-up a
+    drafter that defers it runs first), the suffix nodes merged in (suffix: (B, 4, S) the host's proposals,
+    drafters/device_suffix.py) and the best T nodes with their mask (DeviceSubtree's fields): d draft forwards and the
+    selection, no host read."""
+    rows, cache = slots.rows, slots.caches[1]
+    for c in slots.caches:
+        if c is not None:
+            c.span = span
     if shape.depth == 0:  # the plain shape (or draft-free): no growth
-        tree = root_tree(roots)
-    elif models.head is not None:
-        tree = models.head.grow(models.caches[1], prefix_lens, roots, root_inputs, shape.depth, shape.width,
-                                models.vocab_limit).tree
-    elif models.draft is not None:
-        tree = grow(models.draft, models.caches[1], prefix_lens, roots, shape.depth, shape.width, models.vocab_limit).tree
+        tree = root_tree(rows.roots)
     else:
-        raise ValueError(f"a shape of depth {shape.depth} needs a draft to grow it")
+        tree = models.drafter.grow(cache, rows, shape.depth, shape.width, models.vocab_limit, lag)
     if suffix is not None:
         tree = merge_suffix(tree, SuffixNodes.unpack(suffix), shape.depth)
     return subtree_tensors(select_device(tree, shape.budget))
 
 
-def verify_phase(prefix_lens: torch.Tensor, roots: torch.Tensor, max_tokens: torch.Tensor, eos: torch.Tensor,
-                 noise: torch.Tensor | None = None, root_inputs: torch.Tensor | None = None, *, models: RoundModels,
-                 depth: int, nodes: int, lag: int, deepest: int, **subtree) -> dict:
-    """2-3. the target's verification of the subtree, its choices, the walk, both caches' commits (the draft's
-    catch-up on the walked nodes it did not run: at the last depth, the suffix's) and the rows' next prefixes and
-    roots, no host read. max_tokens (B,) long, eos (B, E) long, noise (B, D, V) float64 when sampling
-    (device_round.sampled_choices); nodes: the draft tree's N (node ids from N on are the suffix's own nodes), lag:
-    the draft's catch-up width (device_suffix.catch_up_width).
-    Returns: result (B, 2 + 4T) long, the round's one read (counts, finished flags, tokens, then the walked path and
-    the subtree's node ids, tokens and parents), prefix_lens and roots (B,) the next round's, and the walked nodes'
-    scores / logits (B, T, V) where the call keeps them; with a draft head, root_inputs (B, H) in and out, and
-    path_inputs (DeviceHead.after_verify's)."""
+def verify_phase(*, models: RoundModels, slots: Slots, facts: RoundFacts, span: int, **subtree) -> dict:
+    """2. the target's verification of the subtree, its choices, the walk, both caches' commits (the drafter's commit
+    and catch-up: RoundFacts) and the rows' state moved on in place, no host read.
+    Returns: result (B, 2 + 5T) long, the round's one read (counts, finished flags, tokens, then the walked path and
+    the subtree's node ids, tokens and parents), the walked nodes' scores / logits (B, T, V) where the call keeps
+    them, and what the drafter's step returns (a head's path_inputs)."""
     sub = DeviceSubtree(**subtree)
-    target_cache = models.caches[0]
-    logits = verify_forward(models.target, target_cache, prefix_lens, sub)  # (B, T, V)
+    rows, (target_cache, draft_cache) = slots.rows, slots.caches
+    for c in slots.caches:
+        if c is not None:
+            c.span = span
+    logits = verify_forward(models.target, target_cache, rows.prefix_lens, sub)  # (B, T, V)
     scores = processed(logits, models.processors)
-    choices = sampled_choices(scores, noise, sub.depths) if models.sample else greedy_choices(scores)
-    walk = walk_device(choices, sub, max_tokens, eos)
-    commit_cache(target_cache, prefix_lens, walk.path.clamp(min=0), walk.count)  # verified node j sat at slot j
-    head_out = {}
-    if models.head is not None:  # a head: the tree's KV dropped, the walked chain re-run with the target's states
-        head_out = models.head.after_verify(models.caches[1], prefix_lens, sub, walk, root_inputs, deepest)
-    elif models.draft is not None:  # its commit of the nodes it ran, its catch-up on the last depth's and the suffix's
-        follow_walk(models.draft, models.caches[1], walk, sub, prefix_lens, depth, nodes, lag)
+    if models.sample:
+        D = min(sub.tokens.shape[1], facts.deepest + 1)  # a node sits at most `deepest` below its root
+        positions = rows.positions[:, None] + torch.arange(D, device=logits.device)[None]
+        noise = gumbel_noise(rows.seeds, rows.noise_rows, positions, scores.shape[-1])  # (B, D, V)
+        choices = sampled_choices(scores, noise * rows.sampled[:, None, None], sub.depths)
+    else:
+        choices = greedy_choices(scores)
+    walk = walk_subtree(choices, sub, rows.budgets, rows.eos)
+    commit_cache(target_cache, rows.prefix_lens, walk.path.clamp(min=0), walk.count)  # verified node j sat at slot j
+    out = models.drafter.after_verify(draft_cache, rows, sub, walk, facts)
     emitted = walk.tokens.gather(1, (walk.count - 1).clamp(min=0)[:, None]).squeeze(1)
-    out = dict(
-        **head_out,
-        result=torch.cat([round_result(walk), walk.path, sub.node_ids, sub.tokens, sub.parents], dim=1),
-        prefix_lens=prefix_lens + walk.count,
-        roots=torch.where(walk.count > 0, emitted, roots),
-    )
-    for name, rows, keep in (("scores", scores, models.keeps[0]), ("logits", logits, models.keeps[1])):
+    rows.roots.copy_(torch.where(walk.count > 0, emitted, rows.roots))
+    rows.prefix_lens.add_(walk.count)
+    rows.budgets.sub_(walk.count)
+    rows.positions.add_(walk.count)
+    rows.eos.masked_fill_(walk.finished[:, None], -1)  # a finished row that decodes on stops at nothing
+    out["result"] = torch.cat([round_result(walk), walk.path, sub.node_ids, sub.tokens, sub.parents], dim=1)
+    for name, values, keep in (("scores", scores, models.keeps[0]), ("logits", logits, models.keeps[1])):
         if keep:
-            out[name] = along_path(rows, walk.path)
+            out[name] = along_path(values, walk.path)
     return out
 
 
@@ -284,230 +257,375 @@ def along_path(rows: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
+class RowOnHost:
+    """What the host keeps of a cache row between rounds (None for a dead row's sampler): its sampler (processors and
+    stop rules), its sequence as generate() sees it (stop strings read it), its committed slots (the host's mirror of
+    the device's prefix_lens, which sizes each round's span), whether its call keeps scores / logits, and the
+    positions the models place past its last token (the deepest shape it may grow), and its suffix index (None: no
+    suffix proposals, or a dead row)."""
+
+    sampler: object = None
+    sequence: list[int] = field(default_factory=list)
+    prefix: int = 0
+    keeps: tuple[bool, bool] = (False, False)
+    room: int = NO_ROOM
+    suffix: object = None
+    drafted: int = 0  # of its committed slots, those the drafter has run (a drafter that defers its catch-up)
+
+
+@dataclass
 class DeviceProposed(Proposed):
     """A device round's hand-off: the shape it ran, the verified subtree (device tensors), the verification phase's
     outputs, and what the round's one read told the host (the cut the host's stop criteria made)."""
 
     shape: Shape | None = None
+    span: int = 0
     subtree: DeviceSubtree | None = None
     after: dict = field(default_factory=dict)  # verify_phase's outputs
-    cut: list[int] = field(default_factory=list)  # per row: tokens the device walked past a host-side stop
+    cut: list[int] = field(default_factory=list)  # per live row: tokens the device walked past a host-side stop
     read_s: float | None = None  # seconds since the previous round's read (None: the first round)
+    captured: bool = False  # the round captured a graph (its time prices no shape)
 
 
 class DeviceSides:
-    """The round's phases over a draft model and the target, each with a SlotCache (see the module docstring).
-    runner: the phases' replayed graphs (steps/phase_graphs.py), or None to run them eagerly."""
+    """The round's phases over a drafter and the target on B cache rows (see the module docstring), for a lone call
+    (`start`) and the running batch (`absorb`) alike."""
 
     name = "device"
-    roots_known = False  # the prefill leaves each prompt's last token as the root: round 1 verifies it
+    roots_known = False  # a prefill leaves each prompt's last token as the root: round 1 verifies it
 
-    def __init__(self, target, draft, config, request: DecodeRequest, runner: PhaseRunner | None = None,
-                 pool: DevicePool | None = None):
-        self.target, self.draft, self.runner, self.pool = target, draft, runner, pool
-        self.head = DeviceHead.of(draft, target) if isinstance(draft, DraftHead) else None
-        self.root_inputs: torch.Tensor | None = None  # a head's (B, H): the fused target state before each root
-        self.samplers = list(request.samplers)
-        self.keeps = request.keeps_scores, request.keeps_logits
-        longest = request.prompt.shape[1] + request.max_new_tokens
-        # a head's rope places any position: the target's limit alone
-        limit = context_limit(*((target,) if self.head else (m for m in (target, draft) if m is not None)))
-        self.menu = ShapeMenu.of(config.draft_depth, config.draft_width, config.tree_budget,
-                                 (limit - longest) if limit else longest) if draft is not None else draft_free_menu(config)
+    def __init__(self, target, drafter: DeviceDrafter, config, pool: SlotPool, changes: Counter | None = None,
+                 guard: bool = False):
+        self.target, self.drafter, self.config, self.pool = target, drafter, config, pool
+        self.guard = guard  # the latency guard prices shapes (observe): a running batch of requests
+        self.runner = pool.runner
+        self.device = target.device
+        self.vocab_limit = target.config.get_text_config().vocab_size
+        self.limit = context_limit(*(m for m in (target, drafter.context_model) if m is not None))
+        self.host: list[RowOnHost] = []  # per cache row
+        self.menu: ShapeMenu | None = None
+        self.menu = unbounded = self.menu_for(NO_ROOM)
         # the suffix proposals (none with ngram_size 0): S nodes a round, enough to fill the largest tree
-        S = max(s.budget for s in self.menu.shapes) - 1 if config.ngram_size else 0
-        self.suffix = DeviceSuffix(config, request, S, limit, request.prompt.device) if S else None
-        self.capacity = longest + max(s.nodes for s in self.menu.shapes) + S + 2  # the tree region, then scratch
-        if pool is not None:  # a capacity calls of nearby lengths share, with their caches and graphs
-            self.capacity = capacity_bucket(self.capacity)
+        self.suffix_nodes = max(s.budget for s in unbounded.shapes) - 1 if config.ngram_size else 0
+        self.tree_slots = max(s.nodes for s in unbounded.shapes) + self.suffix_nodes + 2  # the tree, then scratch
+        self.suffix = (SuffixProposals(config.ngram_size, self.suffix_nodes, self.limit, self.device)
+                       if self.suffix_nodes else None)
         self.counters = TargetCounters(), DraftCounters()
-        self.sequences: list[list[int]] = []  # each live row's sequence (generate's, left padding included)
+        self.clock = PhaseClock.on(self.device)
+        self.slots: Slots | None = None
+        self.models: RoundModels | None = None
+        self.live = 0
+        self.capacity = 0
+        self.eos_width = EOS_WIDTH
         self.last_read: float | None = None
-        # the round's phases: growth with selection timed as "expand", the verification phase (the target's
-        # forward, the walk and both commits, one graph) as "verify", the read and the host's part as "walk"
-        self.clock = PhaseClock.on(request.prompt.device)
+        self.changes = Counter() if changes is None else changes  # moves to other slots: bucket, capacity
 
+    @property
+    def bucket(self) -> int:
+        return len(self.host)
+
+    def layers(self) -> tuple[int, int]:
+        return self.target.config.get_text_config().num_hidden_layers, self.drafter.layers
+
+    def menu_for(self, room: int) -> ShapeMenu:
+        """The shapes rows with `room` positions left can grow, priced by what this pool measured for the bucket."""
+        config = self.config
+        if self.drafter.model is None:
+            menu = draft_free_menu(config)
+        else:
+            menu = ShapeMenu.of(config.draft_depth, config.draft_width, config.tree_budget, room, config.ngram_size > 0)
+        menu.prices = self.pool.prices.setdefault(max(self.bucket, 1), {})  # the pair's, for this many rows
+        if self.menu is not None:  # the re-price schedule goes on
+            for name in ("rounds", "retry", "next_retry", "retries", "pending"):
+                setattr(menu, name, getattr(self.menu, name))
+        return menu
+
+    def room(self, prompt: int, new_tokens: int) -> int:
+        """Positions the models place past a row's last token (NO_ROOM: no limit)."""
+        return self.limit - prompt - new_tokens if self.limit else NO_ROOM
+
+    # ---- rows in and out (between rounds)
     def start(self, request: DecodeRequest) -> None:
-        """Prefill both caches with every prompt but its last token (each row's root); a prompt of one token
-        prefills nothing, but the caches' buffers are made here all the same (before any phase bakes them in)."""
+        """A lone call: every prompt but its last token (each row's root) prefilled into the rows of its bucket, every
+        row's state set (one copy)."""
         start = time.perf_counter()
-        self.sequences = [c[0].tolist() for c in request.contexts] if request.contexts else request.prompt.tolist()
         prompts = request.prompt_ids()
+        n, L = len(prompts), request.prompt.shape[1]
+        self.capacity = capacity_bucket(L + request.max_new_tokens + self.tree_slots)
+        stops = split_criteria(request.stopping_criteria)
+        self.eos_width = max(EOS_WIDTH, power_of_two(len(stops.eos)))
+        sequences = [c[0].tolist() for c in request.contexts] if request.contexts else request.prompt.tolist()
+        keeps = request.keeps_scores, request.keeps_logits
+        room = self.room(L, request.max_new_tokens)
+        self.host = [RowOnHost(sampler, sequence, len(ids) - 1, keeps, room,
+                               self.suffix.index_for(request, ids) if self.suffix is not None else None, len(ids) - 1)
+                     for sampler, sequence, ids in zip(request.samplers, sequences, prompts)]
+        self.live = n
+        self.slots = None
+        self.move_rows(None, n, bucket_for(n))
         width = max(max(len(p) for p in prompts) - 1, 1)
-        device = request.prompt.device
-        models = (self.target,) if self.draft is None else (self.target, self.draft)
-        layers = tuple(1 if m is self.draft and self.head else m.config.get_text_config().num_hidden_layers
-                       for m in models)
-        caches = (self.pool.slot_caches(len(prompts), self.capacity, layers) if self.pool is not None
-                  else tuple(SlotCache(n, self.capacity) for n in layers))
-        committed = torch.tensor([p[:-1] + [0] * (width - len(p) + 1) for p in prompts], device=device)
-        counts = torch.tensor([len(p) - 1 for p in prompts], device=device)
-        with self.tapped():
-            for model, cache, counter in zip(models, caches, self.counters):
-                if model is self.draft and self.head is not None:  # from the tap's states of the target's prefill
-                    self.root_inputs = self.head.prefill(cache, committed, counts)
-                else:
-                    catch_up(model, cache, committed, counts)
-                counter.forwards += 1
-        self.rows = RowsOnDevice(counts, torch.tensor([p[-1] for p in prompts], device=device))
-        self.models = self.round_models(caches)
+        values = [[*ids[:-1], *[0] * (width - len(ids) + 1),
+                   *row_values(row.sampler, ids[-1], row.prefix, request.max_new_tokens, len(row.sequence), stops.eos,
+                               self.eos_width)] for row, ids in zip(self.host, prompts)]
+        packed = to_device(values, self.device)  # the prompts and the rows' state, one copy
+        set_rows(self.slots.rows, packed[:, width:], 0)
+        tokens = torch.cat([packed[:, :width], packed.new_zeros(self.bucket - n, width)])  # dead rows: nothing
+        self.prefill(self.slots, tokens, self.slots.rows.prefix_lens, end=width)
+        self.menu = self.menu_for(room)
+        self.models = self.round_models()
         self.counters[0].busy_s += time.perf_counter() - start
 
-    def tapped(self):
-        """The draft head's tap on the target (hooks on for the target's forwards of this phase alone: the user's
-        model keeps none between them), or nothing for a draft model."""
-        return self.head.tap if self.head is not None else contextlib.nullcontext()
+    def prefill(self, slots: Slots, tokens: torch.Tensor, counts: torch.Tensor, starts: torch.Tensor | None = None,
+                end: int | None = None) -> None:
+        """Both models over tokens (B, L) long (counts (B,) per row, token j of a row at slot starts + j: a prompt but
+        its root, or a piece of it), each forward attending the live length (`end`: the furthest slot written)."""
+        B, L = tokens.shape
+        starts = torch.zeros_like(counts) if starts is None else starts
+        need = (L if end is None else end) + 1
+        for cache in slots.caches:
+            if cache is not None:
+                cache.span = min(span_bucket(need) if self.runner is not None else need, cache.capacity)
+        with self.drafter.tapped():
+            catch_up(self.target, slots.caches[0], tokens, counts, starts)
+            self.drafter.prefill(slots.caches[1], tokens, counts, starts, slots.rows.drafter)
+        self.counters[0].forwards += 1
+        self.counters[1].forwards += int(self.drafter.model is not None)
 
-    def round_models(self, caches: tuple[SlotCache, SlotCache]) -> RoundModels:
-        return RoundModels(self.target, self.draft, caches, tuple(s.logits_processor for s in self.samplers),
-                           self.samplers[0].do_sample, self.keeps, self.target.config.get_text_config().vocab_size,
-                           self.head)
+    def absorb(self, joining: Slots, row: RowOnHost, capacity: int, eos_width: int) -> None:
+        """A prefilled request's row (its own 1-row slots, its state set) joins as cache row `live`; the rows move first
+        to a larger bucket, or to slots of a wider capacity or EOS width, where it needs one."""
+        n = self.live
+        if self.slots is None or n + 1 > self.bucket or capacity > self.capacity or eos_width > self.eos_width:
+            self.changes["capacity"] += 0 < self.capacity < capacity
+            self.capacity = max(self.capacity, capacity)
+            self.eos_width = max(self.eos_width, eos_width)
+            self.move_rows(None, n, bucket_for(n + 1), like=joining)
+            self.pool.drop_smaller(self.capacity)
+        for mine, theirs in zip(self.slots.caches, joining.caches):
+            if mine is not None:
+                mine.copy_rows(theirs, slice(0, 1), at=n, slots=row.prefix)
+        self.slots.rows.copy_rows(joining.rows, slice(0, 1), 1, at=n)
+        self.host[n] = row
+        self.live = n + 1
+        self.menu = self.menu_for(min(h.room for h in self.host[: self.live]))
+        self.models = self.round_models()
 
-    def run(self, phase, key: tuple, inputs: dict, **static) -> dict:
+    def keep_rows(self, order: list[int]) -> None:
+        """Keep cache rows `order` (keep_order's) as rows 0 .. len(order) - 1; the rest are dead from now on (and the
+        bucket may shrink)."""
+        self.host = [self.host[b] for b in order] + self.host[len(order):]
+        self.move_rows(to_device(order, self.device), len(order), bucket_for(max(len(order), 1)))
+        self.live = len(order)
+        self.menu = self.menu_for(min([h.room for h in self.host[: self.live]] or [NO_ROOM]))
+        self.models = self.round_models()
+
+    def move_rows(self, index: torch.Tensor | None, count: int, bucket: int, like: Slots | None = None) -> None:
+        """Rows index[i] (count of them; None: the first count, in place) become rows 0 .. count - 1 of the slots for
+        `bucket` rows at the sides' capacity and EOS width (the same slots, moved in place, where they are the ones);
+        every row past them is dead. like: slots whose layout new caches take."""
+        old = self.slots
+        new = self.slots_for(bucket, like=old if old is not None and old.caches[0].buffers else like)
+        if old is None:
+            new.rows.kill(slice(0, None))
+        else:
+            rows = slice(0, count) if index is None else index
+            for mine, theirs in zip(new.caches, old.caches):
+                if mine is not None and (new is not old or index is not None):
+                    mine.copy_rows(theirs, rows)
+            new.rows.copy_rows(old.rows, rows, count)
+            new.rows.kill(slice(count, None))
+            self.changes["bucket"] += bucket != self.bucket and self.bucket > 0
+        self.slots = new
+        self.host = (self.host[:count] + [RowOnHost() for _ in range(bucket)])[:bucket]
+
+    def slots_for(self, bucket: int, like: Slots | None = None) -> Slots:
+        return self.pool.slots(bucket, self.capacity, self.layers(), self.eos_width,
+                               self.drafter.state_fields(self.capacity), self.device, like)
+
+    def round_models(self) -> RoundModels:
+        live = [h.sampler for h in self.host if h.sampler is not None]
+        processors = tuple(h.sampler.logits_processor if h.sampler is not None else () for h in self.host)
+        keeps = tuple(any(h.keeps[i] for h in self.host) for i in (0, 1))
+        return RoundModels(self.target, self.drafter, processors, any(s.do_sample for s in live), keeps, self.vocab_limit)
+
+    # ---- the round's phases
+    def run(self, phase, static: dict, inputs: dict) -> dict:
         """A phase over live `inputs`, replayed where the sides have a runner (its outputs are then static tensors)."""
-        bound = functools.partial(phase, models=self.models, **static)
+        bound = functools.partial(phase, models=self.models, slots=self.slots, **static)
         if self.runner is None:
             return bound(**inputs)
-        return self.runner.run((phase.__name__, *key, self.models.key()), bound, inputs)
+        key = (self.bucket, phase.__name__, tuple(sorted(static.items())), self.models.key(), self.slots.addresses())
+        return self.runner.run(key, bound, inputs)
 
-    def propose(self, rows: BatchRows) -> DeviceProposed:
-        """1. the draft grows the menu's shape below every root, the suffix proposals join it; the best T nodes are
+    def catch_up(self, shape: Shape) -> int:
+        """The width of the catch-up a drafter that defers it runs before growing `shape` (0: none): the live rows'
+        largest lag, rounded up to a power of two (a replayed growth is captured per width). The rows have run it
+        by the growth's end."""
+        if not (self.drafter.defers and shape.depth):
+            return 0
+        live = self.host[: self.live]
+        lag = max((h.prefix - h.drafted for h in live), default=0)
+        for h in live:
+            h.drafted = h.prefix
+        return power_of_two(lag) if lag else 0
+
+    def round_span(self) -> int:
+        """The live length this round's forwards attend: every live row's prefix and the largest tree (and scratch),
+        rounded up to a power of two where the phases replay (a graph per span), exactly where they run eagerly."""
+        need = max((h.prefix for h in self.host[: self.live]), default=0) + self.tree_slots
+        return min(span_bucket(need) if self.runner is not None else need, self.capacity)
+
+    def propose(self, rows) -> DeviceProposed:
+        """1. the drafter grows the menu's shape below every root, the suffix proposals join it; the best T nodes are
         selected, on the device."""
-        proposed = DeviceProposed([], rows=list(rows.live), shape=self.menu.pick())
-        shape, draft_counters = proposed.shape, self.counters[1]
-        inputs = dict(prefix_lens=self.rows.prefix_lens, roots=self.rows.roots)
-        if self.suffix is not None:
-            inputs["suffix"] = self.suffix.propose()  # the round's one host-to-device copy
-        if self.head is not None:
-            inputs["root_inputs"] = self.root_inputs
+        proposed = DeviceProposed([], rows=list(rows.live), shape=self.menu.pick(), span=self.round_span())
+        lag = self.catch_up(proposed.shape)
+        captured = self.runner.captured if self.runner is not None else 0
+        inputs = {}
+        if self.suffix is not None and proposed.shape.budget > 1:  # (a plain round verifies the roots alone)
+            inputs["suffix"] = self.suffix.propose([h.suffix for h in self.host])  # the round's one host-to-device copy
         with self.clock.phase("expand"):
-            proposed.subtree = DeviceSubtree(**self.run(grow_phase, (shape, self.suffix_nodes), inputs, shape=shape))
-        proposed.expansions = shape.depth
-        draft_counters.forwards += shape.depth
-        draft_counters.expansions += shape.depth
-        draft_counters.rounds += 1
-        draft_counters.busy_s += time.perf_counter() - proposed.started
+            proposed.subtree = DeviceSubtree(**self.run(grow_phase, dict(shape=proposed.shape, span=proposed.span,
+                                                                         lag=lag), inputs))
+        proposed.captured = self.runner is not None and self.runner.captured > captured
+        depth = proposed.shape.depth
+        proposed.expansions = depth
+        draft = self.counters[1]
+        draft.forwards += depth + (lag > 0)
+        draft.expansions += depth
+        draft.rounds += 1
+        draft.busy_s += time.perf_counter() - proposed.started
         return proposed
 
-    def verify(self, proposed: DeviceProposed, rows: BatchRows) -> list[Verified]:
+    def verify(self, proposed: DeviceProposed, rows) -> list[Verified]:
         """2. the target verifies every row's subtree, walks it and commits the path in both caches, then the round's
         one read."""
         start = time.perf_counter()
-        sub, depth, S = proposed.subtree, proposed.shape.depth, self.suffix_nodes
-        lag = catch_up_width(sub.tokens.shape[1], depth, S) if self.draft is not None and self.head is None else 0
-        criteria, budgets = rows.criteria(), rows.budgets()
-        inputs = dict(prefix_lens=self.rows.prefix_lens, roots=self.rows.roots, max_tokens=self.tensor(budgets),
-                      eos=self.eos(criteria), **subtree_tensors(sub))
-        if self.models.sample:
-            inputs["noise"] = self.noise(sub.tokens.shape[1], max(depth, S))
-        if self.head is not None:
-            inputs["root_inputs"] = self.root_inputs
-        with self.clock.phase("verify"), self.tapped():
-            proposed.after = after = self.run(verify_phase, (proposed.shape, S), inputs, depth=depth,
-                                              nodes=proposed.shape.nodes, lag=lag, deepest=max(depth, S))
+        captured = self.runner.captured if self.runner is not None else 0
+        sub, shape, S = proposed.subtree, proposed.shape, self.suffix_nodes
+        T = sub.tokens.shape[1]
+        lag = self.drafter.catch_up_width(T, shape.depth, S)
+        facts = RoundFacts(shape.depth, shape.nodes, lag, max(shape.depth, S))
+        with self.clock.phase("verify"), self.drafter.tapped():
+            proposed.after = after = self.run(verify_phase, dict(facts=facts, span=proposed.span),
+                                              subtree_tensors(sub))
+        proposed.captured = proposed.captured or (self.runner is not None and self.runner.captured > captured)
         with self.clock.phase("walk"):
-            read = after["result"].tolist()
+            read = read_once(after["result"])
             now = time.perf_counter()
             proposed.read_s, self.last_read = (None if self.last_read is None else now - self.last_read), now
-            T = sub.tokens.shape[1]
             kept = [after[name].clone() if name in after else None for name in ("scores", "logits")]  # replays overwrite
+            criteria = rows.criteria()
             verified = []
-            for b, (count, finished, *rest) in enumerate(read):
-                count = min(count, budgets[b])  # the walk's own cut: the host holds it to it, so a row always ends
-                finished = finished or count == budgets[b]
+            for b in range(self.live):
+                count, finished, *rest = read[b]
                 tokens, path = rest[:count], rest[T : T + count]
                 subtree = Subtree(rest[2 * T : 3 * T], rest[3 * T : 4 * T], rest[4 * T :])
-                suffix = [0 if i >= proposed.shape.nodes else -1 for i in subtree.node_ids]  # the suffix's own nodes
+                suffix = [0 if i >= shape.nodes else -1 for i in subtree.node_ids]  # the suffix's own nodes
                 proposed.proposals.append(Proposal(subtree, probs=[], scores=[], suffix=suffix))
                 outcome = Verified(tokens, path, finished=bool(finished))
                 outcome.scores = [kept[0][b, j : j + 1] for j in range(count)] if kept[0] is not None else []
                 outcome.logits = [kept[1][b, j : j + 1] for j in range(count)] if kept[1] is not None else []
-                proposed.cut.append(self.stop_on_host(outcome, b, criteria[b]))
-                self.sequences[b] += outcome.tokens
+                cut = self.stop_on_host(outcome, b, criteria[b])
+                proposed.cut.append(cut)
+                row = self.host[b]
+                if shape.depth:  # the walked nodes the drafter ran: its own tree's, above the last depth
+                    ran = sum(1 for j in path if subtree.node_ids[j] < shape.nodes)
+                    row.drafted = row.prefix + min(ran, shape.depth)
+                row.sequence += outcome.tokens
+                row.prefix += count - cut
+                row.drafted = min(row.drafted, row.prefix)
                 verified.append(outcome)
         self.counters[0].forwards += 1
         self.counters[0].verify_steps += len(verified)
-        self.counters[1].forwards += int(lag > 0 or self.head is not None)  # the catch-up
+        self.counters[1].forwards += int(lag > 0)  # the catch-up
         self.counters[0].busy_s += time.perf_counter() - start
         return verified
 
     def accept(self, proposed: DeviceProposed, verified: list[Verified], keep: list[int]) -> None:
-        """3. every row's prefix and root move on (the verification phase computed them on the device; a row whose
-        walk a host-side stop cut takes the host's instead)."""
-        prefix, roots = proposed.after["prefix_lens"].clone(), proposed.after["roots"].clone()
-        cut = self.tensor(proposed.cut) if any(proposed.cut) else None
-        if cut is not None:
-            host_roots = self.tensor([v.tokens[-1] if v.tokens else 0 for v in verified])
-            roots, prefix = torch.where(cut > 0, host_roots, roots), prefix - cut
-        if self.head is not None:
-            self.root_inputs = self.head.next_root_inputs(proposed.after, cut)
-        self.rows.prefix_lens, self.rows.roots = prefix, roots
-        if self.suffix is not None:
-            self.suffix.accept([v.tokens for v in verified])
+        """3. the suffix indices take the new tokens; rows that a host-side stop cut and that decode on are corrected
+        (those that leave need nothing)."""
+        for row, outcome in zip(self.host, verified):
+            if row.suffix is not None:
+                row.suffix.extend(outcome.tokens)
+        staying = set(keep)
+        cuts = [c if b in staying else 0 for b, c in enumerate(proposed.cut)]
+        if any(cuts):
+            roots = [v.tokens[-1] if v.tokens else 0 for v in verified]
+            self.apply_cuts(proposed.after, cuts, roots)
+
+    def apply_cuts(self, after: dict, cuts: list[int], roots: list[int]) -> None:
+        """Rows whose walk a host-side stop cut by cuts[b] tokens, and that decode on: their prefix, root, budget and
+        position moved back to the cut (their KV past it is never seen), their EOS ids cleared (they finished), the
+        drafter's state at the cut (one copy, only in a round with such a row)."""
+        pad = self.bucket - len(cuts)
+        packed = to_device([cuts + [0] * pad, roots + [0] * pad], self.device)
+        cut, root = packed[0], packed[1]
+        rows = self.slots.rows
+        stopped = cut > 0
+        kept = after["result"][:, 0] - cut
+        rows.prefix_lens.sub_(cut)
+        rows.budgets.add_(cut)
+        rows.positions.sub_(cut)
+        rows.roots.copy_(torch.where(stopped, root, rows.roots))
+        rows.eos.masked_fill_(stopped[:, None], -1)
+        self.drafter.cut(rows, after, kept, cut)
 
     def observe(self, proposed: DeviceProposed, verified: list[Verified], round_s: float, first: bool) -> None:
-        """4. the shape menu prices the round's shape (tokens over the time between two reads)."""
-        self.menu.observe(proposed.shape, sum(len(v.tokens) for v in verified), proposed.read_s)
-
-    def keep_rows(self, order: list[int]) -> None:
-        index = self.tensor(order)
-        if self.pool is not None:  # the rows that stay move into the pool's caches of their count (graphs kept)
-            layers = tuple(len(cache.layers) for cache in self.models.caches)
-            caches = self.pool.slot_caches(len(order), self.capacity, layers)
-            for source, into in zip(self.models.caches, caches):
-                copy_kept_rows(source, into, index)
-        else:
-            caches = tuple(kept_rows(cache, index) for cache in self.models.caches)
-        self.rows.keep(index)
-        if self.head is not None:
-            self.root_inputs = self.root_inputs[index]
-        self.sequences = [self.sequences[b] for b in order]
-        if self.suffix is not None:
-            self.suffix.keep_rows(order)
-        self.samplers = [self.samplers[b] for b in order]
-        self.models = self.round_models(caches)
-
-    @property
-    def suffix_nodes(self) -> int:
-        """S: the suffix nodes each row proposes a round (0: none)."""
-        return self.suffix.nodes if self.suffix is not None else 0
+        """4. the shape menu prices the round's shape (tokens over the time between two reads), unless the round
+        captured a graph (its time is the capture's, not the shape's). Under the latency guard (a running batch of
+        requests) by its slowest row's tokens, as many times as rows: a shape wins only where every row gains from it,
+        so no request decodes slower than a plain batch would decode it (policy/guard.py's rule for the host round)."""
+        if proposed.captured or not verified:
+            return
+        tokens = [len(v.tokens) for v in verified]
+        self.menu.observe(proposed.shape, len(tokens) * min(tokens) if self.guard else sum(tokens), proposed.read_s)
 
     def stats(self, new_tokens: int, wall_s: float) -> SwiftSpecStats:
         return SwiftSpecStats.collect(self.name, new_tokens, wall_s, *self.counters, clock=self.clock)
 
-    # ---- the host's part of a round
-
-    def tensor(self, values: list[int]) -> torch.Tensor:
-        """Host ints as a (n,) long device tensor: a copy to the device, never a read."""
-        return torch.tensor(values, dtype=torch.long, device=self.rows.roots.device)
-
-    def noise(self, T: int, depth: int) -> torch.Tensor:
-        """(B, D, V) float64 each row's Gumbel noise for the positions its nodes may sit at (Sampler.choose_rows'
-        rule: keyed by seed, row and position, drawn from the host's lengths, no read); D = min(T, depth + 1), depth:
-        the deepest a node may sit (the draft's depth, or the suffix's S)."""
-        deepest = min(T, depth + 1)  # a selected node is at most `depth` below its root, and T - 1
-        vocab = self.target.get_output_embeddings().weight.shape[0]
-        return torch.stack([s.gumbel([len(seq) + d for d in range(deepest)], vocab, self.rows.roots.device)
-                            for s, seq in zip(self.samplers, self.sequences)])
-
-    def eos(self, criteria: list[StopRule]) -> torch.Tensor:
-        """(B, E) each row's EOS ids (-1 padding; none for a row that is done and decodes on)."""
-        ids = [sorted(rule.eos) for rule in criteria]
-        width = max([1] + [len(i) for i in ids])
-        return self.tensor([i + [-1] * (width - len(i)) for i in ids]).reshape(len(ids), width)
-
     def stop_on_host(self, outcome: Verified, b: int, rule: StopRule) -> int:
         """Apply the criteria the device cannot (stop strings, max_time, custom ones) to each prefix of the row's
-        walk, as verify.walk_to_stop does; cut the outcome there. Returns the tokens cut."""
-        if not rule.others or not outcome.tokens:
+        walk (acceptance.cut_at_criteria, every round's rule); cut the outcome there. Returns the tokens cut."""
+        cut = cut_at_criteria(outcome.tokens, self.host[b].sequence, rule, outcome.scores or None)
+        if cut is None:
             return 0
-        sequence = torch.tensor([self.sequences[b] + outcome.tokens])  # on the host: calling the criteria reads nothing
-        base = len(self.sequences[b])
-        for j in range(len(outcome.tokens)):
-            scores = outcome.scores[j] if outcome.scores else None
-            if bool(rule.others(sequence[:, : base + j + 1], scores).any()):
-                cut = len(outcome.tokens) - j - 1
-                del outcome.tokens[j + 1 :], outcome.path[j + 1 :], outcome.scores[j + 1 :], outcome.logits[j + 1 :]
-                outcome.finished = True
-                return cut
-        return 0
+        keep = len(outcome.tokens) - cut
+        del outcome.tokens[keep:], outcome.path[keep:], outcome.scores[keep:], outcome.logits[keep:]
+        outcome.finished = True
+        return cut
+
+
+def read_once(result: torch.Tensor) -> list[list[int]]:
+    """The round's one read of the device: on CUDA a non-blocking copy into pinned memory and a wait on its event (no
+    stream or device synchronisation: the round runs under torch.cuda.set_sync_debug_mode("error")), else tolist()."""
+    if result.device.type != "cuda":
+        return result.tolist()
+    host = torch.empty(result.shape, dtype=result.dtype, pin_memory=True)
+    host.copy_(result, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    return host.tolist()
+
+
+STATE_FIELDS = ("prefix_lens", "roots", "budgets", "positions", "seeds", "noise_rows", "sampled")
+
+
+def row_values(sampler, root: int, committed: int, budget: int, context: int, eos: set[int],
+               eos_width: int) -> list[int]:
+    """A row's device state as host ints, in set_rows' order: STATE_FIELDS, then its EOS ids padded to eos_width (a
+    row has at most eos_width: the sides size it to the call's)."""
+    sampled = bool(sampler is not None and sampler.do_sample)
+    ids = sorted(eos)
+    return [committed, root, budget, context, sampler.draw_seed() if sampled else 0,
+            sampler.row if sampler is not None else 0, int(sampled), *ids, *[-1] * (eos_width - len(ids))]
+
+
+def set_rows(rows: RowsOnDevice, state: torch.Tensor, at: int) -> None:
+    """Rows at, at + 1, ... of `rows` from state (n, 7 + E) long (row_values' layout), in place."""
+    n = state.shape[0]
+    for i, name in enumerate(STATE_FIELDS):
+        target = getattr(rows, name)
+        target[at : at + n] = state[:, i].to(target.dtype)
+    rows.eos[at : at + n] = state[:, len(STATE_FIELDS) :]

@@ -26,8 +26,8 @@ from ..steps.verify import batch_dependent
 from .adaptive import run_serial, setup_s
 from .asynchronous import run_threads
 from .continuous import ContinuousEngine
-from .continuous_device import DeviceContinuousEngine, running_batch_gaps
-from .device_sides import check_device_round, run_device
+from .continuous_device import DeviceContinuousEngine
+from .device_sides import choose_round, run_device
 from .distributed import Groups, agree_engine, run_distributed, run_serial_distributed
 from .placement import Placement
 from .request import DecodeRequest, DecodeResult, RowResult
@@ -47,12 +47,13 @@ def remember_outputs(history: OutputHistory | None, config: SwiftSpecConfig, req
 
 def decode_adaptive(target, draft, request: DecodeRequest, config: SwiftSpecConfig, placement, groups,
                     chain_reasons: list[str] = (), architectures=None, captures: Captures | None = None,
-                    vocabularies=None) -> DecodeResult:
+                    vocabularies=None, round_: str = "host") -> DecodeResult:
     """The adaptive round (engine/adaptive.py, or an asynchronous engine) over the two workers; chains
     instead of trees where `chain_reasons` say this call needs them. architectures: the models' (probes.describe),
     when the caller has them. captures: the pair's replayed forwards, kept across calls (None: every step eager).
-    vocabularies: a draft with another tokenizer's (drafters/vocabulary.py), None for one of the target's."""
-    if config.round == "device":  # generation.py's check_device_round cleared the call
+    vocabularies: a draft with another tokenizer's (drafters/vocabulary.py), None for one of the target's.
+    round_: "device" runs the device round (device_sides.choose_round chose it, and it cleared the call)."""
+    if round_ == "device":
         return run_device(target, draft, request, config, captures)
     batch = request.batch_size
     length = request.prompt.shape[1] + request.max_new_tokens
@@ -87,11 +88,12 @@ def continuous_engine(target, draft, config: SwiftSpecConfig, placement: Placeme
     reasons = batch_exactness_gaps(architectures, [], [])
     if reasons:
         raise ValueError(f"this pair cannot decode rows in one batch: {'; '.join(reasons)}")
-    if config.round == "device":  # the running batch on the device round, its rows in buckets (continuous_device.py)
-        check_device_round(config, target, draft, architectures, [], placement, groups, False,
-                           running_batch_gaps(config, draft) + translation_gaps(vocabularies))
+    round_, _ = choose_round(config, target, draft, architectures, [], placement, groups, False,
+                             translation_gaps(vocabularies))
+    if round_ == "device":  # the running batch on the device round, its rows in buckets (continuous_device.py)
         return DeviceContinuousEngine(target, draft, policy, config,
-                                      lambda request, result: remember_outputs(history, config, request, result))
+                                      lambda request, result: remember_outputs(history, config, request, result),
+                                      latency_guard)
 
     def build(request: DecodeRequest):
         length = request.prompt.shape[1] + request.max_new_tokens

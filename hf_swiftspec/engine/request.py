@@ -16,7 +16,8 @@ from ..policy.goodput import GoodputPolicy
 from ..stats import RoundRecord, SwiftSpecStats
 from ..drafters.suffix import OutputHistory
 from ..steps.tree import Proposal
-from ..steps.verify import NO_STOPS, Sampler, StopRule, Verified, split_criteria
+from ..steps.acceptance import NO_STOPS, StopRule, split_criteria
+from ..steps.verify import Sampler, Verified
 
 
 @dataclass

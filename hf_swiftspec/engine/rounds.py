@@ -32,7 +32,8 @@ from typing import Protocol
 from ..steps.cache import keep_order
 from ..stats import PhaseClock, SwiftSpecStats
 from ..steps.tree import Proposal
-from ..steps.verify import StopRule, Verified
+from ..steps.acceptance import StopRule
+from ..steps.verify import Verified
 from .request import BatchRows, DecodeRequest, DecodeResult
 
 

@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 # (depth, width, T): d draft forwards of k nodes each, the best T nodes (root included) verified; the last is plain.
 MENU = ((1, 2, 2), (2, 2, 4), (3, 2, 6), (4, 4, 8), (0, 0, 1))
 PLAIN = (0, 0, 1)
+MAX_RETRY = 512  # rounds between re-prices at most
+DECAY = 0.9  # a shape's earlier rounds weigh this much less at each of its new ones
+SUFFIX_ONLY = (0, 0, 8)  # with suffix proposals on: no growth, the best 8 of the root and the suffix nodes verified
 
 
 @dataclass(frozen=True)
@@ -49,19 +52,30 @@ class Price:
 
 @dataclass
 class ShapeMenu:
-    """The shapes a call may run and their prices (one menu per call: a shape's price is this call's text's)."""
+    """The shapes a call may run and their prices. `prices` may be shared: the device round keeps them with the pair,
+    per row bucket (engine/device_pool.py), so a call starts from what earlier calls measured instead of trying every
+    shape again; each price decays (DECAY per round of its shape), so it follows the text."""
 
     shapes: tuple[Shape, ...]
-    retry: int = 32  # rounds between two runs of a shape that is not the best priced
+    retry_every: int = 32  # rounds between two runs of a shape that is not the best priced, while they pay
     prices: dict[Shape, Price] = field(default_factory=dict)
     rounds: int = 0
+    retry: int = 0  # the current interval (retry_every, doubled after each re-price that did not pay)
+    next_retry: int = 0  # the round of the next re-price
+    retries: int = 0
+    pending: Shape | None = None  # the re-price in flight
+
+    def __post_init__(self):
+        self.retry = self.retry or self.retry_every
+        self.next_retry = self.next_retry or self.retry
 
     @classmethod
-    def of(cls, depth: int | None, width: int, budget: int | None, room: int) -> "ShapeMenu":
+    def of(cls, depth: int | None, width: int, budget: int | None, room: int, suffix: bool = False) -> "ShapeMenu":
         """The shapes for a call: the one the settings fix (draft_depth and tree_budget both given, with draft_width),
-        else MENU; only shapes whose deepest node stays within `room` positions past the call's last token."""
+        else MENU (and SUFFIX_ONLY where suffix proposals join the tree: a round may take them alone, the draft idle);
+        only shapes whose deepest node stays within `room` positions past the call's last token."""
         shapes = (Shape(depth, width, budget),) if depth is not None and budget is not None else tuple(
-            Shape(*s) for s in MENU)
+            Shape(*s) for s in MENU + ((SUFFIX_ONLY,) if suffix else ()))
         fitting = tuple(s for s in shapes if s.depth <= room)
         if not fitting:
             raise ValueError(
@@ -71,15 +85,20 @@ class ShapeMenu:
         return cls(fitting)
 
     def pick(self) -> Shape:
-        """The next round's shape: an unpriced one first, a periodic re-price, else the best measured rate."""
+        """The next round's shape: an unpriced one first, a periodic re-price, else the best measured rate. The re-prices
+        come `retry` rounds apart while they pay, twice as far apart after each one that does not (up to
+        MAX_RETRY): where only the plain round pays, a draft's shape costs a round in hundreds, not one in 32."""
         self.rounds += 1
         for shape in self.shapes:
             if shape not in self.prices:
                 return shape
         best = max(self.shapes, key=lambda s: self.prices[s].rate)
         others = [s for s in self.shapes if s != best]
-        if others and self.rounds % self.retry == 0:
-            return others[(self.rounds // self.retry) % len(others)]
+        if others and self.rounds >= self.next_retry:
+            self.retries += 1
+            self.pending = others[self.retries % len(others)]
+            self.next_retry = self.rounds + self.retry
+            return self.pending
         return best
 
     def observe(self, shape: Shape, tokens: int, seconds: float | None) -> None:
@@ -87,4 +106,10 @@ class ShapeMenu:
         if seconds is None:
             return
         price = self.prices.setdefault(shape, Price())
-        price.rounds, price.tokens, price.seconds = price.rounds + 1, price.tokens + tokens, price.seconds + seconds
+        if shape == self.pending:  # a re-price: the next one as soon if it beat the best, else twice as late
+            best = max(self.prices.values(), key=lambda p: p.rate)
+            paid = seconds > 0 and tokens / seconds >= best.rate
+            self.retry = self.retry_every if paid else min(2 * self.retry, MAX_RETRY)
+            self.next_retry, self.pending = self.rounds + self.retry, None
+        price.rounds = price.rounds + 1
+        price.tokens, price.seconds = DECAY * price.tokens + tokens, DECAY * price.seconds + seconds

@@ -98,6 +98,14 @@ class BufferPool:
         return self.buffers[key]
 
 
+def move_positions(data: torch.Tensor, dim: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """In place: per row b, positions src[b] (B, P) of `data` (n, B, ...) (positions at `dim`) move to dst[b]; the
+    sources are read before any write (one gather and one scatter for every layer and row)."""
+    by_row = data.movedim(dim, 2)  # (n, B, capacity, ...): a view, written through
+    rows = torch.arange(src.shape[0], device=src.device)[:, None].expand_as(src)
+    by_row[:, rows, dst] = by_row[:, rows, src]
+
+
 class SlotBuffer:
     """Per-layer tensors of one shape, positions along `dim`, stacked in one (n, B, ...) tensor.
 
@@ -128,11 +136,10 @@ class SlotBuffer:
             setattr(layer, name, view)
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Per row b, positions src[b] (B, K) move to dst[b] (B, K), in every tensor of the buffer.
+        """Per row b, positions src[b] (B, K) move to dst[b] (B, K), in every tensor of the buffer: the one move of
+        both caches' commits (TreeCache.commit_rows; slot_cache.commit_cache, planned by device_round.commit_plan).
         The sources are read before anything is written, so overlapping ranges are safe."""
-        by_row = self.data.movedim(self.dim, 2)  # (n, B, capacity, ...): a view, written through
-        rows = torch.arange(src.shape[0], device=src.device)[:, None].expand_as(src)
-        by_row[:, rows, dst] = by_row[:, rows, src]
+        move_positions(self.data, self.dim, src, dst)
 
     def keep_rows(self, order: list[int], used: int) -> None:
         """Keep only the batch rows `order` (R of them), as rows 0..R-1, in place; only their first `used`

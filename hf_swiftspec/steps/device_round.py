@@ -1,14 +1,12 @@
-"""A round's selection, walk and commit as pure functions of fixed-shape device tensors (building blocks).
+"""A round's trees, selection and commit as pure functions of fixed-shape device tensors (building blocks); the walk
+and the target's choices are acceptance.py's (every round's).
 
-The host round (engine/adaptive.py) reads the device once for its walk and once more after each draft
-expansion, where the goodput policy decides from the new candidates whether to grow again
-(tests/test_host_reads.py). Each function here does one of the round's jobs with no host read: no `.item()`, `.tolist()`,
+Each function here does one of the round's jobs with no host read: no `.item()`, `.tolist()`,
 `bool()`, boolean-mask indexing, `nonzero` or shape that follows a value, so a round built of them
-can be captured in a CUDA graph and the host reads one small tensor a round (`round_result`).
+can be captured in a CUDA graph and the host reads one small tensor a round (acceptance.round_result).
 Every shape depends on (B rows, N tree capacity, T verified nodes, V vocabulary, C cache slots) alone;
 what varies (how many nodes are live, how many tokens were accepted) rides in tensors as counts
-and padding. Each equals its host twin (tree.best_node_ids / subtree_mask, verify.walk_path /
-walk_to_stop, cache.TreeCache.commit_rows), which tests/test_device_round.py checks on random trees.
+and padding. tests/test_device_round.py checks each against a plain reference written in the test.
 
 engine/device_sides.py runs the round of them (SwiftSpecConfig round="device").
 """
@@ -32,6 +30,8 @@ class DeviceTree:
     scores:    (B, N) float32 cumulative draft log-prob from the root; -inf for dead nodes (past a row's size)
     ancestors: (B, N, N) bool ancestors[b, i, j]: j is i or an ancestor of i (False on dead rows)
     size:      (B,) long      live nodes per row
+    hashes:    (B, N) long    each node's path hash (path_hash over the tokens below the root; the root's 0), or None
+                              (path_hashes makes them): what a suffix proposal's nodes are matched to draft nodes by
     """
 
     tokens: torch.Tensor
@@ -40,6 +40,37 @@ class DeviceTree:
     scores: torch.Tensor
     ancestors: torch.Tensor
     size: torch.Tensor
+    hashes: torch.Tensor | None = None
+
+
+HASH_MULTIPLIER = 0x5851F42D4C957F2D  # odd: a path's hash is a polynomial in its tokens modulo 2**64
+HASH_BITS = (1 << 52) - 1  # the bits compared (the host's hashes travel as float64, exact to 53 bits)
+
+
+def path_hash(parent_hashes: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The hash of a node's path from the root: its parent's times HASH_MULTIPLIER plus its token + 1, wrapping in
+    int64 (host_path_hash is the same on host ints). Two nodes of one hash are the same path (a collision, 2**-52 a
+    pair, would only merge a proposal onto another node: the target decides every token all the same)."""
+    return parent_hashes * _signed(HASH_MULTIPLIER) + (tokens + 1)
+
+
+def host_path_hash(parent_hash: int, token: int) -> int:
+    """path_hash on host ints (the suffix proposals' nodes), as an unsigned 64-bit value (compare its HASH_BITS)."""
+    return (parent_hash * HASH_MULTIPLIER + token + 1) & ((1 << 64) - 1)
+
+
+def _signed(x: int) -> int:
+    return x - (1 << 64) if x >> 63 else x
+
+
+def path_hashes(tree: DeviceTree) -> torch.Tensor:
+    """(B, N) every node's path hash, for a tree built without them (nodes are in topological order: N passes, no
+    host read)."""
+    hashes = torch.zeros_like(tree.tokens)
+    for _ in range(tree.tokens.shape[1]):
+        parent = hashes.gather(1, tree.parents.clamp(min=0))
+        hashes = torch.where(tree.parents >= 0, path_hash(parent, tree.tokens), 0)
+    return hashes
 
 
 def stack_trees(trees: list[TokenTree]) -> DeviceTree:
@@ -120,95 +151,6 @@ def select_device(tree: DeviceTree, budget: int) -> DeviceSubtree:
     )
 
 
-def greedy_choices(scores: torch.Tensor) -> torch.Tensor:
-    """The target's greedy choice (B, T) after every node, from processed scores (B, T, V)."""
-    return scores.argmax(dim=-1)
-
-
-def sampled_choices(scores: torch.Tensor, noise: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
-    """The target's sampled choice (B, T) after every node: verify.Sampler.choose_rows' rule, Gumbel-max with
-    each row's noise for the node's position, `(scores.double() + noise[depth]).argmax()`.
-
-    scores: (B, T, V) processed scores (the path-free processors applied; others need the host's walk)
-    noise:  (B, D, V) float64 Gumbel noise of each row for positions context length + d, d < D
-            (Sampler.gumbel of the row's sampler: it depends on the seed, the row and the position alone,
-            so the host draws it before the round from what it already knows, with no read)
-    depths: (B, T) long each node's depth (< D)
-    """
-    B, T, V = scores.shape
-    per_node = noise.gather(1, depths[:, :, None].expand(B, T, V))  # (B, T, V)
-    return (scores.double() + per_node).argmax(dim=-1)
-
-
-@dataclass
-class DeviceWalk:
-    """Each row's accepted path (B rows, T nodes verified).
-
-    path:     (B, T) long local indices of the walked nodes, root first; -1 past `count`
-    tokens:   (B, T) long the emitted tokens (the target's choice after each walked node); -1 past `count`
-    count:    (B,) long   tokens emitted (>= 1 when max_tokens >= 1); the last one is the next root
-    finished: (B,) bool   an EOS was emitted or max_tokens reached (verify.walk_to_stop's `finished`)
-    """
-
-    path: torch.Tensor
-    tokens: torch.Tensor
-    count: torch.Tensor
-    finished: torch.Tensor
-
-
-def next_nodes(choices: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Where the walk goes from each node (B, T) long: its first real child (lowest index) carrying the
-    target's choice after it, else T (no such child): verify.children_of's lookup for every node at once."""
-    B, T = tokens.shape
-    arange_t = torch.arange(T, device=tokens.device)[None].expand(B, T)
-    parent = parents.clamp(min=0)
-    accepted = valid & (parents >= 0) & (tokens == choices.gather(1, parent))  # node i carries its parent's choice
-    nxt = torch.full((B, T), T, dtype=torch.long, device=tokens.device)
-    return nxt.scatter_reduce(1, parent, torch.where(accepted, arange_t, T), reduce="amin")
-
-
-def walk_device(choices: torch.Tensor, subtree: DeviceSubtree, max_tokens: torch.Tensor,
-                eos: torch.Tensor | None = None) -> DeviceWalk:
-    """verify.walk_path then walk_to_stop's EOS and length rules, for every row at once.
-
-    choices:    (B, T) long the target's choice after each node (greedy_choices / sampled_choices)
-    max_tokens: (B,) long tokens each row may still emit; fold max_length in on the host
-                (min(max_new_tokens left, max_length - sequence length)): walk_to_stop's length rule is that cut
-    eos:        (E,) long EOS ids, or (B, E) each row's (-1: no id; a row that is done and decodes on has none),
-                or None. Other stopping criteria (stop strings, max_time, custom ones) read
-                the decoded text or the clock: the host applies them to the read result, as walk_to_stop does.
-    The walk follows at most T nodes: T - 1 fixed-shape gathers, no read.
-    """
-    B, T = choices.shape
-    nxt = next_nodes(choices, subtree.tokens, subtree.parents, subtree.valid)
-    nxt = torch.cat([nxt, torch.full((B, 1), T, dtype=torch.long, device=nxt.device)], dim=1)  # T: off the tree
-    node = torch.zeros(B, dtype=torch.long, device=choices.device)
-    steps = [node]
-    for _ in range(T - 1):
-        node = nxt.gather(1, node[:, None]).squeeze(1)
-        steps.append(node)
-    path = torch.stack(steps, dim=1)  # (B, T), T once the walk left the tree (it never comes back)
-    j = torch.arange(T, device=choices.device)[None]
-    count = (path < T).sum(dim=1).clamp(max=max_tokens.clamp(min=0))
-    emitted = choices.gather(1, path.clamp(max=T - 1))
-    if eos is not None and eos.numel():
-        hits = torch.isin(emitted, eos) if eos.dim() == 1 else (emitted[:, :, None] == eos[:, None, :]).any(-1)
-        stops = hits & (j < count[:, None])
-        first_stop = torch.where(stops, j, T).amin(dim=1)  # (B,) T: none
-        count = torch.minimum(count, first_stop + 1)
-        finished = first_stop < T
-    else:
-        finished = torch.zeros(B, dtype=torch.bool, device=choices.device)
-    finished = finished | (count >= max_tokens)
-    inside = j < count[:, None]
-    return DeviceWalk(torch.where(inside, path, -1), torch.where(inside, emitted, -1), count, finished)
-
-
-def round_result(walk: DeviceWalk) -> torch.Tensor:
-    """The round's one host read: (B, 2 + T) long, per row [count, finished, tokens...]."""
-    return torch.cat([walk.count[:, None], walk.finished.long()[:, None], walk.tokens], dim=1)
-
-
 def commit_plan(prefix_lens: torch.Tensor, path_slots: torch.Tensor, path_count: torch.Tensor,
                 keep_slots: torch.Tensor | None, keep_count: torch.Tensor | None,
                 scratch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -223,9 +165,13 @@ def commit_plan(prefix_lens: torch.Tensor, path_slots: torch.Tensor, path_count:
     Returns src (B, M + K), dst (B, M + K) absolute slots, the new prefix_lens (B,) and lengths (B,).
     """
     B, M = path_slots.shape
-    if keep_slots is None:
-        keep_slots = path_slots.new_zeros(B, 0)
-        keep_count = path_slots.new_zeros(B)
+    if keep_slots is None:  # the path alone (both caches' commit a round): half the operations
+        prefix = prefix_lens[:, None]
+        j = torch.arange(M, device=path_slots.device)[None]
+        real = j < path_count[:, None]
+        src = torch.where(real, prefix + path_slots, scratch)
+        dst = torch.where(real, prefix + j, scratch)
+        return src, dst, prefix_lens + path_count, prefix_lens + path_count
     K = keep_slots.shape[1]
     j = torch.arange(M + K, device=path_slots.device)[None]  # (1, M + K)
     m, n = path_count[:, None], (path_count + keep_count)[:, None]
@@ -239,21 +185,12 @@ def commit_plan(prefix_lens: torch.Tensor, path_slots: torch.Tensor, path_count:
     return src, dst, prefix_lens + path_count, prefix_lens + path_count + keep_count
 
 
-def move_slots(data: torch.Tensor, dim: int, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """In place: per row b, positions src[b] (B, P) of `data` move to dst[b]; sources are read before any
-    write (overlapping ranges are safe). data: (n, B, ...) a SlotBuffer's stacked layers, positions at
-    `dim` (cache.SlotBuffer.move's gather)."""
-    by_row = data.movedim(dim, 2)  # (n, B, capacity, ...): a view, written through
-    rows = torch.arange(src.shape[0], device=src.device)[:, None].expand_as(src)
-    by_row[:, rows, dst] = by_row[:, rows, src]
-
-
-def commit_device(data: torch.Tensor, dim: int, prefix_lens: torch.Tensor, path_slots: torch.Tensor,
-                  path_count: torch.Tensor, keep_slots: torch.Tensor | None = None,
-                  keep_count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """TreeCache.commit_rows on one shared buffer (n, B, ..., C, ...) (positions at `dim`), on the device:
-    commit_plan's moves in one gather/scatter. Returns the new prefix_lens (B,) and lengths (B,)."""
-    src, dst, prefixes, lengths = commit_plan(prefix_lens, path_slots, path_count, keep_slots, keep_count,
-                                              data.shape[dim] - 1)
-    move_slots(data, dim, src, dst)
-    return prefixes, lengths
+def to_device(values, device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Host data (nested lists of numbers) as a tensor on `device` in one copy that never waits for the device: on
+    CUDA staged in pinned memory and copied non-blocking (a `torch.tensor(list, device="cuda")` copies from pageable
+    memory and then waits for the stream, as a read does). The device round's every host-to-device copy."""
+    device = torch.device(device)
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        host = host.pin_memory()  # the caching host allocator keeps it until the copy has run
+    return host.to(device, non_blocking=True)

@@ -5,7 +5,8 @@ capture.py's StepRunner replays one forward over a TreeCache; a phase is bigger 
 and everything after it up to the round's one read), so it is captured as a function of named tensors:
 `PhaseRunner.run(key, phase, inputs)` copies `inputs` into the static tensors the graph was captured over and
 replays it. Everything else the phase reads (Python ints, the models, the caches' buffers) is part of the graph,
-so the key must name it: shapes, and the buffers' addresses.
+so the key must name it: the caller's key names the static values and the buffers' addresses, and the runner adds
+its inputs' shapes and dtypes (a copy into a static input of another shape would fail at replay).
 
 Backends (capture.py's, for the same SwiftSpecConfig.capture):
   "cuda"     torch.cuda.CUDAGraph per key. The first run is an eager run on a side stream (the round's real run:
@@ -57,6 +58,7 @@ class PhaseRunner:
     def run(self, key: tuple, phase: Callable[..., Tensors], inputs: Tensors) -> Tensors:
         """phase(**inputs), replayed from the key's graph (captured by this first run). The outputs are the graph's
         static tensors: clone what must outlive the next replay of this key."""
+        key = (tuple((name, tuple(t.shape), t.dtype) for name, t in inputs.items()), *key)
         graph = self.graphs.get(key)
         if graph is None:
             if key in self.refused:

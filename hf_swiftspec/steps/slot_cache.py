@@ -1,10 +1,15 @@
 """A fixed-shape KV cache and the forwards over it that a round on the device runs (building blocks).
 
-Per row b of B, C slots: [0, prefix_lens[b]) the committed prefix, then the round's tree region (tree
-node i, or verified node i, at slot prefix_lens[b] + i), and the last slot a scratch slot where padding
-queries write. A forward writes its (B, Q) queries at the slots a (B, Q) device tensor names and attends
-all C slots through an additive 4D mask (transformers passes a 4D mask through unchanged), so nothing
-in it follows a length and the host reads nothing: prefix lengths are device tensors.
+Per row b of B, C slots (the capacity): [0, prefix_lens[b]) the committed prefix, then the round's tree region
+(tree node i, or verified node i, at slot prefix_lens[b] + i). A forward attends the first `span` slots only (the
+live-length bucket the host sets before each phase: every row's prefix and tree fit it), whose last slot is a
+scratch slot where padding queries write; it writes its (B, Q) queries at the slots a (B, Q) device tensor names
+and sees them through an additive 4D mask (transformers passes a 4D mask through unchanged), so nothing in it
+follows a length and the host reads nothing: prefix lengths are device tensors, and a replayed phase is keyed by
+its span.
+
+Every layer's keys and values live in one buffer (cache.SlotBuffer, the tree cache's: layers of one shape stacked),
+so a commit plans its moves once (commit_plan) and moves every layer in one gather per buffer.
 
 Models with full attention only: a sliding window or a slot rule would need the rules steps/attention.py
 applies, and a recurrent state the rollback of steps/recurrent.py. engine/device_sides.py runs the device round
@@ -16,11 +21,22 @@ from __future__ import annotations
 import torch
 
 from ..models.compat import Cache, CacheLayerMixin, forward_cache_argument
-from .device_round import DeviceSubtree, DeviceWalk, commit_device
+from .cache import KV_DIM, SlotBuffer
+from .acceptance import Walk
+from .device_round import DeviceSubtree, commit_plan
+
+SMALLEST_SPAN = 64  # the shortest live length a forward attends (a power of two: span_bucket)
+
+
+def span_bucket(slots: int) -> int:
+    """The live length a forward over rows needing `slots` slots (their prefix, tree and the scratch slot) attends:
+    the next power of two, at least SMALLEST_SPAN (a replayed phase is captured once per span)."""
+    return max(SMALLEST_SPAN, 1 << max(slots - 1, 0).bit_length())
 
 
 class SlotLayer(CacheLayerMixin):
-    """One layer's keys and values (B, H, C, D), written at the slots its cache's `index` (B, Q) names."""
+    """One layer's keys and values (B, H, C, D) (views of the cache's shared buffers once packed), written at the
+    slots its cache's `index` (B, Q) names; a forward reads their first `span` slots."""
 
     is_compileable = False
 
@@ -34,19 +50,21 @@ class SlotLayer(CacheLayerMixin):
         self.keys = key_states.new_zeros(B, H, C, key_states.shape[-1])
         self.values = value_states.new_zeros(B, H, C, value_states.shape[-1])
         self.is_initialized = True
+        self.owner.pack()  # once the last layer has its tensors: every layer's into shared buffers
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Scatter (B, H, Q, D) new states at the planned slots; return the whole (B, H, C, D) buffers."""
+        """Scatter (B, H, Q, D) new states at the planned slots; return the (B, H, span, D) live part of the buffers."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         B, H, Q, _ = key_states.shape
         index = self.owner.index[:, None, :, None]  # (B, 1, Q, 1)
         self.keys.scatter_(2, index.expand(B, H, Q, self.keys.shape[-1]), key_states)
         self.values.scatter_(2, index.expand(B, H, Q, self.values.shape[-1]), value_states)
-        return self.keys, self.values
+        span = self.owner.span
+        return self.keys[:, :, :span], self.values[:, :, :span]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.owner.capacity, 0
+        return self.owner.span, 0
 
     def get_seq_length(self) -> int:
         return 0  # positions come from position_ids and visibility from the 4D mask: no length is read
@@ -56,39 +74,86 @@ class SlotLayer(CacheLayerMixin):
 
 
 class SlotCache(Cache):
-    """A draft's fixed-shape KV cache for B rows of C slots each (slot C - 1: scratch); a forward writes
-    its (B, Q) queries at `index` (B, Q) long, set before it."""
+    """A model's fixed-shape KV cache for B rows of C slots each; a forward writes its (B, Q) queries at `index`
+    (B, Q) long, set before it, and attends the first `span` slots (slot span - 1: scratch)."""
 
     def __init__(self, num_layers: int, capacity: int):
         self.capacity = capacity
+        self.span = capacity
         self.index: torch.Tensor | None = None
+        self.buffers: list[SlotBuffer] = []  # every layer's keys and values, stacked by shape (after the first forward)
         super().__init__(layers=[SlotLayer(self) for _ in range(num_layers)])
 
     @property
     def scratch(self) -> int:
-        return self.capacity - 1
+        return self.span - 1
+
+    @property
+    def rows(self) -> int:
+        return self.layers[0].keys.shape[0] if self.layers[0].is_initialized else 0
+
+    def pack(self) -> None:
+        """Stack every layer's keys and values into shared buffers (once, when the first forward has made the last
+        layer's): the layers' tensors become views of the buffers, whose addresses stay (a replayed phase bakes them
+        in)."""
+        if self.buffers or not all(layer.is_initialized for layer in self.layers):
+            return
+        groups: dict[tuple, list[tuple[SlotLayer, str]]] = {}
+        for layer in self.layers:
+            for name in ("keys", "values"):
+                part = getattr(layer, name)
+                shape = part.shape[:KV_DIM] + part.shape[KV_DIM + 1 :]
+                groups.setdefault((shape, part.dtype, part.device), []).append((layer, name))
+        for members in groups.values():
+            parts = [getattr(layer, name) for layer, name in members]
+            self.buffers.append(SlotBuffer(parts, KV_DIM, self.capacity, members))
+
+    def allocate(self, like: "SlotCache", rows: int) -> None:
+        """Make this cache's buffers for `rows` rows in `like`'s layout (its layers' heads, widths, dtypes), before any
+        forward (a running batch's bucket: its phases are captured over these buffers)."""
+        for mine, theirs in zip(self.layers, like.layers):
+            for name in ("keys", "values"):
+                t = getattr(theirs, name)
+                setattr(mine, name, t.new_zeros(rows, t.shape[1], self.capacity, t.shape[3]))
+            mine.is_initialized = True
+        self.pack()
+
+    def copy_rows(self, source: "SlotCache", rows: torch.Tensor | slice, at: int = 0, slots: int | None = None) -> None:
+        """Copy `source`'s cache rows `rows` (their first `slots` slots, default all both hold) into rows at, at + 1,
+        ... of this cache, in place (a device copy: the buffers keep their addresses). One copy per buffer."""
+        n = slots if slots is not None else min(source.capacity, self.capacity)
+        for mine, theirs in zip(self.buffers, source.buffers):
+            part = theirs.data[:, rows, :, :n]
+            mine.data[:, at : at + part.shape[1], :, :n].copy_(part)
+
+    def keep_rows(self, index: torch.Tensor, count: int) -> None:
+        """Rows index[i] (count of them) become rows i, in place (the buffers keep their addresses)."""
+        for buffer in self.buffers:
+            buffer.data[:, :count] = buffer.data[:, index]
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(B, 1, Q, C) additive mask (0 / dtype min) from allowed (B, Q, C) bool."""
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+    """(B, 1, Q, S) additive mask (0 / dtype min) from allowed (B, Q, S) bool."""
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)[:, None]
 
 
 def slot_forward(model, cache: SlotCache, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                 allowed: torch.Tensor) -> torch.Tensor:
-    """One draft forward: tokens (B, Q) at positions (B, Q), their KV written at slots (B, Q), each query
-    seeing the slots allowed (B, Q, C) says; returns float32 logits (B, Q, V)."""
+                 allowed: torch.Tensor, logits: bool = True) -> torch.Tensor | None:
+    """One forward: tokens (B, Q) at positions (B, Q), their KV written at slots (B, Q), each query seeing the slots
+    allowed (B, Q, span) says; returns float32 logits (B, Q, V), or None with logits=False (a forward for its KV alone:
+    no row of the vocabulary's head is computed, as generate's prefill computes one)."""
     cache.index = slots
+    keep = {} if logits else {"logits_to_keep": torch.zeros(0, dtype=torch.long, device=tokens.device)}
     out = model(input_ids=tokens, position_ids=positions, attention_mask=additive_mask(allowed, model.dtype),
-                use_cache=True, **{forward_cache_argument(type(model)): cache})
-    return out.logits.float()
+                use_cache=True, **{forward_cache_argument(type(model)): cache}, **keep)
+    return out.logits.float() if logits else None
 
 
 def catch_up(model, cache: SlotCache, tokens: torch.Tensor, counts: torch.Tensor,
              starts: torch.Tensor | None = None) -> None:
     """Write each row's tokens' KV behind its committed slots: a prefill (starts 0), or the accepted tokens
-    whose draft KV a round did not make (padded to a fixed width L). tokens (B, L) long, counts (B,) long
+    whose KV a round did not make (padded to a fixed width L). tokens (B, L) long, counts (B,) long
     real tokens per row, starts (B,) long each row's committed slots (token j goes at slot and position
     starts + j, seeing the committed slots and the tokens before it). Padding queries write the scratch
     slot and see slot 0 alone (their output is never read)."""
@@ -98,18 +163,18 @@ def catch_up(model, cache: SlotCache, tokens: torch.Tensor, counts: torch.Tensor
     real = j[None] < counts[:, None]  # (B, L)
     at = starts[:, None] + j[None]  # (B, L)
     slots = torch.where(real, at, cache.scratch)
-    c = torch.arange(cache.capacity, device=tokens.device)
+    c = torch.arange(cache.span, device=tokens.device)
     allowed = (c[None, None] <= at[:, :, None]) & real[:, :, None]  # the committed slots, then causal
     allowed = allowed | (~real[:, :, None] & (c == 0))
-    slot_forward(model, cache, tokens, at, slots, allowed)
+    slot_forward(model, cache, tokens, at, slots, allowed, logits=False)
 
 
-def tree_visible(capacity: int, prefix_lens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """What queries see of the C slots (B, Q, C) bool: their row's committed prefix, and the tree-region
-    slots their rows (B, Q, N) of ancestor bits name (tree node i at slot prefix_len + i)."""
+def tree_visible(span: int, prefix_lens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """What queries see of the first `span` slots (B, Q, span) bool: their row's committed prefix, and the
+    tree-region slots their rows (B, Q, N) of ancestor bits name (tree node i at slot prefix_len + i)."""
     B, Q, N = rows.shape
-    c = torch.arange(capacity, device=rows.device)
-    allowed = (c[None, None] < prefix_lens[:, None, None]).expand(B, Q, capacity).clone()
+    c = torch.arange(span, device=rows.device)
+    allowed = (c[None, None] < prefix_lens[:, None, None]).expand(B, Q, span).clone()
     node_slots = prefix_lens[:, None] + torch.arange(N, device=rows.device)[None]  # (B, N)
     return allowed.scatter_(2, node_slots[:, None, :].expand(B, Q, N), rows)
 
@@ -120,19 +185,19 @@ def verify_forward(model, cache: SlotCache, prefix_lens: torch.Tensor, subtree: 
     logits (B, T, V) (row j: the target's distribution after node j). Padding nodes see themselves alone."""
     positions = prefix_lens[:, None] + subtree.depths
     slots = prefix_lens[:, None] + torch.arange(subtree.tokens.shape[1], device=prefix_lens.device)[None]
-    allowed = tree_visible(cache.capacity, prefix_lens, subtree.mask)
+    allowed = tree_visible(cache.span, prefix_lens, subtree.mask)
     return slot_forward(model, cache, subtree.tokens, positions, slots, allowed)
 
 
 def commit_cache(cache: SlotCache, prefix_lens: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor) -> None:
     """Move each row's first counts[b] tree-region slots `slots` (B, M) (relative to its prefix) behind its
-    prefix, in every layer (device_round.commit_device on each layer's keys and values)."""
-    for layer in cache.layers:
-        for buffer in (layer.keys, layer.values):
-            commit_device(buffer[None], 3, prefix_lens, slots, counts)  # (1, B, H, C, D): positions at 3
+    prefix, in every layer: the moves planned once (device_round.commit_plan), one gather per shared buffer."""
+    src, dst, _, _ = commit_plan(prefix_lens, slots, counts, None, None, cache.scratch)
+    for buffer in cache.buffers:
+        buffer.move(src, dst)
 
 
-def accepted_nodes(walk: DeviceWalk, subtree: DeviceSubtree) -> torch.Tensor:
+def accepted_nodes(walk: Walk, subtree: DeviceSubtree) -> torch.Tensor:
     """The draft tree's node ids (B, T) of each row's walked nodes, in order (past walk.count: 0, never read);
-    device_round.commit_device's path slots for a cache that holds tree node i at slot i of its region."""
+    commit_cache's slots for a cache that holds tree node i at slot i of its region."""
     return subtree.node_ids.gather(1, walk.path.clamp(min=0))

@@ -12,25 +12,16 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from ..models.compat import EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria, StopStringCriteria, logits_process
-from .tree import Subtree
+from .acceptance import NO_STOPS, StopRule, cut_at_criteria, gumbel_noise, round_result, split_criteria, walk_subtree
+from .device_round import DeviceSubtree
+from .tree import Subtree, subtree_mask
 
-MASK64 = (1 << 64) - 1
-
-
-def noise_seed(seed: int, row: int, position: int) -> int:
-    """The seed of one (row, position)'s Gumbel noise: splitmix64 of the three, so every pair has a
-    stream of its own (torch's CPU generator keeps only the low 32 bits of a seed, so seeds that
-    differ by a multiple of 2**32 would share their noise)."""
-    z = (seed + (row << 40) + position + 0x9E3779B97F4A7C15) & MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
-    return (z ^ (z >> 31)) >> 1  # manual_seed takes up to 63 bits
+__all__ = ["NO_STOPS", "StopRule", "split_criteria"]  # the acceptance rules, re-exported where callers look for them
 
 # Processors whose output for a row depends on that row's logits alone, never on the tokens before
 # it (input_ids) or their count: with only these, every tree node can be processed at once. Matched
@@ -113,12 +104,12 @@ def processors_for_row(processors: LogitsProcessorList, row: int) -> LogitsProce
 class Sampler:
     """The target's next-token rule: generate()'s logits processors, then argmax or a sample.
 
-    Sampling is Gumbel-max with noise drawn per sequence position (a generator seeded from the seed
-    and the position), so the token at a position depends on its context and the seed only, never on
+    Sampling is Gumbel-max with noise drawn per sequence position (gumbel_noise: a function of the seed,
+    the row and the position), so the token at a position depends on its context and the seed only, never on
     the tree that was verified: every node at one depth shares that depth's noise, and the walk
     uses one node per depth, so the emitted tokens are exact draws from the target's distribution,
     and a seed reproduces them whatever trees the policy chose. Each row of a batch has noise of
-    its own (`noise_seed`), so rows are independent draws.
+    its own (gumbel_noise keys it by the row), so rows are independent draws.
 
     generator: explicit RNG for sampling, on the target's device (None for greedy); the seed is
         drawn from it on first use.
@@ -152,14 +143,10 @@ class Sampler:
         return all(type(p) in PATH_FREE_PROCESSORS for p in self.logits_processor)
 
     def gumbel(self, positions: list[int], vocab: int, device: torch.device) -> torch.Tensor:
-        """Gumbel noise (n, V) float64 for each of `positions` (absolute sequence positions)."""
+        """Gumbel noise (n, V) float64 for each of `positions` (absolute sequence positions): gumbel_noise's."""
         seed = self.draw_seed()
-        rows = {}
-        for p in set(positions):
-            g = torch.Generator(device=device).manual_seed(noise_seed(seed, self.row, p))
-            rows[p] = torch.rand(vocab, generator=g, dtype=torch.float64, device=device)
-        u = torch.stack([rows[p] for p in positions]).clamp_(min=1e-300)
-        return -torch.log(-torch.log(u))
+        at = torch.tensor([positions], dtype=torch.long, device=device)
+        return gumbel_noise(torch.tensor([seed], device=device), torch.tensor([self.row], device=device), at, vocab)[0]
 
     def pick(self, scores: torch.Tensor, positions: list[int]) -> torch.Tensor:
         """Tokens (n,) from processed scores (n, V): argmax, or a draw for the row's position."""
@@ -211,24 +198,15 @@ class Verified:
     features: torch.Tensor | None = None
 
 
-def verify_tree(
-    logits: torch.Tensor,
-    subtree: Subtree,
-    context: torch.Tensor,
-    sampler: Sampler,
-    stopping_criteria: StoppingCriteriaList,
-    max_tokens: int,
-) -> Verified:
-    """Walk the subtree with the target's choices.
+def verify_tree(logits: torch.Tensor, subtree: Subtree, context: torch.Tensor, sampler: Sampler,
+                stopping_criteria: "StoppingCriteriaList | StopRule", max_tokens: int) -> Verified:
+    """Walk the subtree with the target's choices (verify_rows for one row).
 
     logits:  (T, V) float32 target logits at each subtree node (row i predicts the token after node i)
     context: (1, L) committed sequence ending with the root token
     max_tokens: tokens still allowed by max_new_tokens / max_length
     """
-    children = children_of(subtree.parents, subtree.tokens)
-    if sampler.path_free:
-        return walk_rows(logits, children, context, sampler, stopping_criteria, max_tokens)
-    return walk_nodes(logits, children, context, sampler, stopping_criteria, max_tokens)
+    return verify_rows([logits], [subtree], [context], [sampler], [stopping_criteria], [max_tokens])[0]
 
 
 def children_of(parents: list[int], tokens: list[int], proposed: list[bool] | None = None) -> dict[tuple[int, int], int]:
@@ -241,129 +219,79 @@ def children_of(parents: list[int], tokens: list[int], proposed: list[bool] | No
     return children
 
 
-def walk_path(choice: list[int], children: dict[tuple[int, int], int], max_tokens: int) -> Verified:
-    """The walk, for every round (the adaptive one, the static one): from the root, emit the target's choice
-    after the current node and move to the child carrying it, while there is one and tokens are left.
-    Returns the path (root first) and the emitted tokens (the last is the next root); walk_to_stop cuts it."""
-    out = Verified()
-    node = 0
-    while node is not None and len(out.path) < max_tokens:
-        out.path.append(node)
-        out.tokens.append(choice[node])
-        node = children.get((node, choice[node]))
-    return out
-
-
-def walk_rows(logits, children: dict, context, sampler: Sampler, stopping_criteria, max_tokens: int) -> Verified:
-    """The walk when no processor depends on the path: every row processed and chosen at once
-    (one host sync), then the walk itself on the host, then the stopping criteria on its prefixes."""
-    tokens, scores = choose_nodes(logits, children, context, sampler)
-    return walk_to_stop(walk_path(tokens.tolist(), children, max_tokens), scores, logits, context, stopping_criteria,
-                        max_tokens)  # fmt: skip
-
-
-def choose_nodes(logits, children: dict, context, sampler: Sampler) -> tuple[torch.Tensor, torch.Tensor]:
-    """For path-free processors: the target's choice (T,) after every node and the processed scores (T, V),
-    on the device (nothing read)."""
-    depths = [0] * len(logits)
-    for (parent, _), child in children.items():
-        depths[child] = depths[parent] + 1  # children come after their parents
-    # processors may write into the scores they get: give them a copy, or nothing to copy when there are none
-    return sampler.choose_rows(context, logits.clone() if sampler.logits_processor else logits, depths)
-
-
 def verify_rows(logits: list, subtrees: list, contexts: list, samplers: list[Sampler], stopping_criteria: list,
                 max_tokens: list[int]) -> list[Verified | None]:
-    """verify_tree for every row of a batch (None where the row's subtree is None), the choices of all the
-    path-free rows read in one host sync: a round's walks cost one read, not one a row.
+    """Every row's walk of a batch (None where the row's subtree is None). The rows whose processors ignore the path
+    are chosen at once and walked together by acceptance.walk_subtree (the device round's walk), read in one host
+    sync; the others node by node (walk_nodes). Each walk is then cut where the host's criteria fire.
 
-    logits[b]: (T_b, V) row b's logits at its subtree's nodes; contexts[b]: (1, L_b) its committed sequence."""
-    children = [None if s is None else children_of(s.parents, s.tokens) for s in subtrees]
+    logits[b]: (T_b, V) row b's logits at its subtree's nodes; contexts[b]: (1, L_b) its committed sequence;
+    stopping_criteria[b]: generate()'s criteria or their StopRule."""
+    rules = [c if isinstance(c, StopRule) else split_criteria(c) for c in stopping_criteria]
+    out: list[Verified | None] = [None] * len(subtrees)
     together = [b for b, s in enumerate(subtrees) if s is not None and samplers[b].path_free]
-    chosen = {b: choose_nodes(logits[b], children[b], contexts[b], samplers[b]) for b in together}
-    choices = torch.cat([chosen[b][0] for b in together]).tolist() if together else []
-    out: list[Verified | None] = []
-    start = 0
+    for b, verified in zip(together, walk_together([logits[b] for b in together], [subtrees[b] for b in together],
+                                                   [contexts[b] for b in together], [samplers[b] for b in together],
+                                                   [rules[b] for b in together], [max_tokens[b] for b in together])):
+        out[b] = verified
     for b, subtree in enumerate(subtrees):
-        if subtree is None:
-            out.append(None)
-        elif b in chosen:
-            walked = walk_path(choices[start : start + len(subtree)], children[b], max_tokens[b])
-            start += len(subtree)
-            out.append(walk_to_stop(walked, chosen[b][1], logits[b], contexts[b], stopping_criteria[b], max_tokens[b]))
-        else:
-            out.append(walk_nodes(logits[b], children[b], contexts[b], samplers[b], stopping_criteria[b], max_tokens[b]))
+        if subtree is not None and b not in together:
+            children = children_of(subtree.parents, subtree.tokens)
+            out[b] = walk_nodes(logits[b], children, contexts[b], samplers[b], rules[b], max_tokens[b])
     return out
 
 
-def walk_to_stop(out: Verified, scores: torch.Tensor, logits: torch.Tensor, context: torch.Tensor,
-                 stopping_criteria: "StoppingCriteriaList | StopRule", max_tokens: int) -> Verified:
-    """The one stop rule: a walk cut where generate() would stop (an EOS token, max_length, any other
-    criterion called on each prefix), with each emitted token's scores and logits (T, V rows of the
-    walked nodes) and whether the row is done.
-
-    stopping_criteria: generate()'s criteria, or their StopRule (what every engine passes: split once per call)."""
-    eos, max_length, others = (
-        stopping_criteria if isinstance(stopping_criteria, StopRule) else split_criteria(stopping_criteria)
-    )
-    if others:
-        new = torch.tensor([out.tokens], dtype=context.dtype, device=context.device)
-        full = torch.cat([context, new], dim=-1)
-    for j, node in enumerate(out.path):
-        length = context.shape[1] + j + 1  # the sequence's length once token j is appended
-        if out.tokens[j] in eos or length >= max_length or (
-            others and bool(others(full[:, :length], scores[node : node + 1]).any())
-        ):
-            del out.path[j + 1 :], out.tokens[j + 1 :]
-            out.finished = True
-            break
-    # (1, V) views of each emitted token's row, like the node-by-node walk's; BatchRows copies the ones it keeps
-    # (only for generate's output_scores / output_logits), so a walk copies no vocabulary-wide row
-    out.scores = [scores[node : node + 1] for node in out.path]
-    out.logits = [logits[node : node + 1] for node in out.path]
-    out.finished = out.finished or len(out.tokens) >= max_tokens
+def walk_together(logits: list, subtrees: list[Subtree], contexts: list, samplers: list[Sampler],
+                  rules: list[StopRule], max_tokens: list[int]) -> list[Verified]:
+    """Path-free rows' walks: each row's choices after every node (its processors over all its nodes at once, then
+    argmax or its Gumbel-max), the rows' subtrees padded to one (n, T) DeviceSubtree, one walk_subtree, one read."""
+    if not subtrees:
+        return []
+    device = logits[0].device
+    T = max(len(s) for s in subtrees)
+    chosen, fields, masks = [], [], []
+    for row, subtree, context, sampler, rule, limit in zip(logits, subtrees, contexts, samplers, rules, max_tokens):
+        n = len(subtree)
+        mask, _ = subtree_mask(subtree.parents, device)
+        depth_list = []
+        for p in subtree.parents:  # host ints (parents precede children): no read of the device
+            depth_list.append(depth_list[p] + 1 if p >= 0 else 0)
+        # processors may write into the scores they get: give them a copy, or nothing to copy when there are none
+        chosen.append(sampler.choose_rows(context, row.clone() if sampler.logits_processor else row, depth_list))
+        eos = sorted(rule.eos)
+        fields.append((subtree, depth_list, rule.budget(limit, context.shape[1]), eos))
+        masks.append(torch.nn.functional.pad(mask, (0, T - n, 0, T - n)))
+    E = max([1] + [len(f[3]) for f in fields])
+    host = torch.tensor([s.tokens + [0] * (T - len(s)) + s.parents + [-1] * (T - len(s)) + d + [0] * (T - len(s))
+                         + [budget] + e + [-1] * (E - len(e)) for s, d, budget, e in fields], dtype=torch.long)
+    host = host.to(device)  # one copy: every row's tokens, parents, depths, budget and EOS ids
+    padding = torch.arange(T, device=device)[None] >= torch.tensor([len(s) for s in subtrees], device=device)[:, None]
+    mask = torch.stack(masks) | (torch.eye(T, dtype=torch.bool, device=device) & padding[:, :, None])
+    tokens, parents, depths = host[:, :T], host[:, T : 2 * T], host[:, 2 * T : 3 * T]
+    # (node_ids and scores: the walk reads neither)
+    sub = DeviceSubtree(node_ids=tokens, tokens=tokens, parents=parents, scores=None, valid=~padding, depths=depths,
+                        mask=mask)
+    choices = torch.stack([torch.nn.functional.pad(c, (0, T - c.shape[0])) for c, _ in chosen])
+    walk = walk_subtree(choices, sub, host[:, 3 * T], host[:, 3 * T + 1 :])
+    read = torch.cat([round_result(walk), walk.path], dim=1).tolist()  # the walks' one read: counts, flags, tokens, paths
+    out = []
+    for (_, scores), row, context, rule, result in zip(chosen, logits, contexts, rules, read):
+        count, finished = result[0], bool(result[1])
+        verified = Verified(result[2 : 2 + count], result[2 + T : 2 + T + count], finished=finished)
+        verified.scores = [scores[node : node + 1] for node in verified.path]
+        verified.logits = [row[node : node + 1] for node in verified.path]
+        cut = cut_at_criteria(verified.tokens, context, rule, verified.scores)
+        if cut is not None:
+            keep = count - cut
+            del verified.tokens[keep:], verified.path[keep:], verified.scores[keep:], verified.logits[keep:]
+            verified.finished = True
+        out.append(verified)
     return out
-
-
-class StopRule(NamedTuple):
-    """generate()'s stopping criteria as a walk applies them: EOS ids, the smallest max_length (the length
-    counts the whole sequence, left padding included, as transformers counts it), and the criteria left to
-    call (split_criteria makes one; once per call: reading the EOS ids is a host sync)."""
-
-    eos: set[int]
-    max_length: float
-    others: StoppingCriteriaList
-
-    def fires(self, sequence: torch.Tensor, token: int, scores: torch.Tensor) -> bool:
-        """Whether generate() stops once `token` ends `sequence` (1, L) (its scores (1, V))."""
-        return token in self.eos or sequence.shape[1] >= self.max_length or (
-            len(self.others) > 0 and bool(self.others(sequence, scores).any())
-        )
-
-
-NO_STOPS = StopRule(set(), float("inf"), StoppingCriteriaList())  # a row that is done only decodes on
-
-
-def split_criteria(stopping_criteria: StoppingCriteriaList) -> StopRule:
-    """The StopRule of generate()'s criteria. Only criteria of exactly transformers' EosTokenCriteria /
-    MaxLengthCriteria type become a set lookup / a length limit; anything else, subclasses included, is
-    called."""
-    eos: set[int] = set()
-    max_length = float("inf")
-    others = StoppingCriteriaList()
-    for criterion in stopping_criteria:
-        if type(criterion) is EosTokenCriteria:
-            eos.update(criterion.eos_token_id.flatten().tolist())
-        elif type(criterion) is MaxLengthCriteria:
-            max_length = min(max_length, criterion.max_length)
-        else:
-            others.append(criterion)
-    return StopRule(eos, max_length, others)
 
 
 def walk_nodes(logits, children: dict, context, sampler: Sampler, stopping_criteria, max_tokens: int) -> Verified:
-    """The walk node by node, each node's processors fed the exact path that leads to it (the stop rule
-    as walk_to_stop's)."""
+    """The walk node by node, each node's processors fed the exact path that leads to it (the stop rule as every
+    walk's: StopRule.fires after each token)."""
     stops = stopping_criteria if isinstance(stopping_criteria, StopRule) else split_criteria(stopping_criteria)
     out = Verified()
     node = 0
