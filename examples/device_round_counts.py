@@ -4,10 +4,11 @@ dispatched (each a kernel on a GPU, replayed or not) in all and inside the two m
 verification's attention reads against the prefix it has.
 
     python examples/device_round_counts.py [--pair swiftspec-demo-pystdlib] [--rows 1] [--max-new-tokens 48]
-           [--round device] [--settings tree_budget=8,draft_depth=3,draft_width=2] [--out FILE.json]
+           [--round device] [--settings tree_budget=8,draft_depth=3,draft_width=2] [--capture] [--out FILE.json]
 
-Greedy, float32, eager phases (capture=False: the operators are the same in a replay). Prints the mean per round
-(after the first round) and writes every round's counts with --out.
+Greedy, float32, eager phases (capture=False: the operators are the same in a replay; --capture: the replayed phases'
+stand-in on a CPU, whose slot caches are pooled, as on CUDA). Prints the mean per round (after the first round) and
+writes every round's counts with --out.
 """
 
 from __future__ import annotations
@@ -74,10 +75,11 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--round", default="device")
     parser.add_argument("--settings", default="tree_budget=8,draft_depth=3,draft_width=2")
+    parser.add_argument("--capture", action="store_true")
     parser.add_argument("--out")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    settings = dict(parse_settings(args.settings), round=args.round, capture=False)
+    settings = dict(parse_settings(args.settings), round=args.round, capture=args.capture)
     model = load(args.pair, settings)
     tok = model.tokenizer
     tok.padding_side = "left"
