@@ -280,11 +280,10 @@ def test_sampled_rows_with_the_same_settings_share_a_buckets_graphs(target, monk
 REPEATING = [[5, 17, 33, 8, 61, 9, 40] * 3, [12, 7, 44, 7, 12, 7, 44], [3, 90, 21] * 4 + [3], [70, 18]]
 
 
-@pytest.mark.parametrize("capture", [False, True], ids=["eager", "replayed"])
-def test_suffix_proposals_in_the_running_batch(target, capture, monkeypatch):
-    """ngram_size 3 in the device batch: each row's suffix index (its prompt, then its verified tokens) proposes
-    into its own tree, dead rows propose nothing. Requests joining at different rounds on prompts that repeat
-    themselves each get target.generate's answer, suffix nodes are walked, at most one host read a round."""
+def suffix_walked_in_the_batch(target, pair, monkeypatch) -> tuple[list[dict], list[int]]:
+    """Requests on prompts that repeat themselves join `pair`'s device batch at different rounds (unused slots
+    poisoned): each answer is target.generate's. Returns each round's counts (watch_rounds') and the suffix nodes each
+    row's walk took."""
     poison_unused_slots(monkeypatch)
     seen = watch_rounds(monkeypatch)
     walked, verify = [], DeviceSides.verify
@@ -295,8 +294,6 @@ def test_suffix_proposals_in_the_running_batch(target, capture, monkeypatch):
         return verified
 
     monkeypatch.setattr(DeviceSides, "verify", counting)
-    settings = {**DEVICE, "ngram_size": 3, "tree_budget": 8}
-    pair = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), capture=capture, **settings)
     engine = pair.continuous_engine()
     calls = [dict(input_ids=torch.tensor([p]), max_new_tokens=n, do_sample=False) for p, n in zip(REPEATING, (30, 12, 24, 9))]
     try:
@@ -304,6 +301,17 @@ def test_suffix_proposals_in_the_running_batch(target, capture, monkeypatch):
     finally:
         engine.close()
     assert_answers_are_target_generates(target, calls, out)
+    return seen, walked
+
+
+@pytest.mark.parametrize("capture", [False, True], ids=["eager", "replayed"])
+def test_suffix_proposals_in_the_running_batch(target, capture, monkeypatch):
+    """ngram_size 3 in the device batch: each row's suffix index (its prompt, then its verified tokens) proposes
+    into its own tree, dead rows propose nothing. Requests joining at different rounds on prompts that repeat
+    themselves each get target.generate's answer, suffix nodes are walked, at most one host read a round."""
+    settings = {**DEVICE, "ngram_size": 3, "tree_budget": 8}
+    pair = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), capture=capture, **settings)
+    seen, walked = suffix_walked_in_the_batch(target, pair, monkeypatch)
     assert max(r["reads"] for r in seen) <= 1 and {r["rows"] for r in seen} >= {1, 2}
     assert sum(walked) >= 3, walked
 
@@ -313,24 +321,8 @@ def test_draft_free_rows_in_the_running_batch(target, capture, monkeypatch):
     """A pair without a draft model (the suffix proposals alone) in the device batch: requests joining at different
     rounds on prompts that repeat themselves each get target.generate's answer, no draft forward runs, suffix nodes are
     walked, at most one host read a round."""
-    poison_unused_slots(monkeypatch)
-    seen = watch_rounds(monkeypatch)
-    walked, verify = [], DeviceSides.verify
-
-    def counting(self, proposed, rows):
-        verified = verify(self, proposed, rows)
-        walked.extend(sum(p.suffix[j] >= 0 for j in v.path[1:]) for p, v in zip(proposed.proposals, verified))
-        return verified
-
-    monkeypatch.setattr(DeviceSides, "verify", counting)
     pair = SwiftSpecForCausalLM.from_models(target, None, capture=capture, round="device", ngram_size=3, tree_budget=8)
-    engine = pair.continuous_engine()
-    calls = [dict(input_ids=torch.tensor([p]), max_new_tokens=n, do_sample=False) for p, n in zip(REPEATING, (30, 12, 24, 9))]
-    try:
-        out = relay(pair, engine, calls, at=(2, 3, 1, 2))
-    finally:
-        engine.close()
-    assert_answers_are_target_generates(target, calls, out)
+    seen, walked = suffix_walked_in_the_batch(target, pair, monkeypatch)
     assert max(r["reads"] for r in seen) <= 1 and {r["rows"] for r in seen} >= {1, 2}
     assert max(r["draft"] for r in seen) == 0 and sum(walked) >= 3, walked
 

@@ -32,6 +32,7 @@ from typing import Callable
 import torch
 
 from ..pair import HubOptions, PairConfigError, check_compatibility, load_tokenizer
+from ..pair.checks import shares_vocabulary
 from .distill_config import DRAFT_KINDS, SELF_DISTILL_AUTO_TOKENS, DistillConfig, EvalSettings
 from .distill_corpus import DistillError, read_records, split_records
 from .distill_data import Dataset, encode, even_windows, render, self_distilled, token_stream, tokenise, tokenise_all
@@ -139,10 +140,18 @@ def check_draft_model(spec: str, target_config, tokenizer) -> None:
         draft_config = AutoConfig.from_pretrained(spec)
     except (OSError, ValueError) as err:
         raise DistillError(f"--draft {spec!r}: not {DRAFT_KINDS} ({str(err).splitlines()[0]}).") from err
+    draft_tokenizer = load_tokenizer(spec, None, HubOptions())
     try:
-        check_compatibility(target_config, draft_config, tokenizer, load_tokenizer(spec, None, HubOptions()))
+        check_compatibility(target_config, draft_config, tokenizer, draft_tokenizer)
     except PairConfigError as err:
         raise DistillError(f"--draft {spec!r} cannot draft for the target: {err}") from err
+    vocab = target_config.get_text_config().vocab_size
+    if draft_tokenizer is not None and not shares_vocabulary(tokenizer, draft_tokenizer, vocab):
+        raise DistillError(
+            f"--draft {spec!r} has another vocabulary than the target's: distillation teaches it the target's "
+            "distribution token for token, over the target's ids. Give a draft of the target's vocabulary (small, "
+            "early-exit:N, or a model of its family); a pair takes this draft as it is (it proposes through text)."
+        )
 
 
 def check_inputs(config: DistillConfig, world: World) -> tuple[list, list, object]:
