@@ -54,7 +54,8 @@ class Replay:
 class ReplayRunner:
     """Replays by key (module docstring). refused: why a key's capture failed (it then runs eagerly, the reason added
     to fallbacks); setup_s: seconds spent on first runs that captured (not what a run costs: the goodput policy prices
-    nothing by a round that paid some); captured: keys captured so far (a graph dropped later still counts)."""
+    nothing by a round that paid some); captured: first runs that captured (a capture that failed, and a graph dropped
+    later, still count: a round whose count grew paid a capture)."""
 
     backend: str
     graphs: dict[tuple, Replay] = field(default_factory=dict)
@@ -83,12 +84,12 @@ class ReplayRunner:
 
     def keep(self, key: tuple, replay: Replay) -> Replay:
         self.graphs[key] = replay
-        self.captured += 1
         return replay
 
     @contextlib.contextmanager
     def setting_up(self):
-        """Adds the block's time to setup_s (a capture's, a first compile's)."""
+        """A first run that captures (or first compiles): counted, its time added to setup_s."""
+        self.captured += 1
         start = time.perf_counter()
         try:
             yield
