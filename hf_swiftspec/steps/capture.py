@@ -65,6 +65,15 @@ def query_bucket(queries: int) -> int | None:
     return bucket if bucket <= MAX_QUERIES else None
 
 
+def step_menu(most_queries: int, keeps: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """Every step a worker whose steps hold up to `most_queries` queries a row may replay: (keep, query bucket) for
+    each of its `keeps` (step.step_keep) and each bucket up to query_bucket(most_queries) (at most MAX_QUERIES: a
+    larger step runs eagerly). A few per model (the buckets are powers of two), which its runner prepares before the
+    rounds (step.prepare_steps)."""
+    largest = query_bucket(min(most_queries, MAX_QUERIES))
+    return tuple((keep, 1 << i) for keep in keeps for i in range(largest.bit_length()))
+
+
 def capacity_bucket(needed: int) -> int:
     """Positions per row a replayed cache holds: the next power of two from 256, so calls of similar
     lengths share their buffers and graphs (a graph's shapes include the capacity)."""
@@ -145,6 +154,8 @@ class StepRunner(ReplayRunner):
     compiled: dict = field(default_factory=dict)  # per decoder layer, its torch.compile'd call
     capacities: set = field(default_factory=set)  # positions per row of the caches packed into `pool` so far
     compiled_keys: set = field(default_factory=set)  # "compiled": the step shapes run (and so compiled) so far
+    prepared: set = field(default_factory=set)  # (layout_key, menu) of the caches whose steps were prepared
+    prepared_sizes: set = field(default_factory=set)  # (rows, capacity) of caches prepared before their first forward
 
     @property
     def buckets(self) -> dict[tuple, Bucket]:
@@ -174,9 +185,15 @@ class StepRunner(ReplayRunner):
         return capacity
 
     def bucket_key(self, cache: TreeCache, tensors: dict, keep, tap=None) -> tuple:
-        buffers = tuple((b.data.data_ptr(), tuple(b.data.shape), b.data.stride()) for b in cache.buffers)
+        """What a step's graph bakes in: its inputs' shapes, its logits kept, and its cache's layout."""
         shapes = tuple((name, tuple(t.shape), t.dtype) for name, t in sorted(tensors.items()))
-        return shapes, str(keep), buffers, tap.key if tap is not None else None
+        return shapes, str(keep), *self.layout_key(cache, tap)
+
+    @staticmethod
+    def layout_key(cache: TreeCache, tap=None) -> tuple:
+        """The cache's buffers (addresses, shapes: its rows and capacity) and the tap a step over it hands states to."""
+        buffers = tuple((b.data.data_ptr(), tuple(b.data.shape), b.data.stride()) for b in cache.buffers)
+        return buffers, tap.key if tap is not None else None
 
     def run(self, model, cache: TreeCache, tensors: dict, build, keep, tap=None,
             hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
