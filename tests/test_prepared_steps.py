@@ -122,7 +122,8 @@ def test_compiled_steps_compile_before_the_rounds(counted, monkeypatch):
         counted["note"](graph_module)
         return graph_module.forward  # the traced graph, run as traced: dynamo's choices, not inductor's code
 
-    monkeypatch.setattr(capture.torch, "compile", lambda fn, **kwargs: real_compile(fn, backend=counting_backend, **kwargs))
+    counting = lambda fn, **kwargs: real_compile(fn, backend=counting_backend, **kwargs)  # noqa: E731
+    monkeypatch.setattr(capture.torch, "compile", counting)
     target = tiny_model("llama", seed=0, layers=1)
     model = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 1), compile=True)
     for seed, length in enumerate((7, 30, 12, 50)):

@@ -167,16 +167,24 @@ def prepare_steps(target: TargetWorker, draft: Drafters, max_budget: int) -> Non
     runner = getattr(drafter, "runner", None)
     if runner is None:
         return
-    head = drafter.reads_features  # a draft head: its replayed steps keep every query's logits
-    menu = step_menu(MAX_QUERIES, (0,)) if head else (
-        step_menu(max(drafter.width, 2), (0,)) + step_menu(MAX_QUERIES, (step.step_keep(False, drafter.architecture),)))
+    head = drafter.reads_features
     size = (drafter.cache.batch_size, drafter.cache.capacity)
     if not drafter.cache.buffers:
         if size in runner.prepared_sizes:
             return
         step.pack_buffers(drafter.model, drafter.cache, drafter.architecture, head)
         runner.prepared_sizes.add(size)
-    step.prepare_steps(drafter.model, drafter.cache, runner, drafter.attention, drafter.architecture, menu, head=head)
+    step.prepare_steps(drafter.model, drafter.cache, runner, drafter.attention, drafter.architecture,
+                       draft_menu(drafter), head=head)
+
+
+def draft_menu(drafter) -> tuple[tuple[int, int], ...]:
+    """The steps a drafter's serial rounds may replay (prepare_steps): a draft head's keep every query's logits; a
+    draft model's expansions keep them, its catch-ups (which run whatever is pending first) keep none."""
+    if drafter.reads_features:
+        return step_menu(MAX_QUERIES, (0,))
+    catch_up = step.step_keep(False, drafter.architecture)
+    return step_menu(max(drafter.width, 2), (0,)) + step_menu(MAX_QUERIES, (catch_up,))
 
 
 def expand_and_choose(draft: Drafters, policy, rows: list[int], probing: bool, proposed: AdaptiveProposed,

@@ -282,7 +282,8 @@ def forward(model, cache: TreeCache, kwargs: dict, keep, hidden: bool = False) -
     return out.logits.float(), None
 
 
-RECOMPILES = 64  # compiled layer variants dynamo may keep while a step is captured: shapes, models, capacities
+RECOMPILES = 256  # compiled layer variants dynamo may keep: a step shape, model and capacity each (a lone call
+# prepares about a dozen per model and row count: capture.step_menu; past the limit dynamo runs the layers uncompiled)
 
 
 @contextlib.contextmanager
