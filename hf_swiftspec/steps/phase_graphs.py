@@ -21,6 +21,7 @@ from typing import Callable
 
 from .replay import Replay, ReplayRunner, Tensors
 
+
 @dataclass
 class PhaseRunner(ReplayRunner):
     """One call's replayed phases, by key (module docstring): `graphs` holds a Replay per key (its static inputs, the
