@@ -40,10 +40,11 @@ class SwiftSpecConfig(PreTrainedConfig):
         capture: how the round runs its forwards (capture.py): "auto" (default) replays them as CUDA
             graphs on CUDA and runs them eagerly elsewhere; False always eagerly; True replays on CUDA
             and, on a CPU, runs a stand-in with a graph's semantics that checks the replayed path
-            (slower than eager: for tests). A bucket's first step captures it (about one forward more).
+            (slower than eager: for tests). A lone call captures every bucket its models may replay before its
+            first round (about two forwards each: steps/capture.py's step_menu), once per rows and capacity.
         compile: run the models' decoder layers through torch.compile in the round's fixed steps (with
-            capture: inside the graphs; on a CPU without capture: each step compiled, no graph). The
-            first step of each new shape family compiles (seconds to a minute), once per process.
+            capture: inside the graphs; on a CPU without capture: each step compiled, no graph). Each step
+            shape compiles (seconds to a minute) once per process; a lone call compiles them before its first round.
         worker_timeout_s: longest wait for the other worker of the asynchronous engine before
             generate() raises (a dead or stuck worker never hangs a call).
         serial_fallback: with the draft on a device (and thread) of its own in this process, or in its own

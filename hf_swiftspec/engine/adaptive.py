@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from ..drafters.drafting import Drafters
 from ..policy.goodput import GoodputPolicy
 from ..stats import PhaseClock, SwiftSpecStats
+from ..steps import step
+from ..steps.capture import MAX_QUERIES, step_menu
 from ..steps.tree import Proposal
 from ..steps.verify import Verified
 from .request import BatchRows, DecodeRequest, DecodeResult
@@ -25,7 +27,7 @@ from .workers import TargetWorker
 
 def run_serial(target: TargetWorker, draft: Drafters, request: DecodeRequest) -> DecodeResult:
     """The round (engine/rounds.py) on the adaptive sides."""
-    return run_rounds(AdaptiveSides(target, draft, request.policy), request)
+    return run_rounds(AdaptiveSides(target, draft, request.policy, prepare=True), request)
 
 
 @dataclass
@@ -48,9 +50,14 @@ class AdaptiveSides:
 
     name = "serial"
 
-    def __init__(self, target: TargetWorker, draft: Drafters, policy: GoodputPolicy, latency_guard: bool = False):
+    def __init__(self, target: TargetWorker, draft: Drafters, policy: GoodputPolicy, latency_guard: bool = False,
+                 prepare: bool = False):
         self.target, self.draft, self.policy = target, draft, policy
         self.latency_guard = latency_guard  # the policy's latency guard sizes the trees (a running batch's rounds)
+        # replayed steps captured (or compiled) before the rounds for every shape they may take, at the start and when
+        # rows leave (prepare_steps): a lone call's. A running batch's rows join and leave every few rounds, each time
+        # over another cache layout: it captures the steps it runs, in rounds the policy then leaves unpriced
+        self.prepare = prepare
         self.samplers: list = []
         self.clock = PhaseClock.on(target.device, policy.engines.clock)  # the round's phases (the stats' breakdown)
         target.clock = self.clock  # the worker times its verification's phases on it
@@ -60,6 +67,8 @@ class AdaptiveSides:
         self.target.prefill(request.prompt, request.contexts, request.attention_mask)
         self.draft.start(request.prompt_ids(), self.target.prompt_features)
         self.target.prompt_features = None  # the head keeps what it needs of them (fused: a third of their width)
+        if self.prepare:
+            prepare_steps(self.target, self.draft, self.policy.max_budget)
 
     def start_in_pieces(self, request: DecodeRequest, piece: int):
         """start() for one row, its prompt prefilled `piece` tokens per forward: a generator that yields
@@ -123,6 +132,8 @@ class AdaptiveSides:
     def keep_rows(self, order: list[int]) -> None:
         self.target.keep_rows(order)
         self.draft.keep_rows(order)
+        if self.prepare:  # fewer rows: the caches' buffers narrowed, a layout of their own
+            prepare_steps(self.target, self.draft, self.policy.max_budget)
 
     def absorb(self, other: "AdaptiveSides") -> None:
         """Take `other`'s rows (sides of the same pair, started on their prompts) in after this one's: rows
@@ -140,6 +151,40 @@ def setup_s(target: TargetWorker | None, draft: Drafters | None) -> float:
     worker this rank does not hold is None."""
     runners = (getattr(w, "runner", None) for w in (target, draft and draft.model) if w is not None)
     return sum(g.setup_s for g in runners if g is not None)
+
+
+def prepare_steps(target: TargetWorker, draft: Drafters, max_budget: int) -> None:
+    """Capture (or compile) every step each model may replay over its cache now, before a round runs one (capture.py,
+    step.prepare_steps): the target's verifications of up to the largest tree the policy may pick; a draft model's
+    expansions of up to `width` leaves (a fresh tree's: its root and the one token pending after a catch-up) and its
+    catch-ups of up to MAX_QUERIES tokens; a draft head's steps of up to MAX_QUERIES queries (its pending tokens run
+    along with the root). A draft whose cache has not run a forward gets its buffers first, unless an earlier call
+    prepared a fresh cache of its rows and capacity: its first forward then packs into those same buffers."""
+    if target.runner is not None:
+        step.prepare_steps(target.model, target.cache, target.runner, target.attention, target.architecture,
+                           step_menu(max_budget, (0,)), tap=target.tap)
+    drafter = draft.model
+    runner = getattr(drafter, "runner", None)
+    if runner is None:
+        return
+    head = drafter.reads_features
+    size = (drafter.cache.batch_size, drafter.cache.capacity)
+    if not drafter.cache.buffers:
+        if size in runner.prepared_sizes:
+            return
+        step.pack_buffers(drafter.model, drafter.cache, drafter.architecture, head)
+        runner.prepared_sizes.add(size)
+    step.prepare_steps(drafter.model, drafter.cache, runner, drafter.attention, drafter.architecture,
+                       draft_menu(drafter), head=head)
+
+
+def draft_menu(drafter) -> tuple[tuple[int, int], ...]:
+    """The steps a drafter's serial rounds may replay (prepare_steps): a draft head's keep every query's logits; a
+    draft model's expansions keep them, its catch-ups (which run whatever is pending first) keep none."""
+    if drafter.reads_features:
+        return step_menu(MAX_QUERIES, (0,))
+    catch_up = step.step_keep(False, drafter.architecture)
+    return step_menu(max(drafter.width, 2), (0,)) + step_menu(MAX_QUERIES, (catch_up,))
 
 
 def expand_and_choose(draft: Drafters, policy, rows: list[int], probing: bool, proposed: AdaptiveProposed,

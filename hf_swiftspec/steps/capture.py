@@ -21,6 +21,11 @@ EAGLE-3 head's or an MTP layer's hooks) replays too: its hooks run at capture on
 step takes the tap's states as a second output, and each replay hands the tap a copy. A draft head's
 own steps replay the same way, its hidden output (what the tree's next depth reads) the second output.
 
+StepRunner is replay.py's runner (what the device round's PhaseRunner is too: static inputs, one memory pool,
+the capture after a warm-up on a side stream, the "emulate" stand-in, a refused bucket run eagerly with its
+reason); what is a step's own is here: buckets of queries, the TreeCache's slots and host bookkeeping, taps, and
+compiled layers.
+
 Backends (`StepRunner.backend`):
   "cuda"     torch.cuda.CUDAGraph, one per bucket, captured the first time the bucket runs (after one
              eager warm-up run on a side stream), sharing one memory pool per model.
@@ -42,12 +47,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from dataclasses import dataclass, field
 
 import torch
 
 from .cache import BufferPool, TreeCache
+from .replay import Replay, ReplayRunner
 from ..models.compat import forward_cache_argument
 
 MAX_QUERIES = 64  # queries per row replayed at most; a larger step (a long catch-up) runs eagerly
@@ -58,6 +63,15 @@ def query_bucket(queries: int) -> int | None:
     """The bucket (a power of two) a step of `queries` queries per row is padded to; None past MAX_QUERIES."""
     bucket = 1 << max(queries - 1, 0).bit_length()
     return bucket if bucket <= MAX_QUERIES else None
+
+
+def step_menu(most_queries: int, keeps: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """Every step a worker whose steps hold up to `most_queries` queries a row may replay: (keep, query bucket) for
+    each of its `keeps` (step.step_keep) and each bucket up to query_bucket(most_queries) (at most MAX_QUERIES: a
+    larger step runs eagerly). A few per model (the buckets are powers of two), which its runner prepares before the
+    rounds (step.prepare_steps)."""
+    largest = query_bucket(min(most_queries, MAX_QUERIES))
+    return tuple((keep, 1 << i) for keep in keeps for i in range(largest.bit_length()))
 
 
 def capacity_bucket(needed: int) -> int:
@@ -100,26 +114,31 @@ def capture_gap(architecture) -> str | None:
 
 
 @dataclass
-class Bucket:
+class Bucket(Replay):
     """One captured forward and the static tensors it reads and writes.
 
     inputs: {name: tensor} static copies of what changes between steps (ids (B, Q), positions (B, Q), masks or
         the kernel's lengths and bits: attention.fixed_step_inputs); index: (B, Q) long, the slot each query
-        writes; logits: (B, Q, V) float32, the output
+        writes; outputs: "logits" (B, Q, V) float32 and, for a tapped target or a draft head, "extra"
     """
 
-    inputs: dict[str, torch.Tensor]
-    index: torch.Tensor
-    logits: torch.Tensor | None = None
-    extra: torch.Tensor | None = None  # a tapped target's states (B, Q, D) (its tap's take()), or a draft head's hidden (B, Q, H)
-    graph: object = None
+    index: torch.Tensor | None = None
     snapshot: tuple = ()  # "emulate": the cache's host bookkeeping at capture
-    replays: int = 0
+
+    @property
+    def logits(self) -> torch.Tensor:
+        return self.outputs["logits"]
+
+    @property
+    def extra(self) -> torch.Tensor | None:
+        """A tapped target's states (B, Q, D) (its tap's take()), or a draft head's hidden (B, Q, H)."""
+        return self.outputs.get("extra")
 
 
 @dataclass
-class StepRunner:
-    """One model's captured forwards, by bucket, and the buffers its TreeCache packs into.
+class StepRunner(ReplayRunner):
+    """One model's captured forwards, by bucket, and the buffers its TreeCache packs into (replay.py's runner, whose
+    `graphs` are its buckets).
 
     backend: "cuda", "compiled" or "emulate" (module docstring).
     compile_layers: whether the captured forward runs the decoder layers compiled (module docstring).
@@ -130,18 +149,21 @@ class StepRunner:
         costs, so the goodput policy learns nothing from a round that paid some (engine/adaptive.py).
     """
 
-    backend: str
     compile_layers: bool = False
     pool: BufferPool = field(default_factory=BufferPool)
-    buckets: dict[tuple, Bucket] = field(default_factory=dict)
-    refused: dict[tuple, str] = field(default_factory=dict)
-    fallbacks: set[str] = field(default_factory=set)
-    captures: int = 0
-    memory_pool: object = None
     compiled: dict = field(default_factory=dict)  # per decoder layer, its torch.compile'd call
     capacities: set = field(default_factory=set)  # positions per row of the caches packed into `pool` so far
     compiled_keys: set = field(default_factory=set)  # "compiled": the step shapes run (and so compiled) so far
-    setup_s: float = 0.0
+    prepared: set = field(default_factory=set)  # (layout_key, menu) of the caches whose steps were prepared
+    prepared_sizes: set = field(default_factory=set)  # (rows, capacity) of caches prepared before their first forward
+
+    @property
+    def buckets(self) -> dict[tuple, Bucket]:
+        return self.graphs
+
+    @property
+    def captures(self) -> int:
+        return self.captured
 
     def forward(self, model, cache: TreeCache, kwargs: dict, keep, hidden: bool = False):
         """`forward` below, with the decoder layers compiled when compile_layers."""
@@ -163,9 +185,15 @@ class StepRunner:
         return capacity
 
     def bucket_key(self, cache: TreeCache, tensors: dict, keep, tap=None) -> tuple:
-        buffers = tuple((b.data.data_ptr(), tuple(b.data.shape), b.data.stride()) for b in cache.buffers)
+        """What a step's graph bakes in: its inputs' shapes, its logits kept, and its cache's layout."""
         shapes = tuple((name, tuple(t.shape), t.dtype) for name, t in sorted(tensors.items()))
-        return shapes, str(keep), buffers, tap.key if tap is not None else None
+        return shapes, str(keep), *self.layout_key(cache, tap)
+
+    @staticmethod
+    def layout_key(cache: TreeCache, tap=None) -> tuple:
+        """The cache's buffers (addresses, shapes: its rows and capacity) and the tap a step over it hands states to."""
+        buffers = tuple((b.data.data_ptr(), tuple(b.data.shape), b.data.stride()) for b in cache.buffers)
+        return buffers, tap.key if tap is not None else None
 
     def run(self, model, cache: TreeCache, tensors: dict, build, keep, tap=None,
             hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -184,26 +212,17 @@ class StepRunner:
             with self.setting_up() if first else contextlib.nullcontext():
                 return self.forward(model, cache, build(tensors), keep, hidden)
         bucket = self.buckets.get(key)
-        if bucket is None and key not in self.refused:
+        if bucket is None and self.refusal(key) is None:
             with self.setting_up():
                 bucket = self.capture(key, model, cache, tensors, build, keep, tap, hidden)
             if bucket is not None:
                 return self.outputs(bucket, tap)  # the capture ran the step itself
+            self.refusal(key)
         if bucket is None:
-            self.fallbacks.add(self.refused[key])
             return self.forward(model, cache, build(tensors), keep, hidden)
         load(bucket, cache, tensors)
-        self.replay(bucket, cache, tap)
+        self.replay_step(bucket, cache, tap)
         return self.outputs(bucket, tap)
-
-    @contextlib.contextmanager
-    def setting_up(self):
-        """Adds the block's time to setup_s (a capture's, a first compile's)."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.setup_s += time.perf_counter() - start
 
     @staticmethod
     def outputs(bucket: Bucket, tap) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -216,60 +235,38 @@ class StepRunner:
         return bucket.logits.clone(), extra
 
     def capture(self, key, model, cache, tensors: dict, build, keep, tap=None, hidden: bool = False) -> Bucket | None:
-        """A new bucket for this step, run once; None (and the reason kept) when its capture fails."""
-        bucket = Bucket({name: t.clone() for name, t in tensors.items()}, cache.step_slots().clone())
+        """A new bucket for this step, run once; None (and the reason kept) when its capture fails. On CUDA the
+        warm-up writes the step's KV and the replay after the capture writes the same: a step may run twice."""
+        bucket = Bucket({name: t.clone() for name, t in tensors.items()}, index=cache.step_slots().clone())
         cache.write_through(bucket.index)  # the forward reads the static index from now on
         kwargs = build(bucket.inputs)
 
-        def step(live: TreeCache = cache, live_tap=tap):  # a graph reads the buffers' addresses, whichever cache holds them
+        def step(live: TreeCache = cache, live_tap=tap) -> dict:  # a graph reads the buffers' addresses, whichever cache holds them
             logits, extra = self.forward(model, live, kwargs, keep, hidden)
-            return logits, live_tap.take() if live_tap is not None else extra  # the tap's states join the outputs
+            extra = live_tap.take() if live_tap is not None else extra  # the tap's states join the outputs
+            return {"logits": logits} if extra is None else {"logits": logits, "extra": extra}
 
+        bucket.call = step
         try:
             if self.backend == "cuda":
-                bucket.graph, (bucket.logits, bucket.extra) = self.capture_cuda(step)
+                self.warm_up(step)
+                bucket.graph, bucket.outputs = self.record(step)
+                bucket.graph.replay()
             else:
-                bucket.logits, bucket.extra = step()
-                bucket.graph, bucket.snapshot = step, cache.host_state()
+                bucket.outputs, bucket.snapshot = step(), cache.host_state()
         except Exception as error:  # noqa: BLE001  (any failure: this bucket runs eagerly, and says why)
-            self.refused[key] = f"capture failed ({type(error).__name__}: {str(error).splitlines()[0][:120]})"
-            if self.backend == "cuda":
-                torch.cuda.synchronize()
+            self.refuse(key, "capture", error)
             return None  # run() adds the reason and runs the step eagerly
-        self.buckets[key] = bucket
-        self.captures += 1
-        return bucket
+        return self.keep(key, bucket)
 
-    def capture_cuda(self, step):
-        """(graph, output) of `step`, captured after one eager warm-up on a side stream (which also writes
-        the step's KV: the replay writes the same)."""
-        if self.memory_pool is None:
-            self.memory_pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: the asynchronous engine's other worker (a thread, or a thread waiting on a message) keeps
-        # launching and syncing on its own stream meanwhile; only this thread's calls could break this capture
-        with torch.cuda.graph(graph, pool=self.memory_pool, capture_error_mode="thread_local"):
-            out = step()
-        graph.replay()
-        return graph, out
-
-    def replay(self, bucket: Bucket, cache: TreeCache, tap=None) -> None:
-        bucket.replays += 1
+    def replay_step(self, bucket: Bucket, cache: TreeCache, tap=None) -> None:
         if self.backend == "cuda":
-            bucket.graph.replay()
+            self.replay(bucket)
             return
         live = cache.host_state()  # "emulate": the forward sees the host values of its capture, as a graph would
         cache.set_host_state(bucket.snapshot)
         try:
-            logits, extra = bucket.graph(cache, tap)  # (a tap's hooks run, but the step takes their states itself)
-            bucket.logits.copy_(logits)
-            if extra is not None:
-                bucket.extra.copy_(extra)
+            self.replay(bucket, cache, tap)  # (a tap's hooks run, but the step takes their states itself)
         finally:
             cache.set_host_state(live)
 
@@ -285,7 +282,8 @@ def forward(model, cache: TreeCache, kwargs: dict, keep, hidden: bool = False) -
     return out.logits.float(), None
 
 
-RECOMPILES = 64  # compiled layer variants dynamo may keep while a step is captured: shapes, models, capacities
+RECOMPILES = 256  # compiled layer variants dynamo may keep: a step shape, model and capacity each (a lone call
+# prepares about a dozen per model and row count: capture.step_menu; past the limit dynamo runs the layers uncompiled)
 
 
 @contextlib.contextmanager
@@ -312,8 +310,7 @@ def compiled_layers(model, compiled: dict):
 
 def load(bucket: Bucket, cache: TreeCache, tensors: dict) -> None:
     """Copy a step's live inputs (and the cache's write slots) into its bucket's static tensors."""
-    for name, tensor in tensors.items():
-        bucket.inputs[name].copy_(tensor)
+    bucket.load(tensors)
     bucket.index.copy_(cache.step_slots())
     cache.write_through(bucket.index)
 
@@ -343,7 +340,7 @@ class Captures:
             return None
         kept = self.runners.get(role)
         if kept is None or (kept.backend, kept.compile_layers) != (backend, compile_layers):
-            kept = self.runners[role] = StepRunner(backend, compile_layers)
+            kept = self.runners[role] = StepRunner(backend, compile_layers=compile_layers)
         return kept
 
     def clear(self) -> None:

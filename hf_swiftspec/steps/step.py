@@ -80,7 +80,7 @@ def run_step(
         unless it is larger than any bucket (then it runs eagerly, as without).
     tap: the target's hidden-state tap for a draft head, which a replayed step hands its states (StepRunner.run).
     """
-    keep = 0 if logits else NO_LOGITS if architecture.headless else 1
+    keep = step_keep(logits, architecture)
     bucket = replay_bucket(runner, cache, rows)
     if bucket is not None:
         return replayed_step(model, cache, rows, attention, architecture, fallbacks, keep, runner, bucket, tap)
@@ -92,6 +92,51 @@ def run_step(
         elif attention in ("triton", "torch-reference") and not layout.single:
             fallbacks.add("batches of several rows")
     return [out[b, : counts[b]] for b in range(len(rows))] if logits else []
+
+
+def step_keep(logits: bool, architecture: Architecture) -> int:
+    """run_step's `keep` (model_step's): every query's logits, or (a catch-up) none, or the last query's where a
+    headless model cannot skip its head."""
+    return 0 if logits else NO_LOGITS if architecture.headless else 1
+
+
+def prepare_steps(model, cache: TreeCache, runner: StepRunner, attention: str, architecture: Architecture,
+                  menu: tuple[tuple[int, int], ...], tap=None, head: bool = False) -> int:
+    """Capture (or compile) every step of `menu` ((keep, queries a row) pairs: capture.step_menu) over `cache`, so that
+    no step of the rounds that follow captures one: each a replayed step of padding queries alone, which write the
+    cache's scratch slot and leave its rows as they were. Once per cache layout (the runner's buffers and rows);
+    returns the steps run (0: none, or a cache that has not run a forward: pack_buffers). A tap's states from these
+    steps are dropped; a draft head's (`head`) steps take zero hidden inputs."""
+    layout = (runner.layout_key(cache, tap), menu)
+    if not cache.buffers or layout in runner.prepared:
+        return 0
+    rows = padding_rows(model, cache.batch_size, head)
+    for keep, queries in menu:
+        replayed_step(model, cache, rows, attention, architecture, None, keep, runner, queries, tap, head=head)
+        if tap is not None:
+            tap.take()  # the states a padding step handed the tap: no forward of the call's
+    runner.prepared.add(layout)
+    return len(menu)
+
+
+def pack_buffers(model, cache: TreeCache, architecture: Architecture, head: bool = False) -> None:
+    """Give a cache that has not run a forward its buffers (cache.py packs them after the first forward) with a
+    forward of padding queries alone, so its steps can be prepared before the rounds (prepare_steps). The forward's
+    one query writes slot 0 and takes no position: the rows stay empty, and their first forward writes it over."""
+    rows = padding_rows(model, cache.batch_size, head)
+    if head:
+        run_head_step(model, cache, rows, architecture, logits=False)
+    else:
+        run_step(model, cache, rows, "sdpa", architecture, logits=False)
+
+
+def padding_rows(model, batch_size: int, head: bool) -> list[RowQueries]:
+    """Rows that sit a step out (a draft head's with its (0, H) hidden inputs)."""
+    rows = [RowQueries.none(model.device) for _ in range(batch_size)]
+    if head:
+        for row in rows:
+            row.inputs = torch.zeros(0, model.hidden_size, dtype=model.dtype, device=model.device)
+    return rows
 
 
 def replay_bucket(runner: StepRunner | None, cache: TreeCache, rows: list[RowQueries]) -> int | None:
