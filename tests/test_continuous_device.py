@@ -15,7 +15,7 @@ import torch
 from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
 from hf_swiftspec import SwiftSpecForCausalLM
-from hf_swiftspec.engine import continuous, device_pool, device_sides, rounds
+from hf_swiftspec.engine import continuous, device_phases, device_pool, rounds
 from hf_swiftspec.engine.continuous_device import DeviceContinuousEngine
 from hf_swiftspec.engine.device_pool import SlotPool, bucket_for
 from hf_swiftspec.engine.device_sides import DeviceSides
@@ -212,7 +212,7 @@ def test_what_the_device_batch_cannot_decode_is_refused_by_name(target):
 
 def test_bucket_for_rounds_up_to_a_power_of_two():
     assert [bucket_for(n) for n in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, 16]
-    assert device_sides.processors_signature(None) == ()
+    assert device_phases.processors_signature(None) == ()
 
 
 def test_serve_round_device_flag_and_one_request_through_it(monkeypatch):

@@ -32,8 +32,8 @@ from ..steps.slot_cache import SlotCache
 from ..steps.acceptance import split_criteria
 from . import continuous
 from .continuous import BatchBroken, ContinuousEngine, Joining, Member
-from .device_pool import RowsOnDevice, SlotPool, Slots, capacity_bucket, power_of_two
-from .device_sides import EOS_WIDTH, DeviceSides, RowOnHost, row_values, set_rows
+from .device_pool import RowsOnDevice, SlotPool, Slots, capacity_bucket, power_of_two, row_values, set_rows
+from .device_sides import EOS_WIDTH, DeviceSides, RowOnHost
 
 
 class Prefill:

@@ -169,3 +169,25 @@ class SlotPool:
         for key in [k for k in self.sets if k[1] < capacity]:
             del self.sets[key]
         self.drop_unkept_graphs()
+
+
+STATE_FIELDS = ("prefix_lens", "roots", "budgets", "positions", "seeds", "noise_rows", "sampled")
+
+
+def row_values(sampler, root: int, committed: int, budget: int, context: int, eos: set[int],
+               eos_width: int) -> list[int]:
+    """A row's device state as host ints, in set_rows' order: STATE_FIELDS, then its EOS ids padded to eos_width (a
+    row has at most eos_width: the sides size it to the call's)."""
+    sampled = bool(sampler is not None and sampler.do_sample)
+    ids = sorted(eos)
+    return [committed, root, budget, context, sampler.draw_seed() if sampled else 0,
+            sampler.row if sampler is not None else 0, int(sampled), *ids, *[-1] * (eos_width - len(ids))]
+
+
+def set_rows(rows: RowsOnDevice, state: torch.Tensor, at: int) -> None:
+    """Rows at, at + 1, ... of `rows` from state (n, 7 + E) long (row_values' layout), in place."""
+    n = state.shape[0]
+    for i, name in enumerate(STATE_FIELDS):
+        target = getattr(rows, name)
+        target[at : at + n] = state[:, i].to(target.dtype)
+    rows.eos[at : at + n] = state[:, len(STATE_FIELDS) :]

@@ -7,7 +7,6 @@ DecodeResult back.
 from __future__ import annotations
 
 import contextlib
-import time
 
 from ..config import MAX_BUDGET, SwiftSpecConfig
 from ..drafters.draft_model import DraftModelDrafter, window_for
