@@ -10,6 +10,8 @@ like every method's.
     python examples/compare_versions.py --before HEAD~3 [swiftspec bench options, e.g. --pair shape:smollm2-135m
         --batch-sizes 1,4 --threads 1 --methods target,swiftspec_serial]
     python examples/compare_versions.py --before HEAD~3 --before-compile --methods target,swiftspec_compiled
+    python examples/compare_versions.py --before HEAD~3 --before-rounds host,device \
+        --methods target,prompt_lookup,swiftspec_serial,swiftspec_device   # each round against its earlier self
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def import_revision(revision: str, name: str = "hf_swiftspec_before"):
     return importlib.import_module(name)
 
 
-def before_method(package, models, settings: dict, seed: int, label: str) -> Method:
+def before_method(package, models, settings: dict, seed: int, label: str, name: str = "swiftspec_before") -> Method:
     """The earlier revision's swiftspec on the same models, as a bench method."""
     model = package.SwiftSpecForCausalLM.from_models(models.target, models.draft, **settings)
 
@@ -63,13 +65,16 @@ def before_method(package, models, settings: dict, seed: int, label: str) -> Met
 
         return restore
 
-    return Method("swiftspec_before", label, generate, stats=lambda: model.swiftspec_stats,
+    return Method(name, label, generate, stats=lambda: model.swiftspec_stats,
                   settings={"revision": label}, batched=not settings.get("compile"), checkpoint=checkpoint)
 
 
 def main() -> None:
     outer = argparse.ArgumentParser(add_help=False)
     outer.add_argument("--before", required=True, help="the git revision to compare with (e.g. HEAD~3, a commit)")
+    outer.add_argument("--before-rounds", default=None,
+                       help="comma-separated SwiftSpecConfig rounds to time the earlier revision with, each a method of "
+                       "its own (swiftspec_before_host, swiftspec_before_device); default: its default round")
     outer.add_argument("--before-compile", action="store_true",
                        help="time the earlier revision with compile=True (compare with --methods ...,swiftspec_compiled)")
     known, rest = outer.parse_known_args()
@@ -78,8 +83,13 @@ def main() -> None:
     package = import_revision(known.before)
     models = load_models(config, [])
     settings = swiftspec_settings(models, config) | ({"compile": True} if known.before_compile else {})
-    extra = before_method(package, models, settings, config.seed, f"swiftspec at {known.before}")
-    config = dataclasses.replace(config, models=models, extra_methods=(extra,))
+    if known.before_rounds:
+        extra = tuple(before_method(package, models, settings | {"round": name}, config.seed,
+                                    f"swiftspec at {known.before}, round={name}", f"swiftspec_before_{name}")
+                      for name in known.before_rounds.split(","))
+    else:
+        extra = (before_method(package, models, settings, config.seed, f"swiftspec at {known.before}"),)
+    config = dataclasses.replace(config, models=models, extra_methods=extra)
     report = run_bench(config)
     print(markdown_report(report))
 

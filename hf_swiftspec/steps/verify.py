@@ -244,35 +244,38 @@ def verify_rows(logits: list, subtrees: list, contexts: list, samplers: list[Sam
 def walk_together(logits: list, subtrees: list[Subtree], contexts: list, samplers: list[Sampler],
                   rules: list[StopRule], max_tokens: list[int]) -> list[Verified]:
     """Path-free rows' walks: each row's choices after every node (its processors over all its nodes at once, then
-    argmax or its Gumbel-max), the rows' subtrees padded to one (n, T) DeviceSubtree, one walk_subtree, one read."""
+    argmax or its Gumbel-max), the rows' subtrees in one (n, T) DeviceSubtree made of one host tensor, one
+    walk_subtree, one read."""
     if not subtrees:
         return []
     device = logits[0].device
     T = max(len(s) for s in subtrees)
-    chosen, fields, masks = [], [], []
+    E = max([0] + [len(r.eos) for r in rules])
+    chosen, packed = [], []
     for row, subtree, context, sampler, rule, limit in zip(logits, subtrees, contexts, samplers, rules, max_tokens):
-        n = len(subtree)
-        mask, _ = subtree_mask(subtree.parents, device)
-        depth_list = []
-        for p in subtree.parents:  # host ints (parents precede children): no read of the device
-            depth_list.append(depth_list[p] + 1 if p >= 0 else 0)
+        n, pad = len(subtree), T - len(subtree)
+        depths, bits = [], []
+        for i, p in enumerate(subtree.parents):  # host ints (parents precede children): no read of the device
+            depths.append(depths[p] + 1 if p >= 0 else 0)
+            bits.append((bits[p] if p >= 0 else 0) | (1 << i))
         # processors may write into the scores they get: give them a copy, or nothing to copy when there are none
-        chosen.append(sampler.choose_rows(context, row.clone() if sampler.logits_processor else row, depth_list))
+        chosen.append(sampler.choose_rows(context, row.clone() if sampler.logits_processor else row, depths))
         eos = sorted(rule.eos)
-        fields.append((subtree, depth_list, rule.budget(limit, context.shape[1]), eos))
-        masks.append(torch.nn.functional.pad(mask, (0, T - n, 0, T - n)))
-    E = max([1] + [len(f[3]) for f in fields])
-    host = torch.tensor([s.tokens + [0] * (T - len(s)) + s.parents + [-1] * (T - len(s)) + d + [0] * (T - len(s))
-                         + [budget] + e + [-1] * (E - len(e)) for s, d, budget, e in fields], dtype=torch.long)
-    host = host.to(device)  # one copy: every row's tokens, parents, depths, budget and EOS ids
-    padding = torch.arange(T, device=device)[None] >= torch.tensor([len(s) for s in subtrees], device=device)[:, None]
-    mask = torch.stack(masks) | (torch.eye(T, dtype=torch.bool, device=device) & padding[:, :, None])
-    tokens, parents, depths = host[:, :T], host[:, T : 2 * T], host[:, 2 * T : 3 * T]
-    # (node_ids and scores: the walk reads neither)
-    sub = DeviceSubtree(node_ids=tokens, tokens=tokens, parents=parents, scores=None, valid=~padding, depths=depths,
-                        mask=mask)
-    choices = torch.stack([torch.nn.functional.pad(c, (0, T - c.shape[0])) for c, _ in chosen])
-    walk = walk_subtree(choices, sub, host[:, 3 * T], host[:, 3 * T + 1 :])
+        packed.append(subtree.tokens + [0] * pad + subtree.parents + [-1] * pad + depths + [0] * pad
+                      + [1] * n + [0] * pad + [rule.budget(limit, context.shape[1])] + eos + [-1] * (E - len(eos))
+                      + (bits + [1 << (n + k) for k in range(pad)] if T <= 62 else []))
+    host = torch.tensor(packed, dtype=torch.long).to(device)  # one copy: tokens, parents, depths, budgets, EOS, bits
+    if T <= 62:  # each node's ancestor bits in one int64: the (n, T, T) mask in three operations
+        bits = host[:, 4 * T + 1 + E :]
+        mask = (bits[:, :, None] >> torch.arange(T, device=device)) & 1 > 0
+    else:
+        mask = torch.stack([padded_mask(s.parents, T, device) for s in subtrees])
+    sub = DeviceSubtree(node_ids=host[:, :T], tokens=host[:, :T], parents=host[:, T : 2 * T], scores=None,
+                        valid=host[:, 3 * T : 4 * T] > 0, depths=host[:, 2 * T : 3 * T], mask=mask)  # (ids, scores: unread)
+    choices = [c for c, _ in chosen]
+    choices = torch.stack([torch.nn.functional.pad(c, (0, T - c.shape[0])) for c in choices]) if len(choices) > 1 or \
+        choices[0].shape[0] < T else choices[0][None]
+    walk = walk_subtree(choices, sub, host[:, 4 * T], host[:, 4 * T + 1 : 4 * T + 1 + E] if E else None)
     read = torch.cat([round_result(walk), walk.path], dim=1).tolist()  # the walks' one read: counts, flags, tokens, paths
     out = []
     for (_, scores), row, context, rule, result in zip(chosen, logits, contexts, rules, read):
@@ -287,6 +290,14 @@ def walk_together(logits: list, subtrees: list[Subtree], contexts: list, sampler
             verified.finished = True
         out.append(verified)
     return out
+
+
+def padded_mask(parents: list[int], T: int, device) -> torch.Tensor:
+    """A subtree's ancestor-or-self mask (n, n) padded to (T, T), each padding node its own ancestor alone."""
+    mask, _ = subtree_mask(parents, device)
+    n = len(parents)
+    return torch.nn.functional.pad(mask, (0, T - n, 0, T - n)) | torch.eye(T, dtype=torch.bool, device=device) & (
+        torch.arange(T, device=device) >= n)[:, None]
 
 
 def walk_nodes(logits, children: dict, context, sampler: Sampler, stopping_criteria, max_tokens: int) -> Verified:
