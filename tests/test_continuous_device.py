@@ -16,6 +16,7 @@ from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
 from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.engine import continuous, device_phases, device_pool, rounds
+from hf_swiftspec.steps import capture as replayed_steps
 from hf_swiftspec.engine.continuous_device import DeviceContinuousEngine
 from hf_swiftspec.engine.device_pool import SlotPool, bucket_for
 from hf_swiftspec.engine.device_sides import DeviceSides
@@ -111,7 +112,7 @@ def test_rows_joining_and_leaving_a_bucketed_batch_equal_target_generate(target,
     batch's caches hold grows them (a new capacity). Replayed: one graph per phase per bucket, whatever row counts
     the bucket held and however often the batch came back to it (one per live length it reached)."""
     poison_unused_slots(monkeypatch)
-    monkeypatch.setattr(device_pool, "SMALLEST", 32)  # small capacities, so requests outgrow them
+    monkeypatch.setattr(replayed_steps, "SMALLEST_CAPACITY", 32)  # small capacities, so requests outgrow them
     seen = watch_rounds(monkeypatch)
     pair = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), capture=capture, **DEVICE)
     engine = pair.continuous_engine()

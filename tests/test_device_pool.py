@@ -8,7 +8,8 @@ import torch
 
 from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.engine import device_pool
-from hf_swiftspec.engine.device_pool import bucket_for, capacity_bucket
+from hf_swiftspec.engine.device_pool import bucket_for
+from hf_swiftspec.steps.capture import capacity_bucket
 from hf_swiftspec.tools.models import left_padded, tiny_model, truncated_draft
 
 SETTINGS = dict(round="device", ngram_size=0, draft_depth=2, draft_width=2, tree_budget=4, capture=True)

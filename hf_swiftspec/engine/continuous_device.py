@@ -26,13 +26,13 @@ from collections import Counter
 import torch
 
 from ..drafters.device_drafters import device_drafter
-from ..steps.capture import capture_backend
+from ..steps.capture import capacity_bucket, capture_backend, power_of_two
 from ..steps.device_round import to_device
 from ..steps.slot_cache import SlotCache
 from ..steps.acceptance import split_criteria
 from . import continuous
 from .continuous import BatchBroken, ContinuousEngine, Joining, Member
-from .device_pool import RowsOnDevice, SlotPool, Slots, capacity_bucket, power_of_two, row_values, set_rows
+from .device_pool import RowsOnDevice, SlotPool, Slots, row_values, set_rows
 from .device_sides import EOS_WIDTH, DeviceSides, RowOnHost
 
 

@@ -5,7 +5,7 @@ running batch (its engine keeps one) alike.
 A replayed phase bakes in the buffers it reads and writes (steps/phase_graphs.py keys a graph by their addresses):
 the two models' slot caches and the rows' device state. So the pool keeps them together, one `Slots` per (rows,
 capacity, layers): rows a power of two (a batch of 3 runs in the 4-row slots, one row dead: `bucket_for`), capacity
-a power of two of at least SMALLEST slots (`capacity_bucket`), so calls and batches of nearby sizes share them and
+a power of two of at least 256 slots (capture.capacity_bucket, the host round's replayed caches' too), so calls and batches of nearby sizes share them and
 their graphs. When rows finish or join, the rows that stay move into the slots of their bucket (a device copy), whose
 graphs replay too. Slots past a row's prefix may hold an earlier call's KV: no mask lets a query see a slot beyond its
 row's prefix and its own tree (slot_cache.tree_visible), and a prefill overwrites the prefix. At most KEPT sets are
@@ -20,21 +20,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..steps.capture import power_of_two
 from ..steps.phase_graphs import PhaseRunner
 from ..steps.slot_cache import SlotCache
 
 KEPT = 8  # slot sets (with their graphs) a pool keeps: the running batch's buckets 1 .. 32 and a few capacities
-SMALLEST = 256  # the smallest pooled capacity, in slots
-
-
-def power_of_two(n: int) -> int:
-    """The smallest power of two >= n (1 for n <= 1)."""
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def capacity_bucket(slots: int) -> int:
-    """The pooled capacity for rows that need `slots` slots: the next power of two, at least SMALLEST."""
-    return max(SMALLEST, power_of_two(slots))
 
 
 def bucket_for(rows: int) -> int:

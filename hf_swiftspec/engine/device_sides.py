@@ -45,14 +45,14 @@ from ..drafters.device_suffix import SuffixProposals, draft_free_menu
 from ..models.architectures import context_limit
 from ..policy.shapes import Shape, ShapeMenu
 from ..stats import DraftCounters, PhaseClock, SwiftSpecStats, TargetCounters
-from ..steps.capture import capture_backend
+from ..steps.capture import capacity_bucket, capture_backend, power_of_two
 from ..steps.acceptance import StopRule, cut_at_criteria, split_criteria
 from ..steps.device_round import DeviceSubtree, to_device
 from ..steps.slot_cache import catch_up, span_bucket
 from ..steps.tree import Proposal, Subtree
 from ..steps.verify import PATH_FREE_PROCESSORS, Verified
 from .device_phases import RoundModels, grow_phase, read_once, subtree_tensors, verify_phase
-from .device_pool import SlotPool, Slots, bucket_for, capacity_bucket, power_of_two, row_values, set_rows
+from .device_pool import SlotPool, Slots, bucket_for, row_values, set_rows
 from .request import DecodeRequest, DecodeResult, RowResult
 from .rounds import Proposed, run_rounds
 

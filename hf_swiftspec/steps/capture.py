@@ -59,9 +59,17 @@ MAX_QUERIES = 64  # queries per row replayed at most; a larger step (a long catc
 CAPTURE_CHOICES = ("auto", True, False)
 
 
+SMALLEST_CAPACITY = 256  # the smallest capacity a replayed cache (or the device round's slots) holds, in positions
+
+
+def power_of_two(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): every bucket a replayed shape is padded to."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def query_bucket(queries: int) -> int | None:
     """The bucket (a power of two) a step of `queries` queries per row is padded to; None past MAX_QUERIES."""
-    bucket = 1 << max(queries - 1, 0).bit_length()
+    bucket = power_of_two(queries)
     return bucket if bucket <= MAX_QUERIES else None
 
 
@@ -75,9 +83,10 @@ def step_menu(most_queries: int, keeps: tuple[int, ...]) -> tuple[tuple[int, int
 
 
 def capacity_bucket(needed: int) -> int:
-    """Positions per row a replayed cache holds: the next power of two from 256, so calls of similar
-    lengths share their buffers and graphs (a graph's shapes include the capacity)."""
-    return max(256, 1 << max(needed - 1, 0).bit_length())
+    """Positions per row a replayed cache holds (the host round's, and the device round's slots): the next power of
+    two from SMALLEST_CAPACITY, so calls of similar lengths share their buffers and graphs (a graph's shapes include
+    the capacity)."""
+    return max(SMALLEST_CAPACITY, power_of_two(needed))
 
 
 REUSE = 4  # a replayed cache takes buffers (and their graphs) captured at up to this many times the positions it needs

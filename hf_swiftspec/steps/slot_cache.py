@@ -23,6 +23,7 @@ import torch
 from ..models.compat import Cache, CacheLayerMixin, forward_cache_argument
 from .cache import KV_DIM, SlotBuffer
 from .acceptance import Walk
+from .capture import power_of_two
 from .device_round import DeviceSubtree, commit_plan
 
 SMALLEST_SPAN = 64  # the shortest live length a forward attends (a power of two: span_bucket)
@@ -31,7 +32,7 @@ SMALLEST_SPAN = 64  # the shortest live length a forward attends (a power of two
 def span_bucket(slots: int) -> int:
     """The live length a forward over rows needing `slots` slots (their prefix, tree and the scratch slot) attends:
     the next power of two, at least SMALLEST_SPAN (a replayed phase is captured once per span)."""
-    return max(SMALLEST_SPAN, 1 << max(slots - 1, 0).bit_length())
+    return max(SMALLEST_SPAN, power_of_two(slots))
 
 
 class SlotLayer(CacheLayerMixin):
