@@ -12,7 +12,7 @@ run() {  # run FOLDER COMMAND...: the command's output into examples/results/FOL
   local folder="examples/results/$1"; shift
   mkdir -p "$folder"
   echo "OMP_NUM_THREADS=1 $*   # $(nproc --all)-core CPU, nothing else running, $(date -u +%F)" > "$folder/command.txt"
-  "$@" 2>&1 | grep -v -e '^INFO:' -e 'Loading weights' | tee "$folder/output.txt"
+  "$@" 2>&1 | grep -v -e '^INFO:' -e 'Loading weights' -e 'Writing model shards' | tee "$folder/output.txt"
 }
 
 for WHICH in demo demo-unguarded smollm2 overload soak; do
