@@ -23,6 +23,7 @@ from hf_swiftspec.pair import PairConfigError
 from hf_swiftspec.policy.goodput import GoodputPolicy
 from hf_swiftspec.steps.verify import Verified
 from hf_swiftspec.tools.models import bpe_tokenizer, left_padded, text_model, tiny_model
+from test_continuous import relay_calls
 
 TEXTS = ["alpha bravo charlie", "golf hotel ind", "zulu alpha", "kilo lima mike november"]
 
@@ -252,6 +253,26 @@ def test_a_batch_with_a_shorter_draft_context(short_context_pair):
     ids, mask = left_padded([list(range(5, 25)), list(range(30, 70)), [7, 8, 9]])
     kwargs = dict(attention_mask=mask, max_new_tokens=60)
     assert greedy(model, ids, swiftspec=True, **kwargs) == greedy(target, ids, **kwargs)
+
+
+def test_requests_joining_a_running_batch_equal_target_generate(tokenizers, random_pair, text_pair):
+    """The server's running batch (continuous_engine) with a draft of another tokenizer: each request joins while the
+    others are rounds in, and each answer is the target's own, token for token."""
+    tt, dt = tokenizers["bytes"], tokenizers["pieces"]
+    for target, draft in (random_pair, text_pair):
+        model = SwiftSpecForCausalLM.from_models(target, draft, tokenizer=tt, draft_tokenizer=dt, tree_budget=8, draft_depth=4)
+        engine = model.continuous_engine(latency_guard=False)  # trees every round: the translation runs in each
+        try:
+            prompts = [tt(text, return_tensors="pt").input_ids for text in TEXTS[:3]]
+            news = (20, 12, 16)
+            calls = [dict(input_ids=ids, max_new_tokens=n, do_sample=False) for ids, n in zip(prompts, news)]
+            out = relay_calls(model, engine, calls, at=(2, 1, 1))
+        finally:
+            engine.close()
+        for i, (ids, n) in enumerate(zip(prompts, news)):
+            assert out[i].tolist() == greedy(target, ids, max_new_tokens=n), f"request {i}"
+        assert max(engine.rounds_by_batch) >= 2, engine.rounds_by_batch  # rows did decode together
+    assert engine.usage.accepted > engine.usage.verifications  # the text pair's translated branches were accepted
 
 
 # ---------------------------------------------------------------- entry points and refusals
