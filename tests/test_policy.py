@@ -3,14 +3,14 @@
 import pytest
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList, TemperatureLogitsWarper, TopKLogitsWarper
-from transformers.generation.stopping_criteria import EosTokenCriteria
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.drafters.suffix import SuffixIndex, SuffixTree, chain
 from hf_swiftspec.policy.goodput import GoodputPolicy
 from hf_swiftspec.tools.models import real_shaped_pair, tiny_model, truncated_draft
 from hf_swiftspec.steps.tree import Proposal, Subtree, best_subtree, merge_suffix, ranked
-from hf_swiftspec.steps.verify import Sampler, Verified, verify_tree, walk_nodes
+from hf_swiftspec.steps.verify import Sampler, Verified, verify_rows, verify_tree, walk_nodes
 
 
 def measured_policy(expand_ms, verify_ms, per_node_ms, acceptance, rounds=60, **kwargs):
@@ -206,6 +206,32 @@ def test_vectorised_walk_equals_the_node_by_node_walk(seed, do_sample):
     for a, b in zip(fast.scores + fast.logits, slow.scores + slow.logits):
         torch.testing.assert_close(a, b)
 
+
+
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("seed", range(6))
+def test_a_plain_round_of_rows_walks_as_node_by_node(seed, do_sample):
+    """Rows verifying their root alone (a plain round, walked on the host without the packed walk): each row's token,
+    stop and scores equal walk_nodes' for it, with EOS ids (several, some hit), max_length and no tokens left."""
+    g = torch.Generator().manual_seed(seed)
+    rows, V = 6, 6
+    logits = [torch.randn(1, V, generator=g) * 3 for _ in range(rows)]
+    contexts = [torch.randint(0, V, (1, 5 + b), generator=g) for b in range(rows)]
+    criteria = [StoppingCriteriaList([EosTokenCriteria(eos_token_id=torch.randint(0, V, (1 + b % 3,), generator=g).tolist())]
+                                     + ([MaxLengthCriteria(max_length=5 + b + 1)] if b % 2 else [])) for b in range(rows)]
+    max_tokens = [0 if b == 4 else 1 + b for b in range(rows)]
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(0.7)] if do_sample else [])
+    samplers = [Sampler(warpers, do_sample, generator=torch.Generator().manual_seed(seed + b)) for b in range(rows)]
+    fast = verify_rows(logits, [Subtree([0], [0], [-1]) for _ in range(rows)], contexts, samplers, criteria, max_tokens)
+    hits = 0
+    for b in range(rows):
+        slow = walk_nodes(logits[b], {}, contexts[b], Sampler(warpers, do_sample, generator=torch.Generator().manual_seed(seed + b)),
+                          criteria[b], max_tokens[b])
+        assert (fast[b].tokens, fast[b].path, fast[b].finished) == (slow.tokens, slow.path, slow.finished), b
+        for x, y in zip(fast[b].scores + fast[b].logits, slow.scores + slow.logits):
+            torch.testing.assert_close(x, y)
+        hits += slow.finished
+    assert hits >= 2  # rows did stop (no tokens left, max_length)
 
 def test_ngram_chain_is_lossless_and_used():
     """A target whose greedy output cycles (seed 7): the chain proposes the cycle, which the

@@ -264,6 +264,10 @@ def walk_together(logits: list, subtrees: list[Subtree], contexts: list, sampler
         packed.append(subtree.tokens + [0] * pad + subtree.parents + [-1] * pad + depths + [0] * pad
                       + [1] * n + [0] * pad + [rule.budget(limit, context.shape[1])] + eos + [-1] * (E - len(eos))
                       + (bits + [1 << (n + k) for k in range(pad)] if T <= 62 else []))
+    if T == 1:  # a plain round: every row's root alone, its choice read and the rules applied on the host
+        read = [root_result(token, rule, limit, context.shape[1]) for token, rule, limit, context in
+                zip(torch.cat([c for c, _ in chosen]).tolist(), rules, max_tokens, contexts)]
+        return finish_walks(chosen, logits, contexts, rules, read, T)
     host = torch.tensor(packed, dtype=torch.long).to(device)  # one copy: tokens, parents, depths, budgets, EOS, bits
     if T <= 62:  # each node's ancestor bits in one int64: the (n, T, T) mask in three operations
         bits = host[:, 4 * T + 1 + E :]
@@ -277,6 +281,21 @@ def walk_together(logits: list, subtrees: list[Subtree], contexts: list, sampler
         choices[0].shape[0] < T else choices[0][None]
     walk = walk_subtree(choices, sub, host[:, 4 * T], host[:, 4 * T + 1 : 4 * T + 1 + E] if E else None)
     read = torch.cat([round_result(walk), walk.path], dim=1).tolist()  # the walks' one read: counts, flags, tokens, paths
+    return finish_walks(chosen, logits, contexts, rules, read, T)
+
+
+def root_result(token: int, rule: StopRule, limit: int, length: int) -> list[int]:
+    """walk_subtree's result for a row verifying its root alone, on the host: [count, finished, token, path]."""
+    budget = rule.budget(limit, length)
+    count = 1 if budget > 0 else 0
+    finished = (count == 1 and token in rule.eos) or count >= budget
+    return [count, int(finished), token if count else -1, 0 if count else -1]
+
+
+def finish_walks(chosen: list, logits: list, contexts: list, rules: list[StopRule], read: list[list[int]],
+                 T: int) -> list[Verified]:
+    """Each row's Verified from its read walk (per row [count, finished, T tokens, T path nodes]), with its
+    scores and logits along the path, cut where the host's criteria fire."""
     out = []
     for (_, scores), row, context, rule, result in zip(chosen, logits, contexts, rules, read):
         count, finished = result[0], bool(result[1])
