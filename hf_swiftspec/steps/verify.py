@@ -17,7 +17,8 @@ import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from ..models.compat import EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria, StopStringCriteria, logits_process
-from .acceptance import NO_STOPS, StopRule, cut_at_criteria, gumbel_noise, round_result, split_criteria, walk_subtree
+from .acceptance import (NO_STOPS, StopRule, cut_at_criteria, gumbel_noise, round_result, split_criteria,
+                         walk_root_on_host, walk_subtree)
 from .device_round import DeviceSubtree
 from .tree import Subtree, subtree_mask
 
@@ -260,12 +261,14 @@ def walk_together(logits: list, subtrees: list[Subtree], contexts: list, sampler
             bits.append((bits[p] if p >= 0 else 0) | (1 << i))
         # processors may write into the scores they get: give them a copy, or nothing to copy when there are none
         chosen.append(sampler.choose_rows(context, row.clone() if sampler.logits_processor else row, depths))
+        if T == 1:  # a plain round walks on the host (below): nothing to pack
+            continue
         eos = sorted(rule.eos)
         packed.append(subtree.tokens + [0] * pad + subtree.parents + [-1] * pad + depths + [0] * pad
                       + [1] * n + [0] * pad + [rule.budget(limit, context.shape[1])] + eos + [-1] * (E - len(eos))
                       + (bits + [1 << (n + k) for k in range(pad)] if T <= 62 else []))
     if T == 1:  # a plain round: every row's root alone, its choice read and the rules applied on the host
-        read = [root_result(token, rule, limit, context.shape[1]) for token, rule, limit, context in
+        read = [walk_root_on_host(token, rule.eos, rule.budget(limit, context.shape[1])) for token, rule, limit, context in
                 zip(torch.cat([c for c, _ in chosen]).tolist(), rules, max_tokens, contexts)]
         return finish_walks(chosen, logits, contexts, rules, read, T)
     host = torch.tensor(packed, dtype=torch.long).to(device)  # one copy: tokens, parents, depths, budgets, EOS, bits
@@ -282,14 +285,6 @@ def walk_together(logits: list, subtrees: list[Subtree], contexts: list, sampler
     walk = walk_subtree(choices, sub, host[:, 4 * T], host[:, 4 * T + 1 : 4 * T + 1 + E] if E else None)
     read = torch.cat([round_result(walk), walk.path], dim=1).tolist()  # the walks' one read: counts, flags, tokens, paths
     return finish_walks(chosen, logits, contexts, rules, read, T)
-
-
-def root_result(token: int, rule: StopRule, limit: int, length: int) -> list[int]:
-    """walk_subtree's result for a row verifying its root alone, on the host: [count, finished, token, path]."""
-    budget = rule.budget(limit, length)
-    count = 1 if budget > 0 else 0
-    finished = (count == 1 and token in rule.eos) or count >= budget
-    return [count, int(finished), token if count else -1, 0 if count else -1]
 
 
 def finish_walks(chosen: list, logits: list, contexts: list, rules: list[StopRule], read: list[list[int]],
