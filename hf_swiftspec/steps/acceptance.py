@@ -22,6 +22,8 @@ from typing import NamedTuple
 import torch
 from transformers import StoppingCriteriaList
 
+from swiftspec_kernels.tree_walk import tree_walk
+
 from ..models.compat import EosTokenCriteria, MaxLengthCriteria
 from .device_round import DeviceSubtree
 
@@ -104,52 +106,25 @@ class Walk:
     finished: torch.Tensor
 
 
-def next_nodes(choices: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Where the walk goes from each node (B, T) long: its first real child (lowest index) carrying the
-    target's choice after it, else T (no such child), for every node at once."""
-    B, T = tokens.shape
-    arange_t = torch.arange(T, device=tokens.device)[None].expand(B, T)
-    parent = parents.clamp(min=0)
-    accepted = valid & (parents >= 0) & (tokens == choices.gather(1, parent))  # node i carries its parent's choice
-    nxt = torch.full((B, T), T, dtype=torch.long, device=tokens.device)
-    return nxt.scatter_reduce(1, parent, torch.where(accepted, arange_t, T), reduce="amin")
-
-
 def walk_subtree(choices: torch.Tensor, subtree: DeviceSubtree, max_tokens: torch.Tensor,
                 eos: torch.Tensor | None = None) -> Walk:
     """The walk and its EOS and length rules, for every row at once (every round's: the host round reads its result,
-    the device round reads it with the rest of the round's).
+    the device round reads it with the rest of the round's): one fused operator (swiftspec_kernels.tree_walk: a
+    Triton kernel on a GPU, its torch reference elsewhere), no read.
 
     choices:    (B, T) long the target's choice after each node (greedy_choices / sampled_choices)
     max_tokens: (B,) long tokens each row may still emit, max_length folded in (StopRule.budget)
     eos:        (E,) long EOS ids, or (B, E) each row's (-1: no id; a row that is done and decodes on has none),
                 or None. Other stopping criteria (stop strings, max_time, custom ones) read
                 the decoded text or the clock: the host applies them to the read result (cut_at_criteria).
-    The walk's nodes are found at once, no read and no pass per node: a node is on it when it and each of its
-    ancestors below the root is its parent's first child carrying the target's choice (subtree.mask: ancestors).
     """
-    B, T = choices.shape
-    ids = torch.arange(T, device=choices.device)[None]
-    nxt = next_nodes(choices, subtree.tokens, subtree.parents, subtree.valid)
-    chosen = (nxt.gather(1, subtree.parents.clamp(min=0)) == ids) | (ids == 0)  # (B, T) where the walk goes from its parent
-    on_path = ~(subtree.mask & ~chosen[:, None, :]).any(-1) & subtree.valid  # (B, T)
-    at = torch.where(on_path, subtree.depths, T)  # one walked node per depth
-    path = torch.full((B, T + 1), T, dtype=torch.long, device=choices.device).scatter_(1, at, ids.expand(B, T))[:, :T]
-    j = torch.arange(T, device=choices.device)[None]
-    count = (path < T).sum(dim=1).clamp(max=max_tokens.clamp(min=0))
-    emitted = choices.gather(1, path.clamp(max=T - 1))
-    if eos is not None and eos.numel():
-        hits = torch.isin(emitted, eos) if eos.dim() == 1 else (emitted[:, :, None] == eos[:, None, :]).any(-1)
-        stops = hits & (j < count[:, None])
-        first_stop = torch.where(stops, j, T).amin(dim=1)  # (B,) T: none
-        count = torch.minimum(count, first_stop + 1)
-        finished = first_stop < T
-    else:
-        finished = torch.zeros(B, dtype=torch.bool, device=choices.device)
-    finished = finished | (count >= max_tokens)
-    inside = j < count[:, None]
-    return Walk(torch.where(inside, path, -1), torch.where(inside, emitted, -1), count, finished)
-
+    B = choices.shape[0]
+    if eos is None:
+        eos = choices.new_empty(B, 0)
+    elif eos.dim() == 1:
+        eos = eos[None].expand(B, -1)
+    return Walk(*tree_walk(choices, subtree.tokens, subtree.parents, subtree.valid, subtree.depths, subtree.mask,
+                           max_tokens, eos))
 
 
 def walk_root_on_host(token: int, eos: set[int], budget: int) -> list[int]:
