@@ -11,6 +11,10 @@ if not torch.cuda.is_available():
 
 from swiftspec_kernels.fused import forced, triton  # noqa: E402
 from swiftspec_kernels.tree_walk import tree_walk, tree_walk_reference, tree_walk_triton  # noqa: E402
+from swiftspec_kernels.record_walk import record_walk, record_walk_reference, record_walk_triton  # noqa: E402
+from swiftspec_kernels.commit_slots import commit_slots, commit_slots_reference, commit_slots_triton  # noqa: E402
+from swiftspec_kernels.advance_rows import advance_rows, advance_rows_reference, advance_rows_triton  # noqa: E402
+from swiftspec_kernels.tree_mask import tree_mask, tree_mask_reference, tree_mask_triton  # noqa: E402
 
 from hf_swiftspec.tools.counters import OperatorCounter  # noqa: E402
 
@@ -100,3 +104,97 @@ def test_a_fused_operator_is_one_operator_and_runs_the_backend_asked():
     with pytest.raises(ValueError, match="'cuda'"):
         with forced("cuda"):
             pass
+
+
+@needs_triton
+@pytest.mark.parametrize("rows", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_mask_kernel_equals_its_reference_and_tree_visible(rows, dtype):
+    from hf_swiftspec.steps.slot_cache import additive_mask, tree_visible
+
+    g = torch.Generator().manual_seed(0)
+    B, R, N, span = 3, 7, 7, 40
+    ancestors = (torch.rand(B, R, N, generator=g) < 0.4) | torch.eye(R, N, dtype=torch.bool)
+    prefix_lens = torch.tensor([0, 5, span - N])
+    index = torch.randint(0, R, (B, 4), generator=g) if rows else None
+    seen = ancestors if index is None else ancestors.gather(1, index[:, :, None].expand(B, 4, N))
+    want = additive_mask(tree_visible(span, prefix_lens, seen), dtype)  # the unfused functions, as before
+    t = [x.to(DEVICE) if x is not None else None for x in (prefix_lens, ancestors, index)]
+    assert torch.equal(tree_mask_reference(*t, span, dtype).cpu(), want)
+    assert torch.equal(tree_mask_triton(*t, span, dtype).cpu(), want)
+    with OperatorCounter() as ops:
+        tree_mask(*t, span, dtype)
+    assert ops.operators == {"swiftspec.tree_mask.default": 1}
+
+
+@needs_triton
+def test_the_advance_kernel_equals_its_reference():
+    t = random_subtrees(B=6, T=9, vocab=3, seed=5)
+    walk = tree_walk_reference(**t)
+    g = torch.Generator().manual_seed(1)
+    node_ids = torch.randint(0, 20, (6, 9), generator=g).to(DEVICE)
+
+    def state():
+        return [torch.randint(0, 50, (6,), generator=torch.Generator().manual_seed(k)).to(DEVICE) for k in range(4)] + [
+            t["eos"].clone()]
+
+    want_state, got_state = state(), state()
+    want = advance_rows_reference(walk[2], walk[3], walk[1], walk[0], node_ids, t["tokens"], t["parents"], *want_state)
+    got = advance_rows_triton(walk[2], walk[3], walk[1], walk[0], node_ids, t["tokens"], t["parents"], *got_state)
+    assert torch.equal(want, got)
+    assert all(torch.equal(w, g) for w, g in zip(want_state, got_state))
+    assert (want_state[4][walk[3]] == -1).all() and (want_state[4][~walk[3]] == t["eos"][~walk[3]]).all()
+    assert torch.equal(want_state[1], state()[1] + walk[2])  # prefix_lens moved on by the count
+    fresh = state()
+    with OperatorCounter() as ops:
+        advance_rows(walk[2], walk[3], walk[1], walk[0], node_ids, t["tokens"], t["parents"], *fresh)
+    assert ops.operators == {"swiftspec.advance_rows.default": 1}
+
+
+@needs_triton
+@pytest.mark.parametrize("layout", ["kv", "flat"])
+def test_the_commit_kernel_equals_its_reference_and_commit_plan(layout):
+    from hf_swiftspec.steps.cache import move_positions
+    from hf_swiftspec.steps.device_round import commit_plan
+
+    g = torch.Generator().manual_seed(3)
+    B, C, M = 3, 24, 6
+    shape, dim = ((4, B, 2, C, 5), 3) if layout == "kv" else ((2, B, C, 7), 2)
+    data = torch.randn(shape, generator=g).to(DEVICE)
+    prefix_lens = torch.tensor([0, 4, 10], device=DEVICE)
+    # overlapping moves: a source of one row's later node is the destination of an earlier one
+    slots = torch.stack([torch.randperm(M, generator=g)[:M] + 1 for _ in range(B)]).to(DEVICE)
+    counts = torch.tensor([0, 3, 6], device=DEVICE)
+    want = data.clone()
+    src, dst, _, _ = commit_plan(prefix_lens, slots, counts, None, None, C - 1)
+    move_positions(want, dim, src, dst)
+    ref, got = data.clone(), data.clone()
+    commit_slots_reference(ref, dim, prefix_lens, slots, counts, C - 1)
+    commit_slots_triton(got, dim, prefix_lens, slots, counts, C - 1)
+    assert torch.equal(ref, want) and torch.equal(got, want)
+    with OperatorCounter() as ops:
+        commit_slots(got, dim, prefix_lens, slots, counts, C - 1)
+    assert ops.operators == {"swiftspec.commit_slots.default": 1}
+
+
+@needs_triton
+@pytest.mark.parametrize("depth", [0, 3])
+def test_the_record_kernel_equals_its_reference(depth):
+    t = random_subtrees(B=5, T=9, vocab=3, seed=7)
+    path, _, count, _ = tree_walk_reference(**t)
+    g = torch.Generator().manual_seed(2)
+    node_ids = torch.randint(0, 12, (5, 9), generator=g).to(DEVICE)
+    prefix_lens = torch.randint(0, 20, (5,), generator=g).to(DEVICE)
+    C = 32
+    history = torch.randint(0, 9, (5, C), generator=g).to(DEVICE)
+    draft_lens = torch.randint(0, 20, (5,), generator=g).to(DEVICE)
+    want_h, want_d, got_h, got_d = history.clone(), draft_lens.clone(), history.clone(), draft_lens.clone()
+    want = record_walk_reference(want_h, want_d, prefix_lens, path, count, node_ids, t["tokens"], 7, depth)
+    got = record_walk_triton(got_h, got_d, prefix_lens, path, count, node_ids, t["tokens"], 7, depth)
+    assert all(torch.equal(w, g) for w, g in zip(want, got)) and torch.equal(want_d, got_d)
+    assert torch.equal(want_h[:, : C - 1], got_h[:, : C - 1])  # slot C - 1: padding's, never read
+    if depth == 0:
+        assert torch.equal(want_d, draft_lens) and (want[1] == 0).all()
+    with OperatorCounter() as ops:
+        record_walk(got_h, got_d, prefix_lens, path, count, node_ids, t["tokens"], 7, depth)
+    assert ops.operators == {"swiftspec.record_walk.default": 1}

@@ -24,10 +24,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from swiftspec_kernels.record_walk import record_walk
 
 from ..steps.acceptance import Walk
 from ..steps.device_round import DeviceSubtree, DeviceTree
-from ..steps.slot_cache import SlotCache, accepted_nodes, catch_up, commit_cache
+from ..steps.slot_cache import SlotCache, catch_up, commit_cache
 from .device_growth import grow
 from .eagle3 import DraftHead
 
@@ -198,14 +199,10 @@ class DraftModelOnDevice:
         """The walked nodes it ran (its own tree's, above the last depth: on the walk they come first) move behind the
         prefix; every walked token is recorded for the next catch-up. A plain round's walk ran none of its nodes."""
         prefix_lens = rows.prefix_lens
+        ids, ran = record_walk(rows.drafter["history"], rows.drafter["draft_lens"], prefix_lens, walk.path, walk.count,
+                               sub.node_ids, sub.tokens, facts.nodes, facts.depth)  # draft_lens: prefix_lens + ran
         if facts.depth:
-            T = sub.tokens.shape[1]
-            ids = accepted_nodes(walk, sub)  # (B, T)
-            walked = torch.arange(T, device=ids.device)[None] < walk.count[:, None]
-            ran = ((ids < facts.nodes) & walked).sum(dim=1).clamp(max=facts.depth)  # (B,)
             commit_cache(cache, prefix_lens, ids, ran)
-            rows.drafter["draft_lens"].copy_(prefix_lens + ran)
-        record(rows.drafter["history"], sub.tokens.gather(1, walk.path.clamp(min=0)), walk.count, prefix_lens)
         return {}
 
     def cut(self, rows, after, kept, cut) -> None:

@@ -22,7 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from ..steps.device_round import DeviceTree, path_hash
-from ..steps.slot_cache import SlotCache, slot_forward, tree_visible
+from swiftspec_kernels.tree_mask import tree_mask
+
+from ..steps.slot_cache import SlotCache, slot_forward
 
 
 @dataclass
@@ -53,9 +55,9 @@ def grow(model, cache: SlotCache, prefix_lens: torch.Tensor, roots: torch.Tensor
     node_slots = prefix_lens[:, None] + torch.arange(N, device=roots.device)[None]  # (B, N)
     frontier = torch.zeros(B, 1, dtype=torch.long, device=roots.device)  # node ids (B, F), the root first
     for level in range(1, depth + 1):
-        seen = tree.ancestors.gather(1, frontier[:, :, None].expand(B, frontier.shape[1], N))  # (B, F, N)
+        seen = tree_mask(prefix_lens, tree.ancestors, frontier, cache.span, model.dtype)  # the frontier's, additive
         logits = slot_forward(model, cache, tree.tokens.gather(1, frontier), prefix_lens[:, None] + level - 1,
-                              node_slots.gather(1, frontier), tree_visible(cache.span, prefix_lens, seen))
+                              node_slots.gather(1, frontier), seen)
         logprobs = torch.log_softmax(logits[..., :vocab_limit], dim=-1)  # (B, F, V')
         frontier, _ = add_level(tree, frontier, tree.scores.gather(1, frontier)[:, :, None] + logprobs, level, width)
     return Growth(tree, prefix_lens)

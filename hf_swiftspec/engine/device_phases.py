@@ -12,11 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import torch
+from swiftspec_kernels.advance_rows import advance_rows
 
 from ..drafters.device_drafters import DeviceDrafter, RoundFacts
 from ..drafters.device_suffix import SuffixNodes, merge_suffix, root_tree
 from ..policy.shapes import Shape
-from ..steps.acceptance import greedy_choices, gumbel_noise, round_result, sampled_choices, walk_subtree
+from ..steps.acceptance import greedy_choices, gumbel_noise, sampled_choices, walk_subtree
 from ..steps.device_round import DeviceSubtree, select_device
 from ..steps.slot_cache import commit_cache, verify_forward
 from ..steps.verify import apply_processors
@@ -98,13 +99,9 @@ def verify_phase(*, models: RoundModels, slots: Slots, facts: RoundFacts, span: 
     walk = walk_subtree(choices, sub, rows.budgets, rows.eos)
     commit_cache(target_cache, rows.prefix_lens, walk.path.clamp(min=0), walk.count)  # verified node j sat at slot j
     out = models.drafter.after_verify(draft_cache, rows, sub, walk, facts)
-    emitted = walk.tokens.gather(1, (walk.count - 1).clamp(min=0)[:, None]).squeeze(1)
-    rows.roots.copy_(torch.where(walk.count > 0, emitted, rows.roots))
-    rows.prefix_lens.add_(walk.count)
-    rows.budgets.sub_(walk.count)
-    rows.positions.add_(walk.count)
-    rows.eos.masked_fill_(walk.finished[:, None], -1)  # a finished row that decodes on stops at nothing
-    out["result"] = torch.cat([round_result(walk), walk.path, sub.node_ids, sub.tokens, sub.parents], dim=1)
+    # the rows moved on in place (roots, lengths, budgets; a finished row's EOS ids cleared) and the read packed
+    out["result"] = advance_rows(walk.count, walk.finished, walk.tokens, walk.path, sub.node_ids, sub.tokens,
+                                 sub.parents, rows.roots, rows.prefix_lens, rows.budgets, rows.positions, rows.eos)
     for name, values, keep in (("scores", scores, models.keeps[0]), ("logits", logits, models.keeps[1])):
         if keep:
             out[name] = along_path(values, walk.path)

@@ -9,7 +9,7 @@ follows a length and the host reads nothing: prefix lengths are device tensors, 
 its span.
 
 Every layer's keys and values live in one buffer (cache.SlotBuffer, the tree cache's: layers of one shape stacked),
-so a commit plans its moves once (commit_plan) and moves every layer in one gather per buffer.
+so a commit moves every layer with one fused operator per buffer (swiftspec_kernels.commit_slots, commit_plan's rule).
 
 Models with full attention only: a sliding window or a slot rule would need the rules steps/attention.py
 applies, and a recurrent state the rollback of steps/recurrent.py. engine/device_sides.py runs the device round
@@ -19,12 +19,14 @@ over two of them, the target's and the draft's (cache.TreeCache's fixed steps ho
 from __future__ import annotations
 
 import torch
+from swiftspec_kernels.commit_slots import commit_slots
+from swiftspec_kernels.tree_mask import tree_mask
 
 from ..models.compat import Cache, CacheLayerMixin, forward_cache_argument
 from .cache import KV_DIM, SlotBuffer
 from .acceptance import Walk
 from .capture import power_of_two
-from .device_round import DeviceSubtree, commit_plan
+from .device_round import DeviceSubtree
 
 SMALLEST_SPAN = 64  # the shortest live length a forward attends (a power of two: span_bucket)
 
@@ -142,11 +144,13 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def slot_forward(model, cache: SlotCache, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  allowed: torch.Tensor, logits: bool = True) -> torch.Tensor | None:
     """One forward: tokens (B, Q) at positions (B, Q), their KV written at slots (B, Q), each query seeing the slots
-    allowed (B, Q, span) says; returns float32 logits (B, Q, V), or None with logits=False (a forward for its KV alone:
-    no row of the vocabulary's head is computed, as generate's prefill computes one)."""
+    allowed (B, Q, span) bool says, or as an additive mask (B, 1, Q, span) of the model's dtype already (tree_mask's);
+    returns float32 logits (B, Q, V), or None with logits=False (a forward for its KV alone: no row of the
+    vocabulary's head is computed, as generate's prefill computes one)."""
     cache.index = slots
     keep = {} if logits else {"logits_to_keep": torch.zeros(0, dtype=torch.long, device=tokens.device)}
-    out = model(input_ids=tokens, position_ids=positions, attention_mask=additive_mask(allowed, model.dtype),
+    mask = additive_mask(allowed, model.dtype) if allowed.dtype == torch.bool else allowed
+    out = model(input_ids=tokens, position_ids=positions, attention_mask=mask,
                 use_cache=True, **{forward_cache_argument(type(model)): cache}, **keep)
     return out.logits.float() if logits else None
 
@@ -186,16 +190,16 @@ def verify_forward(model, cache: SlotCache, prefix_lens: torch.Tensor, subtree: 
     logits (B, T, V) (row j: the target's distribution after node j). Padding nodes see themselves alone."""
     positions = prefix_lens[:, None] + subtree.depths
     slots = prefix_lens[:, None] + torch.arange(subtree.tokens.shape[1], device=prefix_lens.device)[None]
-    allowed = tree_visible(cache.span, prefix_lens, subtree.mask)
-    return slot_forward(model, cache, subtree.tokens, positions, slots, allowed)
+    mask = tree_mask(prefix_lens, subtree.mask, None, cache.span, model.dtype)  # tree_visible's, additive: one kernel
+    return slot_forward(model, cache, subtree.tokens, positions, slots, mask)
 
 
 def commit_cache(cache: SlotCache, prefix_lens: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor) -> None:
     """Move each row's first counts[b] tree-region slots `slots` (B, M) (relative to its prefix) behind its
-    prefix, in every layer: the moves planned once (device_round.commit_plan), one gather per shared buffer."""
-    src, dst, _, _ = commit_plan(prefix_lens, slots, counts, None, None, cache.scratch)
+    prefix, in every layer: one fused operator per shared buffer (swiftspec_kernels.commit_slots: the moves planned
+    and applied in one kernel on a GPU; device_round.commit_plan's rule)."""
     for buffer in cache.buffers:
-        buffer.move(src, dst)
+        commit_slots(buffer.data, buffer.dim, prefix_lens, slots, counts, cache.scratch)
 
 
 def accepted_nodes(walk: Walk, subtree: DeviceSubtree) -> torch.Tensor:

@@ -1,11 +1,11 @@
 """How the round's fused bookkeeping kernels (tree_walk.py, tree_mask.py, ...) are dispatched.
 
-Each is a torch custom operator (`swiftspec::<name>`, registered on its first call, not at import): one operator a
-profiler or a TorchDispatchMode sees, one Triton kernel on a GPU (replayed in a CUDA graph like any other), and its
-plain-torch reference elsewhere (the reference is what a CPU runs, operator by operator; it is also what the kernel
-is tested against, under TRITON_INTERPRET=1).
+Each is a torch custom operator (`swiftspec::<name>`, defined with torch.library when its module is imported, with a
+fake for shapes alone, so torch.compile traces through it): one operator a profiler or a TorchDispatchMode sees, one
+Triton kernel on a GPU (replayed in a CUDA graph like any other), and its plain-torch reference elsewhere (the
+reference is what a CPU runs, operator by operator; it is also what the kernel is tested against, under
+TRITON_INTERPRET=1).
 
-    fused_operator(name, impl, fake)   the custom operator, made once
     use_triton(tensor)                  whether a call on `tensor` runs the Triton kernel: on CUDA with Triton
                                         installed, or anywhere inside `forced("triton")` (tests, in the interpreter)
     forced(backend)                     a context that makes every fused operator run "triton" or "reference"
@@ -14,7 +14,6 @@ is tested against, under TRITON_INTERPRET=1).
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 
@@ -45,11 +44,3 @@ def use_triton(tensor: torch.Tensor) -> bool:
     if _FORCED:
         return _FORCED[-1] == "triton"
     return triton is not None and tensor.is_cuda
-
-
-@functools.cache
-def fused_operator(name: str, impl, fake):
-    """The custom operator swiftspec::name running `impl` (annotated: its schema), with `fake` for shapes alone."""
-    op = torch.library.custom_op(f"swiftspec::{name}", impl, mutates_args=())
-    op.register_fake(fake)
-    return op

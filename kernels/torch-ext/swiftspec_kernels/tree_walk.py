@@ -22,7 +22,7 @@ from __future__ import annotations  # keeps `tl.constexpr` annotations unevaluat
 
 import torch
 
-from .fused import fused_operator, use_triton
+from .fused import use_triton
 
 try:
     import triton
@@ -108,21 +108,17 @@ def tree_walk_triton(choices: torch.Tensor, tokens: torch.Tensor, parents: torch
     return path, emitted, count, finished.bool()
 
 
-def _impl(choices: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor,
-          depths: torch.Tensor, mask: torch.Tensor, max_tokens: torch.Tensor,
-          eos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    run = tree_walk_triton if use_triton(choices) else tree_walk_reference
-    return run(choices, tokens, parents, valid, depths, mask, max_tokens, eos)
-
-
-def _fake(choices, tokens, parents, valid, depths, mask, max_tokens, eos):
-    B = choices.shape[0]
-    return (torch.empty_like(choices), torch.empty_like(choices), choices.new_empty(B),
-            choices.new_empty(B, dtype=torch.bool))
-
-
+@torch.library.custom_op("swiftspec::tree_walk", mutates_args=())
 def tree_walk(choices: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor,
               depths: torch.Tensor, mask: torch.Tensor, max_tokens: torch.Tensor,
               eos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The walk (module docstring) as one operator: the Triton kernel on a GPU, the reference elsewhere."""
-    return fused_operator("tree_walk", _impl, _fake)(choices, tokens, parents, valid, depths, mask, max_tokens, eos)
+    run = tree_walk_triton if use_triton(choices) else tree_walk_reference
+    return run(choices, tokens, parents, valid, depths, mask, max_tokens, eos)
+
+
+@tree_walk.register_fake
+def _fake(choices, tokens, parents, valid, depths, mask, max_tokens, eos):
+    B = choices.shape[0]
+    return (torch.empty_like(choices), torch.empty_like(choices), choices.new_empty(B),
+            choices.new_empty(B, dtype=torch.bool))
