@@ -189,7 +189,8 @@ if triton is not None:
 
 
 def tree_merge_triton(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor,
-                      ancestors: torch.Tensor, size: torch.Tensor, hashes: torch.Tensor, packed: torch.Tensor) -> Merged:
+                      ancestors: torch.Tensor, size: torch.Tensor, hashes: torch.Tensor,
+                      packed: torch.Tensor) -> Merged:
     """tree_merge as one Triton kernel (one program per row)."""
     B, N = tokens.shape
     S = packed.shape[2]
