@@ -13,7 +13,7 @@ import torch
 
 from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.config import SwiftSpecConfig
-from hf_swiftspec.drafters.device_suffix import SuffixNodes, draft_free_menu, host_nodes, merge_suffix
+from hf_swiftspec.drafters.device_suffix import draft_free_menu, host_nodes, merge_suffix
 from hf_swiftspec.policy.shapes import PLAIN, Shape, ShapeMenu
 from hf_swiftspec.engine import device_sides
 from hf_swiftspec.steps.device_round import DeviceTree, select_device
@@ -250,7 +250,7 @@ def test_the_merge_is_the_host_rounds_merge():
     suffixes = [random_suffix(g, d, int(torch.randint(0, S + 1, (1,), generator=g)), vocab) for d in drafts]
     tree = device_tree(drafts)
     packed = torch.tensor([host_nodes(t, p, s, S) for t, p, s in suffixes], dtype=torch.float64)  # as a round copies it
-    merged = merge_suffix(tree, SuffixNodes.unpack(packed), int(tree.depths.max()))
+    merged = merge_suffix(tree, packed)
     merged_away = [N + len(s[0]) - int(size) for s, size in zip(suffixes, merged.size)]
     assert sum(merged_away) >= 3 and packed[:, 3].isinf().any()  # suffix nodes that are draft nodes; padding
     for b, ((d_tokens, d_parents, d_scores), (s_tokens, s_parents, s_scores)) in enumerate(zip(drafts, suffixes)):

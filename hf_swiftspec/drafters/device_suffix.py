@@ -24,44 +24,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+from swiftspec_kernels.tree_merge import HASH_BITS, tree_merge
+
 from ..policy.goodput import GoodputPolicy
 from ..policy.shapes import PLAIN, Shape, ShapeMenu
-from ..steps.device_round import HASH_BITS, DeviceTree, host_path_hash, path_hashes, to_device
+from ..steps.device_round import DeviceTree, host_path_hash, path_hashes, to_device
 from .suffix import index_for
-
-FIELDS = 5  # the copied tensor's rows per proposal: tokens, parents, depths, scores, hashes (then ancestor bits)
-
-
-@dataclass
-class SuffixNodes:
-    """B rows' suffix proposals, S nodes each (parents before children), on the device.
-
-    tokens:    (B, S) long    each node's token (padding: 0)
-    parents:   (B, S) long    its parent among the S, -1 for a child of the root (and for padding)
-    depths:    (B, S) long    distance from the root (1 for the root's children; padding: 0)
-    scores:    (B, S) float32 log P(accepted) (policy.suffix_probs's, never above the parent's); -inf for padding
-    hashes:    (B, S) long    its path's hash (device_round.host_path_hash, HASH_BITS of it)
-    ancestors: (B, S, S) bool ancestors[b, i, k]: k is i or an ancestor of i among the S
-    """
-
-    tokens: torch.Tensor
-    parents: torch.Tensor
-    depths: torch.Tensor
-    scores: torch.Tensor
-    hashes: torch.Tensor
-    ancestors: torch.Tensor
-
-    @classmethod
-    def unpack(cls, packed: torch.Tensor) -> "SuffixNodes":
-        """From the one copied tensor (B, FIELDS + S, S) float64 (SuffixProposals.propose's: the fields, then each
-        node's ancestor bits as a row)."""
-        return cls(packed[:, 0].long(), packed[:, 1].long(), packed[:, 2].long(), packed[:, 3].float(),
-                   packed[:, 4].long(), packed[:, FIELDS:].transpose(1, 2) > 0)
 
 
 def host_nodes(tokens: list[int], parents: list[int], scores: list[float], nodes: int) -> list[list[float]]:
-    """One row's proposal as SuffixNodes.unpack reads it: FIELDS rows of `nodes` values, then `nodes` rows of ancestor
-    bits (row k: whether k is an ancestor-or-self of each node), padded."""
+    """One row's proposal as tree_merge reads it (swiftspec_kernels/tree_merge.py's layout): its FIELDS (5) rows
+    of `nodes` values (tokens, parents among the nodes with -1 for the root's children, depths, scores, hashes),
+    then `nodes` rows of ancestor bits (row k: whether k is an ancestor-or-self of each node), padded."""
     n, pad = len(tokens), nodes - len(tokens)
     depths, hashes, bits = [], [], []
     for i, (p, t) in enumerate(zip(parents, tokens)):
@@ -83,55 +57,21 @@ def root_tree(roots: torch.Tensor) -> DeviceTree:
                       torch.ones(B, dtype=torch.long, device=device), zeros)
 
 
-def merge_suffix(tree: DeviceTree, suffix: SuffixNodes, depth: int | None = None) -> DeviceTree:
-    """The draft's tree (B, N) and the suffix nodes (B, S) as one tree (B, N + S), tree.merge_suffix on the device.
+def merge_suffix(tree: DeviceTree, packed: torch.Tensor) -> DeviceTree:
+    """The draft's tree (B, N) and the suffix nodes (packed: (B, 5 + S, S) float64, SuffixProposals.propose's
+    one copied tensor) as one tree (B, N + S), tree.merge_suffix on the device, in ONE fused operator
+    (swiftspec_kernels.tree_merge: a Triton kernel on a GPU, its torch reference elsewhere).
 
     A suffix node whose path the draft grew (the same path hash) is that draft node, which keeps the higher of the
     two scores (both never rise along a path, so neither does the maximum, and every prefix of select_device's
     ranking stays a connected tree). The others become nodes N, N + 1, ... in their order (parents first), each
     below its parent (the draft's twin, or a node of its own), its ancestors those of the deepest of its ancestors
-    the draft grew and its own; the ones merged away and the padding follow, dead (-inf, past the row's size). A
-    fixed number of operations whatever S: no pass per node or depth. depth: unused (the hashes match any depth)."""
-    B, N = tree.tokens.shape
-    S = suffix.tokens.shape[1]
+    the draft grew and its own; the ones merged away and the padding follow, dead (-inf, past the row's size). One
+    operator whatever S (the reference: a fixed number, no pass per node or depth). Every round's tree carries its
+    hashes (growth, root_tree); one built without them (tests) gets path_hashes' first, N passes."""
     hashes = tree.hashes if tree.hashes is not None else path_hashes(tree)
-    live = suffix.scores > float("-inf")
-    grown = tree.scores > float("-inf")  # (B, N)
-    same = ((hashes & HASH_BITS)[:, None, :] == suffix.hashes[:, :, None]) & live[:, :, None] & grown[:, None, :]
-    same[:, :, 0] = False  # the root is no suffix node's twin
-    twin = torch.where(same.any(-1), same.long().argmax(-1), -1)  # (B, S) the draft node it is, -1: none
-    twinned = twin >= 0
-    own = live & ~twinned  # (B, S) nodes of their own
-    count = own.sum(dim=1)  # (B,)
-    place = torch.where(own, own.long().cumsum(1) - 1, count[:, None] + (~own).long().cumsum(1) - 1)  # a permutation
-    at = suffix.parents.clamp(min=0)
-    parents = torch.where(suffix.parents < 0, 0, torch.where(twinned.gather(1, at), twin.gather(1, at),
-                                                              N + place.gather(1, at)))
-    # each own node's draft ancestors: those of its deepest twinned ancestor (the root where none is)
-    reach = suffix.ancestors & twinned[:, None, :]  # (B, S, S)
-    deepest = (reach * suffix.depths[:, None, :]).argmax(-1)  # (B, S)
-    attach = torch.where(reach.any(-1), twin.gather(1, deepest), 0)
-    rows = torch.cat([tree.ancestors.gather(1, attach[:, :, None].expand(B, S, N)),
-                      torch.zeros(B, S, S, dtype=torch.bool, device=twin.device).scatter_(
-                          2, place[:, None, :].expand(B, S, S), suffix.ancestors & own[:, None, :])], dim=2)
-    rows = rows & own[:, :, None]  # (B, S, N + S) merged-away and padding rows see nothing
-    ancestors = torch.cat([torch.cat([tree.ancestors, tree.ancestors.new_zeros(B, N, S)], dim=2),
-                           torch.zeros_like(rows).scatter_(1, place[:, :, None].expand_as(rows), rows)], dim=1)
-
-    def placed(values: torch.Tensor, fill) -> torch.Tensor:
-        return torch.full_like(values, fill).scatter_(1, place, torch.where(own, values, fill))
-
-    draft_scores = torch.cat([tree.scores, tree.scores.new_full((B, 1), float("-inf"))], dim=1).scatter_reduce(
-        1, torch.where(twinned, twin, N), suffix.scores, reduce="amax")[:, :N]
-    return DeviceTree(
-        tokens=torch.cat([tree.tokens, placed(suffix.tokens, 0)], dim=1),
-        parents=torch.cat([tree.parents, placed(parents, -1)], dim=1),
-        depths=torch.cat([tree.depths, placed(suffix.depths, 0)], dim=1),
-        scores=torch.cat([draft_scores, placed(suffix.scores, float("-inf"))], dim=1),
-        ancestors=ancestors,
-        size=tree.size + count,
-        hashes=torch.cat([hashes, placed(suffix.hashes, 0)], dim=1),
-    )
+    return DeviceTree(*tree_merge(tree.tokens, tree.parents, tree.depths, tree.scores, tree.ancestors, tree.size,
+                                  hashes, packed))
 
 
 def draft_free_menu(config) -> ShapeMenu:
@@ -160,7 +100,7 @@ class SuffixProposals:
         return index_for(tokens, self.ngram_size, request.corpus, request.history)
 
     def propose(self, indices: list) -> torch.Tensor:
-        """(B, FIELDS + S, S) float64 each cache row's proposal of at most S nodes (SuffixNodes.unpack's layout; a row
+        """(B, 5 + S, S) float64 each cache row's proposal of at most S nodes (host_nodes' layout; a row
         whose index is None, a dead row, proposes nothing), scored by the log of the policy's prior P(accepted), in
         one pinned, non-blocking host-to-device copy."""
         rows = []

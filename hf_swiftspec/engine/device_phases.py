@@ -15,7 +15,7 @@ import torch
 from swiftspec_kernels.advance_rows import advance_rows
 
 from ..drafters.device_drafters import DeviceDrafter, RoundFacts
-from ..drafters.device_suffix import SuffixNodes, merge_suffix, root_tree
+from ..drafters.device_suffix import merge_suffix, root_tree
 from ..policy.shapes import Shape
 from ..steps.acceptance import greedy_choices, gumbel_noise, sampled_choices, walk_subtree
 from ..steps.device_round import DeviceSubtree, select_device
@@ -60,7 +60,7 @@ def subtree_tensors(sub: DeviceSubtree) -> dict[str, torch.Tensor]:
 def grow_phase(suffix: torch.Tensor | None = None, *, models: RoundModels, slots: Slots, shape: Shape, span: int,
                lag: int) -> dict:
     """1. the drafter's growth of `shape` below every root (depth 0: the root alone; lag: the width of the catch-up a
-    drafter that defers it runs first), the suffix nodes merged in (suffix: (B, 4, S) the host's proposals,
+    drafter that defers it runs first), the suffix nodes merged in (suffix: (B, 5 + S, S) the host's proposals,
     drafters/device_suffix.py) and the best T nodes with their mask (DeviceSubtree's fields): d draft forwards and the
     selection, no host read."""
     rows, cache = slots.rows, slots.caches[1]
@@ -72,7 +72,7 @@ def grow_phase(suffix: torch.Tensor | None = None, *, models: RoundModels, slots
     else:
         tree = models.drafter.grow(cache, rows, shape.depth, shape.width, models.vocab_limit, lag)
     if suffix is not None:
-        tree = merge_suffix(tree, SuffixNodes.unpack(suffix), shape.depth)
+        tree = merge_suffix(tree, suffix)
     return subtree_tensors(select_device(tree, shape.budget))
 
 

@@ -44,7 +44,6 @@ class DeviceTree:
 
 
 HASH_MULTIPLIER = 0x5851F42D4C957F2D  # odd: a path's hash is a polynomial in its tokens modulo 2**64
-HASH_BITS = (1 << 52) - 1  # the bits compared (the host's hashes travel as float64, exact to 53 bits)
 
 
 def path_hash(parent_hashes: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -55,7 +54,8 @@ def path_hash(parent_hashes: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor
 
 
 def host_path_hash(parent_hash: int, token: int) -> int:
-    """path_hash on host ints (the suffix proposals' nodes), as an unsigned 64-bit value (compare its HASH_BITS)."""
+    """path_hash on host ints (the suffix proposals' nodes), as an unsigned 64-bit value (the merge compares its
+    swiftspec_kernels.tree_merge.HASH_BITS)."""
     return (parent_hash * HASH_MULTIPLIER + token + 1) & ((1 << 64) - 1)
 
 
