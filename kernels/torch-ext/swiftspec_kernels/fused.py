@@ -5,7 +5,9 @@ profiler or a TorchDispatchMode sees, one Triton kernel on a GPU (replayed in a 
 plain-torch reference elsewhere (the reference is what a CPU runs, operator by operator; it is also what the kernel
 is tested against, under TRITON_INTERPRET=1).
 
-    fused_operator(name, impl, fake)   the custom operator, made once
+    fused_operator(name, impl, fake, mutates_args=())
+                                        the custom operator, made once (mutates_args: the arguments it writes in
+                                        place, as torch.library.custom_op names them)
     use_triton(tensor)                  whether a call on `tensor` runs the Triton kernel: on CUDA with Triton
                                         installed, or anywhere inside `forced("triton")` (tests, in the interpreter)
     forced(backend)                     a context that makes every fused operator run "triton" or "reference"
@@ -14,7 +16,6 @@ is tested against, under TRITON_INTERPRET=1).
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 
@@ -47,9 +48,22 @@ def use_triton(tensor: torch.Tensor) -> bool:
     return triton is not None and tensor.is_cuda
 
 
-@functools.cache
-def fused_operator(name: str, impl, fake):
-    """The custom operator swiftspec::name running `impl` (annotated: its schema), with `fake` for shapes alone."""
-    op = torch.library.custom_op(f"swiftspec::{name}", impl, mutates_args=())
-    op.register_fake(fake)
+_OPERATORS: dict[str, torch._ops.OpOverload] = {}  # name: the operator fused_operator made
+
+
+def fused_operator(name: str, impl, fake, mutates_args: tuple[str, ...] = ()) -> torch._ops.OpOverload:
+    """The custom operator swiftspec::name running `impl` (annotated: its schema), with `fake` for shapes alone;
+    `mutates_args` names the arguments `impl` writes in place (a functional operator: none). Made on the first call,
+    then looked up in a plain dict: torch.compile traces through functools.cache into torch.library's registration,
+    which it refuses, but traces the lookup of an operator made before it (a first call inside torch.compile still
+    fails: call it once eagerly first)."""
+    op = _OPERATORS.get(name)
+    if op is None:
+        op = _OPERATORS[name] = _register(name, impl, fake, mutates_args)
     return op
+
+
+def _register(name: str, impl, fake, mutates_args: tuple[str, ...]) -> torch._ops.OpOverload:
+    op = torch.library.custom_op(f"swiftspec::{name}", impl, mutates_args=mutates_args)
+    op.register_fake(fake)
+    return op._opoverload
