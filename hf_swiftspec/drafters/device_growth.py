@@ -21,9 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..steps.device_round import DeviceTree, path_hash
+from swiftspec_kernels.tree_level import tree_level
 from swiftspec_kernels.tree_mask import tree_mask
 
+from ..steps.device_round import HASH_MULTIPLIER, DeviceTree
 from ..steps.slot_cache import SlotCache, slot_forward
 
 
@@ -84,22 +85,12 @@ def seed_tree(cache: SlotCache, roots: torch.Tensor, depth: int, width: int, cal
 
 
 def add_level(tree: DeviceTree, frontier: torch.Tensor, cumulative: torch.Tensor, level: int, width: int,
-              token_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
+              token_map: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Depth `level`'s `width` nodes (ids 1 + (level - 1) * width ...: fixed by shape), in place: the top-k of
-    cumulative (B, F, V) scores of the frontier's (B, F) children, their tokens (token_ids maps a child's index
+    cumulative (B, F, V) scores of the frontier's (B, F) children, their tokens (token_map (V,) long: a child's index
     in V to its token id; None: the index is the id), parents, depths, scores, path hashes and ancestor bits.
-    Returns (the next frontier (B, k), each new node's parent (B, k))."""
-    B, N = tree.tokens.shape
-    V = cumulative.shape[-1]
-    best, flat = cumulative.reshape(B, -1).topk(width, dim=-1)  # (B, k)
-    new = slice(1 + (level - 1) * width, 1 + level * width)
-    parent = frontier.gather(1, flat // V)  # (B, k)
-    tokens = flat % V if token_ids is None else token_ids(flat % V)
-    tree.tokens[:, new] = tokens
-    tree.parents[:, new] = parent
-    tree.hashes[:, new] = path_hash(tree.hashes.gather(1, parent), tokens)
-    tree.depths[:, new] = level
-    tree.scores[:, new] = best
-    tree.ancestors[:, new] = tree.ancestors.gather(1, parent[:, :, None].expand(B, width, N))
-    tree.ancestors[:, new, new].diagonal(dim1=1, dim2=2).fill_(True)  # each node is its own ancestor
-    return torch.arange(new.start, new.stop, device=frontier.device)[None].expand(B, width), parent
+    Returns (the next frontier (B, k), each new node's parent (B, k)). The top-k, then one fused operator writing
+    the tree (swiftspec_kernels.tree_level: a Triton kernel on a GPU, its torch reference elsewhere)."""
+    best, flat = cumulative.reshape(frontier.shape[0], -1).topk(width, dim=-1)  # (B, k)
+    return tree_level(tree.tokens, tree.parents, tree.hashes, tree.depths, tree.scores, tree.ancestors, frontier,
+                      best, flat, token_map, cumulative.shape[-1], level, HASH_MULTIPLIER)  # below 2**63: an int64

@@ -101,7 +101,7 @@ def grow_head(head: DraftHead, cache: SlotCache, prefix_lens: torch.Tensor, root
     hidden[:, 0] = root_inputs
     outputs = torch.zeros_like(hidden)  # (B, N, H) the head's output at each node it ran
     node_slots = prefix_lens[:, None] + torch.arange(N, device=device)[None]  # (B, N)
-    ruled_out = None
+    token_map = ruled_out = None
     frontier = torch.zeros(B, 1, dtype=torch.long, device=device)  # node ids (B, F), the root first
     for level in range(1, depth + 1):
         F = frontier.shape[1]
@@ -113,10 +113,11 @@ def grow_head(head: DraftHead, cache: SlotCache, prefix_lens: torch.Tensor, root
                                    node_slots.gather(1, frontier), allowed)
         outputs.scatter_(1, frontier[:, :, None].expand_as(out), out)
         logprobs = torch.log_softmax(logits, dim=-1)  # (B, F, V_draft): the host's top_children over the draft vocab
-        if ruled_out is None:
-            ruled_out = target_ids(head, logprobs.shape[-1], device) >= (vocab_limit if vocab_limit is not None else 1 << 62)
+        if token_map is None:  # (V_draft,) each draft id's target id, once a growth
+            token_map = target_ids(head, logprobs.shape[-1], device)
+            ruled_out = token_map >= (vocab_limit if vocab_limit is not None else 1 << 62)
         cumulative = (tree.scores.gather(1, frontier)[:, :, None] + logprobs).masked_fill(ruled_out, float("-inf"))
-        new, parent = add_level(tree, frontier, cumulative, level, width, head.target_ids)
+        new, parent = add_level(tree, frontier, cumulative, level, width, token_map)
         hidden.scatter_(1, new[:, :, None].expand(B, width, hidden.shape[-1]),
                         outputs.gather(1, parent[:, :, None].expand(B, width, hidden.shape[-1])))  # its parent's output
         frontier = new

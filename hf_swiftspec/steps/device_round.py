@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from swiftspec_kernels.tree_select import tree_select
+
 from .tree import TokenTree
 
 
@@ -122,33 +124,13 @@ class DeviceSubtree:
 def select_device(tree: DeviceTree, budget: int) -> DeviceSubtree:
     """tree.best_node_ids (root 0) for every row at once, with the verifier's mask and depths (subtree_mask's).
 
-    The best `budget` nodes by score, ties towards the lower index: a stable descending sort over the whole
-    capacity ranks dead nodes (-inf, higher indices) after every live one, so a row's first min(size, T)
-    picks are exactly the host's, and sorting the picks by index puts that row's padding last.
+    The best `budget` nodes by score, ties towards the lower index (a stable descending sort's order, dead -inf
+    nodes after every live one), so a row's first min(size, T) picks are exactly the host's, in index order with
+    that row's padding last. One fused operator (swiftspec_kernels.tree_select: a Triton kernel on a GPU, its torch
+    reference elsewhere).
     """
-    B, N = tree.scores.shape
-    T = min(budget, N)
-    order = torch.sort(tree.scores, dim=1, descending=True, stable=True).indices  # (B, N)
-    node_ids = order[:, :T].sort(dim=1).values  # (B, T)
-    arange_t = torch.arange(T, device=node_ids.device)
-    valid = arange_t[None] < tree.size[:, None]  # (B, T)
-    local = torch.full((B, N), -1, dtype=torch.long, device=node_ids.device)
-    local.scatter_(1, node_ids, arange_t[None].expand(B, T))
-    parent_ids = tree.parents.gather(1, node_ids)
-    parents = torch.where(parent_ids >= 0, local.gather(1, parent_ids.clamp(min=0)), -1)
-    parents = torch.where(valid, parents, -1)
-    rows = tree.ancestors.gather(1, node_ids[:, :, None].expand(B, T, N))  # (B, T, N)
-    mask = rows.gather(2, node_ids[:, None, :].expand(B, T, T))  # (B, T, T)
-    mask = (mask & valid[:, :, None]) | (torch.eye(T, dtype=torch.bool, device=mask.device) & ~valid[:, :, None])
-    return DeviceSubtree(
-        node_ids=node_ids,
-        tokens=tree.tokens.gather(1, node_ids),
-        parents=parents,
-        scores=tree.scores.gather(1, node_ids),
-        valid=valid,
-        depths=torch.where(valid, tree.depths.gather(1, node_ids), 0),
-        mask=mask,
-    )
+    return DeviceSubtree(*tree_select(tree.tokens, tree.parents, tree.depths, tree.scores, tree.ancestors,
+                                      tree.size, budget))  # its outputs in DeviceSubtree's field order
 
 
 def commit_plan(prefix_lens: torch.Tensor, path_slots: torch.Tensor, path_count: torch.Tensor,
