@@ -17,7 +17,7 @@ from __future__ import annotations  # keeps `tl.constexpr` annotations unevaluat
 
 import torch
 
-from .fused import use_triton
+from .fused import dispatch, use_triton
 
 try:
     import triton
@@ -94,16 +94,24 @@ def advance_rows_triton(count: torch.Tensor, finished: torch.Tensor, emitted: to
 
 
 @torch.library.custom_op("swiftspec::advance_rows", mutates_args=MUTATES)
+def advance_rows_operator(count: torch.Tensor, finished: torch.Tensor, emitted: torch.Tensor, path: torch.Tensor,
+                          node_ids: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, roots: torch.Tensor,
+                          prefix_lens: torch.Tensor, budgets: torch.Tensor, positions: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
+    """swiftspec::advance_rows: the Triton kernel where use_triton says, else the reference."""
+    run = advance_rows_triton if use_triton(emitted) else advance_rows_reference
+    return run(count, finished, emitted, path, node_ids, tokens, parents, roots, prefix_lens, budgets, positions, eos)
+
+
+@advance_rows_operator.register_fake
+def _fake(count, finished, emitted, path, node_ids, tokens, parents, roots, prefix_lens, budgets, positions, eos):
+    B, T = emitted.shape
+    return emitted.new_empty(B, 2 + 5 * T)
+
+
 def advance_rows(count: torch.Tensor, finished: torch.Tensor, emitted: torch.Tensor, path: torch.Tensor,
                  node_ids: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, roots: torch.Tensor,
                  prefix_lens: torch.Tensor, budgets: torch.Tensor, positions: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
     """The rows moved on and the round's read packed (module docstring) as one operator: the Triton kernel on a GPU,
     the reference elsewhere."""
-    run = advance_rows_triton if use_triton(emitted) else advance_rows_reference
-    return run(count, finished, emitted, path, node_ids, tokens, parents, roots, prefix_lens, budgets, positions, eos)
-
-
-@advance_rows.register_fake
-def _fake(count, finished, emitted, path, node_ids, tokens, parents, roots, prefix_lens, budgets, positions, eos):
-    B, T = emitted.shape
-    return emitted.new_empty(B, 2 + 5 * T)
+    return dispatch(advance_rows_operator, advance_rows_reference, emitted, count, finished, emitted, path, node_ids,
+                    tokens, parents, roots, prefix_lens, budgets, positions, eos)

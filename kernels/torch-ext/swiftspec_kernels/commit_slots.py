@@ -17,7 +17,7 @@ from __future__ import annotations  # keeps `tl.constexpr` annotations unevaluat
 
 import torch
 
-from .fused import use_triton
+from .fused import dispatch, use_triton
 
 try:
     import triton
@@ -88,13 +88,19 @@ def commit_slots_triton(data: torch.Tensor, dim: int, prefix_lens: torch.Tensor,
 
 
 @torch.library.custom_op("swiftspec::commit_slots", mutates_args=("data",))
-def commit_slots(data: torch.Tensor, dim: int, prefix_lens: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
-                 scratch: int) -> None:
-    """The commit (module docstring) as one operator: the Triton kernel on a GPU, the reference elsewhere."""
+def commit_slots_operator(data: torch.Tensor, dim: int, prefix_lens: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
+                          scratch: int) -> None:
+    """swiftspec::commit_slots: the Triton kernel where use_triton says, else the reference."""
     run = commit_slots_triton if use_triton(data) else commit_slots_reference
     run(data, dim, prefix_lens, slots, counts, scratch)
 
 
-@commit_slots.register_fake
+@commit_slots_operator.register_fake
 def _fake(data, dim, prefix_lens, slots, counts, scratch):
     return None
+
+
+def commit_slots(data: torch.Tensor, dim: int, prefix_lens: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
+                 scratch: int) -> None:
+    """The commit (module docstring) as one operator: the Triton kernel on a GPU, the reference elsewhere."""
+    return dispatch(commit_slots_operator, commit_slots_reference, data, data, dim, prefix_lens, slots, counts, scratch)

@@ -6,9 +6,14 @@ Triton kernel on a GPU (replayed in a CUDA graph like any other), and its plain-
 reference is what a CPU runs, operator by operator; it is also what the kernel is tested against, under
 TRITON_INTERPRET=1).
 
-    use_triton(tensor)                  whether a call on `tensor` runs the Triton kernel: on CUDA with Triton
-                                        installed, or anywhere inside `forced("triton")` (tests, in the interpreter)
+    dispatch(operator, reference, tensor, *args)   the call: the custom operator where it is one kernel (on CUDA, or
+                                        when forced or counted), else the reference called directly (a CPU skips the
+                                        custom operator's ~35 us of dispatch: same operators, same results)
+    use_triton(tensor)                  whether the operator runs the Triton kernel: on CUDA with Triton installed, or
+                                        anywhere inside `forced("triton")` (tests, in the interpreter)
     forced(backend)                     a context that makes every fused operator run "triton" or "reference"
+    as_operators()                      a context in which every call goes through its custom operator (what a GPU
+                                        dispatches: hf_swiftspec.tools.counters.OperatorCounter counts inside it)
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ except ImportError:  # pragma: no cover - CPU-only hosts run the references
     triton = None
 
 _FORCED: list[str] = []
+_AS_OPERATORS: list[bool] = []
 
 
 @contextlib.contextmanager
@@ -44,3 +50,22 @@ def use_triton(tensor: torch.Tensor) -> bool:
     if _FORCED:
         return _FORCED[-1] == "triton"
     return triton is not None and tensor.is_cuda
+
+
+@contextlib.contextmanager
+def as_operators():
+    """Every fused call inside goes through its custom operator, on any device (one operator each, as a GPU
+    dispatches them; on a CPU the operator runs the reference)."""
+    _AS_OPERATORS.append(True)
+    try:
+        yield
+    finally:
+        _AS_OPERATORS.pop()
+
+
+def dispatch(operator, reference, tensor: torch.Tensor, *args):
+    """operator(*args) where it is one kernel or is counted as one (CUDA, forced(...), as_operators()), else
+    reference(*args): on a CPU the operator would run the same reference behind ~35 us of dispatch."""
+    if tensor.is_cuda or _FORCED or _AS_OPERATORS:
+        return operator(*args)
+    return reference(*args)

@@ -20,7 +20,7 @@ from __future__ import annotations  # keeps `tl.constexpr` annotations unevaluat
 
 import torch
 
-from .fused import use_triton
+from .fused import dispatch, use_triton
 
 try:
     import triton
@@ -91,15 +91,23 @@ def record_walk_triton(history: torch.Tensor, draft_lens: torch.Tensor, prefix_l
 
 
 @torch.library.custom_op("swiftspec::record_walk", mutates_args=("history", "draft_lens"))
+def record_walk_operator(history: torch.Tensor, draft_lens: torch.Tensor, prefix_lens: torch.Tensor, path: torch.Tensor,
+                         count: torch.Tensor, node_ids: torch.Tensor, tokens: torch.Tensor, nodes: int,
+                         depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """swiftspec::record_walk: the Triton kernel where use_triton says, else the reference."""
+    run = record_walk_triton if use_triton(path) else record_walk_reference
+    return run(history, draft_lens, prefix_lens, path, count, node_ids, tokens, nodes, depth)
+
+
+@record_walk_operator.register_fake
+def _fake(history, draft_lens, prefix_lens, path, count, node_ids, tokens, nodes, depth):
+    return torch.empty_like(path), torch.empty_like(count)
+
+
 def record_walk(history: torch.Tensor, draft_lens: torch.Tensor, prefix_lens: torch.Tensor, path: torch.Tensor,
                 count: torch.Tensor, node_ids: torch.Tensor, tokens: torch.Tensor, nodes: int,
                 depth: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The draft's bookkeeping after the walk (module docstring) as one operator: the Triton kernel on a GPU, the
     reference elsewhere."""
-    run = record_walk_triton if use_triton(path) else record_walk_reference
-    return run(history, draft_lens, prefix_lens, path, count, node_ids, tokens, nodes, depth)
-
-
-@record_walk.register_fake
-def _fake(history, draft_lens, prefix_lens, path, count, node_ids, tokens, nodes, depth):
-    return torch.empty_like(path), torch.empty_like(count)
+    return dispatch(record_walk_operator, record_walk_reference, path, history, draft_lens, prefix_lens, path, count,
+                    node_ids, tokens, nodes, depth)

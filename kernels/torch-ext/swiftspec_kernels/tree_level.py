@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from .fused import use_triton
+from .fused import dispatch, use_triton
 
 try:
     import triton
@@ -108,18 +108,27 @@ def tree_level_triton(tokens: torch.Tensor, parents: torch.Tensor, hashes: torch
 
 
 @torch.library.custom_op("swiftspec::tree_level", mutates_args=WRITTEN)
+def tree_level_operator(tokens: torch.Tensor, parents: torch.Tensor, hashes: torch.Tensor, depths: torch.Tensor,
+                        scores: torch.Tensor, ancestors: torch.Tensor, frontier: torch.Tensor, best: torch.Tensor,
+                        flat: torch.Tensor, token_map: torch.Tensor | None, vocab: int, level: int,
+                        multiplier: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """swiftspec::tree_level: the Triton kernel where use_triton says, else the reference."""
+    run = tree_level_triton if use_triton(tokens) else tree_level_reference
+    return run(tokens, parents, hashes, depths, scores, ancestors, frontier, best, flat, token_map, vocab, level,
+               multiplier)
+
+
+@tree_level_operator.register_fake
+def _fake(tokens, parents, hashes, depths, scores, ancestors, frontier, best, flat, token_map, vocab, level,
+          multiplier):
+    return torch.empty_like(flat), torch.empty_like(flat)
+
+
 def tree_level(tokens: torch.Tensor, parents: torch.Tensor, hashes: torch.Tensor, depths: torch.Tensor,
                scores: torch.Tensor, ancestors: torch.Tensor, frontier: torch.Tensor, best: torch.Tensor,
                flat: torch.Tensor, token_map: torch.Tensor | None, vocab: int, level: int,
                multiplier: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The level's bookkeeping (module docstring) as one operator writing the tree's fields in place: the Triton
     kernel on a GPU, the reference elsewhere."""
-    run = tree_level_triton if use_triton(tokens) else tree_level_reference
-    return run(tokens, parents, hashes, depths, scores, ancestors, frontier, best, flat, token_map, vocab, level,
-               multiplier)
-
-
-@tree_level.register_fake
-def _fake(tokens, parents, hashes, depths, scores, ancestors, frontier, best, flat, token_map, vocab, level,
-          multiplier):
-    return torch.empty_like(flat), torch.empty_like(flat)
+    return dispatch(tree_level_operator, tree_level_reference, tokens, tokens, parents, hashes, depths, scores,
+                    ancestors, frontier, best, flat, token_map, vocab, level, multiplier)

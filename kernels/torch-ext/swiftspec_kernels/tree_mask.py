@@ -15,7 +15,7 @@ from __future__ import annotations  # keeps `tl.constexpr` annotations unevaluat
 
 import torch
 
-from .fused import use_triton
+from .fused import dispatch, use_triton
 
 try:
     import triton
@@ -74,14 +74,20 @@ def tree_mask_triton(prefix_lens: torch.Tensor, ancestors: torch.Tensor, rows: t
 
 
 @torch.library.custom_op("swiftspec::tree_mask", mutates_args=())
-def tree_mask(prefix_lens: torch.Tensor, ancestors: torch.Tensor, rows: torch.Tensor | None, span: int,
-              dtype: torch.dtype) -> torch.Tensor:
-    """The additive mask (module docstring) as one operator: the Triton kernel on a GPU, the reference elsewhere."""
+def tree_mask_operator(prefix_lens: torch.Tensor, ancestors: torch.Tensor, rows: torch.Tensor | None, span: int,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """swiftspec::tree_mask: the Triton kernel where use_triton says, else the reference."""
     run = tree_mask_triton if use_triton(ancestors) else tree_mask_reference
     return run(prefix_lens, ancestors, rows, span, dtype)
 
 
-@tree_mask.register_fake
+@tree_mask_operator.register_fake
 def _fake(prefix_lens, ancestors, rows, span, dtype):
     Q = ancestors.shape[1] if rows is None else rows.shape[1]
     return ancestors.new_empty(ancestors.shape[0], 1, Q, span, dtype=dtype)
+
+
+def tree_mask(prefix_lens: torch.Tensor, ancestors: torch.Tensor, rows: torch.Tensor | None, span: int,
+              dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask (module docstring) as one operator: the Triton kernel on a GPU, the reference elsewhere."""
+    return dispatch(tree_mask_operator, tree_mask_reference, ancestors, prefix_lens, ancestors, rows, span, dtype)

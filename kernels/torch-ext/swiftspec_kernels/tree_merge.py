@@ -27,7 +27,7 @@ from __future__ import annotations  # keeps `tl.constexpr` annotations unevaluat
 
 import torch
 
-from .fused import use_triton
+from .fused import dispatch, use_triton
 
 try:
     import triton
@@ -208,16 +208,23 @@ def tree_merge_triton(tokens: torch.Tensor, parents: torch.Tensor, depths: torch
 
 
 @torch.library.custom_op("swiftspec::tree_merge", mutates_args=())
-def tree_merge(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor,
-               ancestors: torch.Tensor, size: torch.Tensor, hashes: torch.Tensor, packed: torch.Tensor) -> Merged:
-    """The merge (module docstring) as one operator: the Triton kernel on a GPU, the reference elsewhere."""
+def tree_merge_operator(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor,
+                        ancestors: torch.Tensor, size: torch.Tensor, hashes: torch.Tensor, packed: torch.Tensor) -> Merged:
+    """swiftspec::tree_merge: the Triton kernel where use_triton says, else the reference."""
     run = tree_merge_triton if use_triton(tokens) else tree_merge_reference
     return run(tokens, parents, depths, scores, ancestors, size, hashes, packed)
 
 
-@tree_merge.register_fake
+@tree_merge_operator.register_fake
 def _fake(tokens, parents, depths, scores, ancestors, size, hashes, packed):
     B, N = tokens.shape
     M = N + packed.shape[2]
     return (tokens.new_empty(B, M), tokens.new_empty(B, M), tokens.new_empty(B, M), scores.new_empty(B, M),
             ancestors.new_empty(B, M, M), tokens.new_empty(B), tokens.new_empty(B, M))
+
+
+def tree_merge(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor,
+               ancestors: torch.Tensor, size: torch.Tensor, hashes: torch.Tensor, packed: torch.Tensor) -> Merged:
+    """The merge (module docstring) as one operator: the Triton kernel on a GPU, the reference elsewhere."""
+    return dispatch(tree_merge_operator, tree_merge_reference, tokens, tokens, parents, depths, scores, ancestors,
+                    size, hashes, packed)

@@ -28,7 +28,7 @@ from __future__ import annotations  # keeps `tl.constexpr` annotations unevaluat
 
 import torch
 
-from .fused import use_triton
+from .fused import dispatch, use_triton
 
 try:
     import triton
@@ -115,17 +115,24 @@ def tree_select_triton(tokens: torch.Tensor, parents: torch.Tensor, depths: torc
 
 
 @torch.library.custom_op("swiftspec::tree_select", mutates_args=())
-def tree_select(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor,
-                ancestors: torch.Tensor, size: torch.Tensor, budget: int) -> Selected:
-    """The selection (module docstring) as one operator: the Triton kernel on a GPU, the reference elsewhere."""
+def tree_select_operator(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor,
+                         ancestors: torch.Tensor, size: torch.Tensor, budget: int) -> Selected:
+    """swiftspec::tree_select: the Triton kernel where use_triton says, else the reference."""
     run = tree_select_triton if use_triton(scores) else tree_select_reference
     return run(tokens, parents, depths, scores, ancestors, size, budget)
 
 
-@tree_select.register_fake
+@tree_select_operator.register_fake
 def _fake(tokens, parents, depths, scores, ancestors, size, budget):
     B, N = scores.shape
     T = min(budget, N)
     flat = [tokens.new_empty(B, T) for _ in range(3)]
     return (flat[0], flat[1], flat[2], scores.new_empty(B, T), scores.new_empty(B, T, dtype=torch.bool),
             tokens.new_empty(B, T), scores.new_empty(B, T, T, dtype=torch.bool))
+
+
+def tree_select(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor,
+                ancestors: torch.Tensor, size: torch.Tensor, budget: int) -> Selected:
+    """The selection (module docstring) as one operator: the Triton kernel on a GPU, the reference elsewhere."""
+    return dispatch(tree_select_operator, tree_select_reference, scores, tokens, parents, depths, scores, ancestors,
+                    size, budget)

@@ -22,7 +22,7 @@ from __future__ import annotations  # keeps `tl.constexpr` annotations unevaluat
 
 import torch
 
-from .fused import use_triton
+from .fused import dispatch, use_triton
 
 try:
     import triton
@@ -109,16 +109,24 @@ def tree_walk_triton(choices: torch.Tensor, tokens: torch.Tensor, parents: torch
 
 
 @torch.library.custom_op("swiftspec::tree_walk", mutates_args=())
-def tree_walk(choices: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor,
-              depths: torch.Tensor, mask: torch.Tensor, max_tokens: torch.Tensor,
-              eos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The walk (module docstring) as one operator: the Triton kernel on a GPU, the reference elsewhere."""
+def tree_walk_operator(choices: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor,
+                       depths: torch.Tensor, mask: torch.Tensor, max_tokens: torch.Tensor,
+                       eos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """swiftspec::tree_walk: the Triton kernel where use_triton says, else the reference."""
     run = tree_walk_triton if use_triton(choices) else tree_walk_reference
     return run(choices, tokens, parents, valid, depths, mask, max_tokens, eos)
 
 
-@tree_walk.register_fake
+@tree_walk_operator.register_fake
 def _fake(choices, tokens, parents, valid, depths, mask, max_tokens, eos):
     B = choices.shape[0]
     return (torch.empty_like(choices), torch.empty_like(choices), choices.new_empty(B),
             choices.new_empty(B, dtype=torch.bool))
+
+
+def tree_walk(choices: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor,
+              depths: torch.Tensor, mask: torch.Tensor, max_tokens: torch.Tensor,
+              eos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The walk (module docstring) as one operator: the Triton kernel on a GPU, the reference elsewhere."""
+    return dispatch(tree_walk_operator, tree_walk_reference, choices, choices, tokens, parents, valid, depths, mask,
+                    max_tokens, eos)
