@@ -167,6 +167,11 @@ def test_calls_it_cannot_decode_exactly_are_refused_with_the_reason():
     assert "sliding-window" in message and "round='host'" in message
     with pytest.raises(ValueError, match="round='gpu'"):
         SwiftSpecConfig(round="gpu")
+    limit = target.config.max_position_embeddings
+    long = torch.randint(1, 90, (1, limit - 10))
+    with pytest.raises(ValueError, match=f"{limit + 20} positions, past the models' context of {limit}; ask for at "
+                                         "most 10 new tokens"):
+        pair.generate(long, max_new_tokens=30, do_sample=False)
 
 
 def test_every_documented_refusal_names_its_reason():

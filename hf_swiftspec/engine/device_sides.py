@@ -256,6 +256,12 @@ class DeviceSides:
         sequences = [c[0].tolist() for c in request.contexts] if request.contexts else request.prompt.tolist()
         keeps = request.keeps_scores, request.keeps_logits
         room = self.room(L, request.max_new_tokens)
+        if room < 0:
+            raise ValueError(
+                f"round='device': the prompt ({L} tokens, padding included) plus max_new_tokens "
+                f"({request.max_new_tokens}) come to {L + request.max_new_tokens} positions, past the models' context "
+                f"of {self.limit}; ask for at most {max(self.limit - L, 0)} new tokens, cut the prompt, or use "
+                "round='host'")
         self.host = [RowOnHost(sampler, sequence, len(ids) - 1, keeps, room,
                                self.suffix.index_for(request, ids) if self.suffix is not None else None, len(ids) - 1)
                      for sampler, sequence, ids in zip(request.samplers, sequences, prompts)]
