@@ -192,12 +192,14 @@ LEASE = replace(
                 "--max-new-tokens", "64", "--methods", "target,assisted,prompt_lookup,swiftspec_serial,swiftspec_async"),
     train=False,
 )
-# The captured round (capture.py): its CUDA test, the 8B/1B steps eager and replayed, and the demo pair against
+# The captured round (capture.py): its CUDA test and the device round's fused kernels against their references
+# (compiled, on the GPU: tests/test_fused_*.py), the 8B/1B steps eager and replayed, and the demo pair against
 # transformers' compiled static-cache decoding, eager swiftspec and the other peers, with the bundled EAGLE-3 head
 # (its steps and its target's replayed).
 CAPTURE = replace(
     LEASE,
-    tests=("-rfE", "--tb=short", "tests/test_capture.py", "-k", "cuda"),
+    tests=("-rfE", "--tb=short", "tests/test_capture.py", "tests/test_fused_kernels.py", "tests/test_fused_merge.py",
+           "tests/test_fused_select.py", "-k", "cuda or kernel or fused or equals"),
     step_contexts=(1024, 8192),
     step_attentions=("model", "captured", "captured-model", "compiled"),
     bench_args=("--dtype", "float32", "--prompts", "humaneval", "--prompts", "spec_bench", "--num-prompts", "4",

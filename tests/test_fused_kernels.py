@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from swiftspec_kernels.fused import forced, triton  # noqa: E402
-from swiftspec_kernels.tree_walk import tree_walk, tree_walk_reference, tree_walk_triton  # noqa: E402
+from swiftspec_kernels.tree_walk import tree_walk, tree_walk_on_cpu, tree_walk_reference, tree_walk_triton  # noqa: E402
 from swiftspec_kernels.record_walk import record_walk, record_walk_reference, record_walk_triton  # noqa: E402
 from swiftspec_kernels.commit_slots import commit_slots, commit_slots_reference, commit_slots_triton  # noqa: E402
 from swiftspec_kernels.advance_rows import advance_rows, advance_rows_reference, advance_rows_triton  # noqa: E402
@@ -92,6 +92,17 @@ def test_the_walk_kernel_equals_its_reference(shape):
         got = tree_walk_triton(**t)
         for w, g in zip(want, got):
             assert torch.equal(w, g)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 0), (5, 8, 1), (16, 12, 3)])
+def test_the_walk_on_host_values_equals_the_reference(shape):
+    """A CPU's walk (a loop over host values, what a call on the CPU runs outside the counters) is the reference's."""
+    B, T, E = shape
+    for seed in range(4):
+        t = {k: v.cpu() for k, v in random_subtrees(B=B, T=T, vocab=3, seed=seed).items()}
+        t["eos"] = t["eos"][:, :E].contiguous()
+        for want, got in zip(tree_walk_reference(**t), tree_walk_on_cpu(**t)):
+            assert torch.equal(want, got)
 
 
 def test_a_fused_operator_is_one_operator_and_runs_the_backend_asked():

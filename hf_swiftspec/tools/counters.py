@@ -38,13 +38,23 @@ NO_KERNEL = frozenset({"aten.view.default", "aten._unsafe_view.default", "aten.t
 
 class SyncCounter(TorchFunctionMode):
     """Counts tensor calls that read device values on the host (boolean-mask indexing included), and the tensors
-    made of host data (`host_tensors`: torch.tensor / torch.as_tensor of a Python list or number)."""
+    made of host data (`host_tensors`: torch.tensor / torch.as_tensor of a Python list or number). Inside it the fused
+    bookkeeping (swiftspec_kernels) runs as on a GPU (its operators, no loop over host values on a CPU)."""
 
     def __init__(self, sites: bool = False):
         super().__init__()
         self.calls = collections.Counter()
         self.host_tensors = 0
         self.sites = collections.Counter() if sites else None  # (call, the library's line that made it): counts
+
+    def __enter__(self):
+        self.fused = as_operators()
+        self.fused.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.fused.__exit__(*exc)
+        return super().__exit__(*exc)
 
     @property
     def total(self) -> int:

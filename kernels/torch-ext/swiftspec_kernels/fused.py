@@ -6,14 +6,15 @@ Triton kernel on a GPU (replayed in a CUDA graph like any other), and its plain-
 reference is what a CPU runs, operator by operator; it is also what the kernel is tested against, under
 TRITON_INTERPRET=1).
 
-    dispatch(operator, reference, tensor, *args)   the call: the custom operator where it is one kernel (on CUDA, or
-                                        when forced or counted), else the reference called directly (a CPU skips the
-                                        custom operator's ~35 us of dispatch: same operators, same results)
+    dispatch(operator, reference, tensor, *args, on_cpu=None)   the call: the custom operator where it is one kernel
+                                        (on CUDA, or when forced or counted), else the reference called directly (a
+                                        CPU skips the custom operator's ~35 us of dispatch: same operators, same
+                                        results), or a loop over host values on a CPU where one is faster
     use_triton(tensor)                  whether the operator runs the Triton kernel: on CUDA with Triton installed, or
                                         anywhere inside `forced("triton")` (tests, in the interpreter)
     forced(backend)                     a context that makes every fused operator run "triton" or "reference"
     as_operators()                      a context in which every call goes through its custom operator (what a GPU
-                                        dispatches: hf_swiftspec.tools.counters.OperatorCounter counts inside it)
+                                        dispatches: hf_swiftspec.tools.counters' counters count inside it)
 """
 
 from __future__ import annotations
@@ -63,9 +64,13 @@ def as_operators():
         _AS_OPERATORS.pop()
 
 
-def dispatch(operator, reference, tensor: torch.Tensor, *args):
+def dispatch(operator, reference, tensor: torch.Tensor, *args, on_cpu=None):
     """operator(*args) where it is one kernel or is counted as one (CUDA, forced(...), as_operators()), else
-    reference(*args): on a CPU the operator would run the same reference behind ~35 us of dispatch."""
+    reference(*args) (on a CPU the operator would run the same reference behind ~35 us of dispatch), or on_cpu(*args)
+    where one is given and the tensors are on the CPU (a loop over host values where that beats the reference's
+    tensor operations; it reads them, which a CPU does for free)."""
     if tensor.is_cuda or _FORCED or _AS_OPERATORS:
         return operator(*args)
+    if on_cpu is not None and tensor.device.type == "cpu":
+        return on_cpu(*args)
     return reference(*args)

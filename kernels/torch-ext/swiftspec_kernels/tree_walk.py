@@ -30,7 +30,7 @@ try:
 except ImportError:  # pragma: no cover - CPU-only hosts run the reference
     triton = tl = None
 
-__all__ = ["tree_walk", "tree_walk_reference", "tree_walk_triton"]
+__all__ = ["tree_walk", "tree_walk_on_cpu", "tree_walk_reference", "tree_walk_triton"]
 
 
 def tree_walk_reference(choices: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor,
@@ -56,6 +56,33 @@ def tree_walk_reference(choices: torch.Tensor, tokens: torch.Tensor, parents: to
     finished = (first_stop < T) | (count >= max_tokens)
     inside = ids < count[:, None]
     return torch.where(inside, path, -1), torch.where(inside, emitted, -1), count, finished
+
+
+def tree_walk_on_cpu(choices: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor,
+                     depths: torch.Tensor, mask: torch.Tensor, max_tokens: torch.Tensor,
+                     eos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's loop (a row at a time, node by node) over host values: on a CPU, where reading the tensors costs
+    nothing, about four times faster than the reference's forty tensor operations at a batch of 4."""
+    B, T = choices.shape
+    rows = zip(choices.tolist(), tokens.tolist(), parents.tolist(), valid.tolist(), max_tokens.tolist(), eos.tolist())
+    path, emitted, count, finished = [[-1] * T for _ in range(B)], [[-1] * T for _ in range(B)], [0] * B, [False] * B
+    for b, (chosen, token, parent, real, budget, stops) in enumerate(rows):
+        first_child = {(parent[i], token[i]): i for i in range(T - 1, 0, -1) if real[i] and parent[i] >= 0}
+        node, n, stopped = 0, 0, False
+        while real[0] and n < budget:
+            path[b][n], emitted[b][n] = node, chosen[node]
+            n += 1
+            if chosen[node] >= 0 and chosen[node] in stops:
+                stopped = True
+                break
+            node = first_child.get((node, chosen[node]))
+            if node is None:
+                break
+        count[b], finished[b] = n, stopped or n >= budget
+    device = choices.device
+    return (torch.tensor(path, dtype=torch.long, device=device).view(B, T),
+            torch.tensor(emitted, dtype=torch.long, device=device).view(B, T),
+            torch.tensor(count, dtype=torch.long, device=device), torch.tensor(finished, device=device))
 
 
 if triton is not None:
@@ -129,4 +156,4 @@ def tree_walk(choices: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor
               eos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The walk (module docstring) as one operator: the Triton kernel on a GPU, the reference elsewhere."""
     return dispatch(tree_walk_operator, tree_walk_reference, choices, choices, tokens, parents, valid, depths, mask,
-                    max_tokens, eos)
+                    max_tokens, eos, on_cpu=tree_walk_on_cpu)
