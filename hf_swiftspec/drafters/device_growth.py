@@ -55,12 +55,14 @@ def grow(model, cache: SlotCache, prefix_lens: torch.Tensor, roots: torch.Tensor
     B, N = tree.tokens.shape
     node_slots = prefix_lens[:, None] + torch.arange(N, device=roots.device)[None]  # (B, N)
     frontier = torch.zeros(B, 1, dtype=torch.long, device=roots.device)  # node ids (B, F), the root first
+    ids = slice(0, 1)  # the frontier's ids are a fixed range (the root, then the last level's): its fields are views
     for level in range(1, depth + 1):
-        seen = tree_mask(prefix_lens, tree.ancestors, frontier, cache.span, model.dtype)  # the frontier's, additive
-        logits = slot_forward(model, cache, tree.tokens.gather(1, frontier), prefix_lens[:, None] + level - 1,
-                              node_slots.gather(1, frontier), seen)
+        seen = tree_mask(prefix_lens, tree.ancestors[:, ids], None, cache.span, model.dtype)  # the frontier's, additive
+        logits = slot_forward(model, cache, tree.tokens[:, ids], prefix_lens[:, None] + (level - 1),
+                              node_slots[:, ids], seen)
         logprobs = torch.log_softmax(logits[..., :vocab_limit], dim=-1)  # (B, F, V')
-        frontier, _ = add_level(tree, frontier, tree.scores.gather(1, frontier)[:, :, None] + logprobs, level, width)
+        frontier, _ = add_level(tree, frontier, tree.scores[:, ids, None] + logprobs, level, width)
+        ids = slice(1 + (level - 1) * width, 1 + level * width)
     return Growth(tree, prefix_lens)
 
 
