@@ -1,7 +1,10 @@
 """The goodput policy, the n-gram chain and the vectorised walk, each against an independent check."""
 
+import contextlib
+
 import pytest
 import torch
+from swiftspec_kernels.fused import as_operators
 from transformers import LogitsProcessorList, StoppingCriteriaList, TemperatureLogitsWarper, TopKLogitsWarper
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
@@ -179,12 +182,13 @@ def random_tree(n, g):
     return Subtree(list(range(n)), torch.randint(0, 6, (n,), generator=g).tolist(), parents)
 
 
+@pytest.mark.parametrize("on", ["host values", "tensors"])
 @pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("seed", range(20))
-def test_vectorised_walk_equals_the_node_by_node_walk(seed, do_sample):
-    """The one walk (acceptance.walk_subtree, through verify_tree for path-free processors) and the node-by-node walk
-    (walk_nodes, for processors that read the path): same tokens, path and stop either way; sampled too, since the
-    noise is drawn per position."""
+def test_vectorised_walk_equals_the_node_by_node_walk(seed, do_sample, on):
+    """The one walk (acceptance.walk_subtree, through verify_tree for path-free processors; on a CPU its loop over host
+    values, and its tensor path as a GPU runs it) and the node-by-node walk (walk_nodes, for processors that read the
+    path): same tokens, path and stop either way; sampled too, since the noise is drawn per position."""
     g = torch.Generator().manual_seed(seed)
     n = int(torch.randint(1, 14, (1,), generator=g))
     subtree = random_tree(n, g)
@@ -200,7 +204,8 @@ def test_vectorised_walk_equals_the_node_by_node_walk(seed, do_sample):
             children.setdefault((p, t), i)
     fast_sampler, slow_sampler = (Sampler(warpers, do_sample, generator=torch.Generator().manual_seed(seed)) for _ in range(2))
     assert fast_sampler.path_free
-    fast = verify_tree(logits, subtree, context, fast_sampler, criteria, max_tokens)
+    with as_operators() if on == "tensors" else contextlib.nullcontext():
+        fast = verify_tree(logits, subtree, context, fast_sampler, criteria, max_tokens)
     slow = walk_nodes(logits, children, context, slow_sampler, criteria, max_tokens)
     assert (fast.tokens, fast.path, fast.finished) == (slow.tokens, slow.path, slow.finished)
     for a, b in zip(fast.scores + fast.logits, slow.scores + slow.logits):

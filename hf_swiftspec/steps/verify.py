@@ -14,6 +14,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 import torch
+from swiftspec_kernels.fused import on_host_values
+from swiftspec_kernels.tree_walk import walk_row_on_host
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from ..models.compat import EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria, StopStringCriteria, logits_process
@@ -246,13 +248,15 @@ def walk_together(logits: list, subtrees: list[Subtree], contexts: list, sampler
                   rules: list[StopRule], max_tokens: list[int]) -> list[Verified]:
     """Path-free rows' walks: each row's choices after every node (its processors over all its nodes at once, then
     argmax or its Gumbel-max), the rows' subtrees in one (n, T) DeviceSubtree made of one host tensor, one
-    walk_subtree, one read."""
+    walk_subtree, one read. A plain round's roots, and every walk on a CPU (where reading the choices is free and a
+    loop over host lists beats the tensors' round trip), are walked on host values after one read of the choices."""
     if not subtrees:
         return []
     device = logits[0].device
     T = max(len(s) for s in subtrees)
     E = max([0] + [len(r.eos) for r in rules])
     chosen, packed = [], []
+    on_cpu = on_host_values(logits[0])
     for row, subtree, context, sampler, rule, limit in zip(logits, subtrees, contexts, samplers, rules, max_tokens):
         n, pad = len(subtree), T - len(subtree)
         depths, bits = [], []
@@ -261,7 +265,7 @@ def walk_together(logits: list, subtrees: list[Subtree], contexts: list, sampler
             bits.append((bits[p] if p >= 0 else 0) | (1 << i))
         # processors may write into the scores they get: give them a copy, or nothing to copy when there are none
         chosen.append(sampler.choose_rows(context, row.clone() if sampler.logits_processor else row, depths))
-        if T == 1:  # a plain round walks on the host (below): nothing to pack
+        if T == 1 or on_cpu:  # a plain round, or a CPU's, walks on the host (below): nothing to pack
             continue
         eos = sorted(rule.eos)
         packed.append(subtree.tokens + [0] * pad + subtree.parents + [-1] * pad + depths + [0] * pad
@@ -271,6 +275,9 @@ def walk_together(logits: list, subtrees: list[Subtree], contexts: list, sampler
         read = [walk_root_on_host(token, rule.eos, rule.budget(limit, context.shape[1])) for token, rule, limit, context in
                 zip(torch.cat([c for c, _ in chosen]).tolist(), rules, max_tokens, contexts)]
         return finish_walks(chosen, logits, contexts, rules, read, T)
+    if on_cpu:  # on a CPU a read is free: the choices read once and walked on host lists
+        return finish_walks(chosen, logits, contexts, rules, walks_on_host(chosen, subtrees, contexts, rules, max_tokens,
+                                                                           T), T)
     host = torch.tensor(packed, dtype=torch.long).to(device)  # one copy: tokens, parents, depths, budgets, EOS, bits
     if T <= 62:  # each node's ancestor bits in one int64: the (n, T, T) mask in three operations
         bits = host[:, 4 * T + 1 + E :]
@@ -285,6 +292,22 @@ def walk_together(logits: list, subtrees: list[Subtree], contexts: list, sampler
     walk = walk_subtree(choices, sub, host[:, 4 * T], host[:, 4 * T + 1 : 4 * T + 1 + E] if E else None)
     read = torch.cat([round_result(walk), walk.path], dim=1).tolist()  # the walks' one read: counts, flags, tokens, paths
     return finish_walks(chosen, logits, contexts, rules, read, T)
+
+
+def walks_on_host(chosen: list, subtrees: list[Subtree], contexts: list, rules: list[StopRule], max_tokens: list[int],
+                  T: int) -> list[list[int]]:
+    """Each row's walk as walk_subtree's read gives it (per row [count, finished, T tokens, T path nodes]), walked on
+    host values (swiftspec_kernels' walk_row_on_host, the fused walk's loop) after one read of every row's choices."""
+    choices = torch.cat([c for c, _ in chosen]).tolist()
+    read, at = [], 0
+    for subtree, context, rule, limit in zip(subtrees, contexts, rules, max_tokens):
+        n = len(subtree)
+        path, tokens, finished = walk_row_on_host(choices[at : at + n], subtree.tokens, subtree.parents, [True] * n,
+                                                  rule.budget(limit, context.shape[1]), rule.eos)
+        at += n
+        pad = [-1] * (T - len(path))
+        read.append([len(path), int(finished), *tokens, *pad, *path, *pad])
+    return read
 
 
 def finish_walks(chosen: list, logits: list, contexts: list, rules: list[StopRule], read: list[list[int]],

@@ -15,6 +15,8 @@ TRITON_INTERPRET=1).
     forced(backend)                     a context that makes every fused operator run "triton" or "reference"
     as_operators()                      a context in which every call goes through its custom operator (what a GPU
                                         dispatches: hf_swiftspec.tools.counters' counters count inside it)
+    on_host_values(tensor)              whether a caller may work on `tensor`'s host values instead (a CPU tensor,
+                                        neither forced nor counted)
 """
 
 from __future__ import annotations
@@ -74,3 +76,9 @@ def dispatch(operator, reference, tensor: torch.Tensor, *args, on_cpu=None):
     if on_cpu is not None and tensor.device.type == "cpu":
         return on_cpu(*args)
     return reference(*args)
+
+
+def on_host_values(tensor: torch.Tensor) -> bool:
+    """Whether a caller may walk `tensor`'s values on the host: a CPU tensor outside forced(...) and the counters
+    (where a GPU's dispatch is what is counted)."""
+    return tensor.device.type == "cpu" and not _FORCED and not _AS_OPERATORS
