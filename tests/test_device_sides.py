@@ -316,3 +316,24 @@ def test_auto_takes_the_device_round_on_cuda_where_it_applies_and_says_why():
     round_, why = choose_round(config, cuda, None, architectures, penalty, None, None, False, [])
     assert round_ == "host" and "RepetitionPenaltyLogitsProcessor" in why
     assert choose_round(SwiftSpecConfig(round="host"), cuda, None, architectures, [], None, None, False, [])[0] == "host"
+
+
+def test_the_re_price_schedule_goes_on_across_calls():
+    """The menu's re-price schedule is kept with the pair beside its prices: a call starts where the last call of as
+    many rows left it (its round count, its interval), so re-prices that did not pay stay as rare in a series of
+    short calls as in one long one; a call's own tokens are target.generate's all the same."""
+    target = tiny_model("llama", seed=0)
+    target.generation_config.eos_token_id = None
+    pair = SwiftSpecForCausalLM.from_models(target, tiny_model("llama", seed=1, layers=1), round="device",
+                                            ngram_size=0)
+    menus, total = [], 0
+    for seed in range(3):
+        ids = torch.tensor(random_prompts([6], seed, 98))
+        out = pair.generate(ids, max_new_tokens=24, do_sample=False)
+        assert out.tolist() == target.generate(ids, max_new_tokens=24, do_sample=False).tolist()
+        total += len(pair.swiftspec_stats.rounds)
+        menu = pair.captures.device.schedules[1]
+        menus.append(menu)
+        assert menu.rounds == total  # counted across the calls, one pick a round
+    assert len({id(m) for m in menus}) == 3  # a menu a call, the schedule handed on
+    assert menus[2].next_retry > total - len(pair.swiftspec_stats.rounds)  # counted from the earlier calls' rounds

@@ -203,7 +203,7 @@ class DeviceSides:
         self.limit = context_limit(*(m for m in (target, drafter.context_model) if m is not None))
         self.host: list[RowOnHost] = []  # per cache row
         self.menu: ShapeMenu | None = None
-        self.menu = unbounded = self.menu_for(NO_ROOM)
+        self.menu = unbounded = self.menu_for(NO_ROOM, schedule="none")
         # the suffix proposals (none with ngram_size 0): S nodes a round, enough to fill the largest tree
         self.suffix_nodes = max(s.budget for s in unbounded.shapes) - 1 if config.ngram_size else 0
         self.tree_slots = max(s.nodes for s in unbounded.shapes) + self.suffix_nodes + 2  # the tree, then scratch
@@ -226,17 +226,23 @@ class DeviceSides:
     def layers(self) -> tuple[int, int]:
         return self.target.config.get_text_config().num_hidden_layers, self.drafter.layers
 
-    def menu_for(self, room: int) -> ShapeMenu:
-        """The shapes rows with `room` positions left can grow, priced by what this pool measured for the bucket."""
+    def menu_for(self, room: int, schedule: str = "menu") -> ShapeMenu:
+        """The shapes rows with `room` positions left can grow, priced by what this pool measured for the bucket.
+        schedule: whose re-price schedule goes on: "menu" (this call's, as rows join and leave), "pool" (a new call:
+        the last call's of this bucket) or "none" (a menu only looked at, not kept)."""
         config = self.config
         if self.drafter.model is None:
             menu = draft_free_menu(config)
         else:
             menu = ShapeMenu.of(config.draft_depth, config.draft_width, config.tree_budget, room, config.ngram_size > 0)
-        menu.prices = self.pool.prices.setdefault(max(self.bucket, 1), {})  # the pair's, for this many rows
-        if self.menu is not None:  # the re-price schedule goes on
+        bucket = max(self.bucket, 1)
+        menu.prices = self.pool.prices.setdefault(bucket, {})  # the pair's, for this many rows
+        earlier = {"menu": self.menu, "pool": self.pool.schedules.get(bucket), "none": None}[schedule]
+        if earlier is not None:  # the re-price schedule goes on, across calls too: re-prices that did not pay stay rare
             for name in ("rounds", "retry", "next_retry", "retries", "pending"):
-                setattr(menu, name, getattr(self.menu, name))
+                setattr(menu, name, getattr(earlier, name))
+        if schedule != "none":
+            self.pool.schedules[bucket] = menu
         return menu
 
     def room(self, prompt: int, new_tokens: int) -> int:
@@ -276,7 +282,7 @@ class DeviceSides:
         set_rows(self.slots.rows, packed[:, width:], 0)
         tokens = torch.cat([packed[:, :width], packed.new_zeros(self.bucket - n, width)])  # dead rows: nothing
         self.prefill(self.slots, tokens, self.slots.rows.prefix_lens, end=width)
-        self.menu = self.menu_for(room)
+        self.menu = self.menu_for(room, schedule="pool")
         self.models = self.round_models()
         self.counters[0].busy_s += time.perf_counter() - start
 
