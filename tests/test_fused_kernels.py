@@ -9,7 +9,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from swiftspec_kernels.fused import forced, triton  # noqa: E402
+from fused_helpers import DEVICE, needs_triton  # noqa: E402
+from swiftspec_kernels.fused import forced  # noqa: E402
 from swiftspec_kernels.tree_walk import tree_walk, tree_walk_on_cpu, tree_walk_reference, tree_walk_triton  # noqa: E402
 from swiftspec_kernels.record_walk import record_walk, record_walk_reference, record_walk_triton  # noqa: E402
 from swiftspec_kernels.commit_slots import commit_slots, commit_slots_reference, commit_slots_triton  # noqa: E402
@@ -18,10 +19,6 @@ from swiftspec_kernels.tree_mask import tree_mask, tree_mask_reference, tree_mas
 
 from hf_swiftspec.tools.counters import OperatorCounter  # noqa: E402
 
-needs_triton = pytest.mark.skipif(triton is None or (not torch.cuda.is_available()
-                                                       and os.environ.get("TRITON_INTERPRET") != "1"),
-                                  reason="Triton kernels need CUDA or TRITON_INTERPRET=1 set before triton's import")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def random_subtrees(B: int, T: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:

@@ -12,7 +12,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from swiftspec_kernels.fused import forced, triton  # noqa: E402
+from fused_helpers import DEVICE, needs_triton  # noqa: E402
+from swiftspec_kernels.fused import forced  # noqa: E402
 from swiftspec_kernels.tree_merge import (  # noqa: E402
     HASH_BITS, tree_merge, tree_merge_reference, tree_merge_triton)
 
@@ -21,10 +22,6 @@ from hf_swiftspec.drafters.device_suffix import host_nodes, merge_suffix  # noqa
 from hf_swiftspec.steps.device_round import DeviceTree, path_hashes  # noqa: E402
 from hf_swiftspec.tools.counters import OperatorCounter  # noqa: E402
 
-needs_triton = pytest.mark.skipif(triton is None or (not torch.cuda.is_available()
-                                                       and os.environ.get("TRITON_INTERPRET") != "1"),
-                                  reason="Triton kernels need CUDA or TRITON_INTERPRET=1 set before triton's import")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FIELD_NAMES = ("tokens", "parents", "depths", "scores", "ancestors", "size", "hashes")
 
 

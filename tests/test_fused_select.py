@@ -12,7 +12,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from swiftspec_kernels.fused import forced, triton  # noqa: E402
+from fused_helpers import DEVICE, needs_triton  # noqa: E402
+from swiftspec_kernels.fused import forced  # noqa: E402
 from swiftspec_kernels.tree_level import tree_level, tree_level_reference, tree_level_triton  # noqa: E402
 from swiftspec_kernels.tree_select import tree_select, tree_select_reference, tree_select_triton  # noqa: E402
 
@@ -20,10 +21,6 @@ from hf_swiftspec.drafters.device_growth import add_level  # noqa: E402
 from hf_swiftspec.steps.device_round import HASH_MULTIPLIER, DeviceTree, host_path_hash, select_device  # noqa: E402
 from hf_swiftspec.tools.counters import OperatorCounter  # noqa: E402
 
-needs_triton = pytest.mark.skipif(triton is None or (not torch.cuda.is_available()
-                                                       and os.environ.get("TRITON_INTERPRET") != "1"),
-                                  reason="Triton kernels need CUDA or TRITON_INTERPRET=1 set before triton's import")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def random_trees(B: int, N: int, seed: int) -> dict[str, torch.Tensor]:
