@@ -127,13 +127,6 @@ def walk_subtree(choices: torch.Tensor, subtree: DeviceSubtree, max_tokens: torc
                            max_tokens, eos))
 
 
-def walk_root_on_host(token: int, eos: set[int], budget: int) -> list[int]:
-    """walk_subtree's rules for a row verifying its root alone, on host values (the host round's plain rounds read
-    their choices and need no device walk): [count, finished, token, path node], -1 where nothing is emitted."""
-    count = 1 if budget > 0 else 0
-    finished = (count == 1 and token in eos) or count >= budget
-    return [count, int(finished), token if count else -1, 0 if count else -1]
-
 def round_result(walk: Walk) -> torch.Tensor:
     """The round's one host read: (B, 2 + T) long, per row [count, finished, tokens...]."""
     return torch.cat([walk.count[:, None], walk.finished.long()[:, None], walk.tokens], dim=1)

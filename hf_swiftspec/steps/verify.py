@@ -20,7 +20,7 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from ..models.compat import EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria, StopStringCriteria, logits_process
 from .acceptance import (NO_STOPS, StopRule, cut_at_criteria, gumbel_noise, round_result, split_criteria,
-                         walk_root_on_host, walk_subtree)
+                         walk_subtree)
 from .device_round import DeviceSubtree
 from .tree import Subtree, subtree_mask
 
@@ -271,13 +271,9 @@ def walk_together(logits: list, subtrees: list[Subtree], contexts: list, sampler
         packed.append(subtree.tokens + [0] * pad + subtree.parents + [-1] * pad + depths + [0] * pad
                       + [1] * n + [0] * pad + [rule.budget(limit, context.shape[1])] + eos + [-1] * (E - len(eos))
                       + (bits + [1 << (n + k) for k in range(pad)] if T <= 62 else []))
-    if T == 1:  # a plain round: every row's root alone, its choice read and the rules applied on the host
-        read = [walk_root_on_host(token, rule.eos, rule.budget(limit, context.shape[1])) for token, rule, limit, context in
-                zip(torch.cat([c for c, _ in chosen]).tolist(), rules, max_tokens, contexts)]
-        return finish_walks(chosen, logits, contexts, rules, read, T)
-    if on_cpu:  # on a CPU a read is free: the choices read once and walked on host lists
-        return finish_walks(chosen, logits, contexts, rules, walks_on_host(chosen, subtrees, contexts, rules, max_tokens,
-                                                                           T), T)
+    if T == 1 or on_cpu:  # a plain round (roots alone), or a CPU's (a read is free): the choices read once, walked on
+        return finish_walks(chosen, logits, contexts, rules,  # host lists
+                            walks_on_host(chosen, subtrees, contexts, rules, max_tokens, T), T)
     host = torch.tensor(packed, dtype=torch.long).to(device)  # one copy: tokens, parents, depths, budgets, EOS, bits
     if T <= 62:  # each node's ancestor bits in one int64: the (n, T, T) mask in three operations
         bits = host[:, 4 * T + 1 + E :]
