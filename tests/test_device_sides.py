@@ -337,3 +337,55 @@ def test_the_re_price_schedule_goes_on_across_calls():
         assert menu.rounds == total  # counted across the calls, one pick a round
     assert len({id(m) for m in menus}) == 3  # a menu a call, the schedule handed on
     assert menus[2].next_retry > total - len(pair.swiftspec_stats.rounds)  # counted from the earlier calls' rounds
+
+
+def priced_plain_first(pair, rows: int) -> None:
+    """The pair's device pool with every shape of `rows`' bucket priced and the plain shape the best: a call's first
+    round is plain (its re-prices far off)."""
+    from hf_swiftspec.engine.device_pool import SlotPool, bucket_for
+    from hf_swiftspec.policy.shapes import MENU, PLAIN, Price
+    from hf_swiftspec.steps.capture import capture_backend
+
+    pair.captures.device = pool = SlotPool(capture_backend(pair.config.capture, pair.target.device))
+    pool.prices[bucket_for(rows)] = {Shape(*s): Price(1, 10 if s == PLAIN else 1, 1.0) for s in MENU}
+
+
+@pytest.mark.parametrize("rows,capture", [(1, False), (4, False), (4, True)])
+def test_a_plain_first_round_takes_the_roots_from_the_prefill(rows, capture, monkeypatch):
+    """Where the menu's first pick is the plain shape, the target's prefill runs each whole prompt (right-aligned, the
+    root last) and keeps the roots' logits, as generate's prefill does, so round 1 runs no target forward: one forward
+    a token, not one more a call. Greedy tokens, scores and logits equal target.generate's (prompts of 3, 17, 9 and 1
+    tokens: the alignment's padding), and a seed draws the host round's tokens; replayed too (round 1 runs eagerly)."""
+    from hf_swiftspec.engine import device_sides
+
+    target = tiny_model("llama", seed=0)
+    target.generation_config.eos_token_id = None
+    draft = truncated_draft(target, 2)
+    pair = SwiftSpecForCausalLM.from_models(target, draft, capture=capture, **DEVICE)
+    ids, mask = batch(seed=4) if rows > 1 else (torch.tensor([[5, 17, 33, 8, 61, 9, 40]]), None)
+    firsts = []
+    pick = device_sides.DeviceSides.start
+
+    def start(sides, request):
+        pick(sides, request)
+        firsts.append((sides.first, sides.root_logits is not None))
+
+    monkeypatch.setattr(device_sides.DeviceSides, "start", start)
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=12, return_dict_in_generate=True,
+                  output_scores=True, output_logits=True)
+    priced_plain_first(pair, rows)
+    expected, actual = target.generate(ids, **kwargs), pair.generate(ids, **kwargs)
+    assert firsts == [(Shape(0, 0, 1), True)]
+    assert actual.sequences.tolist() == expected.sequences.tolist()
+    for name in ("scores", "logits"):
+        for got, want in zip(getattr(actual, name), getattr(expected, name), strict=True):
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    stats = pair.swiftspec_stats
+    assert stats.engine == "device" and stats.rounds[0].budget == 1
+    assert stats.target_forwards == len(stats.rounds)  # the prefill, and a forward in every round but the first
+    host = SwiftSpecForCausalLM.from_models(target, draft, ngram_size=0)
+    sampled = dict(attention_mask=mask, max_new_tokens=12, do_sample=True, temperature=0.9, top_k=20)
+    priced_plain_first(pair, rows)
+    drawn = pair.generate(ids, generator=torch.Generator().manual_seed(3), **sampled)
+    assert firsts[-1] == (Shape(0, 0, 1), True)
+    assert drawn.tolist() == host.generate(ids, generator=torch.Generator().manual_seed(3), **sampled).tolist()

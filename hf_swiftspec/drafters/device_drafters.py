@@ -54,6 +54,7 @@ class DeviceDrafter(Protocol):
     layers: int  # its slot cache's layers (0: it keeps none)
     poolable: bool  # its phases may replay across generate() calls (nothing of one call's baked in)
     defers: bool  # its catch-up waits for its next growth (a plain round runs nothing of it)
+    reads_target: bool  # it reads the target's states of each verified node: the roots' too (round 1 verifies them)
 
     def state_fields(self, capacity: int) -> dict[str, tuple[tuple[int, ...], torch.dtype, float]]:
         """Its per-row device state for slots of `capacity`: name -> (shape past the rows, dtype, a dead row's value)."""
@@ -114,6 +115,7 @@ class RootOnly:
     layers = 0
     poolable = True
     defers = False
+    reads_target = False
 
     def state_fields(self, capacity: int) -> dict:
         return {}
@@ -156,6 +158,7 @@ class DraftModelOnDevice:
     model: object
     poolable = True
     defers = True
+    reads_target = False
 
     @property
     def context_model(self):

@@ -141,6 +141,7 @@ class DeviceHead:
     poolable = False  # its phases read the target's states through this call's tap
     context_model = None  # its rope places any position: the target's limit alone
     defers = False  # its catch-up reads the verification's target states: it runs inside the verification
+    reads_target = True  # round 1 verifies the roots, whose target states it reads (the prefill leaves them out)
 
     @classmethod
     def of(cls, head: DraftHead, target) -> "DeviceHead":

@@ -76,9 +76,11 @@ def grow_phase(suffix: torch.Tensor | None = None, *, models: RoundModels, slots
     return subtree_tensors(select_device(tree, shape.budget))
 
 
-def verify_phase(*, models: RoundModels, slots: Slots, facts: RoundFacts, span: int, **subtree) -> dict:
+def verify_phase(*, models: RoundModels, slots: Slots, facts: RoundFacts, span: int,
+                 known: torch.Tensor | None = None, **subtree) -> dict:
     """2. the target's verification of the subtree, its choices, the walk, both caches' commits (the drafter's commit
-    and catch-up: RoundFacts) and the rows' state moved on in place, no host read.
+    and catch-up: RoundFacts) and the rows' state moved on in place, no host read. known (B, T, V): the subtree's
+    logits where the prefill computed them (round 1 of a plain shape: the roots'), so no forward runs.
     Returns: result (B, 2 + 5T) long, the round's one read (counts, finished flags, tokens, then the walked path and
     the subtree's node ids, tokens and parents), the walked nodes' scores / logits (B, T, V) where the call keeps
     them, and what the drafter's step returns (a head's path_inputs)."""
@@ -87,7 +89,7 @@ def verify_phase(*, models: RoundModels, slots: Slots, facts: RoundFacts, span: 
     for c in slots.caches:
         if c is not None:
             c.span = span
-    logits = verify_forward(models.target, target_cache, rows.prefix_lens, sub)  # (B, T, V)
+    logits = verify_forward(models.target, target_cache, rows.prefix_lens, sub) if known is None else known  # (B, T, V)
     scores = processed(logits, models.processors)
     if models.sample:
         D = min(sub.tokens.shape[1], facts.deepest + 1)  # a node sits at most `deepest` below its root

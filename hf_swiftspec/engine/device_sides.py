@@ -217,6 +217,8 @@ class DeviceSides:
         self.capacity = 0
         self.eos_width = EOS_WIDTH
         self.last_read: float | None = None
+        self.first: Shape | None = None  # round 1's shape, where start picked it
+        self.root_logits: torch.Tensor | None = None  # (B, 1, V) the roots' logits, where the prefill ran the roots
         self.changes = Counter() if changes is None else changes  # moves to other slots: bucket, capacity
 
     @property
@@ -274,22 +276,32 @@ class DeviceSides:
         self.live = n
         self.slots = None
         self.move_rows(None, n, bucket_for(n))
-        width = max(max(len(p) for p in prompts) - 1, 1)
-        values = [[*ids[:-1], *[0] * (width - len(ids) + 1),
+        self.menu = self.menu_for(room, schedule="pool")
+        self.first = self.menu.pick()  # round 1's shape, picked before the prefill: it decides what the prefill runs
+        # A plain first round verifies the roots alone: the target's prefill runs them too and keeps their logits (as
+        # generate's prefill does), so round 1 runs no forward; else round 1 verifies each root with its tree.
+        roots = self.first.budget == 1 and not self.drafter.reads_target
+        width = max(len(p) for p in prompts)  # each prompt left-aligned (its root a padding column), then right-aligned
+        blocks = (lambda ids: [*ids, *[0] * (width - len(ids))],) + (
+            (lambda ids: [*[0] * (width - len(ids)), *ids],) if roots else ())
+        values = [[*(t for block in blocks for t in block(ids)),
                    *row_values(row.sampler, ids[-1], row.prefix, request.max_new_tokens, len(row.sequence), stops.eos,
                                self.eos_width)] for row, ids in zip(self.host, prompts)]
         packed = to_device(values, self.device)  # the prompts and the rows' state, one copy
-        set_rows(self.slots.rows, packed[:, width:], 0)
-        tokens = torch.cat([packed[:, :width], packed.new_zeros(self.bucket - n, width)])  # dead rows: nothing
-        self.prefill(self.slots, tokens, self.slots.rows.prefix_lens, end=width)
-        self.menu = self.menu_for(room, schedule="pool")
+        taken = width * len(blocks)
+        set_rows(self.slots.rows, packed[:, taken:], 0)
+        tokens = torch.cat([packed[:, :taken], packed.new_zeros(self.bucket - n, taken)])  # dead rows: nothing
+        self.prefill(self.slots, tokens[:, :width], self.slots.rows.prefix_lens, end=width,
+                     roots=tokens[:, width:] if roots else None)
         self.models = self.round_models()
         self.counters[0].busy_s += time.perf_counter() - start
 
     def prefill(self, slots: Slots, tokens: torch.Tensor, counts: torch.Tensor, starts: torch.Tensor | None = None,
-                end: int | None = None) -> None:
+                end: int | None = None, roots: torch.Tensor | None = None) -> None:
         """Both models over tokens (B, L) long (counts (B,) per row, token j of a row at slot starts + j: a prompt but
-        its root, or a piece of it), each forward attending the live length (`end`: the furthest slot written)."""
+        its root, or a piece of it), each forward attending the live length (`end`: the furthest slot written).
+        roots (B, L) long: each row's whole prompt right-aligned (its root in the last column), which the target runs
+        instead, keeping the roots' logits for round 1 (`root_logits`)."""
         B, L = tokens.shape
         starts = torch.zeros_like(counts) if starts is None else starts
         need = (L if end is None else end) + 1
@@ -297,7 +309,12 @@ class DeviceSides:
             if cache is not None:
                 cache.span = min(span_bucket(need) if self.runner is not None else need, cache.capacity)
         with self.drafter.tapped():
-            catch_up(self.target, slots.caches[0], tokens, counts, starts)
+            if roots is None:
+                catch_up(self.target, slots.caches[0], tokens, counts, starts)
+            else:
+                lead = roots.shape[1] - 1 - counts  # each row's padding columns before its prompt
+                self.root_logits = catch_up(self.target, slots.caches[0], roots, counts + 1, starts, lead=lead,
+                                            last_logits=True)[:, None]  # (B, 1, V)
             self.drafter.prefill(slots.caches[1], tokens, counts, starts, slots.rows.drafter)
         self.counters[0].forwards += 1
         self.counters[1].forwards += int(self.drafter.model is not None)
@@ -389,7 +406,8 @@ class DeviceSides:
     def propose(self, rows) -> DeviceProposed:
         """1. the drafter grows the menu's shape below every root, the suffix proposals join it; the best T nodes are
         selected, on the device."""
-        proposed = DeviceProposed([], rows=list(rows.live), shape=self.menu.pick(), span=self.round_span())
+        shape, self.first = self.first or self.menu.pick(), None
+        proposed = DeviceProposed([], rows=list(rows.live), shape=shape, span=self.round_span())
         lag = self.catch_up(proposed.shape)
         captured = self.runner.captured if self.runner is not None else 0
         inputs = {}
@@ -417,9 +435,14 @@ class DeviceSides:
         T = sub.tokens.shape[1]
         lag = self.drafter.catch_up_width(T, shape.depth, S)
         facts = RoundFacts(shape.depth, shape.nodes, lag, max(shape.depth, S))
+        known, self.root_logits = self.root_logits, None  # round 1's roots, where the prefill ran them: no forward
         with self.clock.phase("verify"), self.drafter.tapped():
-            proposed.after = after = self.run(verify_phase, dict(facts=facts, span=proposed.span),
-                                              subtree_tensors(sub))
+            if known is None:
+                proposed.after = after = self.run(verify_phase, dict(facts=facts, span=proposed.span),
+                                                  subtree_tensors(sub))
+            else:  # once a call: eagerly (a graph of its own would be one more capture per span)
+                proposed.after = after = verify_phase(models=self.models, slots=self.slots, facts=facts,
+                                                      span=proposed.span, known=known, **subtree_tensors(sub))
         proposed.captured = proposed.captured or (self.runner is not None and self.runner.captured > captured)
         with self.clock.phase("walk"):
             read = read_once(after["result"])
@@ -447,7 +470,7 @@ class DeviceSides:
                 row.prefix += count - cut
                 row.drafted = min(row.drafted, row.prefix)
                 verified.append(outcome)
-        self.counters[0].forwards += 1
+        self.counters[0].forwards += known is None
         self.counters[0].verify_steps += len(verified)
         self.counters[1].forwards += int(lag > 0)  # the catch-up
         self.counters[0].busy_s += time.perf_counter() - start

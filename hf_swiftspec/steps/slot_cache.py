@@ -142,36 +142,45 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def slot_forward(model, cache: SlotCache, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                 allowed: torch.Tensor, logits: bool = True) -> torch.Tensor | None:
+                 allowed: torch.Tensor, logits: bool | int = True) -> torch.Tensor | None:
     """One forward: tokens (B, Q) at positions (B, Q), their KV written at slots (B, Q), each query seeing the slots
     allowed (B, Q, span) bool says, or as an additive mask (B, 1, Q, span) of the model's dtype already (tree_mask's);
-    returns float32 logits (B, Q, V), or None with logits=False (a forward for its KV alone: no row of the
-    vocabulary's head is computed, as generate's prefill computes one)."""
+    returns float32 logits (B, Q, V) (logits=n, an int: the last n columns' alone, (B, n, V)), or None with
+    logits=False (a forward for its KV alone: no row of the vocabulary's head is computed)."""
     cache.index = slots
-    keep = {} if logits else {"logits_to_keep": torch.zeros(0, dtype=torch.long, device=tokens.device)}
+    if logits is False:
+        keep = {"logits_to_keep": torch.zeros(0, dtype=torch.long, device=tokens.device)}
+    else:
+        keep = {} if logits is True else {"logits_to_keep": int(logits)}
     mask = additive_mask(allowed, model.dtype) if allowed.dtype == torch.bool else allowed
     out = model(input_ids=tokens, position_ids=positions, attention_mask=mask,
                 use_cache=True, **{forward_cache_argument(type(model)): cache}, **keep)
-    return out.logits.float() if logits else None
+    return None if logits is False else out.logits.float()
 
 
 def catch_up(model, cache: SlotCache, tokens: torch.Tensor, counts: torch.Tensor,
-             starts: torch.Tensor | None = None) -> None:
+             starts: torch.Tensor | None = None, lead: torch.Tensor | None = None,
+             last_logits: bool = False) -> torch.Tensor | None:
     """Write each row's tokens' KV behind its committed slots: a prefill (starts 0), or the accepted tokens
     whose KV a round did not make (padded to a fixed width L). tokens (B, L) long, counts (B,) long
     real tokens per row, starts (B,) long each row's committed slots (token j goes at slot and position
-    starts + j, seeing the committed slots and the tokens before it). Padding queries write the scratch
-    slot and see slot 0 alone (their output is never read)."""
+    starts + j, seeing the committed slots and the tokens before it). lead (B,) long: padding columns before a row's
+    tokens (right-aligned rows, each ending in the last column; default none). Padding queries write the scratch
+    slot and see slot 0 alone (their output is never read). last_logits: return the last column's float32 logits
+    (B, V) (right-aligned rows: each row's last token's, as generate's prefill keeps one row), else None."""
     B, L = tokens.shape
     starts = torch.zeros(B, dtype=torch.long, device=tokens.device) if starts is None else starts
-    j = torch.arange(L, device=tokens.device)
-    real = j[None] < counts[:, None]  # (B, L)
-    at = starts[:, None] + j[None]  # (B, L)
+    k = torch.arange(L, device=tokens.device)[None]  # (1, L), then (B, L): each column's token index in its row
+    k = k if lead is None else k - lead[:, None]
+    real = k < counts[:, None] if lead is None else (k >= 0) & (k < counts[:, None])  # (B, L)
+    at = starts[:, None] + k  # (B, L)
     slots = torch.where(real, at, cache.scratch)
     c = torch.arange(cache.span, device=tokens.device)
     allowed = (c[None, None] <= at[:, :, None]) & real[:, :, None]  # the committed slots, then causal
     allowed = allowed | (~real[:, :, None] & (c == 0))
-    slot_forward(model, cache, tokens, at, slots, allowed, logits=False)
+    positions = at if lead is None else at.clamp(min=0)  # a lead's padding queries at position 0 (never read)
+    out = slot_forward(model, cache, tokens, positions, slots, allowed, logits=1 if last_logits else False)
+    return out[:, -1] if last_logits else None
 
 
 def tree_visible(span: int, prefix_lens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
