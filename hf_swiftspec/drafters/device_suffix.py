@@ -27,7 +27,7 @@ import torch
 from swiftspec_kernels.tree_merge import HASH_BITS, tree_merge
 
 from ..policy.goodput import GoodputPolicy
-from ..policy.shapes import PLAIN, Shape, ShapeMenu
+from ..policy.shapes import PLAIN, SUFFIX_ONLY, Shape, ShapeMenu
 from ..steps.device_round import DeviceTree, host_path_hash, path_hashes, to_device
 from .suffix import index_for
 
@@ -76,8 +76,10 @@ def merge_suffix(tree: DeviceTree, packed: torch.Tensor) -> DeviceTree:
 
 def draft_free_menu(config) -> ShapeMenu:
     """Draft-free mode's shapes: no growth, the best tree_budget nodes (root included) of the suffix proposal
-    verified; tree_budget not given, 8 (the device menu's largest) or the plain round, as their rounds price them."""
-    return ShapeMenu((Shape(0, 0, config.tree_budget),) if config.tree_budget else (Shape(0, 0, 8), Shape(*PLAIN)))
+    verified; tree_budget not given, 8 or 16 (the device menu's suffix shapes) or the plain round, as their rounds
+    price them."""
+    shapes = ((0, 0, config.tree_budget),) if config.tree_budget else (*SUFFIX_ONLY, PLAIN)
+    return ShapeMenu(tuple(Shape(*s) for s in shapes))
 
 
 @dataclass

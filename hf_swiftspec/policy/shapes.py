@@ -19,7 +19,7 @@ MENU = ((1, 2, 2), (2, 2, 4), (3, 2, 6), (4, 4, 8), (0, 0, 1))
 PLAIN = (0, 0, 1)
 MAX_RETRY = 512  # rounds between re-prices at most
 DECAY = 0.9  # a shape's earlier rounds weigh this much less at each of its new ones
-SUFFIX_ONLY = (0, 0, 8)  # with suffix proposals on: no growth, the best 8 of the root and the suffix nodes verified
+SUFFIX_ONLY = ((0, 0, 8), (0, 0, 16))  # with suffix proposals on: no growth, the best 8 or 16 of the root and the suffix nodes verified
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class ShapeMenu:
         else MENU (and SUFFIX_ONLY where suffix proposals join the tree: a round may take them alone, the draft idle);
         only shapes whose deepest node stays within `room` positions past the call's last token."""
         shapes = (Shape(depth, width, budget),) if depth is not None and budget is not None else tuple(
-            Shape(*s) for s in MENU + ((SUFFIX_ONLY,) if suffix else ()))
+            Shape(*s) for s in MENU + (SUFFIX_ONLY if suffix else ()))
         fitting = tuple(s for s in shapes if s.depth <= room)
         if not fitting:
             raise ValueError(
