@@ -12,7 +12,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 from hf_swiftspec.steps.cache import TreeCache, move_positions
 from hf_swiftspec.steps.acceptance import greedy_choices, round_result, sampled_choices, walk_subtree
-from hf_swiftspec.steps.device_round import commit_plan, select_device, stack_trees
+from hf_swiftspec.steps.device_round import commit_plan, plain_subtree, select_device, stack_trees
 from hf_swiftspec.steps.tree import (
     add_children, best_node_ids, new_tree, reroot, select_leaves, select_subtree, subtree_mask,
 )
@@ -101,6 +101,20 @@ def host_walk(choices_row: list[int], subtree, max_tokens: int, eos: set[int]) -
                      if p == node and t == choices_row[node]), None)
     out.finished = out.finished or len(out.tokens) >= max_tokens
     return out
+
+
+def test_the_plain_subtree_is_the_selection_of_the_roots_alone():
+    """A plain round's subtree, made without a selection, is what select_device picks from a root-only tree with a
+    budget of 1: every field, dead rows (root 0) too."""
+    from dataclasses import fields
+
+    from hf_swiftspec.drafters.device_suffix import root_tree
+
+    roots = torch.tensor([5, 0, 17, 3])
+    made, picked = plain_subtree(roots), select_device(root_tree(roots), 1)
+    for f in fields(made):
+        got, want = getattr(made, f.name), getattr(picked, f.name)
+        assert got.dtype == want.dtype and torch.equal(got, want), f.name
 
 
 @pytest.mark.parametrize("seed", range(8))

@@ -18,7 +18,7 @@ from ..drafters.device_drafters import DeviceDrafter, RoundFacts
 from ..drafters.device_suffix import merge_suffix, root_tree
 from ..policy.shapes import Shape
 from ..steps.acceptance import greedy_choices, gumbel_noise, sampled_choices, walk_subtree
-from ..steps.device_round import DeviceSubtree, select_device
+from ..steps.device_round import DeviceSubtree, plain_subtree, select_device
 from ..steps.slot_cache import commit_cache, verify_forward
 from ..steps.verify import apply_processors
 from .device_pool import Slots
@@ -59,15 +59,17 @@ def subtree_tensors(sub: DeviceSubtree) -> dict[str, torch.Tensor]:
 
 def grow_phase(suffix: torch.Tensor | None = None, *, models: RoundModels, slots: Slots, shape: Shape, span: int,
                lag: int) -> dict:
-    """1. the drafter's growth of `shape` below every root (depth 0: the root alone; lag: the width of the catch-up a
-    drafter that defers it runs first), the suffix nodes merged in (suffix: (B, 5 + S, S) the host's proposals,
-    drafters/device_suffix.py) and the best T nodes with their mask (DeviceSubtree's fields): d draft forwards and the
-    selection, no host read."""
+    """1. the drafter's growth of `shape` below every root (the plain shape: the roots alone, nothing selected; lag:
+    the width of the catch-up a drafter that defers it runs first), the suffix nodes merged in (suffix: (B, 5 + S, S)
+    the host's proposals, drafters/device_suffix.py) and the best T nodes with their mask (DeviceSubtree's fields): d
+    draft forwards and the selection, no host read."""
     rows, cache = slots.rows, slots.caches[1]
     for c in slots.caches:
         if c is not None:
             c.span = span
-    if shape.depth == 0:  # the plain shape (or draft-free): no growth
+    if shape.budget == 1 and suffix is None:  # the plain shape: the roots alone, nothing grown or selected
+        return subtree_tensors(plain_subtree(rows.roots))
+    if shape.depth == 0:  # draft-free: no growth
         tree = root_tree(rows.roots)
     else:
         tree = models.drafter.grow(cache, rows, shape.depth, shape.width, models.vocab_limit, lag)
@@ -99,7 +101,8 @@ def verify_phase(*, models: RoundModels, slots: Slots, facts: RoundFacts, span: 
     else:
         choices = greedy_choices(scores)
     walk = walk_subtree(choices, sub, rows.budgets, rows.eos)
-    commit_cache(target_cache, rows.prefix_lens, walk.path.clamp(min=0), walk.count)  # verified node j sat at slot j
+    if sub.tokens.shape[1] > 1:  # (the roots alone: each root's KV already sits at its prefix's end, nothing moves)
+        commit_cache(target_cache, rows.prefix_lens, walk.path.clamp(min=0), walk.count)  # verified node j at slot j
     out = models.drafter.after_verify(draft_cache, rows, sub, walk, facts)
     # the rows moved on in place (roots, lengths, budgets; a finished row's EOS ids cleared) and the read packed
     out["result"] = advance_rows(walk.count, walk.finished, walk.tokens, walk.path, sub.node_ids, sub.tokens,

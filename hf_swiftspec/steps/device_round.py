@@ -13,6 +13,8 @@ engine/device_sides.py runs the round of them (SwiftSpecConfig round="device").
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 import torch
@@ -131,6 +133,16 @@ def select_device(tree: DeviceTree, budget: int) -> DeviceSubtree:
     """
     return DeviceSubtree(*tree_select(tree.tokens, tree.parents, tree.depths, tree.scores, tree.ancestors,
                                       tree.size, budget))  # its outputs in DeviceSubtree's field order
+
+
+def plain_subtree(roots: torch.Tensor) -> DeviceSubtree:
+    """The plain shape's subtree: each row's root alone (T = 1), what select_device picks from a root-only tree with
+    a budget of 1, made directly (no selection). roots (B,) long."""
+    B, device = roots.shape[0], roots.device
+    zeros = functools.partial(torch.zeros, B, 1, dtype=torch.long, device=device)
+    return DeviceSubtree(zeros(), roots[:, None].clone(), zeros() - 1, torch.zeros(B, 1, device=device),
+                         torch.ones(B, 1, dtype=torch.bool, device=device), zeros(),
+                         torch.ones(B, 1, 1, dtype=torch.bool, device=device))
 
 
 def commit_plan(prefix_lens: torch.Tensor, path_slots: torch.Tensor, path_count: torch.Tensor,
