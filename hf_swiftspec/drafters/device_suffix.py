@@ -27,7 +27,7 @@ import torch
 from swiftspec_kernels.tree_merge import HASH_BITS, tree_merge
 
 from ..policy.goodput import GoodputPolicy
-from ..policy.shapes import PLAIN, SUFFIX_ONLY, Shape, ShapeMenu
+from ..policy.shapes import PLAIN, Shape, ShapeMenu, suffix_shapes
 from ..steps.device_round import DeviceTree, host_path_hash, path_hashes, to_device
 from .suffix import index_for
 
@@ -74,11 +74,11 @@ def merge_suffix(tree: DeviceTree, packed: torch.Tensor) -> DeviceTree:
                                   hashes, packed))
 
 
-def draft_free_menu(config) -> ShapeMenu:
-    """Draft-free mode's shapes: no growth, the best tree_budget nodes (root included) of the suffix proposal
-    verified; tree_budget not given, 8 or 16 (the device menu's suffix shapes) or the plain round, as their rounds
-    price them."""
-    shapes = ((0, 0, config.tree_budget),) if config.tree_budget else (*SUFFIX_ONLY, PLAIN)
+def draft_free_menu(config, rows: int = 1) -> ShapeMenu:
+    """Draft-free mode's shapes for a bucket of `rows`: no growth, the best tree_budget nodes (root included) of the
+    suffix proposal verified; tree_budget not given, the device menu's suffix shapes (policy.shapes.suffix_shapes) or
+    the plain round, as their rounds price them."""
+    shapes = ((0, 0, config.tree_budget),) if config.tree_budget else (*suffix_shapes(rows), PLAIN)
     return ShapeMenu(tuple(Shape(*s) for s in shapes))
 
 

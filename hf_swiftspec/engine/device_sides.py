@@ -233,11 +233,12 @@ class DeviceSides:
         schedule: whose re-price schedule goes on: "menu" (this call's, as rows join and leave), "pool" (a new call:
         the last call's of this bucket) or "none" (a menu only looked at, not kept)."""
         config = self.config
-        if self.drafter.model is None:
-            menu = draft_free_menu(config)
-        else:
-            menu = ShapeMenu.of(config.draft_depth, config.draft_width, config.tree_budget, room, config.ngram_size > 0)
         bucket = max(self.bucket, 1)
+        if self.drafter.model is None:
+            menu = draft_free_menu(config, bucket)
+        else:
+            menu = ShapeMenu.of(config.draft_depth, config.draft_width, config.tree_budget, room, config.ngram_size > 0,
+                                bucket)
         menu.prices = self.pool.prices.setdefault(bucket, {})  # the pair's, for this many rows
         earlier = {"menu": self.menu, "pool": self.pool.schedules.get(bucket), "none": None}[schedule]
         if earlier is not None:  # the re-price schedule goes on, across calls too: re-prices that did not pay stay rare
