@@ -379,7 +379,7 @@ def test_the_latency_guard_prices_a_shape_by_its_slowest_row(target):
     many times as rows), so a tree that helps one row and leaves another at one token a round loses to the plain round
     when that round is slower; without the guard, by all rows' tokens. (Costs given, no clock.)"""
     from hf_swiftspec.engine.device_sides import DeviceProposed
-    from hf_swiftspec.policy.shapes import BURST, PLAIN, Shape
+    from hf_swiftspec.policy.shapes import PLAIN, Shape
     from hf_swiftspec.steps.verify import Verified
 
     tree, plain = Shape(3, 2, 6), Shape(*PLAIN)
@@ -393,9 +393,8 @@ def test_the_latency_guard_prices_a_shape_by_its_slowest_row(target):
         menu = sides.menu
         menu.shapes = (tree, plain)
         for shape, rows, seconds in ((tree, [6, 1], 1.5), (plain, [1, 1], 1.0)):  # a tree round costs 1.5 plain ones
-            for _ in range(BURST):  # each shape's pricing burst
-                sides.observe(DeviceProposed([], shape=shape, read_s=seconds), [Verified([0] * n, []) for n in rows],
-                              0.0, first=False)
+            sides.observe(DeviceProposed([], shape=shape, read_s=seconds), [Verified([0] * n, []) for n in rows], 0.0,
+                          first=False)
         picks[guard] = menu.pick()
         if engine is not None:
             engine.close()

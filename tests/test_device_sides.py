@@ -5,8 +5,6 @@ max_new_tokens and stop strings (rows that decode on after theirs); sampling dra
 the same seed (its rule: the target's distribution, test_sampling.py); and a call it cannot decode exactly is a
 ValueError naming why, never a silent fallback."""
 
-import itertools
-
 import pytest
 import torch
 from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
@@ -238,55 +236,29 @@ def test_sampled_draws_follow_the_targets_distribution(ngram_size):
 
 
 def test_the_menu_prices_shapes_by_measured_rounds():
-    """Every shape runs BURST rounds, then the best measured tokens per second runs, and the others again every
-    `retry_every` rounds, BURST rounds in a row, while a re-price pays, twice as far apart after each that does not; a
-    round with no time (the first) prices nothing; settings that fix the shape give a menu of one."""
-    from hf_swiftspec.policy.shapes import BURST
-
-    small, best, large = Shape(1, 2, 2), Shape(3, 2, 6), Shape(4, 4, 8)
-    menu = ShapeMenu((small, best, large), retry_every=10)
-    assert menu.pick() == small
-    menu.observe(small, 5, None)  # untimed: prices nothing
-    for shape, tokens in ((small, 4), (best, 9), (large, 8)):
-        for _ in range(BURST):
-            assert menu.pick() == shape
-            menu.observe(shape, tokens, 1.0)
-    picks, starts = [], []
-    for _ in range(400):  # re-prices that never pay: each burst twice as far from the last
+    """Every shape runs once, then the best measured tokens per second runs, and the others again every `retry_every`
+    rounds while a re-price pays, twice as far apart after each that does not; a round with no time (the first) prices
+    nothing; settings that fix the shape give a menu of one."""
+    menu = ShapeMenu((Shape(1, 2, 2), Shape(3, 2, 6), Shape(4, 4, 8)), retry_every=10)
+    first = menu.pick()
+    menu.observe(first, 5, None)
+    assert menu.pick() == first  # unpriced still
+    for shape, tokens in ((Shape(1, 2, 2), 4), (Shape(3, 2, 6), 9), (Shape(4, 4, 8), 8)):
+        assert menu.pick() == shape
+        menu.observe(shape, tokens, 1.0)
+    picks = [menu.pick() for _ in range(20)]
+    assert picks.count(Shape(3, 2, 6)) == 18 and len(set(picks)) == 3
+    retried = []
+    for _ in range(400):  # re-prices that never pay: each one twice as far from the last
         shape = menu.pick()
-        if shape != best and (not picks or picks[-1] == best):
-            starts.append(menu.rounds)
-        picks.append(shape)
-        menu.observe(shape, 9 if shape == best else 1, 1.0)
-    assert picks[:20].count(best) == 20 - BURST and set(picks) == {small, best, large}
-    runs = [len(list(run)) for key, run in itertools.groupby(picks) if key != best]
-    assert set(runs) == {BURST}  # every re-price a burst
-    gaps = [b - a for a, b in zip(starts, starts[1:])]
-    assert len(gaps) >= 3 and all(b >= 1.9 * a for a, b in zip(gaps, gaps[1:])), starts  # each wait doubled
+        if shape != Shape(3, 2, 6):
+            retried.append(menu.rounds)
+        menu.observe(shape, 9 if shape == Shape(3, 2, 6) else 1, 1.0)
+    gaps = [b - a for a, b in zip(retried, retried[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] >= 8 * gaps[0], retried
     assert ShapeMenu.of(3, 5, 9, room=100).shapes == (Shape(3, 5, 9),)
     with pytest.raises(ValueError, match="positions"):
         ShapeMenu.of(3, 5, 9, room=2)
-
-
-def test_one_unlucky_round_does_not_price_a_paying_shape_below_the_plain_one():
-    """A round's tokens vary from 1 to the tree's depth: a shape that makes 4 tokens a round on average but 1 in its
-    first round is priced over its burst, above the plain round's rate, and runs from then on (priced by that one round
-    it would lose to the plain round until the first re-price, 32 rounds on, or for good if that one is unlucky too)."""
-    from hf_swiftspec.policy.shapes import BURST, PLAIN
-
-    tree, plain = Shape(2, 2, 4), Shape(*PLAIN)
-    menu = ShapeMenu((tree, plain))
-    made = itertools.cycle((1, 6, 5))  # the tree's rounds, 0.5 s each: 8 tokens a second, its first round 2
-    picks = []
-    for _ in range(60):
-        shape = menu.pick()
-        picks.append(shape)
-        menu.observe(shape, next(made) if shape == tree else 1, 0.5 if shape == tree else 0.4)  # plain: 2.5 a second
-    assert picks[: 2 * BURST] == [tree] * BURST + [plain] * BURST
-    due = menu.retry_every - 1  # the re-price's first pick: round 32
-    assert picks[2 * BURST : due] == [tree] * (due - 2 * BURST)
-    assert picks[due : due + BURST] == [plain] * BURST  # the re-price: a burst that did not pay
-    assert picks[due + BURST :] == [tree] * (60 - due - BURST)
 
 
 @pytest.mark.parametrize("width,capture", [(1, False), (2, False), (2, True)])
@@ -371,11 +343,11 @@ def priced_plain_first(pair, rows: int) -> None:
     """The pair's device pool with every shape of `rows`' bucket priced and the plain shape the best: a call's first
     round is plain (its re-prices far off)."""
     from hf_swiftspec.engine.device_pool import SlotPool, bucket_for
-    from hf_swiftspec.policy.shapes import BURST, MENU, PLAIN, Price
+    from hf_swiftspec.policy.shapes import MENU, PLAIN, Price
     from hf_swiftspec.steps.capture import capture_backend
 
     pair.captures.device = pool = SlotPool(capture_backend(pair.config.capture, pair.target.device))
-    pool.prices[bucket_for(rows)] = {Shape(*s): Price(BURST, 10 if s == PLAIN else 1, 1.0) for s in MENU}
+    pool.prices[bucket_for(rows)] = {Shape(*s): Price(1, 10 if s == PLAIN else 1, 1.0) for s in MENU}
 
 
 @pytest.mark.parametrize("rows,capture", [(1, False), (4, False), (4, True)])

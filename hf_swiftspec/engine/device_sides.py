@@ -242,10 +242,8 @@ class DeviceSides:
         menu.prices = self.pool.prices.setdefault(bucket, {})  # the pair's, for this many rows
         earlier = {"menu": self.menu, "pool": self.pool.schedules.get(bucket), "none": None}[schedule]
         if earlier is not None:  # the re-price schedule goes on, across calls too: re-prices that did not pay stay rare
-            for name in ("rounds", "retry", "next_retry", "retries", "pending", "burst"):
+            for name in ("rounds", "retry", "next_retry", "retries", "pending"):
                 setattr(menu, name, getattr(earlier, name))
-        if schedule == "pool":
-            menu.new_text()
         if schedule != "none":
             self.pool.schedules[bucket] = menu
         return menu

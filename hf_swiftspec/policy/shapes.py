@@ -6,9 +6,7 @@ the tree each expansion); it runs one whole shape a round instead, as SGLang swi
 depths. The menu is priced from what the host already knows after each round's one read: the tokens the round
 emitted and the seconds between two reads. Every shape runs once before any is preferred; then the best
 measured one runs, and the others run again every `retry` rounds so a price that drifted (the text got harder)
-is seen. A shape is priced, and a re-price judged, over a burst of BURST rounds, not one: a round's tokens vary from 1
-to the tree's depth, so one unlucky round would otherwise price a paying shape below the plain one for hundreds of
-rounds (a re-price that does not pay doubles the wait for the next). The menu holds the plain shape too (depth 0, T = 1: no growth, the roots alone verified), so a call
+is seen. The menu holds the plain shape too (depth 0, T = 1: no growth, the roots alone verified), so a call
 whose draft does not pay on this text and machine decodes at about the target's own pace rather than below it.
 """
 
@@ -21,8 +19,6 @@ MENU = ((1, 2, 2), (2, 2, 4), (3, 2, 6), (4, 4, 8), (0, 0, 1))
 PLAIN = (0, 0, 1)
 MAX_RETRY = 512  # rounds between re-prices at most
 DECAY = 0.9  # a shape's earlier rounds weigh this much less at each of its new ones
-BURST = 3  # rounds in a row that price a shape, or judge a re-price
-CARRIED = 0.25  # what earlier calls' rounds weigh in a new call's prices (their rates kept): its own text soon rules
 SUFFIX_ONLY = ((0, 0, 8), (0, 0, 16))  # with suffix proposals on: no growth, the best 8 or 16 of the root and the suffix nodes verified
 
 
@@ -75,7 +71,6 @@ class ShapeMenu:
     next_retry: int = 0  # the round of the next re-price
     retries: int = 0
     pending: Shape | None = None  # the re-price in flight
-    burst: Price = field(default_factory=Price)  # the re-price's rounds so far
 
     def __post_init__(self):
         self.retry = self.retry or self.retry_every
@@ -98,30 +93,19 @@ class ShapeMenu:
             )
         return cls(fitting)
 
-    def new_text(self) -> None:
-        """A new call: the earlier calls' rounds weigh CARRIED of what they did, every rate unchanged, so the shape they
-        priced best runs first and this call's own rounds re-price it within a round or two (a price built over many
-        rounds of other text would otherwise hold for about ten, most of a short call)."""
-        for price in self.prices.values():
-            price.tokens, price.seconds = CARRIED * price.tokens, CARRIED * price.seconds
-
     def pick(self) -> Shape:
-        """The next round's shape: an unpriced one first (BURST rounds each), a periodic re-price (BURST rounds in a row),
-        else the best measured rate. The re-prices
+        """The next round's shape: an unpriced one first, a periodic re-price, else the best measured rate. The re-prices
         come `retry` rounds apart while they pay, twice as far apart after each one that does not (up to
         MAX_RETRY): where only the plain round pays, a draft's shape costs a round in hundreds, not one in 32."""
         self.rounds += 1
         for shape in self.shapes:
-            if shape not in self.prices or self.prices[shape].rounds < BURST:
+            if shape not in self.prices:
                 return shape
-        if self.pending in self.shapes:  # a re-price's burst goes on (a shape this call's room allows)
-            return self.pending
-        self.pending = None
         best = max(self.shapes, key=lambda s: self.prices[s].rate)
         others = [s for s in self.shapes if s != best]
         if others and self.rounds >= self.next_retry:
             self.retries += 1
-            self.pending, self.burst = others[self.retries % len(others)], Price()
+            self.pending = others[self.retries % len(others)]
             self.next_retry = self.rounds + self.retry
             return self.pending
         return best
@@ -131,12 +115,10 @@ class ShapeMenu:
         if seconds is None:
             return
         price = self.prices.setdefault(shape, Price())
-        if shape == self.pending:  # a re-price: after its burst, the next one as soon if it beat the best, else twice as late
-            burst = self.burst
-            burst.rounds, burst.tokens, burst.seconds = burst.rounds + 1, burst.tokens + tokens, burst.seconds + seconds
-            if burst.rounds >= BURST:
-                best = max(p.rate for s, p in self.prices.items() if s != shape)
-                self.retry = self.retry_every if burst.rate >= best else min(2 * self.retry, MAX_RETRY)
-                self.next_retry, self.pending = self.rounds + self.retry, None
+        if shape == self.pending:  # a re-price: the next one as soon if it beat the best, else twice as late
+            best = max(self.prices.values(), key=lambda p: p.rate)
+            paid = seconds > 0 and tokens / seconds >= best.rate
+            self.retry = self.retry_every if paid else min(2 * self.retry, MAX_RETRY)
+            self.next_retry, self.pending = self.rounds + self.retry, None
         price.rounds = price.rounds + 1
         price.tokens, price.seconds = DECAY * price.tokens + tokens, DECAY * price.seconds + seconds
