@@ -203,12 +203,8 @@ class DeviceSides:
         self.limit = context_limit(*(m for m in (target, drafter.context_model) if m is not None))
         self.host: list[RowOnHost] = []  # per cache row
         self.menu: ShapeMenu | None = None
-        self.menu = unbounded = self.menu_for(NO_ROOM, schedule="none")
-        # the suffix proposals (none with ngram_size 0): S nodes a round, enough to fill the largest tree
-        self.suffix_nodes = max(s.budget for s in unbounded.shapes) - 1 if config.ngram_size else 0
-        self.tree_slots = max(s.nodes for s in unbounded.shapes) + self.suffix_nodes + 2  # the tree, then scratch
-        self.suffix = (SuffixProposals(config.ngram_size, self.suffix_nodes, self.limit, self.device)
-                       if self.suffix_nodes else None)
+        self.menu = self.menu_for(NO_ROOM, schedule="none")  # until rows come (start, absorb)
+        self.size_trees(2)  # a running batch's trees (a lone call sizes its own: start)
         self.counters = TargetCounters(), DraftCounters()
         self.clock = PhaseClock.on(self.device)
         self.slots: Slots | None = None
@@ -228,17 +224,29 @@ class DeviceSides:
     def layers(self) -> tuple[int, int]:
         return self.target.config.get_text_config().num_hidden_layers, self.drafter.layers
 
+    def shapes_for(self, rows: int, room: int) -> ShapeMenu:
+        """The menu of shapes a bucket of `rows` whose rows have `room` positions left may run (not yet priced)."""
+        config = self.config
+        if self.drafter.model is None:
+            return draft_free_menu(config, rows)
+        return ShapeMenu.of(config.draft_depth, config.draft_width, config.tree_budget, room, config.ngram_size > 0,
+                            rows)
+
+    def size_trees(self, rows: int) -> None:
+        """The tree region and the suffix proposals for the shapes a bucket of `rows` may run: S suffix nodes a round,
+        enough to fill its largest tree (none with ngram_size 0), then the tree's slots and scratch."""
+        shapes = self.shapes_for(rows, NO_ROOM).shapes
+        self.suffix_nodes = max(s.budget for s in shapes) - 1 if self.config.ngram_size else 0
+        self.tree_slots = max(s.nodes for s in shapes) + self.suffix_nodes + 2
+        self.suffix = (SuffixProposals(self.config.ngram_size, self.suffix_nodes, self.limit, self.device)
+                       if self.suffix_nodes else None)
+
     def menu_for(self, room: int, schedule: str = "menu") -> ShapeMenu:
         """The shapes rows with `room` positions left can grow, priced by what this pool measured for the bucket.
         schedule: whose re-price schedule goes on: "menu" (this call's, as rows join and leave), "pool" (a new call:
         the last call's of this bucket) or "none" (a menu only looked at, not kept)."""
-        config = self.config
         bucket = max(self.bucket, 1)
-        if self.drafter.model is None:
-            menu = draft_free_menu(config, bucket)
-        else:
-            menu = ShapeMenu.of(config.draft_depth, config.draft_width, config.tree_budget, room, config.ngram_size > 0,
-                                bucket)
+        menu = self.shapes_for(bucket, room)
         menu.prices = self.pool.prices.setdefault(bucket, {})  # the pair's, for this many rows
         earlier = {"menu": self.menu, "pool": self.pool.schedules.get(bucket), "none": None}[schedule]
         if earlier is not None:  # the re-price schedule goes on, across calls too: re-prices that did not pay stay rare
@@ -259,6 +267,7 @@ class DeviceSides:
         start = time.perf_counter()
         prompts = request.prompt_ids()
         n, L = len(prompts), request.prompt.shape[1]
+        self.size_trees(bucket_for(n))
         self.capacity = capacity_bucket(L + request.max_new_tokens + self.tree_slots)
         stops = split_criteria(request.stopping_criteria)
         self.eos_width = max(EOS_WIDTH, power_of_two(len(stops.eos)))
