@@ -65,8 +65,9 @@ def hub_home(tmp_path_factory):
     root = tmp_path_factory.mktemp("hub")
     target_dir, draft_dir = tiny_members(root / "src")
     pair_dir = root / "src" / "pair"
-    model = SwiftSpecForCausalLM.from_models(
-        AutoModelForCausalLM.from_pretrained(target_dir), AutoModelForCausalLM.from_pretrained(draft_dir), tokenizer=char_tokenizer()
+    model = SwiftSpecForCausalLM.from_models(  # a fixed tree: its acceptance (tau) follows no clock, the policy's would
+        AutoModelForCausalLM.from_pretrained(target_dir), AutoModelForCausalLM.from_pretrained(draft_dir),
+        tokenizer=char_tokenizer(), tree_budget=4, draft_depth=2,
     )
     model.config.update(dict(target="org/tiny-target", target_revision=TARGET_SHA, draft="org/tiny-draft", draft_revision=DRAFT_SHA))
     model.save_pretrained(pair_dir, pin_revisions=False, load_id="org/tiny-pair")
