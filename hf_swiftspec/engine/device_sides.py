@@ -291,14 +291,14 @@ class DeviceSides:
         # A plain first round verifies the roots alone: the target's prefill runs them too and keeps their logits (as
         # generate's prefill does), so round 1 runs no forward; else round 1 verifies each root with its tree.
         roots = self.first.budget == 1 and not self.drafter.reads_target
-        width = max(len(p) for p in prompts)  # each prompt left-aligned (its root a padding column), then right-aligned
-        blocks = (lambda ids: [*ids, *[0] * (width - len(ids))],) + (
-            (lambda ids: [*[0] * (width - len(ids)), *ids],) if roots else ())
-        values = [[*(t for block in blocks for t in block(ids)),
+        width = max(len(p) for p in prompts)
+        pad = [[0] * (width - len(ids)) for ids in prompts]
+        # each prompt left-aligned (its root a padding column), then, where the prefill runs the roots, right-aligned
+        values = [[*ids, *gap, *((*gap, *ids) if roots else ()),
                    *row_values(row.sampler, ids[-1], row.prefix, request.max_new_tokens, len(row.sequence), stops.eos,
-                               self.eos_width)] for row, ids in zip(self.host, prompts)]
+                               self.eos_width)] for row, ids, gap in zip(self.host, prompts, pad)]
         packed = to_device(values, self.device)  # the prompts and the rows' state, one copy
-        taken = width * len(blocks)
+        taken = width * (2 if roots else 1)
         set_rows(self.slots.rows, packed[:, taken:], 0)
         tokens = torch.cat([packed[:, :taken], packed.new_zeros(self.bucket - n, taken)])  # dead rows: nothing
         self.prefill(self.slots, tokens[:, :width], self.slots.rows.prefix_lens, end=width,
