@@ -261,6 +261,49 @@ def test_the_menu_prices_shapes_by_measured_rounds():
         ShapeMenu.of(3, 5, 9, room=2)
 
 
+def test_a_proposal_in_hand_prices_the_draft_free_shapes():
+    """With the round's suffix proposal in hand, a draft-free shape is worth rows + calibration x the P(accepted) of its
+    best T - 1 nodes over its cost per round, against the draft's shapes at their measured rates: nothing proposed
+    runs plain (a larger shape never for no more expected tokens), three sure nodes the 8-node shape, fifteen the
+    16-node one; rounds that gained less than they promised scale the promise down; under the latency guard the
+    slowest row's promise counts; only the draft's shapes are re-priced."""
+    from hf_swiftspec.policy.shapes import DECAY, Hand, Price
+
+    draft, plain, eight, sixteen = Shape(2, 2, 4), Shape(0, 0, 1), Shape(0, 0, 8), Shape(0, 0, 16)
+
+    def menu_of(draft_tokens=15, promised=0.0, gained=0.0, retry_every=1000):
+        # measured per round: plain 10 ms, 8 nodes 12 ms, 16 nodes 15 ms; the draft's shape 20 ms
+        menu = ShapeMenu((draft, plain, eight, sixteen), retry_every=retry_every)
+        menu.prices = {plain: Price(10, 10, 0.1, 10), eight: Price(10, 10, 0.12, 10, promised, gained),
+                       sixteen: Price(10, 10, 0.15, 10), draft: Price(10, draft_tokens, 0.2, 10)}
+        return menu
+
+    sure3, sure15 = Hand([[0.9] * 3]), Hand([[0.95] * 15])
+    assert sure3.promise(8) == sure3.promise(16) == pytest.approx(2.7) and sure15.promise(8) == pytest.approx(6.65)
+    assert menu_of().pick(Hand([[]])) == plain
+    assert menu_of().pick(Hand([[0.1]])) == plain  # (1 + 0.1) / 12 ms < 1 / 10 ms
+    assert menu_of().pick(sure3) == eight  # 16 nodes promise no more than 8
+    assert menu_of().pick(sure15) == sixteen
+    assert menu_of().pick(None) == plain  # no hand: measured rates (plain 100 tokens/s, the others 83, 67, 75)
+    assert menu_of(draft_tokens=40).pick(Hand([[]])) == draft  # 200 tokens/s measured beats a plain round
+    assert menu_of(promised=100.0, gained=1.0).pick(sure15) == plain  # calibration (1 + 1) / (100 + 1)
+    assert menu_of(promised=50.0, gained=4.0).pick(sure15) == sixteen  # (4 + 1) / (50 + 1)
+    both = [[0.95] * 15, []]
+    assert menu_of().pick(Hand(both)) == sixteen and menu_of().pick(Hand(both, guard=True)) == plain
+    assert Hand(both, guard=True).promise(16) == 0 and Hand(both).promise(16) == pytest.approx(14.25)
+    menu = menu_of(retry_every=2)
+    picks = {menu.pick(Hand([[]])) for _ in range(40)}
+    assert picks == {plain, draft}  # re-prices run the draft's shape; the draft-free ones are valued each round
+    menu = menu_of(retry_every=2)
+    assert {menu.pick(None) for _ in range(40)} == {plain, draft, eight, sixteen}
+    menu = menu_of()
+    menu.observe(eight, 5, 0.012, promised=6.0, gained=4.0)
+    price = menu.prices[eight]
+    assert price.promised == pytest.approx(6.0) and price.gained == pytest.approx(4.0)
+    assert price.weight == pytest.approx(DECAY * 10 + 1) and price.cost == pytest.approx((DECAY * 0.12 + 0.012) / price.weight)
+    assert menu.calibration() == pytest.approx(5.0 / 7.0)
+
+
 @pytest.mark.parametrize("width,capture", [(1, False), (2, False), (2, True)])
 def test_a_draft_equal_to_the_target_has_its_whole_chain_accepted(width, capture):
     """With the target as its own draft, the tree of depth 3 (all of it verified) holds the target's own greedy

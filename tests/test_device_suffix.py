@@ -289,7 +289,7 @@ def test_plain_rounds_of_the_menu_decode_exactly_and_keep_the_draft_cache_whole(
     cycle = [Shape(*PLAIN), Shape(0, 0, 6) if draft_free else Shape(2, 2, 6), Shape(*PLAIN), Shape(*PLAIN)]
     picks = []
 
-    def pick(menu):
+    def pick(menu, hand=None):
         picks.append(cycle[len(picks) % len(cycle)])
         return picks[-1]
 
@@ -320,3 +320,44 @@ def test_plain_rounds_of_the_menu_decode_exactly_and_keep_the_draft_cache_whole(
     assert max(reads) <= 1
     plain = [r for r, shape in zip(stats.rounds, picks) if shape == Shape(*PLAIN)]
     assert len(plain) >= len(stats.rounds) // 2 and all(r.budget == 1 and r.accepted == 0 for r in plain)
+
+
+@pytest.mark.parametrize("capture", [False, True], ids=["eager", "replayed"])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_the_proposal_in_hand_picks_each_rounds_draft_free_shape(targets, rows, capture, monkeypatch):
+    """Draft-free mode's default menu (the suffix shapes and the plain one), each round's shape picked with its proposal
+    in hand, every shape's cost per round fixed by the test (no clock: 10 ms plus 1 ms a verified node): greedy output
+    is target.generate's token for token; once every shape is priced, a round whose proposal promised nothing ran
+    plain, every suffix shape's round had nodes that promised tokens, rounds of both kinds ran and suffix nodes were
+    walked; at most one host read a round."""
+    from hf_swiftspec.policy.shapes import Hand
+
+    target = targets["llama"]
+    pair = SwiftSpecForCausalLM.from_models(target, None, round="device", capture=capture)
+    ids, mask = inputs(rows)
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=40)
+    expected = target.generate(ids, **kwargs)
+    seen, pick, observe = [], ShapeMenu.pick, ShapeMenu.observe
+
+    def pick_and_see(menu, hand=None):
+        priced = all(s in menu.prices for s in menu.shapes)
+        shape = pick(menu, hand)
+        seen.append((priced, hand, shape))
+        return shape
+
+    def observe_fixed(menu, shape, tokens, seconds, promised=None, gained=0.0):
+        observe(menu, shape, tokens, None if seconds is None else 0.01 + 0.001 * shape.budget, promised, gained)
+
+    monkeypatch.setattr(ShapeMenu, "pick", pick_and_see)
+    monkeypatch.setattr(ShapeMenu, "observe", observe_fixed)
+    reads = reads_per_round(monkeypatch)
+    assert pair.generate(ids, **kwargs).tolist() == expected.tolist()
+    stats = pair.swiftspec_stats
+    assert stats.engine == "device" and max(reads) <= 1 and stats.draft_forwards == 0
+    assert seen[0][1] is None  # round 1's shape, picked before the prefill
+    assert all(isinstance(hand, Hand) and 1 <= len(hand.gains) <= rows for _, hand, _ in seen[1:])  # rows leave as they end
+    free = [(hand.promise(16), shape) for priced, hand, shape in seen[1:] if priced]
+    assert all(shape == Shape(*PLAIN) for promise, shape in free if promise == 0)
+    assert all(promise > 0 for promise, shape in free if shape.budget > 1)
+    assert {shape.budget > 1 for _, shape in free} == {False, True}
+    assert suffix_walked(stats) >= 3

@@ -101,17 +101,23 @@ class SuffixProposals:
         """A joining row's index over its prompt, the request's corpus and the model's earlier outputs."""
         return index_for(tokens, self.ngram_size, request.corpus, request.history)
 
-    def propose(self, indices: list) -> torch.Tensor:
-        """(B, 5 + S, S) float64 each cache row's proposal of at most S nodes (host_nodes' layout; a row
-        whose index is None, a dead row, proposes nothing), scored by the log of the policy's prior P(accepted), in
-        one pinned, non-blocking host-to-device copy."""
-        rows = []
+    def build(self, indices: list) -> list[tuple[list[int], list[int], list[float]]]:
+        """Each cache row's proposal of at most S nodes on the host, as (tokens, parents, P(accepted)) with the
+        policy's prior P(accepted) (a row whose index is None, a dead row, proposes nothing)."""
+        trees = []
         for index in indices:
-            tokens, parents, scores = [], [], []
-            if index is not None:
-                room = None if self.limit is None else max(self.limit - len(index.tokens), 0)
-                tree = index.propose(self.nodes, room)
-                probs, _ = self.policy.suffix_probs(tree)
-                tokens, parents, scores = tree.tokens, tree.parents, [math.log(p) for p in probs]
-            rows.append(host_nodes(tokens, parents, scores, self.nodes))
+            if index is None:
+                trees.append(([], [], []))
+                continue
+            room = None if self.limit is None else max(self.limit - len(index.tokens), 0)
+            tree = index.propose(self.nodes, room)
+            probs, _ = self.policy.suffix_probs(tree)
+            trees.append((tree.tokens, tree.parents, probs))
+        return trees
+
+    def pack(self, trees: list[tuple[list[int], list[int], list[float]]]) -> torch.Tensor:
+        """(B, 5 + S, S) float64 the built proposals (host_nodes' layout), each node scored by the log of its
+        P(accepted), in one pinned, non-blocking host-to-device copy."""
+        rows = [host_nodes(tokens, parents, [math.log(p) for p in probs], self.nodes)
+                for tokens, parents, probs in trees]
         return to_device(rows, self.device, torch.float64)

@@ -43,7 +43,7 @@ import torch
 from ..drafters.device_drafters import DeviceDrafter, RoundFacts, device_drafter, model_gaps
 from ..drafters.device_suffix import SuffixProposals, draft_free_menu
 from ..models.architectures import context_limit
-from ..policy.shapes import Shape, ShapeMenu
+from ..policy.shapes import Hand, Shape, ShapeMenu
 from ..stats import DraftCounters, PhaseClock, SwiftSpecStats, TargetCounters
 from ..steps.capture import capacity_bucket, capture_backend, power_of_two
 from ..steps.acceptance import StopRule, cut_at_criteria, split_criteria
@@ -184,6 +184,7 @@ class DeviceProposed(Proposed):
     cut: list[int] = field(default_factory=list)  # per live row: tokens the device walked past a host-side stop
     read_s: float | None = None  # seconds since the previous round's read (None: the first round)
     captured: bool = False  # the round captured a graph (its time prices no shape)
+    promised: float | None = None  # a draft-free round's tokens beyond one a row expected from its proposal in hand
 
 
 class DeviceSides:
@@ -416,13 +417,17 @@ class DeviceSides:
     def propose(self, rows) -> DeviceProposed:
         """1. the drafter grows the menu's shape below every root, the suffix proposals join it; the best T nodes are
         selected, on the device."""
-        shape, self.first = self.first or self.menu.pick(), None
-        proposed = DeviceProposed([], rows=list(rows.live), shape=shape, span=self.round_span())
+        shape, self.first, inputs, hand = self.first, None, {}, None
+        if self.suffix is not None:  # the proposal in hand prices the draft-free shapes (policy/shapes.py)
+            trees = self.suffix.build([h.suffix for h in self.host])
+            hand = Hand([sorted(probs, reverse=True) for *_, probs in trees[: self.live]], guard=self.guard)
+        shape = shape or self.menu.pick(hand)
+        if self.suffix is not None and shape.budget > 1:  # (a plain round verifies the roots alone)
+            inputs["suffix"] = self.suffix.pack(trees)  # the round's one host-to-device copy
+        promised = hand.promise(shape.budget) if hand is not None and not shape.depth else None
+        proposed = DeviceProposed([], rows=list(rows.live), shape=shape, span=self.round_span(), promised=promised)
         lag = self.catch_up(proposed.shape)
         captured = self.runner.captured if self.runner is not None else 0
-        inputs = {}
-        if self.suffix is not None and proposed.shape.budget > 1:  # (a plain round verifies the roots alone)
-            inputs["suffix"] = self.suffix.propose([h.suffix for h in self.host])  # the round's one host-to-device copy
         with self.clock.phase("expand"):
             proposed.subtree = DeviceSubtree(**self.run(grow_phase, dict(shape=proposed.shape, span=proposed.span,
                                                                          lag=lag), inputs))
@@ -523,7 +528,8 @@ class DeviceSides:
         if proposed.captured or not verified:
             return
         tokens = [len(v.tokens) for v in verified]
-        self.menu.observe(proposed.shape, len(tokens) * min(tokens) if self.guard else sum(tokens), proposed.read_s)
+        made = len(tokens) * min(tokens) if self.guard else sum(tokens)
+        self.menu.observe(proposed.shape, made, proposed.read_s, proposed.promised, made - len(tokens))
 
     def stats(self, new_tokens: int, wall_s: float) -> SwiftSpecStats:
         return SwiftSpecStats.collect(self.name, new_tokens, wall_s, *self.counters, clock=self.clock)

@@ -8,6 +8,13 @@ emitted and the seconds between two reads. Every shape runs once before any is p
 measured one runs, and the others run again every `retry` rounds so a price that drifted (the text got harder)
 is seen. The menu holds the plain shape too (depth 0, T = 1: no growth, the roots alone verified), so a call
 whose draft does not pay on this text and machine decodes at about the target's own pace rather than below it.
+
+A shape's price is its average over the text; the suffix proposals' worth changes round by round (a long match, then
+none). So with suffix proposals on, each round's proposal is built before its shape is picked, and a draft-free shape
+(depth 0) is valued from it (`ShapeMenu.values`): the tokens it expects (the nodes' prior P(accepted), calibrated by
+what such rounds gained against what they promised) over its measured cost per round, against the draft's shapes at
+their measured rates; a round with nothing proposed runs plain or a draft's shape. The host round sizes each round
+from its proposal the same way (policy/goodput.py).
 """
 
 from __future__ import annotations
@@ -44,17 +51,55 @@ class Shape:
         return 1 + self.depth * self.width
 
 
+CALIBRATION_PRIOR = 1.0  # tokens of pseudo-count on both sides of the calibration (gained + 1) / (promised + 1)
+
+
 @dataclass
 class Price:
-    """What one shape's measured rounds made: tokens emitted over all rows and seconds between reads."""
+    """What one shape's measured rounds made: tokens emitted over all rows and seconds between reads; of a draft-free
+    shape's rounds also the tokens beyond one a row their proposals promised (uncalibrated) and those they gained. All
+    but `rounds` decay (DECAY a round of the shape)."""
 
     rounds: int = 0
-    tokens: int = 0
+    tokens: float = 0
     seconds: float = 0.0
+    weight: float = 0.0  # rounds, decayed as tokens and seconds are
+    promised: float = 0.0
+    gained: float = 0.0
 
     @property
     def rate(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def cost(self) -> float:
+        """Seconds a round of the shape takes."""
+        return self.seconds / (self.weight or self.rounds or 1)
+
+
+@dataclass
+class Hand:
+    """The round's suffix proposals as the host built them, before the shape is fixed.
+
+    gains: each live row's nodes' prior P(accepted), best first (a row proposing nothing: [])
+    guard: rows are priced by the slowest (the running batch's latency guard; ShapeMenu prices rows x its tokens)
+    """
+
+    gains: list[list[float]]
+    guard: bool = False
+
+    @property
+    def rows(self) -> int:
+        return len(self.gains)
+
+    def promise(self, budget: int) -> float:
+        """Tokens beyond one a row a shape verifying `budget` nodes a row (root included) expects from the proposal:
+        each row's best budget - 1 nodes' P(accepted) summed (the expected accepted length of a tree is the sum of its
+        nodes' P(on the accepted path)); over the rows, summed, or the slowest row's times rows under the guard."""
+        each = [sum(g[: budget - 1]) for g in self.gains]
+        if not each:
+            return 0.0
+        return len(each) * min(each) if self.guard else sum(each)
 
 
 @dataclass
@@ -93,16 +138,19 @@ class ShapeMenu:
             )
         return cls(fitting)
 
-    def pick(self) -> Shape:
-        """The next round's shape: an unpriced one first, a periodic re-price, else the best measured rate. The re-prices
-        come `retry` rounds apart while they pay, twice as far apart after each one that does not (up to
-        MAX_RETRY): where only the plain round pays, a draft's shape costs a round in hundreds, not one in 32."""
+    def pick(self, hand: Hand | None = None) -> Shape:
+        """The next round's shape: an unpriced one first, a periodic re-price, else the best value (`values`). The
+        re-prices come `retry` rounds apart while they pay, twice as far apart after each one that does not (up to
+        MAX_RETRY): where only the plain round pays, a draft's shape costs a round in hundreds, not one in 32. With a
+        proposal in hand only the draft's shapes are re-priced (a draft-free one is valued from the proposal each
+        round)."""
         self.rounds += 1
         for shape in self.shapes:
             if shape not in self.prices:
                 return shape
-        best = max(self.shapes, key=lambda s: self.prices[s].rate)
-        others = [s for s in self.shapes if s != best]
+        values = self.values(hand)
+        best = max(values, key=values.get)
+        others = [s for s in self.shapes if s != best and (hand is None or s.depth)]
         if others and self.rounds >= self.next_retry:
             self.retries += 1
             self.pending = others[self.retries % len(others)]
@@ -110,8 +158,32 @@ class ShapeMenu:
             return self.pending
         return best
 
-    def observe(self, shape: Shape, tokens: int, seconds: float | None) -> None:
-        """Fold in one round of `shape` (seconds None: not timed, e.g. the first round after the prefill)."""
+    def values(self, hand: Hand | None) -> dict[Shape, float]:
+        """Tokens a second each shape is expected to make this round: its measured rate; with a proposal in hand, a
+        draft-free shape's (depth 0) rows + calibration x promise over its cost per round instead, a larger one only
+        where it promises more than every smaller one (a round proposing nothing is plain: T = 1 verifies the roots
+        for the same tokens)."""
+        values = {s: self.prices[s].rate for s in self.shapes if s.depth or hand is None}
+        if hand is None:
+            return values
+        scale, last = self.calibration(), -1.0
+        for shape in sorted((s for s in self.shapes if not s.depth), key=lambda s: s.budget):
+            promise = hand.promise(shape.budget)
+            if promise > last:  # else it verifies more queries for no more expected tokens
+                values[shape] = (hand.rows + scale * promise) / max(self.prices[shape].cost, 1e-9)
+                last = promise
+        return values
+
+    def calibration(self) -> float:
+        """How far the draft-free shapes' rounds gained what their proposals promised (1: as promised)."""
+        free = [p for s, p in self.prices.items() if not s.depth]
+        gained, promised = sum(p.gained for p in free), sum(p.promised for p in free)
+        return (gained + CALIBRATION_PRIOR) / (promised + CALIBRATION_PRIOR)
+
+    def observe(self, shape: Shape, tokens: int, seconds: float | None, promised: float | None = None,
+                gained: float = 0.0) -> None:
+        """Fold in one round of `shape` (seconds None: not timed, e.g. the first round after the prefill); a
+        draft-free round run from a proposal in hand also the tokens beyond one a row it `promised` and `gained`."""
         if seconds is None:
             return
         price = self.prices.setdefault(shape, Price())
@@ -122,3 +194,6 @@ class ShapeMenu:
             self.next_retry, self.pending = self.rounds + self.retry, None
         price.rounds = price.rounds + 1
         price.tokens, price.seconds = DECAY * price.tokens + tokens, DECAY * price.seconds + seconds
+        price.weight = DECAY * price.weight + 1
+        if promised is not None:
+            price.promised, price.gained = DECAY * price.promised + promised, DECAY * price.gained + gained
