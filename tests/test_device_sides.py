@@ -266,7 +266,7 @@ def test_a_proposal_in_hand_prices_the_draft_free_shapes():
     best T - 1 nodes over its cost per round, against the draft's shapes at their measured rates: nothing proposed
     runs plain (a larger shape never for no more expected tokens), three sure nodes the 8-node shape, fifteen the
     16-node one; rounds that gained less than they promised scale the promise down; under the latency guard the
-    slowest row's promise counts; only the draft's shapes are re-priced."""
+    slowest row's promise counts; a suffix shape is re-priced only where the proposal has nodes for it."""
     from hf_swiftspec.policy.shapes import DECAY, Hand, Price
 
     draft, plain, eight, sixteen = Shape(2, 2, 4), Shape(0, 0, 1), Shape(0, 0, 8), Shape(0, 0, 16)
@@ -293,7 +293,9 @@ def test_a_proposal_in_hand_prices_the_draft_free_shapes():
     assert Hand(both, guard=True).promise(16) == 0 and Hand(both).promise(16) == pytest.approx(14.25)
     menu = menu_of(retry_every=2)
     picks = {menu.pick(Hand([[]])) for _ in range(40)}
-    assert picks == {plain, draft}  # re-prices run the draft's shape; the draft-free ones are valued each round
+    assert picks == {plain, draft}  # nothing proposed: the re-prices run the draft's shape, no suffix shape
+    menu = menu_of(retry_every=2, promised=100.0, gained=1.0)
+    assert {menu.pick(sure15) for _ in range(40)} == {plain, draft, eight, sixteen}  # a low calibration is re-priced
     menu = menu_of(retry_every=2)
     assert {menu.pick(None) for _ in range(40)} == {plain, draft, eight, sixteen}
     menu = menu_of()

@@ -142,15 +142,16 @@ class ShapeMenu:
         """The next round's shape: an unpriced one first, a periodic re-price, else the best value (`values`). The
         re-prices come `retry` rounds apart while they pay, twice as far apart after each one that does not (up to
         MAX_RETRY): where only the plain round pays, a draft's shape costs a round in hundreds, not one in 32. With a
-        proposal in hand only the draft's shapes are re-priced (a draft-free one is valued from the proposal each
-        round)."""
+        proposal in hand a draft-free shape is re-priced only where the proposal has something for it to verify
+        (its calibration learns from it: a bad stretch of text does not price the suffix shapes out for good)."""
         self.rounds += 1
         for shape in self.shapes:
             if shape not in self.prices:
                 return shape
         values = self.values(hand)
         best = max(values, key=values.get)
-        others = [s for s in self.shapes if s != best and (hand is None or s.depth)]
+        others = [s for s in self.shapes if s != best and (hand is None or s.depth or s.budget == 1
+                                                            or hand.promise(s.budget) > 0)]
         if others and self.rounds >= self.next_retry:
             self.retries += 1
             self.pending = others[self.retries % len(others)]
