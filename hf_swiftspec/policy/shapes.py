@@ -150,14 +150,16 @@ class ShapeMenu:
                 return shape
         values = self.values(hand)
         best = max(values, key=values.get)
+        if self.rounds < self.next_retry:
+            return best
         others = [s for s in self.shapes if s != best and (hand is None or s.depth or s.budget == 1
                                                             or hand.promise(s.budget) > 0)]
-        if others and self.rounds >= self.next_retry:
-            self.retries += 1
-            self.pending = others[self.retries % len(others)]
-            self.next_retry = self.rounds + self.retry
-            return self.pending
-        return best
+        if not others:
+            return best
+        self.retries += 1
+        self.pending = others[self.retries % len(others)]
+        self.next_retry = self.rounds + self.retry
+        return self.pending
 
     def values(self, hand: Hand | None) -> dict[Shape, float]:
         """Tokens a second each shape is expected to make this round: its measured rate; with a proposal in hand, a
