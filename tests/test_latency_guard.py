@@ -10,7 +10,7 @@ from fixed_costs import given_costs
 from test_continuous import PROMPTS, assert_greedy_answers, pair_of, run_relay
 
 from hf_swiftspec.policy.costs import CostModel
-from hf_swiftspec.policy.goodput import BatchSize, GoodputPolicy
+from hf_swiftspec.policy.goodput import LOOK_EVERY, QUIET_AFTER, BatchSize, GoodputPolicy
 from hf_swiftspec.policy.guard import credit_after, latency_cap
 
 # Two rows' candidates, best first (the root counts 1). The well-predicted row's draft is sure of its first
@@ -67,18 +67,28 @@ def test_rows_that_break_even_leave_the_goodputs_size_alone():
     assert sizes == [4, 4]
 
 
-def test_a_round_the_guard_made_plain_does_not_make_the_batch_go_quiet():
-    # Plain rounds in a row make a batch quiet (no proposals built, QUIET_AFTER); a round the guard made plain
-    # had trees the batch's goodput wanted, so it resets the streak instead.
+def test_rounds_the_guard_made_plain_make_the_batch_go_quiet():
+    # Plain rounds in a row make a batch quiet (QUIET_AFTER: no proposals built but one round in LOOK_EVERY). A
+    # round the guard made plain counts: its proposals went unverified just the same, and at 16 clients on the demo
+    # pair most plain rounds were the guard's, each building 16 rows' proposals for nothing (about a sixth of the
+    # round). A look round that the guard makes plain again keeps the batch quiet.
     policy = GoodputPolicy()
-    policy.batches[2] = BatchSize(CostModel(batch=2, expand_s=0.01, verify_s=dict(VERIFY_S), given=True), plain_streak=3)
-    policy.plan_round(2, [0, 1], guard=True)
+    policy.batches[2] = BatchSize(CostModel(batch=2, expand_s=0.01, verify_s=dict(VERIFY_S), given=True),
+                                  plain_streak=QUIET_AFTER - 1, rounds=1)
+    assert not policy.plan_round(2, [0, 1], guard=True).quiet  # round 2: the streak is one short
     # the goodput wants T = 2 (2 x the harmonic mean of 2 and 1.1 over 1.15 s: 2.47 tokens/s, a plain step 2), where
     # the second row expects 1.1 < 1.15
     assert policy.best_budget([[1.0, 1.0], [1.0, 0.1]], spent_s=0.0)[0] == 1
     assert policy.plan.guarded == (1,)
     policy.observe_round(expansions=1, draft_s=0.01, budget=1, verify_s=1.0)
+    assert policy.at(2).plain_streak == QUIET_AFTER
+    assert policy.plan_round(2, [0, 1], guard=True).quiet  # round 3
+    policy.observe_round(expansions=0, draft_s=0.0, budget=1, verify_s=1.0)
+    assert policy.plan_round(2, [0, 1], guard=True).quiet == (4 % LOOK_EVERY != 0)  # round 4 looks (LOOK_EVERY 4)
+    # a tree round (the guard lets one through) ends the streak
+    policy.observe_round(expansions=1, draft_s=0.01, budget=2, verify_s=1.15)
     assert policy.at(2).plain_streak == 0
+    assert not policy.plan_round(2, [0, 1], guard=True).quiet
 
 
 def test_a_row_that_never_breaks_even_makes_the_round_plain():

@@ -67,9 +67,9 @@ PROBE_SHARE = 0.05  # a probe may cost this share of its call decoded plainly (p
 # A row whose suffix proposals keep missing at their first token builds one only every 2, 4, ... up to
 # this many rounds (building one costs about as much as a plain step's processing on a small model).
 MAX_SUFFIX_EVERY = 8
-# After this many plain rounds in a row at a batch size above 1, the rounds go quiet: plain, without
-# building the proposals that were not verified anyway, except one round in LOOK_EVERY that builds
-# them and decides as usual (and the probes). On a small model, building them for 16 rows costs a
+# After this many plain rounds in a row at a batch size above 1 (the goodput's or the latency guard's
+# choice), the rounds go quiet: plain, without building the proposals that were not verified anyway,
+# except one round in LOOK_EVERY that builds them and decides as usual (and the probes). On a small model, building them for 16 rows costs a
 # fifth of a plain step; a text that starts to repeat is still noticed within LOOK_EVERY tokens. A
 # single sequence proposes every round: there it costs little (demo pair, HumanEval, against the
 # previous release: 2.10x vs 2.21x target.generate with quiet rounds at batch 1, 2.22x vs 2.24x without).
@@ -483,8 +483,8 @@ class GoodputPolicy(LatencyGuarding):
             per_token = catch_up_s / catch_up_tokens
             self.catch_up_token_s = per_token if self.catch_up_token_s is None else 0.8 * self.catch_up_token_s + 0.2 * per_token
         state = self.at(self.plan.batch)
-        if not self.plan.quiet:  # (a round the latency guard made plain had trees that paid the batch: no streak)
-            plain = budget == 1 and not self.plan.probing and not self.plan.guarded
+        if not self.plan.quiet:  # (a round the latency guard made plain counts too: its proposals went unverified)
+            plain = budget == 1 and not self.plan.probing
             state.plain_streak = state.plain_streak + 1 if plain else 0
         if verify_s is None:
             if self.plan.probing:
