@@ -23,6 +23,10 @@ from hf_swiftspec.tools.models import left_padded, random_prompts, sharpen, tiny
 
 VOCAB = 98
 FIXED = dict(tree_budget=8, draft_depth=4)  # the draft runs every round (the policy drafts little on tiny models)
+# The kernel runs in Triton's interpreter, at a cost that goes with the positions a replayed cache holds: the draft's
+# tree region of tree_capacity (1024) slots made each call ~1 s; 64 slots (draft_width 4 leaves room for a round's
+# growth) cut the test 3-5x with the same rounds.
+KERNEL_FIXED = dict(FIXED, draft_width=4, tree_capacity=64)
 
 
 def build(family: str):
@@ -50,7 +54,8 @@ def test_replayed_round_equals_target_generate(pairs, family, attention):
     """attention="kernel": the Triton tree kernel (its interpreter here, so fewer calls) reads each row's lengths
     from the device, over a padded batch and gemma3's sliding windows."""
     target, draft = pairs[family]
-    model = SwiftSpecForCausalLM.from_models(target, draft, capture=True, attention=attention, **FIXED)
+    settings = KERNEL_FIXED if attention == "kernel" else FIXED
+    model = SwiftSpecForCausalLM.from_models(target, draft, capture=True, attention=attention, **settings)
     calls = [(7,), (30,), (3, 23, 9)] if attention == "auto" else [(3, 23, 9)]
     for seed, lengths in enumerate(calls):  # 23 tokens reach past gemma3's 16-token window
         ids, mask = left_padded(random_prompts(lengths, seed, VOCAB))
@@ -288,7 +293,7 @@ def test_compiled_layers_with_the_kernel_for_two_models():
     for the draft and took another token at its first verification, on this CPU and on an H200.)"""
     target = tiny_model("llama", seed=0, layers=2)
     model = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 1), compile=True, attention="kernel",
-                                             **FIXED)
+                                             **KERNEL_FIXED)
     prompt = torch.tensor([random_prompts((7,), 0, VOCAB)[0]])
     expected = target.generate(prompt, max_new_tokens=12, do_sample=False)
     assert model.generate(prompt, max_new_tokens=12, do_sample=False).tolist() == expected.tolist()
