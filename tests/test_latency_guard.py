@@ -91,6 +91,39 @@ def test_rounds_the_guard_made_plain_make_the_batch_go_quiet():
     assert not policy.plan_round(2, [0, 1], guard=True).quiet
 
 
+def test_the_guard_prices_a_plain_step_at_a_quiet_rounds_cost():
+    # The batch decoding plainly is a quiet round (no proposal built), cheaper than a round that built its rows'
+    # proposals and verified the roots alone (verify_s[1]): once a quiet round ran at this batch size, a row breaks
+    # even at T when it expects c(T) / quiet_s tokens. The bad row (scale 0.25) expects 1.2 at T = 2: against
+    # c(1) = 1.0 it breaks even (1.2 >= 1.15), against a quiet round of 0.9 s it does not (1.2 < 1.15 / 0.9 = 1.28).
+    sizes = []
+    for quiet_s in (None, 0.9):
+        policy = guarded_policy(guard=True)
+        policy.costs.quiet_s = quiet_s
+        times = policy.costs.verify_times(4)
+        assert policy.guard_times(4) == (times if quiet_s is None else [0.9] + times[1:])
+        sizes.append(policy.best_budget([GOOD, BAD], spent_s=0.0)[0])
+        assert policy.plan.guarded == (1,)
+    assert sizes == [2, 1]
+
+
+def test_quiet_rounds_time_the_plain_step_the_guard_compares_with():
+    policy = GoodputPolicy()
+    policy.batches[2] = BatchSize(CostModel(batch=2, expand_s=0.01), plain_streak=QUIET_AFTER, rounds=1)
+    assert policy.plan_round(2, [0, 1], guard=True).quiet  # round 2
+    assert policy.guard_times(2) == policy.costs.verify_times(2)  # no quiet round timed yet: c(1) as measured
+    policy.observe_round(expansions=0, draft_s=0.0, budget=1, verify_s=0.9)
+    assert policy.costs.quiet_s == pytest.approx(0.9)
+    assert policy.plan_round(2, [0, 1], guard=True).quiet  # round 3
+    policy.observe_round(expansions=0, draft_s=0.0, budget=1, verify_s=1.4)
+    assert policy.costs.quiet_s == pytest.approx(0.8 * 0.9 + 0.2 * 1.4)  # a running average (CostModel.smoothing)
+    assert not policy.plan_round(2, [0, 1], guard=True).quiet  # round 4 looks (LOOK_EVERY)
+    policy.observe_round(expansions=1, draft_s=0.01, budget=1, verify_s=2.0)  # built its proposals, verified roots
+    assert policy.costs.quiet_s == pytest.approx(0.8 * 0.9 + 0.2 * 1.4)  # a round that was not quiet leaves it
+    assert policy.guard_times(2)[0] == pytest.approx(0.8 * 0.9 + 0.2 * 1.4)
+    assert policy.costs.verify_times(2)[0] > 1.0  # the rounds' c(1) mixes in the round that built its proposals
+
+
 def test_a_row_that_never_breaks_even_makes_the_round_plain():
     # Its tree expects 1.05 tokens at T = 2 against the 1.15 a 2-node verification needs: it would decode
     # slower beside the other's tree than in a plain batch, and verifying its root alone would cost it the

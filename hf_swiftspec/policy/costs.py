@@ -35,6 +35,7 @@ class CostModel:
     prior_slope: float = 0.1  # cost per node beyond the one size measured so far, relative to it
     expand_s: float | None = None
     verify_s: dict[int, float] = field(default_factory=dict)
+    quiet_s: float | None = None  # seconds a quiet round takes (plain, no proposal built): the batch decoding plainly
     shape: "CostModel | None" = None  # another batch size's model: how cost grows past the sizes measured here
     given: bool = False  # the costs were set by the caller (a test's fixed prices): what rounds measure leaves them
     version: int = 0  # bumped by every verification measured, so prices cached from it are renewed
@@ -65,6 +66,12 @@ class CostModel:
             return
         self.verify_s[budget] = self._average(self.verify_s.get(budget), seconds)
         self.version += 1
+
+    def observe_quiet(self, seconds: float) -> None:
+        """A quiet round's seconds (GoodputPolicy.plan_round: plain, building no proposal): what the latency guard
+        prices the batch decoding plainly by, where a plain round that built its proposals (verify_s[1]) costs more."""
+        if not self.given:
+            self.quiet_s = self._average(self.quiet_s, seconds)
 
     def verify_times(self, max_budget: int) -> list[float]:
         """Predicted seconds for T = 1..max_budget (index T - 1); relative units until measured."""

@@ -341,7 +341,7 @@ class GoodputPolicy(LatencyGuarding):
         best = max(range(len(rates)), key=rates.__getitem__)
         if self.plan.guard:
             _, per_row, credit = self.guard_inputs(rows)
-            guarded = latency_cap(per_row, times, best + 1, credit)
+            guarded = latency_cap(per_row, self.guard_times(len(times)), best + 1, credit)
             best, self.plan.guarded = guarded.budget - 1, guarded.rows
         return best + 1, rates[best]
 
@@ -492,6 +492,8 @@ class GoodputPolicy(LatencyGuarding):
             return
         state.costs.observe_expansions(draft_s, expansions)
         state.costs.observe_verify(budget, verify_s)
+        if self.plan.quiet:
+            state.costs.observe_quiet(verify_s)
         if tokens is not None:
             self.observe_rate(tokens / (draft_s + verify_s + catch_up_s))
 
