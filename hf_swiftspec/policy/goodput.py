@@ -69,10 +69,11 @@ PROBE_SHARE = 0.05  # a probe may cost this share of its call decoded plainly (p
 MAX_SUFFIX_EVERY = 8
 # After this many plain rounds in a row at a batch size above 1 (the goodput's or the latency guard's
 # choice), the rounds go quiet: plain, without building the proposals that were not verified anyway,
-# except one round in LOOK_EVERY that builds them and decides as usual (and the probes). On a small model, building them for 16 rows costs a
-# fifth of a plain step; a text that starts to repeat is still noticed within LOOK_EVERY tokens. A
-# single sequence proposes every round: there it costs little (demo pair, HumanEval, against the
-# previous release: 2.10x vs 2.21x target.generate with quiet rounds at batch 1, 2.22x vs 2.24x without).
+# except one round in LOOK_EVERY that builds them and decides as usual (and the probes). On a small
+# model, building them for 16 rows costs a fifth of a plain step; a text that starts to repeat is still
+# noticed within LOOK_EVERY tokens. A single sequence proposes every round: there it costs little (demo
+# pair, HumanEval, against the previous release: 2.10x vs 2.21x target.generate with quiet rounds at
+# batch 1, 2.22x vs 2.24x without).
 QUIET_AFTER = 4
 LOOK_EVERY = 4
 # Per row, how much of what the calibrations expected its verified trees to yield they did yield:
