@@ -314,10 +314,14 @@ def test_a_real_shaped_pair_whose_draft_cannot_pay_decodes_plainly():
     model = SwiftSpecForCausalLM.from_models(target, draft)
     ids = torch.randint(3, 98, (1, 24), generator=torch.Generator().manual_seed(0))
     model.generate(ids, max_new_tokens=32, do_sample=False)  # the first call measures
+    # the second call's first 32 tokens are the first call's: its answer in the output history would be copied by
+    # the suffix proposals (speculation that pays, not this test's subject; on a clean CI clone their early hits
+    # kept the suffix proposals coming for 52 of 175 rounds), so the history goes
+    model.output_history.clear()
     out = model.generate(ids, max_new_tokens=200, min_new_tokens=200, do_sample=False)
     rounds = model.swiftspec_stats.rounds
     plain = sum(r.budget == 1 and r.expansions == 0 for r in rounds)
-    assert plain >= 0.9 * len(rounds), [(r.budget, r.expansions, r.accepted) for r in rounds]
+    assert plain >= 0.9 * len(rounds), [(r.budget, r.expansions, r.accepted, r.ngram_accepted) for r in rounds]
     assert torch.equal(out, target.generate(ids, max_new_tokens=200, min_new_tokens=200, do_sample=False))
 
 
