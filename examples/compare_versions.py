@@ -35,12 +35,18 @@ from hf_swiftspec.bench.report import markdown_report
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def import_revision(revision: str, name: str = "hf_swiftspec_before"):
-    """The hf_swiftspec package of `revision`, imported as `name` from a temporary folder."""
+def archive_revision(revision: str) -> Path:
+    """A temporary folder holding `revision`'s hf_swiftspec package (as `git archive` gives it)."""
     folder = Path(tempfile.mkdtemp(prefix="swiftspec-before-"))
     archive = subprocess.run(["git", "archive", revision, "hf_swiftspec"], cwd=ROOT, capture_output=True, check=True).stdout
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(folder, filter="data")
+    return folder
+
+
+def import_revision(revision: str, name: str = "hf_swiftspec_before"):
+    """The hf_swiftspec package of `revision`, imported as `name` from a temporary folder."""
+    folder = archive_revision(revision)
     (folder / "hf_swiftspec").rename(folder / name)
     sys.path.insert(0, str(folder))
     return importlib.import_module(name)

@@ -13,29 +13,16 @@ this checkout's (both must be the target's own).
 from __future__ import annotations
 
 import argparse
-import io
 import os
-import subprocess
 import sys
-import tarfile
 import tempfile
 from pathlib import Path
 
+from compare_versions import archive_revision
 from serve_latency import free_port, run_clients, shape_pair_folder, start
 
 from hf_swiftspec.bench import load_prompts
 from hf_swiftspec.tools.models import SHAPE_PREFIX
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def package_of(revision: str) -> str:
-    """A folder holding `revision`'s hf_swiftspec package (for PYTHONPATH)."""
-    folder = tempfile.mkdtemp(prefix="swiftspec-serve-before-")
-    archive = subprocess.run(["git", "archive", revision, "hf_swiftspec"], cwd=ROOT, capture_output=True, check=True).stdout
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        tar.extractall(folder, filter="data")
-    return folder
 
 
 def measure(pair: str, path: str | None, clients: int, warmup: list[str], prompts: list[str], max_tokens: int) -> dict:
@@ -72,7 +59,7 @@ def main() -> int:
     args = parser.parse_args()
     texts = [p.text[-400:] for source in ("humaneval", "spec_bench") for p in load_prompts(source)]
     warmup, prompts = texts[-4:], texts[: args.requests]
-    before = package_of(args.before)
+    before = str(archive_revision(args.before))
     folder = tempfile.TemporaryDirectory()  # `shape:NAME`: random weights in a real model's shape (serve_latency.py)
     pair = shape_pair_folder(args.pair[len(SHAPE_PREFIX):], Path(folder.name)) if args.pair.startswith(SHAPE_PREFIX) else args.pair
     print(f"{args.pair}: {args.requests} requests of {args.max_tokens} new tokens, greedy, one torch thread per server; "

@@ -27,9 +27,9 @@ round's draft time with its verification (`credit_after`).
 
 The plain step c(1) the guard compares with is the batch decoding plainly: a quiet round (no proposal built; the
 goodput policy's QUIET_AFTER), once one has run at this batch size (`LatencyGuarding.guard_times`). A round that
-builds the rows' proposals and then verifies the roots alone costs more (on the demo pair at 4 rows, 13.8 ms against
-10.2 ms); priced by it, every tree looked that much cheaper next to plain decoding, and at 4 clients a request whose
-trees kept missing decoded at 13.6 ms a token where the plain batch gave 10.
+builds the rows' proposals and then verifies the roots alone costs more (served on the demo pair at 4 rows, 12.6 ms
+against 11.5 ms: examples/results/cpu-serve-trace-4); priced by it, every tree looked that much cheaper next to plain
+decoding, and a row whose trees kept missing decoded slower than the plain batch would have.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ class LatencyGuarding:
     def guard_times(self, max_budget: int) -> list[float]:
         """The guard's prices for T = 1..max_budget: the verification's, but a plain step (T = 1) at what a quiet round
         costs (CostModel.quiet_s, once one ran), the batch decoding plainly: a round that builds its proposals costs
-        more even when it verifies the roots alone (4 rows on the demo pair: 13.8 ms against 10.2 ms)."""
+        more even when it verifies the roots alone (see the module docstring)."""
         times = self.costs.verify_times(max_budget)
         quiet = self.costs.quiet_s
         return [min(times[0], quiet)] + times[1:] if quiet else times
