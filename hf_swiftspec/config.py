@@ -57,8 +57,8 @@ class SwiftSpecConfig(PreTrainedConfig):
         round: where a serial round's selection, walk and commit run: "auto" (default: the device round on CUDA
             where it decodes the call exactly, the host round elsewhere; `swiftspec_stats.round_choice` says which
             and why), "host" (the adaptive round: every drafter, architecture and processor) or "device"
-            (engine/device_sides.py: the drafter grows a fixed (depth, width, T) shape a round from a small menu
-            priced by measured rounds, the host reads the device once a round and copies one pinned buffer in, the
+            (engine/device_sides.py: the drafter grows levels a round as the goodput policy sizes them, the host
+            reads the device once a round where the phases replay and copies one pinned buffer in, the
             suffix proposals (ngram_size > 0) merged into its tree, or alone in draft-free mode; only where that is
             exact: full-attention models, path-free processors; elsewhere generate() raises a ValueError saying
             why).

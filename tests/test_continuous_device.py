@@ -374,34 +374,31 @@ def test_a_draft_head_in_the_running_batch(capture, piece, monkeypatch):
     assert tokens > 1.5 * sum(r["rows"] for r in seen), (tokens, len(seen))  # the head's drafts were accepted
 
 
-def test_the_latency_guard_prices_a_shape_by_its_slowest_row(target):
-    """Under the latency guard (a running batch of requests) a round prices its shape by its slowest row's tokens (as
-    many times as rows), so a tree that helps one row and leaves another at one token a round loses to the plain round
-    when that round is slower; without the guard, by all rows' tokens. (Costs given, no clock.)"""
-    from hf_swiftspec.engine.device_sides import DeviceProposed
-    from hf_swiftspec.policy.shapes import PLAIN, Shape
-    from hf_swiftspec.steps.verify import Verified
+def test_the_running_batch_sizes_its_rounds_under_the_latency_guard(target, monkeypatch):
+    """The running batch's rounds are the pair's goodput policy's, planned with the latency guard (policy/guard.py: no
+    row's tree decodes it slower than a plain batch would), a lone call's without it; every answer is
+    target.generate's. (The guard's rule itself: tests/test_latency_guard.py; its cap over suffix proposals in hand:
+    test_device_sides.test_a_suffix_proposal_in_hand_sizes_the_tree.)"""
+    from hf_swiftspec.policy.goodput import GoodputPolicy
 
-    tree, plain = Shape(3, 2, 6), Shape(*PLAIN)
-    picks = {}
-    for guard in (True, False):
-        pair = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), **{**DEVICE, "draft_depth": None,
-                                                                                         "tree_budget": None})
-        engine = pair.continuous_engine() if guard else None
-        sides = engine.new_sides() if guard else DeviceSides(target, pair_drafter(pair), pair.config,
-                                                               device_pool.SlotPool(None))
-        menu = sides.menu
-        menu.shapes = (tree, plain)
-        for shape, rows, seconds in ((tree, [6, 1], 1.5), (plain, [1, 1], 1.0)):  # a tree round costs 1.5 plain ones
-            sides.observe(DeviceProposed([], shape=shape, read_s=seconds), [Verified([0] * n, []) for n in rows], 0.0,
-                          first=False)
-        picks[guard] = menu.pick()
-        if engine is not None:
-            engine.close()
-    assert picks == {True: plain, False: tree}
+    guards, plan_round = [], GoodputPolicy.plan_round
 
+    def recorded(policy, *args, guard=False, **kwargs):
+        guards.append(guard)
+        return plan_round(policy, *args, guard=guard, **kwargs)
 
-def pair_drafter(pair):
-    from hf_swiftspec.drafters.device_drafters import device_drafter
+    monkeypatch.setattr(GoodputPolicy, "plan_round", recorded)
+    pair = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), **{**DEVICE, "draft_depth": None,
+                                                                                     "tree_budget": None})
+    calls = greedy_calls(target)[:3]
+    engine = pair.continuous_engine()
+    try:
+        out = relay(pair, engine, calls, at=AT[:3])
+    finally:
+        engine.close()
+    assert_answers_are_target_generates(target, calls, out)
+    assert guards and all(guards)
+    guards.clear()
+    pair.generate(calls[0]["input_ids"], max_new_tokens=8, do_sample=False)
+    assert guards and not any(guards)
 
-    return device_drafter(pair.draft, pair.target)

@@ -69,16 +69,19 @@ def test_a_round_reads_once_copies_once_and_dispatches_under_the_ceiling(demo, r
 
 
 def test_attention_reads_the_live_length_not_the_capacity(demo, monkeypatch):
-    """Every attention call of a round reads the rows' longest prefix plus the tree's room (exactly, eagerly; rounded
-    up to a power of two where the phases replay), far below the slot capacity the pool allocates."""
+    """Every attention call of a round reads the rows' longest prefix plus what the phase writes (eagerly, exactly: the
+    growth its tree's nodes, the verification its T nodes, each with the scratch slot; rounded up to a power of two of
+    the prefix and the whole tree region where the phases replay), far below the slot capacity the pool allocates."""
+    depth, width, budget = SETTINGS["draft_depth"], SETTINGS["draft_width"], SETTINGS["tree_budget"]
     for capture in (False, True):
         pair = SwiftSpecForCausalLM.from_pretrained(demo, dtype=torch.float32, capture=capture, **SETTINGS)
         ids = pair.tokenizer(PROMPTS[0], return_tensors="pt").input_ids
         seen = counted_rounds(pair, monkeypatch)
         pair.generate(ids, do_sample=False, max_new_tokens=40)
         for r in seen:
-            need = r["longest"] + r["tree"]
-            want = span_bucket(need) if capture else need
-            assert r["keys"] <= {want}, (r["keys"], need)  # emulated replays run no attention of their own
-            assert want < r["capacity"] or r["capacity"] == want
+            longest = r["longest"]
+            want = {span_bucket(longest + r["tree"])} if capture else {longest + 1 + depth * width + 1,
+                                                                        longest + budget + 1}
+            assert r["keys"] <= want, (r["keys"], want)  # emulated replays run no attention of their own
+            assert max(want) < r["capacity"] or r["capacity"] == max(want)
         assert seen[-1]["capacity"] >= 256 > 2 * (seen[-1]["longest"] + seen[-1]["tree"])

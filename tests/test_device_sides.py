@@ -11,7 +11,8 @@ from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
 from hf_swiftspec import SwiftSpecConfig, SwiftSpecForCausalLM
 from hf_swiftspec.engine import rounds
-from hf_swiftspec.policy.shapes import Shape, ShapeMenu
+from hf_swiftspec.engine.device_phases import PLAIN
+from fixed_costs import given_costs
 from hf_swiftspec.tools.models import char_tokenizer, left_padded, random_prompts, tiny_model, truncated_draft
 from sync_counter import SyncCounter
 
@@ -235,75 +236,85 @@ def test_sampled_draws_follow_the_targets_distribution(ngram_size):
     assert pvalue > ALPHA, f"p={pvalue:.2e}: the device round's draws do not follow the target's distribution"
 
 
-def test_the_menu_prices_shapes_by_measured_rounds():
-    """Every shape runs once, then the best measured tokens per second runs, and the others again every `retry_every`
-    rounds while a re-price pays, twice as far apart after each that does not; a round with no time (the first) prices
-    nothing; settings that fix the shape give a menu of one."""
-    menu = ShapeMenu((Shape(1, 2, 2), Shape(3, 2, 6), Shape(4, 4, 8)), retry_every=10)
-    first = menu.pick()
-    menu.observe(first, 5, None)
-    assert menu.pick() == first  # unpriced still
-    for shape, tokens in ((Shape(1, 2, 2), 4), (Shape(3, 2, 6), 9), (Shape(4, 4, 8), 8)):
-        assert menu.pick() == shape
-        menu.observe(shape, tokens, 1.0)
-    picks = [menu.pick() for _ in range(20)]
-    assert picks.count(Shape(3, 2, 6)) == 18 and len(set(picks)) == 3
-    retried = []
-    for _ in range(400):  # re-prices that never pay: each one twice as far from the last
-        shape = menu.pick()
-        if shape != Shape(3, 2, 6):
-            retried.append(menu.rounds)
-        menu.observe(shape, 9 if shape == Shape(3, 2, 6) else 1, 1.0)
-    gaps = [b - a for a, b in zip(retried, retried[1:])]
-    assert gaps == sorted(gaps) and gaps[-1] >= 8 * gaps[0], retried
-    assert ShapeMenu.of(3, 5, 9, room=100).shapes == (Shape(3, 5, 9),)
-    with pytest.raises(ValueError, match="positions"):
-        ShapeMenu.of(3, 5, 9, room=2)
+def sized_rounds(monkeypatch) -> list[tuple]:
+    """Each sized round's (levels grown, T verified, the candidates' P(accepted) the policy saw), as RoundSizing
+    decided them (policy/sizing.py)."""
+    from hf_swiftspec.engine import device_sides
+
+    seen, grow = [], device_sides.DeviceSides.grow
+
+    def recorded(sides, proposed, shape, inputs):
+        out = grow(sides, proposed, shape, inputs)
+        if proposed.sizing is not None:
+            seen.append((out.shape.depth, out.shape.budget, proposed.sizing.candidates()))
+        return out
+
+    monkeypatch.setattr(device_sides.DeviceSides, "grow", recorded)
+    return seen
 
 
-def test_a_proposal_in_hand_prices_the_draft_free_shapes():
-    """With the round's suffix proposal in hand, a draft-free shape is worth rows + calibration x the P(accepted) of its
-    best T - 1 nodes over its cost per round, against the draft's shapes at their measured rates: nothing proposed
-    runs plain (a larger shape never for no more expected tokens), three sure nodes the 8-node shape, fifteen the
-    16-node one; rounds that gained less than they promised scale the promise down; under the latency guard the
-    slowest row's promise counts; a suffix shape is re-priced only where the proposal has nodes for it."""
-    from hf_swiftspec.policy.shapes import DECAY, Hand, Price
+def confident(model):
+    """`model` with its head's logits scaled up: a random tiny model whose next-token distributions are peaked, so its
+    draft scores say its nodes are likely (as a trained draft's do)."""
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)
+    return model
 
-    draft, plain, eight, sixteen = Shape(2, 2, 4), Shape(0, 0, 1), Shape(0, 0, 8), Shape(0, 0, 16)
 
-    def menu_of(draft_tokens=15, promised=0.0, gained=0.0, retry_every=1000):
-        # measured per round: plain 10 ms, 8 nodes 12 ms, 16 nodes 15 ms; the draft's shape 20 ms
-        menu = ShapeMenu((draft, plain, eight, sixteen), retry_every=retry_every)
-        menu.prices = {plain: Price(10, 10, 0.1, 10), eight: Price(10, 10, 0.12, 10, promised, gained),
-                       sixteen: Price(10, 10, 0.15, 10), draft: Price(10, draft_tokens, 0.2, 10)}
-        return menu
+@pytest.mark.parametrize("expand_s,grows", [(0.001, True), (0.5, False)], ids=["cheap-draft", "dear-draft"])
+def test_the_goodput_policy_sizes_each_round_between_levels(expand_s, grows, monkeypatch):
+    """The device round's trees are the goodput policy's (the host round's rule): between levels (eager phases, a
+    read free) the drafter grows while one more level is expected to raise tokens per second, then the T of the best
+    goodput is verified. With the target as its own draft and costs given (no clock): an expansion that costs little
+    against a verification is grown, every round, and its nodes verified (T > 1, tokens accepted); one that costs 50
+    verifications is grown by the policy's probes alone (the plain round wins). Greedy tokens are
+    target.generate's either way."""
+    target, draft = (confident(tiny_model("llama", seed=0)) for _ in range(2))
+    target.generation_config.eos_token_id = None
+    pair = SwiftSpecForCausalLM.from_models(target, draft, draft_width=2, **DEVICE)
+    given_costs(pair, expand_s, {1: 0.010, 2: 0.0102, 4: 0.0104, 8: 0.011, 16: 0.012, 32: 0.014})
+    ids = torch.tensor([[5, 17, 33, 8, 61, 9, 40]])
+    seen = sized_rounds(monkeypatch)
+    out = pair.generate(ids, max_new_tokens=40, do_sample=False)
+    assert out.tolist() == target.generate(ids, max_new_tokens=40, do_sample=False).tolist()
+    rounds = pair.swiftspec_stats.rounds
+    assert seen and len(seen) == len(rounds) - 1  # round 1 is plain: its roots came with the prefill
+    if grows:
+        assert all(levels >= 2 and budget > 2 for levels, budget, _ in seen[1:]), seen
+        assert pair.swiftspec_stats.tau > 3
+    else:
+        grown = [levels for levels, _, _ in seen[1:] if levels]
+        assert len(grown) <= len(seen) // 16 + 1, seen  # the policy's probes alone (one in 16 rounds at most)
+        assert all(budget == 1 for levels, budget, _ in seen[1:] if not levels), seen
 
-    sure3, sure15 = Hand([[0.9] * 3]), Hand([[0.95] * 15])
-    assert sure3.promise(8) == sure3.promise(16) == pytest.approx(2.7) and sure15.promise(8) == pytest.approx(6.65)
-    assert menu_of().pick(Hand([[]])) == plain
-    assert menu_of().pick(Hand([[0.1]])) == plain  # (1 + 0.1) / 12 ms < 1 / 10 ms
-    assert menu_of().pick(sure3) == eight  # 16 nodes promise no more than 8
-    assert menu_of().pick(sure15) == sixteen
-    assert menu_of().pick(None) == plain  # no hand: measured rates (plain 100 tokens/s, the others 83, 67, 75)
-    assert menu_of(draft_tokens=40).pick(Hand([[]])) == draft  # 200 tokens/s measured beats a plain round
-    assert menu_of(promised=100.0, gained=1.0).pick(sure15) == plain  # calibration (1 + 1) / (100 + 1)
-    assert menu_of(promised=50.0, gained=4.0).pick(sure15) == sixteen  # (4 + 1) / (50 + 1)
-    both = [[0.95] * 15, []]
-    assert menu_of().pick(Hand(both)) == sixteen and menu_of().pick(Hand(both, guard=True)) == plain
-    assert Hand(both, guard=True).promise(16) == 0 and Hand(both).promise(16) == pytest.approx(14.25)
-    menu = menu_of(retry_every=2)
-    picks = {menu.pick(Hand([[]])) for _ in range(40)}
-    assert picks == {plain, draft}  # nothing proposed: the re-prices run the draft's shape, no suffix shape
-    menu = menu_of(retry_every=2, promised=100.0, gained=1.0)
-    assert {menu.pick(sure15) for _ in range(40)} == {plain, draft, eight, sixteen}  # a low calibration is re-priced
-    menu = menu_of(retry_every=2)
-    assert {menu.pick(None) for _ in range(40)} == {plain, draft, eight, sixteen}
-    menu = menu_of()
-    menu.observe(eight, 5, 0.012, promised=6.0, gained=4.0)
-    price = menu.prices[eight]
-    assert price.promised == pytest.approx(6.0) and price.gained == pytest.approx(4.0)
-    assert price.weight == pytest.approx(DECAY * 10 + 1) and price.cost == pytest.approx((DECAY * 0.12 + 0.012) / price.weight)
-    assert menu.calibration() == pytest.approx(5.0 / 7.0)
+
+def test_a_suffix_proposal_in_hand_sizes_the_tree():
+    """With the round's suffix proposals in hand and no growth, T is the best goodput of their calibrated nodes at the
+    measured costs: nothing proposed verifies the roots alone; three sure nodes a tree of 4; a batch whose second row
+    proposes nothing verifies a tree under the plain goodput rule, and the latency guard (a running batch) keeps it
+    plain for that row's sake; fifteen likely nodes the most nodes that pay."""
+    from hf_swiftspec.policy.costs import CostModel
+    from hf_swiftspec.policy.goodput import BatchSize, GoodputPolicy
+    from hf_swiftspec.policy.sizing import Offer, RoundSizing
+    from hf_swiftspec.steps.tree import SuffixTree
+
+    def chain(n: int, p: float) -> Offer:
+        tree = SuffixTree(list(range(3, 3 + n)), list(range(-1, n - 1)), [4] * n, 4, 8)
+        probs = [p ** (k + 1) for k in range(n)]
+        return Offer(tree, probs, [0] * n, list(range(100, 100 + n)))
+
+    def budget(offers, guard=False):
+        policy = GoodputPolicy()
+        verify = {1: 0.010, 4: 0.011, 8: 0.012, 16: 0.016, 32: 0.030}
+        for batch in (1, 2):
+            policy.batches[batch] = BatchSize(CostModel(batch=batch, expand_s=0.01, verify_s=dict(verify), given=True))
+        policy.plan_round(len(offers), guard=guard)
+        return RoundSizing(policy, offers, width=0).budget()
+
+    assert budget([None]) == budget([chain(0, 1.0)]) == 1
+    assert budget([chain(3, 0.999)]) == 4
+    assert 8 < budget([chain(15, 0.99)]) <= 16
+    assert budget([chain(3, 0.999), None]) > 1 and budget([chain(3, 0.999), None], guard=True) == 1
 
 
 @pytest.mark.parametrize("width,capture", [(1, False), (2, False), (2, True)])
@@ -363,41 +374,26 @@ def test_auto_takes_the_device_round_on_cuda_where_it_applies_and_says_why():
     assert choose_round(SwiftSpecConfig(round="host"), cuda, None, architectures, [], None, None, False, [])[0] == "host"
 
 
-def test_the_re_price_schedule_goes_on_across_calls():
-    """The menu's re-price schedule is kept with the pair beside its prices: a call starts where the last call of as
-    many rows left it (its round count, its interval), so re-prices that did not pay stay as rare in a series of
-    short calls as in one long one; a call's own tokens are target.generate's all the same."""
+def test_what_the_policy_measured_carries_over_to_the_next_call():
+    """The device round sizes its trees with the pair's policy (kept on the model object): what one call measured (the
+    step costs at its batch size: a growth level, a plain verification) is where the next starts; a call's own tokens are
+    target.generate's all the same."""
     target = tiny_model("llama", seed=0)
     target.generation_config.eos_token_id = None
     pair = SwiftSpecForCausalLM.from_models(target, tiny_model("llama", seed=1, layers=1), round="device",
                                             ngram_size=0)
-    menus, total = [], 0
-    for seed in range(3):
+    policy = pair.policy()
+    for seed in range(2):
         ids = torch.tensor(random_prompts([6], seed, 98))
         out = pair.generate(ids, max_new_tokens=24, do_sample=False)
         assert out.tolist() == target.generate(ids, max_new_tokens=24, do_sample=False).tolist()
-        total += len(pair.swiftspec_stats.rounds)
-        menu = pair.captures.device.schedules[1]
-        menus.append(menu)
-        assert menu.rounds == total  # counted across the calls, one pick a round
-    assert len({id(m) for m in menus}) == 3  # a menu a call, the schedule handed on
-    assert menus[2].next_retry > total - len(pair.swiftspec_stats.rounds)  # counted from the earlier calls' rounds
-
-
-def priced_plain_first(pair, rows: int) -> None:
-    """The pair's device pool with every shape of `rows`' bucket priced and the plain shape the best: a call's first
-    round is plain (its re-prices far off)."""
-    from hf_swiftspec.engine.device_pool import SlotPool, bucket_for
-    from hf_swiftspec.policy.shapes import MENU, PLAIN, Price
-    from hf_swiftspec.steps.capture import capture_backend
-
-    pair.captures.device = pool = SlotPool(capture_backend(pair.config.capture, pair.target.device))
-    pool.prices[bucket_for(rows)] = {Shape(*s): Price(1, 10 if s == PLAIN else 1, 1.0) for s in MENU}
+        assert pair.policy() is policy and policy.at(1).costs.measured
+    assert policy.at(1).costs.expand_s is not None and 1 in policy.at(1).costs.verify_s  # a level and a plain step
 
 
 @pytest.mark.parametrize("rows,capture", [(1, False), (4, False), (4, True)])
 def test_a_plain_first_round_takes_the_roots_from_the_prefill(rows, capture, monkeypatch):
-    """Where the menu's first pick is the plain shape, the target's prefill runs each whole prompt (right-aligned, the
+    """Where the policy sizes trees (tree_budget not fixed), round 1 is plain and the target's prefill runs each whole prompt (right-aligned, the
     root last) and keeps the roots' logits, as generate's prefill does, so round 1 runs no target forward: one forward
     a token, not one more a call. Greedy tokens, scores and logits equal target.generate's (prompts of 3, 17, 9 and 1
     tokens: the alignment's padding), and a seed draws the host round's tokens; replayed too (round 1 runs eagerly)."""
@@ -413,14 +409,13 @@ def test_a_plain_first_round_takes_the_roots_from_the_prefill(rows, capture, mon
 
     def start(sides, request):
         pick(sides, request)
-        firsts.append((sides.first, sides.root_logits is not None))
+        firsts.append((sides.first_plain, sides.root_logits is not None))
 
     monkeypatch.setattr(device_sides.DeviceSides, "start", start)
     kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=12, return_dict_in_generate=True,
                   output_scores=True, output_logits=True)
-    priced_plain_first(pair, rows)
     expected, actual = target.generate(ids, **kwargs), pair.generate(ids, **kwargs)
-    assert firsts == [(Shape(0, 0, 1), True)]
+    assert firsts == [(True, True)]
     assert actual.sequences.tolist() == expected.sequences.tolist()
     for name in ("scores", "logits"):
         for got, want in zip(getattr(actual, name), getattr(expected, name), strict=True):
@@ -430,7 +425,6 @@ def test_a_plain_first_round_takes_the_roots_from_the_prefill(rows, capture, mon
     assert stats.target_forwards == len(stats.rounds)  # the prefill, and a forward in every round but the first
     host = SwiftSpecForCausalLM.from_models(target, draft, ngram_size=0)
     sampled = dict(attention_mask=mask, max_new_tokens=12, do_sample=True, temperature=0.9, top_k=20)
-    priced_plain_first(pair, rows)
     drawn = pair.generate(ids, generator=torch.Generator().manual_seed(3), **sampled)
-    assert firsts[-1] == (Shape(0, 0, 1), True)
+    assert firsts[-1] == (True, True)
     assert drawn.tolist() == host.generate(ids, generator=torch.Generator().manual_seed(3), **sampled).tolist()

@@ -13,9 +13,9 @@ import torch
 
 from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.config import SwiftSpecConfig
-from hf_swiftspec.drafters.device_suffix import draft_free_menu, host_nodes, merge_suffix
-from hf_swiftspec.policy.shapes import PLAIN, Shape, ShapeMenu
+from hf_swiftspec.drafters.device_suffix import host_nodes, merge_suffix
 from hf_swiftspec.engine import device_sides
+from hf_swiftspec.policy.goodput import GoodputPolicy
 from hf_swiftspec.steps.device_round import DeviceTree, select_device
 from hf_swiftspec.steps.slot_cache import SlotCache, catch_up
 from hf_swiftspec.steps.tree import Subtree
@@ -276,26 +276,24 @@ def test_the_merge_is_the_host_rounds_merge():
 
 @pytest.mark.parametrize("capture", [False, True], ids=["eager", "replayed"])
 @pytest.mark.parametrize("draft_free", [False, True], ids=["draft", "draft-free"])
-def test_plain_rounds_of_the_menu_decode_exactly_and_keep_the_draft_cache_whole(targets, capture, draft_free,
-                                                                                 monkeypatch):
-    """The menu's plain shape (depth 0, T = 1: no growth, the root alone) among grown rounds, chosen in a fixed cycle
-    (no clock): greedy output is target.generate's; after every round the target's cache holds a fresh prefill of each
-    row's committed tokens and the draft's of those it has run (a plain round runs no draft forward: the tokens it
-    commits wait), and before every growth the draft has caught up on them all; at most one host read a round. The default menus offer the plain shape; settings that fix the shape do not."""
+def test_plain_rounds_among_grown_ones_decode_exactly_and_keep_the_draft_cache_whole(targets, capture, draft_free,
+                                                                                       monkeypatch):
+    """Plain rounds (the roots alone: no growth, T = 1; here the policy's quiet rounds, forced in a fixed cycle, no
+    clock) among grown rounds of a fixed shape: greedy output is target.generate's; after every round the target's
+    cache holds a fresh prefill of each row's committed tokens and the draft's of those it has run (a plain round runs
+    no draft forward: the tokens it commits wait), and before every growth the draft has caught up on them all; at
+    most one host read a round."""
     target = targets["llama"]
-    assert Shape(*PLAIN) in ShapeMenu.of(None, 2, None, room=100).shapes
-    assert Shape(*PLAIN) in draft_free_menu(SwiftSpecConfig()).shapes
-    assert draft_free_menu(SwiftSpecConfig(tree_budget=6)).shapes == (Shape(0, 0, 6),)
-    cycle = [Shape(*PLAIN), Shape(0, 0, 6) if draft_free else Shape(2, 2, 6), Shape(*PLAIN), Shape(*PLAIN)]
-    picks = []
+    cycle = [True, False, True, True]  # quiet, grown, quiet, quiet
+    plan_round = GoodputPolicy.plan_round
 
-    def pick(menu, hand=None):
-        picks.append(cycle[len(picks) % len(cycle)])
-        return picks[-1]
+    def cycled(policy, *args, **kwargs):
+        plan = plan_round(policy, *args, **kwargs)
+        plan.quiet = cycle[policy.at(plan.batch).rounds % len(cycle)]
+        return plan
 
-    monkeypatch.setattr(ShapeMenu, "pick", pick)
-    settings = dict(round="device", capture=capture)
-    pair = SwiftSpecForCausalLM.from_models(target, None if draft_free else truncated_draft(target, 2), **settings)
+    monkeypatch.setattr(GoodputPolicy, "plan_round", cycled)
+    pair = pair_of(target, draft_free, capture=capture)
     ids, mask = inputs(4)
     checked, accept = [], device_sides.DeviceSides.accept
 
@@ -313,51 +311,45 @@ def test_plain_rounds_of_the_menu_decode_exactly_and_keep_the_draft_cache_whole(
         grown = caught_up_before_growing(checking)
         assert pair.generate(ids, **kwargs).tolist() == expected.tolist()
     assert checked and (draft_free or grown)
-    picks.clear()
     reads = reads_per_round(monkeypatch)  # a second call, its reads counted (the checks above read the caches)
     assert pair.generate(ids, **kwargs).tolist() == expected.tolist()
     stats = pair.swiftspec_stats
     assert max(reads) <= 1
-    plain = [r for r, shape in zip(stats.rounds, picks) if shape == Shape(*PLAIN)]
-    assert len(plain) >= len(stats.rounds) // 2 and all(r.budget == 1 and r.accepted == 0 for r in plain)
+    plain = [r for r in stats.rounds if r.budget == 1]
+    assert len(plain) >= len(stats.rounds) // 2 and all(r.accepted == 0 for r in plain)
+    assert any(r.budget > 1 for r in stats.rounds)
 
 
 @pytest.mark.parametrize("capture", [False, True], ids=["eager", "replayed"])
 @pytest.mark.parametrize("rows", [1, 4])
-def test_the_proposal_in_hand_picks_each_rounds_draft_free_shape(targets, rows, capture, monkeypatch):
-    """Draft-free mode's default menu (the suffix shapes and the plain one), each round's shape picked with its proposal
-    in hand, every shape's cost per round fixed by the test (no clock: 10 ms plus 1 ms a verified node): greedy output
-    is target.generate's token for token; once every shape is priced, a round whose proposal promised nothing ran
-    plain, every suffix shape's round had nodes that promised tokens, rounds of both kinds ran and suffix nodes were
-    walked; at most one host read a round."""
-    from hf_swiftspec.policy.shapes import Hand
+def test_the_proposal_in_hand_sizes_each_draft_free_round(targets, rows, capture, monkeypatch):
+    """Draft-free mode with the policy sizing every round from the suffix proposals in hand, its costs given by the
+    test (no clock: 10 ms plus 0.1 ms a verified node): greedy output is target.generate's token for token; a round
+    whose proposals hold nothing verifies the roots alone, a round that verifies more has nodes that promised tokens,
+    rounds of both kinds ran and suffix nodes were walked; at most one host read a round."""
+    from fixed_costs import given_costs
 
     target = targets["llama"]
     pair = SwiftSpecForCausalLM.from_models(target, None, round="device", capture=capture)
+    given_costs(pair, 0.01, {t: 0.010 + 0.0001 * t for t in (1, 2, 4, 8, 16, 32)}, batches=(1, 2, 3, 4))
     ids, mask = inputs(rows)
     kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=40)
     expected = target.generate(ids, **kwargs)
-    seen, pick, observe = [], ShapeMenu.pick, ShapeMenu.observe
+    seen, grow = [], device_sides.DeviceSides.grow
 
-    def pick_and_see(menu, hand=None):
-        priced = all(s in menu.prices for s in menu.shapes)
-        shape = pick(menu, hand)
-        seen.append((priced, hand, shape))
-        return shape
+    def recorded(sides, proposed, shape, inputs):
+        out = grow(sides, proposed, shape, inputs)
+        if proposed.sizing is not None:
+            seen.append((proposed.sizing.candidates(), out.shape.budget))
+        return out
 
-    def observe_fixed(menu, shape, tokens, seconds, promised=None, gained=0.0):
-        observe(menu, shape, tokens, None if seconds is None else 0.01 + 0.001 * shape.budget, promised, gained)
-
-    monkeypatch.setattr(ShapeMenu, "pick", pick_and_see)
-    monkeypatch.setattr(ShapeMenu, "observe", observe_fixed)
+    monkeypatch.setattr(device_sides.DeviceSides, "grow", recorded)
     reads = reads_per_round(monkeypatch)
     assert pair.generate(ids, **kwargs).tolist() == expected.tolist()
     stats = pair.swiftspec_stats
     assert stats.engine == "device" and max(reads) <= 1 and stats.draft_forwards == 0
-    assert seen[0][1] is None  # round 1's shape, picked before the prefill
-    assert all(isinstance(hand, Hand) and 1 <= len(hand.gains) <= rows for _, hand, _ in seen[1:])  # rows leave as they end
-    free = [(hand.promise(16), shape) for priced, hand, shape in seen[1:] if priced]
-    assert all(shape == Shape(*PLAIN) for promise, shape in free if promise == 0)
-    assert all(promise > 0 for promise, shape in free if shape.budget > 1)
-    assert {shape.budget > 1 for _, shape in free} == {False, True}
+    assert all(1 <= len(rows_seen) <= rows for rows_seen, _ in seen)  # rows leave as they end
+    assert all(budget == 1 for rows_seen, budget in seen if all(len(r) == 1 for r in rows_seen))
+    assert all(any(len(r) > 1 for r in rows_seen) for rows_seen, budget in seen if budget > 1)
+    assert {budget > 1 for _, budget in seen} == {False, True}
     assert suffix_walked(stats) >= 3

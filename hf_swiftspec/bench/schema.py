@@ -23,7 +23,8 @@ DEFAULT_METHODS = ("target", "assisted", "prompt_lookup", "swiftspec_serial", "s
 # timed by default off the CPU (on a CPU it compiles for minutes); assisted_static: assisted generation with that
 # static cache (transformers >= 5.24 compiles the target after prefill), by default off the CPU too;
 # swiftspec_eager: swiftspec_serial with capture=False; swiftspec_device: the same pair and settings on the device
-# round (SwiftSpecConfig round="device": fixed shapes grown on the device, one host read a round), skipped with the
+# round (SwiftSpecConfig round="device": its trees grown and selected on the device, one host read a round where its
+# phases replay), skipped with the
 # device round's reason where it cannot decode the pair exactly.
 METHOD_NAMES = DEFAULT_METHODS + ("swiftspec_compiled", "swiftspec_suffix", "swiftspec_eagle3", "target_static",
                                   "swiftspec_eager", "assisted_static", "swiftspec_device")

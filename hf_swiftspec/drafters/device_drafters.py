@@ -6,8 +6,11 @@ What a drafter does, each a fixed-shape device function (no host read: the round
 
     prefill(cache, tokens, counts, starts, state)   after the target's forward over the same prompt tokens (a whole
                                                      prompt, or one piece of it): its cache, its row state
-    grow(cache, rows, depth, width, limit, lag)      depth x width nodes below every root (depth >= 1), after catching
-                                                     up on the `lag` committed tokens it has not run (a draft model's)
+    grow(cache, rows, depth, width, limit, lag, after_level)
+                                                     up to depth x width nodes below every root (depth >= 1), after
+                                                     catching up on the `lag` committed tokens it has not run (a draft
+                                                     model's); after_level(tree, level) -> False stops it between
+                                                     levels (device_growth.grow)
     after_verify(cache, rows, sub, walk, facts)      its commit (and a head's catch-up) once the target walked the tree
     catch_up_width(T, depth, S)                      the fixed width of a catch-up inside the verification (a head's)
 
@@ -70,7 +73,8 @@ class DeviceDrafter(Protocol):
     def prefill(self, cache: SlotCache | None, tokens: torch.Tensor, counts: torch.Tensor, starts: torch.Tensor,
                 state: dict[str, torch.Tensor]) -> None: ...
 
-    def grow(self, cache: SlotCache | None, rows, depth: int, width: int, vocab_limit: int, lag: int) -> DeviceTree: ...
+    def grow(self, cache: SlotCache | None, rows, depth: int, width: int, vocab_limit: int, lag: int,
+             after_level=None) -> DeviceTree: ...
 
     def catch_up_width(self, budget: int, depth: int, suffix_nodes: int) -> int: ...
 
@@ -132,7 +136,7 @@ class RootOnly:
     def prefill(self, cache, tokens, counts, starts, state) -> None:
         return None
 
-    def grow(self, cache, rows, depth, width, vocab_limit, lag) -> DeviceTree:
+    def grow(self, cache, rows, depth, width, vocab_limit, lag, after_level=None) -> DeviceTree:
         raise ValueError(f"a shape of depth {depth} needs a draft to grow it; draft-free mode grows nothing")
 
     def catch_up_width(self, budget: int, depth: int, suffix_nodes: int) -> int:
@@ -185,7 +189,7 @@ class DraftModelOnDevice:
         record(state["history"], tokens, counts, starts)
         state["draft_lens"].copy_(starts + counts)
 
-    def grow(self, cache, rows, depth, width, vocab_limit, lag) -> DeviceTree:
+    def grow(self, cache, rows, depth, width, vocab_limit, lag, after_level=None) -> DeviceTree:
         """Catch up on the `lag` (a width: every row's lag fits it) committed tokens not run yet, then grow."""
         draft_lens, history = rows.drafter["draft_lens"], rows.drafter["history"]
         if lag:
@@ -193,7 +197,7 @@ class DraftModelOnDevice:
                 max=history.shape[1] - 1)
             catch_up(self.model, cache, history.gather(1, at), rows.prefix_lens - draft_lens, draft_lens)
             draft_lens.copy_(rows.prefix_lens)
-        return grow(self.model, cache, rows.prefix_lens, rows.roots, depth, width, vocab_limit).tree
+        return grow(self.model, cache, rows.prefix_lens, rows.roots, depth, width, vocab_limit, after_level).tree
 
     def catch_up_width(self, budget: int, depth: int, suffix_nodes: int) -> int:
         return 0

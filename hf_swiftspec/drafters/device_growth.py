@@ -17,6 +17,7 @@ round's tree at slot prefix_len + i. Models with full attention only (slot_cache
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -42,16 +43,21 @@ class Growth:
 
 
 def grow(model, cache: SlotCache, prefix_lens: torch.Tensor, roots: torch.Tensor, depth: int, width: int,
-         vocab_limit: int | None = None) -> Growth:
-    """Grow every row's tree `depth` levels of `width` nodes below its root, with `depth` draft forwards.
+         vocab_limit: int | None = None, after_level: AfterLevel | None = None) -> Growth:
+    """Grow every row's tree up to `depth` levels of `width` nodes below its root, one draft forward a level.
 
     cache: the draft's SlotCache, its slots [0, prefix_lens[b]) holding row b's committed KV (catch_up)
     prefix_lens: (B,) long committed tokens per row; the root sits at position prefix_lens[b]
     roots: (B,) long each row's root token (the last verified one, whose KV no model holds yet)
     vocab_limit: children are drawn from ids below it (those the target can embed; tree.top_children's)
+    after_level: called with the tree and the level after each level (and with level 0 before the first); False
+        stops the growth there (the host sizing the round between levels where a read is free: policy/sizing.py),
+        the tree then cut to the levels grown
     Node ids are fixed by shape: the root 0, depth l's nodes 1 + (l - 1) * width ... l * width.
     """
     tree = seed_tree(cache, roots, depth, width, "grow")
+    if after_level is not None:
+        after_level(tree, 0)  # the catch-up, if any, has run
     B, N = tree.tokens.shape
     node_slots = prefix_lens[:, None] + torch.arange(N, device=roots.device)[None]  # (B, N)
     frontier = torch.zeros(B, 1, dtype=torch.long, device=roots.device)  # node ids (B, F), the root first
@@ -63,7 +69,20 @@ def grow(model, cache: SlotCache, prefix_lens: torch.Tensor, roots: torch.Tensor
         logprobs = torch.log_softmax(logits[..., :vocab_limit], dim=-1)  # (B, F, V')
         frontier, _ = add_level(tree, frontier, tree.scores[:, ids, None] + logprobs, level, width)
         ids = slice(1 + (level - 1) * width, 1 + level * width)
+        if after_level is not None and not after_level(tree, level) and level < depth:
+            return Growth(cut_tree(tree, level, width), prefix_lens)
     return Growth(tree, prefix_lens)
+
+
+AfterLevel = Callable[[DeviceTree, int], bool]
+
+
+def cut_tree(tree: DeviceTree, levels: int, width: int) -> DeviceTree:
+    """The first `levels` levels of a grown tree (1 + levels * width nodes; every later node was never grown)."""
+    n = 1 + levels * width
+    return DeviceTree(tree.tokens[:, :n], tree.parents[:, :n], tree.depths[:, :n], tree.scores[:, :n],
+                      tree.ancestors[:, :n, :n].contiguous(), torch.full_like(tree.size, n),
+                      None if tree.hashes is None else tree.hashes[:, :n])
 
 
 def seed_tree(cache: SlotCache, roots: torch.Tensor, depth: int, width: int, caller: str) -> DeviceTree:

@@ -29,7 +29,7 @@ import torch
 from ..steps.acceptance import Walk
 from ..steps.device_round import DeviceSubtree
 from ..steps.slot_cache import SlotCache, additive_mask, tree_visible
-from .device_growth import Growth, add_level, seed_tree
+from .device_growth import AfterLevel, Growth, add_level, cut_tree, seed_tree
 from .eagle3 import DraftHead
 
 
@@ -84,9 +84,11 @@ def head_catch_up(head: DraftHead, cache: SlotCache, tokens: torch.Tensor, input
 
 
 def grow_head(head: DraftHead, cache: SlotCache, prefix_lens: torch.Tensor, roots: torch.Tensor,
-              root_inputs: torch.Tensor, depth: int, width: int, vocab_limit: int | None = None) -> Growth:
-    """Grow every row's tree `depth` levels of `width` nodes below its root, with `depth` head forwards
-    (device_growth.grow's tree, node for node: the root 0, depth l's nodes 1 + (l - 1) * width ... l * width).
+              root_inputs: torch.Tensor, depth: int, width: int, vocab_limit: int | None = None,
+              after_level: AfterLevel | None = None) -> Growth:
+    """Grow every row's tree up to `depth` levels of `width` nodes below its root, one head forward a level
+    (device_growth.grow's tree, node for node: the root 0, depth l's nodes 1 + (l - 1) * width ... l * width;
+    after_level as there).
 
     cache: the head's SlotCache, slots [1, prefix_lens[b]) holding row b's committed tokens (head_catch_up)
     prefix_lens: (B,) long tokens the target committed per row; the root sits at slot prefix_lens[b]
@@ -95,6 +97,8 @@ def grow_head(head: DraftHead, cache: SlotCache, prefix_lens: torch.Tensor, root
     vocab_limit: children are target ids below it (those the target can embed)
     """
     tree = seed_tree(cache, roots, depth, width, "grow_head")
+    if after_level is not None:
+        after_level(tree, 0)
     B, N = tree.tokens.shape
     device = roots.device
     hidden = root_inputs.new_zeros(B, N, root_inputs.shape[-1])  # (B, N, H) each node's input, then its children's
@@ -121,6 +125,8 @@ def grow_head(head: DraftHead, cache: SlotCache, prefix_lens: torch.Tensor, root
         hidden.scatter_(1, new[:, :, None].expand(B, width, hidden.shape[-1]),
                         outputs.gather(1, parent[:, :, None].expand(B, width, hidden.shape[-1])))  # its parent's output
         frontier = new
+        if after_level is not None and not after_level(tree, level) and level < depth:
+            return Growth(cut_tree(tree, level, width), prefix_lens)
     return Growth(tree, prefix_lens)
 
 
@@ -184,9 +190,9 @@ class DeviceHead:
             last = (counts - 1).clamp(min=0)[:, None, None].expand(B, 1, H)
             root_inputs.copy_(torch.where((counts > 0)[:, None], fused.gather(1, last).squeeze(1), root_inputs))
 
-    def grow(self, cache: SlotCache, rows, depth: int, width: int, vocab_limit: int, lag: int):
+    def grow(self, cache: SlotCache, rows, depth: int, width: int, vocab_limit: int, lag: int, after_level=None):
         return grow_head(self.head, cache, rows.prefix_lens, rows.roots, rows.drafter["root_inputs"], depth, width,
-                         vocab_limit).tree
+                         vocab_limit, after_level).tree
 
     def catch_up_width(self, budget: int, depth: int, suffix_nodes: int) -> int:
         """The head re-runs the walked chain every round: the root and at most `deepest` walked nodes."""

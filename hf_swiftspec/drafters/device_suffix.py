@@ -20,15 +20,14 @@ draft never ran: it catches up on them before its next growth (device_drafters.D
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from swiftspec_kernels.tree_merge import HASH_BITS, tree_merge
 
-from ..policy.goodput import GoodputPolicy
-from ..policy.shapes import PLAIN, Shape, ShapeMenu, suffix_shapes
 from ..steps.device_round import DeviceTree, host_path_hash, path_hashes, to_device
+from ..steps.tree import SuffixTree
 from .suffix import index_for
 
 
@@ -74,20 +73,12 @@ def merge_suffix(tree: DeviceTree, packed: torch.Tensor) -> DeviceTree:
                                   hashes, packed))
 
 
-def draft_free_menu(config, rows: int = 1) -> ShapeMenu:
-    """Draft-free mode's shapes for a bucket of `rows`: no growth, the best tree_budget nodes (root included) of the
-    suffix proposal verified; tree_budget not given, the device menu's suffix shapes (policy.shapes.suffix_shapes) or
-    the plain round, as their rounds price them."""
-    shapes = ((0, 0, config.tree_budget),) if config.tree_budget else (*suffix_shapes(rows), PLAIN)
-    return ShapeMenu(tuple(Shape(*s) for s in shapes))
-
-
 @dataclass
 class SuffixProposals:
     """Each round's suffix proposals of the device round's rows (each row's SuffixIndex is the host's, kept with the
     row: device_sides.RowOnHost.suffix), as one device tensor.
 
-    nodes: S, the suffix nodes a row proposes a round (the menu's largest T less the root: a proposal may fill a tree)
+    nodes: S, the suffix nodes a row proposes a round (the policy's largest T less the root: a proposal may fill a tree)
     limit: the models' context (no node is placed past it), or None
     """
 
@@ -95,29 +86,20 @@ class SuffixProposals:
     nodes: int
     limit: int | None
     device: torch.device
-    policy: GoodputPolicy = field(default_factory=GoodputPolicy)  # its priors score the nodes, as a first call's do
 
     def index_for(self, request, tokens: list[int]):
         """A joining row's index over its prompt, the request's corpus and the model's earlier outputs."""
         return index_for(tokens, self.ngram_size, request.corpus, request.history)
 
-    def build(self, indices: list) -> list[tuple[list[int], list[int], list[float]]]:
-        """Each cache row's proposal of at most S nodes on the host, as (tokens, parents, P(accepted)) with the
-        policy's prior P(accepted) (a row whose index is None, a dead row, proposes nothing)."""
-        trees = []
-        for index in indices:
-            if index is None:
-                trees.append(([], [], []))
-                continue
-            room = None if self.limit is None else max(self.limit - len(index.tokens), 0)
-            tree = index.propose(self.nodes, room)
-            probs, _ = self.policy.suffix_probs(tree)
-            trees.append((tree.tokens, tree.parents, probs))
-        return trees
+    def propose(self, index) -> SuffixTree:
+        """A row's proposal of at most S nodes from its index (on the host), none placed past the models' context."""
+        room = None if self.limit is None else max(self.limit - len(index.tokens), 0)
+        return index.propose(self.nodes, room)
 
-    def pack(self, trees: list[tuple[list[int], list[int], list[float]]]) -> torch.Tensor:
-        """(B, 5 + S, S) float64 the built proposals (host_nodes' layout), each node scored by the log of its
-        P(accepted), in one pinned, non-blocking host-to-device copy."""
-        rows = [host_nodes(tokens, parents, [math.log(p) for p in probs], self.nodes)
-                for tokens, parents, probs in trees]
+    def pack(self, offers: list) -> torch.Tensor:
+        """(B, 5 + S, S) float64 every cache row's offer (policy/sizing.Offer; None: nothing, a dead row too) in
+        host_nodes' layout, each node scored by the log of its calibrated P(accepted), in one pinned, non-blocking
+        host-to-device copy."""
+        rows = [host_nodes(o.tree.tokens, o.tree.parents, [math.log(p) for p in o.probs], self.nodes) if o is not None
+                else host_nodes([], [], [], self.nodes) for o in offers]
         return to_device(rows, self.device, torch.float64)

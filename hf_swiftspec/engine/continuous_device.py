@@ -105,7 +105,8 @@ class DeviceContinuousEngine(ContinuousEngine):
 
     def new_sides(self) -> DeviceSides:
         """Sides for a new batch, at the capacity the last one reached (its slots and graphs are the pool's)."""
-        sides = DeviceSides(self.target, self.drafter, self.config, self.pool, self.changes, guard=self.latency_guard)
+        sides = DeviceSides(self.target, self.drafter, self.config, self.pool, self.policy, self.changes,
+                            guard=self.latency_guard)
         sides.capacity = self.capacity
         return sides
 

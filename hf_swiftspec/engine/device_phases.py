@@ -16,12 +16,30 @@ from swiftspec_kernels.advance_rows import advance_rows
 
 from ..drafters.device_drafters import DeviceDrafter, RoundFacts
 from ..drafters.device_suffix import merge_suffix, root_tree
-from ..policy.shapes import Shape
 from ..steps.acceptance import greedy_choices, gumbel_noise, sampled_choices, walk_subtree
 from ..steps.device_round import DeviceSubtree, plain_subtree, select_device
 from ..steps.slot_cache import commit_cache, verify_forward
 from ..steps.verify import apply_processors
 from .device_pool import Slots
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A round's static shape (part of a replayed phase's key): the drafter grows `depth` levels of `width` nodes
+    below every root (0: none), and the best `budget` nodes of that tree and the suffix proposals are verified, the
+    root included (None: the policy decides after the growth, between levels: policy/sizing.py)."""
+
+    depth: int
+    width: int
+    budget: int | None
+
+    @property
+    def nodes(self) -> int:
+        """Nodes the growth makes, the root included (each one's KV slot sits in the tree region)."""
+        return 1 + self.depth * self.width
+
+
+PLAIN = Shape(0, 0, 1)  # the roots alone, verified: one target forward, one token a row
 
 
 @dataclass(frozen=True)
@@ -58,34 +76,44 @@ def subtree_tensors(sub: DeviceSubtree) -> dict[str, torch.Tensor]:
 
 
 def grow_phase(suffix: torch.Tensor | None = None, *, models: RoundModels, slots: Slots, shape: Shape, span: int,
-               lag: int) -> dict:
+               lag: int, sizing=None) -> dict:
     """1. the drafter's growth of `shape` below every root (the plain shape: the roots alone, nothing selected; lag:
     the width of the catch-up a drafter that defers it runs first), the suffix nodes merged in (suffix: (B, 5 + S, S)
-    the host's proposals, drafters/device_suffix.py) and the best T nodes with their mask (DeviceSubtree's fields): d
-    draft forwards and the selection, no host read."""
+    the host's proposals, drafters/device_suffix.py) and the best T nodes with their mask (DeviceSubtree's fields),
+    with `drafted` (B, T) float32, each selected node's draft score (-inf where the drafter did not grow it): up to d
+    draft forwards and the selection, no host read. sizing: the policy's between levels (policy/sizing.RoundSizing:
+    it reads each level and may stop the growth, then picks T where shape.budget is None); None: the shape is the
+    round's."""
     rows, cache = slots.rows, slots.caches[1]
     for c in slots.caches:
         if c is not None:
             c.span = span
     if shape.budget == 1 and suffix is None:  # the plain shape: the roots alone, nothing grown or selected
-        return subtree_tensors(plain_subtree(rows.roots))
+        plain = plain_subtree(rows.roots)
+        return dict(subtree_tensors(plain), drafted=plain.scores)
     if shape.depth == 0:  # draft-free: no growth
         tree = root_tree(rows.roots)
     else:
-        tree = models.drafter.grow(cache, rows, shape.depth, shape.width, models.vocab_limit, lag)
+        tree = models.drafter.grow(cache, rows, shape.depth, shape.width, models.vocab_limit, lag,
+                                   sizing.after_level if sizing is not None else None)
+    grown = tree.scores  # (B, N) before the merge, which keeps the higher of a twin's two scores
     if suffix is not None:
         tree = merge_suffix(tree, suffix)
-    return subtree_tensors(select_device(tree, shape.budget))
+    sub = select_device(tree, shape.budget if shape.budget is not None else sizing.budget())
+    N = grown.shape[1]
+    drafted = grown.gather(1, sub.node_ids.clamp(max=N - 1)).masked_fill(sub.node_ids >= N, float("-inf"))
+    return dict(subtree_tensors(sub), drafted=drafted)
 
 
-def verify_phase(*, models: RoundModels, slots: Slots, facts: RoundFacts, span: int,
+def verify_phase(*, models: RoundModels, slots: Slots, facts: RoundFacts, span: int, drafted: torch.Tensor,
                  known: torch.Tensor | None = None, **subtree) -> dict:
     """2. the target's verification of the subtree, its choices, the walk, both caches' commits (the drafter's commit
     and catch-up: RoundFacts) and the rows' state moved on in place, no host read. known (B, T, V): the subtree's
     logits where the prefill computed them (round 1 of a plain shape: the roots'), so no forward runs.
-    Returns: result (B, 2 + 5T) long, the round's one read (counts, finished flags, tokens, then the walked path and
-    the subtree's node ids, tokens and parents), the walked nodes' scores / logits (B, T, V) where the call keeps
-    them, and what the drafter's step returns (a head's path_inputs)."""
+    drafted (B, T) float32: each node's draft score (grow_phase's), which the read carries back for the policy.
+    Returns: result (B, 2 + 6T) long, the round's one read (counts, finished flags, tokens, then the walked path, the
+    subtree's node ids, tokens and parents, and the nodes' draft scores as float64 bits), the walked nodes' scores /
+    logits (B, T, V) where the call keeps them, and what the drafter's step returns (a head's path_inputs)."""
     sub = DeviceSubtree(**subtree)
     rows, (target_cache, draft_cache) = slots.rows, slots.caches
     for c in slots.caches:
@@ -105,8 +133,9 @@ def verify_phase(*, models: RoundModels, slots: Slots, facts: RoundFacts, span: 
         commit_cache(target_cache, rows.prefix_lens, walk.path.clamp(min=0), walk.count)  # verified node j at slot j
     out = models.drafter.after_verify(draft_cache, rows, sub, walk, facts)
     # the rows moved on in place (roots, lengths, budgets; a finished row's EOS ids cleared) and the read packed
-    out["result"] = advance_rows(walk.count, walk.finished, walk.tokens, walk.path, sub.node_ids, sub.tokens,
-                                 sub.parents, rows.roots, rows.prefix_lens, rows.budgets, rows.positions, rows.eos)
+    advanced = advance_rows(walk.count, walk.finished, walk.tokens, walk.path, sub.node_ids, sub.tokens, sub.parents,
+                            rows.roots, rows.prefix_lens, rows.budgets, rows.positions, rows.eos)
+    out["result"] = torch.cat([advanced, drafted.double().view(torch.int64)], dim=1)
     for name, values, keep in (("scores", scores, models.keeps[0]), ("logits", logits, models.keeps[1])):
         if keep:
             out[name] = along_path(values, walk.path)

@@ -118,8 +118,6 @@ class SlotPool:
     backend: str | None
     runner: PhaseRunner | None = None
     sets: OrderedDict = field(default_factory=OrderedDict)  # (rows, capacity, layers, eos width) -> Slots
-    prices: dict = field(default_factory=dict)  # per row bucket, the shape menu's prices (policy/shapes.py), kept
-    schedules: dict = field(default_factory=dict)  # per row bucket, the last menu: its re-price schedule goes on
 
     def __post_init__(self):
         if self.runner is None and self.backend is not None:

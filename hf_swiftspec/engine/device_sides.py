@@ -11,8 +11,9 @@ EOS ids, sampling seed and position, the drafter's state), so a round copies no 
 proposals (one pinned, non-blocking copy) and reads the device once.
 
 Per round, for all B rows at once:
-  1. propose: the drafter grows the menu's shape (policy/shapes.py) below every root (depth 0: nothing grown), the
-     suffix proposals join it (drafters/device_suffix.py) and the best T by path score are selected with their mask
+  1. propose: the goodput policy (policy/goodput.py, through policy/sizing.py) sizes the round: the drafter grows
+     levels below every root while one more is expected to pay (none: nothing grown), the suffix proposals join the
+     tree (drafters/device_suffix.py) and the best T by path score are selected with their mask
      (device_round.select_device);
   2. verify: one target forward over them (slot_cache.verify_forward), the target's choices (argmax, or Gumbel-max
      with noise drawn on the device from each row's seed and positions: verify.gumbel_noise), the walk with each row's
@@ -22,8 +23,8 @@ Per round, for all B rows at once:
      the stats;
   3. accept: the suffix index's new tokens (on the host); a row whose walk a host-side criterion (a stop string) cut
      short and that decodes on has its state corrected (rare: one copy);
-  4. observe: the shape menu prices the round's shape from the tokens and the time between reads (a round that
-     captured a graph is not priced).
+  4. observe: the policy learns the round's costs and what each row's tree yielded (a round that captured a graph
+     times nothing), as it does every round's.
 
 Each forward attends the live length (`span`: the rows' longest prefix and the tree, rounded up to a power of two)
 rather than the slot capacity. With SwiftSpecConfig.capture, the two phases (1; 2 up to the read) are each replayed as
@@ -34,16 +35,18 @@ that ignore the path (check_device_round says why a call is refused).
 from __future__ import annotations
 
 import functools
+import struct
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
 from ..drafters.device_drafters import DeviceDrafter, RoundFacts, device_drafter, model_gaps
-from ..drafters.device_suffix import SuffixProposals, draft_free_menu
+from ..drafters.device_suffix import SuffixProposals
 from ..models.architectures import context_limit
-from ..policy.shapes import Hand, Shape, ShapeMenu
+from ..policy.goodput import GoodputPolicy
+from ..policy.sizing import Offer, RoundSizing
 from ..stats import DraftCounters, PhaseClock, SwiftSpecStats, TargetCounters
 from ..steps.capture import capacity_bucket, capture_backend, power_of_two
 from ..steps.acceptance import StopRule, cut_at_criteria, split_criteria
@@ -51,7 +54,7 @@ from ..steps.device_round import DeviceSubtree, to_device
 from ..steps.slot_cache import catch_up, span_bucket
 from ..steps.tree import Proposal, Subtree
 from ..steps.verify import PATH_FREE_PROCESSORS, Verified
-from .device_phases import RoundModels, grow_phase, read_once, subtree_tensors, verify_phase
+from .device_phases import PLAIN, RoundModels, Shape, grow_phase, read_once, subtree_tensors, verify_phase
 from .device_pool import SlotPool, Slots, bucket_for, row_values, set_rows
 from .request import DecodeRequest, DecodeResult, RowResult
 from .rounds import Proposed, run_rounds
@@ -73,7 +76,7 @@ def run_device(target, draft, request: DecodeRequest, config, captures=None) -> 
     pool = device_pool(captures, backend) if drafter.poolable else SlotPool(backend)
     runner = pool.runner
     captured_before, setup_before = (runner.captured, runner.setup_s) if runner is not None else (0, 0.0)
-    sides = DeviceSides(target, drafter, config, pool)
+    sides = DeviceSides(target, drafter, config, pool, request.policy)
     result = run_rounds(sides, request)
     pool.drop_unkept_graphs()
     how = "eager phases" if runner is None else (
@@ -86,6 +89,14 @@ def run_device(target, draft, request: DecodeRequest, config, captures=None) -> 
                               f"target={target.config._attn_implementation}, {drafted}; {how})")
     result.stats.capture_s = runner.setup_s - setup_before if runner is not None else 0.0
     return result
+
+
+SUBTREE_FIELDS = tuple(f.name for f in fields(DeviceSubtree))
+
+
+def unpack_scores(bits: list[int]) -> list[float]:
+    """float64 values the round's read carries as their int64 bits (verify_phase's `result`)."""
+    return list(struct.unpack(f"<{len(bits)}d", struct.pack(f"<{len(bits)}q", *bits)))
 
 
 def device_pool(captures, backend: str | None) -> SlotPool:
@@ -174,38 +185,44 @@ class RowOnHost:
 
 @dataclass
 class DeviceProposed(Proposed):
-    """A device round's hand-off: the shape it ran, the verified subtree (device tensors), the verification phase's
-    outputs, and what the round's one read told the host (the cut the host's stop criteria made)."""
+    """A device round's hand-off: the shape it ran, its sizing (the policy's choices and each row's suffix proposal),
+    the verified subtree (device tensors), the verification phase's outputs, and what the round's one read told the
+    host (the cut the host's stop criteria made)."""
 
     shape: Shape | None = None
-    span: int = 0
+    sizing: RoundSizing | None = None  # None: a plain round that built no proposal (quiet, or round 1 from the prefill)
+    spans: tuple[int, int] = (0, 0)  # the live lengths the growth and the verification attend
     subtree: DeviceSubtree | None = None
+    drafted: torch.Tensor | None = None  # (B, T) float32 each selected node's draft score (-inf: not the draft's)
     after: dict = field(default_factory=dict)  # verify_phase's outputs
     cut: list[int] = field(default_factory=list)  # per live row: tokens the device walked past a host-side stop
-    read_s: float | None = None  # seconds since the previous round's read (None: the first round)
-    captured: bool = False  # the round captured a graph (its time prices no shape)
-    promised: float | None = None  # a draft-free round's tokens beyond one a row expected from its proposal in hand
+    grow_s: float = 0.0  # seconds the growth phase took (its catch-up included)
+    catch_up_s: float = 0.0  # of which the drafter's catch-up, where the growth was timed between levels
+    caught_up: int = 0  # tokens the catch-up ran (the live rows' largest lag)
+    captured: bool = False  # the round captured a graph (its time prices nothing)
+    from_prefill: bool = False  # round 1, whose roots' logits the prefill made (it times no verification)
 
 
 class DeviceSides:
     """The round's phases over a drafter and the target on B cache rows (see the module docstring), for a lone call
-    (`start`) and the running batch (`absorb`) alike."""
+    (`start`) and the running batch (`absorb`) alike. policy: the goodput policy that sizes every round (the pair's,
+    kept across calls, or the running batch's)."""
 
     name = "device"
     roots_known = False  # a prefill leaves each prompt's last token as the root: round 1 verifies it
 
-    def __init__(self, target, drafter: DeviceDrafter, config, pool: SlotPool, changes: Counter | None = None,
-                 guard: bool = False):
+    def __init__(self, target, drafter: DeviceDrafter, config, pool: SlotPool, policy: GoodputPolicy | None = None,
+                 changes: Counter | None = None, guard: bool = False):
         self.target, self.drafter, self.config, self.pool = target, drafter, config, pool
-        self.guard = guard  # the latency guard prices shapes (observe): a running batch of requests
+        self.policy = policy if policy is not None else GoodputPolicy(tree_budget=config.tree_budget,
+                                                                      draft_depth=config.draft_depth)
+        self.guard = guard  # the latency guard caps the trees (a running batch of requests: policy/guard.py)
         self.runner = pool.runner
         self.device = target.device
         self.vocab_limit = target.config.get_text_config().vocab_size
         self.limit = context_limit(*(m for m in (target, drafter.context_model) if m is not None))
         self.host: list[RowOnHost] = []  # per cache row
-        self.menu: ShapeMenu | None = None
-        self.menu = self.menu_for(NO_ROOM, schedule="none")  # until rows come (start, absorb)
-        self.size_trees(2)  # a running batch's trees (a lone call sizes its own: start)
+        self.size_trees()
         self.counters = TargetCounters(), DraftCounters()
         self.clock = PhaseClock.on(self.device)
         self.slots: Slots | None = None
@@ -213,8 +230,7 @@ class DeviceSides:
         self.live = 0
         self.capacity = 0
         self.eos_width = EOS_WIDTH
-        self.last_read: float | None = None
-        self.first: Shape | None = None  # round 1's shape, where start picked it
+        self.first_plain = False  # round 1 is plain: the prefill ran the roots (root_logits)
         self.root_logits: torch.Tensor | None = None  # (B, 1, V) the roots' logits, where the prefill ran the roots
         self.changes = Counter() if changes is None else changes  # moves to other slots: bucket, capacity
 
@@ -225,37 +241,29 @@ class DeviceSides:
     def layers(self) -> tuple[int, int]:
         return self.target.config.get_text_config().num_hidden_layers, self.drafter.layers
 
-    def shapes_for(self, rows: int, room: int) -> ShapeMenu:
-        """The menu of shapes a bucket of `rows` whose rows have `room` positions left may run (not yet priced)."""
-        config = self.config
-        if self.drafter.model is None:
-            return draft_free_menu(config, rows)
-        return ShapeMenu.of(config.draft_depth, config.draft_width, config.tree_budget, room, config.ngram_size > 0,
-                            rows)
+    @property
+    def width(self) -> int:
+        return self.config.draft_width
 
-    def size_trees(self, rows: int) -> None:
-        """The tree region and the suffix proposals for the shapes a bucket of `rows` may run: S suffix nodes a round,
-        enough to fill its largest tree (none with ngram_size 0), then the tree's slots and scratch."""
-        shapes = self.shapes_for(rows, NO_ROOM).shapes
-        self.suffix_nodes = max(s.budget for s in shapes) - 1 if self.config.ngram_size else 0
-        self.tree_slots = max(s.nodes for s in shapes) + self.suffix_nodes + 2
+    def max_levels(self) -> int:
+        """The most levels a round grows: draft_depth where set, else the policy's deepest, within every live row's
+        room (no node placed past the models' context); 0 without a draft model."""
+        if self.drafter.model is None:
+            return 0
+        deepest = self.policy.draft_depth if self.policy.draft_depth is not None else self.policy.max_depth
+        return max(min([deepest] + [h.room for h in self.host[: self.live]]), 0)
+
+    def size_trees(self) -> None:
+        """The tree region and the suffix proposals for the largest round the policy may size: the drafter's deepest
+        growth and S suffix nodes a row (the policy's largest tree less the root; none with ngram_size 0), then the
+        tree region's slots and scratch."""
+        policy = self.policy
+        deepest = 0 if self.drafter.model is None else (
+            policy.draft_depth if policy.draft_depth is not None else policy.max_depth)
+        self.suffix_nodes = policy.max_budget - 1 if self.config.ngram_size else 0
+        self.tree_slots = 1 + deepest * self.width + self.suffix_nodes + 2
         self.suffix = (SuffixProposals(self.config.ngram_size, self.suffix_nodes, self.limit, self.device)
                        if self.suffix_nodes else None)
-
-    def menu_for(self, room: int, schedule: str = "menu") -> ShapeMenu:
-        """The shapes rows with `room` positions left can grow, priced by what this pool measured for the bucket.
-        schedule: whose re-price schedule goes on: "menu" (this call's, as rows join and leave), "pool" (a new call:
-        the last call's of this bucket) or "none" (a menu only looked at, not kept)."""
-        bucket = max(self.bucket, 1)
-        menu = self.shapes_for(bucket, room)
-        menu.prices = self.pool.prices.setdefault(bucket, {})  # the pair's, for this many rows
-        earlier = {"menu": self.menu, "pool": self.pool.schedules.get(bucket), "none": None}[schedule]
-        if earlier is not None:  # the re-price schedule goes on, across calls too: re-prices that did not pay stay rare
-            for name in ("rounds", "retry", "next_retry", "retries", "pending"):
-                setattr(menu, name, getattr(earlier, name))
-        if schedule != "none":
-            self.pool.schedules[bucket] = menu
-        return menu
 
     def room(self, prompt: int, new_tokens: int) -> int:
         """Positions the models place past a row's last token (NO_ROOM: no limit)."""
@@ -268,7 +276,6 @@ class DeviceSides:
         start = time.perf_counter()
         prompts = request.prompt_ids()
         n, L = len(prompts), request.prompt.shape[1]
-        self.size_trees(bucket_for(n))
         self.capacity = capacity_bucket(L + request.max_new_tokens + self.tree_slots)
         stops = split_criteria(request.stopping_criteria)
         self.eos_width = max(EOS_WIDTH, power_of_two(len(stops.eos)))
@@ -287,11 +294,11 @@ class DeviceSides:
         self.live = n
         self.slots = None
         self.move_rows(None, n, bucket_for(n))
-        self.menu = self.menu_for(room, schedule="pool")
-        self.first = self.menu.pick()  # round 1's shape, picked before the prefill: it decides what the prefill runs
-        # A plain first round verifies the roots alone: the target's prefill runs them too and keeps their logits (as
-        # generate's prefill does), so round 1 runs no forward; else round 1 verifies each root with its tree.
-        roots = self.first.budget == 1 and not self.drafter.reads_target
+        # Round 1 is plain where the policy sizes trees (as every round's: its tree would be worth the next round's
+        # minus that round's root token, so deferring it never loses a token): the target's prefill runs the roots
+        # too and keeps their logits (as generate's prefill does), so round 1 runs no forward. A drafter that reads
+        # the target's states at the roots needs round 1 to verify them.
+        roots = self.first_plain = self.policy.tree_budget is None and not self.drafter.reads_target
         width = max(len(p) for p in prompts)
         pad = [[0] * (width - len(ids)) for ids in prompts]
         # each prompt left-aligned (its root a padding column), then, where the prefill runs the roots, right-aligned
@@ -346,7 +353,6 @@ class DeviceSides:
         self.slots.rows.copy_rows(joining.rows, slice(0, 1), 1, at=n)
         self.host[n] = row
         self.live = n + 1
-        self.menu = self.menu_for(min(h.room for h in self.host[: self.live]))
         self.models = self.round_models()
 
     def keep_rows(self, order: list[int]) -> None:
@@ -355,7 +361,6 @@ class DeviceSides:
         self.host = [self.host[b] for b in order] + self.host[len(order):]
         self.move_rows(to_device(order, self.device), len(order), bucket_for(max(len(order), 1)))
         self.live = len(order)
-        self.menu = self.menu_for(min([h.room for h in self.host[: self.live]] or [NO_ROOM]))
         self.models = self.round_models()
 
     def move_rows(self, index: torch.Tensor | None, count: int, bucket: int, like: Slots | None = None) -> None:
@@ -396,47 +401,87 @@ class DeviceSides:
         key = (self.bucket, phase.__name__, tuple(sorted(static.items())), self.models.key(), self.slots.addresses())
         return self.runner.run(key, bound, inputs)
 
-    def catch_up(self, shape: Shape) -> int:
-        """The width of the catch-up a drafter that defers it runs before growing `shape` (0: none): the live rows'
-        largest lag, rounded up to a power of two (a replayed growth is captured per width). The rows have run it
-        by the growth's end."""
-        if not (self.drafter.defers and shape.depth):
+    def lag(self) -> int:
+        """The width of the catch-up a drafter that defers it runs before its first level (0: none): the live rows'
+        largest lag, rounded up to a power of two (a replayed growth is captured per width)."""
+        if not self.drafter.defers:
             return 0
-        live = self.host[: self.live]
-        lag = max((h.prefix - h.drafted for h in live), default=0)
-        for h in live:
-            h.drafted = h.prefix
+        lag = max((h.prefix - h.drafted for h in self.host[: self.live]), default=0)
         return power_of_two(lag) if lag else 0
 
-    def round_span(self) -> int:
-        """The live length this round's forwards attend: every live row's prefix and the largest tree (and scratch),
-        rounded up to a power of two where the phases replay (a graph per span), exactly where they run eagerly."""
-        need = max((h.prefix for h in self.host[: self.live]), default=0) + self.tree_slots
-        return min(span_bucket(need) if self.runner is not None else need, self.capacity)
+    def spans(self, levels: int, budget: int | None) -> tuple[int, int]:
+        """The live lengths the growth and the verification attend: every live row's prefix and the nodes written
+        (growth: the drafter's deepest tree; verification: the T nodes, or the largest where T is decided later),
+        and the scratch slot; rounded up to a power of two where the phases replay (a graph per span), exact where
+        they run eagerly."""
+        longest = max((h.prefix for h in self.host[: self.live]), default=0)
+        if self.runner is not None:
+            span = min(span_bucket(longest + self.tree_slots), self.capacity)
+            return span, span
+        grown = 1 + levels * self.width
+        verified = budget if budget is not None else min(grown + self.suffix_nodes, self.policy.max_budget)
+        return min(longest + grown + 1, self.capacity), min(longest + verified + 1, self.capacity)
+
+    def offers(self, rows) -> list[Offer | None]:
+        """Each live row's suffix proposal this round (None where the policy skips it this round: wants_suffix, or
+        where there are no suffix proposals), its nodes priced by the policy's calibration."""
+        if self.suffix is None:
+            return [None] * self.live
+        wanted = self.policy.wants_suffix(list(rows.live))
+        return [Offer.of(self.suffix.propose(h.suffix), self.policy) if want and h.suffix is not None else None
+                for h, want in zip(self.host[: self.live], wanted)]
 
     def propose(self, rows) -> DeviceProposed:
-        """1. the drafter grows the menu's shape below every root, the suffix proposals join it; the best T nodes are
-        selected, on the device."""
-        shape, self.first, inputs, hand = self.first, None, {}, None
-        if self.suffix is not None:  # the proposal in hand prices the draft-free shapes (policy/shapes.py)
-            trees = self.suffix.build([h.suffix for h in self.host])
-            hand = Hand([sorted(probs, reverse=True) for *_, probs in trees[: self.live]], guard=self.guard)
-        shape = shape or self.menu.pick(hand)
-        if self.suffix is not None and shape.budget > 1:  # (a plain round verifies the roots alone)
-            inputs["suffix"] = self.suffix.pack(trees)  # the round's one host-to-device copy
-        promised = hand.promise(shape.budget) if hand is not None and not shape.depth else None
-        proposed = DeviceProposed([], rows=list(rows.live), shape=shape, span=self.round_span(), promised=promised)
-        lag = self.catch_up(proposed.shape)
+        """1. the policy sizes the round (policy/sizing.py); the drafter grows below every root, the suffix proposals
+        join the tree and the best T nodes are selected, on the device."""
+        policy = self.policy
+        plan = policy.plan_round(self.live, list(rows.live), guard=self.guard)
+        proposed = DeviceProposed([], rows=list(rows.live))
+        if self.first_plain or plan.quiet:  # round 1 (its roots' logits came with the prefill), or a quiet batch
+            proposed.from_prefill, self.first_plain = self.first_plain, False
+            return self.grow(proposed, PLAIN, {})
+        sizing = RoundSizing(policy, self.offers(rows), self.width, self.lag(), between_levels=self.runner is None)
+        inputs = {}
+        if any(o is not None and len(o.tree) for o in sizing.offers):
+            pad = [None] * (self.bucket - self.live)
+            inputs["suffix"] = self.suffix.pack(sizing.offers + pad)  # the round's one host-to-device copy
+        levels = self.max_levels()
+        if levels and sizing.between_levels:
+            levels = levels if sizing.wants_growth() else 0
+        elif levels:
+            levels = sizing.levels_ahead(levels)
+        fixed = policy.tree_budget is not None and (policy.draft_depth is not None or not levels)
+        budget = policy.tree_budget if fixed else (None if levels and sizing.reads_levels() else sizing.budget())
+        proposed.sizing = sizing
+        proposed.caught_up = sizing.lag if levels else 0
+        return self.grow(proposed, Shape(levels, self.width if levels else 0, budget), inputs)
+
+    def grow(self, proposed: DeviceProposed, shape: Shape, inputs: dict) -> DeviceProposed:
+        """The growth phase of `shape` (a budget of None: sized between levels), then the shape it ran."""
+        sizing = proposed.sizing
+        lag = proposed.caught_up
+        if lag:  # the catch-up runs first: by the growth's end every live row's drafter has run its committed tokens
+            for h in self.host[: self.live]:
+                h.drafted = h.prefix
+        proposed.spans = self.spans(shape.depth, shape.budget)
         captured = self.runner.captured if self.runner is not None else 0
+        start = time.perf_counter()
+        reading = sizing if sizing is not None and shape.depth and sizing.reads_levels() and sizing.between_levels \
+            else None
         with self.clock.phase("expand"):
-            proposed.subtree = DeviceSubtree(**self.run(grow_phase, dict(shape=proposed.shape, span=proposed.span,
-                                                                         lag=lag), inputs))
+            out = self.run(grow_phase, dict(shape=shape, span=proposed.spans[0], lag=lag, sizing=reading), inputs)
+        proposed.grow_s = time.perf_counter() - start
+        proposed.drafted = out["drafted"]
+        proposed.subtree = DeviceSubtree(**{name: out[name] for name in SUBTREE_FIELDS})
         proposed.captured = self.runner is not None and self.runner.captured > captured
-        depth = proposed.shape.depth
-        proposed.expansions = depth
+        levels = reading.levels if reading is not None else shape.depth
+        if reading is not None and reading.caught_up_at is not None:
+            proposed.catch_up_s = reading.caught_up_at - start
+        proposed.shape = Shape(levels, shape.width if levels else 0, proposed.subtree.tokens.shape[1])
+        proposed.expansions = levels
         draft = self.counters[1]
-        draft.forwards += depth + (lag > 0)
-        draft.expansions += depth
+        draft.forwards += levels + (lag > 0)
+        draft.expansions += levels
         draft.rounds += 1
         draft.busy_s += time.perf_counter() - proposed.started
         return proposed
@@ -451,27 +496,24 @@ class DeviceSides:
         lag = self.drafter.catch_up_width(T, shape.depth, S)
         facts = RoundFacts(shape.depth, shape.nodes, lag, max(shape.depth, S))
         known, self.root_logits = self.root_logits, None  # round 1's roots, where the prefill ran them: no forward
+        inputs = dict(subtree_tensors(sub), drafted=proposed.drafted)
         with self.clock.phase("verify"), self.drafter.tapped():
             if known is None:
-                proposed.after = after = self.run(verify_phase, dict(facts=facts, span=proposed.span),
-                                                  subtree_tensors(sub))
+                proposed.after = after = self.run(verify_phase, dict(facts=facts, span=proposed.spans[1]), inputs)
             else:  # once a call: eagerly (a graph of its own would be one more capture per span)
                 proposed.after = after = verify_phase(models=self.models, slots=self.slots, facts=facts,
-                                                      span=proposed.span, known=known, **subtree_tensors(sub))
+                                                      span=proposed.spans[1], known=known, **inputs)
         proposed.captured = proposed.captured or (self.runner is not None and self.runner.captured > captured)
         with self.clock.phase("walk"):
             read = read_once(after["result"])
-            now = time.perf_counter()
-            proposed.read_s, self.last_read = (None if self.last_read is None else now - self.last_read), now
             kept = [after[name].clone() if name in after else None for name in ("scores", "logits")]  # replays overwrite
             criteria = rows.criteria()
             verified = []
             for b in range(self.live):
                 count, finished, *rest = read[b]
                 tokens, path = rest[:count], rest[T : T + count]
-                subtree = Subtree(rest[2 * T : 3 * T], rest[3 * T : 4 * T], rest[4 * T :])
-                suffix = [0 if i >= shape.nodes else -1 for i in subtree.node_ids]  # the suffix's own nodes
-                proposed.proposals.append(Proposal(subtree, probs=[], scores=[], suffix=suffix))
+                subtree = Subtree(rest[2 * T : 3 * T], rest[3 * T : 4 * T], rest[4 * T : 5 * T])
+                proposed.proposals.append(self.proposal(proposed, b, subtree, unpack_scores(rest[5 * T :])))
                 outcome = Verified(tokens, path, finished=bool(finished))
                 outcome.scores = [kept[0][b, j : j + 1] for j in range(count)] if kept[0] is not None else []
                 outcome.logits = [kept[1][b, j : j + 1] for j in range(count)] if kept[1] is not None else []
@@ -490,6 +532,13 @@ class DeviceSides:
         self.counters[1].forwards += int(lag > 0)  # the catch-up
         self.counters[0].busy_s += time.perf_counter() - start
         return verified
+
+    def proposal(self, proposed: DeviceProposed, b: int, subtree: Subtree, drafted: list[float]) -> Proposal:
+        """Row b's verified subtree as the policy judges it (RoundSizing.proposal), or its root alone."""
+        if proposed.sizing is None:
+            return Proposal(subtree, [1.0], [0.0], [-1])
+        return proposed.sizing.proposal(b, subtree.node_ids, subtree.tokens, subtree.parents, drafted,
+                                        proposed.shape.nodes)
 
     def accept(self, proposed: DeviceProposed, verified: list[Verified], keep: list[int]) -> None:
         """3. the suffix indices take the new tokens; rows that a host-side stop cut and that decode on are corrected
@@ -521,15 +570,18 @@ class DeviceSides:
         self.drafter.cut(rows, after, kept, cut)
 
     def observe(self, proposed: DeviceProposed, verified: list[Verified], round_s: float, first: bool) -> None:
-        """4. the shape menu prices the round's shape (tokens over the time between two reads), unless the round
-        captured a graph (its time is the capture's, not the shape's). Under the latency guard (a running batch of
-        requests) by its slowest row's tokens, as many times as rows: a shape wins only where every row gains from it,
-        so no request decodes slower than a plain batch would decode it (policy/guard.py's rule for the host round)."""
-        if proposed.captured or not verified:
+        """4. the policy: the round's costs (a round whose roots came with the prefill, or that captured a graph, times
+        nothing: its time is the prefill's or the capture's) and what each row's tree yielded."""
+        if not verified:
             return
-        tokens = [len(v.tokens) for v in verified]
-        made = len(tokens) * min(tokens) if self.guard else sum(tokens)
-        self.menu.observe(proposed.shape, made, proposed.read_s, proposed.promised, made - len(tokens))
+        untimed = proposed.captured or proposed.from_prefill
+        draft_s = proposed.grow_s - proposed.catch_up_s
+        with self.clock.phase("policy"):
+            self.policy.observe_round(
+                proposed.expansions, draft_s, proposed.shape.budget,
+                None if untimed else round_s - proposed.grow_s, tokens=sum(len(v.tokens) for v in verified),
+                catch_up_s=proposed.catch_up_s, catch_up_tokens=proposed.caught_up if proposed.catch_up_s else 0)
+            self.policy.observe_outcomes(list(zip(proposed.rows, proposed.proposals, verified)))
 
     def stats(self, new_tokens: int, wall_s: float) -> SwiftSpecStats:
         return SwiftSpecStats.collect(self.name, new_tokens, wall_s, *self.counters, clock=self.clock)
