@@ -34,10 +34,11 @@ def gpt2_pair():
 
 
 SETTINGS = [dict(), dict(tree_budget=16), dict(tree_budget=8, draft_depth=4),
-            dict(placement={"target": ["cpu"], "draft": ["cpu"]})]
+            dict(placement={"target": ["cpu"], "draft": ["cpu"]}), dict(round="device"),
+            dict(round="device", tree_budget=8, draft_depth=4)]
 
 
-@pytest.mark.parametrize("settings", SETTINGS, ids=["default", "budget16", "fixed", "threads"])
+@pytest.mark.parametrize("settings", SETTINGS, ids=["default", "budget16", "fixed", "threads", "device", "device-fixed"])
 @pytest.mark.parametrize("prompt_len", [4, 40])
 @pytest.mark.parametrize("below_limit", [0, 1, 8])
 def test_greedy_up_to_the_last_position_equals_target(gpt2_pair, settings, prompt_len, below_limit):

@@ -154,12 +154,10 @@ def refused(pair, ids, **kwargs) -> str:
 
 
 def test_calls_it_cannot_decode_exactly_are_refused_with_the_reason():
-    """Draft-free pairs with nothing to propose (ngram_size=0), sliding windows, path-dependent processors: a ValueError
-    naming the cause and the fix, never the host round or the target's loop instead."""
+    """Sliding windows, path-dependent processors: a ValueError naming the cause and the fix, never the host round or
+    the target's loop instead."""
     target = tiny_model("llama", seed=0)
     ids = torch.tensor([[5, 17, 33, 8]])
-    message = refused(SwiftSpecForCausalLM.from_models(target, None, **DEVICE), ids)
-    assert "draft-free" in message and "ngram_size > 0" in message
     pair = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), **DEVICE)
     penalty = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3)])
     assert "RepetitionPenaltyLogitsProcessor" in refused(pair, ids, logits_processor=penalty)
@@ -168,11 +166,25 @@ def test_calls_it_cannot_decode_exactly_are_refused_with_the_reason():
     assert "sliding-window" in message and "round='host'" in message
     with pytest.raises(ValueError, match="round='gpu'"):
         SwiftSpecConfig(round="gpu")
+
+
+def test_calls_past_the_context_and_with_nothing_to_propose_decode_as_target_generate():
+    """A call whose prompt and max_new_tokens reach past the models' context decodes as target.generate does (no node
+    placed past it: its last rounds plain; a rotary target decodes on past its max_position_embeddings, as its own
+    generate does), and draft-free mode with ngram_size=0 (nothing to propose) decodes plainly, one forward a token."""
+    target = tiny_model("llama", seed=0)
+    target.generation_config.eos_token_id = None
+    pair = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), **DEVICE)
     limit = target.config.max_position_embeddings
-    long = torch.randint(1, 90, (1, limit - 10))
-    with pytest.raises(ValueError, match=f"{limit + 20} positions, past the models' context of {limit}; ask for at "
-                                         "most 10 new tokens"):
-        pair.generate(long, max_new_tokens=30, do_sample=False)
+    long = torch.randint(1, 90, (1, limit - 10), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(max_new_tokens=30, do_sample=False)
+    assert pair.generate(long, **kwargs).tolist() == target.generate(long, **kwargs).tolist()
+    assert pair.swiftspec_stats.engine == "device"
+    plain = SwiftSpecForCausalLM.from_models(target, None, **DEVICE)
+    ids = torch.tensor([[5, 17, 33, 8]])
+    assert plain.generate(ids, **kwargs).tolist() == target.generate(ids, **kwargs).tolist()
+    stats = plain.swiftspec_stats
+    assert stats.engine == "device" and all(r.budget == 1 for r in stats.rounds) and stats.target_forwards == 30
 
 
 def test_every_documented_refusal_names_its_reason():

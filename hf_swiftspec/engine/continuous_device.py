@@ -50,7 +50,7 @@ class Prefill:
         sampler = request.samplers[0]
         suffix = sides.suffix.index_for(request, self.sequence) if sides.suffix is not None else None
         self.row = RowOnHost(sampler, list(self.sequence), committed, (request.keeps_scores, request.keeps_logits),
-                             sides.room(len(self.sequence), request.max_new_tokens), suffix, committed)
+                             suffix, committed)
         width = max(committed, 1)
         target_layers, draft_layers = sides.layers()
         self.slots = Slots((SlotCache(target_layers, width + 1), SlotCache(draft_layers, width + 1) if draft_layers

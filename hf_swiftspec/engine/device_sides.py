@@ -113,9 +113,6 @@ def device_round_gaps(config, target, draft, architectures, logits_processor, pl
     """Why round="device" cannot decode this call exactly (empty: it can). reasons: the call's batch and slot-limit
     reasons (generation.py's), which the device round would otherwise have to escape by the target's own loop."""
     gaps = list(reasons)
-    if draft is None and not config.ngram_size:
-        gaps.append("draft-free mode (no draft model) proposes suffix nodes alone, and ngram_size=0 turns them off; "
-                    "set ngram_size > 0 or give a draft model")
     gaps += model_gaps("target", target, architectures[0], MASKS_4D)
     drafter = device_drafter(draft, target)
     gaps += drafter.gaps(architectures[1], MASKS_4D)
@@ -170,15 +167,13 @@ def check_device_round(*args, **kwargs) -> None:
 class RowOnHost:
     """What the host keeps of a cache row between rounds (None for a dead row's sampler): its sampler (processors and
     stop rules), its sequence as generate() sees it (stop strings read it), its committed slots (the host's mirror of
-    the device's prefix_lens, which sizes each round's span), whether its call keeps scores / logits, and the
-    positions the models place past its last token (the deepest shape it may grow), and its suffix index (None: no
-    suffix proposals, or a dead row)."""
+    the device's prefix_lens, which sizes each round's span, and its root's position), whether its call keeps scores /
+    logits, and its suffix index (None: no suffix proposals, or a dead row)."""
 
     sampler: object = None
     sequence: list[int] = field(default_factory=list)
     prefix: int = 0
     keeps: tuple[bool, bool] = (False, False)
-    room: int = NO_ROOM
     suffix: object = None
     drafted: int = 0  # of its committed slots, those the drafter has run (a drafter that defers its catch-up)
 
@@ -247,11 +242,12 @@ class DeviceSides:
 
     def max_levels(self) -> int:
         """The most levels a round grows: draft_depth where set, else the policy's deepest, within every live row's
-        room (no node placed past the models' context); 0 without a draft model."""
+        room (no node placed past the models' context: a call reaching it decodes its last tokens plainly, as
+        target.generate does); 0 without a draft model."""
         if self.drafter.model is None:
             return 0
         deepest = self.policy.draft_depth if self.policy.draft_depth is not None else self.policy.max_depth
-        return max(min([deepest] + [h.room for h in self.host[: self.live]]), 0)
+        return max(min([deepest] + [self.room(h) for h in self.host[: self.live]]), 0)
 
     def size_trees(self) -> None:
         """The tree region and the suffix proposals for the largest round the policy may size: the drafter's deepest
@@ -265,9 +261,9 @@ class DeviceSides:
         self.suffix = (SuffixProposals(self.config.ngram_size, self.suffix_nodes, self.limit, self.device)
                        if self.suffix_nodes else None)
 
-    def room(self, prompt: int, new_tokens: int) -> int:
-        """Positions the models place past a row's last token (NO_ROOM: no limit)."""
-        return self.limit - prompt - new_tokens if self.limit else NO_ROOM
+    def room(self, row: RowOnHost) -> int:
+        """Positions the models place below a row's root now (its root sits at position `prefix`; NO_ROOM: no limit)."""
+        return self.limit - 1 - row.prefix if self.limit else NO_ROOM
 
     # ---- rows in and out (between rounds)
     def start(self, request: DecodeRequest) -> None:
@@ -281,14 +277,7 @@ class DeviceSides:
         self.eos_width = max(EOS_WIDTH, power_of_two(len(stops.eos)))
         sequences = [c[0].tolist() for c in request.contexts] if request.contexts else request.prompt.tolist()
         keeps = request.keeps_scores, request.keeps_logits
-        room = self.room(L, request.max_new_tokens)
-        if room < 0:
-            raise ValueError(
-                f"round='device': the prompt ({L} tokens, padding included) plus max_new_tokens "
-                f"({request.max_new_tokens}) come to {L + request.max_new_tokens} positions, past the models' context "
-                f"of {self.limit}; ask for at most {max(self.limit - L, 0)} new tokens, cut the prompt, or use "
-                "round='host'")
-        self.host = [RowOnHost(sampler, sequence, len(ids) - 1, keeps, room,
+        self.host = [RowOnHost(sampler, sequence, len(ids) - 1, keeps,
                                self.suffix.index_for(request, ids) if self.suffix is not None else None, len(ids) - 1)
                      for sampler, sequence, ids in zip(request.samplers, sequences, prompts)]
         self.live = n
@@ -450,8 +439,10 @@ class DeviceSides:
             levels = levels if sizing.wants_growth() else 0
         elif levels:
             levels = sizing.levels_ahead(levels)
-        fixed = policy.tree_budget is not None and (policy.draft_depth is not None or not levels)
-        budget = policy.tree_budget if fixed else (None if levels and sizing.reads_levels() else sizing.budget())
+        if levels and policy.fixed:  # both settings given: every tree has tree_budget nodes (the host round's rule)
+            budget = policy.tree_budget
+        else:  # the policy's T (at most tree_budget where given), after the levels where it reads them
+            budget = None if levels and sizing.reads_levels() else sizing.budget()
         proposed.sizing = sizing
         proposed.caught_up = sizing.lag if levels else 0
         return self.grow(proposed, Shape(levels, self.width if levels else 0, budget), inputs)

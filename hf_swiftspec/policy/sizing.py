@@ -111,7 +111,7 @@ class RoundSizing:
 
     def reads_levels(self) -> bool:
         """Whether the host must see each level to decide (between levels, and neither setting fixed by the user)."""
-        return self.between_levels and not (self.policy.draft_depth is not None and self.policy.tree_budget is not None)
+        return self.between_levels and not self.policy.fixed
 
     def after_level(self, tree: DeviceTree, level: int) -> bool:
         """The growth's hook (device_growth.grow): level 0 marks the catch-up's end; after level l, that level's nodes
