@@ -192,12 +192,15 @@ def test_stop_strings_and_sampled_rows_among_greedy_ones(target):
 
 
 def test_what_the_device_batch_cannot_decode_is_refused_by_name(target):
-    """A pair the device batch cannot decode exactly is refused when its engine is made (draft-free with the suffix
-    proposals off: nothing to propose, the fix named), and a request whose processors read the path is refused alone,
-    the engine serving on."""
-    free = SwiftSpecForCausalLM.from_models(target, None, round="device", ngram_size=0)
-    with pytest.raises(ValueError, match="draft-free.*ngram_size"):
-        free.continuous_engine()
+    """A pair the device batch cannot decode exactly is refused when its engine is made (a recurrent target, whose
+    state rolls back for one sequence at a time), and a request whose processors read the path is refused alone, the
+    engine serving on."""
+    from hf_swiftspec.tools import sweep
+
+    recurrent = SwiftSpecForCausalLM.from_models(sweep.tiny_of_type("mamba2", seed=0, vocab_size=98), None,
+                                                 round="device")
+    with pytest.raises(ValueError, match="recurrent state rolls back per sequence"):
+        recurrent.continuous_engine()
     pair = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), **DEVICE)
     engine = pair.continuous_engine()
     ids = torch.tensor([PROMPTS[0]])
@@ -236,10 +239,12 @@ def test_serve_round_device_flag_and_one_request_through_it(monkeypatch):
     assert main(["serve", "swiftspec-demo-pystdlib", "--continuous-batching", "--round", "device", "--ngram-size", "0"]) == 0
     assert options[0].continuous_batching and options[0].settings == {"round": "device", "ngram_size": 0}
 
-    model = tiny_model("llama", seed=0)
-    served = serve_module.ServedPair.from_models(model, None, round="device", ngram_size=0)  # nothing proposes
+    from hf_swiftspec.tools import sweep
+
+    recurrent = sweep.tiny_of_type("mamba2", seed=0, vocab_size=98)  # its state rolls back for one sequence at a time
+    served = serve_module.ServedPair.from_models(recurrent, None, round="device")
     served.served, served.sequential = serve_module.Served(), False
-    with pytest.raises(ValueError, match="--round device with --continuous-batching: .*draft-free"):
+    with pytest.raises(ValueError, match="--round device with --continuous-batching: .*recurrent"):
         served.init_continuous_batching()
 
     folder = bundled_pair("swiftspec-demo-pystdlib")
