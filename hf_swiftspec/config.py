@@ -60,8 +60,8 @@ class SwiftSpecConfig(PreTrainedConfig):
             (engine/device_sides.py: the drafter grows levels a round as the goodput policy sizes them, the host
             reads the device once a round where the phases replay and copies one pinned buffer in, the
             suffix proposals (ngram_size > 0) merged into its tree, or alone in draft-free mode; only where that is
-            exact: full-attention models, path-free processors; elsewhere generate() raises a ValueError saying
-            why).
+            exact: attention by position (full, sliding-window or chunked layers), path-free processors;
+            elsewhere generate() raises a ValueError saying why).
     """
 
     model_type = "swiftspec"
@@ -149,7 +149,7 @@ class SwiftSpecConfig(PreTrainedConfig):
         if self.round not in ROUNDS:
             raise ValueError(
                 f"SwiftSpecConfig.round={self.round!r}; use 'auto' (the default: the device round on CUDA where it "
-                "applies), 'host' (every pair and call) or 'device' (one host read a round, full-attention pairs)."
+                "applies), 'host' (every pair and call) or 'device' (one host read a round, pairs attending by position)."
             )
         if not isinstance(self.compile, bool):
             raise ValueError(f"SwiftSpecConfig.compile must be True or False, got {self.compile!r}.")

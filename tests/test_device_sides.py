@@ -154,16 +154,19 @@ def refused(pair, ids, **kwargs) -> str:
 
 
 def test_calls_it_cannot_decode_exactly_are_refused_with_the_reason():
-    """Sliding windows, path-dependent processors: a ValueError naming the cause and the fix, never the host round or
-    the target's loop instead."""
+    """Rules by cache slot (a NoPE temperature stepped by slot; sliding windows are a term of its masks:
+    test_device_windows.py), path-dependent processors: a ValueError naming the cause and the fix, never the host round
+    or the target's loop instead."""
     target = tiny_model("llama", seed=0)
     ids = torch.tensor([[5, 17, 33, 8]])
     pair = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), **DEVICE)
     penalty = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3)])
     assert "RepetitionPenaltyLogitsProcessor" in refused(pair, ids, logits_processor=penalty)
-    windowed = tiny_model("mistral", seed=0, sliding_window=4)
-    message = refused(SwiftSpecForCausalLM.from_models(windowed, truncated_draft(windowed, 2), **DEVICE), ids)
-    assert "sliding-window" in message and "round='host'" in message
+    from hf_swiftspec.tools import sweep
+
+    limited = sweep.tiny_of_type("llama4_text", seed=0, vocab_size=98, floor_scale=4)  # its NoPE layers' temperature
+    message = refused(SwiftSpecForCausalLM.from_models(limited, None, round="device", ngram_size=3), ids)
+    assert "slot-limited" in message and "every 4 cache slots" in message and "round='host'" in message
     with pytest.raises(ValueError, match="round='gpu'"):
         SwiftSpecConfig(round="gpu")
 

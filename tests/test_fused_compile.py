@@ -74,6 +74,7 @@ def recorded_launches(monkeypatch) -> dict[str, list]:
     kernels.test_the_walk_kernel_equals_its_reference((5, 8, 1))
     for rows in (False, True):
         kernels.test_the_mask_kernel_equals_its_reference_and_tree_visible(rows, torch.bfloat16)
+        kernels.test_the_windowed_mask_kernel_equals_its_reference_and_the_rule(kernels.LayerMask("sliding", 3), rows)
     kernels.test_the_advance_kernel_equals_its_reference()
     kernels.test_the_commit_kernel_equals_its_reference_and_commit_plan("kv")
     kernels.test_the_record_kernel_equals_its_reference(3)

@@ -17,6 +17,7 @@ from swiftspec_kernels.commit_slots import commit_slots, commit_slots_reference,
 from swiftspec_kernels.advance_rows import advance_rows, advance_rows_reference, advance_rows_triton  # noqa: E402
 from swiftspec_kernels.tree_mask import tree_mask, tree_mask_reference, tree_mask_triton  # noqa: E402
 
+from hf_swiftspec.models.architectures import LayerMask  # noqa: E402
 from hf_swiftspec.tools.counters import OperatorCounter  # noqa: E402
 
 
@@ -132,6 +133,45 @@ def test_the_mask_kernel_equals_its_reference_and_tree_visible(rows, dtype):
     assert torch.equal(tree_mask_triton(*t, span, dtype).cpu(), want)
     with OperatorCounter() as ops:
         tree_mask(*t, span, dtype)
+    assert ops.operators == {"swiftspec.tree_mask.default": 1}
+
+
+@needs_triton
+@pytest.mark.parametrize("rule", [LayerMask("sliding", 3), LayerMask("chunked", 4)], ids=["sliding", "chunked"])
+@pytest.mark.parametrize("rows", [False, True])
+def test_the_windowed_mask_kernel_equals_its_reference_and_the_rule(rule, rows):
+    """With a window term (each query's first visible position, LayerMask.first_visible of its position), kernel and
+    reference equal tree_visible's mask cut by LayerMask.visible over every slot's position (committed slot j: j; tree
+    node i: prefix_len + its depth), on random trees behind prefixes shorter and longer than the window; also with one
+    first position a row, (B, 1), as a growth level's frontier (one depth) passes it."""
+    from hf_swiftspec.steps.slot_cache import additive_mask, tree_visible
+
+    g = torch.Generator().manual_seed(1)
+    B, N, span = 3, 9, 48
+    parents = [[-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, N)] for _ in range(B)]
+    ancestors = torch.eye(N, dtype=torch.bool).repeat(B, 1, 1)
+    depths = torch.zeros(B, N, dtype=torch.long)
+    for b in range(B):
+        for i in range(1, N):
+            ancestors[b, i] |= ancestors[b, parents[b][i]]
+            depths[b, i] = depths[b, parents[b][i]] + 1
+    prefix_lens = torch.tensor([0, 5, span - N - 1])
+    index = torch.randint(0, N, (B, 4), generator=g) if rows else None
+    seen = ancestors if index is None else ancestors.gather(1, index[:, :, None].expand(B, 4, N))
+    q_depths = depths if index is None else depths.gather(1, index)
+    positions = prefix_lens[:, None] + q_depths  # (B, Q)
+    c = torch.arange(span)
+    node = (c[None] - prefix_lens[:, None]).clamp(0, N - 1)
+    kv_positions = torch.where(c[None] < prefix_lens[:, None], c[None], prefix_lens[:, None] + depths.gather(1, node))
+    for first, q in ((rule.first_visible(positions), positions), (rule.first_visible(positions[:, :1]), positions[:, :1])):
+        want = additive_mask(tree_visible(span, prefix_lens, seen) & rule.visible(q, kv_positions), torch.float32)
+        t = [x.to(DEVICE) if x is not None else None for x in (prefix_lens, ancestors, index)]
+        window = first.to(DEVICE), depths.to(DEVICE)
+        assert torch.equal(tree_mask_reference(*t, span, torch.float32, *window).cpu(), want)
+        assert torch.equal(tree_mask_triton(*t, span, torch.float32, *window).cpu(), want)
+    assert not torch.equal(want, additive_mask(tree_visible(span, prefix_lens, seen), torch.float32))  # a cut made
+    with OperatorCounter() as ops:
+        tree_mask(*t, span, torch.float32, *window)
     assert ops.operators == {"swiftspec.tree_mask.default": 1}
 
 

@@ -29,6 +29,7 @@ from typing import Protocol
 import torch
 from swiftspec_kernels.record_walk import record_walk
 
+from ..models.architectures import describe_model
 from ..steps.acceptance import Walk
 from ..steps.device_round import DeviceSubtree, DeviceTree
 from ..steps.slot_cache import SlotCache, catch_up, commit_cache
@@ -53,6 +54,7 @@ class DeviceDrafter(Protocol):
     """What the device round's sides ask of a drafter (module docstring)."""
 
     model: object  # what its forwards run (a draft model or head); None: draft-free
+    architecture: object  # its slot cache's window rules (models/architectures.Architecture); None: full attention
     context_model: object  # a model whose positions limit the call's (a draft model; a head's rope places any)
     layers: int  # its slot cache's layers (0: it keeps none)
     poolable: bool  # its phases may replay across generate() calls (nothing of one call's baked in)
@@ -93,15 +95,17 @@ def device_drafter(draft, target) -> DeviceDrafter:
         from .device_heads import DeviceHead
 
         return DeviceHead.of(draft, target)
-    return DraftModelOnDevice(draft)
+    return DraftModelOnDevice(draft, describe_model(draft, "draft"))
 
 
 def model_gaps(role: str, model, architecture, masks: tuple[str, ...]) -> list[str]:
-    """Why the device round's slot caches cannot run a model exactly (empty: they can)."""
+    """Why the device round's slot caches cannot run a model exactly (empty: they can). Windowed layers they can: a
+    window is a term of their masks (steps/slot_cache.py)."""
     gaps = []
-    if architecture.windowed or architecture.slot_limits:
-        gaps.append(f"the {role} ({architecture.model_type}) has sliding-window or slot-limited layers; its slot cache "
-                    "attends every committed position")
+    if architecture.slot_limits:
+        gaps.append(f"the {role} ({architecture.model_type}) has slot-limited layers (it "
+                    f"{architecture.slot_limits[0].reason}), and the device round's tree nodes sit at slots past "
+                    "their positions")
     if architecture.recurrent or architecture.shape == "chain":
         gaps.append(f"the {role} ({architecture.model_type}) needs chains or recurrent rollback "
                     f"({architecture.chain_reason})")
@@ -115,6 +119,7 @@ class RootOnly:
     """Draft-free mode: no model, no cache, nothing grown (every shape is depth 0: the root and the suffix nodes)."""
 
     model = None
+    architecture = None
     context_model = None
     layers = 0
     poolable = True
@@ -157,9 +162,10 @@ class DraftModelOnDevice:
     plain round runs the target alone.
 
     state: draft_lens (B,) long its committed slots (<= the target's prefix_lens); history (B, C) long every committed
-    token by slot (what the catch-up reads)."""
+    token by slot (what the catch-up reads). architecture: the draft's (its slot cache's window rules)."""
 
     model: object
+    architecture: object
     poolable = True
     defers = True
     reads_target = False

@@ -12,7 +12,8 @@ Today's drafter (engine/workers.py) grows best-first from the host instead: it p
 three boolean-mask selections a round. engine/device_sides.py (round="device") grows with this.
 
 The KV lives in a `SlotCache` (steps/slot_cache.py): per row, the committed prefix, then node i of the
-round's tree at slot prefix_len + i. Models with full attention only (slot_cache.py says why).
+round's tree at slot prefix_len + i; a windowed draft's frontier sees what its layers' windows show it
+(slot_cache.tree_masks).
 """
 
 from __future__ import annotations
@@ -23,10 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from swiftspec_kernels.tree_level import tree_level
-from swiftspec_kernels.tree_mask import tree_mask
 
 from ..steps.device_round import HASH_MULTIPLIER, DeviceTree
-from ..steps.slot_cache import SlotCache, slot_forward
+from ..steps.slot_cache import SlotCache, slot_forward, tree_masks
 
 
 @dataclass
@@ -63,9 +63,9 @@ def grow(model, cache: SlotCache, prefix_lens: torch.Tensor, roots: torch.Tensor
     frontier = torch.zeros(B, 1, dtype=torch.long, device=roots.device)  # node ids (B, F), the root first
     ids = slice(0, 1)  # the frontier's ids are a fixed range (the root, then the last level's): its fields are views
     for level in range(1, depth + 1):
-        seen = tree_mask(prefix_lens, tree.ancestors[:, ids], None, cache.span, model.dtype)  # the frontier's, additive
-        logits = slot_forward(model, cache, tree.tokens[:, ids], prefix_lens[:, None] + (level - 1),
-                              node_slots[:, ids], seen)
+        positions = prefix_lens[:, None] + (level - 1)  # (B, 1): the frontier sits at depth level - 1
+        seen = tree_masks(cache, prefix_lens, tree.ancestors[:, ids], positions, tree.depths, model.dtype)
+        logits = slot_forward(model, cache, tree.tokens[:, ids], positions, node_slots[:, ids], seen)
         logprobs = torch.log_softmax(logits[..., :vocab_limit], dim=-1)  # (B, F, V')
         frontier, _ = add_level(tree, frontier, tree.scores[:, ids, None] + logprobs, level, width)
         ids = slice(1 + (level - 1) * width, 1 + level * width)

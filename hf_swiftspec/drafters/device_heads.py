@@ -144,6 +144,7 @@ class DeviceHead:
     head: DraftHead
     tap: object  # eagle3.FeatureTap or mtp.FinalStateTap
     layers = 1
+    architecture = None  # its own full-attention layer, whatever the target's windows (mtp.py refuses others)
     poolable = False  # its phases read the target's states through this call's tap
     context_model = None  # its rope places any position: the target's limit alone
     defers = False  # its catch-up reads the verification's target states: it runs inside the verification

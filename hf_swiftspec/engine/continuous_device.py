@@ -52,9 +52,10 @@ class Prefill:
         self.row = RowOnHost(sampler, list(self.sequence), committed, (request.keeps_scores, request.keeps_logits),
                              suffix, committed)
         width = max(committed, 1)
-        target_layers, draft_layers = sides.layers()
-        self.slots = Slots((SlotCache(target_layers, width + 1), SlotCache(draft_layers, width + 1) if draft_layers
-                            else None), RowsOnDevice.empty(1, self.eos_width, sides.drafter.state_fields(width + 1), sides.device))
+        (target_layers, target_rules), (draft_layers, draft_rules) = sides.layers()
+        self.slots = Slots((SlotCache(target_layers, width + 1, target_rules),
+                            SlotCache(draft_layers, width + 1, draft_rules) if draft_layers else None),
+                           RowsOnDevice.empty(1, self.eos_width, sides.drafter.state_fields(width + 1), sides.device))
         state = row_values(sampler, self.sequence[-1], committed, request.max_new_tokens, len(self.sequence), stops.eos,
                            self.eos_width)
         packed = to_device([(self.sequence[:-1] or [0]) + state], sides.device)  # its prompt and state, one copy

@@ -28,8 +28,9 @@ Per round, for all B rows at once:
 
 Each forward attends the live length (`span`: the rows' longest prefix and the tree, rounded up to a power of two)
 rather than the slot capacity. With SwiftSpecConfig.capture, the two phases (1; 2 up to the read) are each replayed as
-one graph per shape and span (steps/phase_graphs.py). Exact where the caches are: full attention only, processors
-that ignore the path (check_device_round says why a call is refused).
+one graph per shape and span (steps/phase_graphs.py). Exact where the caches are: attention by position (full, or a
+sliding window or chunk as a term of the masks: steps/slot_cache.py), processors that ignore the path
+(check_device_round says why a call is refused).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import torch
 
 from ..drafters.device_drafters import DeviceDrafter, RoundFacts, device_drafter, model_gaps
 from ..drafters.device_suffix import SuffixProposals
-from ..models.architectures import context_limit
+from ..models.architectures import Architecture, context_limit, describe_model
 from ..policy.goodput import GoodputPolicy
 from ..policy.sizing import Offer, RoundSizing
 from ..stats import DraftCounters, PhaseClock, SwiftSpecStats, TargetCounters
@@ -215,6 +216,7 @@ class DeviceSides:
         self.runner = pool.runner
         self.device = target.device
         self.vocab_limit = target.config.get_text_config().vocab_size
+        self.architecture = describe_model(target, "target")  # its windows: a term of the target cache's masks
         self.limit = context_limit(*(m for m in (target, drafter.context_model) if m is not None))
         self.host: list[RowOnHost] = []  # per cache row
         self.size_trees()
@@ -233,8 +235,10 @@ class DeviceSides:
     def bucket(self) -> int:
         return len(self.host)
 
-    def layers(self) -> tuple[int, int]:
-        return self.target.config.get_text_config().num_hidden_layers, self.drafter.layers
+    def layers(self) -> tuple[tuple[int, Architecture | None], tuple[int, Architecture | None]]:
+        """Each slot cache's layers and window rules (SlotCache's arguments): the target's, the drafter's (0: none)."""
+        return ((self.target.config.get_text_config().num_hidden_layers, self.architecture),
+                (self.drafter.layers, self.drafter.architecture))
 
     @property
     def width(self) -> int:

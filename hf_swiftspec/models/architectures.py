@@ -226,6 +226,15 @@ class Architecture:
         """Per layer, whether transformers' own cache would treat it as sliding (its mask helpers ask)."""
         return tuple(m.kind != "full" for m in self.layer_masks)
 
+    def attention_mask(self, build: Callable[[LayerMask], torch.Tensor]) -> torch.Tensor | dict[str, torch.Tensor]:
+        """A forward's attention_mask from build(rule), one window rule's 4D mask, built once per rule: that mask
+        where every layer shares one rule (full attention: build(FULL) alone), else {layer type: its rule's mask}
+        (the forward then takes one per layer type: mask_by_type)."""
+        masks = {rule: build(rule) for rule in self.rules}
+        if len(masks) == 1:
+            return next(iter(masks.values()))
+        return {layer_type: masks[rule] for layer_type, rule in self.masks.items()}
+
 
 def kv_heads_hint(model) -> str:
     """The fix, when latent attention's num_key_value_heads makes it repeat keys it already has per head."""
@@ -309,6 +318,12 @@ def check_causal_config(config, model_class, who: str) -> None:
     suspects = bidirectional_suspects(model)  # meta weights: the attributes alone
     if suspects:
         raise bidirectional_refusal(suspects, who)
+
+
+def describe_model(model, role: str = "model") -> Architecture:
+    """describe_class for a loaded model, from its config and class alone (no forward: probes.describe adds the
+    checks that run one)."""
+    return describe_class(model.config, type(model), attn_implementation(model.config) or "sdpa", role)
 
 
 def describe_class(config, model_class, attn: str, role: str) -> Architecture:

@@ -290,10 +290,7 @@ def tree_step_kwargs(backend: str, architecture: Architecture, layout: StepLayou
         # instead, so a one-element stand-in spares building the dense (Q, prefix + S) mask.
         stand_in = torch.zeros(1, 1, 1, 1, dtype=dtype, device=tree_mask.device)
         return {"attention_mask": stand_in, "swiftspec_tree": step}
-    if len(rules) == 1:
-        return {"attention_mask": dense_tree_mask(layout, dtype, rules[0])}
-    dense = {rule: dense_tree_mask(layout, dtype, rule) for rule in rules}
-    return {"attention_mask": {layer_type: dense[rule] for layer_type, rule in architecture.masks.items()}}
+    return {"attention_mask": architecture.attention_mask(lambda rule: dense_tree_mask(layout, dtype, rule))}
 
 
 def rule_masks(rule: LayerMask, tree_mask: torch.Tensor, q_positions, kv_positions) -> RuleMasks:
@@ -315,10 +312,7 @@ def fixed_step_inputs(backend: str, architecture: Architecture, layout: StepLayo
     tensors = {f"dense/{i}": dense_tree_mask(layout, dtype, rule) for i, rule in enumerate(rules)}
     if backend not in KERNEL_BACKENDS:
         def build(t: dict) -> dict:
-            masks = {rule: t[f"dense/{i}"] for i, rule in enumerate(rules)}
-            if len(rules) == 1:
-                return {"attention_mask": masks[rules[0]]}
-            return {"attention_mask": {layer_type: masks[rule] for layer_type, rule in architecture.masks.items()}}
+            return {"attention_mask": architecture.attention_mask(lambda rule: t[f"dense/{rules.index(rule)}"])}
 
         return tensors, build
     device = layout.q_positions.device

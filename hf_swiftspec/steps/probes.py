@@ -19,21 +19,20 @@ from ..models.architectures import (
     UnsupportedArchitecture,
     bidirectional_refusal,
     bidirectional_suspects,
-    describe_class,
+    describe_model,
     first_line,
     kv_heads_hint,
 )
 from .attention import own_implementation
 from .cache import TreeCache
-from ..models.compat import attn_implementation, prepare_inputs
+from ..models.compat import prepare_inputs
 from .recurrent import new_cache, state_continuation_gap
 from .step import NO_LOGITS, RowQueries, model_step, run_step
 
 
 def describe(model, role: str = "model") -> Architecture:
     """The tree-step needs of `model`, or UnsupportedArchitecture naming what is missing."""
-    attn = attn_implementation(model.config) or "sdpa"
-    architecture = describe_class(model.config, type(model), attn, role)
+    architecture = describe_model(model, role)
     who = f"The {role} ({architecture.model_type})"
     check_causal(model, who)
     check_incremental_inputs(model, who)

@@ -11,9 +11,15 @@ its span.
 Every layer's keys and values live in one buffer (cache.SlotBuffer, the tree cache's: layers of one shape stacked),
 so a commit moves every layer with one fused operator per buffer (swiftspec_kernels.commit_slots, commit_plan's rule).
 
-Models with full attention only: a sliding window or a slot rule would need the rules steps/attention.py
-applies, and a recurrent state the rollback of steps/recurrent.py. engine/device_sides.py runs the device round
-over two of them, the target's and the draft's (cache.TreeCache's fixed steps hold the same layout with host lengths).
+Windowed layers (a sliding window, a chunk: models/architectures.LayerMask) are a term of the mask: a slot cache
+built with its model's Architecture gives each window rule its own mask (the forward takes one per layer type,
+Architecture.attention_mask), in which a query at position p sees the committed slots and the ancestors from the
+rule's first visible position of p on (committed slot j holds position j: rows are packed without padding; tree
+node i sits at position prefix_len + its depth). A layer's KV outside its window is never seen, so the cache keeps
+every position (its capacity) for every layer, as for full attention. A model with full attention only builds the
+one mask it always did. Not here: rules a model applies by cache slot (Architecture.slot_limits), and recurrent
+states (steps/recurrent.py's rollback). engine/device_sides.py runs the device round over two of them, the target's
+and the draft's (cache.TreeCache's fixed steps hold the same layout with host lengths).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import torch
 from swiftspec_kernels.commit_slots import commit_slots
 from swiftspec_kernels.tree_mask import tree_mask
 
+from ..models.architectures import FULL, Architecture, LayerMask
 from ..models.compat import Cache, CacheLayerMixin, forward_cache_argument
 from .cache import KV_DIM, SlotBuffer
 from .acceptance import Walk
@@ -43,9 +50,9 @@ class SlotLayer(CacheLayerMixin):
 
     is_compileable = False
 
-    def __init__(self, owner: "SlotCache"):
+    def __init__(self, owner: "SlotCache", is_sliding: bool = False):
         super().__init__()
-        self.owner = owner
+        self.owner, self.is_sliding = owner, is_sliding  # (transformers' mask helpers ask; the 4D masks decide)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H, _, _ = key_states.shape
@@ -78,14 +85,23 @@ class SlotLayer(CacheLayerMixin):
 
 class SlotCache(Cache):
     """A model's fixed-shape KV cache for B rows of C slots each; a forward writes its (B, Q) queries at `index`
-    (B, Q) long, set before it, and attends the first `span` slots (slot span - 1: scratch)."""
+    (B, Q) long, set before it, and attends the first `span` slots (slot span - 1: scratch). architecture: its
+    model's (models/architectures.describe_model), whose window rules its forwards' masks apply; None: full attention
+    in every layer."""
 
-    def __init__(self, num_layers: int, capacity: int):
+    def __init__(self, num_layers: int, capacity: int, architecture: Architecture | None = None):
         self.capacity = capacity
         self.span = capacity
         self.index: torch.Tensor | None = None
+        self.architecture = architecture
         self.buffers: list[SlotBuffer] = []  # every layer's keys and values, stacked by shape (after the first forward)
-        super().__init__(layers=[SlotLayer(self) for _ in range(num_layers)])
+        sliding = architecture.sliding if architecture is not None else (False,) * num_layers
+        super().__init__(layers=[SlotLayer(self, sliding[i]) for i in range(num_layers)])
+
+    def attention_mask(self, build) -> torch.Tensor | dict[str, torch.Tensor]:
+        """A forward's attention_mask from build(rule) (LayerMask -> (B, 1, Q, span) mask): one mask per window rule
+        its layers apply (Architecture.attention_mask); build(FULL) alone for full attention."""
+        return build(FULL) if self.architecture is None else self.architecture.attention_mask(build)
 
     @property
     def scratch(self) -> int:
@@ -142,17 +158,17 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def slot_forward(model, cache: SlotCache, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                 allowed: torch.Tensor, logits: bool | int = True) -> torch.Tensor | None:
+                 mask: torch.Tensor | dict[str, torch.Tensor], logits: bool | int = True) -> torch.Tensor | None:
     """One forward: tokens (B, Q) at positions (B, Q), their KV written at slots (B, Q), each query seeing the slots
-    allowed (B, Q, span) bool says, or as an additive mask (B, 1, Q, span) of the model's dtype already (tree_mask's);
-    returns float32 logits (B, Q, V) (logits=n, an int: the last n columns' alone, (B, n, V)), or None with
-    logits=False (a forward for its KV alone: no row of the vocabulary's head is computed)."""
+    its mask says: an additive (B, 1, Q, span) mask of the model's dtype (tree_mask's), or {layer type: such a mask}
+    (SlotCache.attention_mask's, for layers of several window rules); returns float32 logits (B, Q, V) (logits=n, an
+    int: the last n columns' alone, (B, n, V)), or None with logits=False (a forward for its KV alone: no row of the
+    vocabulary's head is computed)."""
     cache.index = slots
     if logits is False:
         keep = {"logits_to_keep": torch.zeros(0, dtype=torch.long, device=tokens.device)}
     else:
         keep = {} if logits is True else {"logits_to_keep": int(logits)}
-    mask = additive_mask(allowed, model.dtype) if allowed.dtype == torch.bool else allowed
     out = model(input_ids=tokens, position_ids=positions, attention_mask=mask,
                 use_cache=True, **{forward_cache_argument(type(model)): cache}, **keep)
     return None if logits is False else out.logits.float()
@@ -173,13 +189,19 @@ def catch_up(model, cache: SlotCache, tokens: torch.Tensor, counts: torch.Tensor
     k = torch.arange(L, device=tokens.device)[None]  # (1, L), then (B, L): each column's token index in its row
     k = k if lead is None else k - lead[:, None]
     real = k < counts[:, None] if lead is None else (k >= 0) & (k < counts[:, None])  # (B, L)
-    at = starts[:, None] + k  # (B, L)
+    at = starts[:, None] + k  # (B, L): each token's slot and position
     slots = torch.where(real, at, cache.scratch)
     c = torch.arange(cache.span, device=tokens.device)
-    allowed = (c[None, None] <= at[:, :, None]) & real[:, :, None]  # the committed slots, then causal
-    allowed = allowed | (~real[:, :, None] & (c == 0))
+    causal = (c[None, None] <= at[:, :, None]) & real[:, :, None]  # the committed slots, then causal
+    padding = ~real[:, :, None] & (c == 0)
+
+    def build(rule: LayerMask) -> torch.Tensor:
+        seen = causal if rule.kind == "full" else causal & (c[None, None] >= rule.first_visible(at)[:, :, None])
+        return additive_mask(seen | padding, model.dtype)
+
     positions = at if lead is None else at.clamp(min=0)  # a lead's padding queries at position 0 (never read)
-    out = slot_forward(model, cache, tokens, positions, slots, allowed, logits=1 if last_logits else False)
+    out = slot_forward(model, cache, tokens, positions, slots, cache.attention_mask(build),
+                       logits=1 if last_logits else False)
     return out[:, -1] if last_logits else None
 
 
@@ -193,13 +215,29 @@ def tree_visible(span: int, prefix_lens: torch.Tensor, rows: torch.Tensor) -> to
     return allowed.scatter_(2, node_slots[:, None, :].expand(B, Q, N), rows)
 
 
+def tree_masks(cache: SlotCache, prefix_lens: torch.Tensor, ancestors: torch.Tensor, positions: torch.Tensor,
+               depths: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | dict[str, torch.Tensor]:
+    """A tree forward's attention_mask: queries at positions (B, Q) (or (B, 1): one depth) seeing their row's
+    committed prefix and the tree nodes their ancestor bits (B, Q, N) name (node i at slot prefix_len + i, position
+    prefix_len + depths (B, N)[i]), tree_visible's rule as one fused operator (swiftspec_kernels.tree_mask) per window
+    rule of the cache's layers, a windowed rule's term each query's first visible position (LayerMask.first_visible)."""
+
+    def build(rule: LayerMask) -> torch.Tensor:
+        if rule.kind == "full":
+            return tree_mask(prefix_lens, ancestors, None, cache.span, dtype)
+        return tree_mask(prefix_lens, ancestors, None, cache.span, dtype, rule.first_visible(positions), depths)
+
+    return cache.attention_mask(build)
+
+
 def verify_forward(model, cache: SlotCache, prefix_lens: torch.Tensor, subtree: DeviceSubtree) -> torch.Tensor:
     """The target's verification of each row's T selected nodes (device_round.select_device): node j at
-    position prefix_len + depth and slot prefix_len + j, seeing the prefix and its ancestors; returns float32
-    logits (B, T, V) (row j: the target's distribution after node j). Padding nodes see themselves alone."""
+    position prefix_len + depth and slot prefix_len + j, seeing the prefix and its ancestors (those its layer's window
+    shows it); returns float32 logits (B, T, V) (row j: the target's distribution after node j). Padding nodes see
+    themselves alone."""
     positions = prefix_lens[:, None] + subtree.depths
     slots = prefix_lens[:, None] + torch.arange(subtree.tokens.shape[1], device=prefix_lens.device)[None]
-    mask = tree_mask(prefix_lens, subtree.mask, None, cache.span, model.dtype)  # tree_visible's, additive: one kernel
+    mask = tree_masks(cache, prefix_lens, subtree.mask, positions, subtree.depths, model.dtype)
     return slot_forward(model, cache, subtree.tokens, positions, slots, mask)
 
 
