@@ -1,11 +1,13 @@
 """Requests for one prompt taken into the running batch together (a request's n answers) share its prefill: the
-target runs the prompt once, each copy's row gets its KV by a copy, and every answer is still the target's own
-(greedy: target.generate; sampled with a seed: the pair's lone call with that seed)."""
+target runs the prompt once, each copy's row gets its KV by a copy (its own sampler, seed and stop rule set over it),
+and every answer is still the target's own (greedy: target.generate; sampled with a seed: the pair's lone call with
+that seed), on the host round's running batch and the device round's."""
 
 from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from hf_swiftspec.engine.workers import TargetWorker
@@ -33,22 +35,34 @@ def decode_together(pair, engine, calls: dict[str, dict]) -> dict[str, torch.Ten
 
 
 def counting_prefills(monkeypatch) -> list[int]:
-    """Each target prefill's prompt length, as TargetWorker.prefill_pieces runs it."""
+    """Each target prefill's prompt length, as TargetWorker.prefill_pieces (the host round's running batch) or a
+    Prefill (the device round's) runs it."""
+    from hf_swiftspec.engine.continuous_device import Prefill
+
     prefills = []
-    real = TargetWorker.prefill_pieces
+    real, device = TargetWorker.prefill_pieces, Prefill.__init__
 
     def counted(self, prompt, *args, **kwargs):
         prefills.append(prompt.shape[1])
         return (yield from real(self, prompt, *args, **kwargs))
 
+    def counted_device(self, sides, request):
+        prefills.append(request.prompt.shape[1])
+        device(self, sides, request)
+
     monkeypatch.setattr(TargetWorker, "prefill_pieces", counted)
+    monkeypatch.setattr(Prefill, "__init__", counted_device)
     return prefills
 
 
-def test_copies_of_a_prompt_share_its_prefill_and_answer_as_the_target(monkeypatch):
+@pytest.mark.parametrize("round_", ["host", "device"])
+def test_copies_of_a_prompt_share_its_prefill_and_answer_as_the_target(monkeypatch, round_):
     prefills = counting_prefills(monkeypatch)
-    pair = pair_of("llama")
+    from hf_swiftspec.engine.continuous_device import DeviceContinuousEngine
+
+    pair = pair_of("llama", round=round_)
     engine = pair.continuous_engine()
+    assert isinstance(engine, DeviceContinuousEngine) == (round_ == "device")
     prompt, other = torch.tensor([PROMPTS[1]]), torch.tensor([PROMPTS[5]])
     calls = {f"greedy-{i}": dict(input_ids=prompt, max_new_tokens=15, do_sample=False) for i in range(3)}
     calls |= {f"seeded-{i}": dict(input_ids=prompt, max_new_tokens=15, do_sample=True, temperature=1.0,

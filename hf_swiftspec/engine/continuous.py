@@ -431,15 +431,16 @@ class ContinuousEngine:
         except StopIteration:
             pass
         self.joining.remove(joining)
-        if joining.copies:
-            share_prefill(joining)
         self.take_in(joining)
         for member in joining.members:
             self.rows.members[member.row_id] = member
             self.rows.live.append(member.row_id)
 
     def take_in(self, joining: Joining) -> None:
-        """The running sides take the prefilled request's rows in (its own sides, when none run yet)."""
+        """The running sides take the prefilled request's rows in (its own sides, when none run yet): its copies'
+        rows first join its own sides (share_prefill)."""
+        if joining.copies:
+            share_prefill(joining)
         if self.sides is None:
             self.sides = joining.sides
             self.sides.samplers = {}

@@ -22,6 +22,7 @@ stop strings (DeviceSides applies stop strings on the host after the read).
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 
@@ -31,7 +32,7 @@ from ..steps.device_round import to_device
 from ..steps.slot_cache import SlotCache
 from ..steps.acceptance import split_criteria
 from . import continuous
-from .continuous import BatchBroken, ContinuousEngine, Joining, Member
+from .continuous import BatchBroken, ContinuousEngine, Joining, Member, same_prefill
 from .device_pool import RowsOnDevice, SlotPool, Slots, row_values, set_rows
 from .device_sides import EOS_WIDTH, DeviceSides, RowOnHost
 
@@ -62,6 +63,20 @@ class Prefill:
         self.ids, self.width = packed[:, :width], width
         set_rows(self.slots.rows, packed[:, width:], 0)
 
+    def copy_for(self, request) -> "RowCopy":
+        """The row of another request for the same prompt and length (a request's n answers: continuous.same_prefill),
+        which shares this prefill: its own sampler, stop rule, suffix index and device state, the prompt's KV
+        copied from this one's slots when the batch takes them in."""
+        stops = split_criteria(request.stopping_criteria)
+        eos_width = max(EOS_WIDTH, power_of_two(len(stops.eos)))
+        sampler, committed = request.samplers[0], self.row.prefix
+        suffix = self.sides.suffix.index_for(request, self.sequence) if self.sides.suffix is not None else None
+        row = RowOnHost(sampler, list(self.sequence), committed, (request.keeps_scores, request.keeps_logits), suffix,
+                        committed)
+        state = row_values(sampler, self.sequence[-1], committed, request.max_new_tokens, len(self.sequence), stops.eos,
+                           eos_width)
+        return RowCopy(row, to_device([state], self.sides.device), eos_width)
+
     def in_pieces(self, piece: int):
         """One forward of each model per `piece` prompt tokens (a generator: the engine runs one piece between two
         rounds); a one-token prompt prefills nothing but makes the caches' buffers."""
@@ -73,6 +88,16 @@ class Prefill:
             starts = torch.full((1,), start, device=device)
             self.sides.prefill(self.slots, self.ids[:, start:end], count, starts, end=end)
             yield
+
+
+@dataclass
+class RowCopy:
+    """A request sharing another's prefill (Prefill.copy_for): its row on the host and its row's device state (1, 7 + E)
+    long (row_values' layout), set over the copied row's."""
+
+    row: RowOnHost
+    state: torch.Tensor
+    eos_width: int
 
 
 class DeviceContinuousEngine(ContinuousEngine):
@@ -121,18 +146,27 @@ class DeviceContinuousEngine(ContinuousEngine):
         super().end_batch()
 
     def join(self, member: Member) -> None:
-        """Start prefilling the request alone."""
+        """Start prefilling the request alone; or, where a request joining meanwhile prefills the same prompt for as
+        many tokens, share its prefill (its copy's row: Prefill.copy_for)."""
         if self.sides is None:
             self.sides = self.new_sides()
+        leader = next((j for j in self.joining if same_prefill(j.member.request, member.request)), None)
+        if leader is not None:
+            leader.copies.append((member, leader.sides.copy_for(member.request)))
+            return
         prefill = Prefill(self.sides, member.request)
         self.joining.append(Joining(member, prefill, prefill.in_pieces(continuous.PREFILL_PIECE)))
 
     def take_in(self, joining: Joining) -> None:
-        """The bucket's sides copy the prefilled row in (new sides when the batch had emptied)."""
+        """The bucket's sides copy the prefilled row in, and once more for each request sharing its prefill (its own
+        state set over the copy), new sides when the batch had emptied."""
         prefill = joining.sides
         if self.sides is None:
             self.sides = self.new_sides()
         try:
             self.sides.absorb(prefill.slots, prefill.row, prefill.capacity, prefill.eos_width)
+            for _, copy in joining.copies:
+                self.sides.absorb(prefill.slots, copy.row, prefill.capacity, max(prefill.eos_width, copy.eos_width))
+                set_rows(self.sides.slots.rows, copy.state, self.sides.live - 1)
         except Exception as error:
             raise BatchBroken(error) from error

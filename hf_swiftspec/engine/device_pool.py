@@ -175,9 +175,12 @@ def row_values(sampler, root: int, committed: int, budget: int, context: int, eo
 
 
 def set_rows(rows: RowsOnDevice, state: torch.Tensor, at: int) -> None:
-    """Rows at, at + 1, ... of `rows` from state (n, 7 + E) long (row_values' layout), in place."""
+    """Rows at, at + 1, ... of `rows` from state (n, 7 + E) long (row_values' layout; E at most the rows' EOS width, the
+    rest of their EOS ids cleared), in place."""
     n = state.shape[0]
     for i, name in enumerate(STATE_FIELDS):
         target = getattr(rows, name)
         target[at : at + n] = state[:, i].to(target.dtype)
-    rows.eos[at : at + n] = state[:, len(STATE_FIELDS) :]
+    eos = state[:, len(STATE_FIELDS) :]
+    rows.eos[at : at + n, eos.shape[1] :] = -1
+    rows.eos[at : at + n, : eos.shape[1]] = eos
