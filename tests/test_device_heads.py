@@ -4,8 +4,8 @@ tokens with the target's states (its catch-up inside the verification graph): gr
 token for token (float32; one sequence and a left-padded batch, EOS and max_new_tokens, eager and replayed), at most
 one host read a round; the tree each round grows scores as plain causal forwards of the head over the sequence so
 far (the head's bookkeeping is EAGLE's, not just harmless), also after a stop string cut a walk; children are
-target ids below the vocab limit; a seed draws what the host round draws; an MTP layer whose attention takes no 4D
-mask is refused by name."""
+target ids below the vocab limit; a seed draws its own draws (tests/gumbel_reference.py); an MTP layer whose
+attention takes no 4D mask is refused by name."""
 
 import pytest
 import torch
@@ -179,17 +179,20 @@ def test_every_rounds_tree_scores_as_plain_causal_forwards_of_the_head(request, 
 
 @needs_eagle
 @pytest.mark.parametrize("capture", [False, True], ids=["eager", "replayed"])
-def test_sampling_draws_what_the_host_round_draws(eagle, capture):
-    """Under one seed, each row's sampled tokens are the host round's with the same head (the Gumbel-max rule, noise
-    keyed by seed, row and position: the target's distribution, test_sampling.py), and not greedy's."""
+def test_sampling_draws_what_the_seed_draws(eagle, capture):
+    """Under one seed, each row's sampled tokens are the seed's draws (tests/gumbel_reference.py: the target's own loop
+    with the Gumbel-max rule, noise keyed by seed, row and position: the target's distribution, test_sampling.py),
+    and not greedy's."""
+    from gumbel_reference import seeded_draws
+
     ids, mask = inputs("eagle3", eagle, 4)
-    kwargs = dict(attention_mask=mask, max_new_tokens=20, temperature=0.9, top_k=20)
+    kwargs = dict(attention_mask=mask, max_new_tokens=20)
     device = on_device(eagle.target, eagle.draft, capture=capture, **FIXED)
-    host = SwiftSpecForCausalLM.from_models(eagle.target, eagle.draft, ngram_size=0)
-    drawn = device.generate(ids, do_sample=True, generator=torch.Generator().manual_seed(7), **kwargs)
-    assert drawn.tolist() == host.generate(ids, do_sample=True, generator=torch.Generator().manual_seed(7),
-                                           **kwargs).tolist()
-    assert device.swiftspec_stats.engine == "device" and host.swiftspec_stats.engine == "serial"
+    drawn = device.generate(ids, do_sample=True, generator=torch.Generator().manual_seed(7), temperature=0.9,
+                            top_k=20, **kwargs)
+    expected = seeded_draws(eagle.target, ids, torch.Generator().manual_seed(7), temperature=0.9, top_k=20, **kwargs)
+    assert drawn.tolist() == expected.tolist()
+    assert device.swiftspec_stats.engine == "device"
     assert drawn.tolist() != device.generate(ids, do_sample=False, **kwargs).tolist()
 
 

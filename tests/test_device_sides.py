@@ -1,8 +1,8 @@
 """round="device" (engine/device_sides.py): the draft model's growth, the selection, the target's verification,
 the walk and both caches' commits on the device, read once a round, decode exactly as target.generate does
 (greedy, float32) on two full-attention architectures, one sequence and a left-padded batch, with EOS,
-max_new_tokens and stop strings (rows that decode on after theirs); sampling draws what the host round draws under
-the same seed (its rule: the target's distribution, test_sampling.py); and a call it cannot decode exactly is a
+max_new_tokens and stop strings (rows that decode on after theirs); sampling draws what the seed draws
+(tests/gumbel_reference.py) (its rule: the target's distribution, test_sampling.py); and a call it cannot decode exactly is a
 ValueError naming why, never a silent fallback."""
 
 import pytest
@@ -95,19 +95,22 @@ def test_stop_strings_and_rows_that_decode_on():
     assert max(stopped_at) == out.shape[1] < 40 and min(stopped_at) < out.shape[1] - 5  # rows decoded on
 
 
-def test_sampling_draws_what_the_host_round_draws():
-    """Under one seed, each row's sampled tokens are the host round's (the same Gumbel-max rule, noise keyed by seed,
-    row and position: the target's distribution, which test_sampling.py checks by chi-square), and not greedy's."""
+def test_sampling_draws_what_the_seed_draws():
+    """Under one seed, each row's sampled tokens are the seed's draws (tests/gumbel_reference.py: the target's own loop
+    with the Gumbel-max rule, noise keyed by seed, row and position: the target's distribution, which
+    test_sampling.py checks by chi-square), and not greedy's."""
+    from gumbel_reference import seeded_draws
+
     target = tiny_model("llama", seed=0)
     draft = truncated_draft(target, 2)
     device = SwiftSpecForCausalLM.from_models(target, draft, **DEVICE)
-    host = SwiftSpecForCausalLM.from_models(target, draft, ngram_size=0)
     ids, mask = batch(seed=2)
-    kwargs = dict(attention_mask=mask, max_new_tokens=20, temperature=0.9, top_k=20)
-    drawn = device.generate(ids, do_sample=True, generator=torch.Generator().manual_seed(11), **kwargs)
-    assert drawn.tolist() == host.generate(ids, do_sample=True, generator=torch.Generator().manual_seed(11),
-                                           **kwargs).tolist()
-    assert device.swiftspec_stats.engine == "device" and host.swiftspec_stats.engine == "serial"
+    kwargs = dict(attention_mask=mask, max_new_tokens=20)
+    drawn = device.generate(ids, do_sample=True, generator=torch.Generator().manual_seed(11), temperature=0.9,
+                            top_k=20, **kwargs)
+    expected = seeded_draws(target, ids, torch.Generator().manual_seed(11), temperature=0.9, top_k=20, **kwargs)
+    assert drawn.tolist() == expected.tolist()
+    assert device.swiftspec_stats.engine == "device"
     assert drawn.tolist() != device.generate(ids, do_sample=False, **kwargs).tolist()
 
 

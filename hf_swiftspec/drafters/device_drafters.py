@@ -12,6 +12,8 @@ What a drafter does, each a fixed-shape device function (no host read: the round
                                                      model's); after_level(tree, level) -> False stops it between
                                                      levels (device_growth.grow)
     after_verify(cache, rows, sub, walk, facts)      its commit (and a head's catch-up) once the target walked the tree
+    record(tokens, counts, starts, state)            (a drafter that defers its catch-up) prefill's bookkeeping alone:
+                                                     the tokens wait for its first growth
     catch_up_width(T, depth, S)                      the fixed width of a catch-up inside the verification (a head's)
 
 Its per-row state (a head's root input; a draft model's committed length and the tokens it catches up on) lives in
@@ -29,7 +31,7 @@ from typing import Protocol
 import torch
 from swiftspec_kernels.record_walk import record_walk
 
-from ..models.architectures import describe_model
+from ..steps.probes import describe
 from ..steps.acceptance import Walk
 from ..steps.device_round import DeviceSubtree, DeviceTree
 from ..steps.slot_cache import SlotCache, catch_up, commit_cache
@@ -95,7 +97,7 @@ def device_drafter(draft, target) -> DeviceDrafter:
         from .device_heads import DeviceHead
 
         return DeviceHead.of(draft, target)
-    return DraftModelOnDevice(draft, describe_model(draft, "draft"))
+    return DraftModelOnDevice(draft, describe(draft, "draft"))
 
 
 def model_gaps(role: str, model, architecture, masks: tuple[str, ...]) -> list[str]:
@@ -192,8 +194,12 @@ class DraftModelOnDevice:
 
     def prefill(self, cache, tokens, counts, starts, state) -> None:
         catch_up(self.model, cache, tokens, counts, starts)
-        record(state["history"], tokens, counts, starts)
+        self.record(tokens, counts, starts, state)
         state["draft_lens"].copy_(starts + counts)
+
+    def record(self, tokens, counts, starts, state) -> None:
+        """The tokens recorded for a later catch-up, not run (prefill's record alone: draft_lens stays)."""
+        record(state["history"], tokens, counts, starts)
 
     def grow(self, cache, rows, depth, width, vocab_limit, lag, after_level=None) -> DeviceTree:
         """Catch up on the `lag` (a width: every row's lag fits it) committed tokens not run yet, then grow."""

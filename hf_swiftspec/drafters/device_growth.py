@@ -91,8 +91,8 @@ def seed_tree(cache: SlotCache, roots: torch.Tensor, depth: int, width: int, cal
     if depth < 1 or width < 1:
         raise ValueError(f"{caller}(depth={depth}, width={width}): both must be at least 1")
     B, N, device = roots.shape[0], 1 + depth * width, roots.device
-    if cache.span < N + 2:
-        raise ValueError(f"SlotCache attending {cache.span} slots cannot hold a tree of {N} nodes behind a prefix; "
+    if cache.span < N + 1:
+        raise ValueError(f"SlotCache attending {cache.span} slots cannot hold a tree of {N} nodes and its scratch slot; "
                          "allocate at least the longest prefix + N + 1 slots")
     tokens = torch.zeros(B, N, dtype=torch.long, device=device)
     tokens[:, 0] = roots

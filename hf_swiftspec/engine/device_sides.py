@@ -45,13 +45,14 @@ import torch
 
 from ..drafters.device_drafters import DeviceDrafter, RoundFacts, device_drafter, model_gaps
 from ..drafters.device_suffix import SuffixProposals
-from ..models.architectures import Architecture, context_limit, describe_model
+from ..models.architectures import Architecture, context_limit
 from ..policy.goodput import GoodputPolicy
 from ..policy.sizing import Offer, RoundSizing
 from ..stats import DraftCounters, PhaseClock, SwiftSpecStats, TargetCounters
 from ..steps.capture import capacity_bucket, capture_backend, power_of_two
 from ..steps.acceptance import StopRule, cut_at_criteria, split_criteria
 from ..steps.device_round import DeviceSubtree, to_device
+from ..steps.probes import describe
 from ..steps.slot_cache import catch_up, span_bucket
 from ..steps.tree import Proposal, Subtree
 from ..steps.verify import PATH_FREE_PROCESSORS, Verified
@@ -142,14 +143,14 @@ def choose_round(config, target, *args, **kwargs) -> tuple[str, str]:
     """The round this call runs, "host" or "device", and why (SwiftSpecStats.round_choice). round="device": the device
     round, or a ValueError naming why it cannot be exact (check_device_round); "host": the host round; "auto": the
     device round on CUDA where it decodes the call exactly (its one read a round and replayed phases are what a GPU
-    rewards), else the host round (on a CPU it is the faster one: settings.md). args: device_round_gaps'."""
+    rewards), else the host round. args: device_round_gaps'."""
     if config.round == "device":
         check_device_round(config, target, *args, **kwargs)
         return "device", "asked for (round='device')"
     if config.round == "host":
         return "host", "asked for (round='host')"
     if target.device.type != "cuda":
-        return "host", f"round='auto' on {target.device.type}: the host round (the device round pays on CUDA)"
+        return "host", f"round='auto' on {target.device.type}: the host round"
     gaps = device_round_gaps(config, target, *args, **kwargs)
     if gaps:
         return "host", f"round='auto' on CUDA, host round: the device round cannot decode this call exactly ({gaps[0]})"
@@ -216,7 +217,7 @@ class DeviceSides:
         self.runner = pool.runner
         self.device = target.device
         self.vocab_limit = target.config.get_text_config().vocab_size
-        self.architecture = describe_model(target, "target")  # its windows: a term of the target cache's masks
+        self.architecture = describe(target, "target")  # its windows (a term of its cache's masks), whether it is headless
         self.limit = context_limit(*(m for m in (target, drafter.context_model) if m is not None))
         self.host: list[RowOnHost] = []  # per cache row
         self.size_trees()
@@ -281,8 +282,10 @@ class DeviceSides:
         self.eos_width = max(EOS_WIDTH, power_of_two(len(stops.eos)))
         sequences = [c[0].tolist() for c in request.contexts] if request.contexts else request.prompt.tolist()
         keeps = request.keeps_scores, request.keeps_logits
+        deferred = self.drafter.defers  # its prompt waits for its first growth (prefill(draft=False))
         self.host = [RowOnHost(sampler, sequence, len(ids) - 1, keeps,
-                               self.suffix.index_for(request, ids) if self.suffix is not None else None, len(ids) - 1)
+                               self.suffix.index_for(request, ids) if self.suffix is not None else None,
+                               0 if deferred else len(ids) - 1)
                      for sampler, sequence, ids in zip(request.samplers, sequences, prompts)]
         self.live = n
         self.slots = None
@@ -303,16 +306,18 @@ class DeviceSides:
         set_rows(self.slots.rows, packed[:, taken:], 0)
         tokens = torch.cat([packed[:, :taken], packed.new_zeros(self.bucket - n, taken)])  # dead rows: nothing
         self.prefill(self.slots, tokens[:, :width], self.slots.rows.prefix_lens, end=width,
-                     roots=tokens[:, width:] if roots else None)
+                     roots=tokens[:, width:] if roots else None, draft=not deferred)
         self.models = self.round_models()
         self.counters[0].busy_s += time.perf_counter() - start
 
     def prefill(self, slots: Slots, tokens: torch.Tensor, counts: torch.Tensor, starts: torch.Tensor | None = None,
-                end: int | None = None, roots: torch.Tensor | None = None) -> None:
+                end: int | None = None, roots: torch.Tensor | None = None, draft: bool = True) -> None:
         """Both models over tokens (B, L) long (counts (B,) per row, token j of a row at slot starts + j: a prompt but
         its root, or a piece of it), each forward attending the live length (`end`: the furthest slot written).
         roots (B, L) long: each row's whole prompt right-aligned (its root in the last column), which the target runs
-        instead, keeping the roots' logits for round 1 (`root_logits`)."""
+        instead, keeping the roots' logits for round 1 (`root_logits`). draft=False: a drafter that defers its
+        catch-up only records the tokens (its first growth runs them: the policy grows where the call can repay
+        that, GoodputPolicy.repays_catch_up)."""
         B, L = tokens.shape
         starts = torch.zeros_like(counts) if starts is None else starts
         need = (L if end is None else end) + 1
@@ -326,9 +331,13 @@ class DeviceSides:
                 lead = roots.shape[1] - 1 - counts  # each row's padding columns before its prompt
                 self.root_logits = catch_up(self.target, slots.caches[0], roots, counts + 1, starts, lead=lead,
                                             last_logits=True)[:, None]  # (B, 1, V)
-            self.drafter.prefill(slots.caches[1], tokens, counts, starts, slots.rows.drafter)
+            runs = draft or not self.drafter.defers
+            if runs:
+                self.drafter.prefill(slots.caches[1], tokens, counts, starts, slots.rows.drafter)
+            else:
+                self.drafter.record(tokens, counts, starts, slots.rows.drafter)
         self.counters[0].forwards += 1
-        self.counters[1].forwards += int(self.drafter.model is not None)
+        self.counters[1].forwards += int(self.drafter.model is not None and runs)
 
     def absorb(self, joining: Slots, row: RowOnHost, capacity: int, eos_width: int) -> None:
         """A prefilled request's row (its own 1-row slots, its state set) joins as cache row `live`; the rows move first
@@ -395,12 +404,11 @@ class DeviceSides:
         return self.runner.run(key, bound, inputs)
 
     def lag(self) -> int:
-        """The width of the catch-up a drafter that defers it runs before its first level (0: none): the live rows'
-        largest lag, rounded up to a power of two (a replayed growth is captured per width)."""
+        """The committed tokens a drafter that defers its catch-up runs before its first level (0: none): the live
+        rows' largest lag (its prompt, after a lone call's prefill; tokens of plain rounds and suffix nodes)."""
         if not self.drafter.defers:
             return 0
-        lag = max((h.prefix - h.drafted for h in self.host[: self.live]), default=0)
-        return power_of_two(lag) if lag else 0
+        return max((h.prefix - h.drafted for h in self.host[: self.live]), default=0)
 
     def spans(self, levels: int, budget: int | None) -> tuple[int, int]:
         """The live lengths the growth and the verification attend: every live row's prefix and the nodes written
@@ -454,7 +462,8 @@ class DeviceSides:
     def grow(self, proposed: DeviceProposed, shape: Shape, inputs: dict) -> DeviceProposed:
         """The growth phase of `shape` (a budget of None: sized between levels), then the shape it ran."""
         sizing = proposed.sizing
-        lag = proposed.caught_up
+        lag = proposed.caught_up  # the catch-up's width: a power of two where the growth replays (a graph per width)
+        lag = power_of_two(lag) if lag and self.runner is not None else lag
         if lag:  # the catch-up runs first: by the growth's end every live row's drafter has run its committed tokens
             for h in self.host[: self.live]:
                 h.drafted = h.prefix

@@ -86,7 +86,7 @@ class SlotLayer(CacheLayerMixin):
 class SlotCache(Cache):
     """A model's fixed-shape KV cache for B rows of C slots each; a forward writes its (B, Q) queries at `index`
     (B, Q) long, set before it, and attends the first `span` slots (slot span - 1: scratch). architecture: its
-    model's (models/architectures.describe_model), whose window rules its forwards' masks apply; None: full attention
+    model's (steps/probes.describe), whose window rules its forwards' masks apply; None: full attention
     in every layer."""
 
     def __init__(self, num_layers: int, capacity: int, architecture: Architecture | None = None):
@@ -165,8 +165,9 @@ def slot_forward(model, cache: SlotCache, tokens: torch.Tensor, positions: torch
     int: the last n columns' alone, (B, n, V)), or None with logits=False (a forward for its KV alone: no row of the
     vocabulary's head is computed)."""
     cache.index = slots
-    if logits is False:
-        keep = {"logits_to_keep": torch.zeros(0, dtype=torch.long, device=tokens.device)}
+    if logits is False:  # an empty index skips the head where the forward takes one (Architecture.headless), else one row
+        headless = cache.architecture is not None and cache.architecture.headless
+        keep = {"logits_to_keep": torch.zeros(0, dtype=torch.long, device=tokens.device) if headless else 1}
     else:
         keep = {} if logits is True else {"logits_to_keep": int(logits)}
     out = model(input_ids=tokens, position_ids=positions, attention_mask=mask,
@@ -199,7 +200,7 @@ def catch_up(model, cache: SlotCache, tokens: torch.Tensor, counts: torch.Tensor
         seen = causal if rule.kind == "full" else causal & (c[None, None] >= rule.first_visible(at)[:, :, None])
         return additive_mask(seen | padding, model.dtype)
 
-    positions = at if lead is None else at.clamp(min=0)  # a lead's padding queries at position 0 (never read)
+    positions = torch.where(real, at, 0)  # padding queries at position 0 (never read; no position past a model's rows)
     out = slot_forward(model, cache, tokens, positions, slots, cache.attention_mask(build),
                        logits=1 if last_logits else False)
     return out[:, -1] if last_logits else None
