@@ -381,8 +381,10 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
         points the config at them. pin_revisions fills a missing target/draft revision of a Hub
         member with the commit its default branch points to now. `card` adds the title, licence and
         sections (measured acceptance, placement) to the generated card; load_id is the repo id the
-        card's usage example loads (default: the folder). Other kwargs are accepted for
-        PreTrainedModel compatibility and ignored.
+        card's usage example loads (default: the folder). Local members keep absolute entries absolute; one
+        inside the written folder, or a sibling the pair named relatively, is named relative to it; any other
+        by its absolute path (pair.locate.relocated_entry), so a moved copy still loads. Other kwargs are
+        accepted for PreTrainedModel compatibility and ignored.
         """
         folder = Path(save_directory)
         config = SwiftSpecConfig.from_dict(self.config.to_dict())
@@ -401,7 +403,8 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
                     f"Cannot save the pair: config.{role} is not set (the {role} was built in memory). Set "
                     f"model.config.{role} to its Hub id, or pass save_members=True to store its weights in the pair."
                 )
-        config = relocated(config, self.pair_folder or folder, folder)
+        # members written here (save_members) are found from here, not from the folder the pair came from
+        config = relocated(config, folder if save_members else (self.pair_folder or folder), folder)
         if pin_revisions:
             config = pinned(config, folder)
         write_pair_repo(folder, config, card, self.tokenizer, self.generation_config, load_id,
