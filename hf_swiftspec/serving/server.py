@@ -94,7 +94,12 @@ class ServedPair(SwiftSpecForCausalLM):
         return context_length(self.target.config)
 
     def check_request(self, prompt_tokens: int, max_new_tokens: int | None = None) -> None:
-        """ValueError (the server's 400) for a prompt the target cannot read or a length below 1."""
+        """ValueError (the server's 400) for an empty prompt, one the target cannot read, or a length below 1."""
+        if prompt_tokens < 1:  # generate() would refuse it, and a refusal from the decoding loop is a 500
+            raise RequestRefused(
+                "The prompt is empty: it encodes to no tokens, and a completion continues a text. Send a prompt of "
+                "at least one character.", "prompt",
+            )
         context = self.context()
         if context is not None and prompt_tokens >= context:
             raise RequestRefused(
