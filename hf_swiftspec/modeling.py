@@ -30,6 +30,7 @@ from .pair import (
 )
 from .pair.loading import LoadArguments, load_member_model, split_load_kwargs, with_cpu_dtype
 from .pair.locate import HubOptions, member_folder, member_head_config, resolve_pair_folder
+from .pair.checks import FROM_MODELS, TokenizerArguments
 from .pair.repo import read_pair_config
 from .pair.tokenizer import load_tokenizer
 from .engine.placement import Placement, place_models, resolve_placement
@@ -179,15 +180,18 @@ def check_head_fits(head: DraftHead, target: PreTrainedModel, placement: Placeme
         raise ValueError(f"The draft head is on {head.device}, the target on {target.device}: move the head to the target's device.")
 
 
-def check_members(target, draft, placement: Placement | None, tokenizer=None, draft_tokenizer=None) -> Vocabularies | None:
+def check_members(target, draft, placement: Placement | None, tokenizer=None, draft_tokenizer=None,
+                  arguments: TokenizerArguments = FROM_MODELS) -> Vocabularies | None:
     """Raise ValueError if the target, or the draft beside it (a model or a draft head), cannot speculate. Returns
-    the two vocabularies of a draft with a tokenizer of its own (it proposes through text), else None."""
+    the two vocabularies of a draft with a tokenizer of its own (it proposes through text), else None. arguments:
+    how the caller takes the two tokenizers (its errors name them)."""
     check_model_supported(target, "target")
     if isinstance(draft, DraftHead):
         check_head_fits(draft, target, placement)
     elif draft is not None:
         check_model_supported(draft, "draft")
-        if check_compatibility(target.config, draft.config, tokenizer, draft_tokenizer, architectures=False):
+        if check_compatibility(target.config, draft.config, tokenizer, draft_tokenizer, architectures=False,
+                               arguments=arguments):
             return Vocabularies.between(tokenizer, draft_tokenizer)
     return None
 
