@@ -51,26 +51,54 @@ class TopK:
 
 
 def teacher_topk(logits: torch.Tensor, k: int) -> TopK:
-    """logits (B, T, V) -> the top-k of their log-softmax, in float32."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    values, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
-    return TopK(values, ids)
+    """logits (B, T, V) -> the top-k of their log-softmax, in float32 (the top-k of the logits themselves, less
+    their logsumexp: no vocabulary-sized log-softmax is written)."""
+    logits = logits.float()
+    values, ids = logits.topk(min(k, logits.shape[-1]), dim=-1)
+    return TopK(values - logits.logsumexp(-1, keepdim=True), ids)
+
+
+class TopKKL(torch.autograd.Function):
+    """topk_kl's value and gradient, written out: autograd through log_softmax, a mask of the top-k, a masked copy
+    and the tail's logsumexp kept several vocabulary-sized tensors a step and took as long as the head's matmul;
+    this keeps one (the exponentials) beside the logits.
+
+    With q the student's softmax, p_tail the teacher's tail and q_tail the student's, the gradient of one position's
+    KL is q_j - p_j on the teacher's top-k and q_j (1 - p_tail - p_tail (1 - q_tail) / q_tail) on the rest."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, logprobs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        z = logits.float()  # (B, T, V)
+        top = z.amax(-1, keepdim=True)
+        e = (z - top).exp_()  # (B, T, V): exp(z - max), the top-k zeroed below
+        total = e.sum(-1)  # (B, T)
+        e_k = e.gather(-1, ids)  # (B, T, k)
+        tail = e.scatter_(-1, ids, 0.0).sum(-1)  # (B, T): the rest, summed on its own (no cancellation)
+        logq_k = z.gather(-1, ids) - top - total.log()[..., None]
+        logq_tail = tail.log() - total.log()  # -inf where the top-k is the whole vocabulary
+        p_k = logprobs.exp()
+        p_tail = (-torch.expm1(logprobs.logsumexp(-1))).clamp_min(0)  # 1 - sum(p_k), without cancellation
+        head = (p_k * (logprobs - logq_k)).sum(-1)
+        # k = V leaves no tail: the student's is log(0), the teacher's rounding noise, and their term is 0
+        tail_term = torch.xlogy(p_tail, p_tail) - p_tail * logq_tail.nan_to_num(neginf=0.0)
+        ctx.save_for_backward(e, total, tail, e_k, p_k, p_tail, ids)
+        ctx.dtype = logits.dtype
+        return (head + tail_term).mean()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        e, total, tail, e_k, p_k, p_tail, ids = ctx.saved_tensors
+        scale = torch.where(tail > 0, (1 - p_tail) - p_tail * e_k.sum(-1) / tail.clamp_min(torch.finfo(tail.dtype).tiny), 0.0)
+        g = e.mul_((scale / total)[..., None])  # (B, T, V): the rest (e is not needed again)
+        g.scatter_(-1, ids, e_k / total[..., None] - p_k)
+        return (g * (grad / total.numel())).to(ctx.dtype), None, None
 
 
 def topk_kl(logits: torch.Tensor, teacher: TopK) -> torch.Tensor:
     """Mean over positions of KL(teacher || student) over the teacher's top-k tokens and one tail bucket.
 
     logits (B, T, V): the student's; teacher: (B, T, k)."""
-    logq = torch.log_softmax(logits.float(), dim=-1)
-    logq_k = logq.gather(-1, teacher.ids)  # (B, T, k)
-    in_topk = torch.zeros_like(logq, dtype=torch.bool).scatter_(-1, teacher.ids, True)
-    logq_tail = logq.masked_fill(in_topk, -math.inf).logsumexp(-1)  # (B, T)
-    p_k = teacher.logprobs.exp()
-    p_tail = (-torch.expm1(teacher.logprobs.logsumexp(-1))).clamp_min(0)  # 1 - sum(p_k), without cancellation
-    head = (p_k * (teacher.logprobs - logq_k)).sum(-1)
-    # k = V leaves no tail: the student's is log(0), the teacher's rounding noise, and their term is 0
-    tail = torch.xlogy(p_tail, p_tail) - p_tail * logq_tail.nan_to_num(neginf=0.0)
-    return (head + tail).mean()
+    return TopKKL.apply(logits, teacher.logprobs, teacher.ids)
 
 
 def agreement(logits: torch.Tensor, teacher: TopK) -> torch.Tensor:
