@@ -136,7 +136,7 @@ def test_a_smaller_model_learns_the_targets_own_continuations_of_prompts(target_
     assert result.after.agreement > result.before.agreement + 0.1 and result.after.tau > result.before.tau
     assert result.after.identical
     assert "continued by the target itself (its greedy continuations, 40 tokens at most)" in (out / "README.md").read_text()
-    assert result.train_tokens >= (30 - result.heldout_sequences) * 41  # prompts of 25 tokens did not train alone
+    assert result.corpus_tokens >= (30 - result.heldout_sequences) * 41  # prompts of 25 tokens did not train alone
 
 
 def test_an_eagle3_head_loads_through_the_eagle3_path(target_dir, data_file, tmp_path):

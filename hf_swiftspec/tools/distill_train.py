@@ -127,7 +127,10 @@ class ModelStudent:
 
     def step(self, ids: torch.Tensor, autocast) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss, top-1 agreement) on windows ids (B, N)."""
-        teacher = self.teacher(ids)
+        return self.learn(ids, self.teacher(ids), autocast)
+
+    def learn(self, ids: torch.Tensor, teacher: TopK, autocast) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss, top-1 agreement) on windows ids (B, N) whose teacher is given (computed once, kept)."""
         with autocast:
             logits = self.module(ids).logits[..., : self.vocab]
         return topk_kl(logits, teacher), agreement(logits.detach(), teacher)
@@ -156,7 +159,10 @@ class HeadStudent:
             return tap.take(), teacher_topk(logits, self.top_k)
 
     def step(self, ids: torch.Tensor, autocast) -> tuple[torch.Tensor, torch.Tensor]:
-        states, teacher = self.teacher(ids)
+        return self.learn(ids, self.teacher(ids), autocast)
+
+    def learn(self, ids: torch.Tensor, taught: tuple[torch.Tensor, TopK], autocast) -> tuple[torch.Tensor, torch.Tensor]:
+        states, teacher = taught
         M = ids.shape[1] - self.depth
         total, first = 0.0, None
         with autocast:
@@ -236,6 +242,17 @@ class World:
             if p.grad is not None:
                 dist.all_reduce(p.grad)
                 p.grad.div_(self.size)
+
+    def rank0s(self, value: int) -> int:
+        """Rank 0's `value` on every rank: under --minutes each rank times its own steps, but the plan (the
+        learning rate's schedule, when to stop) must be one, or the ranks' weights part and a collective hangs."""
+        if self.size == 1:
+            return value
+        import torch.distributed as dist
+
+        held = torch.tensor([int(value)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+        dist.broadcast(held, 0)
+        return int(held.item())
 
     def barrier(self) -> None:
         if self.size > 1:
@@ -456,7 +473,7 @@ def train(student, stream: torch.Tensor, settings: TrainSettings, checkpoints: P
     progress.phase.done = history.step
     with Interrupts() as interrupts:
         try:
-            while not plan.done(history):
+            while not world.rank0s(plan.done(history)):
                 one_step(student, stream, settings, optimizer, params, data_rng, history, plan, autocast, world,
                          interrupts, clock)
                 progress.retotal(history.planned)
@@ -510,3 +527,4 @@ def one_step(student, stream, settings: TrainSettings, optimizer, params, data_r
         seconds = clock() - started
         history.seconds += seconds
         plan.took(history, seconds)
+        history.planned = world.rank0s(history.planned)
