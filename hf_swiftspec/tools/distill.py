@@ -52,7 +52,7 @@ from .distill_drafts import auto_draft, describe_draft, early_exit_layers, small
 from .distill_eval import References, draft_in_target_dtype, evaluate, fixed_pair
 from .distill_progress import Clock, Progress, minutes
 from .distill_report import DistillResult, own_pair, push, rewrite_card, write_heldout_prompts, write_pair
-from .distill_train import HeadStudent, ModelStudent, World, autocast_for, train
+from .distill_train import HeadStudent, ModelStudent, World, autocast_for, train, with_recipe
 
 __all__ = ["DRAFT_KINDS", "DistillConfig", "EvalSettings", "distill"]
 
@@ -64,11 +64,9 @@ def check_numbers(config: DistillConfig) -> None:
     t, e = config.train, config.eval
     positive = {"--batch": t.batch, "--top-k": t.top_k, "--save-every": config.save_every, "--eval-prompts": e.prompts,
                 "--eval-new-tokens": e.new_tokens, "--eval-windows": e.windows, "--head-depth": config.head_depth,
-                "--record-chars": config.data_options.record_chars}
-    if t.steps is not None:
-        positive["--steps"] = t.steps
+                "--record-chars": config.data_options.record_chars, "--steps": t.steps}
     for flag, value in positive.items():
-        if value < 1:
+        if value is not None and value < 1:
             raise DistillError(f"{flag} {value}: must be at least 1.")
     if t.minutes is not None and t.steps is not None:
         raise DistillError(f"--steps {t.steps} and --minutes {t.minutes:g}: give one (a number of steps, or the run's minutes).")
@@ -76,9 +74,7 @@ def check_numbers(config: DistillConfig) -> None:
         raise DistillError(f"--minutes {t.minutes:g}: must be positive.")
     if t.lr <= 0:
         raise DistillError(f"--lr {t.lr}: must be positive.")
-    shortest = config.head_depth + 2 if config.draft == "eagle3" else 2
-    if t.window < shortest:
-        raise DistillError(f"--window {t.window}: must be at least {shortest} tokens.")
+    check_window(config)
     if not 0 < config.measure_share < 1:
         raise DistillError(f"--measure-share {config.measure_share:g}: the share of --minutes the measurements may take, "
                            "above 0 and below 1 (0.15 for 15%).")
@@ -86,6 +82,13 @@ def check_numbers(config: DistillConfig) -> None:
         raise DistillError(f"--heldout-percent {config.heldout_percent}: must be between 1 and 50.")
     if config.self_distill_tokens is not None and config.self_distill_tokens < 0:
         raise DistillError(f"--self-distill {config.self_distill_tokens}: a number of new tokens, 0 (off) or more.")
+
+
+def check_window(config: DistillConfig) -> None:
+    """An EAGLE-3 head's training-time test needs its levels' tokens in a window (None: the recipe's, checked later)."""
+    shortest = config.head_depth + 2 if config.draft == "eagle3" else 2
+    if config.train.window is not None and config.train.window < shortest:
+        raise DistillError(f"--window {config.train.window}: must be at least {shortest} tokens.")
 
 
 def check_output(folder: Path, config: DistillConfig) -> None:
@@ -188,6 +191,8 @@ def check_inputs(config: DistillConfig, world: World) -> tuple[DistillConfig, st
     if config.draft == "auto":
         spec, chosen = auto_draft(target_config)
         config = replace(config, draft=spec)
+    config = replace(config, train=with_recipe(config.train, config.draft))
+    check_window(config)
     layers = early_exit_layers(config.draft)
     if layers is not None:
         total = target_config.get_text_config(decoder=True).num_hidden_layers
@@ -296,15 +301,15 @@ def trial(student, config: DistillConfig, records: list, tokenizer, world: World
     and the fixed-tree pair with the starting draft, and the tokenizer: what the plan sizes the run by."""
     target = student.target
     vocab = target.get_input_embeddings().num_embeddings
-    ids = torch.randint(0, vocab, (max(config.train.batch // world.size, 1), config.train.window),
-                        generator=torch.Generator().manual_seed(0)).to(target.device)
+    rows = max(config.train.batch // world.size, 1)  # this rank's windows a step; the trial times one of them
+    ids = torch.randint(0, vocab, (1, config.train.window), generator=torch.Generator().manual_seed(0)).to(target.device)
     started = clock()
     taught = student.teacher(ids)
-    teacher_s = clock() - started
+    teacher_s = (clock() - started) * rows
     started = clock()
     loss, _ = student.learn(ids, taught, autocast_for(dtype, target.device))
     loss.backward()
-    learn_s = clock() - started
+    learn_s = (clock() - started) * rows
     for p in student.module.parameters():
         p.grad = None
     prompt = ids[:1, : config.eval.prompt_tokens]
@@ -319,7 +324,7 @@ def trial(student, config: DistillConfig, records: list, tokenizer, world: World
         # per `tokens` new tokens, where the random prompt met an end of sequence sooner
         seconds.append((clock() - started) * tokens / max(out.shape[1] - prompt.shape[1], 1))
     student.module.train()
-    return Trial(teacher_s, learn_s, ids.numel(), seconds[0], seconds[1], tokens,
+    return Trial(teacher_s, learn_s, ids.numel() * rows, seconds[0], seconds[1], tokens,
                  tokenise_seconds(records, tokenizer, clock))
 
 
@@ -370,12 +375,13 @@ SpeedFunction = Callable[..., object]
 
 
 def distill(config: DistillConfig, on_step=None, speed: SpeedFunction | None = None, clock: Clock = time.monotonic,
-            stream=None) -> DistillResult | None:
+            stream=None, started_ago: float = 0.0) -> DistillResult | None:
     """Run `swiftspec distill` (see the module docstring); returns what it measured and where it wrote (None
     on ranks other than 0). on_step(history) runs after each training step (tests interrupt a run from it);
     speed: times the written pair (the command line passes `swiftspec bench`'s); clock and stream: the time
-    and where progress goes (tests give their own)."""
-    run_started = clock()
+    and where progress goes (tests give their own); started_ago: seconds the run had been going before this call
+    (the command line's: since its process started, imports included), which --minutes count."""
+    run_started = clock() - started_ago
     world = World.from_env()
     progress = Progress(config.verbose and world.writes, clock, stream)
     progress.note(f"reading the data ({', '.join(map(str, config.data)) or 'none given'}) and checking the inputs")
@@ -398,13 +404,14 @@ def distill(config: DistillConfig, on_step=None, speed: SpeedFunction | None = N
     timed = speed is not None and world.writes
     tried = trial(student, config, train_records + heldout_records, tokenizer, world, dtype, clock)
     sizing = size_run(config, tried, len(answers), answer_tokens, timed)
+    described_phases = plan_line(config, sizing)
     config = replace(config, eval=replace(config.eval, prompts=sizing.prompts, new_tokens=sizing.new_tokens,
                                           windows=sizing.windows))
     prepared_s = clock() - run_started
     expected = estimates(config, tried, sizing, answer_tokens, timed, prepared_s)
     check_budget(config, expected)
     progress.note(f"starting draft: {described}")
-    progress.plan(expected, {**plan_line(config, sizing), "train": train_words(config, expected["train"])})
+    progress.plan(expected, {**described_phases, "train": train_words(config, expected["train"])})
     warning = budget_warning(config, expected, prepared_s)
     if warning:
         progress.note(warning)
@@ -445,7 +452,8 @@ def distill(config: DistillConfig, on_step=None, speed: SpeedFunction | None = N
                     for other in config.compare_drafts}
         result = DistillResult(folder, history.step, history.step * config.train.batch * config.train.window,
                                int(stream_ids.numel()), len(data.heldout), before, after, history.seconds_per_step,
-                               history.seconds, peak_rss_mib(), described, compared, self_distilled=answered)
+                               history.seconds, peak_rss_mib(), described, compared, self_distilled=answered,
+                               batch=config.train.batch, window=config.train.window)
         student.module.to(dtype)  # trained in float32 (the optimizer's weights), written in the run's dtype
         write_pair(config, student, tokenizer, result)
         speed_prompts = sizing.speed_prompts

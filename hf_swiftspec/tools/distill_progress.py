@@ -23,7 +23,7 @@ PHASES = {
     "evaluate-start": "measure the starting draft",
     "train": "train",
     "evaluate-end": "measure the distilled draft",
-    "speed": "time the pair against target.generate and prompt lookup",
+    "speed": "time the pair against target.generate, prompt lookup and draft-free",
 }
 
 

@@ -22,7 +22,7 @@ import threading
 import time
 from collections import deque
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -183,8 +183,8 @@ class TrainSettings:
 
     steps: int | None = None  # None: DEFAULT_STEPS, or as many as `minutes` allow
     minutes: float | None = None  # train until this many minutes of training are spent (the schedule sized to it)
-    batch: int = 8  # windows per step, over all ranks
-    window: int = 256  # tokens per window
+    batch: int | None = None  # windows per step, over all ranks (None: the draft's recipe, RECIPES)
+    window: int | None = None  # tokens per window (None: the draft's recipe)
     lr: float = 3e-3
     warmup: int = 20
     weight_decay: float = 0.0
@@ -208,6 +208,17 @@ class TrainSettings:
 
 
 DEFAULT_STEPS = 400
+# (batch, window) by the kind of starting draft. A new small draft (tuned on the demo target): 8 x 256. An early exit
+# starts from the target's own layers and learns from its first steps: more, smaller steps in the same minutes.
+RECIPES = {"early-exit": (4, 192)}
+DEFAULT_RECIPE = (8, 256)
+
+
+def with_recipe(settings: TrainSettings, draft: str) -> TrainSettings:
+    """`settings` with the batch and window not given taken from the draft's recipe."""
+    batch, window = RECIPES.get(draft.split(":")[0], DEFAULT_RECIPE)
+    return replace(settings, batch=batch if settings.batch is None else settings.batch,
+                   window=window if settings.window is None else settings.window)
 
 
 @dataclass(frozen=True)
@@ -447,6 +458,8 @@ def train(student, stream: torch.Tensor, settings: TrainSettings, checkpoints: P
     step_s: a trial step's seconds, to plan a --minutes run before its first step; budget_s: its training
     seconds (default: all of settings.minutes).
     """
+    if settings.batch is None or settings.window is None:
+        raise ValueError(f"train() needs the batch and window settled (with_recipe); got {settings}.")
     module = student.module
     device = next(module.parameters()).device
     torch.manual_seed(settings.seed)
