@@ -384,6 +384,7 @@ def distill(config: DistillConfig, on_step=None, speed: SpeedFunction | None = N
     run_started = clock() - started_ago
     world = World.from_env()
     progress = Progress(config.verbose and world.writes, clock, stream)
+    progress.started = run_started  # the plan's "in all" counts what the run did before this call too
     progress.note(f"reading the data ({', '.join(map(str, config.data)) or 'none given'}) and checking the inputs")
     config, chosen, train_records, heldout_records, tokenizer = check_inputs(config, world)
     folder = Path(config.output)

@@ -185,8 +185,8 @@ def check_budget(config, expected: dict[str, float]) -> None:
     if others >= config.train.minutes * 60 * 0.9:
         raise DistillError(
             f"--minutes {config.train.minutes:g}: the run's other phases (tokenising, measuring the draft before and after, "
-            f"timing the pair) are expected to take about {others / 60:.1f} minutes here, leaving no time to train; give "
-            "more minutes, or fewer --eval-prompts / --eval-new-tokens."
+            f"timing the pair) are expected to take about {others / 60:.1f} minutes here even at their smallest, leaving no "
+            "time to train; give more minutes, or --no-speed."
         )
 
 
