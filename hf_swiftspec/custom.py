@@ -37,8 +37,12 @@ from .steps.capture import Captures
 from .config import SwiftSpecConfig, check_setting_names
 from .generation import split_stop_strings, stop_string_criteria, swiftspec_generate
 from .modeling import check_member_type, check_members
+from .pair.checks import TokenizerArguments
 from .policy.goodput import GoodputPolicy
 from .stats import SwiftSpecStats
+
+# how this entry point takes the two tokenizers, which its errors name (from_models' are tokenizer= / draft_tokenizer=)
+TOKENIZER_ARGUMENTS = TokenizerArguments("swiftspec_tokenizer=", "swiftspec_draft_tokenizer=")
 
 
 def custom_generate(
@@ -66,7 +70,8 @@ def custom_generate(
         raise ValueError("custom_generate decodes on the serial engine; an asynchronous placement needs SwiftSpecForCausalLM.")
     config = SwiftSpecConfig(**settings)  # checks the tree settings
     check_member_type(swiftspec_draft, "draft", required=False)
-    vocabularies = check_members(model, swiftspec_draft, None, swiftspec_tokenizer, swiftspec_draft_tokenizer)
+    vocabularies = check_members(model, swiftspec_draft, None, swiftspec_tokenizer, swiftspec_draft_tokenizer,
+                                 TOKENIZER_ARGUMENTS)
     policy = swiftspec_policy or GoodputPolicy(tree_budget=config.tree_budget, draft_depth=config.draft_depth)
     try:
         output, stats = swiftspec_generate(

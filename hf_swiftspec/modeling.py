@@ -30,6 +30,7 @@ from .pair import (
 )
 from .pair.loading import LoadArguments, load_member_model, split_load_kwargs, with_cpu_dtype
 from .pair.locate import HubOptions, member_folder, member_head_config, resolve_pair_folder
+from .pair.checks import FROM_MODELS, TokenizerArguments
 from .pair.repo import read_pair_config
 from .pair.tokenizer import load_tokenizer
 from .engine.placement import Placement, place_models, resolve_placement
@@ -179,15 +180,18 @@ def check_head_fits(head: DraftHead, target: PreTrainedModel, placement: Placeme
         raise ValueError(f"The draft head is on {head.device}, the target on {target.device}: move the head to the target's device.")
 
 
-def check_members(target, draft, placement: Placement | None, tokenizer=None, draft_tokenizer=None) -> Vocabularies | None:
+def check_members(target, draft, placement: Placement | None, tokenizer=None, draft_tokenizer=None,
+                  arguments: TokenizerArguments = FROM_MODELS) -> Vocabularies | None:
     """Raise ValueError if the target, or the draft beside it (a model or a draft head), cannot speculate. Returns
-    the two vocabularies of a draft with a tokenizer of its own (it proposes through text), else None."""
+    the two vocabularies of a draft with a tokenizer of its own (it proposes through text), else None. arguments:
+    how the caller takes the two tokenizers (its errors name them)."""
     check_model_supported(target, "target")
     if isinstance(draft, DraftHead):
         check_head_fits(draft, target, placement)
     elif draft is not None:
         check_model_supported(draft, "draft")
-        if check_compatibility(target.config, draft.config, tokenizer, draft_tokenizer, architectures=False):
+        if check_compatibility(target.config, draft.config, tokenizer, draft_tokenizer, architectures=False,
+                               arguments=arguments):
             return Vocabularies.between(tokenizer, draft_tokenizer)
     return None
 
@@ -381,8 +385,10 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
         points the config at them. pin_revisions fills a missing target/draft revision of a Hub
         member with the commit its default branch points to now. `card` adds the title, licence and
         sections (measured acceptance, placement) to the generated card; load_id is the repo id the
-        card's usage example loads (default: the folder). Other kwargs are accepted for
-        PreTrainedModel compatibility and ignored.
+        card's usage example loads (default: the folder). Local members keep absolute entries absolute; one
+        inside the written folder, or a sibling the pair named relatively, is named relative to it; any other
+        by its absolute path (pair.locate.relocated_entry), so a moved copy still loads. Other kwargs are
+        accepted for PreTrainedModel compatibility and ignored.
         """
         folder = Path(save_directory)
         config = SwiftSpecConfig.from_dict(self.config.to_dict())
@@ -401,7 +407,8 @@ class SwiftSpecForCausalLM(PreTrainedModel, GenerationMixin):
                     f"Cannot save the pair: config.{role} is not set (the {role} was built in memory). Set "
                     f"model.config.{role} to its Hub id, or pass save_members=True to store its weights in the pair."
                 )
-        config = relocated(config, self.pair_folder or folder, folder)
+        # members written here (save_members) are found from here, not from the folder the pair came from
+        config = relocated(config, folder if save_members else (self.pair_folder or folder), folder)
         if pin_revisions:
             config = pinned(config, folder)
         write_pair_repo(folder, config, card, self.tokenizer, self.generation_config, load_id,

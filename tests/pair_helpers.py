@@ -54,6 +54,7 @@ def local_pair(root: Path, **settings) -> Path:
         tokenizer=char_tokenizer(),
         **settings,
     )
+    model.config.update({role: os.path.join("..", role) for role in ("target", "draft")})  # (absolute ones stay absolute)
     model.save_pretrained(root / "pair")
     return root / "pair"
 

@@ -56,6 +56,17 @@ def test_the_callable_refuses_bad_settings_by_name(target):
                         swiftspec_settings={"placement": {"target": ["cpu"], "draft": ["cpu"]}})
 
 
+def test_a_vocabulary_mismatch_names_the_callables_own_tokenizer_arguments(target):
+    """A draft of another vocabulary size and no tokenizers: the error says to pass swiftspec_tokenizer= and
+    swiftspec_draft_tokenizer= (what this entry point takes), not from_models' tokenizer= / draft_tokenizer=."""
+    other = tiny_model("llama", vocab_size=120, layers=1, seed=3)
+    with pytest.raises(ValueError, match="Vocabulary mismatch") as refused:
+        target.generate(PROMPT, max_new_tokens=4, custom_generate=custom_generate, swiftspec_draft=other)
+    message = str(refused.value)
+    assert "as swiftspec_tokenizer=" in message and "as swiftspec_draft_tokenizer=" in message
+    assert " tokenizer=" not in message.replace("swiftspec_tokenizer=", "").replace("swiftspec_draft_tokenizer=", "")
+
+
 def test_the_repo_form_runs_from_a_local_path_with_its_streamer_and_stop_strings(target):
     """custom_generate=<the folder>, trust_remote_code=True: generate.py hands generate()'s arguments to the
     loop, the streamer and stop_strings (with tokenizer=) included, which a custom loop does not receive."""

@@ -81,6 +81,10 @@ def test_distilling_raises_agreement_and_tau_over_the_starting_draft(distilled, 
     tau_before = heldout_tau(SwiftSpecForCausalLM.from_models(target, start, tokenizer=tokenizer, **TREE), tokenizer, texts)
     tau_after = heldout_tau(SwiftSpecForCausalLM.from_models(target, trained, tokenizer=tokenizer, **TREE), tokenizer, texts)
     assert tau_after > tau_before + 0.5, (tau_before, tau_after)
+    # The early exit's embeddings and head stayed the target's (frozen); its layer and norm trained
+    for name, weight in trained.state_dict().items():
+        same = torch.equal(weight, target.state_dict()[name])
+        assert same == (name.startswith("model.embed_tokens") or name.startswith("lm_head")), name
     # What distill measured and reported says the same
     assert result.after.agreement > result.before.agreement and result.after.tau > result.before.tau
     assert result.after.identical and result.before.identical
@@ -136,7 +140,7 @@ def test_a_smaller_model_learns_the_targets_own_continuations_of_prompts(target_
     assert result.after.agreement > result.before.agreement + 0.1 and result.after.tau > result.before.tau
     assert result.after.identical
     assert "continued by the target itself (its greedy continuations, 40 tokens at most)" in (out / "README.md").read_text()
-    assert result.train_tokens >= (30 - result.heldout_sequences) * 41  # prompts of 25 tokens did not train alone
+    assert result.corpus_tokens >= (30 - result.heldout_sequences) * 41  # prompts of 25 tokens did not train alone
 
 
 def test_an_eagle3_head_loads_through_the_eagle3_path(target_dir, data_file, tmp_path):
@@ -177,6 +181,28 @@ def test_a_bfloat16_run_writes_a_bfloat16_draft_that_decodes_as_the_target(targe
     assert pair.generate(ids, max_new_tokens=30, do_sample=False).tolist() == expected.tolist()
 
 
+def test_auto_starts_a_large_target_from_its_early_exit_and_a_small_one_from_a_new_draft(target_dir, data_file, tmp_path):
+    """--draft auto (the default), by the target's size: a SmolLM2-135M-shaped config (its parameters counted on the
+    meta device, no weights) gets its first 2 of 30 layers, the tiny target a new small draft; the run says which
+    and why, and the early exit's recipe is its own (4 x 192-token windows)."""
+    from transformers import AutoConfig
+
+    from hf_swiftspec.tools.distill_drafts import auto_draft
+    from hf_swiftspec.tools.distill_train import with_recipe
+    from hf_swiftspec.tools.models import REAL_SHAPES
+
+    shape = dict(REAL_SHAPES["smollm2-135m"])
+    spec, why = auto_draft(AutoConfig.for_model(shape.pop("model_type"), **shape))
+    assert spec == "early-exit:2" and "135M-parameter target of 30 layers" in why
+    assert (with_recipe(TrainSettings(), spec).batch, with_recipe(TrainSettings(), spec).window) == (4, 192)
+    assert auto_draft(load_target(target_dir).config)[0] == "small"
+    out = tmp_path / "auto"
+    result = distill(config(target_dir, data_file, out, draft="auto", train=TrainSettings(steps=2, batch=2, window=32),
+                            eval=replace(EVAL, prompts=1, new_tokens=4, windows=2)))
+    assert "--draft auto chose small for a 0.1M-parameter target" in result.starting_draft
+    assert json.loads((out / "distill.json").read_text())["draft"] == "small"
+
+
 # ---------------------------------------------------------------- the objective and the data
 
 
@@ -191,6 +217,22 @@ def test_topk_kl_is_the_full_kl_at_k_equal_v_and_folds_the_tail_below_it():
     p_tail, q_tail = (p * ~mask).sum(-1), (logq.exp() * ~mask).sum(-1)
     folded = ((p * (p.log() - logq)) * mask).sum(-1) + p_tail * (p_tail.log() - q_tail.log())
     torch.testing.assert_close(topk_kl(student, TopK(top.logprobs, top.ids)), folded.mean())
+
+
+@pytest.mark.parametrize("k", [3, 11])
+def test_topk_kl_has_the_gradient_of_the_direct_computation(k):
+    """topk_kl writes its gradient out; autograd through the direct formula (float64) must give the same."""
+    g = torch.Generator().manual_seed(1)
+    teacher, student = torch.randn(2, 5, 11, generator=g) * 3, torch.randn(2, 5, 11, generator=g, requires_grad=True)
+    top = teacher_topk(teacher, k)
+    topk_kl(student, top).backward()
+    wide = student.detach().double().requires_grad_(True)
+    p, logq = torch.softmax(teacher.double(), -1), torch.log_softmax(wide, -1)
+    mask = torch.zeros_like(p, dtype=torch.bool).scatter_(-1, top.ids, True)
+    p_tail, q_tail = (p * ~mask).sum(-1), (logq.exp() * ~mask).sum(-1)
+    tail = p_tail * (p_tail.log() - q_tail.log()) if k < 11 else 0.0
+    (((p * (p.log() - logq)) * mask).sum(-1) + tail).mean().backward()
+    torch.testing.assert_close(student.grad, wide.grad.float(), atol=1e-6, rtol=1e-4)
 
 
 def test_self_distillation_trains_on_the_targets_own_continuations(target_dir):
@@ -302,9 +344,16 @@ def test_the_command_distills_and_reports(target_dir, data_file, tmp_path, capsy
     """The command line: progress on stderr, the user's own run reported on stdout, and a card that says what to
     expect (agreement, tau with a fixed tree and under the policy, the bench's speed-ups), all from distill.json."""
     out = tmp_path / "cli-pair"
-    code = main(["distill", str(out), "--target", str(target_dir), "--data", str(data_file), "--steps", "20",
-                 "--batch", "4", "--window", "32", "--eval-prompts", "3", "--eval-new-tokens", "16", "--threads", "1"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:  # no --threads: one torch thread on a CPU, as every swiftspec command
+        code = main(["distill", str(out), "--target", str(target_dir), "--data", str(data_file), "--steps", "20",
+                     "--batch", "4", "--window", "32", "--eval-prompts", "3", "--eval-new-tokens", "16"])
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
     captured = capsys.readouterr()
+    assert "(float32 on cpu, 1 torch thread(s))" in captured.err
     printed = captured.out
     assert code == 0, printed
     progress = [line for line in captured.err.replace("\r", "\n").splitlines() if line.startswith("distill: train: 20/20 steps")]
@@ -323,6 +372,11 @@ def test_the_command_distills_and_reports(target_dir, data_file, tmp_path, capsy
                    f"{speed['speedup'] / speed['prompt_lookup_speedup']:.2f}x prompt lookup"):
         assert figure in expect, figure
     assert f"{speed['speedup']:.2f}x target.generate" in printed
+    assert f"20 steps x 4 x 32 tokens: {20 * 4 * 32:,} tokens trained on" in printed
+    free = speed["speedup"] / speed["draft_free_speedup"]  # the bench's own draft-free run, beside the pair
+    assert speed["draft_free_speedup"] == timed["swiftspec_suffix"]["speedup"]["mean"]
+    assert f"({free:.2f}x draft-free)" in printed
+    assert f"{free:.2f}x" in expect or "(the policy hardly drafted with it)" in expect
     everything = printed + captured.err + json.dumps(report) + card
     assert "shared" not in everything and "loaded machine" not in everything  # the user's own run, in the user's terms
 

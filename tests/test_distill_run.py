@@ -209,6 +209,8 @@ def test_every_phase_shows_progress_and_the_plan_comes_first(target_dir, tmp_pat
     assert result.self_distilled == sum(r.messages is not None for r in train) > 0  # by default: the conversations alone
     lines = stream.getvalue().splitlines()
     assert lines[0].startswith("distill: reading the data")
+    loading = next(i for i, line in enumerate(lines) if "loading the target" in line)  # said before it loads, and after
+    assert lines[loading + 1].startswith("distill: target loaded in")
     plan = next(i for i, line in enumerate(lines) if line.startswith("distill: the run:"))
     assert "About" in lines[plan] and all(PHASES[name] in lines[plan] for name in PHASES)
     for name, words in PHASES.items():
@@ -287,6 +289,108 @@ def test_minutes_train_until_the_time_is_spent_with_the_schedule_sized_to_it(sec
     assert history.learning_rates[-1] < settings.lr * (settings.min_lr_ratio + 0.02)
     decaying = history.learning_rates[settings.warmup :]
     assert all(a > b for a, b in zip(decaying, decaying[1:]))
+
+
+class WorkClock:
+    """A clock that only the models' work moves: each decoder layer's forward advances it by `per_token` seconds a
+    token it reads (three times that under autograd: its backward too). A run's phases then take as long as their
+    work says, the same on any machine, and its recorded times can be held to its budget."""
+
+    def __init__(self, per_token: float):
+        self.per_token, self.now = per_token, 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def layer(self, module, args, output) -> None:
+        if type(module).__name__.endswith("DecoderLayer") and isinstance(output, torch.Tensor):
+            self.now += output.shape[0] * output.shape[1] * self.per_token * (3 if output.requires_grad else 1)
+
+    def __enter__(self) -> "WorkClock":
+        self.handle = torch.nn.modules.module.register_module_forward_hook(self.layer)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()
+
+
+def timed_speed(pair, prompts_file, folder, config) -> Speed:
+    """Stands in for `swiftspec bench`: one target.generate per method and prompt on the work clock."""
+    prompts = [json.loads(line)["prompt"] for line in prompts_file.read_text().splitlines()]
+    for prompt in prompts[1:] * 4:
+        ids = pair.tokenizer(prompt, return_tensors="pt").input_ids
+        pair.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=config.eval.new_tokens)
+    return Speed(len(prompts) - 1, config.eval.new_tokens, 1.5, 1.2, 2.0, 1, "bench", 1.4, 0.0, 1.0)
+
+
+def minutes_run(target_dir, text_file, out, minutes: float, per_token: float, **changes):
+    stream = io.StringIO()
+    with WorkClock(per_token) as clock:
+        result = distill(config(target_dir, text_file, out, verbose=True, draft="small", save_every=1000,
+                                data_options=DataOptions(record_chars=400), heldout_percent=25,
+                                train=TrainSettings(minutes=minutes, batch=4, window=48, lr=3e-3, warmup=5), **changes),
+                         speed=timed_speed, clock=clock, stream=stream)
+    return result, stream.getvalue(), json.loads((out / "distill.json").read_text())
+
+
+def plan_of(shown: str) -> str:
+    return next(line for line in shown.splitlines() if line.startswith("distill: the run:"))
+
+
+@pytest.fixture(scope="module")
+def one_minute(target_dir, text_file):
+    """--minutes 1 on the work clock (a millisecond a layer-token), measuring 3 held-out prompts x 16 tokens."""
+    return minutes_run(target_dir, text_file, target_dir.parent / "one-minute", 1.0, 1e-3,
+                       eval=replace(EVAL, prompts=3, new_tokens=16, windows=4))
+
+
+def test_minutes_go_to_training_and_the_run_ends_within_them(one_minute):
+    """The run's own recorded phases add up to its time, training takes at least 70% of it, the measurements at
+    most their 15%, and it ends within the minute; the plan line said what training would get."""
+    result, shown, report = one_minute
+    phases, total = report["phases"], report["seconds"]
+    assert set(phases) == {"prepare", "tokenise", "evaluate-start", "train", "evaluate-end", "speed"}
+    assert sum(phases.values()) == pytest.approx(total, abs=0.5)  # (writing the pair moves no model)
+    assert phases["train"] >= 0.7 * total and total <= 60.0, phases
+    assert phases["evaluate-start"] + phases["evaluate-end"] + phases["speed"] <= 0.15 * 60
+    assert "train until the minutes are spent, 8" in plan_of(shown) and "warning" not in shown  # 8x% of them
+    assert (result.after.prompts, result.after.new_tokens / result.after.prompts) == (3, 16)  # as asked: it fits
+
+
+def test_a_slow_target_gets_fewer_held_out_prompts_and_tokens_not_less_training(target_dir, text_file, tmp_path):
+    """The target's work four times dearer (and four minutes, for as many steps): measuring the 5 prompts x 24 tokens
+    asked for would pass the share, so fewer are measured (the plan says so), and training still takes at least 70%
+    of a run that ends within its minutes."""
+    result, shown, report = minutes_run(target_dir, text_file, tmp_path / "out", 4.0, 4e-3)
+    phases, total = report["phases"], report["seconds"]
+    assert phases["train"] >= 0.7 * total and total <= 240.0, phases
+    e = report["eval"]
+    assert (e["prompts"], e["new_tokens"]) < (EVAL.prompts, EVAL.new_tokens) and result.after.prompts == e["prompts"]
+    assert f"{e['prompts']} held-out prompts x {e['new_tokens']} tokens" in plan_of(shown)
+    assert "of the minutes allows" in plan_of(shown)
+
+
+def test_the_plan_warns_when_training_gets_under_half_the_minutes(target_dir, text_file, tmp_path):
+    _, shown, report = minutes_run(target_dir, text_file, tmp_path / "out", 0.75, 4e-3)
+    warning = next(line for line in shown.splitlines() if "warning: training gets" in line)
+    assert "of the 0.75 minutes" in warning and "--no-speed" in warning
+    assert report["phases"]["train"] < 0.5 * 45
+
+
+def test_the_card_says_what_the_run_did(one_minute, target_dir):
+    """The card's training figures are the run's: the tokens its steps read (steps x batch x window, not the corpus),
+    the training's own minutes; and a speed-up that the suffix proposals made is not credited to the draft."""
+    result, _, report = one_minute
+    card = (target_dir.parent / "one-minute" / "README.md").read_text()
+    trained = report["steps"] * 4 * 48
+    assert report["train_tokens"] == result.train_tokens == trained != report["corpus_tokens"]
+    assert f"**{trained:,} tokens trained on**" in card and f"{report['corpus_tokens']:,} tokens to draw from" in card
+    assert f"**{report['training_time']['seconds'] / 60:.1f} minutes of training**" in card
+    assert f"of a {report['seconds'] / 60:.1f}-minute run (--minutes 1)" in card
+    expect = card[card.index("## What to expect"):card.index("## Measured on held-out data")]
+    assert "**The draft does not pay on this machine** (the policy hardly drafted with it)" in expect
+    assert "draft-free (suffix proposals alone) ran 1.40x" in expect and "100% of the accepted proposals" in expect
+    assert "Draft-free mode" in expect and "larger target" in expect and "GPU" in expect
 
 
 def test_minutes_too_few_for_the_other_phases_are_refused(target_dir, text_file, tmp_path):

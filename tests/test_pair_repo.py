@@ -269,6 +269,32 @@ def test_save_then_load_reproduces_the_pair(tmp_path):
     assert not {"is_local", "local_files_only"} & set(written), "loader arguments leaked into the saved tokenizer"
 
 
+def test_a_saved_copy_keeps_absolute_members_and_loads_after_a_move(tmp_path):
+    """A pair naming its target by absolute path, its draft inside its own folder (distill's layout), saved
+    elsewhere: the copy names both by absolute path (the draft no longer travels with it), so moved deeper it still
+    loads and decodes as target.generate. Re-saved in place, the member inside stays relative."""
+    target_dir, draft_dir = tiny_members(tmp_path / "models")
+    pair = tmp_path / "pair"
+    pair.mkdir()
+    draft_dir.rename(pair / "draft")
+    create_pair_repo(pair, str(target_dir), str(pair / "draft"))
+    edit_config(pair, target=str(target_dir.resolve()))
+    loaded = SwiftSpecForCausalLM.from_pretrained(pair)
+    loaded.save_pretrained(pair)  # in place: the draft is inside the folder written, and stays named relative to it
+    in_place = json.loads((pair / "config.json").read_text())
+    assert (in_place["target"], in_place["draft"]) == (str(target_dir.resolve()), "draft")
+    loaded.config.tree_budget = 5
+    loaded.save_pretrained(tmp_path / "copy")
+    written = json.loads((tmp_path / "copy" / "config.json").read_text())
+    assert (written["target"], written["draft"]) == (str(target_dir.resolve()), str((pair / "draft").resolve()))
+    moved = tmp_path / "elsewhere" / "deeper" / "copy"
+    moved.parent.mkdir(parents=True)
+    (tmp_path / "copy").rename(moved)
+    again = SwiftSpecForCausalLM.from_pretrained(moved)
+    ids = torch.tensor([[7, 8, 9, 10]])
+    assert again.config.tree_budget == 5 and greedy(again, ids, 24) == greedy(loaded.target, ids, 24)
+
+
 def test_card_lists_hub_members_as_base_model(tmp_path):
     target = tiny_model("llama")
     draft = truncated_draft(target, 1)

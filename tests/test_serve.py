@@ -295,6 +295,10 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, refe
         client.completions.create(model=name, prompt="x = 1\n" * 400, max_tokens=4)
     with pytest.raises(openai.BadRequestError, match="max_tokens=-1 must be at least 1"):
         client.completions.create(model=name, prompt="def f", max_tokens=-1)
+    for stream in (False, True):  # an empty prompt: a 400 naming the prompt, not the decoding loop's 500
+        with pytest.raises(openai.BadRequestError, match="The prompt is empty") as refused:
+            client.completions.create(model=name, prompt="", max_tokens=4, stream=stream)
+        assert refused.value.body["param"] == "prompt" and refused.value.body["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError) as refused:  # in OpenAI's error shape, naming the model
         client.completions.create(model="some-org/another-model", prompt="def f", max_tokens=4)
     assert refused.value.body["param"] == "model" and "pinned" in refused.value.body["message"]

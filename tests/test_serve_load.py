@@ -5,6 +5,7 @@ answer is checked against the target alone (`target.generate`, or one causal for
 
 from __future__ import annotations
 
+import threading
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -236,6 +237,37 @@ def test_the_model_is_named_as_the_client_named_it(mode):
         assert client.completions.create(model=name, prompt="def f", max_tokens=4, temperature=0).model == name
         chunks = list(client.completions.create(model=name, prompt="def f", max_tokens=4, temperature=0, stream=True))
         assert chunks and {c.model for c in chunks} == {name}
+
+
+def test_time_to_first_token_waits_for_the_first_text_not_the_role_chunk(pair_folder, reference, monkeypatch):
+    """A streamed chat answer whose decoding is held until the client has its first chunk (the role alone, sent
+    before any token): no first token is counted then; once decoding goes on, one is, and the answer is the
+    target's."""
+    tokenizer, answer = reference
+    with started(pair_folder, "sequential") as (running, client, name):
+        model, go = served_model(running), threading.Event()
+        decode = model.generate
+
+        def held(*args, **kwargs):
+            go.wait(120)
+            return decode(*args, **kwargs)
+
+        monkeypatch.setattr(model, "generate", held)
+        messages = [{"role": "user", "content": "hi"}]
+        chunks = iter(client.chat.completions.create(model=name, messages=messages, max_tokens=8, temperature=0,
+                                                     stream=True))
+        first = next(chunks)
+        try:
+            assert first.choices[0].delta.role == "assistant" and not first.choices[0].delta.content
+            assert scrape(client)["swiftspec_time_to_first_token_seconds_count"] == 0
+        finally:
+            go.set()
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        assert text == answer(prompt["input_ids"], 8)
+        metrics = scrape(client)
+        assert metrics["swiftspec_time_to_first_token_seconds_count"] == 1
+        assert 0 < metrics["swiftspec_time_to_first_token_seconds_sum"] <= metrics["swiftspec_request_latency_seconds_sum"]
 
 
 def test_metrics_add_up_to_what_the_responses_said(pair_folder, reference):

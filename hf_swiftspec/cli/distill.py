@@ -14,7 +14,7 @@ from ..tools.distill import DRAFT_KINDS, DistillConfig, EvalSettings, distill
 from ..tools.distill_corpus import HUB_PREFIX, DataOptions
 from ..tools.distill_report import SPEED_FOLDER, Speed
 from ..tools.distill_train import DEFAULT_STEPS, TrainSettings
-from ..tools.options import add_tree_options, tree_overrides
+from ..tools.options import add_tree_options, set_threads, tree_overrides
 
 TRAIN_FLAGS = {"batch": int, "window": int, "lr": float, "warmup": int, "weight_decay": float, "top_k": int, "seed": int}
 EVAL_FLAGS = {"prompts": int, "new_tokens": int, "windows": int, "tree_budget": int, "draft_width": int,
@@ -54,9 +54,15 @@ def add_distill_parser(commands) -> None:
     parser.add_argument("--steps", type=int, default=None, help=f"training steps (default: {DEFAULT_STEPS}; not with --minutes)")
     parser.add_argument("--minutes", type=float, default=None,
                         help="the whole run's time: train as long as the other phases leave, the schedule sized to it")
+    parser.add_argument("--measure-share", type=float, default=defaults.measure_share,
+                        help="under --minutes: the share of them the held-out measurements, the in-run bench and "
+                             "self-distillation may take together (fewer prompts and tokens where the target is slow; "
+                             "default: %(default)s)")
     for name, kind in TRAIN_FLAGS.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=getattr(defaults.train, name),
-                            help="(default: %(default)s)")
+        default = getattr(defaults.train, name)
+        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=default,
+                            help="(default: the draft's recipe: 4 x 192 for early-exit, 8 x 256 otherwise)" if default is None
+                            else "(default: %(default)s)")
     for name, kind in EVAL_FLAGS.items():
         parser.add_argument(f"--eval-{name.replace('_', '-')}", type=kind, default=getattr(defaults.eval, name),
                             dest=f"eval_{name}", help="held-out measurement (default: %(default)s)")
@@ -71,7 +77,8 @@ def add_distill_parser(commands) -> None:
     parser.add_argument("--force", action="store_true", help="write into a non-empty OUTPUT")
     parser.add_argument("--device", default=None, help="default: this rank's cuda device when present, else cpu")
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32 on CPU, bfloat16 on GPU)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default on a CPU: 1, as every swiftspec command; on a GPU: torch's choice)")
     parser.add_argument("--push-to-hub", default=None, metavar="REPO_ID", help="upload the pair folder to this Hub repo")
     parser.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -87,6 +94,7 @@ def distill_config(args: argparse.Namespace) -> DistillConfig:
         train=train, eval=evaluation, self_distill_tokens=args.self_distill_tokens, heldout_percent=args.heldout_percent,
         heldout_data=tuple(args.heldout_data), compare_drafts=tuple(args.compare_drafts),
         eval_prompts_file=args.eval_prompts_file, pair_settings=tree_overrides(args), head_hidden=args.head_hidden,
+        measure_share=args.measure_share,
         head_depth=args.head_depth, save_every=args.save_every, resume=args.resume, force=args.force, device=args.device,
         dtype=args.dtype, push_to_hub=args.push_to_hub, private=args.private, verbose=not args.quiet,
         command=shlex.join(["swiftspec", *sys.argv[1:]]) if sys.argv[1:2] == ["distill"] else None,
@@ -94,8 +102,9 @@ def distill_config(args: argparse.Namespace) -> DistillConfig:
 
 
 def bench_speed(pair, prompts_file: Path, folder: Path, config: DistillConfig) -> Speed:
-    """The written pair against target.generate and prompt lookup on the held-out prompts: `swiftspec bench`
-    (interleaved, greedy, every output checked against target.generate's), its files under OUTPUT/bench/."""
+    """The written pair against target.generate, prompt lookup and its own target draft-free (suffix proposals
+    alone: what the draft adds) on the held-out prompts: `swiftspec bench` (interleaved, greedy, every output
+    checked against target.generate's), its files under OUTPUT/bench/."""
     import torch
 
     from ..bench import BenchConfig, BenchModels, run_bench
@@ -106,28 +115,40 @@ def bench_speed(pair, prompts_file: Path, folder: Path, config: DistillConfig) -
     threads = torch.get_num_threads() if pair.target.device.type == "cpu" else None
     report = run_bench(BenchConfig(
         models=models, prompts=(str(prompts_file),), num_prompts=max(prompts - 1, 1), max_new_tokens=config.eval.new_tokens,
-        methods=("target", "prompt_lookup", "swiftspec_serial"), output_dir=str(folder / SPEED_FOLDER), threads=threads,
-        chat_template=False, growth_check_tokens=0, progress=config.verbose,
+        methods=("target", "prompt_lookup", "swiftspec_serial", "swiftspec_suffix"), output_dir=str(folder / SPEED_FOLDER),
+        threads=threads, chat_template=False, growth_check_tokens=0, progress=config.verbose,
     ))
     methods = {m.name: m for m in report.sets[0].at(1)}
-    ours, lookup = methods["swiftspec_serial"], methods["prompt_lookup"]
+    ours, lookup, free = methods["swiftspec_serial"], methods["prompt_lookup"], methods["swiftspec_suffix"]
     return Speed(len(report.sets[0].prompts), config.eval.new_tokens, ours.speedup.mean, lookup.speedup.mean,
-                 ours.tau.mean, threads, SPEED_FOLDER)
+                 ours.tau.mean, threads, SPEED_FOLDER, free.speedup.mean if free.speedup else None,
+                 ours.draft_expansions.mean if ours.draft_expansions else None,
+                 ours.ngram_share.mean if ours.ngram_share else None)
+
+
+def process_seconds() -> float:
+    """Seconds since this process started (its imports included: what a user timing the command counts), 0.0
+    where psutil cannot tell."""
+    import time
+
+    try:
+        import psutil  # accelerate depends on it
+    except ImportError:
+        return 0.0
+    return max(time.time() - psutil.Process().create_time(), 0.0)
 
 
 def run_distill(args: argparse.Namespace) -> int:
-    import torch
+    from ..tools.distill import resolve_device
 
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads {args.threads} must be at least 1.")
-        torch.set_num_threads(args.threads)
-    result = distill(distill_config(args), speed=bench_speed if args.speed else None)
+    set_threads(args.threads, resolve_device(args.device))  # the run's loading line says how many are in force
+    result = distill(distill_config(args), speed=bench_speed if args.speed else None, started_ago=process_seconds())
     if result is None:  # a rank other than 0 under torchrun: rank 0 reports
         return 0
     b, a = result.before, result.after
-    print(f"wrote pair {result.folder} ({result.steps} steps in {result.training_seconds / 60:.1f} minutes, "
-          f"{result.train_tokens:,} training tokens)")
+    run = f" of a {result.seconds / 60:.1f}-minute run" if result.seconds is not None else ""
+    print(f"wrote pair {result.folder} ({result.steps} steps x {result.batch} x {result.window} tokens: {result.train_tokens:,} "
+          f"tokens trained on in {result.training_seconds / 60:.1f} minutes of training{run})")
     print(f"held-out top-1 agreement {b.agreement:.1%} -> {a.agreement:.1%}; tau {b.tau:.2f} -> {a.tau:.2f} with a fixed tree, "
           f"{a.policy_tau:.2f} under the pair's own settings ({a.new_tokens} tokens from {a.prompts} held-out prompts); "
           f"identical to target.generate: {a.identical}")
@@ -137,4 +158,9 @@ def run_distill(args: argparse.Namespace) -> int:
         s = result.speed
         print(f"speed on {s.prompts} held-out prompts: {s.speedup:.2f}x target.generate, {s.over_prompt_lookup:.2f}x prompt "
               f"lookup ({result.folder / s.files})")
+        if s.over_draft_free is not None:
+            pays = "the draft pays" if s.draft_pays else "the draft does not pay on this machine"
+            print(f"where it came from: draft-free {s.draft_free_speedup:.2f}x target.generate, so {pays} "
+                  f"({s.over_draft_free:.2f}x draft-free); {s.draft_forwards:.1f} draft forwards a round, n-gram share "
+                  f"{s.ngram_share:.0%}")
     return 0 if a.identical else 1

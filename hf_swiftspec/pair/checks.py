@@ -8,6 +8,7 @@ another tokenizer than the target's, or a shorter context, is no error: it propo
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from transformers import PreTrainedConfig
 
@@ -15,6 +16,19 @@ from ..models.architectures import UnsupportedArchitecture, check_config
 from .errors import PairConfigError
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TokenizerArguments:
+    """How the entry point being checked takes the two tokenizers, so that its errors name its own arguments
+    (from_models': tokenizer= and draft_tokenizer=; custom_generate's: swiftspec_tokenizer= and
+    swiftspec_draft_tokenizer=)."""
+
+    target: str = "tokenizer="
+    draft: str = "draft_tokenizer="
+
+
+FROM_MODELS = TokenizerArguments()
 
 
 def check_architecture(config: PreTrainedConfig, role: str) -> None:
@@ -118,7 +132,8 @@ def check_tokenizer_fits(tokenizer, config: PreTrainedConfig, role: str) -> None
         )
 
 
-def check_vocabularies(target: PreTrainedConfig, draft: PreTrainedConfig, target_tokenizer=None, draft_tokenizer=None) -> bool:
+def check_vocabularies(target: PreTrainedConfig, draft: PreTrainedConfig, target_tokenizer=None, draft_tokenizer=None,
+                       arguments: TokenizerArguments = FROM_MODELS) -> bool:
     """Whether the draft's token ids mean the target's (False), or the draft has a tokenizer of its own (True: it
     proposes through its branches' text, drafters/translated.py).
 
@@ -135,8 +150,8 @@ def check_vocabularies(target: PreTrainedConfig, draft: PreTrainedConfig, target
             known = "no tokenizer" if draft_tokenizer is None else "only the draft's tokenizer"
             raise PairConfigError(
                 f"Vocabulary mismatch: target vocab_size={t_size}, draft vocab_size={d_size}, and with {known} the "
-                "token -> id mapping cannot be checked nor translated. Pass the target's tokenizer as tokenizer= (and "
-                "a draft with another tokenizer its own as draft_tokenizer=): a draft of the same tokenizer with "
+                f"token -> id mapping cannot be checked nor translated. Pass the target's tokenizer as {arguments.target} "
+                f"(and a draft with another tokenizer its own as {arguments.draft}): a draft of the same tokenizer with "
                 "padded embeddings is then checked token by token, a draft of another one proposes through text."
             )
         if draft_tokenizer is None:
@@ -147,7 +162,7 @@ def check_vocabularies(target: PreTrainedConfig, draft: PreTrainedConfig, target
     check_tokenizer_fits(draft_tokenizer, draft, "draft")
     if draft_tokenizer is target_tokenizer or shares_vocabulary(target_tokenizer, draft_tokenizer, t_size):
         return False
-    check_translatable(target_tokenizer, draft_tokenizer)
+    check_translatable(target_tokenizer, draft_tokenizer, arguments)
     logger.info("The draft's tokenizer is not the target's: it proposes through its branches' text.")
     return True
 
@@ -166,7 +181,7 @@ def shares_vocabulary(target_tokenizer, draft_tokenizer, target_vocab_size: int)
 PROBE_TEXT = "Hello, world! The 3 quick foxes."  # plain text every tokenizer of a language model spells
 
 
-def check_translatable(target_tokenizer, draft_tokenizer) -> None:
+def check_translatable(target_tokenizer, draft_tokenizer, arguments: TokenizerArguments = FROM_MODELS) -> None:
     """A draft of another tokenizer proposes through text: its tokenizer must spell the target's text and read it
     back (encode, then decode, to the same text). PairConfigError naming what it made of it, and the fix."""
     text = target_tokenizer.decode(target_tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"],
@@ -181,20 +196,21 @@ def check_translatable(target_tokenizer, draft_tokenizer) -> None:
             f"The draft's tokenizer is not the target's, and it cannot spell the target's text: {text!r} encodes and "
             f"decodes to {back!r} with the draft's tokenizer. A draft of another tokenizer proposes through text, so "
             "its tokenizer must read text back exactly (byte-level or byte-fallback tokenizers do). Pass the draft's "
-            "own tokenizer as draft_tokenizer=, or pick a draft that shares the target's tokenizer."
+            f"own tokenizer as {arguments.draft}, or pick a draft that shares the target's tokenizer."
         )
 
 
 def check_compatibility(target: PreTrainedConfig, draft: PreTrainedConfig, target_tokenizer=None, draft_tokenizer=None,
-                        architectures: bool = True) -> bool:
+                        architectures: bool = True, arguments: TokenizerArguments = FROM_MODELS) -> bool:
     """All load-time checks on the two configs (and tokenizers, when known); no weights needed. Returns whether
     the draft has a tokenizer of its own (check_vocabularies).
 
     architectures=False: the models are loaded and describe() has judged them already (by what they do,
-    which also accepts decoders whose attention claims is_causal=False yet masks causally).
+    which also accepts decoders whose attention claims is_causal=False yet masks causally). arguments: how the
+    caller takes the tokenizers, for its errors.
     """
     if architectures:
         check_architecture(target, "target")
         check_architecture(draft, "draft")
     check_context_lengths(target, draft)
-    return check_vocabularies(target, draft, target_tokenizer, draft_tokenizer)
+    return check_vocabularies(target, draft, target_tokenizer, draft_tokenizer, arguments)

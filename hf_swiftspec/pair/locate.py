@@ -171,13 +171,25 @@ def pair_members(config: SwiftSpecConfig, folder: Path | None = None) -> dict[st
 
 
 def relocated(config: SwiftSpecConfig, source: Path, destination: Path) -> SwiftSpecConfig:
-    """A copy of `config` for a pair written to `destination`: local members (found relative to
-    `source`) are named relative to the new folder, so the written pair still finds them."""
+    """A copy of `config` for a pair written to `destination`, its local members (found from `source`) named
+    so that the written pair still finds them (relocated_entry)."""
     config = SwiftSpecConfig.from_dict(config.to_dict())
     for role, member in pair_members(config, source).items():
         if member.is_local and os.path.isdir(member.location):
-            setattr(config, role, os.path.relpath(os.path.abspath(member.location), os.path.abspath(destination)))
+            setattr(config, role, relocated_entry(member, source, destination))
     return config
+
+
+def relocated_entry(member: PairMember, source: Path, destination: Path) -> str:
+    """How a pair written to `destination` names a local member: relative to it when the member's folder is inside
+    it (the two travel together), or when the entry was relative and the member sat outside the old pair folder
+    too (pair create's sibling layout, "../target"); else by its absolute path, so that the written pair loads
+    wherever it is copied or moved as long as the member stays (an absolute entry stays absolute; a member inside
+    the old pair folder travelled with that folder, not with this one)."""
+    location, where = Path(member.location).resolve(), Path(destination).resolve()
+    inside = where == location or where in location.parents
+    sibling = not os.path.isabs(member.entry) and Path(source).resolve() not in location.parents
+    return os.path.relpath(location, where) if inside or sibling else str(location)
 
 
 def repo_in_cache(repo_id: str, hub: HubOptions) -> bool:

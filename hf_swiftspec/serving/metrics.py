@@ -11,7 +11,7 @@ manager and the running batch keep (requests held, rounds, speculation totals) i
 | swiftspec_prompt_tokens_total, swiftspec_generation_tokens_total | counter | tokens read and emitted by finished requests |
 | swiftspec_generation_tokens_per_second | gauge | emitted tokens per second over the last `WINDOW_S` seconds |
 | swiftspec_request_latency_seconds | histogram | arrival to last token, finished requests |
-| swiftspec_time_to_first_token_seconds | histogram | arrival to first streamed token |
+| swiftspec_time_to_first_token_seconds | histogram | arrival to the first streamed event with answer text |
 | swiftspec_verifications_total, swiftspec_proposed_tokens_total, swiftspec_accepted_tokens_total | counter | usage.speculation, summed over finished requests |
 | swiftspec_acceptance_length | histogram | per finished request, tokens per verification (usage.speculation's tokens_per_verification) |
 | swiftspec_rounds_total, swiftspec_plain_rounds_total | counter | rounds run, and those that verified each row's root alone |
@@ -53,7 +53,7 @@ class ServerMetrics:
               registry=registry).set_function(self.tokens_per_second)
         self.latency = Histogram("swiftspec_request_latency_seconds", "Arrival to last token of finished requests",
                                  buckets=LATENCY_BUCKETS, registry=registry)
-        self.first_token = Histogram("swiftspec_time_to_first_token_seconds", "Arrival to first streamed token",
+        self.first_token = Histogram("swiftspec_time_to_first_token_seconds", "Arrival to the first streamed text of the answer",
                                      buckets=LATENCY_BUCKETS, registry=registry)
         self.verifications = Counter("swiftspec_verifications", "Target verifications of finished requests",
                                      registry=registry)

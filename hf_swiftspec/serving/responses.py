@@ -21,6 +21,19 @@ def error_body(message: str, status: int, param: str | None = None, code: str | 
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+def carries_text(payload: dict) -> bool:
+    """Whether a streamed event delivers some of the answer's text: not a chat stream's role-only first chunk, an
+    empty closing chunk, nor the responses API's bookkeeping events (time to first token is timed to the first
+    event that does)."""
+    if payload.get("type") == "response.output_text.delta":
+        return bool(payload.get("delta"))
+    for choice in payload.get("choices") or []:
+        holder, key = ResponseEditor.text_of(choice)
+        if holder is not None and holder[key]:
+            return True
+    return False
+
+
 class ResponseEditor:
     """One response's JSON payloads as the request's settings make them (see the module docstring).
 

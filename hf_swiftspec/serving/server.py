@@ -35,7 +35,7 @@ from ..modeling import SwiftSpecForCausalLM
 from .admission import Admission, Busy, Limits
 from .batching import SequentialServer, Served, SpeculatingBatcher
 from .request_settings import DEFAULT_MAX_TOKENS, RequestRefused, RequestSettings
-from .responses import ResponseEditor, error_body
+from .responses import ResponseEditor, carries_text, error_body
 from ..pair import PairConfigError
 from ..pair.checks import context_length
 
@@ -94,7 +94,12 @@ class ServedPair(SwiftSpecForCausalLM):
         return context_length(self.target.config)
 
     def check_request(self, prompt_tokens: int, max_new_tokens: int | None = None) -> None:
-        """ValueError (the server's 400) for a prompt the target cannot read or a length below 1."""
+        """ValueError (the server's 400) for an empty prompt, one the target cannot read, or a length below 1."""
+        if prompt_tokens < 1:  # generate() would refuse it, and a refusal from the decoding loop is a 500
+            raise RequestRefused(
+                "The prompt is empty: it encodes to no tokens, and a completion continues a text. Send a prompt of "
+                "at least one character.", "prompt",
+            )
         context = self.context()
         if context is not None and prompt_tokens >= context:
             raise RequestRefused(
@@ -268,21 +273,32 @@ def serve_requests(served: Served):
                                                          "request_timeout" if late else None)).encode()
         elif payload.get("usage") is not None:
             seen["usage"] = payload["usage"]
-        return b"data: " + json.dumps(editor.event(payload)).encode()
+        edited = editor.event(payload)
+        seen["text"] = seen.get("text", False) or carries_text(edited)  # what the client is sent (stops held back)
+        return b"data: " + json.dumps(edited).encode()
 
     async def streamed(chunks, editor: ResponseEditor, arrived: float, release):
         pending, seen = b"", {}
+
+        def first_text() -> None:
+            """Time to first token: to the first event with some of the answer's text (a chat stream's first
+            chunk carries only the role, and comes before any token is decoded)."""
+            if seen.get("text") and "first" not in seen:
+                seen["first"] = True
+                metrics.first_token.observe(time.perf_counter() - arrived)
+
         try:
             async for chunk in chunks:
-                if "first" not in seen:
-                    seen["first"] = True
-                    metrics.first_token.observe(time.perf_counter() - arrived)
                 pending += chunk if isinstance(chunk, bytes) else chunk.encode()
                 *lines, pending = pending.split(b"\n")
                 if lines:
-                    yield b"\n".join(edited_event(line, editor, seen) for line in lines) + b"\n"
+                    edited = b"\n".join(edited_event(line, editor, seen) for line in lines) + b"\n"
+                    first_text()
+                    yield edited
             if pending:
-                yield edited_event(pending, editor, seen)
+                edited = edited_event(pending, editor, seen)
+                first_text()
+                yield edited
         finally:
             entry = editor.entry
             if entry is not None and entry.timed_out:

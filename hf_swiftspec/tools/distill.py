@@ -33,18 +33,28 @@ import torch
 
 from ..pair import HubOptions, PairConfigError, check_compatibility, load_tokenizer
 from ..pair.checks import shares_vocabulary
+from .distill_budget import (
+    MARGIN_SHARE,
+    Sizing,
+    Trial,
+    after_training,
+    budget_warning,
+    check_budget,
+    estimates,
+    size_run,
+    speed_prompts_left,
+    training_budget,
+)
 from .distill_config import DRAFT_KINDS, SELF_DISTILL_AUTO_TOKENS, DistillConfig, EvalSettings
 from .distill_corpus import DistillError, read_records, split_records
 from .distill_data import Dataset, encode, even_windows, render, self_distilled, token_stream, tokenise, tokenise_all
-from .distill_drafts import describe_draft, early_exit_layers, small_shape, starting_draft
-from .distill_eval import References, draft_in_target_dtype, evaluate
-from .distill_progress import Clock, Progress
+from .distill_drafts import auto_draft, describe_draft, early_exit_layers, small_shape, starting_draft
+from .distill_eval import References, draft_in_target_dtype, evaluate, fixed_pair
+from .distill_progress import Clock, Progress, minutes
 from .distill_report import DistillResult, own_pair, push, rewrite_card, write_heldout_prompts, write_pair
-from .distill_train import HeadStudent, ModelStudent, World, autocast_for, train
+from .distill_train import HeadStudent, ModelStudent, World, autocast_for, train, with_recipe
 
 __all__ = ["DRAFT_KINDS", "DistillConfig", "EvalSettings", "distill"]
-
-SPEED_PROMPTS = 8  # held-out prompts the speed measurement times (of --eval-prompts)
 
 
 # ---------------------------------------------------------------- checks, before any weights load
@@ -54,11 +64,9 @@ def check_numbers(config: DistillConfig) -> None:
     t, e = config.train, config.eval
     positive = {"--batch": t.batch, "--top-k": t.top_k, "--save-every": config.save_every, "--eval-prompts": e.prompts,
                 "--eval-new-tokens": e.new_tokens, "--eval-windows": e.windows, "--head-depth": config.head_depth,
-                "--record-chars": config.data_options.record_chars}
-    if t.steps is not None:
-        positive["--steps"] = t.steps
+                "--record-chars": config.data_options.record_chars, "--steps": t.steps}
     for flag, value in positive.items():
-        if value < 1:
+        if value is not None and value < 1:
             raise DistillError(f"{flag} {value}: must be at least 1.")
     if t.minutes is not None and t.steps is not None:
         raise DistillError(f"--steps {t.steps} and --minutes {t.minutes:g}: give one (a number of steps, or the run's minutes).")
@@ -66,13 +74,21 @@ def check_numbers(config: DistillConfig) -> None:
         raise DistillError(f"--minutes {t.minutes:g}: must be positive.")
     if t.lr <= 0:
         raise DistillError(f"--lr {t.lr}: must be positive.")
-    shortest = config.head_depth + 2 if config.draft == "eagle3" else 2
-    if t.window < shortest:
-        raise DistillError(f"--window {t.window}: must be at least {shortest} tokens.")
+    check_window(config)
+    if not 0 < config.measure_share < 1:
+        raise DistillError(f"--measure-share {config.measure_share:g}: the share of --minutes the measurements may take, "
+                           "above 0 and below 1 (0.15 for 15%).")
     if not 1 <= config.heldout_percent <= 50:
         raise DistillError(f"--heldout-percent {config.heldout_percent}: must be between 1 and 50.")
     if config.self_distill_tokens is not None and config.self_distill_tokens < 0:
         raise DistillError(f"--self-distill {config.self_distill_tokens}: a number of new tokens, 0 (off) or more.")
+
+
+def check_window(config: DistillConfig) -> None:
+    """An EAGLE-3 head's training-time test needs its levels' tokens in a window (None: the recipe's, checked later)."""
+    shortest = config.head_depth + 2 if config.draft == "eagle3" else 2
+    if config.train.window is not None and config.train.window < shortest:
+        raise DistillError(f"--window {config.train.window}: must be at least {shortest} tokens.")
 
 
 def check_output(folder: Path, config: DistillConfig) -> None:
@@ -154,13 +170,14 @@ def check_draft_model(spec: str, target_config, tokenizer) -> None:
         )
 
 
-def check_inputs(config: DistillConfig, world: World) -> tuple[list, list, object]:
-    """Every check that needs no weights (DistillError naming the value and the fix); returns the training and
-    held-out records and the target's tokenizer."""
+def check_inputs(config: DistillConfig, world: World) -> tuple[DistillConfig, str | None, list, list, object]:
+    """Every check that needs no weights (DistillError naming the value and the fix); returns the config with
+    --draft auto resolved (and why it chose that draft, None when it was given), the training and held-out records
+    and the target's tokenizer."""
     check_numbers(config)
     check_pair_settings(config.pair_settings)
-    layers = early_exit_layers(config.draft)
-    small_shape(config.draft)  # refuses a malformed small:... now
+    early_exit_layers(config.draft)  # refuses a malformed early-exit:... now
+    small_shape(config.draft)  # and a malformed small:...
     check_push(config)
     if world.writes:
         check_output(Path(config.output), config)
@@ -170,6 +187,13 @@ def check_inputs(config: DistillConfig, world: World) -> tuple[list, list, objec
     else:
         train_records, heldout_records = split_records(records, config.heldout_percent)
     target_config, tokenizer = target_config_and_tokenizer(config.target)
+    chosen = None
+    if config.draft == "auto":
+        spec, chosen = auto_draft(target_config)
+        config = replace(config, draft=spec)
+    config = replace(config, train=with_recipe(config.train, config.draft))
+    check_window(config)
+    layers = early_exit_layers(config.draft)
     if layers is not None:
         total = target_config.get_text_config(decoder=True).num_hidden_layers
         if layers >= total:
@@ -178,7 +202,7 @@ def check_inputs(config: DistillConfig, world: World) -> tuple[list, list, objec
         check_draft_model(config.draft, target_config, tokenizer)
     for other in config.compare_drafts:
         check_draft_model(other, target_config, tokenizer)
-    return train_records, heldout_records, tokenizer
+    return config, chosen, train_records, heldout_records, tokenizer
 
 
 # ---------------------------------------------------------------- models and data
@@ -216,10 +240,15 @@ def to_answer(config: DistillConfig, records: list) -> tuple[list, int]:
     return (records if config.self_distill_tokens else []), config.self_distill_tokens
 
 
-def prepare_data(config: DistillConfig, train_records, heldout_records, tokenizer, target, progress: Progress) -> tuple[Dataset, int]:
-    """The tokenised data, the records the target answers replaced by its answers; and how many it answered."""
+def prepare_data(config: DistillConfig, train_records, heldout_records, tokenizer, target, progress: Progress,
+                 answers: int) -> tuple[Dataset, int]:
+    """The tokenised data, the records the target answers (`answers` of them at most, held-out ones first: the
+    measurement needs a few) replaced by its answers; and how many training records it answered. Records left
+    unanswered train as they are (a conversation with its own answers)."""
     answered_records, new_tokens = to_answer(config, train_records)
     answered_heldout, _ = to_answer(config, heldout_records)
+    answered_heldout = answered_heldout[:answers]
+    answered_records = answered_records[: answers - len(answered_heldout)]
     answer_ids = {id(r) for r in answered_records + answered_heldout}
     plain_train = [r for r in train_records if id(r) not in answer_ids]
     plain_heldout = [r for r in heldout_records if id(r) not in answer_ids]
@@ -249,17 +278,6 @@ def eval_prompts(config: DistillConfig, data: Dataset, tokenizer) -> list[list[i
 # ---------------------------------------------------------------- the plan of the run
 
 
-@dataclass
-class Trial:
-    """What the run's first ETA is sized from: one training step's forward and backward (no update), one target
-    generation of the held-out measurement's length, and the tokenizer on the first records, timed before any
-    phase starts."""
-
-    step_s: float
-    generate_s: float
-    tokenise_s: float  # all the records'
-
-
 def tokenise_seconds(records: list, tokenizer, clock: Clock, sample_chars: int = 200_000) -> float:
     """The records' tokenising time, from the first of them (up to `sample_chars` characters)."""
     sample, chars = [], 0
@@ -275,67 +293,59 @@ def tokenise_seconds(records: list, tokenizer, clock: Clock, sample_chars: int =
     return (clock() - started) * total / max(chars, 1)
 
 
+TRIAL_TOKENS = 16  # new tokens of the trial's two generations
+
+
 def trial(student, config: DistillConfig, records: list, tokenizer, world: World, dtype: torch.dtype, clock: Clock) -> Trial:
+    """Time one training step (the teacher, then the draft's forward and backward; no update), target.generate
+    and the fixed-tree pair with the starting draft, and the tokenizer: what the plan sizes the run by."""
     target = student.target
     vocab = target.get_input_embeddings().num_embeddings
-    ids = torch.randint(0, vocab, (max(config.train.batch // world.size, 1), config.train.window),
-                        generator=torch.Generator().manual_seed(0)).to(target.device)
+    rows = max(config.train.batch // world.size, 1)  # this rank's windows a step; the trial times one of them
+    ids = torch.randint(0, vocab, (1, config.train.window), generator=torch.Generator().manual_seed(0)).to(target.device)
     started = clock()
-    loss, _ = student.step(ids, autocast_for(dtype, target.device))
+    taught = student.teacher(ids)
+    teacher_s = (clock() - started) * rows
+    started = clock()
+    loss, _ = student.learn(ids, taught, autocast_for(dtype, target.device))
     loss.backward()
-    step_s = clock() - started
+    learn_s = (clock() - started) * rows
     for p in student.module.parameters():
         p.grad = None
     prompt = ids[:1, : config.eval.prompt_tokens]
-    started = clock()
-    with torch.no_grad():
-        target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=config.eval.new_tokens,
-                        min_new_tokens=config.eval.new_tokens, do_sample=False)
-    generate_s = clock() - started
-    return Trial(step_s, generate_s, tokenise_seconds(records, tokenizer, clock))
+    tokens = min(TRIAL_TOKENS, config.eval.new_tokens)
+    seconds = []
+    pair = fixed_pair(draft_in_target_dtype(student), tokenizer, config.eval)
+    student.module.eval()
+    for model in (target, pair):
+        started = clock()
+        with torch.no_grad():
+            out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=tokens, do_sample=False)
+        # per `tokens` new tokens, where the random prompt met an end of sequence sooner
+        seconds.append((clock() - started) * tokens / max(out.shape[1] - prompt.shape[1], 1))
+    student.module.train()
+    return Trial(teacher_s, learn_s, ids.numel() * rows, seconds[0], seconds[1], tokens,
+                 tokenise_seconds(records, tokenizer, clock))
 
 
-def estimates(config: DistillConfig, trial: Trial, answers: int, answer_tokens: int, timed: bool, spent: float) -> dict[str, float]:
-    """Seconds each phase is expected to take (training: --steps' at the trial's step; under --minutes, what is
-    left of them after the `spent` seconds and the other phases)."""
+def plan_line(config: DistillConfig, sizing: Sizing) -> dict[str, str]:
+    """How the plan names the phases whose size the budget set."""
     e = config.eval
-    generation = trial.generate_s
-    found = {"tokenise": trial.tokenise_s}
-    if answers:
-        found["self-distill"] = -(-answers // 8) * generation * answer_tokens / e.new_tokens * 1.5
-    # the reference, then the pair with a draft that may agree with nothing yet: each token a round of draft_depth
-    # draft forwards and a verification
-    found["evaluate-start"] = e.prompts * (2 + e.draft_depth) * generation + e.windows / 4 * trial.step_s / 3
-    found["train"] = 0.0
-    found["evaluate-end"] = (e.prompts * 2 * generation + e.windows / 4 * trial.step_s / 3) * (1 + len(config.compare_drafts))
-    if timed:
-        found["speed"] = (min(SPEED_PROMPTS, e.prompts) + 1) * 3 * generation
+    measured = f"{sizing.prompts} held-out prompts x {sizing.new_tokens} tokens, {sizing.windows} windows"
+    if sizing.reduced_from(e):
+        measured += (f" (of --eval-prompts {e.prompts} x --eval-new-tokens {e.new_tokens}, {e.windows} windows: "
+                     f"what {config.measure_share:.0%} of the minutes allows)")
+    described = {"evaluate-start": f"measure the starting draft on {measured}"}
+    if sizing.answers < sizing.asked_answers:
+        described["self-distill"] = (f"the target answers {sizing.answers} of the {sizing.asked_answers} records' prompts "
+                                     f"(the others train as they are: {config.measure_share:.0%} of the minutes)")
+    return described
+
+
+def train_words(config: DistillConfig, seconds: float) -> str:
     if config.train.minutes is None:
-        found["train"] = config.train.fixed_steps * trial.step_s * 1.05  # the optimizer's update and bookkeeping
-    else:
-        found["train"] = config.train.minutes * 60 - spent - sum(found.values())
-    return found
-
-
-def training_budget(config: DistillConfig, progress: Progress, run_started: float, clock: Clock) -> float | None:
-    """Under --minutes: the training's seconds, what the run has left after what it spent and the phases after
-    training are expected to take."""
-    if config.train.minutes is None:
-        return None
-    after = sum(s for name, s in progress.estimates.items() if name in ("evaluate-end", "speed"))
-    return config.train.minutes * 60 - (clock() - run_started) - after
-
-
-def check_budget(config: DistillConfig, expected: dict[str, float]) -> None:
-    if config.train.minutes is None:
-        return
-    others = sum(s for name, s in expected.items() if name != "train")
-    if others >= config.train.minutes * 60 * 0.9:
-        raise DistillError(
-            f"--minutes {config.train.minutes:g}: the run's other phases (tokenising, measuring the draft before and after, "
-            f"timing the pair) are expected to take about {others / 60:.1f} minutes here, leaving no time to train; give "
-            "more minutes, or fewer --eval-prompts / --eval-new-tokens."
-        )
+        return f"train {config.train.fixed_steps} steps"
+    return f"train until the minutes are spent, {seconds / (config.train.minutes * 60):.0%} of them"
 
 
 # ---------------------------------------------------------------- the whole run
@@ -359,39 +369,55 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / scale
 
 
-# speed(pair, prompts_file, output_folder) -> Speed: the written pair timed against target.generate and prompt lookup
+# speed(pair, prompts_file, output_folder, config) -> Speed: the written pair timed against target.generate, prompt
+# lookup and its target draft-free
 SpeedFunction = Callable[..., object]
 
 
 def distill(config: DistillConfig, on_step=None, speed: SpeedFunction | None = None, clock: Clock = time.monotonic,
-            stream=None) -> DistillResult | None:
+            stream=None, started_ago: float = 0.0) -> DistillResult | None:
     """Run `swiftspec distill` (see the module docstring); returns what it measured and where it wrote (None
     on ranks other than 0). on_step(history) runs after each training step (tests interrupt a run from it);
     speed: times the written pair (the command line passes `swiftspec bench`'s); clock and stream: the time
-    and where progress goes (tests give their own)."""
-    run_started = clock()
+    and where progress goes (tests give their own); started_ago: seconds the run had been going before this call
+    (the command line's: since its process started, imports included), which --minutes count."""
+    run_started = clock() - started_ago
     world = World.from_env()
     progress = Progress(config.verbose and world.writes, clock, stream)
+    progress.started = run_started  # the plan's "in all" counts what the run did before this call too
     progress.note(f"reading the data ({', '.join(map(str, config.data)) or 'none given'}) and checking the inputs")
-    train_records, heldout_records, tokenizer = check_inputs(config, world)
+    config, chosen, train_records, heldout_records, tokenizer = check_inputs(config, world)
     folder = Path(config.output)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    progress.note(f"{len(train_records):,} records to train on, {len(heldout_records):,} held out; loading {config.target}")
+    threads = f", {torch.get_num_threads()} torch thread(s)" if device.type == "cpu" else ""
+    progress.note(f"{len(train_records):,} records to train on, {len(heldout_records):,} held out; loading the target "
+                  f"{config.target} ({str(dtype).removeprefix('torch.')} on {device}{threads})")
+    started = clock()
     target = load_target(config.target, device, dtype)
+    progress.note(f"target loaded in {minutes(clock() - started)} ({sum(p.numel() for p in target.parameters()) / 1e6:.1f}M "
+                  "parameters); building the starting draft and timing a trial step and generation")
     draft = starting_draft(config.draft, target, config.train.seed, config.head_hidden)
-    described = describe_draft(config.draft, draft)
+    described = describe_draft(config.draft, draft) + (f"; --draft auto chose {config.draft} for {chosen}" if chosen else "")
     student = (HeadStudent(draft, target, config.train.top_k, config.head_depth) if config.draft == "eagle3"
                else ModelStudent(draft, target, config.train.top_k))
     answers, answer_tokens = to_answer(config, train_records + heldout_records)
+    timed = speed is not None and world.writes
     tried = trial(student, config, train_records + heldout_records, tokenizer, world, dtype, clock)
-    expected = estimates(config, tried, len(answers), answer_tokens, speed is not None and world.writes, clock() - run_started)
+    sizing = size_run(config, tried, len(answers), answer_tokens, timed)
+    described_phases = plan_line(config, sizing)
+    config = replace(config, eval=replace(config.eval, prompts=sizing.prompts, new_tokens=sizing.new_tokens,
+                                          windows=sizing.windows))
+    prepared_s = clock() - run_started
+    expected = estimates(config, tried, sizing, answer_tokens, timed, prepared_s)
     check_budget(config, expected)
-    length = f"{config.train.fixed_steps} steps" if config.train.minutes is None else "until the minutes are spent"
     progress.note(f"starting draft: {described}")
-    progress.plan(expected, {"train": f"train {length}"})
+    progress.plan(expected, {**described_phases, "train": train_words(config, expected["train"])})
+    warning = budget_warning(config, expected, prepared_s)
+    if warning:
+        progress.note(warning)
 
-    data, answered = prepare_data(config, train_records, heldout_records, tokenizer, target, progress)
+    data, answered = prepare_data(config, train_records, heldout_records, tokenizer, target, progress, sizing.answers)
     stream_ids = token_stream(data.train, tokenizer.eos_token_id)
     if stream_ids.numel() <= config.train.window:
         raise DistillError(
@@ -404,23 +430,19 @@ def distill(config: DistillConfig, on_step=None, speed: SpeedFunction | None = N
     references = References()
 
     before = None
+    after_phases = {name: s for name, s in expected.items() if name in ("evaluate-end", "speed")}
     if world.writes:
-        started = clock()
         before = evaluate(draft_in_target_dtype(student), tokenizer, windows, prompts, config.eval, references, progress,
                           "evaluate-start", clock=clock)
-        spent = clock() - started
-        # afterwards: no references to compute; per prompt the pair with a fixed tree and under its own settings,
-        # and each --compare-draft with a fixed tree, each about as long as target.generate (a trained draft)
-        progress.expect("evaluate-end", tried.step_s * len(windows) / 12 * (1 + len(config.compare_drafts))
-                        + len(prompts) * references.generate_s * (2 + len(config.compare_drafts)))
-        if "speed" in progress.estimates:
-            progress.expect("speed", (min(SPEED_PROMPTS, len(prompts)) + 1) * 3 * references.generate_s)
-    budget_s = training_budget(config, progress, run_started, clock)
+        after_phases = after_training(before.timings, tried, sizing, len(config.compare_drafts), timed)
+        for name, seconds in after_phases.items():
+            progress.expect(name, seconds)
+    budget_s = training_budget(config, after_phases, clock() - run_started)
     if budget_s is not None:
         progress.expect("train", budget_s)
     history = train(student, stream_ids, config.train, folder / "checkpoints", fingerprint(config), progress,
                     resume=config.resume, save_every=config.save_every, dtype=dtype, world=world, on_step=on_step,
-                    clock=clock, step_s=tried.step_s, budget_s=budget_s)
+                    clock=clock, step_s=tried.step_s * 1.05, budget_s=budget_s)
     result = None
     if world.writes:
         measured = draft_in_target_dtype(student)
@@ -429,20 +451,29 @@ def distill(config: DistillConfig, on_step=None, speed: SpeedFunction | None = N
         compared = {other: evaluate(ModelStudent(load_target(other, device, dtype), target, config.train.top_k), tokenizer,
                                     windows, prompts, config.eval, references, Progress(False), "evaluate-end")
                     for other in config.compare_drafts}
-        result = DistillResult(folder, history.step, int(stream_ids.numel()), len(data.heldout), before, after,
-                               history.seconds_per_step, history.seconds, peak_rss_mib(), described, compared,
-                               self_distilled=answered)
+        result = DistillResult(folder, history.step, history.step * config.train.batch * config.train.window,
+                               int(stream_ids.numel()), len(data.heldout), before, after, history.seconds_per_step,
+                               history.seconds, peak_rss_mib(), described, compared, self_distilled=answered,
+                               batch=config.train.batch, window=config.train.window)
         student.module.to(dtype)  # trained in float32 (the optimizer's weights), written in the run's dtype
         write_pair(config, student, tokenizer, result)
-        prompts_file = write_heldout_prompts(folder, prompts[:SPEED_PROMPTS + 1], tokenizer)
-        if speed is not None:
+        speed_prompts = sizing.speed_prompts
+        if config.train.minutes is not None:
+            left = config.train.minutes * 60 * (1 - MARGIN_SHARE) - (clock() - run_started)
+            speed_prompts = speed_prompts_left(left, before.timings, sizing)
+        prompts_file = write_heldout_prompts(folder, prompts[: speed_prompts + 1], tokenizer)
+        if timed and speed_prompts:
             progress.start("speed", 1, "bench runs")
             result.speed = speed(own_pair(config, student, tokenizer), prompts_file, folder, config)
             progress.advance()
             progress.finish()
-            rewrite_card(config, result)
+        elif timed:
+            result.speed_skipped = "the minutes were spent before the pair could be timed"
+            progress.note(f"not timing the pair: {result.speed_skipped}")
+        result.phases = {"prepare": round(prepared_s, 3), **{k: round(v, 3) for k, v in progress.took.items()}}
+        result.seconds = clock() - run_started
+        rewrite_card(config, result)
         if config.push_to_hub:
             push(folder, config.push_to_hub, config.private)
     world.barrier()
     return result
-

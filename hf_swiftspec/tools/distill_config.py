@@ -18,8 +18,8 @@ SELF_DISTILL_AUTO_TOKENS = 256  # the target's answer to a conversation, at most
 class EvalSettings:
     """The held-out measurement; fixed tree settings (draft_depth too) so that tau is deterministic."""
 
-    prompts: int = 16  # held-out prompts whose greedy continuation gives tau
-    new_tokens: int = 64
+    prompts: int = 16  # held-out prompts whose greedy continuation gives tau (at most: under --minutes, measure_share)
+    new_tokens: int = 64  # (at most, likewise)
     prompt_tokens: int = 32  # a plain held-out text's prompt: its first tokens (at most half of it)
     windows: int = 16  # held-out windows for teacher-forced agreement
     tree_budget: int = 8
@@ -36,9 +36,13 @@ class DistillConfig:
     output: str
     data: tuple[str, ...] = ()  # text files, folders, .jsonl files, saved datasets, hf:ID (distill_corpus.py)
     data_options: DataOptions = DataOptions()
-    draft: str = "small"  # DRAFT_KINDS
+    draft: str = "auto"  # DRAFT_KINDS (auto: distill_drafts.auto_draft, by the target's size)
     train: TrainSettings = TrainSettings()
     eval: EvalSettings = EvalSettings()
+    # Under --minutes: the share of them the measurements (held-out evaluations, the in-run bench) and
+    # self-distillation may take together; fewer prompts, tokens and answers where the target is too slow for
+    # eval's (distill_budget.py). Training gets the rest.
+    measure_share: float = 0.15
     # None (auto): the target answers the conversations (their assistant turns become its own, up to
     # SELF_DISTILL_AUTO_TOKENS tokens), plain text trains as it is; 0: off; N: every record's prompt, N new tokens
     self_distill_tokens: int | None = None

@@ -1,8 +1,11 @@
 """The draft `swiftspec distill` starts from (--draft):
 
+    auto                     the default: early-exit:K for a target of at least AUTO_EARLY_EXIT_PARAMS parameters
+                             (K: a twelfth of its layers, at least 1), else small (auto_draft says why)
     small[:HIDDEN[xLAYERS]]  a new model of the target's architecture, one layer (LAYERS), about 0.4 of its width
-                             (HIDDEN), its embeddings the target's projected on their main directions (the default)
-    early-exit[:K]           the target's embeddings, first K layers (1), final norm and head
+                             (HIDDEN), its embeddings the target's projected on their main directions
+    early-exit[:K]           the target's embeddings, first K layers (1), final norm and head; the embeddings and
+                             head stay the target's (frozen), the layers and the norm train
     eagle3                   a new EAGLE-3 head
     ID_OR_FOLDER             a causal LM sharing the target's tokenizer
 
@@ -21,9 +24,41 @@ from .distill_corpus import DistillError
 from .eagle3_training import new_head_for
 from .models import truncated_draft
 
-DRAFT_KINDS = ("small[:HIDDEN[xLAYERS]] (a new small model of the target's architecture), early-exit:K (the target's "
-               "first K layers), eagle3 (a new EAGLE-3 head), or a causal LM's Hub id or folder")
+DRAFT_KINDS = ("auto (early-exit for a target of 50M parameters or more, else small), small[:HIDDEN[xLAYERS]] (a new "
+               "small model of the target's architecture), early-exit:K (the target's first K layers), eagle3 (a new "
+               "EAGLE-3 head), or a causal LM's Hub id or folder")
 SMALL_WIDTH = 0.4  # of the target's width: the demo pair's hand-made draft is 192 wide beside its target's 448
+# A pretrained target this large knows more than a new draft learns in a run's minutes: its own first layers, with
+# its embeddings and head, start agreeing at once. Below it (the demo's target) a new small draft catches up and
+# costs less per drafted token.
+AUTO_EARLY_EXIT_PARAMS = 50_000_000
+AUTO_LAYERS_PER_EXIT_LAYER = 12  # early-exit:K keeps a twelfth of the target's layers (2 of a 30-layer target)
+
+
+def target_parameters(target_config) -> int:
+    """The target's parameter count, from its config alone (the model built on the meta device: no weights)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(target_config)
+    except (ValueError, TypeError, AttributeError, ImportError):  # a config transformers cannot build alone
+        text = target_config.get_text_config(decoder=True)
+        return text.vocab_size * text.hidden_size + text.num_hidden_layers * 12 * text.hidden_size ** 2
+    return sum(p.numel() for p in model.parameters())
+
+
+def auto_draft(target_config) -> tuple[str, str]:
+    """--draft auto: (the draft it stands for, why), by the target's size."""
+    params = target_parameters(target_config)
+    layers = target_config.get_text_config(decoder=True).num_hidden_layers
+    if params >= AUTO_EARLY_EXIT_PARAMS and layers >= 2:
+        keep = min(max(layers // AUTO_LAYERS_PER_EXIT_LAYER, 1), layers - 1)
+        return f"early-exit:{keep}", (f"a {params / 1e6:.0f}M-parameter target of {layers} layers: its own first {keep} "
+                                      f"layers, embeddings and head start agreeing at once, where a new draft must learn "
+                                      "the language first")
+    return "small", (f"a {params / 1e6:.1f}M-parameter target: a new small draft learns it within a run and costs less "
+                     "per drafted token than its early exit")
 
 
 def early_exit_layers(spec: str) -> int | None:
@@ -136,7 +171,12 @@ def starting_draft(spec: str, target, seed: int, head_hidden: int | None = None)
             draft.name_or_path = draft.config.name_or_path = ""  # built in memory: the pair stores it under draft/
         except AttributeError as err:
             raise DistillError(f"--draft early-exit: cannot cut {type(target).__name__}'s layers ({err}); use another --draft.") from err
-        return draft.float().requires_grad_(True)
+        draft = draft.float().requires_grad_(True)
+        # the target's embeddings and head stay as they are (what the layers learn to feed): no gradient for the
+        # vocabulary-sized matrices, no optimizer state for them
+        draft.get_input_embeddings().requires_grad_(False)
+        draft.get_output_embeddings().requires_grad_(False)
+        return draft
     shape = small_shape(spec)
     if shape is not None:
         return small_draft(target, shape, seed).requires_grad_(True)
@@ -151,7 +191,9 @@ def describe_draft(spec: str, draft) -> str:
     """The starting draft in words, for the card."""
     params = sum(p.numel() for p in draft.parameters()) / 1e6
     if early_exit_layers(spec) is not None:
-        return f"an early exit of the target ({spec}: its embeddings, first layers, final norm and head; {params:.2f}M parameters)"
+        trained = sum(p.numel() for p in draft.parameters() if p.requires_grad) / 1e6
+        return (f"an early exit of the target ({spec}: its embeddings, first layers, final norm and head; {params:.2f}M "
+                f"parameters, of which the layers and norm train, {trained:.2f}M, and the embeddings and head stay the target's)")
     if small_shape(spec) is not None:
         c = draft.config
         return (f"a new {c.num_hidden_layers}-layer model of the target's architecture, width {c.hidden_size} ({params:.2f}M "

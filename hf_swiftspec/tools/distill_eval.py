@@ -28,19 +28,27 @@ class Evaluation:
     prompts: int
     identical: bool  # every continuation equalled target.generate's
     policy_tau: float | None = None  # the same under the pair's own settings (the goodput policy), where measured
+    # seconds of each part: "windows" (teacher-forced), "references" (target.generate, computed the first time),
+    # "fixed_pair", "own_pair"
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
 class References:
-    """target.generate's greedy continuation of each held-out prompt, computed once for the run and the seconds
-    each took (what the run's ETA sizes a generation by)."""
+    """What the held-out measurement computes once for the run: target.generate's greedy continuation of each
+    held-out prompt and the seconds each took (what the run's ETA sizes a generation by), and the target's
+    distribution on the held-out windows (the same before and after training)."""
 
     outputs: list[list[int]] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
+    taught: dict = field(default_factory=dict)  # student kind -> the teacher's output for each chunk of EVAL_CHUNK windows
 
     @property
     def generate_s(self) -> float:
         return sum(self.seconds) / max(len(self.seconds), 1)
+
+
+EVAL_CHUNK = 4  # held-out windows a forward
 
 
 @torch.no_grad()
@@ -51,13 +59,18 @@ def reference(target, prompt: list[int], settings: EvalSettings) -> list[int]:
 
 
 @torch.no_grad()
-def teacher_forced(student, windows: torch.Tensor) -> tuple[float, float]:
-    """(agreement, KL) of the student on `windows` (C, L), four at a time."""
-    scores = [student.step(windows[i : i + 4].to(student.target.device), nullcontext()) for i in range(0, len(windows), 4)]
-    sizes = [len(windows[i : i + 4]) for i in range(0, len(windows), 4)]
-    kl = sum(float(s[0]) * n for s, n in zip(scores, sizes)) / sum(sizes)
-    agree = sum(float(s[1]) * n for s, n in zip(scores, sizes)) / sum(sizes)
-    return agree, kl
+def teacher_forced(student, windows: torch.Tensor, references: References) -> tuple[float, float]:
+    """(agreement, KL) of the student on `windows` (C, L), EVAL_CHUNK at a time, the target's distribution on
+    each chunk computed the first time and kept in `references`."""
+    agree = kl = 0.0
+    taught = references.taught.setdefault(student.kind, [])  # a head's teacher also gives the target's states
+    for n, start in enumerate(range(0, len(windows), EVAL_CHUNK)):
+        chunk = windows[start : start + EVAL_CHUNK].to(student.target.device)
+        if n == len(taught):
+            taught.append(student.teacher(chunk))
+        loss, hits = student.learn(chunk, taught[n], nullcontext())
+        kl, agree = kl + float(loss) * len(chunk), agree + float(hits) * len(chunk)
+    return agree / max(len(windows), 1), kl / max(len(windows), 1)
 
 
 def fixed_pair(student, tokenizer, settings: EvalSettings):
@@ -79,7 +92,10 @@ def evaluate(student, tokenizer, windows: torch.Tensor, prompts: list[list[int]]
     target = student.target
     student.module.eval()
     progress.start(phase, len(prompts), "held-out prompts")
-    agree, kl = teacher_forced(student, windows)
+    timings = dict.fromkeys(("windows", "references", "fixed_pair", "own_pair"), 0.0)
+    started = clock()
+    agree, kl = teacher_forced(student, windows, references)
+    timings["windows"] = clock() - started
     pair = fixed_pair(student, tokenizer, settings)
     new_tokens = verify_steps = policy_tokens = policy_steps = 0
     identical = True
@@ -88,10 +104,13 @@ def evaluate(student, tokenizer, windows: torch.Tensor, prompts: list[list[int]]
             started = clock()
             references.outputs.append(reference(target, prompt, settings))
             references.seconds.append(clock() - started)
+            timings["references"] += references.seconds[-1]
         expected = references.outputs[i]
         for model in (pair, own_pair) if own_pair is not None else (pair,):
             ids = torch.tensor([prompt], device=target.device)
+            started = clock()
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=settings.new_tokens, do_sample=False)
+            timings["fixed_pair" if model is pair else "own_pair"] += clock() - started
             identical &= out[0].tolist() == expected
             stats = model.swiftspec_stats
             if model is pair:
@@ -102,7 +121,7 @@ def evaluate(student, tokenizer, windows: torch.Tensor, prompts: list[list[int]]
     progress.finish(f"top-1 agreement {agree:.1%}, tau {new_tokens / max(verify_steps, 1):.2f}")
     policy_tau = policy_tokens / max(policy_steps, 1) if own_pair is not None else None
     return Evaluation(agree, kl, new_tokens / max(verify_steps, 1), new_tokens, verify_steps, len(prompts), identical,
-                      policy_tau)
+                      policy_tau, {name: round(seconds, 3) for name, seconds in timings.items()})
 
 
 def draft_in_target_dtype(student):

@@ -23,7 +23,7 @@ PHASES = {
     "evaluate-start": "measure the starting draft",
     "train": "train",
     "evaluate-end": "measure the distilled draft",
-    "speed": "time the pair against target.generate and prompt lookup",
+    "speed": "time the pair against target.generate, prompt lookup and draft-free",
 }
 
 
@@ -64,6 +64,7 @@ class Progress:
     estimates: dict[str, float] = field(default_factory=dict)
     phase: Phase | None = None
     started: float = 0.0
+    took: dict[str, float] = field(default_factory=dict)  # each finished phase's seconds (a phase run twice: summed)
 
     def __post_init__(self) -> None:
         self.stream = self.stream or sys.stderr
@@ -124,6 +125,7 @@ class Progress:
         if phase is None:
             return 0.0
         seconds = self.clock() - phase.started
+        self.took[phase.name] = self.took.get(phase.name, 0.0) + seconds
         self.estimates.pop(phase.name, None)
         self.emit(f"distill: {PHASES[phase.name]}: done, {phase.done:,} {phase.unit} in {minutes(seconds)}"
                   + (f"  {status}" if status else "") + f"  (ETA {minutes(self.remaining())})")

@@ -16,10 +16,17 @@ HELDOUT_PROMPTS = "heldout_prompts.jsonl"  # in the pair folder: the held-out pr
 SPEED_FOLDER = "bench"  # in the pair folder: what the speed measurement wrote (results.json, results.md)
 
 
+# The card credits the draft only where the policy drafted with it (draft forwards a round) and the pair beat its own
+# target draft-free by this much: a pair that hardly drafts runs as fast as draft-free, up to the timing's noise.
+DRAFT_PAYS = 1.05
+DRAFTED = 0.5
+
+
 @dataclass
 class Speed:
-    """The written pair timed side by side with target.generate and prompt lookup on the held-out prompts
-    (`swiftspec bench`, greedy, every output checked against target.generate's)."""
+    """The written pair timed side by side with target.generate, prompt lookup and its own target draft-free
+    (suffix proposals alone) on the held-out prompts (`swiftspec bench`, greedy, every output checked against
+    target.generate's), with where the pair's speed-up came from."""
 
     prompts: int
     new_tokens: int
@@ -28,30 +35,69 @@ class Speed:
     tau: float  # the pair's, under its own settings
     threads: int | None
     files: str  # the folder the bench wrote, relative to the pair
+    draft_free_speedup: float | None = None  # the pair's target with suffix proposals alone, over target.generate's
+    draft_forwards: float | None = None  # the pair's draft forwards a round (the goodput policy's choice)
+    ngram_share: float | None = None  # of the pair's accepted proposals, those of the n-gram (suffix) chain
 
     @property
     def over_prompt_lookup(self) -> float:
         return self.speedup / self.prompt_lookup_speedup
+
+    @property
+    def over_draft_free(self) -> float | None:
+        """What the draft adds: the pair's speed over its target's draft-free speed."""
+        return None if not self.draft_free_speedup else self.speedup / self.draft_free_speedup
+
+    @property
+    def draft_pays(self) -> bool | None:
+        """Whether the draft earned its keep here: the policy drafted with it and the pair beat draft-free (None: no
+        draft-free run to compare with)."""
+        if self.over_draft_free is None:
+            return None
+        return (self.draft_forwards or 0.0) >= DRAFTED and self.over_draft_free >= DRAFT_PAYS
 
 
 @dataclass
 class DistillResult:
     folder: Path
     steps: int
-    train_tokens: int
+    train_tokens: int  # tokens trained on: steps x batch x window (every rank's windows)
+    corpus_tokens: int  # the training stream the windows were drawn from
     heldout_sequences: int
     before: Evaluation
     after: Evaluation
     seconds_per_step: float
-    training_seconds: float
+    training_seconds: float  # the training loop's own time (steps and checkpoints), not --minutes
     peak_rss_mib: float
     starting_draft: str  # in words (distill_drafts.describe_draft)
     compared: dict[str, Evaluation] = field(default_factory=dict)  # --compare-draft's, by location
     speed: Speed | None = None
     self_distilled: int = 0  # records the target answered
+    phases: dict[str, float] = field(default_factory=dict)  # each phase's seconds, as the run measured them
+    seconds: float | None = None  # the whole run, from its start to the pair written and timed
+    speed_skipped: str | None = None  # why the pair was not timed, where it was meant to be
+    batch: int | None = None  # windows a step and their tokens (the draft's recipe where not given)
+    window: int | None = None
 
 
 # ---------------------------------------------------------------- the card
+
+
+def speed_verdict(speed: Speed, target: str) -> str:
+    """Where the speed-up came from, and a plain verdict when the draft does not pay on this machine."""
+    share = speed.over_draft_free
+    if share is None:
+        return ""
+    where = (f"The pair's target draft-free (suffix proposals alone) ran {speed.draft_free_speedup:.2f}x `target.generate`; "
+             f"the goodput policy ran {speed.draft_forwards:.1f} draft forwards a round and {speed.ngram_share:.0%} of the "
+             "accepted proposals were the n-gram chain's.")
+    if speed.draft_pays:
+        return f"{where} The draft's own share of the speed-up: {share:.2f}x over draft-free."
+    why = ("the policy hardly drafted with it" if speed.draft_forwards < DRAFTED else f"{share:.2f}x draft-free")
+    return (f"{where} **The draft does not pay on this machine** ({why}): a draft forward costs too "
+            "much here beside the target's verification, so the speed-up is the suffix proposals'. Draft-free mode "
+            f"(`SwiftSpecForCausalLM.from_pretrained(\"{target}\")`) gives it without a draft; the draft would pay beside "
+            "a larger target, or on a GPU, where its forward is cheap next to the target's.")
 
 
 def expectations(config: DistillConfig, result: DistillResult) -> str:
@@ -69,13 +115,45 @@ def expectations(config: DistillConfig, result: DistillResult) -> str:
             f"- **Speed-up: {s.speedup:.2f}x `target.generate`** and {s.over_prompt_lookup:.2f}x prompt lookup ({s.prompt_lookup_speedup:.2f}x "
             f"`target.generate`), timed side by side by `swiftspec bench` on {s.prompts} held-out prompts x {s.new_tokens} tokens, greedy"
             + (f", {s.threads} CPU thread(s)" if s.threads else "") + f", on the machine that distilled it (`{s.files}/`). "
-            "Speed-ups depend on the hardware: `swiftspec bench --pair` measures yours."
+            + speed_verdict(s, config.target) + " Speed-ups depend on the hardware: `swiftspec bench --pair` measures yours."
         )
     else:
-        lines.append(f"- Speed: not measured in this run; `swiftspec bench --pair {config.output} --prompts {config.output}/"
-                     f"{HELDOUT_PROMPTS} --methods target,prompt_lookup,swiftspec_serial` times it on the held-out prompts.")
+        why = f" ({result.speed_skipped})" if result.speed_skipped else ""
+        lines.append(f"- Speed: not measured in this run{why}; `swiftspec bench --pair {config.output} --prompts {config.output}/"
+                     f"{HELDOUT_PROMPTS} --methods target,prompt_lookup,swiftspec_serial,swiftspec_suffix` times it on the "
+                     "held-out prompts.")
     lines.append(f"- Every continuation equalled `target.generate`'s token for token: {a.identical}.")
     return "\n".join(lines)
+
+
+def training_text(config: DistillConfig, result: DistillResult) -> str:
+    """How it was trained, in the run's own figures: the tokens its steps read, the training's own minutes."""
+    t = config.train
+    data = ", ".join(f"`{Path(p).name}`" for p in config.data)
+    tokens = config.self_distill_tokens or SELF_DISTILL_AUTO_TOKENS
+    source = data + (f", the prompts of {result.self_distilled} of its records continued by the target itself (its greedy "
+                     f"continuations, {tokens} tokens at most)" if result.self_distilled else "")
+    run = ""
+    if result.seconds is not None:
+        run = f" of a {result.seconds / 60:.1f}-minute run" + (f" (--minutes {t.minutes:g})" if t.minutes is not None else "")
+    return (
+        f"Distilled with `swiftspec distill` from {result.starting_draft}, on {source} ({result.corpus_tokens:,} tokens "
+        f"to draw from; {result.heldout_sequences} held-out records). {result.steps} steps of {t.batch} x {t.window}-token "
+        f"windows: **{result.train_tokens:,} tokens trained on**, in **{result.training_seconds / 60:.1f} minutes of "
+        f"training**{run}, {result.seconds_per_step:.2f} s a step. AdamW (lr {t.lr}, warm-up {t.warmup}, cosine), KL to "
+        f"the target's top-{t.top_k} next-token distribution plus a tail bucket"
+        + (f", {config.head_depth} levels of EAGLE-3's training-time test" if config.draft == "eagle3" else "")
+        + f", seed {t.seed}." + phases_text(result)
+    )
+
+
+def phases_text(result: DistillResult) -> str:
+    if not result.phases:
+        return ""
+    from .distill_progress import PHASES, minutes
+
+    named = {"prepare": "loading and the trial", **PHASES}
+    return " Where the run's time went: " + "; ".join(f"{named.get(k, k)} {minutes(v)}" for k, v in result.phases.items()) + "."
 
 
 def card_for(config: DistillConfig, result: DistillResult) -> PairCard:
@@ -92,20 +170,8 @@ def card_for(config: DistillConfig, result: DistillResult) -> PairCard:
         f"generation of {e.new_tokens} new tokens from {a.prompts} held-out prompts with a fixed tree (tree_budget={e.tree_budget}, "
         f"draft_width={e.draft_width}, draft_depth={e.draft_depth}, ngram_size={e.ngram_size}), so it depends on the draft alone."
     )
-    t = config.train
-    data = ", ".join(f"`{Path(p).name}`" for p in config.data)
-    tokens = config.self_distill_tokens or SELF_DISTILL_AUTO_TOKENS
-    source = data + (f", the prompts of {result.self_distilled} of its records continued by the target itself (its greedy "
-                     f"continuations, {tokens} tokens at most)" if result.self_distilled else "")
-    length = f"{result.steps} steps" + (f" ({t.minutes:g} minutes)" if t.minutes is not None else "")
-    training = (
-        f"Distilled with `swiftspec distill` from {result.starting_draft}, on {source}: {result.train_tokens:,} training "
-        f"tokens, {result.heldout_sequences} held-out records. {length} of {t.batch} x {t.window}-token windows, "
-        f"AdamW (lr {t.lr}, warm-up {t.warmup}, cosine), KL to the target's top-{t.top_k} next-token distribution plus a "
-        "tail bucket" + (f", {config.head_depth} levels of EAGLE-3's training-time test" if config.draft == "eagle3" else "")
-        + f", seed {t.seed}."
-    )
-    sections = [("What to expect", expectations(config, result)), ("Measured on held-out data", measured), ("Training", training)]
+    sections = [("What to expect", expectations(config, result)), ("Measured on held-out data", measured),
+                ("Training", training_text(config, result))]
     if config.command:
         sections.append(("Reproduce", f"```bash\n{config.command}\n```"))
     return PairCard(
@@ -178,12 +244,15 @@ def result_json(config: DistillConfig, result: DistillResult) -> dict:
         "target": config.target, "draft": config.draft, "starting_draft": result.starting_draft, "data": list(config.data),
         "self_distill_tokens": config.self_distill_tokens, "self_distilled_records": result.self_distilled,
         "train": asdict(config.train), "eval": asdict(config.eval), "pair_settings": dict(config.pair_settings),
-        "steps": result.steps, "train_tokens": result.train_tokens, "heldout_records": result.heldout_sequences,
+        "steps": result.steps, "train_tokens": result.train_tokens, "corpus_tokens": result.corpus_tokens,
+        "heldout_records": result.heldout_sequences,
         "before": asdict(result.before), "after": asdict(result.after),
         "compared": {name: asdict(e) for name, e in result.compared.items()},
         "speed": asdict(result.speed) if result.speed is not None else None,
+        "speed_skipped": result.speed_skipped,
         "training_time": {"seconds": round(result.training_seconds, 1), "seconds_per_step": round(result.seconds_per_step, 3),
                           "peak_rss_mib": round(result.peak_rss_mib, 1)},
+        "phases": result.phases, "seconds": None if result.seconds is None else round(result.seconds, 3),
     }
 
 

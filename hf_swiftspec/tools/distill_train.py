@@ -22,7 +22,7 @@ import threading
 import time
 from collections import deque
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -51,26 +51,54 @@ class TopK:
 
 
 def teacher_topk(logits: torch.Tensor, k: int) -> TopK:
-    """logits (B, T, V) -> the top-k of their log-softmax, in float32."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    values, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
-    return TopK(values, ids)
+    """logits (B, T, V) -> the top-k of their log-softmax, in float32 (the top-k of the logits themselves, less
+    their logsumexp: no vocabulary-sized log-softmax is written)."""
+    logits = logits.float()
+    values, ids = logits.topk(min(k, logits.shape[-1]), dim=-1)
+    return TopK(values - logits.logsumexp(-1, keepdim=True), ids)
+
+
+class TopKKL(torch.autograd.Function):
+    """topk_kl's value and gradient, written out: autograd through log_softmax, a mask of the top-k, a masked copy
+    and the tail's logsumexp kept several vocabulary-sized tensors a step and took as long as the head's matmul;
+    this keeps one (the exponentials) beside the logits.
+
+    With q the student's softmax, p_tail the teacher's tail and q_tail the student's, the gradient of one position's
+    KL is q_j - p_j on the teacher's top-k and q_j (1 - p_tail - p_tail (1 - q_tail) / q_tail) on the rest."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, logprobs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        z = logits.float()  # (B, T, V)
+        top = z.amax(-1, keepdim=True)
+        e = (z - top).exp_()  # (B, T, V): exp(z - max), the top-k zeroed below
+        total = e.sum(-1)  # (B, T)
+        e_k = e.gather(-1, ids)  # (B, T, k)
+        tail = e.scatter_(-1, ids, 0.0).sum(-1)  # (B, T): the rest, summed on its own (no cancellation)
+        logq_k = z.gather(-1, ids) - top - total.log()[..., None]
+        logq_tail = tail.log() - total.log()  # -inf where the top-k is the whole vocabulary
+        p_k = logprobs.exp()
+        p_tail = (-torch.expm1(logprobs.logsumexp(-1))).clamp_min(0)  # 1 - sum(p_k), without cancellation
+        head = (p_k * (logprobs - logq_k)).sum(-1)
+        # k = V leaves no tail: the student's is log(0), the teacher's rounding noise, and their term is 0
+        tail_term = torch.xlogy(p_tail, p_tail) - p_tail * logq_tail.nan_to_num(neginf=0.0)
+        ctx.save_for_backward(e, total, tail, e_k, p_k, p_tail, ids)
+        ctx.dtype = logits.dtype
+        return (head + tail_term).mean()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        e, total, tail, e_k, p_k, p_tail, ids = ctx.saved_tensors
+        scale = torch.where(tail > 0, (1 - p_tail) - p_tail * e_k.sum(-1) / tail.clamp_min(torch.finfo(tail.dtype).tiny), 0.0)
+        g = e.mul_((scale / total)[..., None])  # (B, T, V): the rest (e is not needed again)
+        g.scatter_(-1, ids, e_k / total[..., None] - p_k)
+        return (g * (grad / total.numel())).to(ctx.dtype), None, None
 
 
 def topk_kl(logits: torch.Tensor, teacher: TopK) -> torch.Tensor:
     """Mean over positions of KL(teacher || student) over the teacher's top-k tokens and one tail bucket.
 
     logits (B, T, V): the student's; teacher: (B, T, k)."""
-    logq = torch.log_softmax(logits.float(), dim=-1)
-    logq_k = logq.gather(-1, teacher.ids)  # (B, T, k)
-    in_topk = torch.zeros_like(logq, dtype=torch.bool).scatter_(-1, teacher.ids, True)
-    logq_tail = logq.masked_fill(in_topk, -math.inf).logsumexp(-1)  # (B, T)
-    p_k = teacher.logprobs.exp()
-    p_tail = (-torch.expm1(teacher.logprobs.logsumexp(-1))).clamp_min(0)  # 1 - sum(p_k), without cancellation
-    head = (p_k * (teacher.logprobs - logq_k)).sum(-1)
-    # k = V leaves no tail: the student's is log(0), the teacher's rounding noise, and their term is 0
-    tail = torch.xlogy(p_tail, p_tail) - p_tail * logq_tail.nan_to_num(neginf=0.0)
-    return (head + tail).mean()
+    return TopKKL.apply(logits, teacher.logprobs, teacher.ids)
 
 
 def agreement(logits: torch.Tensor, teacher: TopK) -> torch.Tensor:
@@ -99,7 +127,10 @@ class ModelStudent:
 
     def step(self, ids: torch.Tensor, autocast) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss, top-1 agreement) on windows ids (B, N)."""
-        teacher = self.teacher(ids)
+        return self.learn(ids, self.teacher(ids), autocast)
+
+    def learn(self, ids: torch.Tensor, teacher: TopK, autocast) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss, top-1 agreement) on windows ids (B, N) whose teacher is given (computed once, kept)."""
         with autocast:
             logits = self.module(ids).logits[..., : self.vocab]
         return topk_kl(logits, teacher), agreement(logits.detach(), teacher)
@@ -128,7 +159,10 @@ class HeadStudent:
             return tap.take(), teacher_topk(logits, self.top_k)
 
     def step(self, ids: torch.Tensor, autocast) -> tuple[torch.Tensor, torch.Tensor]:
-        states, teacher = self.teacher(ids)
+        return self.learn(ids, self.teacher(ids), autocast)
+
+    def learn(self, ids: torch.Tensor, taught: tuple[torch.Tensor, TopK], autocast) -> tuple[torch.Tensor, torch.Tensor]:
+        states, teacher = taught
         M = ids.shape[1] - self.depth
         total, first = 0.0, None
         with autocast:
@@ -149,8 +183,8 @@ class TrainSettings:
 
     steps: int | None = None  # None: DEFAULT_STEPS, or as many as `minutes` allow
     minutes: float | None = None  # train until this many minutes of training are spent (the schedule sized to it)
-    batch: int = 8  # windows per step, over all ranks
-    window: int = 256  # tokens per window
+    batch: int | None = None  # windows per step, over all ranks (None: the draft's recipe, RECIPES)
+    window: int | None = None  # tokens per window (None: the draft's recipe)
     lr: float = 3e-3
     warmup: int = 20
     weight_decay: float = 0.0
@@ -174,6 +208,17 @@ class TrainSettings:
 
 
 DEFAULT_STEPS = 400
+# (batch, window) by the kind of starting draft. A new small draft (tuned on the demo target): 8 x 256. An early exit
+# starts from the target's own layers and learns from its first steps: more, smaller steps in the same minutes.
+RECIPES = {"early-exit": (4, 192)}
+DEFAULT_RECIPE = (8, 256)
+
+
+def with_recipe(settings: TrainSettings, draft: str) -> TrainSettings:
+    """`settings` with the batch and window not given taken from the draft's recipe."""
+    batch, window = RECIPES.get(draft.split(":")[0], DEFAULT_RECIPE)
+    return replace(settings, batch=batch if settings.batch is None else settings.batch,
+                   window=window if settings.window is None else settings.window)
 
 
 @dataclass(frozen=True)
@@ -208,6 +253,17 @@ class World:
             if p.grad is not None:
                 dist.all_reduce(p.grad)
                 p.grad.div_(self.size)
+
+    def rank0s(self, value: int) -> int:
+        """Rank 0's `value` on every rank: under --minutes each rank times its own steps, but the plan (the
+        learning rate's schedule, when to stop) must be one, or the ranks' weights part and a collective hangs."""
+        if self.size == 1:
+            return value
+        import torch.distributed as dist
+
+        held = torch.tensor([int(value)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+        dist.broadcast(held, 0)
+        return int(held.item())
 
     def barrier(self) -> None:
         if self.size > 1:
@@ -402,6 +458,8 @@ def train(student, stream: torch.Tensor, settings: TrainSettings, checkpoints: P
     step_s: a trial step's seconds, to plan a --minutes run before its first step; budget_s: its training
     seconds (default: all of settings.minutes).
     """
+    if settings.batch is None or settings.window is None:
+        raise ValueError(f"train() needs the batch and window settled (with_recipe); got {settings}.")
     module = student.module
     device = next(module.parameters()).device
     torch.manual_seed(settings.seed)
@@ -428,7 +486,7 @@ def train(student, stream: torch.Tensor, settings: TrainSettings, checkpoints: P
     progress.phase.done = history.step
     with Interrupts() as interrupts:
         try:
-            while not plan.done(history):
+            while not world.rank0s(plan.done(history)):
                 one_step(student, stream, settings, optimizer, params, data_rng, history, plan, autocast, world,
                          interrupts, clock)
                 progress.retotal(history.planned)
@@ -482,3 +540,4 @@ def one_step(student, stream, settings: TrainSettings, optimizer, params, data_r
         seconds = clock() - started
         history.seconds += seconds
         plan.took(history, seconds)
+        history.planned = world.rank0s(history.planned)
