@@ -257,3 +257,31 @@ def test_auto_takes_the_device_round_on_cuda_for_both_drafts(random_pair, short_
         architectures = describe(target, "target"), describe(draft, "draft")
         assert choose_round(config, OnCuda(target), OnCuda(draft), architectures, [], None, None, False, [],
                             vocabularies=vocab) == ("device", "round='auto' on CUDA: the device round")
+
+
+def test_copies_of_a_prompt_share_its_prefill_each_with_a_drafter_of_its_own(tokenizers, text_pair, monkeypatch):
+    """A request's n answers in the device round's running batch (test_shared_prefill.py): the prompt's KV is copied,
+    and each copy's row gets a host drafter of its own, started on the prompt; greedy copies answer as target.generate,
+    seeded ones as the pair's lone call with that seed."""
+    from test_shared_prefill import counting_prefills, decode_together
+
+    prefills = counting_prefills(monkeypatch)
+    tt = tokenizers["bytes"]
+    target, draft = text_pair
+    model = pair_of(target, draft, tokenizers, **FIXED)
+    engine = model.continuous_engine(latency_guard=False)
+    prompt = tt(TEXTS[0], return_tensors="pt").input_ids
+    calls = {f"greedy-{i}": dict(input_ids=prompt, max_new_tokens=16, do_sample=False) for i in range(2)}
+    calls |= {f"seeded-{i}": dict(input_ids=prompt, max_new_tokens=16, do_sample=True, temperature=1.5,
+                                  generator=torch.Generator().manual_seed(i)) for i in range(2)}
+    try:
+        out = decode_together(model, engine, calls)
+    finally:
+        engine.close()
+    assert prefills == [prompt.shape[1]] and max(engine.rounds_by_batch) == 4  # one prefill, a row per copy
+    for i in range(2):
+        assert out[f"greedy-{i}"].tolist() == greedy(target, prompt, max_new_tokens=16)
+        lone = model.generate(prompt, max_new_tokens=16, do_sample=True, temperature=1.5,
+                              generator=torch.Generator().manual_seed(i))
+        assert out[f"seeded-{i}"].tolist() == lone.tolist()
+    assert engine.usage.accepted > engine.usage.verifications  # each copy's translated branches were accepted
