@@ -34,7 +34,7 @@ from .config import SwiftSpecConfig
 from .engine import DecodeRequest, DecodeResult
 from .engine.distributed import Groups
 from .engine.device_sides import check_device_round, choose_round
-from .engine.launch import batch_exactness_gaps, decode_adaptive, draft_architecture, remember_outputs, translation_gaps
+from .engine.launch import batch_exactness_gaps, decode_adaptive, draft_architecture, remember_outputs
 from .steps.capture import Captures
 from .engine.placement import Placement
 from .config import MAX_BUDGET
@@ -109,10 +109,10 @@ def swiftspec_generate(
         )
     device_batch = swiftspec_engine is not None and getattr(swiftspec_engine[0], "on_device", False)
     gaps = (model, swiftspec_draft, architectures, logits_processor, swiftspec_placement, swiftspec_groups,
-            swiftspec_engine is not None and not device_batch, reasons + translation_gaps(swiftspec_vocabularies))
+            swiftspec_engine is not None and not device_batch, reasons)
     if device_batch:  # the engine's round: exact, or a ValueError saying why (never the target's loop instead)
-        check_device_round(config, *gaps)
-    round_, why = choose_round(config, *gaps)  # round="device" asked for and not exact: the same ValueError
+        check_device_round(config, *gaps, vocabularies=swiftspec_vocabularies)
+    round_, why = choose_round(config, *gaps, vocabularies=swiftspec_vocabularies)  # not exact: the same ValueError
     if reasons:
         return decode_with_target_loop(
             model, input_ids, logits_processor, stopping_criteria, generation_config, swiftspec_streamer,

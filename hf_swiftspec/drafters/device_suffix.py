@@ -76,9 +76,11 @@ def merge_suffix(tree: DeviceTree, packed: torch.Tensor) -> DeviceTree:
 @dataclass
 class SuffixProposals:
     """Each round's suffix proposals of the device round's rows (each row's SuffixIndex is the host's, kept with the
-    row: device_sides.RowOnHost.suffix), as one device tensor.
+    row: device_sides.RowOnHost.suffix), as one device tensor; with a host drafter's nodes merged in where the draft
+    proposes from the host (drafters/device_host.py: the same tensor, the round's one copy).
 
-    nodes: S, the suffix nodes a row proposes a round (the policy's largest T less the root: a proposal may fill a tree)
+    ngram_size: the suffix index's (0: no index, the tensor carries a host drafter's offers alone)
+    nodes: S, the nodes a row offers a round (the policy's largest T less the root: a proposal may fill a tree)
     limit: the models' context (no node is placed past it), or None
     """
 
@@ -88,7 +90,10 @@ class SuffixProposals:
     device: torch.device
 
     def index_for(self, request, tokens: list[int]):
-        """A joining row's index over its prompt, the request's corpus and the model's earlier outputs."""
+        """A joining row's index over its prompt, the request's corpus and the model's earlier outputs (None: no
+        suffix proposals, ngram_size 0)."""
+        if not self.ngram_size:
+            return None
         return index_for(tokens, self.ngram_size, request.corpus, request.history)
 
     def propose(self, index) -> SuffixTree:
@@ -97,7 +102,8 @@ class SuffixProposals:
         return index.propose(self.nodes, room)
 
     def pack(self, offers: list) -> torch.Tensor:
-        """(B, 5 + S, S) float64 every cache row's offer (policy/sizing.Offer; None: nothing, a dead row too) in
+        """(B, 5 + S, S) float64 every cache row's offer (policy/sizing.Offer: its suffix proposal, a host drafter's
+        merged in where there is one; None: nothing, a dead row too) in
         host_nodes' layout, each node scored by the log of its calibrated P(accepted), in one pinned, non-blocking
         host-to-device copy."""
         rows = [host_nodes(o.tree.tokens, o.tree.parents, [math.log(p) for p in o.probs], self.nodes) if o is not None

@@ -302,6 +302,34 @@ class DraftModelDrafter:
             self.settle()  # a fresh tree: the next subtree needs an expansion first
         return hits
 
+    def follow(self, verified: list[Verified | None]) -> int:
+        """accept() for a verdict that names no node of its trees (the device round's host proposals, drafters/
+        device_host.py: the target walked a trie of its own tokens): each row's verified tokens as a chain from its
+        root along its own tree (`chain`). Rows with None, or no token, are left as they are."""
+        read_views(self.trees)  # the last expansion's children, which the chains look the tokens up among
+        chains: list[Subtree | None] = [None] * len(verified)
+        verdicts: list[Verified | None] = [None] * len(verified)
+        for b, outcome in enumerate(verified):
+            if outcome is not None and outcome.tokens:
+                chains[b], verdicts[b] = self.chain(b, outcome.tokens)
+        return self.accept(chains, verdicts)
+
+    def chain(self, b: int, new: list[int]) -> tuple[Subtree, Verified]:
+        """Tokens appended to row b as a verdict on its own tree: the chain from its root along them (the tree's
+        nodes where it holds them), all accepted, the last one the new root."""
+        view = self.trees[b].view
+        ids, node = [0], 0
+        for token in new[:-1]:
+            child = None
+            if node >= 0 and view is not None:
+                child = next((i for i in range(node + 1, len(view.parents))
+                              if view.parents[i] == node and view.tokens[i] == token), None)
+            node = child if child is not None else -1
+            ids.append(node)
+        root = self.committed[b][-1]
+        return (Subtree(ids, [root] + new[:-1], list(range(-1, len(new) - 1))),
+                Verified(tokens=list(new), path=list(range(len(new)))))
+
     def settle(self, sent: list[Subtree | None] | None = None) -> list[Subtree | None] | None:
         """What accept(defer=True) left: keep each row's subtree under its new root, commit the verified KV.
         sent: the subtrees chosen meanwhile, returned with their node ids renumbered for the re-rooted trees."""

@@ -159,7 +159,7 @@ class TranslatedDrafter(DraftModelDrafter):
         new draft roots the trees held."""
         start = time.perf_counter()
         chains: list[Subtree | None] = [None] * len(verified)
-        follow: list[Verified | None] = [None] * len(verified)
+        verdicts: list[Verified | None] = [None] * len(verified)
         for b, outcome in enumerate(verified):
             if outcome is None:
                 continue
@@ -177,26 +177,10 @@ class TranslatedDrafter(DraftModelDrafter):
             if kept < len(window):  # the tail re-encodes otherwise (a word grew): those tokens run again
                 self.take_back(b, len(window) - kept, tokens[kept:])
             elif len(tokens) > kept:
-                chains[b], follow[b] = self.chain(b, tokens[kept:])
-        hits = super().accept(chains, follow)
+                chains[b], verdicts[b] = self.chain(b, tokens[kept:])
+        hits = super().accept(chains, verdicts)
         self.counters.translation_s += time.perf_counter() - start
         return hits
-
-    def chain(self, b: int, new: list[int]) -> tuple[Subtree, Verified]:
-        """The draft tokens appended to row b as a verdict on its own tree: the chain from its root along them
-        (the tree's nodes where it holds them), all accepted, the last one the new root."""
-        view = self.trees[b].view
-        ids, node = [0], 0
-        for token in new[:-1]:
-            child = None
-            if node >= 0 and view is not None:
-                child = next((i for i in range(node + 1, len(view.parents))
-                              if view.parents[i] == node and view.tokens[i] == token), None)
-            node = child if child is not None else -1
-            ids.append(node)
-        root = self.committed[b][-1]
-        return (Subtree(ids, [root] + new[:-1], list(range(-1, len(new) - 1))),
-                Verified(tokens=list(new), path=list(range(len(new)))))
 
     def take_back(self, b: int, dropped: int, new: list[int]) -> None:
         """Row b's last `dropped` draft tokens are not the text's any more: forget them (and the KV of those the
@@ -210,6 +194,10 @@ class TranslatedDrafter(DraftModelDrafter):
         self.counters.reroot_misses += 1
         self.counters.taken_back += dropped
         reset_tree(self.trees[b], self.committed[b][-1])
+
+    def follow(self, verified: list[Verified | None]) -> int:
+        """accept(): the verdict is in the target's tokens, which name no node of the draft's tree either way."""
+        return self.accept([None] * len(verified), verified)
 
     def graft(self, b: int, subtree: Subtree) -> int:
         """Nothing: the subtree in flight holds target tokens, which name no node of the draft's tree."""

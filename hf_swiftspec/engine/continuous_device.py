@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..drafters.device_drafters import device_drafter
+from ..drafters.device_host import HostProposals
 from ..steps.capture import capacity_bucket, capture_backend, power_of_two
 from ..steps.device_round import to_device
 from ..steps.slot_cache import SlotCache
@@ -62,6 +63,8 @@ class Prefill:
         packed = to_device([(self.sequence[:-1] or [0]) + state], sides.device)  # its prompt and state, one copy
         self.ids, self.width = packed[:, :width], width
         set_rows(self.slots.rows, packed[:, width:], 0)
+        # a draft proposing from the host: its drafter for the row, started on the prompt (it runs at its first growth)
+        self.host = sides.proposer.started(request) if sides.proposer is not None else None
 
     def copy_for(self, request) -> "RowCopy":
         """The row of another request for the same prompt and length (a request's n answers: continuous.same_prefill),
@@ -75,7 +78,8 @@ class Prefill:
                         committed)
         state = row_values(sampler, self.sequence[-1], committed, request.max_new_tokens, len(self.sequence), stops.eos,
                            eos_width)
-        return RowCopy(row, to_device([state], self.sides.device), eos_width)
+        host = self.sides.proposer.started(request) if self.sides.proposer is not None else None  # its own drafter
+        return RowCopy(row, to_device([state], self.sides.device), eos_width, host)
 
     def in_pieces(self, piece: int):
         """One forward of each model per `piece` prompt tokens (a generator: the engine runs one piece between two
@@ -93,11 +97,12 @@ class Prefill:
 @dataclass
 class RowCopy:
     """A request sharing another's prefill (Prefill.copy_for): its row on the host and its row's device state (1, 7 + E)
-    long (row_values' layout), set over the copied row's."""
+    long (row_values' layout), set over the copied row's; its host drafter where the draft proposes from the host."""
 
     row: RowOnHost
     state: torch.Tensor
     eos_width: int
+    host: object = None
 
 
 class DeviceContinuousEngine(ContinuousEngine):
@@ -106,12 +111,14 @@ class DeviceContinuousEngine(ContinuousEngine):
 
     on_device = True
 
-    def __init__(self, target, draft, policy, config, finish=None, latency_guard: bool = True):
+    def __init__(self, target, draft, policy, config, finish=None, latency_guard: bool = True,
+                 host: HostProposals | None = None):
         super().__init__(target, draft, policy, build=None, finish=finish, latency_guard=latency_guard)
         self.config = config
         self.pool = SlotPool(capture_backend(config.capture, target.device))
         self.runner = self.pool.runner
-        self.drafter = device_drafter(draft, target)  # a head's tap: the engine's
+        self.host = host  # the draft's proposals from the host side (drafters/device_host.py), each batch its own
+        self.drafter = device_drafter(None if host is not None else draft, target)  # a head's tap: the engine's
         self._capacity = 0  # the last batch's slot capacity
         self.changes = Counter()  # the batch's moves to other slots (bucket, capacity), over every batch it ran
 
@@ -132,7 +139,7 @@ class DeviceContinuousEngine(ContinuousEngine):
     def new_sides(self) -> DeviceSides:
         """Sides for a new batch, at the capacity the last one reached (its slots and graphs are the pool's)."""
         sides = DeviceSides(self.target, self.drafter, self.config, self.pool, self.policy, self.changes,
-                            guard=self.latency_guard)
+                            guard=self.latency_guard, host=self.host.fresh() if self.host is not None else None)
         sides.capacity = self.capacity
         return sides
 
@@ -164,9 +171,10 @@ class DeviceContinuousEngine(ContinuousEngine):
         if self.sides is None:
             self.sides = self.new_sides()
         try:
-            self.sides.absorb(prefill.slots, prefill.row, prefill.capacity, prefill.eos_width)
+            self.sides.absorb(prefill.slots, prefill.row, prefill.capacity, prefill.eos_width, prefill.host)
             for _, copy in joining.copies:
-                self.sides.absorb(prefill.slots, copy.row, prefill.capacity, max(prefill.eos_width, copy.eos_width))
+                self.sides.absorb(prefill.slots, copy.row, prefill.capacity, max(prefill.eos_width, copy.eos_width),
+                                  copy.host)
                 set_rows(self.sides.slots.rows, copy.state, self.sides.live - 1)
         except Exception as error:
             raise BatchBroken(error) from error

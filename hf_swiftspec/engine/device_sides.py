@@ -14,15 +14,16 @@ Per round, for all B rows at once:
   1. propose: the goodput policy (policy/goodput.py, through policy/sizing.py) sizes the round: the drafter grows
      levels below every root while one more is expected to pay (none: nothing grown), the suffix proposals join the
      tree (drafters/device_suffix.py) and the best T by path score are selected with their mask
-     (device_round.select_device);
+     (device_round.select_device); a draft with another tokenizer or a shorter context grows on the host instead, its
+     trie in the suffix proposals' copy, the device side draft-free (drafters/device_host.py);
   2. verify: one target forward over them (slot_cache.verify_forward), the target's choices (argmax, or Gumbel-max
      with noise drawn on the device from each row's seed and positions: verify.gumbel_noise), the walk with each row's
      EOS ids and budget (acceptance.walk_subtree), the target cache's commit, the drafter's commit and catch-up, the
      rows' state moved on (prefix, root, budget, position; EOS ids cleared for rows that finished), then the round's
      ONE read: counts, flags, paths, tokens and the verified subtrees, for streaming, stop strings, the record and
      the stats;
-  3. accept: the suffix index's new tokens (on the host); a row whose walk a host-side criterion (a stop string) cut
-     short and that decodes on has its state corrected (rare: one copy);
+  3. accept: the suffix index's new tokens (on the host), which a host drafter follows too; a row whose walk a
+     host-side criterion (a stop string) cut short and that decodes on has its state corrected (rare: one copy);
   4. observe: the policy learns the round's costs and what each row's tree yielded (a round that captured a graph
      times nothing), as it does every round's.
 
@@ -44,6 +45,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from ..drafters.device_drafters import DeviceDrafter, RoundFacts, device_drafter, model_gaps
+from ..drafters.device_host import HostGrowth, HostProposals, on_host
 from ..drafters.device_suffix import SuffixProposals
 from ..models.architectures import Architecture, context_limit
 from ..policy.goodput import GoodputPolicy
@@ -66,19 +68,21 @@ EOS_WIDTH = 4  # EOS ids a row holds on the device, at least (more: the next pow
 NO_ROOM = 1 << 30  # a model with no position limit: room for any shape
 
 
-def run_device(target, draft, request: DecodeRequest, config, captures=None) -> DecodeResult:
+def run_device(target, draft, request: DecodeRequest, config, captures=None,
+               host: HostProposals | None = None) -> DecodeResult:
     """The round (engine/rounds.py) on the device sides, its phases replayed where SwiftSpecConfig.capture says
     (CUDA graphs on CUDA, the emulating stand-in on a CPU with capture=True); check_device_round cleared the call.
     captures: the pair's Captures (steps/capture.py), whose device pool keeps the slots and graphs for the next call;
-    None: this call's own."""
+    None: this call's own. host: the draft's proposals from the host side (drafters/device_host.py), where it makes
+    them there: the device side is then draft-free."""
     if not request.max_new_tokens:
         return DecodeResult(rows=[RowResult() for _ in range(request.batch_size)])
     backend = capture_backend(config.capture, target.device)
-    drafter = device_drafter(draft, target)
+    drafter = device_drafter(None if host is not None else draft, target)
     pool = device_pool(captures, backend) if drafter.poolable else SlotPool(backend)
     runner = pool.runner
     captured_before, setup_before = (runner.captured, runner.setup_s) if runner is not None else (0, 0.0)
-    sides = DeviceSides(target, drafter, config, pool, request.policy)
+    sides = DeviceSides(target, drafter, config, pool, request.policy, host=host)
     result = run_rounds(sides, request)
     pool.drop_unkept_graphs()
     how = "eager phases" if runner is None else (
@@ -86,7 +90,7 @@ def run_device(target, draft, request: DecodeRequest, config, captures=None) -> 
         f"captured by this call")
     if runner is not None and runner.fallbacks:
         how += f"; eager: {', '.join(sorted(runner.fallbacks))}"
-    drafted = drafter.describe()
+    drafted = drafter.describe() if host is None else host.describe()
     result.stats.attention = (f"device round (slot caches, 4D masks over the live length: "
                               f"target={target.config._attn_implementation}, {drafted}; {how})")
     result.stats.capture_s = runner.setup_s - setup_before if runner is not None else 0.0
@@ -111,17 +115,14 @@ def device_pool(captures, backend: str | None) -> SlotPool:
 
 
 def device_round_gaps(config, target, draft, architectures, logits_processor, placement, groups,
-                      joins_running_batch: bool, reasons: list[str]) -> list[str]:
+                      joins_running_batch: bool, reasons: list[str], vocabularies=None) -> list[str]:
     """Why round="device" cannot decode this call exactly (empty: it can). reasons: the call's batch and slot-limit
-    reasons (generation.py's), which the device round would otherwise have to escape by the target's own loop."""
+    reasons (generation.py's), which the device round would otherwise have to escape by the target's own loop.
+    vocabularies: a draft with another tokenizer's (it proposes from the host: drafters/device_host.py)."""
     gaps = list(reasons)
     gaps += model_gaps("target", target, architectures[0], MASKS_4D)
-    drafter = device_drafter(draft, target)
-    gaps += drafter.gaps(architectures[1], MASKS_4D)
-    if drafter.context_model is not None and context_limit(drafter.context_model, target) != context_limit(target):
-        gaps.append(f"the draft's context ({context_limit(draft)} positions) is shorter than the target's "
-                    f"({context_limit(target)}): the host round has it read the text in windows of its own; use "
-                    "round='host'")
+    if on_host(draft, target, vocabularies) is None:  # (a host drafter is the host round's: any draft it runs)
+        gaps += device_drafter(draft, target).gaps(architectures[1], MASKS_4D)
     path_bound = sorted({type(p).__name__ for p in logits_processor or () if type(p) not in PATH_FREE_PROCESSORS})
     if path_bound:
         gaps.append(f"the logits processors {', '.join(path_bound)} read the path before each node (the host's "
@@ -209,8 +210,9 @@ class DeviceSides:
     roots_known = False  # a prefill leaves each prompt's last token as the root: round 1 verifies it
 
     def __init__(self, target, drafter: DeviceDrafter, config, pool: SlotPool, policy: GoodputPolicy | None = None,
-                 changes: Counter | None = None, guard: bool = False):
+                 changes: Counter | None = None, guard: bool = False, host: HostProposals | None = None):
         self.target, self.drafter, self.config, self.pool = target, drafter, config, pool
+        self.proposer = host  # the draft's proposals from the host (drafters/device_host.py; the drafter: RootOnly)
         self.policy = policy if policy is not None else GoodputPolicy(tree_budget=config.tree_budget,
                                                                       draft_depth=config.draft_depth)
         self.guard = guard  # the latency guard caps the trees (a running batch of requests: policy/guard.py)
@@ -221,7 +223,7 @@ class DeviceSides:
         self.limit = context_limit(*(m for m in (target, drafter.context_model) if m is not None))
         self.host: list[RowOnHost] = []  # per cache row
         self.size_trees()
-        self.counters = TargetCounters(), DraftCounters()
+        self.counters = TargetCounters(), host.counters if host is not None else DraftCounters()
         self.clock = PhaseClock.on(self.device)
         self.slots: Slots | None = None
         self.models: RoundModels | None = None
@@ -255,13 +257,13 @@ class DeviceSides:
         return max(min([deepest] + [self.room(h) for h in self.host[: self.live]]), 0)
 
     def size_trees(self) -> None:
-        """The tree region and the suffix proposals for the largest round the policy may size: the drafter's deepest
-        growth and S suffix nodes a row (the policy's largest tree less the root; none with ngram_size 0), then the
-        tree region's slots and scratch."""
+        """The tree region and the host proposals for the largest round the policy may size: the drafter's deepest
+        growth and S offered nodes a row (the policy's largest tree less the root; none with ngram_size 0 and no host
+        drafter), then the tree region's slots and scratch."""
         policy = self.policy
         deepest = 0 if self.drafter.model is None else (
             policy.draft_depth if policy.draft_depth is not None else policy.max_depth)
-        self.suffix_nodes = policy.max_budget - 1 if self.config.ngram_size else 0
+        self.suffix_nodes = policy.max_budget - 1 if self.config.ngram_size or self.proposer is not None else 0
         self.tree_slots = 1 + deepest * self.width + self.suffix_nodes + 2
         self.suffix = (SuffixProposals(self.config.ngram_size, self.suffix_nodes, self.limit, self.device)
                        if self.suffix_nodes else None)
@@ -288,6 +290,8 @@ class DeviceSides:
                                0 if deferred else len(ids) - 1)
                      for sampler, sequence, ids in zip(request.samplers, sequences, prompts)]
         self.live = n
+        if self.proposer is not None:
+            self.proposer.start(request)
         self.slots = None
         self.move_rows(None, n, bucket_for(n))
         # Round 1 is plain where the policy sizes trees (as every round's: its tree would be worth the next round's
@@ -339,9 +343,10 @@ class DeviceSides:
         self.counters[0].forwards += 1
         self.counters[1].forwards += int(self.drafter.model is not None and runs)
 
-    def absorb(self, joining: Slots, row: RowOnHost, capacity: int, eos_width: int) -> None:
-        """A prefilled request's row (its own 1-row slots, its state set) joins as cache row `live`; the rows move first
-        to a larger bucket, or to slots of a wider capacity or EOS width, where it needs one."""
+    def absorb(self, joining: Slots, row: RowOnHost, capacity: int, eos_width: int, host_rows=None) -> None:
+        """A prefilled request's row (its own 1-row slots, its state set; host_rows: its host drafter, where the sides
+        have one) joins as cache row `live`; the rows move first to a larger bucket, or to slots of a wider capacity or
+        EOS width, where it needs one."""
         n = self.live
         if self.slots is None or n + 1 > self.bucket or capacity > self.capacity or eos_width > self.eos_width:
             self.changes["capacity"] += 0 < self.capacity < capacity
@@ -353,6 +358,8 @@ class DeviceSides:
             if mine is not None:
                 mine.copy_rows(theirs, slice(0, 1), at=n, slots=row.prefix)
         self.slots.rows.copy_rows(joining.rows, slice(0, 1), 1, at=n)
+        if host_rows is not None:
+            self.proposer.absorb(host_rows)
         self.host[n] = row
         self.live = n + 1
         self.models = self.round_models()
@@ -361,6 +368,8 @@ class DeviceSides:
         """Keep cache rows `order` (keep_order's) as rows 0 .. len(order) - 1; the rest are dead from now on (and the
         bucket may shrink)."""
         self.host = [self.host[b] for b in order] + self.host[len(order):]
+        if self.proposer is not None:
+            self.proposer.keep_rows(order)
         self.move_rows(to_device(order, self.device), len(order), bucket_for(max(len(order), 1)))
         self.live = len(order)
         self.models = self.round_models()
@@ -432,6 +441,13 @@ class DeviceSides:
         return [Offer.of(self.suffix.propose(h.suffix), self.policy) if want and h.suffix is not None else None
                 for h, want in zip(self.host[: self.live], wanted)]
 
+    def host_growth(self, offers: list[Offer | None]) -> HostGrowth:
+        """A host drafter's growth this round (drafters/device_host.py): each live row's offer, its proposal with the
+        row's suffix proposal merged in, no node placed past the models' context."""
+        room = [max(self.room(h), 0) for h in self.host[: self.live]]
+        with self.clock.phase("expand"):
+            return self.proposer.grow(self.policy, offers, room, self.suffix_nodes, self.policy.plan.probing)
+
     def propose(self, rows) -> DeviceProposed:
         """1. the policy sizes the round (policy/sizing.py); the drafter grows below every root, the suffix proposals
         join the tree and the best T nodes are selected, on the device."""
@@ -441,7 +457,11 @@ class DeviceSides:
         if self.first_plain or plan.quiet:  # round 1 (its roots' logits came with the prefill), or a quiet batch
             proposed.from_prefill, self.first_plain = self.first_plain, False
             return self.grow(proposed, PLAIN, {})
-        sizing = RoundSizing(policy, self.offers(rows), self.width, self.lag(), between_levels=self.runner is None)
+        started = time.perf_counter()
+        offers = self.offers(rows)
+        hosted = self.host_growth(offers) if self.proposer is not None else None
+        sizing = RoundSizing(policy, hosted.offers if hosted is not None else offers, self.width, self.lag(),
+                             between_levels=self.runner is None, started=started)
         inputs = {}
         if any(o is not None and len(o.tree) for o in sizing.offers):
             pad = [None] * (self.bucket - self.live)
@@ -457,7 +477,13 @@ class DeviceSides:
             budget = None if levels and sizing.reads_levels() else sizing.budget()
         proposed.sizing = sizing
         proposed.caught_up = sizing.lag if levels else 0
-        return self.grow(proposed, Shape(levels, self.width if levels else 0, budget), inputs)
+        proposed = self.grow(proposed, Shape(levels, self.width if levels else 0, budget), inputs)
+        if hosted is not None:  # the draft's time this round: its growth on the host, before the device's phase
+            proposed.expansions += hosted.expansions
+            proposed.grow_s += hosted.catch_up_s + hosted.expanding_s
+            proposed.catch_up_s += hosted.catch_up_s
+            proposed.caught_up += hosted.caught_up
+        return proposed
 
     def grow(self, proposed: DeviceProposed, shape: Shape, inputs: dict) -> DeviceProposed:
         """The growth phase of `shape` (a budget of None: sized between levels), then the shape it ran."""
@@ -545,12 +571,15 @@ class DeviceSides:
                                         proposed.shape.nodes)
 
     def accept(self, proposed: DeviceProposed, verified: list[Verified], keep: list[int]) -> None:
-        """3. the suffix indices take the new tokens; rows that a host-side stop cut and that decode on are corrected
-        (those that leave need nothing)."""
+        """3. the suffix indices take the new tokens, a host drafter follows them; rows that a host-side stop cut and
+        that decode on are corrected (those that leave need nothing)."""
         for row, outcome in zip(self.host, verified):
             if row.suffix is not None:
                 row.suffix.extend(outcome.tokens)
         staying = set(keep)
+        if self.proposer is not None:
+            with self.clock.phase("commit"):
+                self.proposer.accept([v if b in staying else None for b, v in enumerate(verified)])
         cuts = [c if b in staying else 0 for b, c in enumerate(proposed.cut)]
         if any(cuts):
             roots = [v.tokens[-1] if v.tokens else 0 for v in verified]

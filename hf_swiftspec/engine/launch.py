@@ -10,6 +10,7 @@ import contextlib
 
 from ..config import MAX_BUDGET, SwiftSpecConfig
 from ..drafters.draft_model import DraftModelDrafter, window_for
+from ..drafters.device_host import HostProposals, on_host
 from ..drafters.drafting import Drafters
 from ..drafters.eagle3 import DraftHead
 from ..drafters.heads import HeadDrafter
@@ -53,7 +54,7 @@ def decode_adaptive(target, draft, request: DecodeRequest, config: SwiftSpecConf
     vocabularies: a draft with another tokenizer's (drafters/vocabulary.py), None for one of the target's.
     round_: "device" runs the device round (device_sides.choose_round chose it, and it cleared the call)."""
     if round_ == "device":
-        return run_device(target, draft, request, config, captures)
+        return run_device(target, draft, request, config, captures, host_drafter(target, draft, config, vocabularies))
     batch = request.batch_size
     length = request.prompt.shape[1] + request.max_new_tokens
     if groups is not None and len(groups.my_ranks) > 1:
@@ -87,12 +88,12 @@ def continuous_engine(target, draft, config: SwiftSpecConfig, placement: Placeme
     reasons = batch_exactness_gaps(architectures, [], [])
     if reasons:
         raise ValueError(f"this pair cannot decode rows in one batch: {'; '.join(reasons)}")
-    round_, _ = choose_round(config, target, draft, architectures, [], placement, groups, False,
-                             translation_gaps(vocabularies))
+    round_, _ = choose_round(config, target, draft, architectures, [], placement, groups, False, [],
+                             vocabularies=vocabularies)
     if round_ == "device":  # the running batch on the device round, its rows in buckets (continuous_device.py)
         return DeviceContinuousEngine(target, draft, policy, config,
                                       lambda request, result: remember_outputs(history, config, request, result),
-                                      latency_guard)
+                                      latency_guard, host_drafter(target, draft, config, vocabularies))
 
     def build(request: DecodeRequest):
         length = request.prompt.shape[1] + request.max_new_tokens
@@ -133,14 +134,7 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
         target_worker = TargetWorker(target, capacity, attention, target_arch, batch_size, runner)
     if role in (None, "draft") or draft_here:
         max_positions = context_limit(target)  # no proposal's node is placed past the target's context
-        tree = dict(
-            capacity=length + config.tree_capacity,
-            tree_capacity=config.tree_capacity,
-            width=1 if chain else config.draft_width,
-            vocab_limit=target.config.get_text_config().vocab_size,
-            max_positions=max_positions,
-            batch_size=batch_size,
-        )
+        tree = tree_settings(target, config, length, batch_size, chain)
         if isinstance(draft, DraftHead):  # an EAGLE-3 head or an MTP layer: attends with its own sdpa
             runner = step_runner(captures, "draft", draft, draft_arch, config)
             if runner is not None:
@@ -148,15 +142,7 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
             model = HeadDrafter(draft, runner=runner, **tree)
         elif draft is not None:
             runner = None if vocabularies is not None else step_runner(captures, "draft", draft, draft_arch, config)
-            draft_attention = resolve_attention(config.attention, draft, draft_arch, replayed=runner is not None)
-            tree.update(draft_positions(draft, max_positions, vocabularies))
-            if runner is not None:
-                tree["capacity"] = replayed_capacity(runner, tree["capacity"], tree["max_positions"], config.tree_capacity)
-            if vocabularies is not None:
-                tree["vocab_limit"] = min(len(vocabularies.draft), draft.config.get_text_config().vocab_size)
-                model = TranslatedDrafter(draft, vocabularies, attention=draft_attention, architecture=draft_arch, **tree)
-            else:
-                model = DraftModelDrafter(draft, attention=draft_attention, architecture=draft_arch, runner=runner, **tree)
+            model = draft_model_drafter(draft, draft_arch, tree, config, runner, vocabularies)
         else:
             model = None
         ngram_size = 0 if chain and draft is not None else config.ngram_size
@@ -165,6 +151,50 @@ def build_workers(target, draft, config: SwiftSpecConfig, length: int, groups: G
         )
         draft_worker = Drafters(model, suffix, batch_size, max_positions, target.device)
     return target_worker, draft_worker
+
+
+def tree_settings(target, config: SwiftSpecConfig, length: int, batch_size: int, chain: bool) -> dict:
+    """A drafter's tree and cache sizes for `length` tokens a row (the prompt and the new tokens), no node placed
+    past the target's context; chains (width 1) where `chain`."""
+    return dict(
+        capacity=length + config.tree_capacity,
+        tree_capacity=config.tree_capacity,
+        width=1 if chain else config.draft_width,
+        vocab_limit=target.config.get_text_config().vocab_size,
+        max_positions=context_limit(target),
+        batch_size=batch_size,
+    )
+
+
+def draft_model_drafter(draft, architecture, tree: dict, config: SwiftSpecConfig, runner: StepRunner | None = None,
+                        vocabularies=None) -> DraftModelDrafter:
+    """A draft model's drafter (draft_model.py; translated.py for a draft with another tokenizer, whose `vocabularies`
+    these are) of `tree`'s sizes (tree_settings), in its own positions (draft_positions); runner: its replayed
+    forwards, or None (every forward eager)."""
+    attention = resolve_attention(config.attention, draft, architecture, replayed=runner is not None)
+    tree = dict(tree, **draft_positions(draft, tree["max_positions"], vocabularies))
+    if runner is not None:
+        tree["capacity"] = replayed_capacity(runner, tree["capacity"], tree["max_positions"], config.tree_capacity)
+    if vocabularies is not None:
+        tree["vocab_limit"] = min(len(vocabularies.draft), draft.config.get_text_config().vocab_size)
+        return TranslatedDrafter(draft, vocabularies, attention=attention, architecture=architecture, **tree)
+    return DraftModelDrafter(draft, attention=attention, architecture=architecture, runner=runner, **tree)
+
+
+def host_drafter(target, draft, config: SwiftSpecConfig, vocabularies=None):
+    """Where the device round's draft proposes from the host (drafters/device_host.on_host): a request -> its rows'
+    drafter (the host round's, eager: a draft with another tokenizer always is), and why; else None."""
+    why = on_host(draft, target, vocabularies)
+    if why is None:
+        return None
+    architecture = describe(draft, "draft")
+
+    def build(request: DecodeRequest) -> DraftModelDrafter:
+        length = request.prompt.shape[1] + request.max_new_tokens
+        tree = tree_settings(target, config, length, request.batch_size, architecture.shape == "chain")
+        return draft_model_drafter(draft, architecture, tree, config, None, vocabularies)
+
+    return HostProposals(build, why)
 
 
 def draft_positions(draft, target_positions: int | None, vocabularies) -> dict:
@@ -177,15 +207,6 @@ def draft_positions(draft, target_positions: int | None, vocabularies) -> dict:
         return {"max_positions": own}
     limit = min(n for n in (own, target_positions) if n is not None) if (own or target_positions) else None
     return {"max_positions": limit, "window": window_for(own, target_positions)}
-
-
-def translation_gaps(vocabularies) -> list[str]:
-    """Why the device round cannot run this pair's draft (its refusal list, device_sides.device_round_gaps)."""
-    if vocabularies is None:
-        return []
-    return ["the draft has another tokenizer than the target's: its branches are translated into the target's "
-            "tokens through their text, on the host between the draft's growth and the verification (the host "
-            "round does that); use round='host'"]
 
 
 def replayed_capacity(runner: StepRunner, needed: int, context: int | None, room: int) -> int:

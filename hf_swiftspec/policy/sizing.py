@@ -32,32 +32,60 @@ from .goodput import GoodputPolicy
 
 @dataclass
 class Offer:
-    """A row's suffix proposal this round, on the host: the index's tree with each node's calibrated P(accepted) and
-    calibration bucket (GoodputPolicy.suffix_probs) and its path hash (HASH_BITS of device_round.host_path_hash: the
-    device merges it onto the draft node of the same hash)."""
+    """A row's host proposal this round: the suffix index's tree, or a host drafter's with it merged in
+    (drafters/device_host.py), with each node's calibrated P(accepted) and suffix calibration bucket (-1: not the
+    suffix proposal's) and its path hash (HASH_BITS of device_round.host_path_hash: the device merges it onto the
+    draft node of the same hash).
+
+    scores: each node's draft score where a host drafter proposed it (None: the suffix proposal's alone); empty: none
+    suffix: the suffix proposal's own nodes (tokens, parents, buckets) where a host drafter's joined them; None: the
+            whole tree is the suffix proposal
+    """
 
     tree: SuffixTree
     probs: list[float]
     buckets: list[int]
     hashes: list[int] = field(default_factory=list)
+    scores: list[float | None] = field(default_factory=list)
+    suffix: tuple[list[int], list[int], list[int]] | None = None
 
     @classmethod
     def of(cls, tree: SuffixTree, policy: GoodputPolicy) -> "Offer":
         probs, buckets = policy.suffix_probs(tree)
-        full: list[int] = []
-        for parent, token in zip(tree.parents, tree.tokens):
-            full.append(host_path_hash(full[parent] if parent >= 0 else 0, token))
-        return cls(tree, probs, buckets, [h & HASH_BITS for h in full])
+        return cls(tree, probs, buckets, offer_hashes(tree))
+
+    @classmethod
+    def of_proposal(cls, proposal: Proposal) -> "Offer":
+        """A proposal (root first, parents before children: a host drafter's, the suffix proposal merged in by
+        tree.merge_suffix) as the offer of its nodes below the root."""
+        sub = proposal.subtree
+        tree = SuffixTree(list(sub.tokens[1:]), [p - 1 for p in sub.parents[1:]], match=proposal.match)
+        return cls(tree, list(proposal.probs[1:]), list(proposal.suffix[1:]), offer_hashes(tree),
+                   list(proposal.scores[1:]), proposal.offered)
 
     def child(self, parent: int, token: int) -> int | None:
         """The node below `parent` (-1: the root) carrying `token`, or None."""
         tree = self.tree
         return next((i for i, (p, t) in enumerate(zip(tree.parents, tree.tokens)) if p == parent and t == token), None)
 
+    def score(self, k: int) -> float | None:
+        """Node k's draft score (None: no host drafter proposed it)."""
+        return self.scores[k] if self.scores else None
+
     @property
     def offered(self) -> tuple[list[int], list[int], list[int]]:
-        """The whole proposal as the policy follows it down the emitted tokens (Proposal.offered)."""
+        """The whole suffix proposal as the policy follows it down the emitted tokens (Proposal.offered)."""
+        if self.suffix is not None:
+            return tuple(list(part) for part in self.suffix)
         return list(self.tree.tokens), list(self.tree.parents), list(self.buckets)
+
+
+def offer_hashes(tree: SuffixTree) -> list[int]:
+    """Each node's path hash below the root, HASH_BITS of it (what the device merges by)."""
+    full: list[int] = []
+    for parent, token in zip(tree.parents, tree.tokens):
+        full.append(host_path_hash(full[parent] if parent >= 0 else 0, token))
+    return [h & HASH_BITS for h in full]
 
 
 @dataclass
@@ -171,7 +199,7 @@ class RoundSizing:
             at = where[parent] if parent > 0 else -1
             k = offer.child(at, tokens[i]) if offer is not None and at is not None else None
             where[i] = k
-            score = drafted[i] if node_ids[i] < grown_nodes else None
+            score = drafted[i] if node_ids[i] < grown_nodes else offer.score(k) if k is not None else None
             p = 0.0 if score is None else self.policy.draft_probs([score])[0]
             if k is not None:
                 p = max(p, offer.probs[k])
