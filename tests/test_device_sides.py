@@ -154,15 +154,18 @@ def refused(pair, ids, **kwargs) -> str:
 
 
 def test_calls_it_cannot_decode_exactly_are_refused_with_the_reason():
-    """Draft-free pairs with nothing to propose (ngram_size=0), sliding windows, path-dependent processors: a ValueError
-    naming the cause and the fix, never the host round or the target's loop instead."""
+    """Draft-free pairs with nothing to propose (ngram_size=0), sliding windows: a ValueError naming the cause and the
+    fix, never the host round or the target's loop instead. Processors that read the path are no longer refused: the
+    walk over the read logits decodes them (a repetition penalty here; test_device_processors.py for the rest)."""
     target = tiny_model("llama", seed=0)
     ids = torch.tensor([[5, 17, 33, 8]])
     message = refused(SwiftSpecForCausalLM.from_models(target, None, **DEVICE), ids)
     assert "draft-free" in message and "ngram_size > 0" in message
     pair = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), **DEVICE)
-    penalty = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3)])
-    assert "RepetitionPenaltyLogitsProcessor" in refused(pair, ids, logits_processor=penalty)
+    penalty = dict(logits_processor=LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3)]), max_new_tokens=8,
+                   do_sample=False)
+    assert pair.generate(ids, **penalty).tolist() == target.generate(ids, **penalty).tolist()
+    assert pair.swiftspec_stats.engine == "device"
     windowed = tiny_model("mistral", seed=0, sliding_window=4)
     message = refused(SwiftSpecForCausalLM.from_models(windowed, truncated_draft(windowed, 2), **DEVICE), ids)
     assert "sliding-window" in message and "round='host'" in message
@@ -178,7 +181,8 @@ def test_calls_it_cannot_decode_exactly_are_refused_with_the_reason():
 def test_every_documented_refusal_names_its_reason():
     """settings.md's list of what the device round refuses, each by its message (beside the test above's): compile=True,
     attention="kernel", a placement other than serial, a recurrent model. (An attention that takes no 4D mask is
-    refused by the pair itself, whatever the round: architectures.UnsupportedArchitecture.)"""
+    refused by the pair itself, whatever the round: architectures.UnsupportedArchitecture.) Logits processors that read
+    the path left the list: no gap names them."""
     target = tiny_model("llama", seed=0)
     ids = torch.tensor([[5, 17, 33, 8]])
     for settings in (dict(compile=True), dict(attention="kernel")):
@@ -192,6 +196,14 @@ def test_every_documented_refusal_names_its_reason():
     recurrent = sweep.tiny_of_type("mamba2", seed=0, vocab_size=98)
     message = refused(SwiftSpecForCausalLM.from_models(recurrent, None, round="device", ngram_size=3), ids)
     assert "recurrent" in message and "mamba2" in message
+    from hf_swiftspec.engine.device_sides import device_round_gaps
+    from hf_swiftspec.steps.probes import describe
+    from transformers import NoBadWordsLogitsProcessor, NoRepeatNGramLogitsProcessor
+
+    path_readers = [RepetitionPenaltyLogitsProcessor(1.3), NoRepeatNGramLogitsProcessor(2),
+                    NoBadWordsLogitsProcessor([[5]], eos_token_id=2)]
+    assert device_round_gaps(SwiftSpecConfig(**DEVICE), target, truncated_draft(target, 2),
+                             (describe(target, "target"), None), path_readers, None, None, False, []) == []
 
 
 @pytest.mark.parametrize("capture", [False, True])
@@ -368,9 +380,13 @@ def test_auto_takes_the_device_round_on_cuda_where_it_applies_and_says_why():
     architectures = describe(target, "target"), None
     assert choose_round(config, cuda, None, architectures, [], None, None, False, []) == (
         "device", "round='auto' on CUDA: the device round")
-    penalty = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3)])
-    round_, why = choose_round(config, cuda, None, architectures, penalty, None, None, False, [])
-    assert round_ == "host" and "RepetitionPenaltyLogitsProcessor" in why
+    penalty = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3)])  # the walk over the read logits decodes it
+    assert choose_round(config, cuda, None, architectures, penalty, None, None, False, []) == (
+        "device", "round='auto' on CUDA: the device round")
+    windowed = OnCuda(tiny_model("mistral", seed=0, sliding_window=4))
+    round_, why = choose_round(config, windowed, None, (describe(windowed.wrapped[0], "target"), None), [], None, None,
+                               False, [])
+    assert round_ == "host" and "sliding-window" in why
     assert choose_round(SwiftSpecConfig(round="host"), cuda, None, architectures, [], None, None, False, [])[0] == "host"
 
 
