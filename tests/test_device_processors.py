@@ -242,15 +242,23 @@ def test_stop_strings_and_rows_that_decode_on(target):
     assert max(stopped_at) == out.shape[1] < 40 and min(stopped_at) < out.shape[1] - 5  # rows decoded on
 
 
+@pytest.mark.parametrize("sized", ["fixed", "by-the-policy"])
 @pytest.mark.parametrize("rows", [1, 4])
-def test_output_scores_and_logits_are_generates(target, rows):
+def test_output_scores_and_logits_are_generates(target, rows, sized):
     """return_dict_in_generate's scores (the processed ones, which the host's walk made) and logits: each step's equals
-    target.generate's, with a repetition penalty."""
+    target.generate's, with a repetition penalty. Where the policy sizes the trees, round 1 is plain and its roots'
+    logits are the prefill's (the strategy's forward phase runs no forward then)."""
     ids, mask = prompts(rows)
     kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=12, repetition_penalty=1.5,
                   return_dict_in_generate=True, output_scores=True, output_logits=True)
-    expected, actual = target.generate(ids, **kwargs), pair_for(target, "draft").generate(ids, **kwargs)
+    pair = pair_for(target, "draft") if sized == "fixed" else SwiftSpecForCausalLM.from_models(
+        target, truncated_draft(target, 2), round="device", ngram_size=0)
+    expected, actual = target.generate(ids, **kwargs), pair.generate(ids, **kwargs)
     assert actual.sequences.tolist() == expected.sequences.tolist()
     for name in ("scores", "logits"):
         for got, want in zip(getattr(actual, name), getattr(expected, name), strict=True):
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    stats = pair.swiftspec_stats
+    assert stats.engine == "device"
+    if sized != "fixed":  # round 1 from the prefill: one target forward a round but the first
+        assert stats.rounds[0].budget == 1 and stats.target_forwards == len(stats.rounds)
