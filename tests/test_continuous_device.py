@@ -193,27 +193,49 @@ def test_stop_strings_and_sampled_rows_among_greedy_ones(target):
 
 def test_what_the_device_batch_cannot_decode_is_refused_by_name(target):
     """A pair the device batch cannot decode exactly is refused when its engine is made (a recurrent target, whose
-    state rolls back for one sequence at a time), and a request whose processors read the path is refused alone, the
-    engine serving on."""
+    state rolls back for one sequence at a time)."""
     from hf_swiftspec.tools import sweep
 
     recurrent = SwiftSpecForCausalLM.from_models(sweep.tiny_of_type("mamba2", seed=0, vocab_size=98), None,
                                                  round="device")
     with pytest.raises(ValueError, match="recurrent state rolls back per sequence"):
         recurrent.continuous_engine()
-    pair = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), **DEVICE)
+
+
+def test_requests_whose_processors_read_the_path_share_the_batch(target, monkeypatch):
+    """Requests with a repetition penalty (greedy) and no_repeat_ngram_size (sampled) join greedy ones without: while
+    one of them is in the batch every row is walked on the host over the read logits (engine/device_walk.py), else on
+    the device; the greedy answers are target.generate's, the sampled one what its lone call on the host round draws
+    with that seed."""
+    from hf_swiftspec.engine import device_walk
+
+    walked, walk = [], device_walk.walk_rows
+
+    def uncounted(logits, subtrees, *rest):  # the host's walk, on host copies: no read of the device (uncounted)
+        walked.append(len(subtrees))
+        with torch._C.DisableTorchFunction():
+            return walk(logits, subtrees, *rest)
+
+    monkeypatch.setattr(device_walk, "walk_rows", uncounted)
+    seen = watch_rounds(monkeypatch)
+    draft = truncated_draft(target, 2)
+    pair = SwiftSpecForCausalLM.from_models(target, draft, **DEVICE)
+    calls = greedy_calls(target)[:4]
+    calls[1]["logits_processor"] = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3)])
+    sampled = dict(input_ids=calls[3]["input_ids"], max_new_tokens=16, do_sample=True, temperature=0.9,
+                   no_repeat_ngram_size=2)
+    calls[3] = dict(sampled, generator=torch.Generator().manual_seed(5))
     engine = pair.continuous_engine()
-    ids = torch.tensor([PROMPTS[0]])
     try:
-        with pytest.raises(ValueError, match="RepetitionPenaltyLogitsProcessor"):
-            pair.generate(ids, max_new_tokens=4, do_sample=False, swiftspec_engine=(engine, "a"),
-                          logits_processor=LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3)]))
-        out = pair.generate(ids, max_new_tokens=6, do_sample=False, swiftspec_engine=(engine, "b"))
+        out = relay(pair, engine, calls)
     finally:
         engine.close()
-    assert out.tolist() == target.generate(ids, max_new_tokens=6, do_sample=False).tolist()
-
-
+    assert_answers_are_target_generates(target, calls[:3], out)
+    assert out[1].tolist() != target.generate(calls[1]["input_ids"], max_new_tokens=NEW[1], do_sample=False).tolist()
+    host = SwiftSpecForCausalLM.from_models(target, draft, ngram_size=0)
+    assert out[3].tolist() == host.generate(**dict(sampled, generator=torch.Generator().manual_seed(5))).tolist()
+    assert max(walked) >= 2 and len(walked) < len(seen)  # walked on the host with others, and on the device alone
+    assert max(r["reads"] for r in seen) == 1
 def test_bucket_for_rounds_up_to_a_power_of_two():
     assert [bucket_for(n) for n in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, 16]
     assert device_phases.processors_signature(None) == ()

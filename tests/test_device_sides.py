@@ -158,13 +158,16 @@ def refused(pair, ids, **kwargs) -> str:
 
 def test_calls_it_cannot_decode_exactly_are_refused_with_the_reason():
     """Rules by cache slot (a NoPE temperature stepped by slot; sliding windows are a term of its masks:
-    test_device_windows.py), path-dependent processors: a ValueError naming the cause and the fix, never the host round
-    or the target's loop instead."""
+    test_device_windows.py): a ValueError naming the cause and the fix, never the host round or the target's loop
+    instead. Processors that read the path are no longer refused: the walk over the read logits decodes them (a
+    repetition penalty here; test_device_processors.py for the rest)."""
     target = tiny_model("llama", seed=0)
     ids = torch.tensor([[5, 17, 33, 8]])
     pair = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), **DEVICE)
-    penalty = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3)])
-    assert "RepetitionPenaltyLogitsProcessor" in refused(pair, ids, logits_processor=penalty)
+    penalty = dict(logits_processor=LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3)]), max_new_tokens=8,
+                   do_sample=False)
+    assert pair.generate(ids, **penalty).tolist() == target.generate(ids, **penalty).tolist()
+    assert pair.swiftspec_stats.engine == "device"
     from hf_swiftspec.tools import sweep
 
     limited = sweep.tiny_of_type("llama4_text", seed=0, vocab_size=98, floor_scale=4)  # its NoPE layers' temperature
@@ -196,7 +199,8 @@ def test_calls_past_the_context_and_with_nothing_to_propose_decode_as_target_gen
 def test_every_documented_refusal_names_its_reason():
     """settings.md's list of what the device round refuses, each by its message (beside the test above's): compile=True,
     attention="kernel", a placement other than serial, a recurrent model. (An attention that takes no 4D mask is
-    refused by the pair itself, whatever the round: architectures.UnsupportedArchitecture.)"""
+    refused by the pair itself, whatever the round: architectures.UnsupportedArchitecture.) Logits processors that read
+    the path left the list: no gap names them."""
     target = tiny_model("llama", seed=0)
     ids = torch.tensor([[5, 17, 33, 8]])
     for settings in (dict(compile=True), dict(attention="kernel")):
@@ -210,6 +214,14 @@ def test_every_documented_refusal_names_its_reason():
     recurrent = sweep.tiny_of_type("mamba2", seed=0, vocab_size=98)
     message = refused(SwiftSpecForCausalLM.from_models(recurrent, None, round="device", ngram_size=3), ids)
     assert "recurrent" in message and "mamba2" in message
+    from hf_swiftspec.engine.device_sides import device_round_gaps
+    from hf_swiftspec.steps.probes import describe
+    from transformers import NoBadWordsLogitsProcessor, NoRepeatNGramLogitsProcessor
+
+    path_readers = [RepetitionPenaltyLogitsProcessor(1.3), NoRepeatNGramLogitsProcessor(2),
+                    NoBadWordsLogitsProcessor([[5]], eos_token_id=2)]
+    assert device_round_gaps(SwiftSpecConfig(**DEVICE), target, truncated_draft(target, 2),
+                             (describe(target, "target"), None), path_readers, None, None, False, []) == []
 
 
 @pytest.mark.parametrize("capture", [False, True])
@@ -386,9 +398,15 @@ def test_auto_takes_the_device_round_on_cuda_where_it_applies_and_says_why():
     architectures = describe(target, "target"), None
     assert choose_round(config, cuda, None, architectures, [], None, None, False, []) == (
         "device", "round='auto' on CUDA: the device round")
-    penalty = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3)])
-    round_, why = choose_round(config, cuda, None, architectures, penalty, None, None, False, [])
-    assert round_ == "host" and "RepetitionPenaltyLogitsProcessor" in why
+    penalty = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3)])  # the walk over the read logits decodes it
+    assert choose_round(config, cuda, None, architectures, penalty, None, None, False, []) == (
+        "device", "round='auto' on CUDA: the device round")
+    from hf_swiftspec.tools import sweep
+
+    recurrent = sweep.tiny_of_type("mamba2", seed=0, vocab_size=98)  # a call it still cannot decode: the host round
+    round_, why = choose_round(config, OnCuda(recurrent), None, (describe(recurrent, "target"), None), [], None, None,
+                               False, [])
+    assert round_ == "host" and "recurrent" in why and "mamba2" in why
     assert choose_round(SwiftSpecConfig(round="host"), cuda, None, architectures, [], None, None, False, [])[0] == "host"
 
 

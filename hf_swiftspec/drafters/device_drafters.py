@@ -62,6 +62,7 @@ class DeviceDrafter(Protocol):
     poolable: bool  # its phases may replay across generate() calls (nothing of one call's baked in)
     defers: bool  # its catch-up waits for its next growth (a plain round runs nothing of it)
     reads_target: bool  # it reads the target's states of each verified node: the roots' too (round 1 verifies them)
+    # where it reads_target: `tap`, the target's states of its last forward (take(); hand(states) for the next take)
 
     def state_fields(self, capacity: int) -> dict[str, tuple[tuple[int, ...], torch.dtype, float]]:
         """Its per-row device state for slots of `capacity`: name -> (shape past the rows, dtype, a dead row's value)."""

@@ -3,12 +3,17 @@
 
     grow_phase     the drafter's growth of the round's shape below every root, the suffix nodes merged in, the best T
                    selected with their mask
-    verify_phase   the target's verification, its choices, the walk (acceptance.py's rules), both caches' commits and
-                   the rows' state moved on in place; its `result` is the round's one read
+    verify_phase   the target's verification, its choices, the walk (acceptance.py's rules), then after_walk: both
+                   caches' commits and the rows' state moved on in place; its `result` is the round's one read
+
+A round whose rows' logits processors read the path verifies by the walk over the read logits instead
+(engine/device_walk.py): forward_phase (the verification's forward alone, read), the host's walk, then commit_phase
+(the walks copied in, after_walk). The two share after_walk, so a walk commits the same way wherever it ran.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, fields
 
 import torch
@@ -16,10 +21,10 @@ from swiftspec_kernels.advance_rows import advance_rows
 
 from ..drafters.device_drafters import DeviceDrafter, RoundFacts
 from ..drafters.device_suffix import merge_suffix, root_tree
-from ..steps.acceptance import greedy_choices, gumbel_noise, sampled_choices, walk_subtree
+from ..steps.acceptance import Walk, greedy_choices, gumbel_noise, sampled_choices, walk_subtree
 from ..steps.device_round import DeviceSubtree, plain_subtree, select_device
 from ..steps.slot_cache import commit_cache, verify_forward
-from ..steps.verify import apply_processors
+from ..steps.verify import PATH_FREE_PROCESSORS, apply_processors
 from .device_pool import Slots
 
 
@@ -44,8 +49,8 @@ PLAIN = Shape(0, 0, 1)  # the roots alone, verified: one target forward, one tok
 
 @dataclass(frozen=True)
 class RoundModels:
-    """What a round's phases run on besides the slots: the target, the drafter, each cache row's processors (the
-    path-free ones; () for a dead row) and whether the round samples, keeps each token's scores / logits."""
+    """What a round's phases run on besides the slots: the target, the drafter, each cache row's processors (() for a
+    dead row) and whether the round samples, keeps each token's scores / logits."""
 
     target: object
     drafter: DeviceDrafter
@@ -58,6 +63,18 @@ class RoundModels:
         """What a replayed phase bakes in of these (the slots' addresses are the sides' part of the key): the rows'
         processors by their settings (a new processor object with the same settings is no new graph)."""
         return tuple(processors_signature(p) for p in self.processors), self.sample, self.keeps
+
+    @property
+    def walks_on_host(self) -> bool:
+        """Whether a row's processors read the path before each node: the round then verifies by the walk over the read
+        logits (engine/device_walk.py), every row of it."""
+        return any(type(p) not in PATH_FREE_PROCESSORS for row in self.processors for p in row)
+
+    def without_rules(self) -> "RoundModels":
+        """These models without the rows' rules (processors, sampling, kept scores): what the walk over the read logits
+        hands its two phases, which apply none of them (the host's walk does), so none is baked into their graphs."""
+        return dataclasses.replace(self, processors=tuple(() for _ in self.processors), sample=False,
+                                   keeps=(False, False))
 
 
 def processors_signature(processors) -> tuple:
@@ -115,11 +132,8 @@ def verify_phase(*, models: RoundModels, slots: Slots, facts: RoundFacts, span: 
     subtree's node ids, tokens and parents, and the nodes' draft scores as float64 bits), the walked nodes' scores /
     logits (B, T, V) where the call keeps them, and what the drafter's step returns (a head's path_inputs)."""
     sub = DeviceSubtree(**subtree)
-    rows, (target_cache, draft_cache) = slots.rows, slots.caches
-    for c in slots.caches:
-        if c is not None:
-            c.span = span
-    logits = verify_forward(models.target, target_cache, rows.prefix_lens, sub) if known is None else known  # (B, T, V)
+    rows = slots.rows
+    logits = target_logits(models, slots, span, sub, known)  # (B, T, V)
     scores = processed(logits, models.processors)
     if models.sample:
         D = min(sub.tokens.shape[1], facts.deepest + 1)  # a node sits at most `deepest` below its root
@@ -129,17 +143,69 @@ def verify_phase(*, models: RoundModels, slots: Slots, facts: RoundFacts, span: 
     else:
         choices = greedy_choices(scores)
     walk = walk_subtree(choices, sub, rows.budgets, rows.eos)
-    if sub.tokens.shape[1] > 1:  # (the roots alone: each root's KV already sits at its prefix's end, nothing moves)
-        commit_cache(target_cache, rows.prefix_lens, walk.path.clamp(min=0), walk.count)  # verified node j at slot j
-    out = models.drafter.after_verify(draft_cache, rows, sub, walk, facts)
-    # the rows moved on in place (roots, lengths, budgets; a finished row's EOS ids cleared) and the read packed
-    advanced = advance_rows(walk.count, walk.finished, walk.tokens, walk.path, sub.node_ids, sub.tokens, sub.parents,
-                            rows.roots, rows.prefix_lens, rows.budgets, rows.positions, rows.eos)
-    out["result"] = torch.cat([advanced, drafted.double().view(torch.int64)], dim=1)
+    out = after_walk(models, slots, facts, sub, walk)
+    out["result"] = torch.cat([out.pop("advanced"), drafted.double().view(torch.int64)], dim=1)
     for name, values, keep in (("scores", scores, models.keeps[0]), ("logits", logits, models.keeps[1])):
         if keep:
             out[name] = along_path(values, walk.path)
     return out
+
+
+def target_logits(models: RoundModels, slots: Slots, span: int, sub: DeviceSubtree,
+                  known: torch.Tensor | None) -> torch.Tensor:
+    """The target's logits (B, T, V) at the subtree's nodes: its verification forward over the live `span`, or `known`
+    (the prefill's, no forward)."""
+    for c in slots.caches:
+        if c is not None:
+            c.span = span
+    return verify_forward(models.target, slots.caches[0], slots.rows.prefix_lens, sub) if known is None else known
+
+
+def after_walk(models: RoundModels, slots: Slots, facts: RoundFacts, sub: DeviceSubtree, walk: Walk) -> dict:
+    """What follows a verification's walk, wherever it ran (verify_phase's on the device, or the host's walk over the
+    read logits: commit_phase): the target cache's commit of the walked path, the drafter's after_verify (its commit, a
+    head's catch-up on the target's states of the verification forward) and the rows moved on in place (roots,
+    lengths, budgets; a finished row's EOS ids cleared). Returns the drafter's outputs and `advanced` (B, 2 + 5T) long,
+    advance_rows' packed walk (counts, finished flags, tokens, path, the subtree's node ids, tokens and parents)."""
+    rows, (target_cache, draft_cache) = slots.rows, slots.caches
+    if sub.tokens.shape[1] > 1:  # (the roots alone: each root's KV already sits at its prefix's end, nothing moves)
+        commit_cache(target_cache, rows.prefix_lens, walk.path.clamp(min=0), walk.count)  # verified node j at slot j
+    out = models.drafter.after_verify(draft_cache, rows, sub, walk, facts)
+    out["advanced"] = advance_rows(walk.count, walk.finished, walk.tokens, walk.path, sub.node_ids, sub.tokens,
+                                   sub.parents, rows.roots, rows.prefix_lens, rows.budgets, rows.positions, rows.eos)
+    return out
+
+
+def forward_phase(*, models: RoundModels, slots: Slots, span: int, drafted: torch.Tensor,
+                  known: torch.Tensor | None = None, **subtree) -> dict:
+    """2a. (the walk over the read logits: engine/device_walk.py) the verification's forward alone, no host read.
+    Returns logits (B, T, V), each node's; subtree (B, 4T) long, what the host's walk and the policy read of it (the
+    node ids, tokens and parents, and the draft scores as float64 bits); and target_states, the target's states of this
+    forward where the drafter reads them (a head's tap: they cross to commit_phase as this graph's output, since
+    nothing may run the target in between)."""
+    sub = DeviceSubtree(**subtree)
+    logits = target_logits(models, slots, span, sub, known)
+    read = torch.cat([sub.node_ids, sub.tokens, sub.parents, drafted.double().view(torch.int64)], dim=1)
+    out = dict(logits=logits, subtree=read)
+    if models.drafter.reads_target:
+        out["target_states"] = models.drafter.tap.take()
+    return out
+
+
+def commit_phase(walks: torch.Tensor, target_states: torch.Tensor | None = None, *, models: RoundModels,
+                 slots: Slots, facts: RoundFacts, span: int, **subtree) -> dict:
+    """2b. (the walk over the read logits) the host's walks, copied in: walks (B, 2 + 2T) long per row [count,
+    finished, tokens (T), path (T)] (-1 past the count), then after_walk. target_states: forward_phase's, handed
+    back to the drafter's tap. No host read (the host walked: it knows what the rows became)."""
+    sub = DeviceSubtree(**subtree)
+    for c in slots.caches:
+        if c is not None:
+            c.span = span
+    if target_states is not None:
+        models.drafter.tap.hand(target_states)
+    T = sub.tokens.shape[1]
+    walk = Walk(path=walks[:, 2 + T :], tokens=walks[:, 2 : 2 + T], count=walks[:, 0], finished=walks[:, 1] > 0)
+    return after_walk(models, slots, facts, sub, walk)
 
 
 def processed(logits: torch.Tensor, processors: tuple) -> torch.Tensor:
@@ -156,13 +222,20 @@ def along_path(rows: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
 
 
 def read_once(result: torch.Tensor) -> list[list[int]]:
-    """The round's one read of the device: on CUDA a non-blocking copy into pinned memory and a wait on its event (no
-    stream or device synchronisation: the round runs under torch.cuda.set_sync_debug_mode("error")), else tolist()."""
-    if result.device.type != "cuda":
-        return result.tolist()
-    host = torch.empty(result.shape, dtype=result.dtype, pin_memory=True)
-    host.copy_(result, non_blocking=True)
+    """The round's one read of the device (read_to_host's), as host ints."""
+    return read_to_host(result)[0].tolist()
+
+
+def read_to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Device tensors on the host after one wait: on CUDA non-blocking copies into pinned memory and a wait on one
+    event (no stream or device synchronisation: the round runs under torch.cuda.set_sync_debug_mode("error")); on a
+    CPU the tensors themselves (a replayed phase's static outputs: read them before the next replay)."""
+    if tensors[0].device.type != "cuda":
+        return list(tensors)
+    hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    for host, tensor in zip(hosts, tensors):
+        host.copy_(tensor, non_blocking=True)
     done = torch.cuda.Event()
     done.record()
     done.synchronize()
-    return host.tolist()
+    return hosts

@@ -22,6 +22,9 @@ Per round, for all B rows at once:
      rows' state moved on (prefix, root, budget, position; EOS ids cleared for rows that finished), then the round's
      ONE read: counts, flags, paths, tokens and the verified subtrees, for streaming, stop strings, the record and
      the stats;
+     where a row's logits processors read the path (a repetition penalty), the walk over the read logits instead
+     (engine/device_walk.py): the forward, its one read (the logits), every row walked on the host, the walks copied
+     back for the same commits;
   3. accept: the suffix index's new tokens (on the host), which a host drafter follows too; a row whose walk a
      host-side criterion (a stop string) cut short and that decodes on has its state corrected (rare: one copy);
   4. observe: the policy learns the round's costs and what each row's tree yielded (a round that captured a graph
@@ -30,8 +33,7 @@ Per round, for all B rows at once:
 Each forward attends the live length (`span`: the rows' longest prefix and the tree, rounded up to a power of two)
 rather than the slot capacity. With SwiftSpecConfig.capture, the two phases (1; 2 up to the read) are each replayed as
 one graph per shape and span (steps/phase_graphs.py). Exact where the caches are: attention by position (full, or a
-sliding window or chunk as a term of the masks: steps/slot_cache.py), processors that ignore the path
-(check_device_round says why a call is refused).
+sliding window or chunk as a term of the masks: steps/slot_cache.py) (check_device_round says why a call is refused).
 """
 
 from __future__ import annotations
@@ -57,9 +59,10 @@ from ..steps.device_round import DeviceSubtree, to_device
 from ..steps.probes import describe
 from ..steps.slot_cache import catch_up, span_bucket
 from ..steps.tree import Proposal, Subtree
-from ..steps.verify import PATH_FREE_PROCESSORS, Verified
+from ..steps.verify import Verified
 from .device_phases import PLAIN, RoundModels, Shape, grow_phase, read_once, subtree_tensors, verify_phase
 from .device_pool import SlotPool, Slots, bucket_for, row_values, set_rows
+from .device_walk import walk_over_read_logits
 from .request import DecodeRequest, DecodeResult, RowResult
 from .rounds import Proposed, run_rounds
 
@@ -123,10 +126,6 @@ def device_round_gaps(config, target, draft, architectures, logits_processor, pl
     gaps += model_gaps("target", target, architectures[0], MASKS_4D)
     if on_host(draft, target, vocabularies) is None:  # (a host drafter is the host round's: any draft it runs)
         gaps += device_drafter(draft, target).gaps(architectures[1], MASKS_4D)
-    path_bound = sorted({type(p).__name__ for p in logits_processor or () if type(p) not in PATH_FREE_PROCESSORS})
-    if path_bound:
-        gaps.append(f"the logits processors {', '.join(path_bound)} read the path before each node (the host's "
-                    "node-by-node walk)")
     if config.compile or config.attention == "kernel":
         gaps.append("its forwards run the models' own attention over 4D masks, uncompiled: compile=True and "
                     "attention='kernel' are not honoured; leave them at their defaults")
@@ -179,6 +178,7 @@ class RowOnHost:
     keeps: tuple[bool, bool] = (False, False)
     suffix: object = None
     drafted: int = 0  # of its committed slots, those the drafter has run (a drafter that defers its catch-up)
+    on_host: object = None  # its sampler as the walk over the read logits runs it (device_walk.host_sampler)
 
 
 @dataclass
@@ -404,12 +404,14 @@ class DeviceSides:
         return RoundModels(self.target, self.drafter, processors, any(s.do_sample for s in live), keeps, self.vocab_limit)
 
     # ---- the round's phases
-    def run(self, phase, static: dict, inputs: dict) -> dict:
-        """A phase over live `inputs`, replayed where the sides have a runner (its outputs are then static tensors)."""
-        bound = functools.partial(phase, models=self.models, slots=self.slots, **static)
+    def run(self, phase, static: dict, inputs: dict, models: RoundModels | None = None) -> dict:
+        """A phase over live `inputs`, replayed where the sides have a runner (its outputs are then static tensors).
+        models: what it runs on (default: the round's)."""
+        models = self.models if models is None else models
+        bound = functools.partial(phase, models=models, slots=self.slots, **static)
         if self.runner is None:
             return bound(**inputs)
-        key = (self.bucket, phase.__name__, tuple(sorted(static.items())), self.models.key(), self.slots.addresses())
+        key = (self.bucket, phase.__name__, tuple(sorted(static.items())), models.key(), self.slots.addresses())
         return self.runner.run(key, bound, inputs)
 
     def lag(self) -> int:
@@ -517,8 +519,9 @@ class DeviceSides:
         return proposed
 
     def verify(self, proposed: DeviceProposed, rows) -> list[Verified]:
-        """2. the target verifies every row's subtree, walks it and commits the path in both caches, then the round's
-        one read."""
+        """2. the target verifies every row's subtree, walks it and commits the path in both caches, reading the device
+        once: the walk on the device (walk_on_device), or, where a row's processors read the path, the host's walk
+        over the read logits (device_walk.walk_over_read_logits)."""
         start = time.perf_counter()
         captured = self.runner.captured if self.runner is not None else 0
         sub, shape, S = proposed.subtree, proposed.shape, self.suffix_nodes
@@ -527,41 +530,53 @@ class DeviceSides:
         facts = RoundFacts(shape.depth, shape.nodes, lag, max(shape.depth, S))
         known, self.root_logits = self.root_logits, None  # round 1's roots, where the prefill ran them: no forward
         inputs = dict(subtree_tensors(sub), drafted=proposed.drafted)
+        on_host = self.models.walks_on_host
+        walk = functools.partial(walk_over_read_logits, self) if on_host else self.walk_on_device
+        subtrees, verified = walk(proposed, rows, facts, known, inputs)
+        proposed.captured = proposed.captured or (self.runner is not None and self.runner.captured > captured)
+        with self.clock.phase("walk"):
+            criteria = rows.criteria()
+            for b, outcome in enumerate(verified):
+                ints = subtrees[b]  # the subtree's node ids, tokens and parents, then its draft scores' bits
+                subtree = Subtree(ints[:T], ints[T : 2 * T], ints[2 * T : 3 * T])
+                proposed.proposals.append(self.proposal(proposed, b, subtree, unpack_scores(ints[3 * T :])))
+                cut = 0 if on_host else self.stop_on_host(outcome, b, criteria[b])  # (the host's walk applied them)
+                proposed.cut.append(cut)
+                row = self.host[b]
+                if shape.depth:  # the walked nodes the drafter ran: its own tree's, above the last depth
+                    ran = sum(1 for j in outcome.path if subtree.node_ids[j] < shape.nodes)
+                    row.drafted = row.prefix + min(ran, shape.depth)
+                row.sequence += outcome.tokens
+                row.prefix += len(outcome.tokens)
+                row.drafted = min(row.drafted, row.prefix)
+        self.counters[0].forwards += known is None
+        self.counters[0].verify_steps += len(verified)
+        self.counters[1].forwards += int(lag > 0)  # the catch-up
+        self.counters[0].busy_s += time.perf_counter() - start
+        return verified
+
+    def walk_on_device(self, proposed: DeviceProposed, rows, facts: RoundFacts, known, inputs: dict):
+        """verify_phase (the walk on the device) and the round's one read. Returns, per live row, its subtree's read
+        (node ids, tokens, parents, draft scores' bits) and its walk."""
         with self.clock.phase("verify"), self.drafter.tapped():
             if known is None:
                 proposed.after = after = self.run(verify_phase, dict(facts=facts, span=proposed.spans[1]), inputs)
             else:  # once a call: eagerly (a graph of its own would be one more capture per span)
                 proposed.after = after = verify_phase(models=self.models, slots=self.slots, facts=facts,
                                                       span=proposed.spans[1], known=known, **inputs)
-        proposed.captured = proposed.captured or (self.runner is not None and self.runner.captured > captured)
         with self.clock.phase("walk"):
             read = read_once(after["result"])
             kept = [after[name].clone() if name in after else None for name in ("scores", "logits")]  # replays overwrite
-            criteria = rows.criteria()
-            verified = []
+            T = proposed.subtree.tokens.shape[1]
+            subtrees, verified = [], []
             for b in range(self.live):
                 count, finished, *rest = read[b]
-                tokens, path = rest[:count], rest[T : T + count]
-                subtree = Subtree(rest[2 * T : 3 * T], rest[3 * T : 4 * T], rest[4 * T : 5 * T])
-                proposed.proposals.append(self.proposal(proposed, b, subtree, unpack_scores(rest[5 * T :])))
-                outcome = Verified(tokens, path, finished=bool(finished))
+                outcome = Verified(rest[:count], rest[T : T + count], finished=bool(finished))
                 outcome.scores = [kept[0][b, j : j + 1] for j in range(count)] if kept[0] is not None else []
                 outcome.logits = [kept[1][b, j : j + 1] for j in range(count)] if kept[1] is not None else []
-                cut = self.stop_on_host(outcome, b, criteria[b])
-                proposed.cut.append(cut)
-                row = self.host[b]
-                if shape.depth:  # the walked nodes the drafter ran: its own tree's, above the last depth
-                    ran = sum(1 for j in path if subtree.node_ids[j] < shape.nodes)
-                    row.drafted = row.prefix + min(ran, shape.depth)
-                row.sequence += outcome.tokens
-                row.prefix += count - cut
-                row.drafted = min(row.drafted, row.prefix)
+                subtrees.append(rest[2 * T :])
                 verified.append(outcome)
-        self.counters[0].forwards += known is None
-        self.counters[0].verify_steps += len(verified)
-        self.counters[1].forwards += int(lag > 0)  # the catch-up
-        self.counters[0].busy_s += time.perf_counter() - start
-        return verified
+        return subtrees, verified
 
     def proposal(self, proposed: DeviceProposed, b: int, subtree: Subtree, drafted: list[float]) -> Proposal:
         """Row b's verified subtree as the policy judges it (RoundSizing.proposal), or its root alone."""
