@@ -89,6 +89,7 @@ class SuffixProposals:
 
     nodes: S, the suffix nodes a row proposes a round (the menu's largest T less the root: a proposal may fill a tree)
     limit: the models' context (no node is placed past it), or None
+    branching: False proposes the most frequent path alone (a chain call's: engine/device_chains.py)
     """
 
     ngram_size: int
@@ -96,10 +97,11 @@ class SuffixProposals:
     limit: int | None
     device: torch.device
     policy: GoodputPolicy = field(default_factory=GoodputPolicy)  # its priors score the nodes, as a first call's do
+    branching: bool = True
 
     def index_for(self, request, tokens: list[int]):
         """A joining row's index over its prompt, the request's corpus and the model's earlier outputs."""
-        return index_for(tokens, self.ngram_size, request.corpus, request.history)
+        return index_for(tokens, self.ngram_size, request.corpus, request.history, self.branching)
 
     def build(self, indices: list) -> list[tuple[list[int], list[int], list[float]]]:
         """Each cache row's proposal of at most S nodes on the host, as (tokens, parents, P(accepted)) with the

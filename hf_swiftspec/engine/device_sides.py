@@ -27,7 +27,8 @@ Per round, for all B rows at once:
 
 Each forward attends the live length (`span`: the rows' longest prefix and the tree, rounded up to a power of two)
 rather than the slot capacity. With SwiftSpecConfig.capture, the two phases (1; 2 up to the read) are each replayed as
-one graph per shape and span (steps/phase_graphs.py). Exact where the caches are: full attention only, processors
+one graph per shape and span (steps/phase_graphs.py). Models that place tokens by cache slot or keep recurrent states
+run chains (`chain`: engine/device_chains.py), eagerly. Exact where the caches are: no sliding windows, processors
 that ignore the path (check_device_round says why a call is refused).
 """
 
@@ -42,15 +43,18 @@ import torch
 
 from ..drafters.device_drafters import DeviceDrafter, RoundFacts, device_drafter, model_gaps
 from ..drafters.device_suffix import SuffixProposals, draft_free_menu
+from ..drafters.eagle3 import DraftHead
 from ..models.architectures import context_limit
 from ..policy.shapes import Hand, Shape, ShapeMenu
 from ..stats import DraftCounters, PhaseClock, SwiftSpecStats, TargetCounters
-from ..steps.capture import capacity_bucket, capture_backend, power_of_two
+from ..steps.capture import capacity_bucket, capture_backend, capture_gap, power_of_two
+from ..steps.probes import describe
 from ..steps.acceptance import StopRule, cut_at_criteria, split_criteria
 from ..steps.device_round import DeviceSubtree, to_device
 from ..steps.slot_cache import catch_up, span_bucket
 from ..steps.tree import Proposal, Subtree
 from ..steps.verify import PATH_FREE_PROCESSORS, Verified
+from .device_chains import Chains
 from .device_phases import RoundModels, grow_phase, read_once, subtree_tensors, verify_phase
 from .device_pool import SlotPool, Slots, bucket_for, row_values, set_rows
 from .request import DecodeRequest, DecodeResult, RowResult
@@ -61,31 +65,45 @@ EOS_WIDTH = 4  # EOS ids a row holds on the device, at least (more: the next pow
 NO_ROOM = 1 << 30  # a model with no position limit: room for any shape
 
 
-def run_device(target, draft, request: DecodeRequest, config, captures=None) -> DecodeResult:
+def run_device(target, draft, request: DecodeRequest, config, captures=None, architectures=None) -> DecodeResult:
     """The round (engine/rounds.py) on the device sides, its phases replayed where SwiftSpecConfig.capture says
-    (CUDA graphs on CUDA, the emulating stand-in on a CPU with capture=True); check_device_round cleared the call.
-    captures: the pair's Captures (steps/capture.py), whose device pool keeps the slots and graphs for the next call;
-    None: this call's own."""
+    (CUDA graphs on CUDA, the emulating stand-in on a CPU with capture=True) and the models allow; check_device_round
+    cleared the call. captures: the pair's Captures (steps/capture.py), whose device pool keeps the slots and graphs for
+    the next call; None: this call's own. architectures: the target's and the draft's (probes.describe), where the
+    caller has them."""
     if not request.max_new_tokens:
         return DecodeResult(rows=[RowResult() for _ in range(request.batch_size)])
-    backend = capture_backend(config.capture, target.device)
     drafter = device_drafter(draft, target)
-    pool = device_pool(captures, backend) if drafter.poolable else SlotPool(backend)
+    architectures = architectures or models_described(target, drafter)
+    eager = next((f"{role}: {gap}" for role, a in zip(("target", "draft"), architectures)
+                  if a is not None and (gap := capture_gap(a))), None)  # steps/capture.py's rule: they run eagerly
+    backend = None if eager else capture_backend(config.capture, target.device)
+    # slots of the call's own where a model reads its cache's length (chains) or rules by slot: nothing pooled
+    pool = device_pool(captures, backend) if drafter.poolable and not eager else SlotPool(backend)
     runner = pool.runner
     captured_before, setup_before = (runner.captured, runner.setup_s) if runner is not None else (0, 0.0)
-    sides = DeviceSides(target, drafter, config, pool)
+    sides = DeviceSides(target, drafter, config, pool, architectures=architectures)
     result = run_rounds(sides, request)
     pool.drop_unkept_graphs()
-    how = "eager phases" if runner is None else (
+    how = (f"eager phases ({eager})" if eager else "eager phases") if runner is None else (
         f"replayed phases, {backend}: {len(runner.graphs)} graphs, {runner.captured - captured_before} "
         f"captured by this call")
     if runner is not None and runner.fallbacks:
         how += f"; eager: {', '.join(sorted(runner.fallbacks))}"
     drafted = drafter.describe()
-    result.stats.attention = (f"device round (slot caches, 4D masks over the live length: "
-                              f"target={target.config._attn_implementation}, {drafted}; {how})")
+    masks = (f"chains for this call ({sides.chain.reason}), the slot caches read by the row's length"
+             if sides.chain else "slot caches, 4D masks over the live length")
+    result.stats.attention = (f"device round ({masks}: target={target.config._attn_implementation}, {drafted}; "
+                              f"{how})")
     result.stats.capture_s = runner.setup_s - setup_before if runner is not None else 0.0
     return result
+
+
+def models_described(target, drafter: DeviceDrafter) -> tuple:
+    """The target's and the draft model's probes.describe (None without a draft model: a head's or none)."""
+    model = drafter.model
+    return describe(target, "target"), (describe(model, "draft") if model is not None and not isinstance(
+        model, DraftHead) else None)
 
 
 def device_pool(captures, backend: str | None) -> SlotPool:
@@ -108,6 +126,11 @@ def device_round_gaps(config, target, draft, architectures, logits_processor, pl
     gaps += model_gaps("target", target, architectures[0], MASKS_4D)
     drafter = device_drafter(draft, target)
     gaps += drafter.gaps(architectures[1], MASKS_4D)
+    chained = [a for a in architectures if a is not None and a.shape == "chain"]
+    if chained and drafter.reads_target:
+        gaps.append(f"the target's steps must be chains ({chained[0].chain_reason}), which the device round runs with "
+                    "a draft model or the suffix proposals, not a draft head (it reads the target's states of a "
+                    "tree); use round='host'")
     if drafter.context_model is not None and context_limit(drafter.context_model, target) != context_limit(target):
         gaps.append(f"the draft's context ({context_limit(draft)} positions) is shorter than the target's "
                     f"({context_limit(target)}): the host round has it read the text in windows of its own; use "
@@ -195,8 +218,12 @@ class DeviceSides:
     roots_known = False  # a prefill leaves each prompt's last token as the root: round 1 verifies it
 
     def __init__(self, target, drafter: DeviceDrafter, config, pool: SlotPool, changes: Counter | None = None,
-                 guard: bool = False):
+                 guard: bool = False, architectures: tuple | None = None):
         self.target, self.drafter, self.config, self.pool = target, drafter, config, pool
+        self.architectures = architectures or models_described(target, drafter)  # (target's, draft model's or None)
+        # This call's rounds are chains (device_chains.py: width 1, one suffix path, slot = position), or None: trees.
+        # Set from the architectures here; `start` sets it too where the call's forwards reach a rule by slot.
+        self.chain: Chains | None = Chains.of(self.architectures)
         self.guard = guard  # the latency guard prices shapes (observe): a running batch of requests
         self.runner = pool.runner
         self.device = target.device
@@ -226,10 +253,14 @@ class DeviceSides:
         return self.target.config.get_text_config().num_hidden_layers, self.drafter.layers
 
     def shapes_for(self, rows: int, room: int) -> ShapeMenu:
-        """The menu of shapes a bucket of `rows` whose rows have `room` positions left may run (not yet priced)."""
+        """The menu of shapes a bucket of `rows` whose rows have `room` positions left may run (not yet priced). A chain
+        call's (`chain`) are chains: width 1, no suffix shapes beside a draft's (the one place its shapes are
+        restricted; size_trees makes its suffix proposals one path)."""
         config = self.config
         if self.drafter.model is None:
             return draft_free_menu(config, rows)
+        if self.chain:
+            return Chains.menu(ShapeMenu.of(config.draft_depth, 1, config.tree_budget, room, False, rows))
         return ShapeMenu.of(config.draft_depth, config.draft_width, config.tree_budget, room, config.ngram_size > 0,
                             rows)
 
@@ -237,10 +268,12 @@ class DeviceSides:
         """The tree region and the suffix proposals for the shapes a bucket of `rows` may run: S suffix nodes a round,
         enough to fill its largest tree (none with ngram_size 0), then the tree's slots and scratch."""
         shapes = self.shapes_for(rows, NO_ROOM).shapes
-        self.suffix_nodes = max(s.budget for s in shapes) - 1 if self.config.ngram_size else 0
+        # a chain call's suffix proposals are one path, and none beside a draft's chain (the two would branch)
+        proposes = self.config.ngram_size and not (self.chain and self.drafter.model is not None)
+        self.suffix_nodes = max(s.budget for s in shapes) - 1 if proposes else 0
         self.tree_slots = max(s.nodes for s in shapes) + self.suffix_nodes + 2
-        self.suffix = (SuffixProposals(self.config.ngram_size, self.suffix_nodes, self.limit, self.device)
-                       if self.suffix_nodes else None)
+        self.suffix = (SuffixProposals(self.config.ngram_size, self.suffix_nodes, self.limit, self.device,
+                                       branching=not self.chain) if self.suffix_nodes else None)
 
     def menu_for(self, room: int, schedule: str = "menu") -> ShapeMenu:
         """The shapes rows with `room` positions left can grow, priced by what this pool measured for the bucket.
@@ -269,6 +302,11 @@ class DeviceSides:
         prompts = request.prompt_ids()
         n, L = len(prompts), request.prompt.shape[1]
         self.size_trees(bucket_for(n))
+        reached = None if self.chain else Chains.reaching(self.architectures[0], L + request.max_new_tokens +
+                                                          self.tree_slots)
+        if reached:  # the call's forwards reach a rule the target applies by slot: chains, from its start
+            self.chain = self.chains_for(reached, n)
+            self.size_trees(bucket_for(n))
         self.capacity = capacity_bucket(L + request.max_new_tokens + self.tree_slots)
         stops = split_criteria(request.stopping_criteria)
         self.eos_width = max(EOS_WIDTH, power_of_two(len(stops.eos)))
@@ -302,7 +340,8 @@ class DeviceSides:
         taken = width * (2 if roots else 1)
         set_rows(self.slots.rows, packed[:, taken:], 0)
         tokens = torch.cat([packed[:, :taken], packed.new_zeros(self.bucket - n, taken)])  # dead rows: nothing
-        self.prefill(self.slots, tokens[:, :width], self.slots.rows.prefix_lens, end=width,
+        # (a chain's one row runs no padding column, the root's: a recurrent state would run it too)
+        self.prefill(self.slots, tokens[:, : width - bool(self.chain)], self.slots.rows.prefix_lens, end=width,
                      roots=tokens[:, width:] if roots else None)
         self.models = self.round_models()
         self.counters[0].busy_s += time.perf_counter() - start
@@ -378,8 +417,19 @@ class DeviceSides:
         self.host = (self.host[:count] + [RowOnHost() for _ in range(bucket)])[:bucket]
 
     def slots_for(self, bucket: int, like: Slots | None = None) -> Slots:
-        return self.pool.slots(bucket, self.capacity, self.layers(), self.eos_width,
-                               self.drafter.state_fields(self.capacity), self.device, like)
+        slots = self.pool.slots(bucket, self.capacity, self.layers(), self.eos_width,
+                                self.drafter.state_fields(self.capacity), self.device, like)
+        if self.chain:
+            self.chain.adopt(slots)
+        return slots
+
+    def chains_for(self, reason: str, rows: int) -> Chains:
+        """The strategy for a call that `reason` says must run chains, or a ValueError where it cannot."""
+        if rows > 1 or self.drafter.reads_target:
+            what = f"a batch of {rows} rows" if rows > 1 else "a draft head, which reads the target's states of a tree,"
+            raise ValueError(f"round='device' runs {what} where chains are needed ({reason}), and chains are one "
+                             "draft model's or the suffix proposals' path for one row; use round='host'")
+        return Chains.of(self.architectures, reason)
 
     def round_models(self) -> RoundModels:
         live = [h.sampler for h in self.host if h.sampler is not None]
@@ -406,6 +456,8 @@ class DeviceSides:
         lag = max((h.prefix - h.drafted for h in live), default=0)
         for h in live:
             h.drafted = h.prefix
+        if self.chain:  # one row, and no padding token a draft's recurrent state would run
+            return lag
         return power_of_two(lag) if lag else 0
 
     def round_span(self) -> int:
@@ -426,12 +478,17 @@ class DeviceSides:
             inputs["suffix"] = self.suffix.pack(trees)  # the round's one host-to-device copy
         promised = hand.promise(shape.budget) if hand is not None and not shape.depth else None
         proposed = DeviceProposed([], rows=list(rows.live), shape=shape, span=self.round_span(), promised=promised)
+        if self.chain:
+            self.chain.before_grow(self.slots, self.host[0].drafted)
         lag = self.catch_up(proposed.shape)
         captured = self.runner.captured if self.runner is not None else 0
         with self.clock.phase("expand"):
             proposed.subtree = DeviceSubtree(**self.run(grow_phase, dict(shape=proposed.shape, span=proposed.span,
                                                                          lag=lag), inputs))
         proposed.captured = self.runner is not None and self.runner.captured > captured
+        if self.chain:  # its live nodes alone: the draft's chain, or the root and its suffix path
+            live = shape.budget if shape.depth or self.suffix is None else 1 + len(trees[0][0])
+            proposed.subtree = Chains.first(proposed.subtree, min(live, shape.budget))
         depth = proposed.shape.depth
         proposed.expansions = depth
         draft = self.counters[1]
@@ -451,6 +508,8 @@ class DeviceSides:
         lag = self.drafter.catch_up_width(T, shape.depth, S)
         facts = RoundFacts(shape.depth, shape.nodes, lag, max(shape.depth, S))
         known, self.root_logits = self.root_logits, None  # round 1's roots, where the prefill ran them: no forward
+        if self.chain:
+            self.chain.before_verify(self.target, self.slots, self.host[0].prefix, self.counters[0])
         with self.clock.phase("verify"), self.drafter.tapped():
             if known is None:
                 proposed.after = after = self.run(verify_phase, dict(facts=facts, span=proposed.span),
@@ -485,6 +544,9 @@ class DeviceSides:
                 row.prefix += count - cut
                 row.drafted = min(row.drafted, row.prefix)
                 verified.append(outcome)
+            if self.chain:  # recurrent states back on the accepted path
+                self.chain.after_read(self.slots, sub.tokens, self.host[0].prefix, self.host[0].drafted,
+                                      known is None, shape.depth > 0, self.counters[0])
         self.counters[0].forwards += known is None
         self.counters[0].verify_steps += len(verified)
         self.counters[1].forwards += int(lag > 0)  # the catch-up

@@ -1,0 +1,99 @@
+"""round="device" runs chains (engine/device_chains.py) where trees cannot be exact: models that place tokens by cache
+slot (ALiBi: bloom, mpt; forwards without position_ids: bart, whisper's decoder), a rule banded by key slot once a call
+passes it (gpt_neo's local window), and recurrent or hybrid models, whose states are rolled back to the accepted path.
+Each test fixes its shape (tree_budget, draft_depth, draft_width given: no clock decides what runs) and decodes greedy
+float32 tokens equal to target.generate's, token for token, with a draft (a perturbed copy of the target) and
+draft-free (suffix proposals: a second call copies the first's output, so chains of several tokens are accepted),
+with tau > 1 and rounds whose chain was accepted only in part followed by more rounds.
+"""
+
+import pytest
+import torch
+
+from hf_swiftspec import SwiftSpecForCausalLM
+from hf_swiftspec.engine import device_chains
+from hf_swiftspec.tools import sweep
+from test_slot_limits import gpt_neo
+
+NEW = 80
+FIXED = dict(round="device", draft_depth=4, draft_width=2, tree_budget=8)  # a chain call grows (4, 1, 5): width 1
+FREE = dict(round="device", tree_budget=8, ngram_size=3)
+PROMPT = sweep.prompts()[1]  # 23 tokens
+
+
+def slot_model(model_type: str):
+    """A tiny model whose tokens depend on what its attention sees (untied head, weights at 5x the default scale: at
+    0.02 such a model repeats one token whatever it attends), and a copy with noise as its draft."""
+    target = sweep.tiny_of_type(model_type, seed=1, initializer_range=0.1, tie_word_embeddings=False)
+    return target, sweep.perturbed_copy(target, 0.05)
+
+
+def greedy(model, prompt, **kwargs):
+    return model.generate(prompt, do_sample=False, max_new_tokens=NEW, min_new_tokens=NEW, eos_token_id=None,
+                          pad_token_id=0, **kwargs)
+
+
+def assert_chains_with_a_draft(target, draft, prompt=PROMPT, **settings):
+    """The pair on the device round equals target.generate; its rounds are chains (at most depth + 1 nodes, where
+    width 2 would verify 8) with a partial acceptance followed by more rounds. Returns the stats."""
+    expected = greedy(target, prompt)
+    pair = SwiftSpecForCausalLM.from_models(target, draft, **{**FIXED, **settings})
+    assert greedy(pair, prompt).tolist() == expected.tolist()
+    stats = pair.swiftspec_stats
+    assert stats.engine == "device" and "chains for this call" in stats.attention, stats.attention
+    assert stats.tau > 1.5 and max(r.budget for r in stats.rounds) == 5, (stats.tau, stats.rounds)
+    assert any(0 < r.accepted < 4 for r in stats.rounds[:-1]), stats.rounds  # a chain rejected part-way, then on
+    return stats
+
+
+def assert_chains_draft_free(target, prompt=PROMPT):
+    """Draft-free on the device round, twice: the first call's suffix proposals come from the prompt, the second's
+    copy the first call's output (the pair keeps it), so long chains are accepted. Both equal target.generate.
+    Returns both calls' stats."""
+    expected = greedy(target, prompt)
+    pair = SwiftSpecForCausalLM.from_models(target, **FREE)
+    out = []
+    for _ in range(2):
+        assert greedy(pair, prompt).tolist() == expected.tolist()
+        out.append(pair.swiftspec_stats)
+        assert "chains for this call" in out[-1].attention, out[-1].attention
+    assert out[1].tau > 3, out[1].tau  # chains of several suffix tokens accepted
+    return out
+
+
+@pytest.mark.parametrize("model_type", ["bloom", "mpt", "bart", "whisper"])
+def test_models_placing_tokens_by_slot_decode_chains_exactly(model_type):
+    """ALiBi from the key length (bloom, mpt) and positions from the cache's length (bart, whisper: no position_ids):
+    the chained slot cache reports the row's length and hands the keys up to the last query's slot, no mask."""
+    target, draft = slot_model(model_type)
+    assert len(set(greedy(target, PROMPT)[0, -NEW:].tolist())) > 10  # tokens that follow what attention sees
+    assert_chains_with_a_draft(target, draft)
+    first, _ = assert_chains_draft_free(target)
+    assert any(0 < r.accepted for r in first.rounds)
+
+
+def test_gpt_neo_past_its_local_window_decodes_chains_and_within_it_trees():
+    """GPT-Neo bands its local layers by key slot: a call past its 7-token window runs chains (each node's slot its
+    position), one within its 256-token window trees of width 2 (the slot caches attend no more slots than the
+    window: eager phases, the span the rows' own)."""
+    target, draft = gpt_neo(window=7)
+    prompt = PROMPT % 98
+    stats = assert_chains_with_a_draft(target, draft, prompt)
+    assert "7-token window" in stats.attention
+    assert_chains_draft_free(target, prompt)
+    target, draft = gpt_neo(window=256)
+    expected = greedy(target, prompt)
+    pair = SwiftSpecForCausalLM.from_models(target, draft, **FIXED)
+    assert greedy(pair, prompt).tolist() == expected.tolist()
+    stats = pair.swiftspec_stats
+    assert "chains" not in stats.attention and "eager phases" in stats.attention
+    assert max(r.budget for r in stats.rounds) == 8 and stats.tau > 1.5
+
+
+def test_replayed_phases_are_not_asked_of_a_chain():
+    """capture=True: a chain's phases run eagerly all the same (a graph bakes in the span these models read the length
+    of), the reason in the stats, the tokens target.generate's."""
+    target, draft = slot_model("bloom")
+    pair = SwiftSpecForCausalLM.from_models(target, draft, capture=True, **FIXED)
+    assert greedy(pair, PROMPT).tolist() == greedy(target, PROMPT).tolist()
+    assert "eager phases (target: its steps are chains" in pair.swiftspec_stats.attention
