@@ -12,6 +12,7 @@ import torch
 
 from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.engine import device_chains
+from hf_swiftspec.steps.probes import describe
 from hf_swiftspec.tools import sweep
 from test_slot_limits import gpt_neo
 
@@ -28,17 +29,17 @@ def slot_model(model_type: str):
     return target, sweep.perturbed_copy(target, 0.05)
 
 
-def greedy(model, prompt, **kwargs):
-    return model.generate(prompt, do_sample=False, max_new_tokens=NEW, min_new_tokens=NEW, eos_token_id=None,
+def greedy(model, prompt, new=NEW, **kwargs):
+    return model.generate(prompt, do_sample=False, max_new_tokens=new, min_new_tokens=new, eos_token_id=None,
                           pad_token_id=0, **kwargs)
 
 
-def assert_chains_with_a_draft(target, draft, prompt=PROMPT, **settings):
+def assert_chains_with_a_draft(target, draft, prompt=PROMPT, new=NEW, **settings):
     """The pair on the device round equals target.generate; its rounds are chains (at most depth + 1 nodes, where
     width 2 would verify 8) with a partial acceptance followed by more rounds. Returns the stats."""
-    expected = greedy(target, prompt)
+    expected = greedy(target, prompt, new)
     pair = SwiftSpecForCausalLM.from_models(target, draft, **{**FIXED, **settings})
-    assert greedy(pair, prompt).tolist() == expected.tolist()
+    assert greedy(pair, prompt, new).tolist() == expected.tolist()
     stats = pair.swiftspec_stats
     assert stats.engine == "device" and "chains for this call" in stats.attention, stats.attention
     assert stats.tau > 1.5 and max(r.budget for r in stats.rounds) == 5, (stats.tau, stats.rounds)
@@ -97,3 +98,50 @@ def test_replayed_phases_are_not_asked_of_a_chain():
     pair = SwiftSpecForCausalLM.from_models(target, draft, capture=True, **FIXED)
     assert greedy(pair, PROMPT).tolist() == greedy(target, PROMPT).tolist()
     assert "eager phases (target: its steps are chains" in pair.swiftspec_stats.attention
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "bamba"])
+def test_recurrent_states_roll_back_to_the_accepted_path(model_type):
+    """Gated DeltaNet beside attention (qwen3_5_text) and Mamba-2 beside attention (bamba): a verification that ran past
+    the accepted path has the target's states put back after the read and the accepted tokens run again at the head
+    of the next verification (replayed_tokens); the recurrent draft's states go back to the level its chain was left
+    at. Draft-free, the suffix proposals' one path."""
+    target = sweep.tiny_of_type(model_type, seed=1)
+    assert target.config.get_text_config().layer_types.count("full_attention") < len(target.config.layer_types)
+    stats = assert_chains_with_a_draft(target, sweep.perturbed_copy(target, 0.05))
+    assert stats.replayed_tokens > 0
+    first, second = assert_chains_draft_free(target)
+    assert first.replayed_tokens > 0 or second.replayed_tokens > 0
+
+
+def test_replays_too_long_to_carry_run_as_a_forward_of_their_own(monkeypatch):
+    monkeypatch.setattr(device_chains, "MAX_REPLAY", 0)  # every rollback's tokens run on their own
+    target = sweep.tiny_of_type("bamba", seed=2)
+    stats = assert_chains_with_a_draft(target, sweep.perturbed_copy(target, 0.05))
+    assert stats.replayed_tokens > 0 and stats.target_forwards > stats.verify_steps + 1  # replays ran alone
+
+
+def test_hybrid_layers_keep_their_states_beside_their_keys():
+    """Falcon-H1's layers are transformers' "hybrid" cache layers, a Mamba-2 state beside attention's keys and values:
+    the chained slot cache puts a state layer of its own there (slot_cache.SlotStateLayer), whose states roll back
+    while its keys stay in the slots."""
+    target = sweep.tiny_of_type("falcon_h1", seed=1)
+    assert set(describe(target).layer_types) == {"hybrid"}
+    stats = assert_chains_with_a_draft(target, sweep.perturbed_copy(target, 0.05), new=60)
+    assert stats.replayed_tokens > 0
+
+
+@pytest.mark.parametrize("model_type", ["bloom", "bamba"])
+def test_sampled_chains_draw_what_the_host_round_draws(model_type):
+    """Under one seed a chain's sampled tokens are the host round's (one Gumbel-max rule, noise keyed by seed, row and
+    position: the target's distribution, test_sampling.py), through rollbacks too, and not greedy's."""
+    target = slot_model(model_type)[0] if model_type == "bloom" else sweep.tiny_of_type(model_type, seed=1)
+    draft = sweep.perturbed_copy(target, 0.05)
+    kwargs = dict(max_new_tokens=40, eos_token_id=None, pad_token_id=0, do_sample=True, temperature=0.9, top_k=20)
+    device = SwiftSpecForCausalLM.from_models(target, draft, **FIXED)
+    drawn = device.generate(PROMPT, generator=torch.Generator().manual_seed(5), **kwargs)
+    assert "chains for this call" in device.swiftspec_stats.attention and device.swiftspec_stats.tau > 1
+    assert (device.swiftspec_stats.replayed_tokens > 0) == (model_type == "bamba")
+    host = SwiftSpecForCausalLM.from_models(target, draft, **{**FIXED, "round": "host"})
+    assert drawn.tolist() == host.generate(PROMPT, generator=torch.Generator().manual_seed(5), **kwargs).tolist()
+    assert drawn.tolist() != greedy(target, PROMPT, 40).tolist()

@@ -176,8 +176,10 @@ def test_calls_it_cannot_decode_exactly_are_refused_with_the_reason():
 
 def test_every_documented_refusal_names_its_reason():
     """settings.md's list of what the device round refuses, each by its message (beside the test above's): compile=True,
-    attention="kernel", a placement other than serial, a recurrent model. (An attention that takes no 4D mask is
-    refused by the pair itself, whatever the round: architectures.UnsupportedArchitecture.)"""
+    attention="kernel", a placement other than serial, a slot rule past which only one-token steps are exact (doge's
+    key budget). (An attention that takes no 4D mask is refused by the pair itself, whatever the round:
+    architectures.UnsupportedArchitecture. Recurrent models and those placing tokens by slot run chains:
+    test_device_chains.py.)"""
     target = tiny_model("llama", seed=0)
     ids = torch.tensor([[5, 17, 33, 8]])
     for settings in (dict(compile=True), dict(attention="kernel")):
@@ -188,9 +190,9 @@ def test_every_documented_refusal_names_its_reason():
     assert "placement='serial'" in message
     from hf_swiftspec.tools import sweep
 
-    recurrent = sweep.tiny_of_type("mamba2", seed=0, vocab_size=98)
-    message = refused(SwiftSpecForCausalLM.from_models(recurrent, None, round="device", ngram_size=3), ids)
-    assert "recurrent" in message and "mamba2" in message
+    budgeted = sweep.tiny_of_type("doge", seed=0, vocab_size=98, keep_window_size=4)
+    message = refused(SwiftSpecForCausalLM.from_models(budgeted, None, round="device", ngram_size=3), ids)
+    assert "slot-limited layers" in message and "keeps only its 4 best-scored keys" in message
 
 
 @pytest.mark.parametrize("capture", [False, True])

@@ -94,8 +94,8 @@ def device_drafter(draft, target) -> DeviceDrafter:
 
 def model_gaps(role: str, model, architecture, masks: tuple[str, ...]) -> list[str]:
     """Why the device round's slot caches cannot run a model exactly (empty: they can). Models whose steps must be
-    chains (positions by cache slot, recurrent states) and rules by slot past which chains are exact run the chain
-    strategy (engine/device_chains.py)."""
+    chains (positions by cache slot, recurrent states rolled back) and rules by slot past which chains are exact run
+    the chain strategy (engine/device_chains.py)."""
     gaps = []
     if architecture.windowed:
         gaps.append(f"the {role} ({architecture.model_type}) has sliding-window or chunked layers; its slot cache "
@@ -104,8 +104,6 @@ def model_gaps(role: str, model, architecture, masks: tuple[str, ...]) -> list[s
         if limit.beyond != "chain":
             gaps.append(f"the {role} ({architecture.model_type}) has slot-limited layers: it {limit.reason}, and a "
                         "slot cache's forward holds a span of slots, not the row's")
-    if architecture.recurrent:
-        gaps.append(f"the {role} ({architecture.model_type}) needs recurrent rollback ({architecture.chain_reason})")
     if model.config._attn_implementation not in masks:
         gaps.append(f"the {role} attends with {model.config._attn_implementation!r}, which does not take an additive "
                     f"4D mask; load it with attn_implementation='sdpa'")
