@@ -47,29 +47,45 @@ def assert_chains_with_a_draft(target, draft, prompt=PROMPT, new=NEW, **settings
     return stats
 
 
-def assert_chains_draft_free(target, prompt=PROMPT):
+def verified_parents(monkeypatch) -> list[list[int]]:
+    """Each round's verified nodes' parents (local indices), as the chain strategy hands them to the target."""
+    seen, first = [], device_chains.Chains.first
+
+    def spy(subtree, nodes):
+        kept = first(subtree, nodes)
+        seen.append(kept.parents[0].tolist())
+        return kept
+
+    monkeypatch.setattr(device_chains.Chains, "first", staticmethod(spy))
+    return seen
+
+
+def assert_chains_draft_free(target, prompt=PROMPT, monkeypatch=None):
     """Draft-free on the device round, twice: the first call's suffix proposals come from the prompt, the second's
-    copy the first call's output (the pair keeps it), so long chains are accepted. Both equal target.generate.
-    Returns both calls' stats."""
+    copy the first call's output (the pair keeps it), so long chains are accepted. Both equal target.generate; with
+    `monkeypatch`, every verified tree is one path (the suffix proposals' most frequent continuation alone). Returns
+    both calls' stats."""
     expected = greedy(target, prompt)
     pair = SwiftSpecForCausalLM.from_models(target, **FREE)
+    parents = verified_parents(monkeypatch) if monkeypatch is not None else []
     out = []
     for _ in range(2):
         assert greedy(pair, prompt).tolist() == expected.tolist()
         out.append(pair.swiftspec_stats)
         assert "chains for this call" in out[-1].attention, out[-1].attention
     assert out[1].tau > 3, out[1].tau  # chains of several suffix tokens accepted
+    assert all(p == list(range(-1, len(p) - 1)) for p in parents), [p for p in parents if len(p) > 2][:3]
     return out
 
 
 @pytest.mark.parametrize("model_type", ["bloom", "mpt", "bart", "whisper"])
-def test_models_placing_tokens_by_slot_decode_chains_exactly(model_type):
+def test_models_placing_tokens_by_slot_decode_chains_exactly(model_type, monkeypatch):
     """ALiBi from the key length (bloom, mpt) and positions from the cache's length (bart, whisper: no position_ids):
     the chained slot cache reports the row's length and hands the keys up to the last query's slot, no mask."""
     target, draft = slot_model(model_type)
     assert len(set(greedy(target, PROMPT)[0, -NEW:].tolist())) > 10  # tokens that follow what attention sees
     assert_chains_with_a_draft(target, draft)
-    first, _ = assert_chains_draft_free(target)
+    first, _ = assert_chains_draft_free(target, monkeypatch=monkeypatch)
     assert any(0 < r.accepted for r in first.rounds)
 
 
@@ -145,3 +161,19 @@ def test_sampled_chains_draw_what_the_host_round_draws(model_type):
     host = SwiftSpecForCausalLM.from_models(target, draft, **{**FIXED, "round": "host"})
     assert drawn.tolist() == host.generate(PROMPT, generator=torch.Generator().manual_seed(5), **kwargs).tolist()
     assert drawn.tolist() != greedy(target, PROMPT, 40).tolist()
+
+
+def test_a_batch_of_a_chain_model_is_not_speculated():
+    """Chains are one row's (the chained caches report one length): round="device" refuses a batch of such a model,
+    naming why; round="auto" decodes it with transformers' own loop, exactly, as it did before."""
+    from hf_swiftspec.tools.models import left_padded, random_prompts
+
+    target, draft = slot_model("bloom")
+    ids, mask = left_padded(random_prompts((5, 9), 0, 120))
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=12, pad_token_id=0)
+    with pytest.raises(ValueError, match="round='device' cannot decode this call exactly: the target's steps must be "
+                                         "chains"):
+        SwiftSpecForCausalLM.from_models(target, draft, **FIXED).generate(ids, **kwargs)
+    pair = SwiftSpecForCausalLM.from_models(target, draft, tree_budget=8, draft_depth=4)
+    with pytest.warns(UserWarning, match="the target's own decoding loop"):
+        assert pair.generate(ids, **kwargs).tolist() == target.generate(ids, **kwargs).tolist()
