@@ -201,7 +201,9 @@ def slot_forward(model, cache: SlotCache, tokens: torch.Tensor, positions: torch
     """One forward: tokens (B, Q) at positions (B, Q), their KV written at slots (B, Q), each query seeing the slots
     allowed (B, Q, span) bool says, or as an additive mask (B, 1, Q, span) of the model's dtype already (tree_mask's);
     returns float32 logits (B, Q, V) (logits=n, an int: the last n columns' alone, (B, n, V)), or None with
-    logits=False (a forward for its KV alone: no row of the vocabulary's head is computed)."""
+    logits=False (a forward for its KV alone: no row of the vocabulary's head is computed). A chain's cache (`length`
+    set) ignores `allowed`: its queries sit at slots length .. length + Q - 1, the model masks them causally, and the
+    length moves on (its states saved there)."""
     cache.index = slots
     if logits is False:
         keep = {"logits_to_keep": torch.zeros(0, dtype=torch.long, device=tokens.device)}
