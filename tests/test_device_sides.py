@@ -157,10 +157,11 @@ def refused(pair, ids, **kwargs) -> str:
 
 
 def test_calls_it_cannot_decode_exactly_are_refused_with_the_reason():
-    """Rules by cache slot (a NoPE temperature stepped by slot; sliding windows are a term of its masks:
-    test_device_windows.py): a ValueError naming the cause and the fix, never the host round or the target's loop
-    instead. Processors that read the path are no longer refused: the walk over the read logits decodes them (a
-    repetition penalty here; test_device_processors.py for the rest)."""
+    """A rule by cache slot past which only one-token steps are exact (doge's key budget; sliding windows are a term of
+    its masks, test_device_windows.py; rules past which chains are exact run chains, test_device_chains.py): a
+    ValueError naming the cause and the fix, never the host round or the target's loop instead. Processors that read
+    the path are no longer refused: the walk over the read logits decodes them (a repetition penalty here;
+    test_device_processors.py for the rest)."""
     target = tiny_model("llama", seed=0)
     ids = torch.tensor([[5, 17, 33, 8]])
     pair = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), **DEVICE)
@@ -170,9 +171,9 @@ def test_calls_it_cannot_decode_exactly_are_refused_with_the_reason():
     assert pair.swiftspec_stats.engine == "device"
     from hf_swiftspec.tools import sweep
 
-    limited = sweep.tiny_of_type("llama4_text", seed=0, vocab_size=98, floor_scale=4)  # its NoPE layers' temperature
-    message = refused(SwiftSpecForCausalLM.from_models(limited, None, round="device", ngram_size=3), ids)
-    assert "slot-limited" in message and "every 4 cache slots" in message and "round='host'" in message
+    budgeted = sweep.tiny_of_type("doge", seed=0, vocab_size=98, keep_window_size=4)
+    message = refused(SwiftSpecForCausalLM.from_models(budgeted, None, round="device", ngram_size=3), ids)
+    assert "slot-limited" in message and "keeps only its 4 best-scored keys" in message and "round='host'" in message
     with pytest.raises(ValueError, match="round='gpu'"):
         SwiftSpecConfig(round="gpu")
 
@@ -198,9 +199,10 @@ def test_calls_past_the_context_and_with_nothing_to_propose_decode_as_target_gen
 
 def test_every_documented_refusal_names_its_reason():
     """settings.md's list of what the device round refuses, each by its message (beside the test above's): compile=True,
-    attention="kernel", a placement other than serial, a recurrent model. (An attention that takes no 4D mask is
-    refused by the pair itself, whatever the round: architectures.UnsupportedArchitecture.) Logits processors that read
-    the path left the list: no gap names them."""
+    attention="kernel", a placement other than serial (a slot rule past which only one-token steps are exact: the test
+    above). (An attention that takes no 4D mask is refused by the pair itself, whatever the round:
+    architectures.UnsupportedArchitecture. Recurrent models and those placing tokens by slot run chains:
+    test_device_chains.py.) Logits processors that read the path left the list: no gap names them."""
     target = tiny_model("llama", seed=0)
     ids = torch.tensor([[5, 17, 33, 8]])
     for settings in (dict(compile=True), dict(attention="kernel")):
@@ -209,11 +211,6 @@ def test_every_documented_refusal_names_its_reason():
     threads = dict(placement={"target": ["cpu"], "draft": ["cpu"]})
     message = refused(SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), **DEVICE, **threads), ids)
     assert "placement='serial'" in message
-    from hf_swiftspec.tools import sweep
-
-    recurrent = sweep.tiny_of_type("mamba2", seed=0, vocab_size=98)
-    message = refused(SwiftSpecForCausalLM.from_models(recurrent, None, round="device", ngram_size=3), ids)
-    assert "recurrent" in message and "mamba2" in message
     from hf_swiftspec.engine.device_sides import device_round_gaps
     from hf_swiftspec.steps.probes import describe
     from transformers import NoBadWordsLogitsProcessor, NoRepeatNGramLogitsProcessor
@@ -401,12 +398,11 @@ def test_auto_takes_the_device_round_on_cuda_where_it_applies_and_says_why():
     penalty = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3)])  # the walk over the read logits decodes it
     assert choose_round(config, cuda, None, architectures, penalty, None, None, False, []) == (
         "device", "round='auto' on CUDA: the device round")
-    from hf_swiftspec.tools import sweep
+    from hf_swiftspec.engine.placement import resolve_placement
 
-    recurrent = sweep.tiny_of_type("mamba2", seed=0, vocab_size=98)  # a call it still cannot decode: the host round
-    round_, why = choose_round(config, OnCuda(recurrent), None, (describe(recurrent, "target"), None), [], None, None,
-                               False, [])
-    assert round_ == "host" and "recurrent" in why and "mamba2" in why
+    threads = resolve_placement({"target": ["cpu"], "draft": ["cpu"]})  # still the host round's: the async engine
+    round_, why = choose_round(config, cuda, None, architectures, [], threads, None, False, [])
+    assert round_ == "host" and "placement='serial'" in why
     assert choose_round(SwiftSpecConfig(round="host"), cuda, None, architectures, [], None, None, False, [])[0] == "host"
 
 

@@ -103,15 +103,14 @@ def device_drafter(draft, target) -> DeviceDrafter:
 
 def model_gaps(role: str, model, architecture, masks: tuple[str, ...]) -> list[str]:
     """Why the device round's slot caches cannot run a model exactly (empty: they can). Windowed layers they can: a
-    window is a term of their masks (steps/slot_cache.py)."""
+    window is a term of their masks (steps/slot_cache.py). Models whose steps must be chains (positions by cache slot,
+    recurrent states rolled back) and rules by slot past which chains are exact run the chain strategy
+    (engine/device_chains.py)."""
     gaps = []
-    if architecture.slot_limits:
-        gaps.append(f"the {role} ({architecture.model_type}) has slot-limited layers (it "
-                    f"{architecture.slot_limits[0].reason}), and the device round's tree nodes sit at slots past "
-                    "their positions")
-    if architecture.recurrent or architecture.shape == "chain":
-        gaps.append(f"the {role} ({architecture.model_type}) needs chains or recurrent rollback "
-                    f"({architecture.chain_reason})")
+    for limit in architecture.slot_limits:
+        if limit.beyond != "chain":
+            gaps.append(f"the {role} ({architecture.model_type}) has slot-limited layers: it {limit.reason}, and a "
+                        "slot cache's forward holds a span of slots, not the row's")
     if model.config._attn_implementation not in masks:
         gaps.append(f"the {role} attends with {model.config._attn_implementation!r}, which does not take an additive "
                     f"4D mask; load it with attn_implementation='sdpa'")

@@ -82,19 +82,21 @@ class SuffixProposals:
     ngram_size: the suffix index's (0: no index, the tensor carries a host drafter's offers alone)
     nodes: S, the nodes a row offers a round (the policy's largest T less the root: a proposal may fill a tree)
     limit: the models' context (no node is placed past it), or None
+    branching: False proposes the most frequent path alone (a chain call's: engine/device_chains.py)
     """
 
     ngram_size: int
     nodes: int
     limit: int | None
     device: torch.device
+    branching: bool = True  # False: the proposal is one path (a chain call's, engine/device_chains.py)
 
     def index_for(self, request, tokens: list[int]):
         """A joining row's index over its prompt, the request's corpus and the model's earlier outputs (None: no
         suffix proposals, ngram_size 0)."""
         if not self.ngram_size:
             return None
-        return index_for(tokens, self.ngram_size, request.corpus, request.history)
+        return index_for(tokens, self.ngram_size, request.corpus, request.history, self.branching)
 
     def propose(self, index) -> SuffixTree:
         """A row's proposal of at most S nodes from its index (on the host), none placed past the models' context."""

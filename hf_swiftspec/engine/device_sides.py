@@ -32,7 +32,8 @@ Per round, for all B rows at once:
 
 Each forward attends the live length (`span`: the rows' longest prefix and the tree, rounded up to a power of two)
 rather than the slot capacity. With SwiftSpecConfig.capture, the two phases (1; 2 up to the read) are each replayed as
-one graph per shape and span (steps/phase_graphs.py). Exact where the caches are: attention by position (full, or a
+one graph per shape and span (steps/phase_graphs.py). Models that place tokens by cache slot or keep recurrent states
+run chains (`chain`: engine/device_chains.py), eagerly. Exact where the caches are: attention by position (full, or a
 sliding window or chunk as a term of the masks: steps/slot_cache.py) (check_device_round says why a call is refused).
 """
 
@@ -49,17 +50,19 @@ import torch
 from ..drafters.device_drafters import DeviceDrafter, RoundFacts, device_drafter, model_gaps
 from ..drafters.device_host import HostGrowth, HostProposals, on_host
 from ..drafters.device_suffix import SuffixProposals
+from ..drafters.eagle3 import DraftHead
 from ..models.architectures import Architecture, context_limit
 from ..policy.goodput import GoodputPolicy
 from ..policy.sizing import Offer, RoundSizing
 from ..stats import DraftCounters, PhaseClock, SwiftSpecStats, TargetCounters
-from ..steps.capture import capacity_bucket, capture_backend, power_of_two
+from ..steps.capture import capacity_bucket, capture_backend, capture_gap, power_of_two
 from ..steps.acceptance import StopRule, cut_at_criteria, split_criteria
 from ..steps.device_round import DeviceSubtree, to_device
 from ..steps.probes import describe
 from ..steps.slot_cache import catch_up, span_bucket
 from ..steps.tree import Proposal, Subtree
 from ..steps.verify import Verified
+from .device_chains import Chains
 from .device_phases import PLAIN, RoundModels, Shape, grow_phase, read_once, subtree_tensors, verify_phase
 from .device_pool import SlotPool, Slots, bucket_for, row_values, set_rows
 from .device_walk import walk_over_read_logits
@@ -71,36 +74,50 @@ EOS_WIDTH = 4  # EOS ids a row holds on the device, at least (more: the next pow
 NO_ROOM = 1 << 30  # a model with no position limit: room for any shape
 
 
-def run_device(target, draft, request: DecodeRequest, config, captures=None,
-               host: HostProposals | None = None) -> DecodeResult:
+def run_device(target, draft, request: DecodeRequest, config, captures=None, host: HostProposals | None = None,
+               architectures=None) -> DecodeResult:
     """The round (engine/rounds.py) on the device sides, its phases replayed where SwiftSpecConfig.capture says
-    (CUDA graphs on CUDA, the emulating stand-in on a CPU with capture=True); check_device_round cleared the call.
-    captures: the pair's Captures (steps/capture.py), whose device pool keeps the slots and graphs for the next call;
-    None: this call's own. host: the draft's proposals from the host side (drafters/device_host.py), where it makes
-    them there: the device side is then draft-free."""
+    (CUDA graphs on CUDA, the emulating stand-in on a CPU with capture=True) and the models allow; check_device_round
+    cleared the call. captures: the pair's Captures (steps/capture.py), whose device pool keeps the slots and graphs for
+    the next call; None: this call's own. host: the draft's proposals from the host side (drafters/device_host.py),
+    where it makes them there: the device side is then draft-free. architectures: the target's and the draft's
+    (probes.describe), where the caller has them."""
     if not request.max_new_tokens:
         return DecodeResult(rows=[RowResult() for _ in range(request.batch_size)])
-    backend = capture_backend(config.capture, target.device)
     drafter = device_drafter(None if host is not None else draft, target)
-    pool = device_pool(captures, backend) if drafter.poolable else SlotPool(backend)
+    architectures = models_described(target, drafter) if architectures is None or host is not None else architectures
+    eager = next((f"{role}: {gap}" for role, a in zip(("target", "draft"), architectures)
+                  if a is not None and (gap := capture_gap(a))), None)  # steps/capture.py's rule: they run eagerly
+    backend = None if eager else capture_backend(config.capture, target.device)
+    # slots of the call's own where a model reads its cache's length (chains) or rules by slot: nothing pooled
+    pool = device_pool(captures, backend) if drafter.poolable and not eager else SlotPool(backend)
     runner = pool.runner
     captured_before, setup_before = (runner.captured, runner.setup_s) if runner is not None else (0, 0.0)
-    sides = DeviceSides(target, drafter, config, pool, request.policy, host=host)
+    sides = DeviceSides(target, drafter, config, pool, request.policy, host=host, architectures=architectures)
     result = run_rounds(sides, request)
     pool.drop_unkept_graphs()
-    how = "eager phases" if runner is None else (
+    how = (f"eager phases ({eager})" if eager else "eager phases") if runner is None else (
         f"replayed phases, {backend}: {len(runner.graphs)} graphs, {runner.captured - captured_before} "
         f"captured by this call")
     if runner is not None and runner.fallbacks:
         how += f"; eager: {', '.join(sorted(runner.fallbacks))}"
     drafted = drafter.describe() if host is None else host.describe()
-    result.stats.attention = (f"device round (slot caches, 4D masks over the live length: "
-                              f"target={target.config._attn_implementation}, {drafted}; {how})")
+    masks = (f"chains for this call ({sides.chain.reason}), the slot caches read by the row's length"
+             if sides.chain else "slot caches, 4D masks over the live length")
+    result.stats.attention = (f"device round ({masks}: target={target.config._attn_implementation}, {drafted}; "
+                              f"{how})")
     result.stats.capture_s = runner.setup_s - setup_before if runner is not None else 0.0
     return result
 
 
 SUBTREE_FIELDS = tuple(f.name for f in fields(DeviceSubtree))
+
+
+def models_described(target, drafter: DeviceDrafter) -> tuple:
+    """The target's and the draft model's probes.describe (None without a draft model: a head's or none)."""
+    model = drafter.model
+    return describe(target, "target"), (describe(model, "draft") if model is not None and not isinstance(
+        model, DraftHead) else None)
 
 
 def unpack_scores(bits: list[int]) -> list[float]:
@@ -125,7 +142,13 @@ def device_round_gaps(config, target, draft, architectures, logits_processor, pl
     gaps = list(reasons)
     gaps += model_gaps("target", target, architectures[0], MASKS_4D)
     if on_host(draft, target, vocabularies) is None:  # (a host drafter is the host round's: any draft it runs)
-        gaps += device_drafter(draft, target).gaps(architectures[1], MASKS_4D)
+        drafter = device_drafter(draft, target)
+        gaps += drafter.gaps(architectures[1], MASKS_4D)
+        chained = [a for a in architectures if a is not None and a.shape == "chain"]
+        if chained and drafter.reads_target:
+            gaps.append(f"the target's steps must be chains ({chained[0].chain_reason}), which the device round runs "
+                        "with a draft model or the suffix proposals, not a draft head (it reads the target's states of "
+                        "a tree); use round='host'")
     if config.compile or config.attention == "kernel":
         gaps.append("its forwards run the models' own attention over 4D masks, uncompiled: compile=True and "
                     "attention='kernel' are not honoured; leave them at their defaults")
@@ -210,8 +233,13 @@ class DeviceSides:
     roots_known = False  # a prefill leaves each prompt's last token as the root: round 1 verifies it
 
     def __init__(self, target, drafter: DeviceDrafter, config, pool: SlotPool, policy: GoodputPolicy | None = None,
-                 changes: Counter | None = None, guard: bool = False, host: HostProposals | None = None):
+                 changes: Counter | None = None, guard: bool = False, host: HostProposals | None = None,
+                 architectures: tuple | None = None):
         self.target, self.drafter, self.config, self.pool = target, drafter, config, pool
+        self.architectures = architectures or models_described(target, drafter)  # (target's, draft model's or None)
+        # This call's rounds are chains (device_chains.py: width 1, one suffix path, slot = position), or None: trees.
+        # Set from the architectures here; `start` sets it too where the call's forwards reach a rule by slot.
+        self.chain: Chains | None = Chains.of(self.architectures)
         self.proposer = host  # the draft's proposals from the host (drafters/device_host.py; the drafter: RootOnly)
         self.policy = policy if policy is not None else GoodputPolicy(tree_budget=config.tree_budget,
                                                                       draft_depth=config.draft_depth)
@@ -219,7 +247,7 @@ class DeviceSides:
         self.runner = pool.runner
         self.device = target.device
         self.vocab_limit = target.config.get_text_config().vocab_size
-        self.architecture = describe(target, "target")  # its windows (a term of its cache's masks), whether it is headless
+        self.architecture = self.architectures[0]  # its windows (a term of its cache's masks), whether it is headless
         self.limit = context_limit(*(m for m in (target, drafter.context_model) if m is not None))
         self.host: list[RowOnHost] = []  # per cache row
         self.size_trees()
@@ -245,7 +273,8 @@ class DeviceSides:
 
     @property
     def width(self) -> int:
-        return self.config.draft_width
+        """The nodes a growth level adds a row: draft_width, or 1 where the call runs chains."""
+        return 1 if self.chain else self.config.draft_width
 
     def max_levels(self) -> int:
         """The most levels a round grows: draft_depth where set, else the policy's deepest, within every live row's
@@ -263,10 +292,13 @@ class DeviceSides:
         policy = self.policy
         deepest = 0 if self.drafter.model is None else (
             policy.draft_depth if policy.draft_depth is not None else policy.max_depth)
-        self.suffix_nodes = policy.max_budget - 1 if self.config.ngram_size or self.proposer is not None else 0
+        # a chain call's suffix proposals are one path, and none beside a draft's chain (the two would branch)
+        proposes = (self.config.ngram_size and not (self.chain and self.drafter.model is not None)
+                    or self.proposer is not None)
+        self.suffix_nodes = policy.max_budget - 1 if proposes else 0
         self.tree_slots = 1 + deepest * self.width + self.suffix_nodes + 2
-        self.suffix = (SuffixProposals(self.config.ngram_size, self.suffix_nodes, self.limit, self.device)
-                       if self.suffix_nodes else None)
+        self.suffix = (SuffixProposals(self.config.ngram_size if proposes else 0, self.suffix_nodes, self.limit,
+                                       self.device, branching=not self.chain) if self.suffix_nodes else None)
 
     def room(self, row: RowOnHost) -> int:
         """Positions the models place below a row's root now (its root sits at position `prefix`; NO_ROOM: no limit)."""
@@ -279,12 +311,19 @@ class DeviceSides:
         start = time.perf_counter()
         prompts = request.prompt_ids()
         n, L = len(prompts), request.prompt.shape[1]
+        reached = None if self.chain else Chains.reaching(self.architecture, L + request.max_new_tokens +
+                                                          self.tree_slots)
+        if reached:  # the call's forwards reach a rule the target applies by slot: chains, from its start
+            self.chain = self.chains_for(reached, n)
+            self.size_trees()
         self.capacity = capacity_bucket(L + request.max_new_tokens + self.tree_slots)
         stops = split_criteria(request.stopping_criteria)
         self.eos_width = max(EOS_WIDTH, power_of_two(len(stops.eos)))
         sequences = [c[0].tolist() for c in request.contexts] if request.contexts else request.prompt.tolist()
         keeps = request.keeps_scores, request.keeps_logits
-        deferred = self.drafter.defers  # its prompt waits for its first growth (prefill(draft=False))
+        # its prompt waits for its first growth (prefill(draft=False)), where the phases run eagerly: a replayed phase
+        # bakes in the draft cache's buffers, which its first forward makes
+        deferred = self.drafter.defers and self.runner is None
         self.host = [RowOnHost(sampler, sequence, len(ids) - 1, keeps,
                                self.suffix.index_for(request, ids) if self.suffix is not None else None,
                                0 if deferred else len(ids) - 1)
@@ -309,7 +348,8 @@ class DeviceSides:
         taken = width * (2 if roots else 1)
         set_rows(self.slots.rows, packed[:, taken:], 0)
         tokens = torch.cat([packed[:, :taken], packed.new_zeros(self.bucket - n, taken)])  # dead rows: nothing
-        self.prefill(self.slots, tokens[:, :width], self.slots.rows.prefix_lens, end=width,
+        # (a chain's one row runs no padding column, the root's: a recurrent state would run it too)
+        self.prefill(self.slots, tokens[:, : width - bool(self.chain)], self.slots.rows.prefix_lens, end=width,
                      roots=tokens[:, width:] if roots else None, draft=not deferred)
         self.models = self.round_models()
         self.counters[0].busy_s += time.perf_counter() - start
@@ -394,8 +434,19 @@ class DeviceSides:
         self.host = (self.host[:count] + [RowOnHost() for _ in range(bucket)])[:bucket]
 
     def slots_for(self, bucket: int, like: Slots | None = None) -> Slots:
-        return self.pool.slots(bucket, self.capacity, self.layers(), self.eos_width,
-                               self.drafter.state_fields(self.capacity), self.device, like)
+        slots = self.pool.slots(bucket, self.capacity, self.layers(), self.eos_width,
+                                self.drafter.state_fields(self.capacity), self.device, like)
+        if self.chain:
+            self.chain.adopt(slots)
+        return slots
+
+    def chains_for(self, reason: str, rows: int) -> Chains:
+        """The strategy for a call that `reason` says must run chains, or a ValueError where it cannot."""
+        if rows > 1 or self.drafter.reads_target:
+            what = f"a batch of {rows} rows" if rows > 1 else "a draft head, which reads the target's states of a tree,"
+            raise ValueError(f"round='device' runs {what} where chains are needed ({reason}), and chains are one "
+                             "draft model's or the suffix proposals' path for one row; use round='host'")
+        return Chains.of(self.architectures, reason)
 
     def round_models(self) -> RoundModels:
         live = [h.sampler for h in self.host if h.sampler is not None]
@@ -490,6 +541,8 @@ class DeviceSides:
     def grow(self, proposed: DeviceProposed, shape: Shape, inputs: dict) -> DeviceProposed:
         """The growth phase of `shape` (a budget of None: sized between levels), then the shape it ran."""
         sizing = proposed.sizing
+        if self.chain:  # the draft's chained cache at what it has run: its catch-up, then its growth, from there
+            self.chain.before_grow(self.slots, self.host[0].drafted)
         lag = proposed.caught_up  # the catch-up's width: a power of two where the growth replays (a graph per width)
         lag = power_of_two(lag) if lag and self.runner is not None else lag
         if lag:  # the catch-up runs first: by the growth's end every live row's drafter has run its committed tokens
@@ -507,6 +560,11 @@ class DeviceSides:
         proposed.subtree = DeviceSubtree(**{name: out[name] for name in SUBTREE_FIELDS})
         proposed.captured = self.runner is not None and self.runner.captured > captured
         levels = reading.levels if reading is not None else shape.depth
+        if self.chain:  # its live nodes alone: the draft's chain, or the root and its suffix path
+            offer = sizing.offers[0] if sizing is not None else None
+            live = 1 + levels if levels else 1 + (len(offer.tree) if offer is not None else 0)
+            proposed.subtree = Chains.first(proposed.subtree, min(live, proposed.subtree.tokens.shape[1]))
+            proposed.drafted = proposed.drafted[:, : proposed.subtree.tokens.shape[1]]
         if reading is not None and reading.caught_up_at is not None:
             proposed.catch_up_s = reading.caught_up_at - start
         proposed.shape = Shape(levels, shape.width if levels else 0, proposed.subtree.tokens.shape[1])
@@ -532,6 +590,8 @@ class DeviceSides:
         inputs = dict(subtree_tensors(sub), drafted=proposed.drafted)
         on_host = self.models.walks_on_host
         walk = functools.partial(walk_over_read_logits, self) if on_host else self.walk_on_device
+        if self.chain:
+            self.chain.before_verify(self.target, self.slots, self.host[0].prefix, self.counters[0])
         subtrees, verified = walk(proposed, rows, facts, known, inputs)
         proposed.captured = proposed.captured or (self.runner is not None and self.runner.captured > captured)
         with self.clock.phase("walk"):
@@ -549,6 +609,9 @@ class DeviceSides:
                 row.sequence += outcome.tokens
                 row.prefix += len(outcome.tokens)
                 row.drafted = min(row.drafted, row.prefix)
+            if self.chain:  # recurrent states back on the accepted path
+                self.chain.after_read(self.slots, sub.tokens, self.host[0].prefix, self.host[0].drafted,
+                                      known is None, shape.depth > 0, self.counters[0])
         self.counters[0].forwards += known is None
         self.counters[0].verify_steps += len(verified)
         self.counters[1].forwards += int(lag > 0)  # the catch-up

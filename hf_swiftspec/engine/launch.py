@@ -54,7 +54,8 @@ def decode_adaptive(target, draft, request: DecodeRequest, config: SwiftSpecConf
     vocabularies: a draft with another tokenizer's (drafters/vocabulary.py), None for one of the target's.
     round_: "device" runs the device round (device_sides.choose_round chose it, and it cleared the call)."""
     if round_ == "device":
-        return run_device(target, draft, request, config, captures, host_drafter(target, draft, config, vocabularies))
+        return run_device(target, draft, request, config, captures, host_drafter(target, draft, config, vocabularies),
+                          architectures)
     batch = request.batch_size
     length = request.prompt.shape[1] + request.max_new_tokens
     if groups is not None and len(groups.my_ranks) > 1:

@@ -111,12 +111,14 @@ class StateLog:
 
     SPARES = 8  # dropped snapshots kept to copy into
 
-    def __init__(self, cache: TreeCache | None):
+    def __init__(self, cache: TreeCache | None, rows: int | None = None):
+        """rows: the cache's rows where it cannot say before its first forward (a slot cache's); default its own."""
         layers = cache.layers if cache is not None else []  # None: a draft-free worker, no model to run
         self.layers = [layer for layer in layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
-        if self.layers and cache.batch_size > 1:
+        rows = rows if rows is not None or cache is None else cache.batch_size
+        if self.layers and rows > 1:
             raise RuntimeError(
-                f"recurrent states roll back per sequence, but this cache holds {cache.batch_size} rows: a batch of a "
+                f"recurrent states roll back per sequence, but this cache holds {rows} rows: a batch of a "
                 "recurrent model decodes with transformers' own loop (launch.batch_exactness_gaps)"
             )
         self.snapshots: list[Snapshot] = []  # increasing positions

@@ -17,9 +17,15 @@ Architecture.attention_mask), in which a query at position p sees the committed 
 rule's first visible position of p on (committed slot j holds position j: rows are packed without padding; tree
 node i sits at position prefix_len + its depth). A layer's KV outside its window is never seen, so the cache keeps
 every position (its capacity) for every layer, as for full attention. A model with full attention only builds the
-one mask it always did. Not here: rules a model applies by cache slot (Architecture.slot_limits), and recurrent
-states (steps/recurrent.py's rollback). engine/device_sides.py runs the device round over two of them, the target's
-and the draft's (cache.TreeCache's fixed steps hold the same layout with host lengths).
+one mask it always did.
+
+A chain's cache (`chained`: engine/device_chains.py, one row whose every node's slot is its position) reads like
+transformers' own instead, for models that place tokens by cache slot (ALiBi, forwards without position_ids, rules
+banded by key slot) or keep a recurrent state: its host-known `length` is the row's slots so far, `get_seq_length`
+returns it, a forward sees the keys up to its last query's slot and no mask (the model masks causally itself), and
+transformers' state layers sit at the stateful layers (their states saved after every forward: steps/recurrent.py's
+StateLog). engine/device_sides.py runs the device round over two slot caches, the target's and the draft's
+(cache.TreeCache's fixed steps hold the same layout with host lengths).
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from .cache import KV_DIM, SlotBuffer
 from .acceptance import Walk
 from .capture import power_of_two
 from .device_round import DeviceSubtree
+from .recurrent import STATE_LAYER_TYPES, StateLog
+from ..models.compat import LinearAttentionLayer
 
 SMALLEST_SPAN = 64  # the shortest live length a forward attends (a power of two: span_bucket)
 
@@ -70,17 +78,36 @@ class SlotLayer(CacheLayerMixin):
         index = self.owner.index[:, None, :, None]  # (B, 1, Q, 1)
         self.keys.scatter_(2, index.expand(B, H, Q, self.keys.shape[-1]), key_states)
         self.values.scatter_(2, index.expand(B, H, Q, self.values.shape[-1]), value_states)
-        span = self.owner.span
-        return self.keys[:, :, :span], self.values[:, :, :span]
+        end = self.owner.end(Q)
+        return self.keys[:, :, :end], self.values[:, :, :end]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.owner.span, 0
+        return self.owner.end(query_length), 0
 
     def get_seq_length(self) -> int:
-        return 0  # positions come from position_ids and visibility from the 4D mask: no length is read
+        # positions come from position_ids and visibility from the 4D mask: no length is read (a chain's: its length)
+        return self.owner.length or 0
 
     def get_max_length(self) -> int:
         return self.owner.capacity
+
+
+class SlotStateLayer(LinearAttentionLayer, SlotLayer):
+    """A hybrid layer of a chain's cache: transformers' recurrent / convolution states beside the slot cache's keys
+    and values (recurrent.TreeStateLayer's twin)."""
+
+    def __init__(self, owner: "SlotCache", number_of_states: int = 1):
+        SlotLayer.__init__(self, owner)
+        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        if len(args) == 2 and not kwargs:  # keys and values, from update()
+            SlotLayer.lazy_initialization(self, *args)
+        else:  # a state, from update_conv_state / update_recurrent_state
+            LinearAttentionLayer.lazy_initialization(self, *args, **kwargs)
+
+    def get_max_length(self) -> int:
+        return SlotLayer.get_max_length(self)
 
 
 class SlotCache(Cache):
@@ -95,6 +122,9 @@ class SlotCache(Cache):
         self.index: torch.Tensor | None = None
         self.architecture = architecture
         self.buffers: list[SlotBuffer] = []  # every layer's keys and values, stacked by shape (after the first forward)
+        self.length: int | None = None  # a chain's row: its slots so far, host-known (None: 4D masks over the span)
+        self.states: StateLog | None = None  # a chain's recurrent states, saved after every forward (None: none)
+        self.replay: torch.Tensor | None = None  # (1, R) tokens a chain's states run again before its next nodes
         sliding = architecture.sliding if architecture is not None else (False,) * num_layers
         super().__init__(layers=[SlotLayer(self, sliding[i]) for i in range(num_layers)])
 
@@ -108,17 +138,43 @@ class SlotCache(Cache):
         return self.span - 1
 
     @property
-    def rows(self) -> int:
-        return self.layers[0].keys.shape[0] if self.layers[0].is_initialized else 0
+    def kv_layers(self) -> list[SlotLayer]:
+        """The layers that keep keys and values (all but a chain's pure state layers)."""
+        return [layer for layer in self.layers if isinstance(layer, SlotLayer)]
+
+    def end(self, queries: int) -> int:
+        """The keys a forward of `queries` queries sees: the span, or a chain's slots up to its last query."""
+        return self.span if self.length is None else self.length + queries
+
+    def chained(self, layer_types: tuple[str, ...] = (), layer_states: tuple[int, ...] = ()) -> "SlotCache":
+        """This cache as a chain's (one row, before its first forward): read by its `length`, no mask, and transformers'
+        state layers at the layers `layer_states` says keep states (a hybrid one beside its keys and values), their
+        states saved after every forward (StateLog)."""
+        self.length = 0
+        for i, (layer_type, states) in enumerate(zip(layer_types, layer_states)):
+            if states and layer_type in STATE_LAYER_TYPES:
+                hybrid = STATE_LAYER_TYPES[layer_type]
+                self.layers[i] = SlotStateLayer(self, states) if hybrid else LinearAttentionLayer(number_of_states=states)
+        states = StateLog(self, rows=1)
+        self.states = states if states.active else None
+        if self.states is not None:
+            self.states.save(0)  # no state yet: a rollback before any prefill (a one-token prompt) starts afresh
+        return self
+
+    def advance(self, queries: int) -> None:
+        """A chain's forward of `queries` queries ran: its length moves on, its states are saved there."""
+        self.length += queries
+        if self.states is not None:
+            self.states.save(self.length)
 
     def pack(self) -> None:
         """Stack every layer's keys and values into shared buffers (once, when the first forward has made the last
         layer's): the layers' tensors become views of the buffers, whose addresses stay (a replayed phase bakes them
         in)."""
-        if self.buffers or not all(layer.is_initialized for layer in self.layers):
+        if self.buffers or not all(layer.is_initialized for layer in self.kv_layers):
             return
         groups: dict[tuple, list[tuple[SlotLayer, str]]] = {}
-        for layer in self.layers:
+        for layer in self.kv_layers:
             for name in ("keys", "values"):
                 part = getattr(layer, name)
                 shape = part.shape[:KV_DIM] + part.shape[KV_DIM + 1 :]
@@ -130,7 +186,7 @@ class SlotCache(Cache):
     def allocate(self, like: "SlotCache", rows: int) -> None:
         """Make this cache's buffers for `rows` rows in `like`'s layout (its layers' heads, widths, dtypes), before any
         forward (a running batch's bucket: its phases are captured over these buffers)."""
-        for mine, theirs in zip(self.layers, like.layers):
+        for mine, theirs in zip(self.kv_layers, like.kv_layers):
             for name in ("keys", "values"):
                 t = getattr(theirs, name)
                 setattr(mine, name, t.new_zeros(rows, t.shape[1], self.capacity, t.shape[3]))
@@ -163,16 +219,24 @@ def slot_forward(model, cache: SlotCache, tokens: torch.Tensor, positions: torch
     its mask says: an additive (B, 1, Q, span) mask of the model's dtype (tree_mask's), or {layer type: such a mask}
     (SlotCache.attention_mask's, for layers of several window rules); returns float32 logits (B, Q, V) (logits=n, an
     int: the last n columns' alone, (B, n, V)), or None with logits=False (a forward for its KV alone: no row of the
-    vocabulary's head is computed)."""
+    vocabulary's head is computed). A chain's cache (`length` set) ignores `mask`: its queries sit at slots length ..
+    length + Q - 1, the model masks them causally, and the length moves on (its states saved there)."""
     cache.index = slots
     if logits is False:  # an empty index skips the head where the forward takes one (Architecture.headless), else one row
         headless = cache.architecture is not None and cache.architecture.headless
         keep = {"logits_to_keep": torch.zeros(0, dtype=torch.long, device=tokens.device) if headless else 1}
     else:
         keep = {} if logits is True else {"logits_to_keep": int(logits)}
+    if cache.length is not None:  # a chain's row: the model masks causally by the length its cache reports
+        mask = None
     out = model(input_ids=tokens, position_ids=positions, attention_mask=mask,
                 use_cache=True, **{forward_cache_argument(type(model)): cache}, **keep)
-    return None if logits is False else out.logits.float()
+    if cache.length is not None:
+        cache.advance(tokens.shape[1])
+    if logits is False:
+        return None
+    # (a model that takes no logits_to_keep returns every row: the last n are the ones asked for)
+    return out.logits.float() if logits is True else out.logits[:, -int(logits):].float()
 
 
 def catch_up(model, cache: SlotCache, tokens: torch.Tensor, counts: torch.Tensor,
@@ -184,8 +248,11 @@ def catch_up(model, cache: SlotCache, tokens: torch.Tensor, counts: torch.Tensor
     starts + j, seeing the committed slots and the tokens before it). lead (B,) long: padding columns before a row's
     tokens (right-aligned rows, each ending in the last column; default none). Padding queries write the scratch
     slot and see slot 0 alone (their output is never read). last_logits: return the last column's float32 logits
-    (B, V) (right-aligned rows: each row's last token's, as generate's prefill keeps one row), else None."""
+    (B, V) (right-aligned rows: each row's last token's, as generate's prefill keeps one row), else None. No tokens
+    (L = 0: a chain's one-token prompt): no forward."""
     B, L = tokens.shape
+    if L == 0:
+        return None
     starts = torch.zeros(B, dtype=torch.long, device=tokens.device) if starts is None else starts
     k = torch.arange(L, device=tokens.device)[None]  # (1, L), then (B, L): each column's token index in its row
     k = k if lead is None else k - lead[:, None]
@@ -234,10 +301,20 @@ def tree_masks(cache: SlotCache, prefix_lens: torch.Tensor, ancestors: torch.Ten
 def verify_forward(model, cache: SlotCache, prefix_lens: torch.Tensor, subtree: DeviceSubtree) -> torch.Tensor:
     """The target's verification of each row's T selected nodes (device_round.select_device): node j at
     position prefix_len + depth and slot prefix_len + j, seeing the prefix and its ancestors (those its layer's window
-    shows it); returns float32 logits (B, T, V) (row j: the target's distribution after node j). Padding nodes see
-    themselves alone."""
+    shows it); returns float32 logits (B, T, V) (row j: the target's distribution after node j). Padding nodes see themselves alone.
+    A chain's cache may hold `replay` (1, R): committed tokens its recurrent states run again first, at the R slots
+    before the prefix (engine/device_chains.py), their logits not computed."""
+    T = subtree.tokens.shape[1]
     positions = prefix_lens[:, None] + subtree.depths
-    slots = prefix_lens[:, None] + torch.arange(subtree.tokens.shape[1], device=prefix_lens.device)[None]
+    slots = prefix_lens[:, None] + torch.arange(T, device=prefix_lens.device)[None]
+    if cache.length is not None:  # a chain's: no mask (slot_forward), the replay first
+        replay, cache.replay = cache.replay, None
+        tokens = subtree.tokens
+        if replay is not None:
+            before = prefix_lens[:, None] - replay.shape[1] + torch.arange(replay.shape[1], device=replay.device)[None]
+            tokens, positions, slots = (torch.cat(pair, 1) for pair in ((replay, tokens), (before, positions),
+                                                                        (before, slots)))
+        return slot_forward(model, cache, tokens, positions, slots, subtree.mask, logits=T)
     mask = tree_masks(cache, prefix_lens, subtree.mask, positions, subtree.depths, model.dtype)
     return slot_forward(model, cache, subtree.tokens, positions, slots, mask)
 
