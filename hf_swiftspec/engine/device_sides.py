@@ -28,13 +28,18 @@ Per round, for all B rows at once:
 
 Each forward attends the live length (`span`: the rows' longest prefix and the tree, rounded up to a power of two)
 rather than the slot capacity. With SwiftSpecConfig.capture, the two phases (1; 2 up to the read) are each replayed as
-one graph per shape and span (steps/phase_graphs.py). Exact where the caches are: attention by position (full, or a
-sliding window or chunk as a term of the masks: steps/slot_cache.py), processors that ignore the path
-(check_device_round says why a call is refused).
+one graph per shape and span (steps/phase_graphs.py). Each model attends as steps/attention.py's resolve_attention
+says (the host round's rule: attention="kernel", or "auto" with replayed or compiled phases on CUDA: the tree kernel,
+its model routed to it for the call, `routed`; else its own attention over dense masks); with compile=True the
+phases' forwards run the decoder layers through torch.compile (capture.compiled_layers; the prefill stays eager: its
+shape follows each prompt). Exact where the caches are: attention by position (full, or a sliding window or chunk as
+a term of the masks: steps/slot_cache.py), processors that ignore the path (check_device_round says why a call is
+refused).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import struct
 import time
@@ -45,11 +50,12 @@ import torch
 
 from ..drafters.device_drafters import DeviceDrafter, RoundFacts, device_drafter, model_gaps
 from ..drafters.device_suffix import SuffixProposals
-from ..models.architectures import Architecture, context_limit, describe_model
+from ..models.architectures import TREE_MASK_ATTENTION, Architecture, context_limit, describe_model
 from ..policy.goodput import GoodputPolicy
 from ..policy.sizing import Offer, RoundSizing
 from ..stats import DraftCounters, PhaseClock, SwiftSpecStats, TargetCounters
-from ..steps.capture import capacity_bucket, capture_backend, power_of_two
+from ..steps.attention import resolve_attention, routed_attention
+from ..steps.capture import RECOMPILES, capacity_bucket, capture_backend, compiled_layers, power_of_two
 from ..steps.acceptance import StopRule, cut_at_criteria, split_criteria
 from ..steps.device_round import DeviceSubtree, to_device
 from ..steps.slot_cache import catch_up, span_bucket
@@ -60,7 +66,6 @@ from .device_pool import SlotPool, Slots, bucket_for, row_values, set_rows
 from .request import DecodeRequest, DecodeResult, RowResult
 from .rounds import Proposed, run_rounds
 
-MASKS_4D = ("sdpa", "eager")  # attention implementations that take the slot caches' additive 4D mask as given
 EOS_WIDTH = 4  # EOS ids a row holds on the device, at least (more: the next power of two)
 NO_ROOM = 1 << 30  # a model with no position limit: room for any shape
 
@@ -72,22 +77,24 @@ def run_device(target, draft, request: DecodeRequest, config, captures=None) -> 
     None: this call's own."""
     if not request.max_new_tokens:
         return DecodeResult(rows=[RowResult() for _ in range(request.batch_size)])
-    backend = capture_backend(config.capture, target.device)
+    backend = capture_backend(config.capture, target.device, config.compile)
     drafter = device_drafter(draft, target)
-    pool = device_pool(captures, backend) if drafter.poolable else SlotPool(backend)
+    pool = device_pool(captures, backend, config.compile) if drafter.poolable else SlotPool(backend, config.compile)
     runner = pool.runner
     captured_before, setup_before = (runner.captured, runner.setup_s) if runner is not None else (0, 0.0)
     sides = DeviceSides(target, drafter, config, pool, request.policy)
-    result = run_rounds(sides, request)
+    with sides.routed():
+        result = run_rounds(sides, request)
     pool.drop_unkept_graphs()
-    how = "eager phases" if runner is None else (
-        f"replayed phases, {backend}: {len(runner.graphs)} graphs, {runner.captured - captured_before} "
-        f"captured by this call")
+    if runner is None or backend == "compiled":
+        how = "eager phases"
+    else:
+        how = (f"replayed phases, {backend}: {len(runner.graphs)} graphs, {runner.captured - captured_before} "
+               f"captured by this call")
+    how += ", compiled layers" if config.compile else ""
     if runner is not None and runner.fallbacks:
         how += f"; eager: {', '.join(sorted(runner.fallbacks))}"
-    drafted = drafter.describe()
-    result.stats.attention = (f"device round (slot caches, 4D masks over the live length: "
-                              f"target={target.config._attn_implementation}, {drafted}; {how})")
+    result.stats.attention = f"device round (slot caches over the live length: {sides.describe_attention()}; {how})"
     result.stats.capture_s = runner.setup_s - setup_before if runner is not None else 0.0
     return result
 
@@ -100,13 +107,20 @@ def unpack_scores(bits: list[int]) -> list[float]:
     return list(struct.unpack(f"<{len(bits)}d", struct.pack(f"<{len(bits)}q", *bits)))
 
 
-def device_pool(captures, backend: str | None) -> SlotPool:
-    """The pair's device pool (Captures.device), made for `backend` on first use; a call's own without captures."""
+def device_pool(captures, backend: str | None, compile_layers: bool = False) -> SlotPool:
+    """The pair's device pool (Captures.device), made for `backend` (and compiled layers or not) on first use; a
+    call's own without captures."""
     if captures is None:
-        return SlotPool(backend)
-    if captures.device is None or captures.device.backend != backend:
-        captures.device = SlotPool(backend)
+        return SlotPool(backend, compile_layers)
+    if captures.device is None or (captures.device.backend, captures.device.compile) != (backend, compile_layers):
+        captures.device = SlotPool(backend, compile_layers)
     return captures.device
+
+
+def slot_attention(config, model, architecture: Architecture, pool: SlotPool) -> str:
+    """How a model's slot cache attends (steps/attention.py's rule, the host round's: "replayed" where its phases are
+    replayed or compiled)."""
+    return resolve_attention(config.attention, model, architecture, replayed=pool.backend is not None)
 
 
 def device_round_gaps(config, target, draft, architectures, logits_processor, placement, groups,
@@ -114,9 +128,9 @@ def device_round_gaps(config, target, draft, architectures, logits_processor, pl
     """Why round="device" cannot decode this call exactly (empty: it can). reasons: the call's batch and slot-limit
     reasons (generation.py's), which the device round would otherwise have to escape by the target's own loop."""
     gaps = list(reasons)
-    gaps += model_gaps("target", target, architectures[0], MASKS_4D)
+    gaps += model_gaps("target", target, architectures[0], TREE_MASK_ATTENTION)
     drafter = device_drafter(draft, target)
-    gaps += drafter.gaps(architectures[1], MASKS_4D)
+    gaps += drafter.gaps(architectures[1], TREE_MASK_ATTENTION)
     if drafter.context_model is not None and context_limit(drafter.context_model, target) != context_limit(target):
         gaps.append(f"the draft's context ({context_limit(draft)} positions) is shorter than the target's "
                     f"({context_limit(target)}): the host round has it read the text in windows of its own; use "
@@ -125,9 +139,6 @@ def device_round_gaps(config, target, draft, architectures, logits_processor, pl
     if path_bound:
         gaps.append(f"the logits processors {', '.join(path_bound)} read the path before each node (the host's "
                     "node-by-node walk)")
-    if config.compile or config.attention == "kernel":
-        gaps.append("its forwards run the models' own attention over 4D masks, uncompiled: compile=True and "
-                    "attention='kernel' are not honoured; leave them at their defaults")
     if (placement is not None and placement.mode != "serial") or groups is not None or (
         draft is not None and draft.device != target.device
     ):
@@ -217,6 +228,10 @@ class DeviceSides:
         self.device = target.device
         self.vocab_limit = target.config.get_text_config().vocab_size
         self.architecture = describe_model(target, "target")  # its windows: a term of the target cache's masks
+        # each cache's attention: the tree kernel or dense masks (a draft head attends with its own sdpa)
+        self.attention = (slot_attention(config, target, self.architecture, pool),
+                          slot_attention(config, drafter.model, drafter.architecture, pool)
+                          if drafter.architecture is not None else "sdpa")
         self.limit = context_limit(*(m for m in (target, drafter.context_model) if m is not None))
         self.host: list[RowOnHost] = []  # per cache row
         self.size_trees()
@@ -235,10 +250,45 @@ class DeviceSides:
     def bucket(self) -> int:
         return len(self.host)
 
-    def layers(self) -> tuple[tuple[int, Architecture | None], tuple[int, Architecture | None]]:
-        """Each slot cache's layers and window rules (SlotCache's arguments): the target's, the drafter's (0: none)."""
-        return ((self.target.config.get_text_config().num_hidden_layers, self.architecture),
-                (self.drafter.layers, self.drafter.architecture))
+    def layers(self) -> tuple[tuple[int, Architecture | None, str], tuple[int, Architecture | None, str]]:
+        """Each slot cache's layers, window rules and attention (SlotCache's arguments): the target's, the drafter's
+        (0 layers: none)."""
+        return ((self.target.config.get_text_config().num_hidden_layers, self.architecture, self.attention[0]),
+                (self.drafter.layers, self.drafter.architecture, self.attention[1]))
+
+    @contextlib.contextmanager
+    def routed(self):
+        """The models routed to the tree kernel where their caches attend through it (attention.routed_attention),
+        for the block only: the user's attn_implementation comes back afterwards, also on failure."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(routed_attention(self.target, self.attention[0]))
+            if self.drafter.architecture is not None:  # a draft model (a head attends with its own sdpa)
+                stack.enter_context(routed_attention(self.drafter.model, self.attention[1]))
+            yield
+
+    def compiled(self) -> contextlib.AbstractContextManager:
+        """With compile=True, the models' decoder layers through torch.compile inside the block (a phase), the compiled
+        calls kept by the pool; else nothing."""
+        if not self.pool.compile:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        for model in (self.target, self.drafter.model):
+            if model is not None:
+                stack.enter_context(compiled_layers(model, self.pool.compiled))
+        stack.enter_context(torch._dynamo.config.patch(recompile_limit=RECOMPILES))
+        return stack
+
+    def describe_attention(self) -> str:
+        """How each model attended, for the call's stats: its backend, and the layers that ran their own attention
+        where it is the tree kernel (the caches' fallbacks)."""
+        parts = []
+        for role, backend, cache in zip(("target", "draft"), self.attention, self.slots.caches if self.slots else ()):
+            if role == "draft" and self.drafter.architecture is None:
+                parts.append(self.drafter.describe())
+                continue
+            fallbacks = sorted(cache.fallbacks) if cache is not None else []
+            parts.append(f"{role}={backend}" + (f" (own attention for {', '.join(fallbacks)})" if fallbacks else ""))
+        return ", ".join(parts)
 
     @property
     def width(self) -> int:
@@ -389,10 +439,12 @@ class DeviceSides:
     def run(self, phase, static: dict, inputs: dict) -> dict:
         """A phase over live `inputs`, replayed where the sides have a runner (its outputs are then static tensors)."""
         bound = functools.partial(phase, models=self.models, slots=self.slots, **static)
-        if self.runner is None:
-            return bound(**inputs)
-        key = (self.bucket, phase.__name__, tuple(sorted(static.items())), self.models.key(), self.slots.addresses())
-        return self.runner.run(key, bound, inputs)
+        with self.compiled():
+            if self.runner is None:
+                return bound(**inputs)
+            key = (self.bucket, phase.__name__, tuple(sorted(static.items())), self.models.key(),
+                   self.slots.addresses())
+            return self.runner.run(key, bound, inputs)
 
     def lag(self) -> int:
         """The width of the catch-up a drafter that defers it runs before its first level (0: none): the live rows'
@@ -496,8 +548,9 @@ class DeviceSides:
             if known is None:
                 proposed.after = after = self.run(verify_phase, dict(facts=facts, span=proposed.spans[1]), inputs)
             else:  # once a call: eagerly (a graph of its own would be one more capture per span)
-                proposed.after = after = verify_phase(models=self.models, slots=self.slots, facts=facts,
-                                                      span=proposed.spans[1], known=known, **inputs)
+                with self.compiled():
+                    proposed.after = after = verify_phase(models=self.models, slots=self.slots, facts=facts,
+                                                          span=proposed.spans[1], known=known, **inputs)
         proposed.captured = proposed.captured or (self.runner is not None and self.runner.captured > captured)
         with self.clock.phase("walk"):
             read = read_once(after["result"])
