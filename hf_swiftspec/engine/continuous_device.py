@@ -153,7 +153,7 @@ class DeviceContinuousEngine(ContinuousEngine):
             self.sides = self.new_sides()
         if self.routes is None:  # the models attend as the sides say (the tree kernel: routed) until the batch ends
             self.routes = contextlib.ExitStack()
-            self.routes.enter_context(self.sides.routed())
+            self.routes.enter_context(self.sides.attending.routed())
         leader = next((j for j in self.joining if same_prefill(j.member.request, member.request)), None)
         if leader is not None:
             leader.copies.append((member, leader.sides.copy_for(member.request)))

@@ -28,18 +28,15 @@ Per round, for all B rows at once:
 
 Each forward attends the live length (`span`: the rows' longest prefix and the tree, rounded up to a power of two)
 rather than the slot capacity. With SwiftSpecConfig.capture, the two phases (1; 2 up to the read) are each replayed as
-one graph per shape and span (steps/phase_graphs.py). Each model attends as steps/attention.py's resolve_attention
-says (the host round's rule: attention="kernel", or "auto" with replayed or compiled phases on CUDA: the tree kernel,
-its model routed to it for the call, `routed`; else its own attention over dense masks); with compile=True the
-phases' forwards run the decoder layers through torch.compile (capture.compiled_layers; the prefill stays eager: its
-shape follows each prompt). Exact where the caches are: attention by position (full, or a sliding window or chunk as
+one graph per shape and span (steps/phase_graphs.py). Each model attends, and with compile=True the phases' decoder
+layers compile, as engine/device_attention.py says (the tree kernel or dense masks, by the host round's rule; the
+prefill stays uncompiled: its shape follows each prompt). Exact where the caches are: attention by position (full, or a sliding window or chunk as
 a term of the masks: steps/slot_cache.py), processors that ignore the path (check_device_round says why a call is
 refused).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import struct
 import time
@@ -54,13 +51,13 @@ from ..models.architectures import TREE_MASK_ATTENTION, Architecture, context_li
 from ..policy.goodput import GoodputPolicy
 from ..policy.sizing import Offer, RoundSizing
 from ..stats import DraftCounters, PhaseClock, SwiftSpecStats, TargetCounters
-from ..steps.attention import resolve_attention, routed_attention
-from ..steps.capture import RECOMPILES, capacity_bucket, capture_backend, compiled_layers, power_of_two
+from ..steps.capture import capacity_bucket, capture_backend, power_of_two
 from ..steps.acceptance import StopRule, cut_at_criteria, split_criteria
 from ..steps.device_round import DeviceSubtree, to_device
 from ..steps.slot_cache import catch_up, span_bucket
 from ..steps.tree import Proposal, Subtree
 from ..steps.verify import PATH_FREE_PROCESSORS, Verified
+from .device_attention import SlotAttending
 from .device_phases import PLAIN, RoundModels, Shape, grow_phase, read_once, subtree_tensors, verify_phase
 from .device_pool import SlotPool, Slots, bucket_for, row_values, set_rows
 from .request import DecodeRequest, DecodeResult, RowResult
@@ -83,7 +80,7 @@ def run_device(target, draft, request: DecodeRequest, config, captures=None) -> 
     runner = pool.runner
     captured_before, setup_before = (runner.captured, runner.setup_s) if runner is not None else (0, 0.0)
     sides = DeviceSides(target, drafter, config, pool, request.policy)
-    with sides.routed():
+    with sides.attending.routed():
         result = run_rounds(sides, request)
     pool.drop_unkept_graphs()
     if runner is None or backend == "compiled":
@@ -94,7 +91,8 @@ def run_device(target, draft, request: DecodeRequest, config, captures=None) -> 
     how += ", compiled layers" if config.compile else ""
     if runner is not None and runner.fallbacks:
         how += f"; eager: {', '.join(sorted(runner.fallbacks))}"
-    result.stats.attention = f"device round (slot caches over the live length: {sides.describe_attention()}; {how})"
+    attended = sides.attending.describe(sides.slots.caches, drafter.describe())
+    result.stats.attention = f"device round (slot caches over the live length: {attended}; {how})"
     result.stats.capture_s = runner.setup_s - setup_before if runner is not None else 0.0
     return result
 
@@ -115,12 +113,6 @@ def device_pool(captures, backend: str | None, compile_layers: bool = False) -> 
     if captures.device is None or (captures.device.backend, captures.device.compile) != (backend, compile_layers):
         captures.device = SlotPool(backend, compile_layers)
     return captures.device
-
-
-def slot_attention(config, model, architecture: Architecture, pool: SlotPool) -> str:
-    """How a model's slot cache attends (steps/attention.py's rule, the host round's: "replayed" where its phases are
-    replayed or compiled)."""
-    return resolve_attention(config.attention, model, architecture, replayed=pool.backend is not None)
 
 
 def device_round_gaps(config, target, draft, architectures, logits_processor, placement, groups,
@@ -228,10 +220,7 @@ class DeviceSides:
         self.device = target.device
         self.vocab_limit = target.config.get_text_config().vocab_size
         self.architecture = describe_model(target, "target")  # its windows: a term of the target cache's masks
-        # each cache's attention: the tree kernel or dense masks (a draft head attends with its own sdpa)
-        self.attention = (slot_attention(config, target, self.architecture, pool),
-                          slot_attention(config, drafter.model, drafter.architecture, pool)
-                          if drafter.architecture is not None else "sdpa")
+        self.attending = SlotAttending.of(config, target, self.architecture, drafter, pool)  # kernel or dense masks
         self.limit = context_limit(*(m for m in (target, drafter.context_model) if m is not None))
         self.host: list[RowOnHost] = []  # per cache row
         self.size_trees()
@@ -253,42 +242,13 @@ class DeviceSides:
     def layers(self) -> tuple[tuple[int, Architecture | None, str], tuple[int, Architecture | None, str]]:
         """Each slot cache's layers, window rules and attention (SlotCache's arguments): the target's, the drafter's
         (0 layers: none)."""
-        return ((self.target.config.get_text_config().num_hidden_layers, self.architecture, self.attention[0]),
-                (self.drafter.layers, self.drafter.architecture, self.attention[1]))
+        backends = self.attending.backends
+        return ((self.target.config.get_text_config().num_hidden_layers, self.architecture, backends[0]),
+                (self.drafter.layers, self.drafter.architecture, backends[1]))
 
-    @contextlib.contextmanager
-    def routed(self):
-        """The models routed to the tree kernel where their caches attend through it (attention.routed_attention),
-        for the block only: the user's attn_implementation comes back afterwards, also on failure."""
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(routed_attention(self.target, self.attention[0]))
-            if self.drafter.architecture is not None:  # a draft model (a head attends with its own sdpa)
-                stack.enter_context(routed_attention(self.drafter.model, self.attention[1]))
-            yield
-
-    def compiled(self) -> contextlib.AbstractContextManager:
-        """With compile=True, the models' decoder layers through torch.compile inside the block (a phase), the compiled
-        calls kept by the pool; else nothing."""
-        if not self.pool.compile:
-            return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        for model in (self.target, self.drafter.model):
-            if model is not None:
-                stack.enter_context(compiled_layers(model, self.pool.compiled))
-        stack.enter_context(torch._dynamo.config.patch(recompile_limit=RECOMPILES))
-        return stack
-
-    def describe_attention(self) -> str:
-        """How each model attended, for the call's stats: its backend, and the layers that ran their own attention
-        where it is the tree kernel (the caches' fallbacks)."""
-        parts = []
-        for role, backend, cache in zip(("target", "draft"), self.attention, self.slots.caches if self.slots else ()):
-            if role == "draft" and self.drafter.architecture is None:
-                parts.append(self.drafter.describe())
-                continue
-            fallbacks = sorted(cache.fallbacks) if cache is not None else []
-            parts.append(f"{role}={backend}" + (f" (own attention for {', '.join(fallbacks)})" if fallbacks else ""))
-        return ", ".join(parts)
+    def compiled(self):
+        """The phases' decoder layers compiled where compile=True (SlotAttending.compiled)."""
+        return self.attending.compiled((self.target, self.drafter.model))
 
     @property
     def width(self) -> int:
