@@ -597,10 +597,12 @@ def test_the_device_round_is_timed_beside_the_host_round_or_skipped_with_its_rea
         device = {m.name: m for m in report.sets[0].at(size)}["swiftspec_device"]
         assert device.status == "ok"
         assert all(run.engine == "device" for run in device.runs), [run.engine for run in device.runs]
-    kernel = {"ngram_size": 0, "attention": "kernel"}  # the Triton tree kernel's attention: not on the device round yet
-    report = run_bench(BenchConfig(models=BenchModels(tiny_models.target, tiny_models.draft, settings=kernel),
+    from hf_swiftspec.tools import sweep
+
+    budgeted = sweep.tiny_of_type("doge", seed=0, vocab_size=tiny_models.target.config.vocab_size, keep_window_size=4)
+    report = run_bench(BenchConfig(models=BenchModels(budgeted, sweep.perturbed_copy(budgeted), settings={"ngram_size": 0}),
                                    prompts=("humaneval",), methods=("target", "swiftspec_device"), output_dir=None,
-                                   **{**FAST, "num_prompts": 1}))
+                                   **{**FAST, "num_prompts": 1, "growth_check_tokens": 0}))  # (no swiftspec call to size)
     skipped = {m.name: m for m in report.sets[0].at(1)}["swiftspec_device"]
     assert skipped.status == "skipped" and "round='device'" in skipped.note
-    assert "attention='kernel'" in skipped.note
+    assert "slot-limited layers" in skipped.note  # (a target that keeps its best-scored keys past a slot budget)

@@ -65,7 +65,8 @@ def test_device_round_on_cuda_replays_and_never_synchronises_a_round(rows, monke
     """round="auto" on CUDA takes the device round (its stats say so); its phases replay from CUDA graphs (no eager
     fallback); every round runs under torch.cuda.set_sync_debug_mode("error") (its one read is a pinned copy and an
     event, its one host copy pinned and non-blocking: a pageable copy or a stream sync raises); greedy output is
-    target.generate's, a second call replays the first one's graphs, and EOS lists of other widths replay exactly."""
+    target.generate's, a second call replays the first one's graphs, and EOS lists of other widths replay exactly; both
+    models attend through the tree kernel inside the graphs (attention="auto", replayed on CUDA)."""
     from hf_swiftspec.engine import rounds
 
     body = rounds.one_round
@@ -91,3 +92,4 @@ def test_device_round_on_cuda_replays_and_never_synchronises_a_round(rows, monke
         stats = pair.swiftspec_stats
         assert stats.engine == "device" and "the device round" in stats.round_choice
         assert "replayed phases, cuda" in stats.attention and "eager:" not in stats.attention, stats.attention
+        assert "target=triton, draft=triton" in stats.attention  # "auto", replayed on CUDA: the tree kernel

@@ -198,16 +198,13 @@ def test_calls_past_the_context_and_with_nothing_to_propose_decode_as_target_gen
 
 
 def test_every_documented_refusal_names_its_reason():
-    """settings.md's list of what the device round refuses, each by its message (beside the test above's): compile=True,
-    attention="kernel", a placement other than serial (a slot rule past which only one-token steps are exact: the test
-    above). (An attention that takes no 4D mask is refused by the pair itself, whatever the round:
-    architectures.UnsupportedArchitecture. Recurrent models and those placing tokens by slot run chains:
-    test_device_chains.py.) Logits processors that read the path left the list: no gap names them."""
+    """settings.md's list of what the device round refuses, each by its message (beside the test above's): a placement
+    other than serial (a slot rule past which only one-token steps are exact: the test above). (compile=True and
+    attention="kernel" it honours: test_device_attention.py; an attention that takes no 4D mask is refused by the pair
+    itself, whatever the round: architectures.UnsupportedArchitecture. Recurrent models and those placing tokens by
+    slot run chains: test_device_chains.py.) Logits processors that read the path left the list: no gap names them."""
     target = tiny_model("llama", seed=0)
     ids = torch.tensor([[5, 17, 33, 8]])
-    for settings in (dict(compile=True), dict(attention="kernel")):
-        message = refused(SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), **DEVICE, **settings), ids)
-        assert "compile=True and attention='kernel' are not honoured" in message
     threads = dict(placement={"target": ["cpu"], "draft": ["cpu"]})
     message = refused(SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), **DEVICE, **threads), ids)
     assert "placement='serial'" in message

@@ -13,7 +13,7 @@ three boolean-mask selections a round. engine/device_sides.py (round="device") g
 
 The KV lives in a `SlotCache` (steps/slot_cache.py): per row, the committed prefix, then node i of the
 round's tree at slot prefix_len + i; a windowed draft's frontier sees what its layers' windows show it
-(slot_cache.tree_masks).
+(slot_cache.tree_attention): through dense masks, or the tree kernel.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 from swiftspec_kernels.tree_level import tree_level
 
 from ..steps.device_round import HASH_MULTIPLIER, DeviceTree
-from ..steps.slot_cache import SlotCache, slot_forward, tree_masks
+from ..steps.slot_cache import SlotCache, slot_forward, tree_attention
 
 
 @dataclass
@@ -64,7 +64,7 @@ def grow(model, cache: SlotCache, prefix_lens: torch.Tensor, roots: torch.Tensor
     ids = slice(0, 1)  # the frontier's ids are a fixed range (the root, then the last level's): its fields are views
     for level in range(1, depth + 1):
         positions = prefix_lens[:, None] + (level - 1)  # (B, 1): the frontier sits at depth level - 1
-        seen = tree_masks(cache, prefix_lens, tree.ancestors[:, ids], positions, tree.depths, model.dtype)
+        seen = tree_attention(cache, prefix_lens, tree.ancestors[:, ids], positions, tree.depths, model.dtype)
         logits = slot_forward(model, cache, tree.tokens[:, ids], positions, node_slots[:, ids], seen)
         logprobs = torch.log_softmax(logits[..., :vocab_limit], dim=-1)  # (B, F, V')
         frontier, _ = add_level(tree, frontier, tree.scores[:, ids, None] + logprobs, level, width)

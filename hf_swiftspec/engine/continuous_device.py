@@ -21,6 +21,7 @@ stop strings (DeviceSides applies stop strings on the host after the read).
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from dataclasses import dataclass
 
@@ -54,9 +55,9 @@ class Prefill:
         self.row = RowOnHost(sampler, list(self.sequence), committed, (request.keeps_scores, request.keeps_logits),
                              suffix, committed)
         width = max(committed, 1)
-        (target_layers, target_rules), (draft_layers, draft_rules) = sides.layers()
-        self.slots = Slots((SlotCache(target_layers, width + 1, target_rules),
-                            SlotCache(draft_layers, width + 1, draft_rules) if draft_layers else None),
+        (target_layers, *target_rules), (draft_layers, *draft_rules) = sides.layers()  # (window rules, attention)
+        self.slots = Slots((SlotCache(target_layers, width + 1, *target_rules),
+                            SlotCache(draft_layers, width + 1, *draft_rules) if draft_layers else None),
                            RowsOnDevice.empty(1, self.eos_width, sides.drafter.state_fields(width + 1), sides.device))
         state = row_values(sampler, self.sequence[-1], committed, request.max_new_tokens, len(self.sequence), stops.eos,
                            self.eos_width)
@@ -115,7 +116,7 @@ class DeviceContinuousEngine(ContinuousEngine):
                  host: HostProposals | None = None):
         super().__init__(target, draft, policy, build=None, finish=finish, latency_guard=latency_guard)
         self.config = config
-        self.pool = SlotPool(capture_backend(config.capture, target.device))
+        self.pool = SlotPool(capture_backend(config.capture, target.device, config.compile), config.compile)
         self.runner = self.pool.runner
         self.host = host  # the draft's proposals from the host side (drafters/device_host.py), each batch its own
         self.drafter = device_drafter(None if host is not None else draft, target)  # a head's tap: the engine's
@@ -157,6 +158,9 @@ class DeviceContinuousEngine(ContinuousEngine):
         many tokens, share its prefill (its copy's row: Prefill.copy_for)."""
         if self.sides is None:
             self.sides = self.new_sides()
+        if self.routes is None:  # the models attend as the sides say (the tree kernel: routed) until the batch ends
+            self.routes = contextlib.ExitStack()
+            self.routes.enter_context(self.sides.attending.routed())
         leader = next((j for j in self.joining if same_prefill(j.member.request, member.request)), None)
         if leader is not None:
             leader.copies.append((member, leader.sides.copy_for(member.request)))

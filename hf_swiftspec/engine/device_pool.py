@@ -8,7 +8,7 @@ capacity, layers): rows a power of two (a batch of 3 runs in the 4-row slots, on
 a power of two of at least 256 slots (capture.capacity_bucket, the host round's replayed caches' too), so calls and batches of nearby sizes share them and
 their graphs. When rows finish or join, the rows that stay move into the slots of their bucket (a device copy), whose
 graphs replay too. Slots past a row's prefix may hold an earlier call's KV: no mask lets a query see a slot beyond its
-row's prefix and its own tree (slot_cache.tree_masks), and a prefill overwrites the prefix. At most KEPT sets are
+row's prefix and its own tree (slot_cache.tree_attention), and a prefill overwrites the prefix. At most KEPT sets are
 kept, each with its graphs (their memory stays held: up to KEPT times a batch's KV at the pooled capacity); the graphs
 over sets the pool no longer keeps are dropped.
 """
@@ -113,10 +113,13 @@ class Slots:
 @dataclass
 class SlotPool:
     """The slot sets and the graphs over them (module docstring). backend: the runner's (steps/capture.py's), None
-    where phases run eagerly."""
+    where phases run eagerly. compile: the phases' forwards run the models' decoder layers through torch.compile
+    (SwiftSpecConfig.compile), whose compiled calls `compiled` keeps (capture.compiled_layers', by layer)."""
 
     backend: str | None
+    compile: bool = False
     runner: PhaseRunner | None = None
+    compiled: dict = field(default_factory=dict)
     sets: OrderedDict = field(default_factory=OrderedDict)  # (rows, capacity, layers, eos width) -> Slots
 
     def __post_init__(self):
@@ -126,14 +129,15 @@ class SlotPool:
     def slots(self, rows: int, capacity: int, layers: tuple[tuple, tuple], eos_width: int, drafter_fields: dict,
               device, like: "Slots | None" = None) -> Slots:
         """The pool's slots for `rows` cache rows of `capacity` slots (made, and the oldest set with its graphs dropped
-        past KEPT, when there are none). layers: each cache's (layers, window rules) (DeviceSides.layers; 0 layers:
-        none). like: slots whose caches have run a forward, whose layout new caches take (else a new set's caches are
+        past KEPT, when there are none). layers: each cache's (layers, window rules, attention) (DeviceSides.layers; 0
+        layers: none). like: slots whose caches have run a forward, whose layout new caches take (else a new set's caches are
         made by their first forward)."""
         key = (rows, capacity, layers, eos_width)
         if key in self.sets:
             self.sets.move_to_end(key)
             return self.sets[key]
-        caches = tuple(SlotCache(n, capacity, architecture) if n else None for n, architecture in layers)
+        caches = tuple(SlotCache(n, capacity, architecture, attention) if n else None
+                       for n, architecture, attention in layers)
         if like is not None:
             for mine, theirs in zip(caches, like.caches):
                 if mine is not None and theirs is not None and theirs.buffers:

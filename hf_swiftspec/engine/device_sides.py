@@ -32,9 +32,12 @@ Per round, for all B rows at once:
 
 Each forward attends the live length (`span`: the rows' longest prefix and the tree, rounded up to a power of two)
 rather than the slot capacity. With SwiftSpecConfig.capture, the two phases (1; 2 up to the read) are each replayed as
-one graph per shape and span (steps/phase_graphs.py). Models that place tokens by cache slot or keep recurrent states
-run chains (`chain`: engine/device_chains.py), eagerly. Exact where the caches are: attention by position (full, or a
-sliding window or chunk as a term of the masks: steps/slot_cache.py) (check_device_round says why a call is refused).
+one graph per shape and span (steps/phase_graphs.py). Each model attends, and with compile=True the phases' decoder
+layers compile, as engine/device_attention.py says (the tree kernel or dense masks, by the host round's rule; the
+prefill stays uncompiled: its shape follows each prompt). Models that place tokens by cache slot or keep recurrent
+states run chains (`chain`: engine/device_chains.py), eagerly. Exact where the caches are: attention by position
+(full, or a sliding window or chunk as a term of the masks: steps/slot_cache.py) (check_device_round says why a call is
+refused).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from ..drafters.device_drafters import DeviceDrafter, RoundFacts, device_drafter
 from ..drafters.device_host import HostGrowth, HostProposals, on_host
 from ..drafters.device_suffix import SuffixProposals
 from ..drafters.eagle3 import DraftHead
-from ..models.architectures import Architecture, context_limit
+from ..models.architectures import TREE_MASK_ATTENTION, Architecture, context_limit
 from ..policy.goodput import GoodputPolicy
 from ..policy.sizing import Offer, RoundSizing
 from ..stats import DraftCounters, PhaseClock, SwiftSpecStats, TargetCounters
@@ -62,6 +65,7 @@ from ..steps.probes import describe
 from ..steps.slot_cache import catch_up, span_bucket
 from ..steps.tree import Proposal, Subtree
 from ..steps.verify import Verified
+from .device_attention import SlotAttending
 from .device_chains import Chains
 from .device_phases import PLAIN, RoundModels, Shape, grow_phase, read_once, subtree_tensors, verify_phase
 from .device_pool import SlotPool, Slots, bucket_for, row_values, set_rows
@@ -69,7 +73,6 @@ from .device_walk import walk_over_read_logits
 from .request import DecodeRequest, DecodeResult, RowResult
 from .rounds import Proposed, run_rounds
 
-MASKS_4D = ("sdpa", "eager")  # attention implementations that take the slot caches' additive 4D mask as given
 EOS_WIDTH = 4  # EOS ids a row holds on the device, at least (more: the next power of two)
 NO_ROOM = 1 << 30  # a model with no position limit: room for any shape
 
@@ -88,24 +91,28 @@ def run_device(target, draft, request: DecodeRequest, config, captures=None, hos
     architectures = models_described(target, drafter) if architectures is None or host is not None else architectures
     eager = next((f"{role}: {gap}" for role, a in zip(("target", "draft"), architectures)
                   if a is not None and (gap := capture_gap(a))), None)  # steps/capture.py's rule: they run eagerly
-    backend = None if eager else capture_backend(config.capture, target.device)
+    backend = None if eager else capture_backend(config.capture, target.device, config.compile)
     # slots of the call's own where a model reads its cache's length (chains) or rules by slot: nothing pooled
-    pool = device_pool(captures, backend) if drafter.poolable and not eager else SlotPool(backend)
+    pool = (device_pool(captures, backend, config.compile) if drafter.poolable and not eager
+            else SlotPool(backend, config.compile))
     runner = pool.runner
     captured_before, setup_before = (runner.captured, runner.setup_s) if runner is not None else (0, 0.0)
     sides = DeviceSides(target, drafter, config, pool, request.policy, host=host, architectures=architectures)
-    result = run_rounds(sides, request)
+    with sides.attending.routed():
+        result = run_rounds(sides, request)
     pool.drop_unkept_graphs()
-    how = (f"eager phases ({eager})" if eager else "eager phases") if runner is None else (
-        f"replayed phases, {backend}: {len(runner.graphs)} graphs, {runner.captured - captured_before} "
-        f"captured by this call")
+    if runner is None or backend == "compiled":
+        how = f"eager phases ({eager})" if eager else "eager phases"
+    else:
+        how = (f"replayed phases, {backend}: {len(runner.graphs)} graphs, {runner.captured - captured_before} "
+               f"captured by this call")
+    how += ", compiled layers" if config.compile else ""
     if runner is not None and runner.fallbacks:
         how += f"; eager: {', '.join(sorted(runner.fallbacks))}"
-    drafted = drafter.describe() if host is None else host.describe()
     masks = (f"chains for this call ({sides.chain.reason}), the slot caches read by the row's length"
-             if sides.chain else "slot caches, 4D masks over the live length")
-    result.stats.attention = (f"device round ({masks}: target={target.config._attn_implementation}, {drafted}; "
-                              f"{how})")
+             if sides.chain else "slot caches over the live length")
+    attended = sides.attending.describe(sides.slots.caches, drafter.describe() if host is None else host.describe())
+    result.stats.attention = f"device round ({masks}: {attended}; {how})"
     result.stats.capture_s = runner.setup_s - setup_before if runner is not None else 0.0
     return result
 
@@ -125,12 +132,13 @@ def unpack_scores(bits: list[int]) -> list[float]:
     return list(struct.unpack(f"<{len(bits)}d", struct.pack(f"<{len(bits)}q", *bits)))
 
 
-def device_pool(captures, backend: str | None) -> SlotPool:
-    """The pair's device pool (Captures.device), made for `backend` on first use; a call's own without captures."""
+def device_pool(captures, backend: str | None, compile_layers: bool = False) -> SlotPool:
+    """The pair's device pool (Captures.device), made for `backend` (and compiled layers or not) on first use; a
+    call's own without captures."""
     if captures is None:
-        return SlotPool(backend)
-    if captures.device is None or captures.device.backend != backend:
-        captures.device = SlotPool(backend)
+        return SlotPool(backend, compile_layers)
+    if captures.device is None or (captures.device.backend, captures.device.compile) != (backend, compile_layers):
+        captures.device = SlotPool(backend, compile_layers)
     return captures.device
 
 
@@ -140,18 +148,15 @@ def device_round_gaps(config, target, draft, architectures, logits_processor, pl
     reasons (generation.py's), which the device round would otherwise have to escape by the target's own loop.
     vocabularies: a draft with another tokenizer's (it proposes from the host: drafters/device_host.py)."""
     gaps = list(reasons)
-    gaps += model_gaps("target", target, architectures[0], MASKS_4D)
+    gaps += model_gaps("target", target, architectures[0], TREE_MASK_ATTENTION)
     if on_host(draft, target, vocabularies) is None:  # (a host drafter is the host round's: any draft it runs)
         drafter = device_drafter(draft, target)
-        gaps += drafter.gaps(architectures[1], MASKS_4D)
+        gaps += drafter.gaps(architectures[1], TREE_MASK_ATTENTION)
         chained = [a for a in architectures if a is not None and a.shape == "chain"]
         if chained and drafter.reads_target:
             gaps.append(f"the target's steps must be chains ({chained[0].chain_reason}), which the device round runs "
                         "with a draft model or the suffix proposals, not a draft head (it reads the target's states of "
                         "a tree); use round='host'")
-    if config.compile or config.attention == "kernel":
-        gaps.append("its forwards run the models' own attention over 4D masks, uncompiled: compile=True and "
-                    "attention='kernel' are not honoured; leave them at their defaults")
     if (placement is not None and placement.mode != "serial") or groups is not None or (
         draft is not None and draft.device != target.device
     ):
@@ -248,6 +253,7 @@ class DeviceSides:
         self.device = target.device
         self.vocab_limit = target.config.get_text_config().vocab_size
         self.architecture = self.architectures[0]  # its windows (a term of its cache's masks), whether it is headless
+        self.attending = SlotAttending.of(config, target, self.architecture, drafter, pool)  # kernel or dense masks
         self.limit = context_limit(*(m for m in (target, drafter.context_model) if m is not None))
         self.host: list[RowOnHost] = []  # per cache row
         self.size_trees()
@@ -266,10 +272,16 @@ class DeviceSides:
     def bucket(self) -> int:
         return len(self.host)
 
-    def layers(self) -> tuple[tuple[int, Architecture | None], tuple[int, Architecture | None]]:
-        """Each slot cache's layers and window rules (SlotCache's arguments): the target's, the drafter's (0: none)."""
-        return ((self.target.config.get_text_config().num_hidden_layers, self.architecture),
-                (self.drafter.layers, self.drafter.architecture))
+    def layers(self) -> tuple[tuple[int, Architecture | None, str], tuple[int, Architecture | None, str]]:
+        """Each slot cache's layers, window rules and attention (SlotCache's arguments): the target's, the drafter's
+        (0 layers: none)."""
+        backends = self.attending.backends
+        return ((self.target.config.get_text_config().num_hidden_layers, self.architecture, backends[0]),
+                (self.drafter.layers, self.drafter.architecture, backends[1]))
+
+    def compiled(self):
+        """The phases' decoder layers compiled where compile=True (SlotAttending.compiled)."""
+        return self.attending.compiled((self.target, self.drafter.model))
 
     @property
     def width(self) -> int:
@@ -460,10 +472,11 @@ class DeviceSides:
         models: what it runs on (default: the round's)."""
         models = self.models if models is None else models
         bound = functools.partial(phase, models=models, slots=self.slots, **static)
-        if self.runner is None:
-            return bound(**inputs)
-        key = (self.bucket, phase.__name__, tuple(sorted(static.items())), models.key(), self.slots.addresses())
-        return self.runner.run(key, bound, inputs)
+        with self.compiled():
+            if self.runner is None:
+                return bound(**inputs)
+            key = (self.bucket, phase.__name__, tuple(sorted(static.items())), models.key(), self.slots.addresses())
+            return self.runner.run(key, bound, inputs)
 
     def lag(self) -> int:
         """The committed tokens a drafter that defers its catch-up runs before its first level (0: none): the live
@@ -625,8 +638,9 @@ class DeviceSides:
             if known is None:
                 proposed.after = after = self.run(verify_phase, dict(facts=facts, span=proposed.spans[1]), inputs)
             else:  # once a call: eagerly (a graph of its own would be one more capture per span)
-                proposed.after = after = verify_phase(models=self.models, slots=self.slots, facts=facts,
-                                                      span=proposed.spans[1], known=known, **inputs)
+                with self.compiled():
+                    proposed.after = after = verify_phase(models=self.models, slots=self.slots, facts=facts,
+                                                          span=proposed.spans[1], known=known, **inputs)
         with self.clock.phase("walk"):
             read = read_once(after["result"])
             kept = [after[name].clone() if name in after else None for name in ("scores", "logits")]  # replays overwrite

@@ -44,7 +44,8 @@ def walk_over_read_logits(sides, proposed, rows, facts, known, inputs: dict) -> 
         if known is None:
             out = sides.run(forward_phase, dict(span=span), inputs, models=bare)
         else:  # round 1's roots, from the prefill: eagerly, as walk_on_device runs them
-            out = forward_phase(models=bare, slots=sides.slots, span=span, known=known, **inputs)
+            with sides.compiled():
+                out = forward_phase(models=bare, slots=sides.slots, span=span, known=known, **inputs)
     with sides.clock.phase("walk"):
         logits, read = read_to_host(out["logits"], out["subtree"])
         subtrees = read.tolist()[: sides.live]

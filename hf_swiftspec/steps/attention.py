@@ -293,6 +293,37 @@ def tree_step_kwargs(backend: str, architecture: Architecture, layout: StepLayou
     return {"attention_mask": architecture.attention_mask(lambda rule: dense_tree_mask(layout, dtype, rule))}
 
 
+def slot_step_kwargs(backend: str, architecture: Architecture | None, prefix_lens: torch.Tensor, region: torch.Tensor,
+                     positions: torch.Tensor, region_positions: torch.Tensor, span: int, dense, dtype: torch.dtype,
+                     fallbacks: set[str]) -> dict:
+    """Forward kwargs that make every layer of a slot cache's forward (steps/slot_cache.py, the device round's) attend
+    through the tree kernel, from device tensors alone (no host read: a replayed phase's forwards): each row's keys
+    are its committed slots [0, prefix_len) (slot j holds position j), then its region [prefix_len, prefix_len + S),
+    cut at the `span` keys the forward is given.
+
+    prefix_lens:      (B,) long         each row's committed slots
+    region:           (B, Q, S) bool    the region slots each query sees (tree ancestors, or a catch-up's causal rows)
+    positions:        (B, Q) or (B, 1) long   each query's position; region_positions (B, S) long each region slot's
+                                        (a window's term: a rule's first visible position, LayerMask.first_visible)
+    dense(rule):      that rule's dense additive mask (B, 1, Q, span), built only for layers the kernel cannot serve
+                      (kernel_gap), whose reasons go to `fallbacks`
+    """
+    B, Q, S = region.shape
+    lengths = torch.stack([prefix_lens, (span - prefix_lens).clamp(0, S)], dim=1).to(torch.int32)  # (B, 2)
+    rules = {}
+    for rule in architecture.rules if architecture is not None else (FULL,):
+        if rule.kind == "full":
+            rules[rule] = RuleMasks(pack_tree_mask(region), None)
+            continue
+        first = rule.first_visible(positions).expand(B, Q)
+        seen = region & (region_positions[:, None, :] >= first[:, :, None])
+        rules[rule] = RuleMasks(pack_tree_mask(seen), first.to(torch.int32))
+    step = TreeStep(None, rules, architecture.layer_masks if architecture is not None else (), functools.cache(dense),
+                    reference=backend == "torch-reference", fallbacks=fallbacks, lengths=lengths)
+    stand_in = torch.zeros(1, 1, 1, 1, dtype=dtype, device=region.device)  # the kernel reads the step instead
+    return {"attention_mask": stand_in, "swiftspec_tree": step}
+
+
 def rule_masks(rule: LayerMask, tree_mask: torch.Tensor, q_positions, kv_positions) -> RuleMasks:
     """The kernel's view of one rule: the tree mask with the rule applied, packed, and prefix bounds."""
     if rule.kind == "full":

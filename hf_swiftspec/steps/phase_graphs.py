@@ -16,7 +16,7 @@ without running (its static outputs get the warm-up's values); a capture that fa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from .replay import Replay, ReplayRunner, Tensors
@@ -25,12 +25,22 @@ from .replay import Replay, ReplayRunner, Tensors
 @dataclass
 class PhaseRunner(ReplayRunner):
     """One call's replayed phases, by key (module docstring): `graphs` holds a Replay per key (its static inputs, the
-    phase over them and its static outputs). fallbacks: why phases ran eagerly instead."""
+    phase over them and its static outputs). fallbacks: why phases ran eagerly instead. The "compiled" backend (a CPU
+    with compile=True: no graph) runs every phase as it is, its decoder layers compiled by the caller; a key's first
+    run compiles them for its shapes and counts as setup (`ran`: the keys run so far)."""
+
+    ran: set = field(default_factory=set)
 
     def run(self, key: tuple, phase: Callable[..., Tensors], inputs: Tensors) -> Tensors:
         """phase(**inputs), replayed from the key's graph (captured by this first run). The outputs are the graph's
         static tensors: clone what must outlive the next replay of this key."""
         key = (tuple((name, tuple(t.shape), t.dtype) for name, t in inputs.items()), *key)
+        if self.backend == "compiled":
+            if key in self.ran:
+                return phase(**inputs)
+            self.ran.add(key)
+            with self.setting_up():
+                return phase(**inputs)
         graph = self.graphs.get(key)
         if graph is not None:
             graph.load(inputs)

@@ -8,6 +8,14 @@ and sees them through an additive 4D mask (transformers passes a 4D mask through
 follows a length and the host reads nothing: prefix lengths are device tensors, and a replayed phase is keyed by
 its span.
 
+A cache built with `attention` a kernel backend (steps/attention.py's resolve_attention: "triton", or its torch
+reference) attends through the tree kernel instead (its model routed to it: attention.routed_attention): each
+query's committed prefix (slots [0, prefix_len) of its row) and the region slots its bits name (its tree ancestors,
+or a catch-up's tokens before it), from per-row device lengths over the span, GQA-aware (transformers' sdpa with a
+mask repeats K and V for every query head); a layer the kernel cannot serve exactly (attention sinks; keys and
+values of different widths: attention.kernel_gap) takes the dense mask through the model's own attention, and the
+cache's `fallbacks` say why.
+
 Every layer's keys and values live in one buffer (cache.SlotBuffer, the tree cache's: layers of one shape stacked),
 so a commit moves every layer with one fused operator per buffer (swiftspec_kernels.commit_slots, commit_plan's rule).
 
@@ -36,6 +44,7 @@ from swiftspec_kernels.tree_mask import tree_mask
 
 from ..models.architectures import FULL, Architecture, LayerMask
 from ..models.compat import Cache, CacheLayerMixin, forward_cache_argument
+from .attention import KERNEL_BACKENDS, slot_step_kwargs
 from .cache import KV_DIM, SlotBuffer
 from .acceptance import Walk
 from .capture import power_of_two
@@ -114,13 +123,18 @@ class SlotCache(Cache):
     """A model's fixed-shape KV cache for B rows of C slots each; a forward writes its (B, Q) queries at `index`
     (B, Q) long, set before it, and attends the first `span` slots (slot span - 1: scratch). architecture: its
     model's (steps/probes.describe), whose window rules its forwards' masks apply; None: full attention
-    in every layer."""
+    in every layer. attention: how its forwards attend (attention.resolve_attention's backend: a kernel backend
+    through the tree kernel, else the model's own attention over dense masks); fallbacks: why layers of a
+    kernel-routed forward ran their own attention."""
 
-    def __init__(self, num_layers: int, capacity: int, architecture: Architecture | None = None):
+    def __init__(self, num_layers: int, capacity: int, architecture: Architecture | None = None,
+                 attention: str = "sdpa"):
         self.capacity = capacity
         self.span = capacity
         self.index: torch.Tensor | None = None
         self.architecture = architecture
+        self.attention = attention
+        self.fallbacks: set[str] = set()
         self.buffers: list[SlotBuffer] = []  # every layer's keys and values, stacked by shape (after the first forward)
         self.length: int | None = None  # a chain's row: its slots so far, host-known (None: 4D masks over the span)
         self.states: StateLog | None = None  # a chain's recurrent states, saved after every forward (None: none)
@@ -132,6 +146,20 @@ class SlotCache(Cache):
         """A forward's attention_mask from build(rule) (LayerMask -> (B, 1, Q, span) mask): one mask per window rule
         its layers apply (Architecture.attention_mask); build(FULL) alone for full attention."""
         return build(FULL) if self.architecture is None else self.architecture.attention_mask(build)
+
+    @property
+    def kernel(self) -> bool:
+        """Whether its forwards attend through the tree kernel (else through dense masks)."""
+        return self.attention in KERNEL_BACKENDS
+
+    def kernel_attention(self, dense, prefix_lens: torch.Tensor, region: torch.Tensor, positions: torch.Tensor,
+                         region_positions: torch.Tensor, dtype: torch.dtype) -> dict:
+        """A kernel-routed forward's attention arguments (attention.slot_step_kwargs): each row's prefix_lens (B,)
+        committed slots, the region slots [prefix_len, prefix_len + S) each query sees (region (B, Q, S) bool), the
+        queries' positions (B, Q) or (B, 1) and the region slots' (B, S) (a window's term); dense(rule), the rule's
+        additive mask, is built only for layers the kernel cannot serve."""
+        return slot_step_kwargs(self.attention, self.architecture, prefix_lens, region, positions, region_positions,
+                                self.span, dense, dtype, self.fallbacks)
 
     @property
     def scratch(self) -> int:
@@ -214,13 +242,13 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def slot_forward(model, cache: SlotCache, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                 mask: torch.Tensor | dict[str, torch.Tensor], logits: bool | int = True) -> torch.Tensor | None:
+                 attention: dict, logits: bool | int = True) -> torch.Tensor | None:
     """One forward: tokens (B, Q) at positions (B, Q), their KV written at slots (B, Q), each query seeing the slots
-    its mask says: an additive (B, 1, Q, span) mask of the model's dtype (tree_mask's), or {layer type: such a mask}
-    (SlotCache.attention_mask's, for layers of several window rules); returns float32 logits (B, Q, V) (logits=n, an
-    int: the last n columns' alone, (B, n, V)), or None with logits=False (a forward for its KV alone: no row of the
-    vocabulary's head is computed). A chain's cache (`length` set) ignores `mask`: its queries sit at slots length ..
-    length + Q - 1, the model masks them causally, and the length moves on (its states saved there)."""
+    `attention` says (the forward's attention arguments: dense masks, or SlotCache.kernel_attention's); returns float32
+    logits (B, Q, V) (logits=n, an int: the last n columns' alone, (B, n, V)), or None with logits=False (a forward for
+    its KV alone: no row of the vocabulary's head is computed). A chain's cache (`length` set) ignores `attention`: its
+    queries sit at slots length .. length + Q - 1, the model masks them causally, and the length moves on (its states
+    saved there)."""
     cache.index = slots
     if logits is False:  # an empty index skips the head where the forward takes one (Architecture.headless), else one row
         headless = cache.architecture is not None and cache.architecture.headless
@@ -228,15 +256,16 @@ def slot_forward(model, cache: SlotCache, tokens: torch.Tensor, positions: torch
     else:
         keep = {} if logits is True else {"logits_to_keep": int(logits)}
     if cache.length is not None:  # a chain's row: the model masks causally by the length its cache reports
-        mask = None
-    out = model(input_ids=tokens, position_ids=positions, attention_mask=mask,
-                use_cache=True, **{forward_cache_argument(type(model)): cache}, **keep)
+        attention = {}
+    out = model(input_ids=tokens, position_ids=positions, use_cache=True,
+                **{forward_cache_argument(type(model)): cache}, **attention, **keep)
     if cache.length is not None:
         cache.advance(tokens.shape[1])
     if logits is False:
         return None
     # (a model that takes no logits_to_keep returns every row: the last n are the ones asked for)
     return out.logits.float() if logits is True else out.logits[:, -int(logits):].float()
+
 
 
 def catch_up(model, cache: SlotCache, tokens: torch.Tensor, counts: torch.Tensor,
@@ -268,8 +297,15 @@ def catch_up(model, cache: SlotCache, tokens: torch.Tensor, counts: torch.Tensor
         return additive_mask(seen | padding, model.dtype)
 
     positions = torch.where(real, at, 0)  # padding queries at position 0 (never read; no position past a model's rows)
-    out = slot_forward(model, cache, tokens, positions, slots, cache.attention_mask(build),
-                       logits=1 if last_logits else False)
+    if cache.length is not None:  # a chain's: no mask (slot_forward)
+        attention = {}
+    elif not cache.kernel:
+        attention = {"attention_mask": cache.attention_mask(build)}
+    else:  # the kernel's region: the row's L tokens from `starts` on, each seeing itself and those before it
+        j = torch.arange(L, device=tokens.device)
+        region = (j[None, None] <= k[:, :, None]) & real[:, :, None]  # (B, L, L)
+        attention = cache.kernel_attention(build, starts, region, positions, starts[:, None] + j[None], model.dtype)
+    out = slot_forward(model, cache, tokens, positions, slots, attention, logits=1 if last_logits else False)
     return out[:, -1] if last_logits else None
 
 
@@ -283,19 +319,22 @@ def tree_visible(span: int, prefix_lens: torch.Tensor, rows: torch.Tensor) -> to
     return allowed.scatter_(2, node_slots[:, None, :].expand(B, Q, N), rows)
 
 
-def tree_masks(cache: SlotCache, prefix_lens: torch.Tensor, ancestors: torch.Tensor, positions: torch.Tensor,
-               depths: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | dict[str, torch.Tensor]:
-    """A tree forward's attention_mask: queries at positions (B, Q) (or (B, 1): one depth) seeing their row's
+def tree_attention(cache: SlotCache, prefix_lens: torch.Tensor, ancestors: torch.Tensor, positions: torch.Tensor,
+                   depths: torch.Tensor, dtype: torch.dtype) -> dict:
+    """A tree forward's attention arguments: queries at positions (B, Q) (or (B, 1): one depth) seeing their row's
     committed prefix and the tree nodes their ancestor bits (B, Q, N) name (node i at slot prefix_len + i, position
-    prefix_len + depths (B, N)[i]), tree_visible's rule as one fused operator (swiftspec_kernels.tree_mask) per window
-    rule of the cache's layers, a windowed rule's term each query's first visible position (LayerMask.first_visible)."""
+    prefix_len + depths (B, N)[i]). Dense: tree_visible's rule as one fused operator (swiftspec_kernels.tree_mask) per
+    window rule of the cache's layers, a windowed rule's term each query's first visible position
+    (LayerMask.first_visible); kernel-routed: the same bits and positions, as the kernel reads them."""
 
     def build(rule: LayerMask) -> torch.Tensor:
         if rule.kind == "full":
             return tree_mask(prefix_lens, ancestors, None, cache.span, dtype)
         return tree_mask(prefix_lens, ancestors, None, cache.span, dtype, rule.first_visible(positions), depths)
 
-    return cache.attention_mask(build)
+    if not cache.kernel:
+        return {"attention_mask": cache.attention_mask(build)}
+    return cache.kernel_attention(build, prefix_lens, ancestors, positions, prefix_lens[:, None] + depths, dtype)
 
 
 def verify_forward(model, cache: SlotCache, prefix_lens: torch.Tensor, subtree: DeviceSubtree) -> torch.Tensor:
@@ -314,9 +353,9 @@ def verify_forward(model, cache: SlotCache, prefix_lens: torch.Tensor, subtree: 
             before = prefix_lens[:, None] - replay.shape[1] + torch.arange(replay.shape[1], device=replay.device)[None]
             tokens, positions, slots = (torch.cat(pair, 1) for pair in ((replay, tokens), (before, positions),
                                                                         (before, slots)))
-        return slot_forward(model, cache, tokens, positions, slots, subtree.mask, logits=T)
-    mask = tree_masks(cache, prefix_lens, subtree.mask, positions, subtree.depths, model.dtype)
-    return slot_forward(model, cache, subtree.tokens, positions, slots, mask)
+        return slot_forward(model, cache, tokens, positions, slots, {}, logits=T)
+    attention = tree_attention(cache, prefix_lens, subtree.mask, positions, subtree.depths, model.dtype)
+    return slot_forward(model, cache, subtree.tokens, positions, slots, attention)
 
 
 def commit_cache(cache: SlotCache, prefix_lens: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor) -> None:

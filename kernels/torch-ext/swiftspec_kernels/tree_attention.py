@@ -136,12 +136,14 @@ def tree_attention_reference(
         if prefix_start is not None:
             prefix = torch.arange(prefix_len, device=q.device) >= prefix_start[..., None]  # (B, T, prefix_len)
         allowed = torch.cat([prefix, unpack_tree_mask(tree_bits, L - prefix_len)], dim=-1)  # (B, T, L)
-    else:
-        allowed = torch.zeros(B, T, L, dtype=torch.bool, device=q.device)
-        for b, (p, s) in enumerate(lengths.tolist()):
-            first = prefix_start[b, :, None] if prefix_start is not None else 0
-            allowed[b, :, :p] = torch.arange(p, device=q.device) >= first
-            allowed[b, :, p : p + s] = unpack_tree_mask(tree_bits[b : b + 1], s)[0]
+    else:  # per-row lengths on the device, read by no host (a replayed step, the device round's phases)
+        c = torch.arange(L, device=q.device)
+        p, s = lengths[:, 0, None, None].long(), lengths[:, 1, None, None].long()  # (B, 1, 1)
+        first = prefix_start[..., None] if prefix_start is not None else 0
+        column = (c - p).expand(B, T, L)  # each position's tree column (negative in the prefix)
+        bits = unpack_tree_mask(tree_bits, 32 * tree_bits.shape[-1])  # (B, T, 32 W)
+        tree = bits.gather(2, column.clamp(0, bits.shape[-1] - 1)) & (column >= 0) & (column < s)
+        allowed = ((c < p) & (c >= first)) | tree  # (B, T, L)
     scores = (q.float() @ kf.transpose(-1, -2)) * scale  # (B, Hq, T, L)
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
