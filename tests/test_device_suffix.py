@@ -274,6 +274,33 @@ def test_the_merge_is_the_host_rounds_merge():
     assert ((sub.parents >= 0) | ~sub.valid | (torch.arange(8) == 0)).all()
 
 
+def test_a_subtree_chosen_on_the_host_is_the_device_selection():
+    """A round that grows nothing takes its subtree from the host (device_suffix.chosen_nodes, from the proposal alone)
+    instead of merging and selecting on the device: on random suffix tries (some rows empty, ties in probability, T
+    past a row's nodes) it is select_device's pick from merge_suffix of the roots and the same proposal, field by
+    field (its node ids aside: only which nodes the draft grew is read from them, and neither grew any)."""
+    from hf_swiftspec.drafters.device_suffix import chosen_nodes, chosen_subtree, root_tree
+
+    g = torch.Generator().manual_seed(3)
+    roots = torch.tensor([11, 12, 13, 14, 15, 16])
+    for S, T in ((7, 4), (7, 9), (5, 1), (12, 6)):
+        offers = [random_suffix(g, ([0], [-1], [0.0]), int(torch.randint(0, S + 1, (1,), generator=g)), 6)
+                  for _ in roots]
+        offers[0] = ([3, 4], [-1, -1], [-0.5, -0.5])  # a tie: the lower index first
+        packed = torch.tensor([host_nodes(t, p, sc, S) for t, p, sc in offers], dtype=torch.float64)
+        expected = select_device(merge_suffix(root_tree(roots), packed), T)
+        chosen = torch.tensor([chosen_nodes(t, p, [math.exp(x) for x in sc], T) for t, p, sc in offers],
+                              dtype=torch.float64)
+        got = chosen_subtree(chosen, roots)
+        width = expected.tokens.shape[1]  # select_device keeps at most the tree's N + S nodes
+        for name in ("tokens", "parents", "valid", "depths", "mask"):
+            want, have = getattr(expected, name), getattr(got, name)
+            have = have[:, :width, :width] if name == "mask" else have[:, :width]
+            assert torch.equal(have, want), (name, S, T, have, want)
+        assert bool((got.valid[:, width:] == 0).all())
+        torch.testing.assert_close(got.scores[:, :width][expected.valid], expected.scores[expected.valid])
+
+
 @pytest.mark.parametrize("capture", [False, True], ids=["eager", "replayed"])
 @pytest.mark.parametrize("draft_free", [False, True], ids=["draft", "draft-free"])
 def test_plain_rounds_among_grown_ones_decode_exactly_and_keep_the_draft_cache_whole(targets, capture, draft_free,

@@ -26,7 +26,7 @@ import torch
 
 from swiftspec_kernels.tree_merge import HASH_BITS, tree_merge
 
-from ..steps.device_round import DeviceTree, host_path_hash, path_hashes, to_device
+from ..steps.device_round import DeviceSubtree, DeviceTree, host_path_hash, path_hashes, to_device
 from ..steps.tree import SuffixTree
 from .suffix import index_for
 
@@ -44,6 +44,43 @@ def host_nodes(tokens: list[int], parents: list[int], scores: list[float], nodes
     rows = [tokens + [0] * pad, parents + [-1] * pad, depths + [0] * pad, scores + [float("-inf")] * pad,
             [h & HASH_BITS for h in hashes] + [-1] * pad]
     return rows + [[float(i < n and (bits[i] >> k) & 1) for i in range(nodes)] for k in range(nodes)]
+
+
+def chosen_nodes(tokens: list[int], parents: list[int], probs: list[float], budget: int) -> list[list[float]]:
+    """One row's verified subtree chosen on the host from its proposal alone (a round that grows nothing): the root and
+    its best budget - 1 nodes by P(accepted), ties to the lower index (select_device's rule over the merged tree, where
+    they are these nodes: the probabilities never rise along a path, so the best ones form a subtree), in index order,
+    as CHOSEN_FIELDS (6) rows of `budget` values (node ids, tokens, local parents, depths, scores, valid; the root's
+    token 0: the device's root goes there) and `budget` rows of its ancestor-or-self mask, padded as select_device pads
+    (padding: parent -1, depth 0, a score of -inf, itself alone in the mask)."""
+    keep = sorted(sorted(range(len(tokens)), key=lambda k: (-probs[k], k))[: budget - 1])
+    local = {k: i + 1 for i, k in enumerate(keep)}
+    ids, toks, pars, depths, scores, bits = [0], [0], [-1], [0], [0.0], [1]
+    for k in keep:
+        parent = local[parents[k]] if parents[k] >= 0 else 0
+        ids.append(1 + k)
+        toks.append(tokens[k])
+        pars.append(parent)
+        depths.append(depths[parent] + 1)
+        scores.append(math.log(probs[k]))
+        bits.append(bits[parent] | (1 << len(bits)))
+    n, pad = len(ids), budget - len(ids)
+    rows = [ids + list(range(n, budget)), toks + [0] * pad, pars + [-1] * pad, depths + [0] * pad,
+            scores + [float("-inf")] * pad, [1.0] * n + [0.0] * pad]
+    return rows + [[float((bits[i] >> j) & 1) if i < n else float(i == j) for j in range(budget)]
+                   for i in range(budget)]
+
+
+CHOSEN_FIELDS = 6  # chosen_nodes' rows per node before its mask: node ids, tokens, parents, depths, scores, valid
+
+
+def chosen_subtree(packed: torch.Tensor, roots: torch.Tensor) -> DeviceSubtree:
+    """The subtrees the host chose (packed (B, CHOSEN_FIELDS + T, T) float64, chosen_nodes' rows) as select_device's
+    DeviceSubtree, each row's root token its device root (roots (B,) long)."""
+    tokens = packed[:, 1].long()
+    tokens[:, 0] = roots
+    return DeviceSubtree(packed[:, 0].long(), tokens, packed[:, 2].long(), packed[:, 4].float(), packed[:, 5] > 0,
+                         packed[:, 3].long(), packed[:, CHOSEN_FIELDS:] > 0)
 
 
 def root_tree(roots: torch.Tensor) -> DeviceTree:
@@ -102,6 +139,14 @@ class SuffixProposals:
         """A row's proposal of at most S nodes from its index (on the host), none placed past the models' context."""
         room = None if self.limit is None else max(self.limit - len(index.tokens), 0)
         return index.propose(self.nodes, room)
+
+    def pack_chosen(self, offers: list, budget: int) -> torch.Tensor:
+        """(B, CHOSEN_FIELDS + T, T) float64 every cache row's subtree of T = budget nodes chosen from its offer alone
+        (chosen_nodes; None: the root alone, a dead row too), in one pinned, non-blocking host-to-device copy: a round
+        that grows nothing needs neither the merge nor the selection on the device."""
+        rows = [chosen_nodes(o.tree.tokens, o.tree.parents, o.probs, budget) if o is not None
+                else chosen_nodes([], [], [], budget) for o in offers]
+        return to_device(rows, self.device, torch.float64)
 
     def pack(self, offers: list) -> torch.Tensor:
         """(B, 5 + S, S) float64 every cache row's offer (policy/sizing.Offer: its suffix proposal, a host drafter's

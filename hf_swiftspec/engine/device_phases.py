@@ -20,7 +20,7 @@ import torch
 from swiftspec_kernels.advance_rows import advance_rows
 
 from ..drafters.device_drafters import DeviceDrafter, RoundFacts
-from ..drafters.device_suffix import merge_suffix, root_tree
+from ..drafters.device_suffix import chosen_subtree, merge_suffix, root_tree
 from ..steps.acceptance import Walk, greedy_choices, gumbel_noise, sampled_choices, walk_subtree
 from ..steps.device_round import DeviceSubtree, plain_subtree, select_device
 from ..steps.slot_cache import commit_cache, verify_forward
@@ -92,15 +92,16 @@ def subtree_tensors(sub: DeviceSubtree) -> dict[str, torch.Tensor]:
     return {f.name: getattr(sub, f.name) for f in fields(sub)}
 
 
-def grow_phase(suffix: torch.Tensor | None = None, *, models: RoundModels, slots: Slots, shape: Shape, span: int,
-               lag: int, sizing=None) -> dict:
+def grow_phase(suffix: torch.Tensor | None = None, chosen: torch.Tensor | None = None, *, models: RoundModels,
+               slots: Slots, shape: Shape, span: int, lag: int, sizing=None) -> dict:
     """1. the drafter's growth of `shape` below every root (the plain shape: the roots alone, nothing selected; lag:
     the width of the catch-up a drafter that defers it runs first), the suffix nodes merged in (suffix: (B, 5 + S, S)
     the host's proposals, drafters/device_suffix.py) and the best T nodes with their mask (DeviceSubtree's fields),
     with `drafted` (B, T) float32, each selected node's draft score (-inf where the drafter did not grow it): up to d
-    draft forwards and the selection, no host read. sizing: the policy's between levels (policy/sizing.RoundSizing:
-    it reads each level and may stop the growth, then picks T where shape.budget is None); None: the shape is the
-    round's."""
+    draft forwards and the selection, no host read. chosen: (B, 6 + T, T) a round that grows nothing: the subtrees the
+    host chose from its proposals alone (drafters/device_suffix.chosen_nodes), which need no merge or selection.
+    sizing: the policy's between levels (policy/sizing.RoundSizing: it reads each level and may stop the growth, then
+    picks T where shape.budget is None); None: the shape is the round's."""
     rows, cache = slots.rows, slots.caches[1]
     for c in slots.caches:
         if c is not None:
@@ -108,6 +109,9 @@ def grow_phase(suffix: torch.Tensor | None = None, *, models: RoundModels, slots
     if shape.budget == 1 and suffix is None:  # the plain shape: the roots alone, nothing grown or selected
         plain = plain_subtree(rows.roots)
         return dict(subtree_tensors(plain), drafted=plain.scores)
+    if chosen is not None:  # nothing grown: the host's choice from its proposals
+        sub = chosen_subtree(chosen, rows.roots)
+        return dict(subtree_tensors(sub), drafted=torch.full_like(sub.scores, float("-inf")))
     if shape.depth == 0:  # draft-free: no growth
         tree = root_tree(rows.roots)
     else:

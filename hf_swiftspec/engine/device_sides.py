@@ -528,10 +528,6 @@ class DeviceSides:
         hosted = self.host_growth(offers) if self.proposer is not None else None
         sizing = RoundSizing(policy, hosted.offers if hosted is not None else offers, self.width, self.lag(),
                              between_levels=self.runner is None, started=started)
-        inputs = {}
-        if any(o is not None and len(o.tree) for o in sizing.offers):
-            pad = [None] * (self.bucket - self.live)
-            inputs["suffix"] = self.suffix.pack(sizing.offers + pad)  # the round's one host-to-device copy
         levels = self.max_levels()
         if levels and sizing.between_levels:
             levels = levels if sizing.wants_growth() else 0
@@ -543,6 +539,9 @@ class DeviceSides:
             budget = None if levels and sizing.reads_levels() else sizing.budget()
         proposed.sizing = sizing
         proposed.caught_up = sizing.lag if levels else 0
+        inputs, offers = {}, sizing.offers + [None] * (self.bucket - self.live)
+        if any(o is not None and len(o.tree) for o in offers) and (levels or budget > 1):  # the round's one copy in
+            inputs = {"suffix": self.suffix.pack(offers)} if levels else {"chosen": self.suffix.pack_chosen(offers, budget)}
         proposed = self.grow(proposed, Shape(levels, self.width if levels else 0, budget), inputs)
         if hosted is not None:  # the draft's time this round: its growth on the host, before the device's phase
             proposed.expansions += hosted.expansions
