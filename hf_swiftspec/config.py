@@ -54,8 +54,8 @@ class SwiftSpecConfig(PreTrainedConfig):
             round. None (default): on for placement="auto", off for a placement you named (the asynchronous
             engine, as asked); True / False: on / off.
             `swiftspec_stats.engine_choice` says which engine a call ran and why.
-        round: where a serial round's selection, walk and commit run: "auto" (default: the device round on CUDA
-            where it decodes the call exactly, the host round elsewhere; `swiftspec_stats.round_choice` says which
+        round: where a serial round's selection, walk and commit run: "auto" (default: the device round on every
+            device where it decodes the call exactly, else the host round; `swiftspec_stats.round_choice` says which
             and why), "host" (the adaptive round: every drafter, architecture and processor) or "device"
             (engine/device_sides.py: the drafter grows levels a round as the goodput policy sizes them, the host
             reads the device once a round where the phases replay and copies one pinned buffer in, the
@@ -148,7 +148,7 @@ class SwiftSpecConfig(PreTrainedConfig):
             )
         if self.round not in ROUNDS:
             raise ValueError(
-                f"SwiftSpecConfig.round={self.round!r}; use 'auto' (the default: the device round on CUDA where it "
+                f"SwiftSpecConfig.round={self.round!r}; use 'auto' (the default: the device round where it "
                 "applies), 'host' (every pair and call) or 'device' (one host read a round, pairs attending by position)."
             )
         if not isinstance(self.compile, bool):

@@ -86,7 +86,8 @@ def test_generate_with_the_kernel_is_lossless():
         prompt = torch.randint(3, 98, (1, length), generator=torch.Generator().manual_seed(length))
         expected = target.generate(prompt, do_sample=False, max_new_tokens=12)
         assert model.generate(prompt, do_sample=False, max_new_tokens=12).tolist() == expected.tolist()
-        assert model.swiftspec_stats.attention == "target=triton, draft=triton"
+        assert model.swiftspec_stats.attention == (
+            "device round (slot caches over the live length: target=triton, draft=triton; eager phases)")
         assert model.swiftspec_stats.draft_forwards > 3  # the draft's tree steps ran through the kernel too
         assert model.target.config._attn_implementation == model.draft.config._attn_implementation == "sdpa"
 
@@ -125,7 +126,8 @@ def test_stats_say_which_layers_ran_their_own_attention():
     assert sweep.own_generate(model, prompt, 6, swiftspec=True).tolist() == expected.tolist()
     backend = resolve_attention("kernel", target)
     assert model.swiftspec_stats.attention == (
-        f"target={backend} (own attention for attention sinks), draft={backend} (own attention for attention sinks)"
+        f"device round (slot caches over the live length: target={backend} (own attention for attention sinks), "
+        f"draft={backend} (own attention for attention sinks); eager phases)"
     )
 
 

@@ -75,7 +75,7 @@ def test_greedy_rows_equal_target_generate_on_the_padded_batch(pairs, family, se
         ids, mask = padded_batch(seed=seed)
         same_as_target(model, ids, mask, max_new_tokens=40)
     stats = model.swiftspec_stats
-    assert stats.engine == "serial", stats.summary()
+    assert stats.engine == "device", stats.summary()
     assert stats.tau > 1.2 and stats.mean_tree_budget > 1, stats.summary()  # it speculated, not decoded plainly
     # Each row's own tau; the batch's tau (all tokens over all row-verifications) is their weighted mean.
     assert len(stats.row_tau) == ids.shape[0] and min(stats.row_tau) >= 1.0, stats.row_tau
@@ -179,7 +179,7 @@ def test_pipeline_with_batch_size_matches_the_target_pipeline(pairs):
     assert [o[0]["generated_text"] for o in ours(prompts, **kwargs)] == [
         o[0]["generated_text"] for o in theirs(prompts, **kwargs)
     ]
-    assert model.swiftspec_stats.engine == "serial"
+    assert model.swiftspec_stats.engine == "device"
 
 
 def test_finished_rows_leave_the_forward(pairs):
@@ -236,7 +236,7 @@ def test_a_processor_that_may_read_other_rows_gets_generates_own_loop(pairs):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # batch 1 speculates with it, node by node
         model.generate(ids[:1, -3:], max_new_tokens=5, logits_processor=processors())
-    assert model.swiftspec_stats.engine == "serial"
+    assert model.swiftspec_stats.engine == "device"
 
 
 def test_a_chain_family_batch_is_exact_through_generates_own_loop():

@@ -12,6 +12,7 @@ from hf_swiftspec import bench
 from hf_swiftspec.bench import methods, prompts
 from hf_swiftspec.bench.command import default_methods
 from hf_swiftspec.steps.cache import TreeCache
+from hf_swiftspec.engine.device_sides import tree_region_slots
 from hf_swiftspec.steps.capture import WHOLE_CONTEXT, capacity_bucket
 from hf_swiftspec.bench import (
     BenchConfig,
@@ -118,7 +119,7 @@ def test_runs_every_method_on_every_set_and_writes_the_results(finished):
         assert all(o["rounds"] > 0 and o["verify"] > 0 for o in overlaps), overlaps
         assert all(run.overlap is None for run in by_name["swiftspec_serial"].runs)
         assert by_name["swiftspec_serial"].tree_budget.min >= 1 and by_name["target"].tree_budget is None  # the policy's choices
-        assert by_name["swiftspec_serial"].engines == ["serial"] and by_name["target"].engines == []
+        assert by_name["swiftspec_serial"].engines == ["device"] and by_name["target"].engines == []
         assert by_name["assisted"].settings["num_assistant_tokens"] in (2, 4)
         assert set(by_name["assisted"].tuning) == {"2", "4"}
         assert result.limit is not None and result.limit.peak_source == "given"
@@ -237,7 +238,7 @@ def test_every_batch_size_has_every_method_and_counts_each_rows_own_tokens(batch
             assert m.status == "ok" and [run.prompts for run in m.runs] == rows[size]
             assert [run.row_tokens for run in m.runs] == tokens[size]
             assert all(run.new_tokens == sum(run.row_tokens) for run in m.runs)
-        assert target.speedup.mean == 1.0 and target.engines == [] and serial.engines == ["serial"]  # speculated
+        assert target.speedup.mean == 1.0 and target.engines == [] and serial.engines == ["device"]  # speculated
         assert serial.tree_budget.min >= 1 and 0 <= serial.plain_fraction.mean <= 1
         if size > 1:
             for name, why in [("assisted", "batch size 1 only"), ("prompt_lookup", "batch size 1 only"),
@@ -404,44 +405,67 @@ def test_plot_error_bars_span_min_to_max_and_never_go_below_zero(values):
 
 
 def test_caches_keep_one_buffer_over_a_long_generation(tiny_models):
-    """No per-step reallocation: each model's TreeCache kv keeps its data pointer and shape."""
+    """No per-step reallocation: each model's cache (the device round's SlotCache, round="auto") keeps its buffers'
+    address and shape, at the call's slot bucket: its context and its largest round's tree region."""
     ids = torch.randint(3, 98, (1, 9), generator=torch.Generator().manual_seed(0))
     budget = memory_budget(tiny_models, {"tree_budget": 6, "draft_width": 4, "draft_depth": 2}, ids, 300)
     assert budget.no_growth and budget.within_tree_region
     target, draft = budget.traces
     assert target.forwards > 20 and draft.forwards > 20  # many rounds were watched
     assert (target.caches, target.buffers, draft.caches, draft.buffers) == (1, 1, 1, 1)
-    assert budget.target_extra_slots == budget.tree_budget == 6
-    assert target.capacity == 9 + 300 + 6 + 1 and target.max_length <= target.capacity  # + the scratch slot
+    region = tree_region_slots(2, 4, 6 - 1)  # two levels of 4, the suffix index's 5 offered nodes
+    assert target.capacity == capacity_bucket(9 + 300 + region) and target.max_length <= target.capacity
+    assert budget.target_extra_slots == target.capacity - 1 - 309
     assert 0 < draft.max_tree_slots <= budget.tree_capacity
     assert budget.extra_mib > budget.draft_weights_mib > 0
 
 
+def test_host_round_caches_exceed_the_context_by_the_tree_budget_alone(tiny_models):
+    """round="host": each TreeCache holds the context, the tree budget and a scratch slot, one buffer throughout."""
+    ids = torch.randint(3, 98, (1, 9), generator=torch.Generator().manual_seed(0))
+    budget = memory_budget(tiny_models, {"tree_budget": 6, "draft_width": 4, "draft_depth": 2, "round": "host"},
+                           ids, 300)
+    target, draft = budget.traces
+    assert budget.no_growth and budget.within_tree_region and target.forwards > 20
+    assert budget.target_extra_slots == budget.tree_budget == 6
+    assert target.capacity == 9 + 300 + 6 + 1 and target.max_length <= target.capacity  # + the scratch slot
+    assert 0 < draft.max_tree_slots <= budget.tree_capacity
+
+
 def test_memory_check_allows_a_replayed_cache_its_shared_capacity(tiny_models):
-    """Replayed steps (capture.py; "emulate" on a CPU) give the target's cache a capacity shared between calls
-    (StepRunner.capacity_for: the whole context's bucket for a small model), not the call's own bucket; the check
-    counts that as within the tree region, and still catches a cache past it."""
+    """Replayed steps of the host round (capture.py; "emulate" on a CPU) give the target's cache a capacity shared
+    between calls (StepRunner.capacity_for: the whole context's bucket for a small model), not the call's own bucket;
+    the check counts that as within the tree region, and still catches a cache past it."""
     ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13]])
-    budget = memory_budget(tiny_models, {"tree_budget": 6, "draft_width": 4, "capture": True}, ids, 40)
+    budget = memory_budget(tiny_models, {"tree_budget": 6, "draft_width": 4, "capture": True, "round": "host"}, ids, 40)
     whole = tiny_models.target.config.max_position_embeddings + 6
     assert whole <= WHOLE_CONTEXT and budget.traces[0].capacity == capacity_bucket(whole) + 1  # + the scratch slot
     assert budget.target_extra_slots > capacity_bucket(9 + 40 + 6) - 49  # past the call's own bucket
     assert budget.no_growth and budget.within_tree_region
 
 
+def reallocate_after(commit):
+    """commit, then every buffer moved to a new one, as a regression that reallocates would."""
+
+    def reallocating_commit(cache, *args, **kwargs):
+        commit(cache, *args, **kwargs)
+        if cache.buffers:
+            cache.buffers = []
+            cache.pack()
+
+    return reallocating_commit
+
+
 def test_memory_check_notices_a_reallocated_buffer(tiny_models, monkeypatch):
-    """The check itself works: a cache that reallocates every commit is caught."""
-    commit = TreeCache.commit_rows
+    """The check itself works: a cache that reallocates every commit is caught, in either round."""
+    from hf_swiftspec.engine import device_phases
 
-    def reallocating_commit(self, *args, **kwargs):
-        commit(self, *args, **kwargs)
-        if self.buffers:  # every tensor moves to a new buffer, as a regression that reallocates would
-            self.buffers = []
-            self.pack()
-
-    monkeypatch.setattr(TreeCache, "commit_rows", reallocating_commit)
     ids = torch.tensor([[5, 6, 7]])
+    monkeypatch.setattr(device_phases, "commit_cache", reallocate_after(device_phases.commit_cache))
     budget = memory_budget(tiny_models, {"tree_budget": 6, "draft_width": 4}, ids, 40)
+    assert not budget.no_growth and budget.traces[0].buffers > 1
+    monkeypatch.setattr(TreeCache, "commit_rows", reallocate_after(TreeCache.commit_rows))
+    budget = memory_budget(tiny_models, {"tree_budget": 6, "draft_width": 4, "round": "host"}, ids, 40)
     assert not budget.no_growth and budget.traces[0].buffers > 1
 
 
@@ -585,18 +609,20 @@ def test_assisted_generation_with_a_static_cache_is_timed_beside_the_others(tiny
     assert at_two["assisted_static"].status == "unsupported"
 
 
-def test_the_device_round_is_timed_beside_the_host_round_or_skipped_with_its_reason(tiny_models):
+def test_the_device_and_host_rounds_are_timed_by_name_or_skipped_with_the_reason(tiny_models):
     """swiftspec_device runs the pair's own settings on round="device": its outputs are checked against
     target.generate's as every method's are (batch 1 and 2), and its stats say the device round ran; a pair the device
     round refuses is skipped with the refusal's own words, not timed on the host round under the device round's
     name."""
     models = BenchModels(tiny_models.target, tiny_models.draft, settings={**tiny_models.settings, "ngram_size": 0})
-    report = run_bench(BenchConfig(models=models, prompts=("humaneval",), methods=("target", "swiftspec_device"),
-                                   output_dir=None, batch_sizes=(1, 2), **{**FAST, "num_prompts": 1}))
+    report = run_bench(BenchConfig(models=models, prompts=("humaneval",), output_dir=None, batch_sizes=(1, 2),
+                                   methods=("target", "swiftspec_device", "swiftspec_host"), **{**FAST, "num_prompts": 1}))
     for size in (1, 2):
-        device = {m.name: m for m in report.sets[0].at(size)}["swiftspec_device"]
-        assert device.status == "ok"
+        by_name = {m.name: m for m in report.sets[0].at(size)}
+        device, host = by_name["swiftspec_device"], by_name["swiftspec_host"]
+        assert device.status == host.status == "ok"
         assert all(run.engine == "device" for run in device.runs), [run.engine for run in device.runs]
+        assert all(run.engine == "serial" for run in host.runs), [run.engine for run in host.runs]  # round="host"
     from hf_swiftspec.tools import sweep
 
     budgeted = sweep.tiny_of_type("doge", seed=0, vocab_size=tiny_models.target.config.vocab_size, keep_window_size=4)

@@ -1,4 +1,5 @@
-"""Where a serial round's time goes (stats.RoundPhases): every phase timed, none twice, the rest said as "other".
+"""Where a serial round's time goes (stats.RoundPhases): every phase timed, none twice, the rest said as "other" (the
+host round's phases, round="host", which these clocks tick through; the device round's: tests/test_device_*.py).
 
 The rounds run on a clock that ticks once a reading (EngineChoice.clock, which the round's PhaseClock reads), so
 each phase's time counts the clock readings it spans: what these tests assert follows from the code that ran,
@@ -66,7 +67,7 @@ def check_sums(stats, lengths: list[float]) -> None:
 
 def test_a_draft_model_round_times_every_phase(target, monkeypatch):
     """tree_budget=8, draft_depth=3: the draft grows every round, so every phase runs, and the summary says so."""
-    model = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), tree_budget=8, draft_depth=3)
+    model = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), tree_budget=8, draft_depth=3, round="host")
     lengths = ticking(model, monkeypatch)
     prompt = torch.randint(3, 98, (1, 9), generator=torch.Generator().manual_seed(1))
     model.generate(prompt, do_sample=False, max_new_tokens=24)
@@ -79,7 +80,7 @@ def test_a_draft_model_round_times_every_phase(target, monkeypatch):
 
 def test_a_suffix_round_runs_no_draft_phase(target, monkeypatch):
     """Draft-free: the suffix index proposes, nothing expands or catches up (those phases are zero), the rest run."""
-    model = SwiftSpecForCausalLM.from_models(target)
+    model = SwiftSpecForCausalLM.from_models(target, round="host")
     lengths = ticking(model, monkeypatch)
     repeated = torch.randint(3, 98, (1, 12), generator=torch.Generator().manual_seed(3)).repeat(1, 3)
     model.generate(repeated, do_sample=False, max_new_tokens=24)
@@ -93,7 +94,7 @@ def test_a_suffix_round_runs_no_draft_phase(target, monkeypatch):
 def test_plain_rounds_run_no_draft_phase(target, monkeypatch):
     """A draft model the policy never runs (expansions priced far above what they could earn): every round plain,
     no expansion, no catch-up timed; the draft still follows the verdicts (commit)."""
-    model = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2))
+    model = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), round="host")
     given_costs(model, expand_s=1.0, verify_s={1: 0.01, **{t: 1.0 for t in range(2, 33)}})
     lengths = ticking(model, monkeypatch)
     prompt = torch.randint(3, 98, (1, 9), generator=torch.Generator().manual_seed(1))

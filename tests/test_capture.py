@@ -6,6 +6,9 @@ cache's host bookkeeping put back as it was at capture, and reads only the stati
 runner forgot to make static, or a host value the forward depends on, changes tokens here (mutations
 checked: skipping the copy of the masks, or of the positions, into the buffers makes every greedy case
 below fail). CUDA graphs themselves run in the CUDA test at the end (GPU machines only).
+
+Every pair here runs the host round (round="host", HOST), whose steps these are, while the asynchronous engine drives
+it; the device round's replayed phases are tests/test_device_*.py's.
 """
 
 import pytest
@@ -22,7 +25,8 @@ from hf_swiftspec.tools import sweep
 from hf_swiftspec.tools.models import left_padded, random_prompts, sharpen, tiny_model, truncated_draft
 
 VOCAB = 98
-FIXED = dict(tree_budget=8, draft_depth=4)  # the draft runs every round (the policy drafts little on tiny models)
+HOST = dict(round="host")  # the round whose steps this file replays
+FIXED = dict(HOST, tree_budget=8, draft_depth=4)  # the draft runs every round (the policy drafts little on tiny models)
 # The kernel runs in Triton's interpreter, at a cost that goes with the positions a replayed cache holds: the draft's
 # tree region of tree_capacity (1024) slots made each call ~1 s; 64 slots (draft_width 4 leaves room for a round's
 # growth) cut the test 3-5x with the same rounds.
@@ -233,7 +237,7 @@ def test_a_head_and_the_target_it_taps_replay_as_eager_steps(kind, monkeypatch):
     rounds, states = {}, {}
     for capture in (False, True):
         handed.clear(), drafted.clear()
-        model = SwiftSpecForCausalLM.from_models(target, head, capture=capture, tree_budget=6, draft_depth=3)
+        model = SwiftSpecForCausalLM.from_models(target, head, capture=capture, tree_budget=6, draft_depth=3, **HOST)
         for _ in range(2):  # the second call replays the first call's buckets
             assert torch.equal(model.generate(prompt, max_new_tokens=30, do_sample=False), expected)
         rounds[capture], states[capture] = model.swiftspec_stats.rounds, (list(handed), list(drafted))
@@ -332,7 +336,7 @@ def test_cuda_graph_round_with_a_tapped_target_equals_target_generate(kind):
         head.mtp.set_experts_implementation("batched_mm")
     prompt = torch.tensor([[5, 17, 33, 8, 5, 17, 40]], device="cuda")
     expected = target.generate(prompt, max_new_tokens=30, do_sample=False)
-    model = SwiftSpecForCausalLM.from_models(target, head, tree_budget=6, draft_depth=3)
+    model = SwiftSpecForCausalLM.from_models(target, head, tree_budget=6, draft_depth=3, **HOST)
     for _ in range(2):
         assert torch.equal(model.generate(prompt, max_new_tokens=30, do_sample=False), expected)
     stats = model.swiftspec_stats

@@ -133,15 +133,15 @@ def test_requests_joining_a_running_batch_equal_target_generate(family, piece, m
 def test_a_long_prompt_joins_a_piece_per_round_and_the_batch_decodes_meanwhile(monkeypatch):
     """A 30-token prompt prefilled 4 tokens per forward joins over 8 forwards, one between two rounds of the
     request already decoding (which runs 7 rounds meanwhile); both answers are target.generate's."""
-    from hf_swiftspec.engine.adaptive import AdaptiveSides
+    from hf_swiftspec.engine.device_sides import DeviceSides  # the running batch's round (round="auto")
 
     monkeypatch.setattr(continuous, "PREFILL_PIECE", 4)
     target = tiny_model("llama", seed=0)
     # a draft that seldom agrees, no suffix proposals: the first request takes about a round per token
     pair = SwiftSpecForCausalLM.from_models(target, tiny_model("llama", seed=1, layers=1), ngram_size=0)
     batch_sizes = []
-    verify = AdaptiveSides.verify
-    monkeypatch.setattr(AdaptiveSides, "verify", lambda self, p, rows: batch_sizes.append(len(rows.live)) or verify(self, p, rows))
+    verify = DeviceSides.verify
+    monkeypatch.setattr(DeviceSides, "verify", lambda self, p, rows: batch_sizes.append(len(rows.live)) or verify(self, p, rows))
     engine = pair.continuous_engine()
     prompts, news = [PROMPTS[0], PROMPTS[5]], (60, 20)  # 3 and 30 tokens
     try:
@@ -331,8 +331,9 @@ def test_hundreds_of_joins_and_leaves_keep_capacity_and_tensors_bounded():
 
     class Gauge:
         def put(self, value) -> None:
-            if engine.sides is not None:
-                capacities.append(engine.sides.target.cache.capacity)
+            if engine.sides is not None:  # the device round's slots (the host round's: its target cache's)
+                capacities.append(engine.capacity if getattr(engine, "on_device", False) else
+                                  engine.sides.target.cache.capacity)
 
         def end(self) -> None:
             pass
@@ -485,11 +486,11 @@ def test_absorbed_rows_hold_the_keys_and_values_their_own_prefill_wrote():
 def test_a_failing_round_fails_its_rows_and_the_engine_serves_on(monkeypatch):
     """An error in a round (here the verification's) reaches every row's generate() as that error, never a
     hang; the next request starts a fresh batch and decodes exactly."""
-    from hf_swiftspec.engine.adaptive import AdaptiveSides
+    from hf_swiftspec.engine.device_sides import DeviceSides  # the running batch's round (round="auto")
 
     pair = pair_of("llama")
     engine = pair.continuous_engine()
-    verify = AdaptiveSides.verify
+    verify = DeviceSides.verify
     calls = []
 
     def failing_once(self, proposed, rows):  # the first round the two requests share
@@ -498,7 +499,7 @@ def test_a_failing_round_fails_its_rows_and_the_engine_serves_on(monkeypatch):
             raise RuntimeError("device lost")
         return verify(self, proposed, rows)
 
-    monkeypatch.setattr(AdaptiveSides, "verify", failing_once)
+    monkeypatch.setattr(DeviceSides, "verify", failing_once)
     errors, second = {}, threading.Event()
 
     def request(i, streamer=None):

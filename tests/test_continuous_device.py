@@ -21,6 +21,7 @@ from hf_swiftspec.engine.continuous_device import DeviceContinuousEngine
 from hf_swiftspec.engine.device_pool import SlotPool, bucket_for
 from hf_swiftspec.engine.device_sides import DeviceSides
 from hf_swiftspec.tools.models import char_tokenizer, random_prompts, tiny_model, truncated_draft
+from gumbel_reference import seeded_draws
 from sync_counter import SyncCounter
 from test_continuous import relay_calls
 
@@ -169,7 +170,7 @@ def test_rows_joining_with_wider_eos_lists(target, capture):
 def test_stop_strings_and_sampled_rows_among_greedy_ones(target):
     """A request with a stop string (cut on the host after the round's read) and a sampled one (temperature, top_k:
     its noise keyed by its seed and positions) share the batch with greedy ones: the greedy and stopped answers are
-    target.generate's, the sampled one is what its lone call on the host round draws with that seed."""
+    target.generate's, the sampled one is what its seed draws (gumbel_reference)."""
     tok = char_tokenizer()
     draft = truncated_draft(target, 2)
     pair = SwiftSpecForCausalLM.from_models(target, draft, capture=True, **DEVICE)
@@ -185,8 +186,8 @@ def test_stop_strings_and_sampled_rows_among_greedy_ones(target):
         engine.close()
     assert_answers_are_target_generates(target, calls[:3], out)
     assert out[1].shape[1] < len(PROMPTS[1]) + NEW[1]  # the stop string cut it
-    host = SwiftSpecForCausalLM.from_models(target, draft, ngram_size=0)
-    drawn = host.generate(**dict(sampled, generator=torch.Generator().manual_seed(5)))
+    drawn = seeded_draws(target, sampled["input_ids"], torch.Generator().manual_seed(5), temperature=0.9, top_k=20,
+                         max_new_tokens=16)
     assert out[3].tolist() == drawn.tolist()
     assert out[3].tolist() != target.generate(sampled["input_ids"], max_new_tokens=16, do_sample=False).tolist()
 
@@ -205,7 +206,7 @@ def test_what_the_device_batch_cannot_decode_is_refused_by_name(target):
 def test_requests_whose_processors_read_the_path_share_the_batch(target, monkeypatch):
     """Requests with a repetition penalty (greedy) and no_repeat_ngram_size (sampled) join greedy ones without: while
     one of them is in the batch every row is walked on the host over the read logits (engine/device_walk.py), else on
-    the device; the greedy answers are target.generate's, the sampled one what its lone call on the host round draws
+    the device; the greedy answers are target.generate's, the sampled one what its seed draws (gumbel_reference)
     with that seed."""
     from hf_swiftspec.engine import device_walk
 
@@ -232,8 +233,9 @@ def test_requests_whose_processors_read_the_path_share_the_batch(target, monkeyp
         engine.close()
     assert_answers_are_target_generates(target, calls[:3], out)
     assert out[1].tolist() != target.generate(calls[1]["input_ids"], max_new_tokens=NEW[1], do_sample=False).tolist()
-    host = SwiftSpecForCausalLM.from_models(target, draft, ngram_size=0)
-    assert out[3].tolist() == host.generate(**dict(sampled, generator=torch.Generator().manual_seed(5))).tolist()
+    assert out[3].tolist() == seeded_draws(target, sampled["input_ids"], torch.Generator().manual_seed(5),
+                                           temperature=0.9, top_k=50,  # generate()'s default top_k
+                                           max_new_tokens=16, no_repeat_ngram_size=2).tolist()
     assert max(walked) >= 2 and len(walked) < len(seen)  # walked on the host with others, and on the device alone
     assert max(r["reads"] for r in seen) == 1
 def test_bucket_for_rounds_up_to_a_power_of_two():

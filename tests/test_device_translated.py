@@ -247,8 +247,8 @@ def test_requests_joining_a_running_batch_equal_target_generate(tokenizers, text
     assert engine.usage.accepted > engine.usage.verifications  # translated branches were accepted
 
 
-def test_auto_takes_the_device_round_on_cuda_for_both_drafts(random_pair, short_context_pair, tokenizers):
-    """round="auto" on CUDA: neither draft sends the call to the host round any more."""
+def test_auto_takes_the_device_round_for_both_drafts(random_pair, short_context_pair, tokenizers):
+    """round="auto", here on CUDA: neither draft sends the call to the host round any more."""
     from hf_swiftspec.drafters.vocabulary import Vocabularies
 
     config = SwiftSpecConfig(ngram_size=3)
@@ -256,7 +256,7 @@ def test_auto_takes_the_device_round_on_cuda_for_both_drafts(random_pair, short_
     for (target, draft), vocab in ((random_pair, vocabularies), (short_context_pair, None)):
         architectures = describe(target, "target"), describe(draft, "draft")
         assert choose_round(config, OnCuda(target), OnCuda(draft), architectures, [], None, None, False, [],
-                            vocabularies=vocab) == ("device", "round='auto' on CUDA: the device round")
+                            vocabularies=vocab) == ("device", "round='auto': the device round")
 
 
 def test_copies_of_a_prompt_share_its_prefill_each_with_a_drafter_of_its_own(tokenizers, text_pair, monkeypatch):

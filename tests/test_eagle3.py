@@ -235,8 +235,8 @@ def test_verified_tokens_run_with_the_target_states_of_the_token_before(target, 
         seen.append((len(self.committed[b]) - len(verified.tokens), list(verified.tokens), verified.features.clone()))
         return original(self, b, subtree, verified)
 
-    monkeypatch.setattr(HeadDrafter, "reroot_row", recording)
-    model = SwiftSpecForCausalLM.from_models(target, head, tree_budget=6, draft_depth=2)
+    monkeypatch.setattr(HeadDrafter, "reroot_row", recording)  # the host round's head drafter
+    model = SwiftSpecForCausalLM.from_models(target, head, tree_budget=6, draft_depth=2, round="host")
     prompt = torch.tensor([[5, 17, 33, 8, 5, 17, 40]])
     out = model.generate(prompt, max_new_tokens=16, do_sample=False, swiftspec=True)
     with FeatureTap(target, head.layer_ids) as tap:

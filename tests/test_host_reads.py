@@ -1,4 +1,5 @@
-"""Host reads of the adaptive round (engine/rounds.py over engine/adaptive.py), counted per round as
+"""Host reads of the adaptive round (engine/rounds.py over engine/adaptive.py; round="host", while the asynchronous
+engine drives it: the device round's are tests/test_device_counts.py's), counted per round as
 tests/sync_counter.py counts them: the walk's read is the round's one read; a draft model (or an EAGLE-3
 head) adds one per expansion, the candidates the goodput policy prices its next expansion by. Whatever
 drafts the round, one row or four, one call's batch or the continuous engine's running batch.
@@ -60,7 +61,7 @@ class RoundReads:
 
 
 def load(folder, **settings) -> SwiftSpecForCausalLM:
-    return SwiftSpecForCausalLM.from_pretrained(folder, dtype=torch.float32, **settings)
+    return SwiftSpecForCausalLM.from_pretrained(folder, dtype=torch.float32, round="host", **settings)
 
 
 def counted_call(monkeypatch, model, ids, **kwargs) -> RoundReads:
@@ -194,7 +195,8 @@ def test_a_recurrent_target_reads_no_more_for_its_replayed_tokens(monkeypatch):
     from test_recurrent import qwen35_shaped
 
     target = qwen35_shaped(seed=1)
-    model = SwiftSpecForCausalLM.from_models(target, sweep.perturbed_copy(target, 0.05), tree_budget=5, draft_depth=4)
+    model = SwiftSpecForCausalLM.from_models(target, sweep.perturbed_copy(target, 0.05), tree_budget=5, draft_depth=4,
+                                             round="host")
     prompt = torch.randint(3, 512, (1, 12), generator=torch.Generator().manual_seed(0))
     reads = RoundReads(monkeypatch)
     out = model.generate(prompt, max_new_tokens=16, do_sample=False)

@@ -69,7 +69,7 @@ def test_no_round_captures_a_step(counted, monkeypatch):
 
     monkeypatch.setattr(StepRunner, "capture", noted_capture)
     target = tiny_model("llama", seed=0)
-    model = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), capture=True)
+    model = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), capture=True, round="host")
     capture_s = []
     for seed, lengths in enumerate([(7,), (30,), (3, 23, 9), (12,), (20, 4, 11)]):
         ids, mask = left_padded(random_prompts(lengths, seed, VOCAB))
@@ -102,7 +102,7 @@ def test_a_round_that_captures_is_not_priced(counted, monkeypatch):
     monkeypatch.setattr(StepRunner, "capture", noted_capture)
     monkeypatch.setattr(adaptive, "prepare_steps", lambda *args: None)
     target = tiny_model("llama", seed=0)
-    model = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), capture=True, tree_budget=8)
+    model = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), capture=True, tree_budget=8, round="host")
     prompt = torch.tensor([random_prompts((9,), 5, VOCAB)[0]])
     out = model.generate(prompt, max_new_tokens=40, do_sample=False)
     assert out.tolist() == target.generate(prompt, max_new_tokens=40, do_sample=False).tolist()
@@ -125,7 +125,7 @@ def test_compiled_steps_compile_before_the_rounds(counted, monkeypatch):
     counting = lambda fn, **kwargs: real_compile(fn, backend=counting_backend, **kwargs)  # noqa: E731
     monkeypatch.setattr(capture.torch, "compile", counting)
     target = tiny_model("llama", seed=0, layers=1)
-    model = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 1), compile=True)
+    model = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 1), compile=True, round="host")
     for seed, length in enumerate((7, 30, 12, 50)):
         prompt = torch.tensor([random_prompts((length,), seed, VOCAB)[0]])
         expected = target.generate(prompt, max_new_tokens=40, do_sample=False)
@@ -174,7 +174,8 @@ def test_preparing_a_tapped_target_hands_its_head_nothing(monkeypatch):
 
     monkeypatch.setattr(adaptive, "prepare_steps", checked)
     target = tiny_model("llama", seed=1, layers=3)
-    model = SwiftSpecForCausalLM.from_models(target, random_head(target), capture=True, tree_budget=6, draft_depth=3)
+    model = SwiftSpecForCausalLM.from_models(target, random_head(target), capture=True, tree_budget=6, draft_depth=3,
+                                             round="host")
     prompt = torch.tensor([[5, 17, 33, 8, 5, 17, 40]])
     assert torch.equal(model.generate(prompt, max_new_tokens=30, do_sample=False),
                        target.generate(prompt, max_new_tokens=30, do_sample=False))

@@ -37,5 +37,5 @@ def test_every_round_is_recorded_in_the_stats(pair, served):
             engine.close()
     assert out.tolist() == expected.tolist()
     stats = pair.swiftspec_stats
-    assert stats.engine == ("continuous" if served else "serial"), stats.engine
+    assert stats.engine == ("continuous" if served else "device"), stats.engine
     check_rounds(stats, 24)

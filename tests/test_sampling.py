@@ -204,7 +204,7 @@ def test_each_listed_processor_samples_the_target_distribution(name):
     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=2,
                          generator=torch.Generator().manual_seed(0), **kwargs)  # fmt: skip
     stats = model.swiftspec_stats
-    assert stats.engine == "serial", stats.engine  # speculated, not handed to the target's own loop
+    assert stats.engine == "device", stats.engine  # speculated, not handed to the target's own loop
     assert sum(r.accepted for r in stats.rounds) > draws // 4  # tree nodes were accepted by sampling
     counts = torch.bincount(out[:, -2] * VOCAB + out[:, -1], minlength=VOCAB * VOCAB).double()
     expected = exact_joint(target, prompt, LogitsProcessorList(processors))

@@ -10,7 +10,8 @@ interleaved call by call (the order rotates, so no method always runs first or l
     assisted          transformers assisted generation with the pair's draft; num_assistant_tokens
                       tuned on the warm-up prompt (the fastest of `assistant_tokens` is kept)
     prompt_lookup     transformers prompt-lookup decoding (prompt_lookup_num_tokens)
-    swiftspec_serial  tree speculation, draft and target on one device, one after the other
+    swiftspec_serial  tree speculation, draft and target on one device, one after the other (the round
+                      round="auto" takes: the device round wherever it decodes the call exactly)
     swiftspec_async   tree speculation with the draft on its own GPU (in its own thread on a CPU, when asked for);
                       skipped, with a note, when the devices do not allow it
 

@@ -1,6 +1,6 @@
 """How far from its limits a run is: the memory-bandwidth floor of one verification step
 (`LimitReport`), and swiftspec's memory over target.generate alone (`MemoryBudget`, with the
-check that no TreeCache buffer grows during a generation)."""
+check that no cache buffer grows during a generation: the device round's SlotCache, the host round's TreeCache)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..steps.cache import TreeCache
-from ..steps.capture import largest_capacity
+from ..steps.capture import capacity_bucket, largest_capacity
+from ..steps.slot_cache import SlotCache
+from ..engine.device_sides import tree_region_slots
 from ..models.compat import CACHE_ARGUMENTS
 from ..modeling import SwiftSpecForCausalLM
 from ..models.architectures import context_limit
@@ -109,7 +111,7 @@ def limit_report(result: SetResult, target, peak_gbps: float, peak_source: str) 
 
 @dataclass(frozen=True)
 class CacheSample:
-    """A TreeCache right after one forward."""
+    """A SlotCache or TreeCache right after one forward."""
 
     cache_id: int
     data_ptr: int
@@ -120,20 +122,46 @@ class CacheSample:
     nbytes: int
 
 
+def tree_cache_sample(cache: TreeCache, kwargs: dict) -> CacheSample | None:
+    """The host round's cache after a forward. Tree steps pass a mask; a prefill (or the draft's first chain) does
+    not, and its tokens join the prefix only after the forward, so they are not tree slots."""
+    if cache.kv is None:
+        return None
+    tree = cache.length - cache.prefix_len if kwargs.get("attention_mask") is not None else None
+    return CacheSample(id(cache), cache.kv.data_ptr(), tuple(cache.kv.shape), cache.capacity, cache.length, tree,
+                       cache.kv.numel() * cache.kv.element_size())
+
+
+def slot_cache_sample(cache: SlotCache, kwargs: dict, first: bool) -> CacheSample | None:
+    """The device round's cache after a forward: its first buffer's address and shape, the slots its queries wrote
+    (one host read of `index`: a check, not a timed run); `first` (the cache's first forward, its prompt's
+    prefill) holds no tree slots."""
+    if not cache.buffers:
+        return None
+    data = cache.buffers[0].data
+    queries = cache.index.shape[1] if cache.index is not None else 0
+    length = int(cache.index.max()) + 1 if cache.index is not None else cache.span
+    return CacheSample(id(cache), data.data_ptr(), tuple(data.shape), cache.capacity, length,
+                       None if first else queries, sum(b.data.numel() * b.data.element_size() for b in cache.buffers))
+
+
 @contextlib.contextmanager
 def sampling_caches(model, samples: list[CacheSample]):
-    """Record the TreeCache each forward of `model` wrote into (nothing else is touched)."""
+    """Record the cache (SlotCache or TreeCache) each forward of `model` wrote into (nothing else is touched)."""
+    seen: set[int] = set()
 
     def record(module, args, kwargs, output):
-        cache = next((kwargs[name] for name in CACHE_ARGUMENTS if isinstance(kwargs.get(name), TreeCache)), None)
-        if isinstance(cache, TreeCache) and cache.kv is not None:
-            # Tree steps pass a mask; a prefill (or the draft's first chain) does not, and its
-            # tokens join the prefix only after the forward, so they are not tree slots.
-            tree = cache.length - cache.prefix_len if kwargs.get("attention_mask") is not None else None
-            samples.append(CacheSample(
-                id(cache), cache.kv.data_ptr(), tuple(cache.kv.shape), cache.capacity, cache.length, tree,
-                cache.kv.numel() * cache.kv.element_size(),
-            ))
+        cache = next((kwargs[name] for name in CACHE_ARGUMENTS
+                      if isinstance(kwargs.get(name), (TreeCache, SlotCache))), None)
+        if isinstance(cache, TreeCache):
+            sample = tree_cache_sample(cache, kwargs)
+        elif isinstance(cache, SlotCache):
+            sample = slot_cache_sample(cache, kwargs, first=id(cache) not in seen)
+            seen.add(id(cache))
+        else:
+            sample = None
+        if sample is not None:
+            samples.append(sample)
 
     handle = model.register_forward_hook(record, with_kwargs=True)
     try:
@@ -144,7 +172,7 @@ def sampling_caches(model, samples: list[CacheSample]):
 
 def cache_trace(role: str, samples: list[CacheSample]) -> CacheTrace:
     if not samples:
-        raise RuntimeError(f"The {role} wrote no TreeCache during the memory check; the engine no longer uses TreeCache?")
+        raise RuntimeError(f"The {role} wrote no SlotCache or TreeCache during the memory check; the engine uses another cache?")
     last = samples[-1]
     return CacheTrace(
         role=role,
@@ -167,7 +195,8 @@ def token_tree_bytes(capacity: int) -> int:
 
 
 def memory_budget(models: BenchModels, settings: dict, ids: torch.Tensor, new_tokens: int) -> MemoryBudget:
-    """Generate `new_tokens` from ids (1, L) with serial tree speculation, watching both caches.
+    """Generate `new_tokens` from ids (1, L) with the pair's settings (the round round="auto" takes), watching both
+    caches.
 
     The draft expands every round (draft_depth 2 unless set), so its tree region is exercised even
     where the policy would decode plainly."""
@@ -187,9 +216,12 @@ def memory_budget(models: BenchModels, settings: dict, ids: torch.Tensor, new_to
     scratch = 1  # each cache's last slot takes the writes of a batch's padding queries
     target_extra, draft_extra = target.capacity - scratch - context, draft.capacity - scratch - context
     budget = config.tree_budget or MAX_BUDGET  # None: the policy's largest tree
-    # A replayed round (capture.py) gives a cache a capacity its graphs serve other calls at (StepRunner.capacity_for).
-    whole = context_limit(models.target)
-    room = largest_capacity(context + budget, whole and whole + budget) - context if model.captures.runners else budget
+    if model.swiftspec_stats.engine == "device":  # a row's slots: the context and the largest round's tree, bucketed
+        region = tree_region_slots(config.draft_depth, config.draft_width, budget - 1)
+        room = capacity_bucket(context + region) - scratch - context
+    else:  # a replayed host round (capture.py) gives a cache a capacity its graphs serve other calls at
+        whole = context_limit(models.target)
+        room = largest_capacity(context + budget, whole and whole + budget) - context if model.captures.runners else budget
     return MemoryBudget(
         context_tokens=context,
         target_weights_mib=round(parameter_bytes(models.target) / MIB, 3),

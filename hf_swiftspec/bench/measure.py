@@ -199,7 +199,7 @@ def timed_run(method: Method, batch: PromptBatch, harness: Harness) -> tuple[lis
         tau=stats.tau if stats is not None else (n / (forwards * len(rows)) if forwards else 0.0),
         target_forwards=forwards,
         target_forwards_per_token=forwards / n if n else 0.0,
-        target_idle_fraction=stats.target_idle_fraction if stats is not None and stats.engine != "serial" else None,
+        target_idle_fraction=stats.target_idle_fraction if stats is not None and stats.overlap is not None else None,
         overlap=asdict(stats.overlap) if stats is not None and stats.overlap is not None else None,
         verify_step_ms=1000 * stats.target_time_s / stats.verify_steps if stats is not None and stats.verify_steps else None,
         engine=stats.engine if stats is not None else None,

@@ -340,9 +340,12 @@ def build_methods(models: BenchModels, config: BenchConfig, settings: dict, note
         "assisted": lambda: assisted_method(target, draft, config.assistant_tokens, universal) if draft is not None
         else no_draft("assisted", notes),
         "prompt_lookup": lambda: prompt_lookup_method(target, config.prompt_lookup_tokens),
-        "swiftspec_serial": lambda: swiftspec_method(  # the host round (round="auto" takes the device round on CUDA)
-            "swiftspec_serial", SwiftSpecForCausalLM.from_models(target, draft, **tokenizers,
-                                                                 **{"round": "host", **settings}),
+        "swiftspec_serial": lambda: swiftspec_method(  # the round the call takes (round="auto": the device round)
+            "swiftspec_serial", SwiftSpecForCausalLM.from_models(target, draft, **tokenizers, **settings), config.seed,
+        ),
+        "swiftspec_host": lambda: swiftspec_method(  # the host round, while the asynchronous engine still drives it
+            "swiftspec_host", SwiftSpecForCausalLM.from_models(target, draft, **tokenizers,
+                                                               **{**settings, "round": "host"}),
             config.seed,
         ),
         "swiftspec_async": lambda: async_method(models, settings, config.seed, notes),

@@ -115,9 +115,9 @@ def memory_lines(memory: MemoryBudget) -> list[str]:
         "| item | MiB |",
         "|---|---|",
         f"| draft weights | {memory.draft_weights_mib:.1f} |",
-        f"| draft TreeCache (context + {memory.draft_extra_slots} tree slots) | {memory.draft_tree_cache_mib:.1f} |",
+        f"| draft cache (context + {memory.draft_extra_slots} tree slots) | {memory.draft_tree_cache_mib:.1f} |",
         f"| token tree ({memory.tree_capacity} nodes) | {memory.token_tree_mib:.1f} |",
-        f"| target TreeCache (context + {memory.target_extra_slots} slots) − its own KV ({memory.target_kv_mib:.1f}) | "
+        f"| target cache (context + {memory.target_extra_slots} slots) − its own KV ({memory.target_kv_mib:.1f}) | "
         f"{memory.target_tree_cache_mib - memory.target_kv_mib:.1f} |",
         f"| **extra over target alone** (target weights {memory.target_weights_mib:.1f}) | **{memory.extra_mib:.1f}** |",
         "",
@@ -128,7 +128,8 @@ def memory_lines(memory: MemoryBudget) -> list[str]:
             f"{t.max_length} of {t.capacity} positions and {t.max_tree_slots} tree slots in use."
         )
     lines += [
-        f"- Within the tree region (target ≤ tree_budget={memory.tree_budget} extra slots, or a capacity shared "
+        f"- Within the tree region (the device round: target ≤ its slot bucket for the context and the largest round "
+        f"of tree_budget={memory.tree_budget}; the host round: ≤ tree_budget extra slots, or a capacity shared "
         f"between calls where steps are replayed; draft tree ≤ tree_capacity="
         f"{memory.tree_capacity}): {'yes' if memory.within_tree_region else '**no**'}; growth: {verdict}.",
         "",

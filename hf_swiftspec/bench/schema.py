@@ -22,12 +22,12 @@ DEFAULT_METHODS = ("target", "assisted", "prompt_lookup", "swiftspec_serial", "s
 # target_static: transformers' own fast decoding, a static cache with its forward compiled (CUDA graphs on CUDA),
 # timed by default off the CPU (on a CPU it compiles for minutes); assisted_static: assisted generation with that
 # static cache (transformers >= 5.24 compiles the target after prefill), by default off the CPU too;
+# swiftspec_serial: the round round="auto" takes (the device round wherever it decodes the call exactly);
 # swiftspec_eager: swiftspec_serial with capture=False; swiftspec_device: the same pair and settings on the device
-# round (SwiftSpecConfig round="device": its trees grown and selected on the device, one host read a round where its
-# phases replay), skipped with the
-# device round's reason where it cannot decode the pair exactly.
+# round asked for (SwiftSpecConfig round="device"), skipped with the device round's reason where it cannot decode the
+# pair exactly; swiftspec_host: on the host round (round="host"), while the asynchronous engine still drives it.
 METHOD_NAMES = DEFAULT_METHODS + ("swiftspec_compiled", "swiftspec_suffix", "swiftspec_eagle3", "target_static",
-                                  "swiftspec_eager", "assisted_static", "swiftspec_device")
+                                  "swiftspec_eager", "assisted_static", "swiftspec_device", "swiftspec_host")
 METHOD_LABELS = {
     "target": "target.generate",
     "assisted": "assisted generation",
@@ -41,6 +41,7 @@ METHOD_LABELS = {
     "assisted_static": "assisted generation, static cache compiled",
     "swiftspec_eager": "swiftspec serial, eager forwards",
     "swiftspec_device": "swiftspec, device round",
+    "swiftspec_host": "swiftspec, host round",
 }
 
 
@@ -267,10 +268,12 @@ class CacheTrace:
 class MemoryBudget:
     """SwiftSpec's memory over target.generate alone, for one generation of context_tokens.
 
-    extra_mib = draft weights + draft TreeCache + token tree + (target TreeCache - the target's own
-    KV for the same context). The target cache may exceed its own KV by the tree budget only and
-    the draft's tree region stays within tree_capacity; no_growth: no kv buffer was reallocated
-    and each model used one cache for the whole generation.
+    extra_mib = draft weights + draft cache + token tree + (target cache - the target's own KV for
+    the same context). The caches are the round's: the device round's SlotCache holds the slot bucket
+    of the context and its largest round's tree region (capacity_bucket: a power of two), the host
+    round's TreeCache the context and the tree budget only; the draft's tree region stays within
+    tree_capacity; no_growth: no kv buffer was reallocated and each model used one cache for the
+    whole generation.
     """
 
     context_tokens: int  # prompt + new tokens of the checked generation
@@ -281,9 +284,9 @@ class MemoryBudget:
     draft_tree_cache_mib: float
     token_tree_mib: float
     extra_mib: float
-    target_extra_slots: int  # target TreeCache capacity - its scratch slot - context
+    target_extra_slots: int  # target cache capacity - its scratch slot - context
     tree_budget: int
-    draft_extra_slots: int  # draft TreeCache capacity - its scratch slot - context
+    draft_extra_slots: int  # draft cache capacity - its scratch slot - context
     tree_capacity: int
     within_tree_region: bool
     no_growth: bool

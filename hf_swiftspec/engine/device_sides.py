@@ -167,22 +167,26 @@ def device_round_gaps(config, target, draft, architectures, logits_processor, pl
     return gaps
 
 
+def tree_region_slots(deepest: int, width: int, suffix_nodes: int) -> int:
+    """Slots past the context a row's slot cache holds for a round's tree: the root, the drafter's `deepest` levels of
+    `width` nodes, the `suffix_nodes` offered nodes and two spare slots (one the scratch slot)."""
+    return 1 + deepest * width + suffix_nodes + 2
+
+
 def choose_round(config, target, *args, **kwargs) -> tuple[str, str]:
     """The round this call runs, "host" or "device", and why (SwiftSpecStats.round_choice). round="device": the device
     round, or a ValueError naming why it cannot be exact (check_device_round); "host": the host round; "auto": the
-    device round on CUDA where it decodes the call exactly (its one read a round and replayed phases are what a GPU
-    rewards), else the host round. args: device_round_gaps'."""
+    device round wherever it decodes the call exactly, on every device (its phases replay whole on CUDA and are sized
+    between levels on a CPU), else the host round, saying why. args: device_round_gaps'."""
     if config.round == "device":
         check_device_round(config, target, *args, **kwargs)
         return "device", "asked for (round='device')"
     if config.round == "host":
         return "host", "asked for (round='host')"
-    if target.device.type != "cuda":
-        return "host", f"round='auto' on {target.device.type}: the host round"
     gaps = device_round_gaps(config, target, *args, **kwargs)
     if gaps:
-        return "host", f"round='auto' on CUDA, host round: the device round cannot decode this call exactly ({gaps[0]})"
-    return "device", "round='auto' on CUDA: the device round"
+        return "host", f"round='auto', host round: the device round cannot decode this call exactly ({gaps[0]})"
+    return "device", "round='auto': the device round"
 
 
 def check_device_round(*args, **kwargs) -> None:
@@ -308,7 +312,7 @@ class DeviceSides:
         proposes = (self.config.ngram_size and not (self.chain and self.drafter.model is not None)
                     or self.proposer is not None)
         self.suffix_nodes = policy.max_budget - 1 if proposes else 0
-        self.tree_slots = 1 + deepest * self.width + self.suffix_nodes + 2
+        self.tree_slots = tree_region_slots(deepest, self.width, self.suffix_nodes)
         self.suffix = (SuffixProposals(self.config.ngram_size if proposes else 0, self.suffix_nodes, self.limit,
                                        self.device, branching=not self.chain) if self.suffix_nodes else None)
 

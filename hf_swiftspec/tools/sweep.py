@@ -378,10 +378,27 @@ def check_shape(shape: Shape, target, why: str | None, draft, attention: str = "
     tau = stats.tau
     if shape.fixed and tau <= 1.0:
         return ShapeResult("wrong", f"{shape.name}: no speculation happened (tau={tau:.2f})", tau)
-    if stats.attention.startswith("chains for this call ("):  # past a slot limit: chains (architectures.SlotLimit)
-        reason = stats.attention[len("chains for this call (") :].split(", and this call")[0]
+    reason = call_chain_reason(stats.attention)
+    if reason is not None:  # past a slot limit, or a model without trees: chains (architectures.SlotLimit)
         return ShapeResult("chain", reason, tau if shape.fixed else 0.0)
     return ShapeResult(architecture.shape, architecture.chain_reason or "", tau if shape.fixed else 0.0)
+
+
+CALL_CHAINS = "chains for this call ("
+
+
+def call_chain_reason(attention: str) -> str | None:
+    """Why a call ran chains, from its stats' attention line (either round's: "chains for this call (REASON)..."), or
+    None where it grew trees. REASON may hold parentheses of its own: it ends at the one that closes the first."""
+    start = attention.find(CALL_CHAINS)
+    if start < 0:
+        return None
+    depth, begin = 1, start + len(CALL_CHAINS)
+    for i in range(begin, len(attention)):
+        depth += {"(": 1, ")": -1}.get(attention[i], 0)
+        if depth == 0:
+            return attention[begin:i].split(", and this call")[0]
+    return attention[begin:]
 
 
 def combine(model_type: str, results: list[ShapeResult]) -> Outcome:
