@@ -332,8 +332,7 @@ def test_hundreds_of_joins_and_leaves_keep_capacity_and_tensors_bounded():
     class Gauge:
         def put(self, value) -> None:
             if engine.sides is not None:  # the device round's slots (the host round's: its target cache's)
-                capacities.append(engine.capacity if getattr(engine, "on_device", False) else
-                                  engine.sides.target.cache.capacity)
+                capacities.append(engine.capacity if engine.on_device else engine.sides.target.cache.capacity)
 
         def end(self) -> None:
             pass

@@ -13,15 +13,14 @@ import torch
 
 from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.drafters.device_growth import grow
-from hf_swiftspec.engine import rounds
 from hf_swiftspec.models.architectures import describe_model
 from hf_swiftspec.steps import attention
 from hf_swiftspec.steps.attention import resolve_attention, routed_attention
 from hf_swiftspec.steps.slot_cache import SlotCache, catch_up, verify_forward
 from hf_swiftspec.tools.models import left_padded, random_prompts, tiny_model, truncated_draft
 from hf_swiftspec.tools.sweep import perturbed_copy, tiny_of_type
-from sync_counter import SyncCounter
 from test_device_growth import check_growth
+from test_device_sides import reads_per_round
 from test_device_windows import branch_logits, subtree_of, varied_model
 
 FIXED = dict(draft_depth=3, draft_width=2, tree_budget=6)  # one shape: what a round accepts follows no clock
@@ -180,15 +179,7 @@ def test_kernel_phases_read_the_host_once_a_round(backend_of, reference_calls, m
     target = gqa_model("qwen3")
     pair = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), round="device", attention="kernel",
                                             ngram_size=0, **FIXED)
-    counts, body = [], rounds.one_round
-
-    def counted(sides, rows):
-        with SyncCounter() as counter:
-            keep = body(sides, rows)
-        counts.append(sum(counter.calls.values()))
-        return keep
-
-    monkeypatch.setattr(rounds, "one_round", counted)
+    counts = reads_per_round(monkeypatch)
     ids, mask = inputs(3)
     assert greedy(pair, ids, mask, new=16).tolist() == greedy(target, ids, mask, new=16).tolist()
     assert "target=torch-reference, draft=torch-reference" in pair.swiftspec_stats.attention

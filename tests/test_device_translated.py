@@ -23,7 +23,6 @@ from hf_swiftspec.engine.device_sides import DeviceSides, choose_round
 from hf_swiftspec.steps.probes import describe
 from hf_swiftspec.tools.models import left_padded
 from sync_counter import SyncCounter
-from test_continuous import relay_calls
 from test_device_sides import OnCuda
 from test_other_tokenizer import TEXTS, random_pair, short_context_pair, text_pair, tokenizers  # noqa: F401 (fixtures)
 
@@ -224,27 +223,6 @@ def test_a_round_reads_once_and_copies_once_on_the_device_side(tokenizers, text_
             assert max(reads for reads, _ in rounds_seen) == 1, rounds_seen
             assert max(copies for _, copies in rounds_seen) == 1, rounds_seen
             assert pair.swiftspec_stats.tau > 1.5
-
-
-def test_requests_joining_a_running_batch_equal_target_generate(tokenizers, text_pair):
-    """The server's running batch on the device round (engine/continuous_device.py): each request's host drafter starts
-    on its prompt and joins the batch's with its row; each answer is the target's own, token for token."""
-    tt = tokenizers["bytes"]
-    target, draft = text_pair
-    model = pair_of(target, draft, tokenizers, **FIXED)
-    engine = model.continuous_engine(latency_guard=False)
-    assert engine.on_device
-    try:
-        prompts = [tt(text, return_tensors="pt").input_ids for text in TEXTS[:3]]
-        news = (20, 12, 16)
-        calls = [dict(input_ids=ids, max_new_tokens=n, do_sample=False) for ids, n in zip(prompts, news)]
-        out = relay_calls(model, engine, calls, at=(2, 1, 1))
-    finally:
-        engine.close()
-    for i, (ids, n) in enumerate(zip(prompts, news)):
-        assert out[i].tolist() == greedy(target, ids, max_new_tokens=n), f"request {i}"
-    assert max(engine.rounds_by_batch) >= 2, engine.rounds_by_batch  # rows did decode together
-    assert engine.usage.accepted > engine.usage.verifications  # translated branches were accepted
 
 
 def test_auto_takes_the_device_round_for_both_drafts(random_pair, short_context_pair, tokenizers):

@@ -262,6 +262,7 @@ def test_requests_joining_a_running_batch_equal_target_generate(tokenizers, rand
     for target, draft in (random_pair, text_pair):
         model = SwiftSpecForCausalLM.from_models(target, draft, tokenizer=tt, draft_tokenizer=dt, tree_budget=8, draft_depth=4)
         engine = model.continuous_engine(latency_guard=False)  # trees every round: the translation runs in each
+        assert engine.on_device  # round="auto": the device round's running batch, the drafter on the host side
         try:
             prompts = [tt(text, return_tensors="pt").input_ids for text in TEXTS[:3]]
             news = (20, 12, 16)

@@ -214,6 +214,8 @@ class ContinuousEngine:
     prefill (Joining.copies).
     """
 
+    on_device = False  # its rounds are the host round's (DeviceContinuousEngine: the device round's)
+
     def __init__(self, target, draft, policy, build, finish=None, latency_guard: bool = True):
         self.target, self.draft, self.policy = target, draft, policy
         self.build, self.finish, self.latency_guard = build, finish, latency_guard
