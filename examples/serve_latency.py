@@ -2,10 +2,11 @@
 
 Each server runs in its own process with one torch thread (swiftspec: --threads 1; transformers:
 OMP_NUM_THREADS=1), one after the other on the same machine. For 1, 4 and 16 concurrent clients,
-the clients send their share of the same prompts to a fresh server (non-streaming /v1/completions,
-a fixed max_tokens) with the real `openai` client; the table gives each request's latency (p50 / p99, seconds)
-and the total new tokens per second of the whole run, and checks that both servers answered every
-greedy prompt with the same text. Requests are greedy, or with --sampled-fraction F that share of them
+the clients send their share of the same prompts to a fresh server (streamed /v1/completions, a fixed
+max_tokens) with the real `openai` client; the table gives each request's latency to its last event (p50 / p99,
+seconds), its time to first token (TTFT: to the first event with text, p50 / p99), its time per token after the
+first (ITL, the median request's, ms), and the total new tokens per second of the whole run, and checks that both
+servers answered every greedy prompt with the same text. Requests are greedy, or with --sampled-fraction F that share of them
 (every 1/F-th) samples (temperature 0.8, top_p 0.95, a seed per request): sampled answers are timed, not
 compared (the two servers draw differently).
 
@@ -73,24 +74,45 @@ def sampled_requests(count: int, fraction: float) -> set[int]:
     return {i for i in range(count) if int((i + 1) * fraction) > int(i * fraction)}
 
 
-def run_clients(client, model: str, prompts: list[str], clients: int, max_tokens: int, sampled: set[int] = frozenset()) -> dict:
-    """Every prompt once, `clients` at a time (the `sampled` ones sampling with their index as seed): latencies,
-    texts (by prompt index), wall time."""
+def percentile(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(share * (len(ordered) - 1)))]
 
-    def ask(index: int) -> tuple[int, float, str, int]:
+
+def run_clients(client, model: str, prompts: list[str], clients: int, max_tokens: int, sampled: set[int] = frozenset()) -> dict:
+    """Every prompt once, `clients` at a time (the `sampled` ones sampling with their index as seed), streamed:
+    latencies to the last event, time to the first text (TTFT), time per token after it (ITL), texts (by prompt
+    index), tokens per second of the whole run."""
+
+    def ask(index: int) -> tuple[int, float, str, int, float, float | None]:
         settings = {**SAMPLING, "seed": index} if index in sampled else {"temperature": 0}
         start = time.perf_counter()
-        reply = client.completions.create(model=model, prompt=prompts[index], max_tokens=max_tokens, **settings)
-        return index, time.perf_counter() - start, reply.choices[0].text, reply.usage.completion_tokens
+        first = last = None
+        pieces, usage = [], None
+        for chunk in client.completions.create(model=model, prompt=prompts[index], max_tokens=max_tokens, stream=True,
+                                               **settings):
+            if chunk.choices and chunk.choices[0].text:
+                last = time.perf_counter()
+                first = first or last
+                pieces.append(chunk.choices[0].text)
+            usage = chunk.usage or usage
+        end = time.perf_counter()
+        tokens = usage.completion_tokens if usage is not None else len(pieces)
+        per_token = (last - first) / (tokens - 1) if first is not None and tokens > 1 else None
+        return index, end - start, "".join(pieces), tokens, (first or end) - start, per_token
 
     start = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         results = list(pool.map(ask, range(len(prompts))))
     wall = time.perf_counter() - start
-    latencies = sorted(r[1] for r in results)
+    latencies, firsts = [r[1] for r in results], [r[4] for r in results]
+    per_token = [r[5] for r in results if r[5] is not None]
     return {
         "p50": statistics.median(latencies),
-        "p99": latencies[min(len(latencies) - 1, round(0.99 * (len(latencies) - 1)))],
+        "p99": percentile(latencies, 0.99),
+        "ttft_p50": statistics.median(firsts),
+        "ttft_p99": percentile(firsts, 0.99),
+        "itl_p50_ms": 1000 * statistics.median(per_token) if per_token else float("nan"),
         "tokens_per_s": sum(r[3] for r in results) / wall,
         "texts": {r[0]: r[2] for r in results},
     }
@@ -166,8 +188,9 @@ def main() -> int:
         f"{' --no-latency-guard' if args.no_latency_guard else ''}, "
         f"target {'--continuous-batching' if args.target_cb else 'sequential'}"
     )
-    print("| clients | server | p50 s | p99 s | tokens/s | speed-up (tokens/s) | p50 ratio | same text |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| clients | server | p50 s | p99 s | TTFT p50 s | TTFT p99 s | ITL p50 ms | tokens/s | speed-up (tokens/s) "
+          "| p50 ratio | same text |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     ours, theirs = results["swiftspec serve"], results["transformers serve (target)"]
     for n in counts:
         same = sum(ours[n]["texts"][i] == theirs[n]["texts"][i] for i in greedy)
@@ -177,7 +200,8 @@ def main() -> int:
                 f"{ours[n]['tokens_per_s'] / theirs[n]['tokens_per_s']:.2f}x | {theirs[n]['p50'] / ours[n]['p50']:.2f}x lower | {same}/{len(greedy)}"
                 if by_clients is ours else " | | "
             )
-            print(f"| {n} | {name} | {r['p50']:.2f} | {r['p99']:.2f} | {r['tokens_per_s']:.1f} | {extra} |")
+            print(f"| {n} | {name} | {r['p50']:.2f} | {r['p99']:.2f} | {r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} | "
+                  f"{r['itl_p50_ms']:.1f} | {r['tokens_per_s']:.1f} | {extra} |")
     return 0
 
 

@@ -23,7 +23,7 @@ from hf_swiftspec.engine.device_sides import DeviceSides
 from hf_swiftspec.tools.models import char_tokenizer, random_prompts, tiny_model, truncated_draft
 from gumbel_reference import seeded_draws
 from sync_counter import SyncCounter
-from test_continuous import relay_calls
+from test_continuous import pair_of, relay_calls
 
 DEVICE = dict(round="device", ngram_size=0, draft_depth=3, draft_width=2, tree_budget=6)  # one shape: no clock decides
 PROMPTS = random_prompts((3, 23, 9, 1, 14, 30), 0, 98)
@@ -431,3 +431,76 @@ def test_the_running_batch_sizes_its_rounds_under_the_latency_guard(target, monk
     pair.generate(calls[0]["input_ids"], max_new_tokens=8, do_sample=False)
     assert guards and not any(guards)
 
+
+
+@pytest.mark.parametrize("family", ["llama", "draft-free", "eagle3"])
+@pytest.mark.parametrize("piece", [continuous.PREFILL_PIECE, 8])  # whole prompts; 8 tokens per prefill forward
+def test_a_shared_prompt_prefix_is_prefilled_once(family, piece, monkeypatch):
+    """Four requests whose prompts share a 45-token prefix (the last one only its first 21 tokens), each joining while
+    the one before decodes: the target prefills the prefix once, the later requests copy its KV in whole blocks (32 and
+    16 slots) and prefill the rest, and every answer is target.generate's. Slots a copy did not fill are poisoned
+    (a request reading one would decode other tokens). An EAGLE-3 head reads the target's states of every prompt
+    token: its requests prefill the whole prompt."""
+    from hf_swiftspec.engine import prefix_store
+    from hf_swiftspec.steps.slot_cache import SlotCache
+
+    monkeypatch.setattr(continuous, "PREFILL_PIECE", piece)
+    allocate = SlotCache.allocate
+
+    def poisoned(self, like, rows):
+        allocate(self, like, rows)
+        poison([self], slice(None))
+
+    monkeypatch.setattr(SlotCache, "allocate", poisoned)
+    pair = pair_of(family, **DEVICE)
+    target = pair.target
+    target.generation_config.eos_token_id = None
+    shared = random_prompts((45,), 1, 98)[0]
+    prompts = [shared + tail for tail in random_prompts((6, 13, 1), 2, 98)] + [shared[:21] + [5, 6, 7]]
+    prefilled, prefill = [], DeviceSides.prefill
+
+    def counted(self, slots, tokens, counts, *args, target=True, **kwargs):
+        if target:
+            prefilled.append(int(counts.sum()))
+        return prefill(self, slots, tokens, counts, *args, target=target, **kwargs)
+
+    monkeypatch.setattr(DeviceSides, "prefill", counted)
+    engine = pair.continuous_engine()
+    assert isinstance(engine, DeviceContinuousEngine)
+    calls = [dict(input_ids=torch.tensor([p]), max_new_tokens=12, do_sample=False) for p in prompts]
+    try:
+        out = relay(pair, engine, calls, at=(2, 2, 2, 2))
+    finally:
+        engine.close()
+    assert_answers_are_target_generates(target, calls, out)
+    reused = [0, 32, 32, 16] if family != "eagle3" else [0] * 4  # in whole blocks of prefix_store.BLOCK
+    assert prefix_store.BLOCK == 16 and engine.prefixes.hits == 3 * (family != "eagle3")
+    assert engine.prefixes.reused_tokens == sum(reused)
+    assert sum(prefilled) == sum(len(p) - 1 - r for p, r in zip(prompts, reused))  # the root is verified, not prefilled
+
+
+def test_the_prefix_store_keeps_whole_blocks_of_recent_prompts_within_its_positions():
+    from hf_swiftspec.engine.prefix_store import PrefixStore
+    from hf_swiftspec.steps.slot_cache import SlotCache
+
+    def cache(slots: int) -> SlotCache:
+        made = SlotCache(1, slots)
+        made.buffers = [object()]  # it ran a forward
+        return made
+
+    store = PrefixStore(positions=100, block=16)
+    a, b = list(range(40)), list(range(20)) + [99] * 20
+    store.keep(a, cache(41))
+    assert store.longest(b).length == 16 and store.longest(a + [1]).length == 32
+    assert store.longest([7] * 40) is None and store.longest(a[:15]) is None  # less than a block in common
+    store.keep(a + list(range(40)), cache(81))  # it extends a: a goes
+    assert len(store.stored) == 1 and store.held == 81
+    store.keep(b, cache(41))  # past 100 positions: the least recently used goes
+    assert list(store.stored) == [tuple(b)] and store.held == 41
+    store.keep(a[:10], cache(11))  # shorter than a block: nothing to reuse
+    chain = cache(41)
+    chain.length = 0
+    store.keep(a, chain)  # a chain's cache (read by its length, recurrent states): not kept
+    assert list(store.stored) == [tuple(b)] and store.hits == 2 and store.reused_tokens == 48
+    with pytest.raises(ValueError, match="0"):
+        PrefixStore(-1)

@@ -442,11 +442,14 @@ SERVING_FILES = {  # column: (results directory, the pair its output names)
 
 def serve_ratios(output: str) -> dict[int, tuple[str, str]]:
     """examples/serve_latency.py's table: per client count, swiftspec's (p50 lower by, tokens/s) ratios."""
-    rows = {}
+    rows, columns = {}, []
     for line in output.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 8 and cells[1] == "swiftspec serve":
-            rows[int(cells[0])] = (cells[6].removesuffix(" lower"), cells[5])
+        if cells[:2] == ["clients", "server"]:  # its header (later tables have TTFT and ITL columns too)
+            columns = cells
+        elif len(cells) == len(columns) and cells[1] == "swiftspec serve":
+            row = dict(zip(columns, cells))
+            rows[int(cells[0])] = (row["p50 ratio"].removesuffix(" lower"), row["speed-up (tokens/s)"])
     return rows
 
 

@@ -109,17 +109,18 @@ def started(pair_folder, mode: str, options: dict | None = None, **settings):
                            settings=settings, cb_max_memory_percent=0.08,  # transformers' batch (the router's): 60% of RAM else; 2% of a 13 GiB NUMA node is too little for its 8192-token batch
                            **(options or {}))
     running = serve(options, blocking=False)
-    client = openai.OpenAI(base_url=f"http://localhost:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=f"http://localhost:{port}/v1", api_key=options.access.key or "unused", max_retries=0,
+                           timeout=120)
     deadline = time.monotonic() + 60
-    while True:
-        try:
-            client.models.list()
-            break
-        except openai.APIConnectionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
     try:
+        while True:
+            try:
+                client.models.list()
+                break
+            except openai.APIConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
         yield running, client, str(pair_folder)
     finally:
         running.kill_server()

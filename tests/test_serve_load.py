@@ -272,13 +272,16 @@ def test_time_to_first_token_waits_for_the_first_text_not_the_role_chunk(pair_fo
 
 def test_metrics_add_up_to_what_the_responses_said(pair_folder, reference):
     """A fresh server, 6 requests (2 at a time, one streamed): /metrics, read by prometheus_client's parser, counts
-    them, their tokens, and sums their usage.speculation; its rounds are the engine's."""
+    them, their tokens, and sums their usage.speculation; the streamed one's text events are timed (first token,
+    each later one); its rounds are the engine's."""
     _, answer = reference
+    streamed = {}
     with started(pair_folder, "continuous-batching") as (running, client, name):
         def ask(i: int):
             if i == 5:
                 chunks = list(client.completions.create(model=name, prompt=PROMPTS[i], max_tokens=10, temperature=0,
                                                         stream=True))
+                streamed["text events"] = sum(bool(c.choices and c.choices[0].text) for c in chunks)
                 return next(c.usage for c in chunks if c.usage is not None)
             return client.completions.create(model=name, prompt=PROMPTS[i], max_tokens=10 + i, temperature=0).usage
 
@@ -295,8 +298,62 @@ def test_metrics_add_up_to_what_the_responses_said(pair_folder, reference):
         assert metrics["swiftspec_request_latency_seconds_count"] == 6
         assert metrics["swiftspec_acceptance_length_count"] == 6
         assert metrics["swiftspec_time_to_first_token_seconds_count"] == 1
+        # the streamed request's later text events, each timed from the one before; and its time per token
+        assert streamed["text events"] > 1
+        assert metrics["swiftspec_inter_token_latency_seconds_count"] == streamed["text events"] - 1
+        assert metrics["swiftspec_time_per_output_token_seconds_count"] == 1
+        assert metrics["swiftspec_inter_token_latency_seconds_sum"] <= metrics["swiftspec_request_latency_seconds_sum"]
         engine = served_model(running).served.usage.engine
         assert metrics["swiftspec_rounds_total"] == sum(engine.rounds_by_batch.values()) > 0
         assert metrics["swiftspec_plain_rounds_total"] == engine.plain_rounds
         assert metrics["swiftspec_plain_round_share"] == pytest.approx(engine.plain_rounds / metrics["swiftspec_rounds_total"])
         assert metrics["swiftspec_generation_tokens_per_second"] > 0
+
+
+SYSTEM = ("You write short Python functions with docstrings and type hints, and nothing else. Keep names plain, "
+          "avoid globals, and return early.")
+
+
+def test_a_shared_system_prompt_is_prefilled_once(pair_folder, reference):
+    """Three chat requests, one after another, with the same system prompt and their own question: each answer is the
+    target's, and the later two copy the KV of the prefix they share with a prompt before them (in whole 16-token
+    blocks) instead of prefilling it, as /metrics counts."""
+    from hf_swiftspec.engine.prefix_store import BLOCK, common_length
+
+    tokenizer, answer = reference
+    prompts = []
+    with started(pair_folder, "continuous-batching") as (running, client, name):
+        for question in ("sum a list", "reverse a string", "count words"):
+            messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+            reply = client.chat.completions.create(model=name, messages=messages, max_tokens=10, temperature=0)
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                                return_dict=True)["input_ids"]
+            assert reply.choices[0].message.content == answer(ids, 10), question
+            prompts.append(ids[0].tolist()[:-1])  # what is prefilled: all but the root
+        metrics = scrape(client)
+    reused = [max(common_length(tuple(before), prompt) for before in prompts[:i]) // BLOCK * BLOCK
+              for i, prompt in enumerate(prompts) if i]
+    assert min(reused) >= 2 * BLOCK  # the system prompt's blocks at least
+    assert metrics["swiftspec_prefix_cache_hits_total"] == 2
+    assert metrics["swiftspec_prefix_cache_reused_tokens_total"] == sum(reused)
+
+
+def test_prefix_cache_positions_bound_the_running_batchs_store():
+    """--prefix-cache-positions sizes the running batch's store (0: none kept); without it, a quarter of
+    --cache-positions where that is given, else the engine's default."""
+    from hf_swiftspec import SwiftSpecForCausalLM
+    from hf_swiftspec.engine.continuous_device import PREFIX_POSITIONS
+    from hf_swiftspec.serving.batching import Served, SpeculatingBatcher
+    from hf_swiftspec.tools.models import tiny_model
+
+    pair = SwiftSpecForCausalLM.from_models(tiny_model("llama", seed=0), None)
+    for limits, positions in ((Limits(), PREFIX_POSITIONS), (Limits(prefix_cache_positions=0), 0),
+                              (Limits(cache_positions=4000), 1000),
+                              (Limits(cache_positions=4000, prefix_cache_positions=64), 64)):
+        batcher = SpeculatingBatcher(pair, Served(admission=Admission(limits)))
+        try:
+            assert batcher.engine.prefixes.positions == positions, limits
+        finally:
+            batcher.stop()
+    with pytest.raises(ValueError, match="--prefix-cache-positions -1"):
+        Limits(prefix_cache_positions=-1)

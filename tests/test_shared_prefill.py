@@ -46,9 +46,9 @@ def counting_prefills(monkeypatch) -> list[int]:
         prefills.append(prompt.shape[1])
         return (yield from real(self, prompt, *args, **kwargs))
 
-    def counted_device(self, sides, request):
+    def counted_device(self, sides, request, *args):
         prefills.append(request.prompt.shape[1])
-        device(self, sides, request)
+        device(self, sides, request, *args)
 
     monkeypatch.setattr(TargetWorker, "prefill_pieces", counted)
     monkeypatch.setattr(Prefill, "__init__", counted_device)

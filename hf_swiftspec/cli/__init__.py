@@ -240,7 +240,8 @@ def run_serve(args) -> int:
         log_level=args.log_level, enable_cors=args.enable_cors, continuous_batching=args.continuous_batching,
         settings=serve_overrides(args), cb_max_memory_percent=args.cb_max_memory_percent,
         latency_guard=args.latency_guard, max_queue=args.max_queue, request_timeout=args.request_timeout,
-        cache_positions=args.cache_positions,
+        cache_positions=args.cache_positions, prefix_cache_positions=args.prefix_cache_positions,
+        api_key=args.api_key, key_metrics=args.key_metrics,
     )
     serve(options)
     return 0
@@ -394,6 +395,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --continuous-batching: the most cache positions the running batch holds (rows x each row's prompt, "
         "max_tokens and largest tree); requests past it wait in the queue (default: no limit)",
     )
+    srv.add_argument(
+        "--prefix-cache-positions", type=int, default=None, metavar="N",
+        help="with --continuous-batching: the most cache slots of recent prompts kept so that a request starting with "
+        "the same tokens (a shared system prompt) copies their KV instead of prefilling them; 0: none (default: 8192, "
+        "or a quarter of --cache-positions)",
+    )
+    srv.add_argument(
+        "--api-key", default=None, metavar="KEY",
+        help="answer only requests carrying 'Authorization: Bearer KEY' under /v1 (others: 401); default: the "
+        "SWIFTSPEC_API_KEY environment variable's key, which stays out of the process list, else none (serving.md)",
+    )
+    srv.add_argument("--key-metrics", action="store_true",
+                     help="with an API key: /metrics and /health need it too (default: open, for a scraper and probes)")
     srv.add_argument(
         "--round", choices=("auto", "host", "device"), default=None,
         help="override the pair's round (default 'auto': the device round on CUDA where it applies): 'device' runs "

@@ -35,6 +35,7 @@ from ..steps.slot_cache import SlotCache
 from ..steps.acceptance import split_criteria
 from . import continuous
 from .continuous import BatchBroken, ContinuousEngine, Joining, Member, same_prefill
+from .prefix_store import PrefixStore
 from .device_pool import RowsOnDevice, SlotPool, Slots, row_values, set_rows
 from .device_sides import EOS_WIDTH, DeviceSides, RowOnHost
 
@@ -43,7 +44,7 @@ class Prefill:
     """A request on its way in: its prompt but the root prefilled into 1-row slots of its own, its row's device state
     set (`row`: what the host keeps of it; `capacity`, `eos_width`: what it needs of the batch's slots)."""
 
-    def __init__(self, sides: DeviceSides, request):
+    def __init__(self, sides: DeviceSides, request, prefixes: PrefixStore | None = None):
         self.sides, self.request = sides, request
         self.sequence = request.prompt_ids()[0]  # host ints (the prompt's one read, at its join)
         committed = len(self.sequence) - 1
@@ -64,8 +65,27 @@ class Prefill:
         packed = to_device([(self.sequence[:-1] or [0]) + state], sides.device)  # its prompt and state, one copy
         self.ids, self.width = packed[:, :width], width
         set_rows(self.slots.rows, packed[:, width:], 0)
+        self.reused = self.reuse(prefixes) if prefixes is not None else 0  # the prompt's slots copied, not prefilled
         # a draft proposing from the host: its drafter for the row, started on the prompt (it runs at its first growth)
         self.host = sides.proposer.started(request) if sides.proposer is not None else None
+
+    def reuse(self, prefixes: PrefixStore) -> int:
+        """Copy the target's KV of the longest stored prefix of this prompt (engine/prefix_store.py) into its slots:
+        the slots it need not prefill (0: none stored, or a drafter that reads the target's states)."""
+        if self.sides.drafter.reads_target:
+            return 0
+        hit = prefixes.longest(self.sequence[: self.row.prefix])
+        if hit is None:
+            return 0
+        target = self.slots.caches[0]
+        target.allocate(hit.stored.cache, 1)
+        target.copy_rows(hit.stored.cache, slice(0, 1), at=0, slots=hit.length)
+        return hit.length
+
+    def kept_in(self, prefixes: PrefixStore) -> None:
+        """Its prefill done: its prompt's target KV is kept for later requests (before the batch copies its row in)."""
+        if not self.sides.drafter.reads_target:
+            prefixes.keep(self.sequence[: self.row.prefix], self.slots.caches[0])
 
     def copy_for(self, request) -> "RowCopy":
         """The row of another request for the same prompt and length (a request's n answers: continuous.same_prefill),
@@ -85,13 +105,14 @@ class Prefill:
     def in_pieces(self, piece: int):
         """One forward of each model per `piece` prompt tokens (a generator: the engine runs one piece between two
         rounds); a one-token prompt prefills nothing but makes the caches' buffers."""
-        committed = self.row.prefix
+        committed, reused = self.row.prefix, self.reused
         device = self.ids.device
-        for start in range(0, self.width, piece):
-            end = min(start + piece, self.width)
+        pieces = [(start, min(start + piece, reused), False) for start in range(0, reused, piece)]  # the drafter's alone
+        pieces += [(start, min(start + piece, self.width), True) for start in range(reused, self.width, piece)]
+        for start, end, target in pieces or [(0, self.width, True)]:
             count = torch.full((1,), max(min(end, committed) - start, 0), device=device)
             starts = torch.full((1,), start, device=device)
-            self.sides.prefill(self.slots, self.ids[:, start:end], count, starts, end=end)
+            self.sides.prefill(self.slots, self.ids[:, start:end], count, starts, end=end, target=target)
             yield
 
 
@@ -104,6 +125,9 @@ class RowCopy:
     state: torch.Tensor
     eos_width: int
     host: object = None
+
+
+PREFIX_POSITIONS = 8192  # slots of shared prompt prefixes kept by default (engine/prefix_store.py)
 
 
 class DeviceContinuousEngine(ContinuousEngine):
@@ -120,6 +144,7 @@ class DeviceContinuousEngine(ContinuousEngine):
         self.runner = self.pool.runner
         self.host = host  # the draft's proposals from the host side (drafters/device_host.py), each batch its own
         self.drafter = device_drafter(None if host is not None else draft, target)  # a head's tap: the engine's
+        self.prefixes = PrefixStore(PREFIX_POSITIONS)  # shared prompt prefixes' target KV (a server sets its own bound)
         self._capacity = 0  # the last batch's slot capacity
         self.changes = Counter()  # the batch's moves to other slots (bucket, capacity), over every batch it ran
 
@@ -165,13 +190,15 @@ class DeviceContinuousEngine(ContinuousEngine):
         if leader is not None:
             leader.copies.append((member, leader.sides.copy_for(member.request)))
             return
-        prefill = Prefill(self.sides, member.request)
+        prefill = Prefill(self.sides, member.request, self.prefixes)
         self.joining.append(Joining(member, prefill, prefill.in_pieces(continuous.PREFILL_PIECE)))
 
     def take_in(self, joining: Joining) -> None:
         """The bucket's sides copy the prefilled row in, and once more for each request sharing its prefill (its own
         state set over the copy), new sides when the batch had emptied."""
         prefill = joining.sides
+        if self.prefixes is not None:
+            prefill.kept_in(self.prefixes)
         if self.sides is None:
             self.sides = self.new_sides()
         try:

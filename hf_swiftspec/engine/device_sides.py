@@ -371,13 +371,15 @@ class DeviceSides:
         self.counters[0].busy_s += time.perf_counter() - start
 
     def prefill(self, slots: Slots, tokens: torch.Tensor, counts: torch.Tensor, starts: torch.Tensor | None = None,
-                end: int | None = None, roots: torch.Tensor | None = None, draft: bool = True) -> None:
+                end: int | None = None, roots: torch.Tensor | None = None, draft: bool = True,
+                target: bool = True) -> None:
         """Both models over tokens (B, L) long (counts (B,) per row, token j of a row at slot starts + j: a prompt but
         its root, or a piece of it), each forward attending the live length (`end`: the furthest slot written).
         roots (B, L) long: each row's whole prompt right-aligned (its root in the last column), which the target runs
         instead, keeping the roots' logits for round 1 (`root_logits`). draft=False: a drafter that defers its
         catch-up only records the tokens (its first growth runs them: the policy grows where the call can repay
-        that, GoodputPolicy.repays_catch_up)."""
+        that, GoodputPolicy.repays_catch_up). target=False: the drafter alone (slots whose target KV was copied from
+        a stored prefix: engine/prefix_store.py)."""
         B, L = tokens.shape
         starts = torch.zeros_like(counts) if starts is None else starts
         need = (L if end is None else end) + 1
@@ -385,7 +387,9 @@ class DeviceSides:
             if cache is not None:
                 cache.span = min(span_bucket(need) if self.runner is not None else need, cache.capacity)
         with self.drafter.tapped():
-            if roots is None:
+            if not target:
+                pass
+            elif roots is None:
                 catch_up(self.target, slots.caches[0], tokens, counts, starts)
             else:
                 lead = roots.shape[1] - 1 - counts  # each row's padding columns before its prompt
@@ -396,7 +400,7 @@ class DeviceSides:
                 self.drafter.prefill(slots.caches[1], tokens, counts, starts, slots.rows.drafter)
             else:
                 self.drafter.record(tokens, counts, starts, slots.rows.drafter)
-        self.counters[0].forwards += 1
+        self.counters[0].forwards += int(target)
         self.counters[1].forwards += int(self.drafter.model is not None and runs)
 
     def absorb(self, joining: Slots, row: RowOnHost, capacity: int, eos_width: int, host_rows=None) -> None:

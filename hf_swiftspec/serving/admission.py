@@ -13,6 +13,8 @@ off unless given (`swiftspec serve --max-queue/--request-timeout/--cache-positio
 - `cache_positions`: the most cache positions the running batch holds (rows x each row's slots: its prompt, its
   max_tokens and the largest tree); a request that would pass it waits until rows leave (engine/continuous.py). So
   the caches' memory is bounded by what the server was given, and the queue is what bounds the rest.
+- `prefix_cache_positions`: the most slots of shared prompt prefixes the running batch keeps for joining requests
+  to reuse (engine/prefix_store.py; 0: none); by default the engine's own bound, or a quarter of cache_positions.
 """
 
 from __future__ import annotations
@@ -31,9 +33,19 @@ class Limits:
     max_queue: int | None = None
     request_timeout: float | None = None
     cache_positions: int | None = None
+    # the slots of shared prompt prefixes the running batch keeps (engine/prefix_store.py; 0: none); None: the
+    # engine's default, or a quarter of cache_positions where that is given
+    prefix_cache_positions: int | None = None
+
+    @property
+    def prefix_positions(self) -> int | None:
+        if self.prefix_cache_positions is not None or self.cache_positions is None:
+            return self.prefix_cache_positions
+        return self.cache_positions // 4
 
     def __post_init__(self):
-        for name, low in (("max_queue", 0), ("request_timeout", 1e-9), ("cache_positions", 1)):
+        for name, low in (("max_queue", 0), ("request_timeout", 1e-9), ("cache_positions", 1),
+                          ("prefix_cache_positions", 0)):
             value = getattr(self, name)
             if value is not None and value < low:
                 flag = "--" + name.replace("_", "-")

@@ -31,6 +31,7 @@ import torch
 from ..config import MAX_BUDGET
 from ..models import compat
 from ..engine.continuous import RequestCancelled, RowUsage
+from ..engine.prefix_store import PrefixStore
 from .admission import Admission
 from .logprobs import token_logprobs
 from .request_settings import Choice, RequestBook, RequestRefused, RequestSettings, cut_at_stop
@@ -394,6 +395,9 @@ class SpeculatingBatcher(ServingManager):
         self.served.usage.engine = self.engine
         self.engine.on_start = self.served.admission.started
         self.engine.max_positions = self.served.admission.limits.cache_positions
+        prefixes = self.served.admission.limits.prefix_positions
+        if prefixes is not None and getattr(self.engine, "prefixes", None) is not None:
+            self.engine.prefixes = PrefixStore(prefixes)
 
     def stop(self, block: bool = True, timeout: float | None = None) -> None:
         self.engine.close()

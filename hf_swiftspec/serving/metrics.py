@@ -11,11 +11,14 @@ manager and the running batch keep (requests held, rounds, speculation totals) i
 | swiftspec_prompt_tokens_total, swiftspec_generation_tokens_total | counter | tokens read and emitted by finished requests |
 | swiftspec_generation_tokens_per_second | gauge | emitted tokens per second over the last `WINDOW_S` seconds |
 | swiftspec_request_latency_seconds | histogram | arrival to last token, finished requests |
-| swiftspec_time_to_first_token_seconds | histogram | arrival to the first streamed event with answer text |
+| swiftspec_time_to_first_token_seconds | histogram | streamed requests: arrival to the first event with answer text |
+| swiftspec_inter_token_latency_seconds | histogram | streamed requests: from one event with answer text to the next (a round's tokens go out in one event) |
+| swiftspec_time_per_output_token_seconds | histogram | finished streamed requests: first text event to last, over the tokens after the first |
 | swiftspec_verifications_total, swiftspec_proposed_tokens_total, swiftspec_accepted_tokens_total | counter | usage.speculation, summed over finished requests |
 | swiftspec_acceptance_length | histogram | per finished request, tokens per verification (usage.speculation's tokens_per_verification) |
 | swiftspec_rounds_total, swiftspec_plain_rounds_total | counter | rounds run, and those that verified each row's root alone |
 | swiftspec_plain_round_share | gauge | plain rounds over rounds |
+| swiftspec_prefix_cache_hits_total, swiftspec_prefix_cache_reused_tokens_total | counter | with --continuous-batching on the device round: joining prompts that copied a stored prefix's KV, and the prompt tokens they did not prefill |
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from collections import deque
 
 WINDOW_S = 60.0  # the tokens-per-second gauge's window
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, float("inf"))
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2, float("inf"))
 ACCEPTANCE_BUCKETS = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0, float("inf"))
 OUTCOMES = ("finished", "busy", "timed_out", "refused", "failed", "cancelled")
 
@@ -55,6 +59,12 @@ class ServerMetrics:
                                  buckets=LATENCY_BUCKETS, registry=registry)
         self.first_token = Histogram("swiftspec_time_to_first_token_seconds", "Arrival to the first streamed text of the answer",
                                      buckets=LATENCY_BUCKETS, registry=registry)
+        self.inter_token = Histogram("swiftspec_inter_token_latency_seconds",
+                                     "From one streamed event with answer text to the next", buckets=TOKEN_BUCKETS,
+                                     registry=registry)
+        self.per_token = Histogram("swiftspec_time_per_output_token_seconds",
+                                   "Per finished streamed request: first text to last, over the tokens after the first",
+                                   buckets=TOKEN_BUCKETS, registry=registry)
         self.verifications = Counter("swiftspec_verifications", "Target verifications of finished requests",
                                      registry=registry)
         self.proposed = Counter("swiftspec_proposed_tokens", "Proposed tokens verified for finished requests",
@@ -69,12 +79,15 @@ class ServerMetrics:
     def ended(self, outcome: str) -> None:
         self.requests.labels(outcome).inc()
 
-    def finished(self, usage: dict | None, latency_s: float) -> None:
-        """A request answered (200): its usage (OpenAI's, with usage.speculation) and latency."""
+    def finished(self, usage: dict | None, latency_s: float, streamed: dict | None = None) -> None:
+        """A request answered (200): its usage (OpenAI's, with usage.speculation) and latency; a streamed one's
+        first and last text events (`streamed`: perf_counter times first_at, last_at)."""
         self.ended("finished")
         self.latency.observe(latency_s)
         usage = usage or {}
         tokens = usage.get("completion_tokens") or usage.get("output_tokens") or 0
+        if streamed and "first_at" in streamed and tokens > 1:
+            self.per_token.observe((streamed["last_at"] - streamed["first_at"]) / (tokens - 1))
         self.prompt_tokens.inc(usage.get("prompt_tokens") or usage.get("input_tokens") or 0)
         self.generation_tokens.inc(tokens)
         with self.lock:
@@ -117,3 +130,8 @@ class RoundsCollector:
         yield CounterMetricFamily("swiftspec_rounds", "Rounds run (one verification of every row decoding)", rounds)
         yield CounterMetricFamily("swiftspec_plain_rounds", "Rounds that verified every row's root alone", plain)
         yield GaugeMetricFamily("swiftspec_plain_round_share", "Plain rounds over rounds", plain / rounds if rounds else 0.0)
+        prefixes = getattr(self.served.usage.engine, "prefixes", None)
+        yield CounterMetricFamily("swiftspec_prefix_cache_hits", "Joining prompts that reused a stored prefix's KV",
+                                  prefixes.hits if prefixes is not None else 0)
+        yield CounterMetricFamily("swiftspec_prefix_cache_reused_tokens", "Prompt tokens not prefilled: a stored prefix's",
+                                  prefixes.reused_tokens if prefixes is not None else 0)

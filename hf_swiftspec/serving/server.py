@@ -32,6 +32,7 @@ import torch
 from ..models import compat
 from ..tools.options import load_pair, progress, resolve_device, set_threads
 from ..modeling import SwiftSpecForCausalLM
+from .access import Access
 from .admission import Admission, Busy, Limits
 from .batching import SequentialServer, Served, SpeculatingBatcher
 from .request_settings import DEFAULT_MAX_TOKENS, RequestRefused, RequestSettings
@@ -67,6 +68,11 @@ class ServeOptions:
     max_queue: int | None = None
     request_timeout: float | None = None
     cache_positions: int | None = None
+    prefix_cache_positions: int | None = None  # slots of shared prompt prefixes kept (0: none; None: the default)
+    # who is answered (serving/access.py): the API key (None: SWIFTSPEC_API_KEY's, else none), and whether /metrics
+    # and /health need it too; the key is never in a repr
+    api_key: str | None = field(default=None, repr=False)
+    key_metrics: bool = False
 
     def __post_init__(self):
         share = self.cb_max_memory_percent
@@ -76,10 +82,15 @@ class ServeOptions:
                 "and at most 1 (0.6 for 60%)."
             )
         self.limits  # noqa: B018 (a limit out of range is refused here, naming its flag)
+        self.access  # noqa: B018 (an empty key, or --key-metrics without one)
 
     @property
     def limits(self) -> Limits:
-        return Limits(self.max_queue, self.request_timeout, self.cache_positions)
+        return Limits(self.max_queue, self.request_timeout, self.cache_positions, self.prefix_cache_positions)
+
+    @property
+    def access(self) -> Access:
+        return Access.from_flags(self.api_key, self.key_metrics)
 
 
 class ServedPair(SwiftSpecForCausalLM):
@@ -244,6 +255,31 @@ EXTENSIONS = {"top_k", "min_p"}  # settings honoured per request that OpenAI's s
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/v1/responses": "responses"}
 
 
+def keyed_access(access: Access):
+    """An app hook: with an API key, a request to a keyed path without it is a 401 in OpenAI's shape (access.py),
+    before anything else reads it."""
+    from fastapi.responses import JSONResponse
+
+    def hook(app):
+        if access.key is None:
+            return app
+
+        @app.middleware("http")  # added last, so it runs first
+        async def key_needed(request, call_next):
+            if not access.keyed(request.method, request.url.path):
+                return await call_next(request)
+            authorization = request.headers.get("authorization")
+            if access.admits(authorization):
+                return await call_next(request)
+            message, code = access.refusal(authorization)
+            return JSONResponse(error_body(message, 401, None, code), status_code=401,
+                                headers={"WWW-Authenticate": "Bearer"})
+
+        return app
+
+    return hook
+
+
 def serve_requests(served: Served):
     """An app hook: each generating request is admitted or refused (admission.py: a 429 past --max-queue), its
     body read before transformers' handler (its settings kept by request id for the batching manager; a refused
@@ -274,37 +310,38 @@ def serve_requests(served: Served):
         elif payload.get("usage") is not None:
             seen["usage"] = payload["usage"]
         edited = editor.event(payload)
-        seen["text"] = seen.get("text", False) or carries_text(edited)  # what the client is sent (stops held back)
+        if carries_text(edited):  # what the client is sent (stops held back)
+            text_sent(seen)
         return b"data: " + json.dumps(edited).encode()
 
+    def text_sent(seen: dict) -> None:
+        """An event with some of the answer's text goes out: the first is the time to first token (a chat stream's
+        first chunk carries only the role, and comes before any token is decoded); each later one, the time since
+        the one before it (inter-token latency: a round's tokens go out in one event)."""
+        now = time.perf_counter()
+        if "first_at" not in seen:
+            seen["first_at"] = now
+            metrics.first_token.observe(now - seen["arrived"])
+        else:
+            metrics.inter_token.observe(now - seen["last_at"])
+        seen["last_at"] = now
+
     async def streamed(chunks, editor: ResponseEditor, arrived: float, release):
-        pending, seen = b"", {}
-
-        def first_text() -> None:
-            """Time to first token: to the first event with some of the answer's text (a chat stream's first
-            chunk carries only the role, and comes before any token is decoded)."""
-            if seen.get("text") and "first" not in seen:
-                seen["first"] = True
-                metrics.first_token.observe(time.perf_counter() - arrived)
-
+        pending, seen = b"", {"arrived": arrived}
         try:
             async for chunk in chunks:
                 pending += chunk if isinstance(chunk, bytes) else chunk.encode()
                 *lines, pending = pending.split(b"\n")
                 if lines:
-                    edited = b"\n".join(edited_event(line, editor, seen) for line in lines) + b"\n"
-                    first_text()
-                    yield edited
+                    yield b"\n".join(edited_event(line, editor, seen) for line in lines) + b"\n"
             if pending:
-                edited = edited_event(pending, editor, seen)
-                first_text()
-                yield edited
+                yield edited_event(pending, editor, seen)
         finally:
             entry = editor.entry
             if entry is not None and entry.timed_out:
                 release("timed_out")
             elif "usage" in seen and "error" not in seen:
-                release("finished", seen["usage"])
+                release("finished", seen["usage"], seen)
             else:
                 release("failed" if "error" in seen else "cancelled")
 
@@ -379,11 +416,12 @@ def serve_requests(served: Served):
                 return busy(refusal)
             timer = arm_timeout(request_id)
 
-            def release(outcome: str, usage: dict | None = None) -> None:
-                """The request ends: counted, its place and its settings let go."""
+            def release(outcome: str, usage: dict | None = None, seen: dict | None = None) -> None:
+                """The request ends: counted (a stream's text times with it: `seen`), its place and its settings let
+                go."""
                 latency = time.perf_counter() - arrived
                 if outcome == "finished":
-                    metrics.finished(usage, latency)
+                    metrics.finished(usage, latency, seen)
                 else:
                     metrics.ended(outcome)
                 if timer is not None:
@@ -436,8 +474,11 @@ def serve(options: ServeOptions, blocking: bool = True):
     device = resolve_device(options.device)
     progress(set_threads(options.threads, device))
     progress(f"loading {options.pair!r} on {device}; serving it at http://{options.host}:{options.port}/v1")
+    access = options.access
+    if (line := access.line(options.host)) is not None:
+        progress(line)
     served = Served(admission=Admission(options.limits))
-    finish_app = lambda app: serve_requests(served)(answer_errors(app))  # noqa: E731
+    finish_app = lambda app: keyed_access(access)(serve_requests(served)(answer_errors(app)))  # noqa: E731
     with compat.serving_built_with(pair_model_manager(options, device, served), finish_app):
         return compat.serving_server()(
             force_model=options.pair,
