@@ -6,7 +6,8 @@ the clients send their share of the same prompts to a fresh server (streamed /v1
 max_tokens) with the real `openai` client; the table gives each request's latency to its last event (p50 / p99,
 seconds), its time to first token (TTFT: to the first event with text, p50 / p99), its time per token after the
 first (ITL, the median request's, ms), and the total new tokens per second of the whole run, and checks that both
-servers answered every greedy prompt with the same text. Requests are greedy, or with --sampled-fraction F that share of them
+servers answered every greedy prompt with the same text. TTFT and ITL are timed by the stream's text events: "n/a"
+where most streams carried fewer than two (a `shape:` pair's random tokens mostly decode to no text). Requests are greedy, or with --sampled-fraction F that share of them
 (every 1/F-th) samples (temperature 0.8, top_p 0.95, a seed per request): sampled answers are timed, not
 compared (the two servers draw differently).
 
@@ -16,6 +17,8 @@ compared (the two servers draw differently).
     python examples/serve_latency.py --target-cb --swiftspec-cb --pair shape:smollm2-135m
     python examples/serve_latency.py --target-cb --swiftspec-cb --sampled-fraction 0.25
     python examples/serve_latency.py --target-cb --swiftspec-cb --no-latency-guard   # the running batch unguarded
+    python examples/serve_latency.py --target-cb --swiftspec-cb --pair shape:smollm2-135m --shared-prefix-chars 300 \
+        --prefix-cache both                                            # a system prompt: reused, and prefilled each time
 
 `--pair shape:NAME` serves random weights in a real model's shape (tools/models.REAL_SHAPES) with a
 draft of its first 2 layers and a character tokenizer, written to a temporary folder first: the
@@ -99,7 +102,7 @@ def run_clients(client, model: str, prompts: list[str], clients: int, max_tokens
         end = time.perf_counter()
         tokens = usage.completion_tokens if usage is not None else len(pieces)
         per_token = (last - first) / (tokens - 1) if first is not None and tokens > 1 else None
-        return index, end - start, "".join(pieces), tokens, (first or end) - start, per_token
+        return index, end - start, "".join(pieces), tokens, (first or end) - start, per_token, len(pieces)
 
     start = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
@@ -107,15 +110,30 @@ def run_clients(client, model: str, prompts: list[str], clients: int, max_tokens
     wall = time.perf_counter() - start
     latencies, firsts = [r[1] for r in results], [r[4] for r in results]
     per_token = [r[5] for r in results if r[5] is not None]
+    # a stream times its tokens by its text events: where most streams carried fewer than two (a shape: pair's random
+    # tokens mostly decode to no text), its first text is not its first token, and neither figure is given
+    timed = statistics.median(r[6] for r in results) >= 2
     return {
         "p50": statistics.median(latencies),
         "p99": percentile(latencies, 0.99),
-        "ttft_p50": statistics.median(firsts),
-        "ttft_p99": percentile(firsts, 0.99),
-        "itl_p50_ms": 1000 * statistics.median(per_token) if per_token else float("nan"),
+        "ttft_p50": statistics.median(firsts) if timed else None,
+        "ttft_p99": percentile(firsts, 0.99) if timed else None,
+        "itl_p50_ms": 1000 * statistics.median(per_token) if timed and per_token else None,
         "tokens_per_s": sum(r[3] for r in results) / wall,
         "texts": {r[0]: r[2] for r in results},
     }
+
+
+SYSTEM_HEADER = ("# You are a careful Python assistant. Complete the code below: keep the style of the file, write "
+                 "docstrings and type hints, handle edge cases, prefer the standard library, and never print debug "
+                 "output. Answer with code only.\n")
+
+
+def shared_header(chars: int) -> str:
+    """A fixed header of `chars` characters (a system prompt every request carries), "" for none."""
+    if chars < 0:
+        raise SystemExit(f"--shared-prefix-chars {chars}: give a length of 0 or more.")
+    return (SYSTEM_HEADER * (chars // len(SYSTEM_HEADER) + 1))[:chars]
 
 
 def shape_pair_folder(shape: str, root: Path) -> str:
@@ -144,23 +162,34 @@ def main() -> int:
     parser.add_argument("--sampled-fraction", type=float, default=0.0,
                         help="share of the requests that sample (temperature 0.8, top_p 0.95, a seed each; default: none)")
     parser.add_argument("--no-latency-guard", action="store_true", help="run swiftspec serve with --no-latency-guard")
+    parser.add_argument("--shared-prefix-chars", type=int, default=0, metavar="N",
+                        help="put the same N-character header (a system prompt) before every prompt (default: none)")
+    parser.add_argument("--prefix-cache", choices=("on", "off", "both"), default="on",
+                        help="swiftspec serve's reuse of shared prompt prefixes (off: --prefix-cache-positions 0; "
+                        "both: a server of each, side by side)")
     args = parser.parse_args()
     folder = tempfile.TemporaryDirectory()
     pair = shape_pair_folder(args.pair[len(SHAPE_PREFIX):], Path(folder.name)) if args.pair.startswith(SHAPE_PREFIX) else args.pair
     target = args.target or str((Path(pair) if Path(pair).is_dir() else bundled_pair(pair)) / "target")
     counts = [int(c) for c in args.clients.split(",")]
-    texts = [p.text[-args.max_prompt_chars:] for source in args.prompts.split(",") for p in load_prompts(source)]
+    header = shared_header(args.shared_prefix_chars)
+    texts = [header + p.text[-args.max_prompt_chars:] for source in args.prompts.split(",") for p in load_prompts(source)]
     if len(texts) < args.requests + 4:
         raise SystemExit(f"{args.prompts} has {len(texts)} prompts; {args.requests + 4} distinct ones are needed.")
     warmup, prompts = texts[-4:], texts[: args.requests]
     sampled = sampled_requests(args.requests, args.sampled_fraction)
     greedy = [i for i in range(args.requests) if i not in sampled]
-    servers = {
-        "swiftspec serve": lambda port: [
+    def swiftspec(prefix_cache: bool):
+        return lambda port: [
             sys.executable, "-m", "hf_swiftspec.cli", "serve", pair, "--port", str(port), "--threads", "1",
             *(["--continuous-batching"] if args.swiftspec_cb else []),
             *(["--no-latency-guard"] if args.no_latency_guard else []),
-        ],
+            *([] if prefix_cache else ["--prefix-cache-positions", "0"]),
+        ]
+
+    servers = {
+        **({"swiftspec serve": swiftspec(args.prefix_cache != "off")}),
+        **({"swiftspec serve (no prefix cache)": swiftspec(False)} if args.prefix_cache == "both" else {}),
         "transformers serve (target)": lambda port: [
             sys.executable, "-m", "transformers.cli.transformers", "serve", target, "--port", str(port), "--device", "cpu",
             "--dtype", "float32", *(["--continuous-batching"] if args.target_cb else []),
@@ -183,25 +212,27 @@ def main() -> int:
     print(
         f"{args.pair}: {args.requests} requests of {args.max_tokens} new tokens ({args.prompts}), "
         f"{f'{len(sampled)} sampled ({SAMPLING}, a seed each), the rest greedy' if sampled else 'greedy'}, "
-        f"one torch thread per server; "
+        f"{f'a shared {len(header)}-character header before each, ' if header else ''}one torch thread per server; "
         f"swiftspec {'--continuous-batching' if args.swiftspec_cb else 'sequential'}"
-        f"{' --no-latency-guard' if args.no_latency_guard else ''}, "
+        f"{' --no-latency-guard' if args.no_latency_guard else ''}"
+        f"{' --prefix-cache-positions 0' if args.prefix_cache == 'off' else ''}, "
         f"target {'--continuous-batching' if args.target_cb else 'sequential'}"
     )
     print("| clients | server | p50 s | p99 s | TTFT p50 s | TTFT p99 s | ITL p50 ms | tokens/s | speed-up (tokens/s) "
           "| p50 ratio | same text |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    ours, theirs = results["swiftspec serve"], results["transformers serve (target)"]
+    theirs = results["transformers serve (target)"]
     for n in counts:
-        same = sum(ours[n]["texts"][i] == theirs[n]["texts"][i] for i in greedy)
         for name, by_clients in results.items():
             r = by_clients[n]
+            same = sum(r["texts"][i] == theirs[n]["texts"][i] for i in greedy)
             extra = (
-                f"{ours[n]['tokens_per_s'] / theirs[n]['tokens_per_s']:.2f}x | {theirs[n]['p50'] / ours[n]['p50']:.2f}x lower | {same}/{len(greedy)}"
-                if by_clients is ours else " | | "
+                f"{r['tokens_per_s'] / theirs[n]['tokens_per_s']:.2f}x | {theirs[n]['p50'] / r['p50']:.2f}x lower | {same}/{len(greedy)}"
+                if by_clients is not theirs else " | | "
             )
-            print(f"| {n} | {name} | {r['p50']:.2f} | {r['p99']:.2f} | {r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} | "
-                  f"{r['itl_p50_ms']:.1f} | {r['tokens_per_s']:.1f} | {extra} |")
+            timed = [f"{r[k]:.{d}f}" if r[k] is not None else "n/a" for k, d in (("ttft_p50", 2), ("ttft_p99", 2),
+                                                                                  ("itl_p50_ms", 1))]
+            print(f"| {n} | {name} | {r['p50']:.2f} | {r['p99']:.2f} | {' | '.join(timed)} | {r['tokens_per_s']:.1f} | {extra} |")
     return 0
 
 

@@ -440,6 +440,9 @@ SERVING_FILES = {  # column: (results directory, the pair its output names)
 }
 
 
+PREFIX_FILES = ("examples/results/cpu-serve-prefix-smollm2-135m", "examples/results/cpu-serve-prefix-demo")  # reuse on/off
+
+
 def serve_ratios(output: str) -> dict[int, tuple[str, str]]:
     """examples/serve_latency.py's table: per client count, swiftspec's (p50 lower by, tokens/s) ratios."""
     rows, columns = {}, []
@@ -471,8 +474,22 @@ def test_the_serving_tables_are_the_output_files():
         assert command.removeprefix("OMP_NUM_THREADS=1 ").startswith("python examples/serve_latency.py --target-cb --swiftspec-cb")
         assert outputs[label].startswith(f"{pair}: ") and (pair in command or "--pair" not in command)
     page = text(DOCS / "serving.md")
-    for output in outputs.values():
+    prefixes = [(root / where / "output.txt").read_text() for where in PREFIX_FILES]
+    for output in [*outputs.values(), *prefixes]:
         assert output.strip().split("\n", 1)[1] in page
+    reuse = [f"{r:.2f}x" for r in prefix_reuse_ratios(prefixes[0]).values()]  # the shape pair's, quoted in prose
+    assert f"reuse raised tokens/s {reuse[0]}, {reuse[1]} and {reuse[2]} at 1, 4 and 16 clients" in page
+
+
+def prefix_reuse_ratios(output: str) -> dict[int, float]:
+    """serve_latency.py --prefix-cache both's table: per client count, tokens/s with reuse over tokens/s without."""
+    tokens = {}
+    for line in output.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 11 and cells[0].isdigit():
+            tokens[int(cells[0]), cells[1]] = float(cells[7])
+    return {n: tokens[n, "swiftspec serve"] / tokens[n, "swiftspec serve (no prefix cache)"]
+            for n in sorted({n for n, _ in tokens})}
 
 
 def test_how_it_works_names_every_module_of_the_decoder_and_nothing_else():

@@ -113,7 +113,8 @@ class Prefill:
             count = torch.full((1,), max(min(end, committed) - start, 0), device=device)
             starts = torch.full((1,), start, device=device)
             self.sides.prefill(self.slots, self.ids[:, start:end], count, starts, end=end, target=target)
-            yield
+            if target:  # the drafter's catch-up over the copied slots runs with the first target piece, not alone
+                yield
 
 
 @dataclass
