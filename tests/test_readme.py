@@ -477,19 +477,7 @@ def test_the_serving_tables_are_the_output_files():
     prefixes = [(root / where / "output.txt").read_text() for where in PREFIX_FILES]
     for output in [*outputs.values(), *prefixes]:
         assert output.strip().split("\n", 1)[1] in page
-    reuse = [f"{r:.2f}x" for r in prefix_reuse_ratios(prefixes[0]).values()]  # the shape pair's, quoted in prose
-    assert f"reuse raised tokens/s {reuse[0]}, {reuse[1]} and {reuse[2]} at 1, 4 and 16 clients" in page
 
-
-def prefix_reuse_ratios(output: str) -> dict[int, float]:
-    """serve_latency.py --prefix-cache both's table: per client count, tokens/s with reuse over tokens/s without."""
-    tokens = {}
-    for line in output.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 11 and cells[0].isdigit():
-            tokens[int(cells[0]), cells[1]] = float(cells[7])
-    return {n: tokens[n, "swiftspec serve"] / tokens[n, "swiftspec serve (no prefix cache)"]
-            for n in sorted({n for n, _ in tokens})}
 
 
 def test_how_it_works_names_every_module_of_the_decoder_and_nothing_else():
