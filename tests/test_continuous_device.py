@@ -160,7 +160,7 @@ def test_rows_joining_with_wider_eos_lists(target, capture):
         calls.append(dict(input_ids=ids, max_new_tokens=40, do_sample=False, eos_token_id=eos))
     engine = pair.continuous_engine()
     try:
-        out = relay(pair, engine, calls, at=(2, 2, 2, 2))
+        out = relay(pair, engine, calls, at=(2, 2, 2, 2, 2))
     finally:
         engine.close()
     assert_answers_are_target_generates(target, calls, out)
@@ -436,9 +436,9 @@ def test_the_running_batch_sizes_its_rounds_under_the_latency_guard(target, monk
 @pytest.mark.parametrize("family", ["llama", "draft-free", "eagle3"])
 @pytest.mark.parametrize("piece", [continuous.PREFILL_PIECE, 8])  # whole prompts; 8 tokens per prefill forward
 def test_a_shared_prompt_prefix_is_prefilled_once(family, piece, monkeypatch):
-    """Four requests whose prompts share a 45-token prefix (the last one only its first 21 tokens), each joining while
-    the one before decodes: the target prefills the prefix once, the later requests copy its KV in whole blocks (32 and
-    16 slots) and prefill the rest, and every answer is target.generate's. Slots a copy did not fill are poisoned
+    """Five requests whose prompts share a 45-token prefix (the fourth only its first 21 tokens, the fifth is its first
+    33), each joining while the one before decodes: the target prefills the prefix once, the later requests copy its KV
+    in whole blocks (32 and 16 slots) and prefill the rest, and every answer is target.generate's. Slots a copy did not fill are poisoned
     (a request reading one would decode other tokens). An EAGLE-3 head reads the target's states of every prompt
     token: its requests prefill the whole prompt."""
     from hf_swiftspec.engine import prefix_store
@@ -456,7 +456,7 @@ def test_a_shared_prompt_prefix_is_prefilled_once(family, piece, monkeypatch):
     target = pair.target
     target.generation_config.eos_token_id = None
     shared = random_prompts((45,), 1, 98)[0]
-    prompts = [shared + tail for tail in random_prompts((6, 13, 1), 2, 98)] + [shared[:21] + [5, 6, 7]]
+    prompts = [shared + tail for tail in random_prompts((6, 13, 1), 2, 98)] + [shared[:21] + [5, 6, 7], shared[:33]]
     prefilled, prefill = [], DeviceSides.prefill
 
     def counted(self, slots, tokens, counts, *args, target=True, **kwargs):
@@ -469,12 +469,14 @@ def test_a_shared_prompt_prefix_is_prefilled_once(family, piece, monkeypatch):
     assert isinstance(engine, DeviceContinuousEngine)
     calls = [dict(input_ids=torch.tensor([p]), max_new_tokens=12, do_sample=False) for p in prompts]
     try:
-        out = relay(pair, engine, calls, at=(2, 2, 2, 2))
+        out = relay(pair, engine, calls, at=(2, 2, 2, 2, 2))
     finally:
         engine.close()
     assert_answers_are_target_generates(target, calls, out)
-    reused = [0, 32, 32, 16] if family != "eagle3" else [0] * 4  # in whole blocks of prefix_store.BLOCK
-    assert prefix_store.BLOCK == 16 and engine.prefixes.hits == 3 * (family != "eagle3")
+    # in whole blocks of prefix_store.BLOCK; the last prompt's 32 committed tokens are all stored, but the target
+    # prefills its last block itself
+    reused = [0, 32, 32, 16, 16] if family != "eagle3" else [0] * 5
+    assert prefix_store.BLOCK == 16 and engine.prefixes.hits == 4 * (family != "eagle3")
     assert engine.prefixes.reused_tokens == sum(reused)
     assert sum(prefilled) == sum(len(p) - 1 - r for p, r in zip(prompts, reused))  # the root is verified, not prefilled
 

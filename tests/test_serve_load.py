@@ -331,7 +331,7 @@ def test_a_shared_system_prompt_is_prefilled_once(pair_folder, reference):
             assert reply.choices[0].message.content == answer(ids, 10), question
             prompts.append(ids[0].tolist()[:-1])  # what is prefilled: all but the root
         metrics = scrape(client)
-    reused = [max(common_length(tuple(before), prompt) for before in prompts[:i]) // BLOCK * BLOCK
+    reused = [max(common_length(tuple(before), prompt[:-1]) for before in prompts[:i]) // BLOCK * BLOCK
               for i, prompt in enumerate(prompts) if i]
     assert min(reused) >= 2 * BLOCK  # the system prompt's blocks at least
     assert metrics["swiftspec_prefix_cache_hits_total"] == 2

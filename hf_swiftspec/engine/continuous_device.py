@@ -65,16 +65,17 @@ class Prefill:
         packed = to_device([(self.sequence[:-1] or [0]) + state], sides.device)  # its prompt and state, one copy
         self.ids, self.width = packed[:, :width], width
         set_rows(self.slots.rows, packed[:, width:], 0)
-        self.reused = self.reuse(prefixes) if prefixes is not None else 0  # the prompt's slots copied, not prefilled
+        # shared prefixes' target KV (engine/prefix_store.py); not for a drafter that reads the target's states of them
+        self.prefixes = None if sides.drafter.reads_target else prefixes
+        self.reused = self.reuse() if self.prefixes is not None else 0  # the prompt's slots copied, not prefilled
         # a draft proposing from the host: its drafter for the row, started on the prompt (it runs at its first growth)
         self.host = sides.proposer.started(request) if sides.proposer is not None else None
 
-    def reuse(self, prefixes: PrefixStore) -> int:
-        """Copy the target's KV of the longest stored prefix of this prompt (engine/prefix_store.py) into its slots:
-        the slots it need not prefill (0: none stored, or a drafter that reads the target's states)."""
-        if self.sides.drafter.reads_target:
-            return 0
-        hit = prefixes.longest(self.sequence[: self.row.prefix])
+    def reuse(self) -> int:
+        """Copy the target's KV of the longest stored prefix of this prompt into its slots: the slots it need not
+        prefill (0: none stored). The prompt's last committed token is left out of the search, so that the target
+        always prefills a piece (and the drafter's catch-up over the copied slots runs with it)."""
+        hit = self.prefixes.longest(self.sequence[: self.row.prefix - 1])
         if hit is None:
             return 0
         target = self.slots.caches[0]
@@ -82,10 +83,10 @@ class Prefill:
         target.copy_rows(hit.stored.cache, slice(0, 1), at=0, slots=hit.length)
         return hit.length
 
-    def kept_in(self, prefixes: PrefixStore) -> None:
+    def kept_in(self) -> None:
         """Its prefill done: its prompt's target KV is kept for later requests (before the batch copies its row in)."""
-        if not self.sides.drafter.reads_target:
-            prefixes.keep(self.sequence[: self.row.prefix], self.slots.caches[0])
+        if self.prefixes is not None:
+            self.prefixes.keep(self.sequence[: self.row.prefix], self.slots.caches[0])
 
     def copy_for(self, request) -> "RowCopy":
         """The row of another request for the same prompt and length (a request's n answers: continuous.same_prefill),
@@ -109,7 +110,7 @@ class Prefill:
         device = self.ids.device
         pieces = [(start, min(start + piece, reused), False) for start in range(0, reused, piece)]  # the drafter's alone
         pieces += [(start, min(start + piece, self.width), True) for start in range(reused, self.width, piece)]
-        for start, end, target in pieces or [(0, self.width, True)]:
+        for start, end, target in pieces:  # (reused < width: the target's pieces are never none)
             count = torch.full((1,), max(min(end, committed) - start, 0), device=device)
             starts = torch.full((1,), start, device=device)
             self.sides.prefill(self.slots, self.ids[:, start:end], count, starts, end=end, target=target)
@@ -198,8 +199,7 @@ class DeviceContinuousEngine(ContinuousEngine):
         """The bucket's sides copy the prefilled row in, and once more for each request sharing its prefill (its own
         state set over the copy), new sides when the batch had emptied."""
         prefill = joining.sides
-        if self.prefixes is not None:
-            prefill.kept_in(self.prefixes)
+        prefill.kept_in()
         if self.sides is None:
             self.sides = self.new_sides()
         try:

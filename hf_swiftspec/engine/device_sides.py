@@ -387,11 +387,9 @@ class DeviceSides:
             if cache is not None:
                 cache.span = min(span_bucket(need) if self.runner is not None else need, cache.capacity)
         with self.drafter.tapped():
-            if not target:
-                pass
-            elif roots is None:
+            if target and roots is None:
                 catch_up(self.target, slots.caches[0], tokens, counts, starts)
-            else:
+            elif target:
                 lead = roots.shape[1] - 1 - counts  # each row's padding columns before its prompt
                 self.root_logits = catch_up(self.target, slots.caches[0], roots, counts + 1, starts, lead=lead,
                                             last_logits=True)[:, None]  # (B, 1, V)
