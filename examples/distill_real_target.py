@@ -88,6 +88,7 @@ def main() -> int:
         saved = args.out / name
         saved.mkdir(exist_ok=True)
         run(command, saved / "output.txt")
+        (saved / "command.txt").write_text(shlex.join(["swiftspec", *command[3:]]) + "\n")
         for item in ("README.md", "distill.json", "config.json", "bench"):
             source = pair / item
             if source.is_dir():
@@ -101,14 +102,17 @@ def main() -> int:
                    "--max-new-tokens", "64", "--methods", BENCH_METHODS, "--threads", "1", "--out", str(args.out / "bench")]
         commands.append(shlex.join(["swiftspec", *command[3:]]))
         run(command, args.out / "bench-output.txt")
-    rows = [summary_row(name, args.out / name) for name in args.runs]
+    done = [name for name in RUNS if (args.out / name / "distill.json").is_file()]  # this call's runs and earlier ones
+    rows = [summary_row(name, args.out / name) for name in done]
     (args.out / "summary.md").write_text(
         "| run | draft | run time | phases | steps | tokens trained on | held-out top-1 agreement | tau (fixed tree) | "
         "in-run bench: speed-up over target.generate |\n|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
-    (args.out / "command.txt").write_text(
-        f"# from the repository root, one torch thread; target {args.target}; corpus {corpus}\n"
-        f"python examples/distill_real_target.py --target {args.target} --work {args.work} --out {args.out}\n"
-        "# which ran:\n" + "\n".join(commands) + "\n")
+    log = args.out / "command.txt"  # every invocation's commands, appended (a folder's runs may come from several)
+    with log.open("a") as out:
+        out.write(f"# from the repository root, one torch thread; target {args.target}; corpus {corpus}\n"
+                  f"python examples/distill_real_target.py --target {args.target} --work {args.work} --out {args.out} "
+                  f"--runs {' '.join(args.runs)}\n# which ran (each run's own command also in its folder's command.txt):\n"
+                  + "\n".join(commands) + "\n")
     print((args.out / "summary.md").read_text())
     return 0
 
