@@ -87,11 +87,15 @@ def poison(caches, rows: slice) -> None:
 def poison_unused_slots(monkeypatch) -> None:
     """Fill every dead padding row's KV, and every new slot set's caches, with large values (a tiny random model's next
     token follows its context weakly; these it cannot miss): a live row that saw a dead row's slots, or a slot of its
-    own that its join or a move to new slots did not copy, would decode other tokens."""
+    own that its join or a move (to new slots, or into a hole in place) did not copy, would decode other tokens. A move
+    copies only the slots its rows hold (DeviceSides.held_slots): the rest stays poisoned, which the masks must hide."""
     move_rows, slots = DeviceSides.move_rows, SlotPool.slots
 
-    def poisoned_move(self, index, count, bucket, like=None):
-        move_rows(self, index, count, bucket, like)
+    def poisoned_move(self, order, count, bucket, like=None):
+        if self.slots is not None:  # the holes a move fills: whatever it does not copy stays poisoned
+            for hole in [i for i, b in enumerate(order or []) if i != b]:
+                poison(self.slots.caches, slice(hole, hole + 1))
+        move_rows(self, order, count, bucket, like)
         poison(self.slots.caches, slice(count, None))
 
     def poisoned_slots(self, rows, *args, **kwargs):

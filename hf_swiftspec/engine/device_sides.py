@@ -428,28 +428,43 @@ class DeviceSides:
         self.host = [self.host[b] for b in order] + self.host[len(order):]
         if self.proposer is not None:
             self.proposer.keep_rows(order)
-        self.move_rows(to_device(order, self.device), len(order), bucket_for(max(len(order), 1)))
+        self.move_rows(order, len(order), bucket_for(max(len(order), 1)))
         self.live = len(order)
         self.models = self.round_models()
 
-    def move_rows(self, index: torch.Tensor | None, count: int, bucket: int, like: Slots | None = None) -> None:
-        """Rows index[i] (count of them; None: the first count, in place) become rows 0 .. count - 1 of the slots for
+    def move_rows(self, order: list[int] | None, count: int, bucket: int, like: Slots | None = None) -> None:
+        """Rows order[i] (count of them; None: the first count, in place) become rows 0 .. count - 1 of the slots for
         `bucket` rows at the sides' capacity and EOS width (the same slots, moved in place, where they are the ones);
-        every row past them is dead. like: slots whose layout new caches take."""
+        every row past them is dead. like: slots whose layout new caches take. The caches copy only what the rows
+        hold (`held_slots`), and in place only the rows that move (keep_order moves a row into each hole)."""
         old = self.slots
         new = self.slots_for(bucket, like=old if old is not None and old.caches[0].buffers else like)
         if old is None:
             new.rows.kill(slice(0, None))
         else:
-            rows = slice(0, count) if index is None else index
+            held = self.held_slots(range(count))  # (the host's rows 0 .. count - 1 are already the ones kept)
+            moves = [(b, i) for i, b in enumerate(order or []) if i != b] if new is old else []
+            rows = slice(0, count)
+            if order is not None:  # one copy: the order, then the moves' sources and destinations
+                index = to_device(order + [b for b, _ in moves] + [i for _, i in moves], self.device)
+                rows = index[:count]
             for mine, theirs in zip(new.caches, old.caches):
-                if mine is not None and (new is not old or index is not None):
-                    mine.copy_rows(theirs, rows)
+                if mine is None:
+                    continue
+                if new is not old:
+                    mine.copy_rows(theirs, rows, slots=held)
+                elif moves:  # in place: the rows moved into holes, no others
+                    mine.move_rows(index[count : count + len(moves)], index[count + len(moves) :], slots=held)
             new.rows.copy_rows(old.rows, rows, count)
             new.rows.kill(slice(count, None))
             self.changes["bucket"] += bucket != self.bucket and self.bucket > 0
         self.slots = new
         self.host = (self.host[:count] + [RowOnHost() for _ in range(bucket)])[:bucket]
+
+    def held_slots(self, rows) -> int:
+        """The slots cache rows `rows` hold anything in (their committed slots and the tree region past them, where a
+        drafter keeps its surviving subtree), at most the capacity: what moving them copies."""
+        return min(max((self.host[b].prefix for b in rows), default=0) + self.tree_slots, self.capacity)
 
     def slots_for(self, bucket: int, like: Slots | None = None) -> Slots:
         slots = self.pool.slots(bucket, self.capacity, self.layers(), self.eos_width,

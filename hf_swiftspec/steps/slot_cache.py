@@ -224,10 +224,17 @@ class SlotCache(Cache):
     def copy_rows(self, source: "SlotCache", rows: torch.Tensor | slice, at: int = 0, slots: int | None = None) -> None:
         """Copy `source`'s cache rows `rows` (their first `slots` slots, default all both hold) into rows at, at + 1,
         ... of this cache, in place (a device copy: the buffers keep their addresses). One copy per buffer."""
-        n = slots if slots is not None else min(source.capacity, self.capacity)
+        n = min(source.capacity, self.capacity) if slots is None else min(slots, source.capacity, self.capacity)
         for mine, theirs in zip(self.buffers, source.buffers):
             part = theirs.data[:, rows, :, :n]
             mine.data[:, at : at + part.shape[1], :, :n].copy_(part)
+
+    def move_rows(self, source: torch.Tensor, destination: torch.Tensor, slots: int | None = None) -> None:
+        """Rows source[i] become rows destination[i] (the first `slots` slots, default all), in place; the
+        sources are read before any is written (a row may be both)."""
+        n = self.capacity if slots is None else slots
+        for buffer in self.buffers:
+            buffer.data[:, destination, :, :n] = buffer.data[:, source, :, :n]
 
     def keep_rows(self, index: torch.Tensor, count: int) -> None:
         """Rows index[i] (count of them) become rows i, in place (the buffers keep their addresses)."""
