@@ -443,18 +443,19 @@ class DeviceSides:
             new.rows.kill(slice(0, None))
         else:
             held = self.held_slots(range(count))  # (the host's rows 0 .. count - 1 are already the ones kept)
-            moves = [(b, i) for i, b in enumerate(order or []) if i != b] if new is old else []
+            holes = [i for i, b in enumerate(order or []) if i != b] if new is old else []  # rows moved into
+            m = len(holes)
             rows = slice(0, count)
             if order is not None:  # one copy: the order, then the moves' sources and destinations
-                index = to_device(order + [b for b, _ in moves] + [i for _, i in moves], self.device)
+                index = to_device(order + [order[i] for i in holes] + holes, self.device)
                 rows = index[:count]
             for mine, theirs in zip(new.caches, old.caches):
                 if mine is None:
                     continue
                 if new is not old:
                     mine.copy_rows(theirs, rows, slots=held)
-                elif moves:  # in place: the rows moved into holes, no others
-                    mine.move_rows(index[count : count + len(moves)], index[count + len(moves) :], slots=held)
+                elif holes:  # in place: the rows moved into holes, no others
+                    mine.move_rows(index[count : count + m], index[count + m :], slots=held)
             new.rows.copy_rows(old.rows, rows, count)
             new.rows.kill(slice(count, None))
             self.changes["bucket"] += bucket != self.bucket and self.bucket > 0

@@ -236,11 +236,6 @@ class SlotCache(Cache):
         for buffer in self.buffers:
             buffer.data[:, destination, :, :n] = buffer.data[:, source, :, :n]
 
-    def keep_rows(self, index: torch.Tensor, count: int) -> None:
-        """Rows index[i] (count of them) become rows i, in place (the buffers keep their addresses)."""
-        for buffer in self.buffers:
-            buffer.data[:, :count] = buffer.data[:, index]
-
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(B, 1, Q, S) additive mask (0 / dtype min) from allowed (B, Q, S) bool."""
