@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from serve_latency import free_port
 
-from hf_swiftspec.engine import continuous, rounds
+from hf_swiftspec.engine import continuous, continuous_device, rounds
 from hf_swiftspec.serving.server import ServeOptions, serve
 
 CLIENTS = """
@@ -55,7 +55,7 @@ class Trace:
     spans: dict = field(default_factory=dict)  # key: (joined, done)
 
     def wrap(self) -> None:
-        one_round, prefill_piece, done = rounds.one_round, continuous.ContinuousEngine.prefill_piece, continuous.ContinuousEngine.done
+        one_round, done = rounds.one_round, continuous.ContinuousEngine.done
 
         def timed_round(sides, rows):
             start = time.perf_counter()
@@ -67,17 +67,20 @@ class Trace:
                                 {k: after.get(k, n + 1) - n for k, n in before.items()}, plan.quiet))
             return keep
 
-        def timed_prefill(engine, joining):
-            start = time.perf_counter()
-            prefill_piece(engine, joining)
-            self.events.append(("prefill", start, time.perf_counter() - start, [m.key for m in joining.members]))
+        def timed(prefill_piece):
+            def timed_prefill(engine, joining):  # a request's piece (the host round's) or a group's (the device round's)
+                start = time.perf_counter()
+                prefill_piece(engine, joining)
+                self.events.append(("prefill", start, time.perf_counter() - start, [m.key for m in joining.members]))
+            return timed_prefill
 
         def timed_done(engine, member):
             self.spans[member.key] = (member.joined_at, time.perf_counter())
             done(engine, member)
 
         rounds.one_round = timed_round
-        continuous.ContinuousEngine.prefill_piece = timed_prefill
+        for engine in (continuous.ContinuousEngine, continuous_device.DeviceContinuousEngine):
+            engine.prefill_piece = timed(engine.prefill_piece)
         continuous.ContinuousEngine.done = timed_done
 
     def report(self, slowest: int) -> None:

@@ -71,7 +71,7 @@ def watch_rounds(monkeypatch) -> list[dict]:
         with SyncCounter() as counter:
             keep = body(sides, rows)
         seen.append(dict(reads=counter.total, draft=sides.counters[1].forwards - forwards, rows=live, bucket=bucket,
-                         live=tuple(rows.live)))
+                         live=tuple(rows.live), capacity=sides.capacity))
         return keep
 
     monkeypatch.setattr(rounds, "one_round", counted)
@@ -113,9 +113,10 @@ def poison_unused_slots(monkeypatch) -> None:
 def test_rows_joining_and_leaving_a_bucketed_batch_equal_target_generate(target, capture, monkeypatch):
     """Six requests join at different rounds (1, 2 and 3 rows decode together) and leave at their budgets or EOS:
     each answer is target.generate's, with the draft growing every round, at most one host read a round, and the cache
-    rows padded to 1, 2 or 4 (the row count of 3 runs on the bucket of 4). A request needing more slots than the
+    rows padded to a power of two (the row count of 3 runs on the bucket of 4). A request needing more slots than the
     batch's caches hold grows them (a new capacity). Replayed: one graph per phase per bucket, whatever row counts
-    the bucket held and however often the batch came back to it (one per live length it reached)."""
+    the bucket held and however often the batch came back to it (one per live length it reached), for every bucket the
+    batch ran at its last capacity (a new capacity drops the smaller one's)."""
     poison_unused_slots(monkeypatch)
     monkeypatch.setattr(replayed_steps, "SMALLEST_CAPACITY", 32)  # small capacities, so requests outgrow them
     seen = watch_rounds(monkeypatch)
@@ -138,7 +139,8 @@ def test_rows_joining_and_leaving_a_bucketed_batch_equal_target_generate(target,
     if capture:
         runner = engine.runner
         graphs = engine.graphs_by_slots()  # growth and verification, per bucket and live length
-        assert set(graphs.values()) == {2} and {bucket for bucket, _ in graphs} == set(buckets)
+        last = [r["bucket"] for r in seen if r["capacity"] == seen[-1]["capacity"]]  # (a new capacity drops the rest)
+        assert set(graphs.values()) == {2} and {bucket for bucket, _ in graphs} == set(last) and len(set(last)) > 1
         assert runner.replays >= len(seen) and not runner.fallbacks
     else:
         assert engine.runner is None

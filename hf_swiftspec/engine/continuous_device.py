@@ -1,10 +1,13 @@
 """The running batch on the device round (SwiftSpecConfig round="device"): engine/continuous.py's engine with the
 device sides (engine/device_sides.py) under it, rows joining and leaving between rounds.
 
-    join:   a request is prefilled alone into 1-row slots of its own (`Prefill`), continuous.PREFILL_PIECE tokens
-            per forward of each model, one piece between two rounds; its row's device state is set in the same
-            copy as its prompt. Once prefilled, the sides copy its KV and state into the next free row of the running
-            batch's slots (a device copy, no read: DeviceSides.absorb)
+    join:   the requests joining between two rounds are prefilled in groups (`PrefillGroup`: rows of slots of their
+            own, one forward of each model per continuous.PREFILL_PIECE tokens for every row of a group, each row its
+            own tokens, count and start, one piece between two rounds); which prompts share a forward, the padding of
+            the shorter ones against a forward's fixed cost, is `PrefillCosts`' (fitted from the forwards timed on a
+            CPU; every prompt in one on CUDA). A row's device state is set in the same copy as its prompt. Once its
+            group's last piece has run, the sides copy each row's KV and state into the next free row of the running
+            batch's slots (a device copy, no read: DeviceSides.absorb), before the next round
     round:  engine/rounds.py's one_round over every cache row of the bucket (the live rows, then dead padding rows
             with a budget of 0, which emit and commit nothing); the round's one host read is the verification's
     leave:  the rows that stay are moved down over the holes (keep_order: few moves, in place); the freed rows are
@@ -22,8 +25,9 @@ stop strings (DeviceSides applies stop strings on the host after the read).
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,58 +39,61 @@ from ..steps.slot_cache import SlotCache
 from ..steps.acceptance import split_criteria
 from . import continuous
 from .continuous import BatchBroken, ContinuousEngine, Joining, Member, same_prefill
-from .prefix_store import PrefixStore
+from .prefix_store import PrefixHit, PrefixStore
 from .device_pool import RowsOnDevice, SlotPool, Slots, row_values, set_rows
 from .device_sides import EOS_WIDTH, DeviceSides, RowOnHost
 
 
 class Prefill:
-    """A request on its way in: its prompt but the root prefilled into 1-row slots of its own, its row's device state
-    set (`row`: what the host keeps of it; `capacity`, `eos_width`: what it needs of the batch's slots)."""
+    """A request on its way in (its host side): its prompt, what the host keeps of its row (`row`), what it needs of the
+    batch's slots (`capacity`, `eos_width`), the stored prefix it reuses (`hit`, looked up when it is grouped); its
+    slots are row `index` of its group's (PrefillGroup) once one takes it."""
 
     def __init__(self, sides: DeviceSides, request, prefixes: PrefixStore | None = None):
         self.sides, self.request = sides, request
         self.sequence = request.prompt_ids()[0]  # host ints (the prompt's one read, at its join)
         committed = len(self.sequence) - 1
-        stops = split_criteria(request.stopping_criteria)
-        self.eos_width = max(EOS_WIDTH, power_of_two(len(stops.eos)))
+        self.stops = split_criteria(request.stopping_criteria)
+        self.eos_width = max(EOS_WIDTH, power_of_two(len(self.stops.eos)))
         self.capacity = capacity_bucket(len(self.sequence) + request.max_new_tokens + sides.tree_slots)
         sampler = request.samplers[0]
         suffix = sides.suffix.index_for(request, self.sequence) if sides.suffix is not None else None
         self.row = RowOnHost(sampler, list(self.sequence), committed, (request.keeps_scores, request.keeps_logits),
                              suffix, committed)
-        width = max(committed, 1)
-        (target_layers, *target_rules), (draft_layers, *draft_rules) = sides.layers()  # (window rules, attention)
-        self.slots = Slots((SlotCache(target_layers, width + 1, *target_rules),
-                            SlotCache(draft_layers, width + 1, *draft_rules) if draft_layers else None),
-                           RowsOnDevice.empty(1, self.eos_width, sides.drafter.state_fields(width + 1), sides.device))
-        state = row_values(sampler, self.sequence[-1], committed, request.max_new_tokens, len(self.sequence), stops.eos,
-                           self.eos_width)
-        packed = to_device([(self.sequence[:-1] or [0]) + state], sides.device)  # its prompt and state, one copy
-        self.ids, self.width = packed[:, :width], width
-        set_rows(self.slots.rows, packed[:, width:], 0)
+        self.width = max(committed, 1)  # the tokens it prefills (a one-token prompt: one padding column, count 0)
         # shared prefixes' target KV (engine/prefix_store.py); not for a drafter that reads the target's states of them
         self.prefixes = None if sides.drafter.reads_target else prefixes
-        self.reused = self.reuse() if self.prefixes is not None else 0  # the prompt's slots copied, not prefilled
+        self.hit: PrefixHit | None = None
+        self.reused = 0  # the prompt's slots copied from `hit`, not prefilled by the target
+        self.slots: Slots | None = None
+        self.index = 0
+        self.grouped_with = 1  # the prompts prefilled in its group
         # a draft proposing from the host: its drafter for the row, started on the prompt (it runs at its first growth)
         self.host = sides.proposer.started(request) if sides.proposer is not None else None
 
-    def reuse(self) -> int:
-        """Copy the target's KV of the longest stored prefix of this prompt into its slots: the slots it need not
-        prefill (0: none stored). The prompt's last committed token is left out of the search, so that the target
-        always prefills a piece (and the drafter's catch-up over the copied slots runs with it)."""
-        hit = self.prefixes.longest(self.sequence[: self.row.prefix - 1])
-        if hit is None:
-            return 0
-        target = self.slots.caches[0]
-        target.allocate(hit.stored.cache, 1)
-        target.copy_rows(hit.stored.cache, slice(0, 1), at=0, slots=hit.length)
-        return hit.length
+    def look_up(self) -> None:
+        """The longest stored prefix of this prompt (none: nothing reused). The prompt's last committed token is left
+        out of the search, so that the target always prefills a piece (and the drafter's catch-up over the copied slots
+        runs with it)."""
+        if self.prefixes is not None:
+            self.hit = self.prefixes.longest(self.sequence[: self.row.prefix - 1])
+            self.reused = self.hit.length if self.hit is not None else 0
+
+    def state(self, eos_width: int) -> list[int]:
+        """Its row's device state as host ints (row_values', EOS ids padded to eos_width)."""
+        return row_values(self.row.sampler, self.sequence[-1], self.row.prefix, self.request.max_new_tokens,
+                          len(self.sequence), self.stops.eos, eos_width)
+
+    def windows(self, drafts: bool) -> tuple[int, int]:
+        """Where each model's prefill starts (target, drafter): past the copied slots for the target, from the start
+        for a draft model (its KV and state are its own)."""
+        return self.reused, 0 if drafts else self.reused
 
     def kept_in(self) -> None:
         """Its prefill done: its prompt's target KV is kept for later requests (before the batch copies its row in)."""
         if self.prefixes is not None:
-            self.prefixes.keep(self.sequence[: self.row.prefix], self.slots.caches[0])
+            self.prefixes.keep(self.sequence[: self.row.prefix], self.slots.caches[0],
+                               row=self.index if self.grouped_with > 1 else None)
 
     def copy_for(self, request) -> "RowCopy":
         """The row of another request for the same prompt and length (a request's n answers: continuous.same_prefill),
@@ -103,19 +110,134 @@ class Prefill:
         host = self.sides.proposer.started(request) if self.sides.proposer is not None else None  # its own drafter
         return RowCopy(row, to_device([state], self.sides.device), eos_width, host)
 
+
+class PrefillGroup:
+    """Joining requests prefilled together, between two rounds: their rows of one set of slots (its prompts and states
+    set in one copy), one forward of each model per piece for every row, each row its own tokens, count and start (the
+    shorter rows padded: their padding writes the scratch slot). `PrefillCosts.groups` says which prompts share one."""
+
+    def __init__(self, sides: DeviceSides, prefills: list[Prefill]):
+        self.sides, self.prefills = sides, prefills
+        width = max(p.width for p in prefills)
+        eos_width = max(p.eos_width for p in prefills)
+        (target_layers, *target_rules), (draft_layers, *draft_rules) = sides.layers()  # (window rules, attention)
+        k = len(prefills)
+        self.slots = Slots((SlotCache(target_layers, width + 1, *target_rules),
+                            SlotCache(draft_layers, width + 1, *draft_rules) if draft_layers else None),
+                           RowsOnDevice.empty(k, eos_width, sides.drafter.state_fields(width + 1), sides.device))
+        prompts = [(p.sequence[:-1] or [0]) for p in prefills]
+        packed = to_device([ids + [0] * (width - len(ids)) + p.state(eos_width) for ids, p in zip(prompts, prefills)],
+                           sides.device)  # the prompts and the rows' state, one copy
+        self.ids, self.width = packed[:, :width], width
+        self.done = False  # its last piece has run (in_pieces)
+        self.joining: list[Joining] = []  # the engine's, one per prefill (its members: the requests it answers)
+        set_rows(self.slots.rows, packed[:, width:], 0)
+        target = self.slots.caches[0]
+        for b, p in enumerate(prefills):
+            p.slots, p.index, p.grouped_with = self.slots, b, k
+            if p.hit is not None:  # the prompt's slots copied, not prefilled
+                if not target.buffers:
+                    target.allocate(p.hit.stored.cache, k)
+                target.copy_rows(p.hit.stored.cache, slice(0, 1), at=b, slots=p.hit.length)
+
+    @property
+    def members(self) -> list[Member]:
+        return [m for j in self.joining for m in j.members]
+
     def in_pieces(self, piece: int):
-        """One forward of each model per `piece` prompt tokens (a generator: the engine runs one piece between two
-        rounds); a one-token prompt prefills nothing but makes the caches' buffers."""
-        committed, reused = self.row.prefix, self.reused
-        device = self.ids.device
-        pieces = [(start, min(start + piece, reused), False) for start in range(0, reused, piece)]  # the drafter's alone
-        pieces += [(start, min(start + piece, self.width), True) for start in range(reused, self.width, piece)]
-        for start, end, target in pieces:  # (reused < width: the target's pieces are never none)
-            count = torch.full((1,), max(min(end, committed) - start, 0), device=device)
-            starts = torch.full((1,), start, device=device)
-            self.sides.prefill(self.slots, self.ids[:, start:end], count, starts, end=end, target=target)
-            if target:  # the drafter's catch-up over the copied slots runs with the first target piece, not alone
-                yield
+        """One forward of each model per `piece` prompt tokens of every row (a generator: the engine runs one piece
+        between two rounds); the target's rows start past their copied slots, a draft model's from the start."""
+        drafts = self.sides.drafter.model is not None
+        starts = [list(p.windows(drafts)) for p in self.prefills]  # each row's next (target, drafter) slot
+        ends = [p.width for p in self.prefills]
+        committed = [p.row.prefix for p in self.prefills]
+        while any(s < e for row, e in zip(starts, ends) for s in row):
+            windows = []  # per model: each row's (start, end) this piece
+            for m in (0, 1):
+                windows.append([(s[m], min(s[m] + piece, e)) for s, e in zip(starts, ends)])
+            runs = [any(a < b for a, b in w) for w in windows]
+            L = [max(b - a for a, b in w) for w in windows]
+            values = [[a for a, _ in w] + [max(min(b, c) - a, 0) for (a, b), c in zip(w, committed)]
+                      for w in windows]
+            packed = to_device(values, self.ids.device)  # both models' starts and counts, one copy
+            pieces = []
+            for m in (0, 1):
+                k = len(self.prefills)
+                at, count = packed[m, :k], packed[m, k:]
+                columns = (at[:, None] + torch.arange(max(L[m], 1), device=at.device)[None]).clamp(max=self.width - 1)
+                pieces.append((self.ids.gather(1, columns), count, at))
+            end = max(b for w in windows for _, b in w)
+            if runs[0]:
+                same = windows[0] == windows[1]
+                self.sides.prefill(self.slots, *pieces[0], end=end,
+                                   drafter_piece=None if same or not runs[1] else pieces[1])
+            else:  # the drafter alone, over slots whose target KV was copied
+                self.sides.prefill(self.slots, *pieces[1], end=end, target=False)
+            starts = [[t, d] for (_, t), (_, d) in zip(*windows)]
+            self.done = not any(s < e for row, e in zip(starts, ends) for s in row)
+            yield
+
+
+PREFILL_TOKENS = 4096  # prompt tokens (the padding included) one prefill forward runs at most, for every row of it
+FIXED_TOKENS = 32  # a prefill forward's fixed cost in prompt tokens' worth until PrefillCosts has measured it (CPU)
+COST_SAMPLES = 32  # the last prefill forwards PrefillCosts fits
+
+
+@dataclass
+class PrefillCosts:
+    """What a prefill forward costs, seconds = fixed + per_token x tokens (every row's piece padded to the longest),
+    fitted by least squares over the last COST_SAMPLES forwards, and which joining prompts therefore share one: a row
+    joins a forward where the padding it adds costs less than a forward of its own. On CUDA the forwards are not timed
+    (a timing would wait for the stream) and cost little beside their launch: every prompt shares one, up to
+    PREFILL_TOKENS."""
+
+    timed: bool = True
+    samples: list[tuple[int, float]] = field(default_factory=list)  # (tokens, seconds)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if self.timed:
+            self.samples = (self.samples + [(tokens, seconds)])[-COST_SAMPLES:]
+
+    def fixed_tokens(self) -> float:
+        """A forward's fixed cost in tokens' worth (fixed / per_token): FIXED_TOKENS until two sizes were timed."""
+        if not self.timed:
+            return float(PREFILL_TOKENS)
+        n = len(self.samples)
+        if n < 4:
+            return float(FIXED_TOKENS)
+        mx = sum(t for t, _ in self.samples) / n
+        my = sum(s for _, s in self.samples) / n
+        var = sum((t - mx) ** 2 for t, _ in self.samples)
+        if var == 0:
+            return float(FIXED_TOKENS)
+        per_token = sum((t - mx) * (s - my) for t, s in self.samples) / var
+        fixed = my - per_token * mx
+        if per_token <= 0:  # noise: no slope to price padding by
+            return float(FIXED_TOKENS)
+        return min(max(fixed / per_token, 0.0), float(PREFILL_TOKENS))
+
+    def groups(self, lengths: list[int]) -> list[list[int]]:
+        """The prompts of `lengths` (each one's longest window this piece) in groups of one forward each: the partition
+        of the prompts sorted by length into runs that costs least, a run costing fixed + rows x its longest (in
+        tokens), none past PREFILL_TOKENS. Returns indices into `lengths`, each group in arrival order, groups by their
+        first arrival."""
+        fixed = self.fixed_tokens()
+        order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+        best = [0.0] + [float("inf")] * len(order)  # best[j]: the cheapest partition of the first j
+        cut = [0] * (len(order) + 1)
+        for j in range(1, len(order) + 1):
+            for i in range(j - 1, -1, -1):  # the run order[i:j], whose longest is order[i]'s (ties: the shorter run)
+                rows, longest = j - i, max(lengths[order[i]], 1)
+                if rows > 1 and rows * longest > PREFILL_TOKENS:
+                    continue
+                cost = best[i] + fixed + rows * longest
+                if cost < best[j]:
+                    best[j], cut[j] = cost, i
+        groups, j = [], len(order)
+        while j:
+            groups.append(sorted(order[cut[j] : j]))
+            j = cut[j]
+        return sorted(groups)
 
 
 @dataclass
@@ -149,6 +271,8 @@ class DeviceContinuousEngine(ContinuousEngine):
         self.prefixes = PrefixStore(PREFIX_POSITIONS)  # shared prompt prefixes' target KV (a server sets its own bound)
         self._capacity = 0  # the last batch's slot capacity
         self.changes = Counter()  # the batch's moves to other slots (bucket, capacity), over every batch it ran
+        self.groups: list[PrefillGroup] = []  # joining requests' prefills under way, one forward of each model a group
+        self.costs = PrefillCosts(timed=target.device.type != "cuda")
 
     @property
     def bucket_changes(self) -> int:
@@ -192,8 +316,66 @@ class DeviceContinuousEngine(ContinuousEngine):
         if leader is not None:
             leader.copies.append((member, leader.sides.copy_for(member.request)))
             return
-        prefill = Prefill(self.sides, member.request, self.prefixes)
-        self.joining.append(Joining(member, prefill, prefill.in_pieces(continuous.PREFILL_PIECE)))
+        self.joining.append(Joining(member, Prefill(self.sides, member.request, self.prefixes), None))
+
+    def prefill_pieces(self) -> None:
+        """One prefill forward of each model for each group of requests joining (the ones not yet in a group grouped
+        first: PrefillCosts.groups), then once more while no row decodes; a group whose last piece ran joins the running
+        sides at once."""
+        while self.joining:
+            self.group_joining()
+            for group in list(self.groups):
+                self.guarded(lambda g=group: self.prefill_piece(g), members=group.members)
+                if any(m.done.is_set() for m in group.members):  # it failed
+                    self.drop_group(group)
+            if self.rows.live:
+                return
+        if not self.rows.live:
+            self.end_batch()
+
+    def group_joining(self) -> None:
+        """The requests joining that no group prefills yet, grouped (each prompt's reused prefix looked up first)."""
+        new = [j for j in self.joining if j.sides.slots is None and not any(j in g.joining for g in self.groups)]
+        if not new:
+            return
+        drafts = self.drafter.model is not None
+        for joining in new:
+            joining.sides.look_up()
+        lengths = [min(j.sides.width - min(j.sides.windows(drafts)), continuous.PREFILL_PIECE) for j in new]
+        for indices in self.costs.groups(lengths):
+            joinings = [new[i] for i in indices]
+
+            def start(joinings=joinings) -> None:
+                group = PrefillGroup(self.sides, [j.sides for j in joinings])
+                group.joining = joinings
+                group.pieces = group.in_pieces(continuous.PREFILL_PIECE)
+                self.groups.append(group)
+
+            self.guarded(start, members=[m for j in joinings for m in j.members])
+            for joining in joinings:
+                if joining.member.done.is_set():  # its group failed to start
+                    self.joining.remove(joining)
+
+    def prefill_piece(self, group: PrefillGroup) -> None:
+        """One forward of each model over the group's rows (timed for PrefillCosts); after its last, its requests join
+        the running sides, in arrival order."""
+        start = time.perf_counter()
+        next(group.pieces)
+        self.costs.observe(len(group.prefills) * group.width, time.perf_counter() - start)
+        if not group.done:
+            return
+        self.drop_group(group)
+        for joining in group.joining:
+            self.take_in(joining)
+            for member in joining.members:
+                self.rows.members[member.row_id] = member
+                self.rows.live.append(member.row_id)
+
+    def drop_group(self, group: PrefillGroup) -> None:
+        self.groups.remove(group)
+        for joining in group.joining:
+            if joining in self.joining:
+                self.joining.remove(joining)
 
     def take_in(self, joining: Joining) -> None:
         """The bucket's sides copy the prefilled row in, and once more for each request sharing its prefill (its own
@@ -203,10 +385,11 @@ class DeviceContinuousEngine(ContinuousEngine):
         if self.sides is None:
             self.sides = self.new_sides()
         try:
-            self.sides.absorb(prefill.slots, prefill.row, prefill.capacity, prefill.eos_width, prefill.host)
+            self.sides.absorb(prefill.slots, prefill.row, prefill.capacity, prefill.eos_width, prefill.host,
+                              prefill.index)
             for _, copy in joining.copies:
                 self.sides.absorb(prefill.slots, copy.row, prefill.capacity, max(prefill.eos_width, copy.eos_width),
-                                  copy.host)
+                                  copy.host, prefill.index)
                 set_rows(self.sides.slots.rows, copy.state, self.sides.live - 1)
         except Exception as error:
             raise BatchBroken(error) from error

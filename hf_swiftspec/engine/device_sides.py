@@ -372,14 +372,15 @@ class DeviceSides:
 
     def prefill(self, slots: Slots, tokens: torch.Tensor, counts: torch.Tensor, starts: torch.Tensor | None = None,
                 end: int | None = None, roots: torch.Tensor | None = None, draft: bool = True,
-                target: bool = True) -> None:
+                target: bool = True, drafter_piece: tuple | None = None) -> None:
         """Both models over tokens (B, L) long (counts (B,) per row, token j of a row at slot starts + j: a prompt but
         its root, or a piece of it), each forward attending the live length (`end`: the furthest slot written).
         roots (B, L) long: each row's whole prompt right-aligned (its root in the last column), which the target runs
         instead, keeping the roots' logits for round 1 (`root_logits`). draft=False: a drafter that defers its
         catch-up only records the tokens (its first growth runs them: the policy grows where the call can repay
         that, GoodputPolicy.repays_catch_up). target=False: the drafter alone (slots whose target KV was copied from
-        a stored prefix: engine/prefix_store.py)."""
+        a stored prefix: engine/prefix_store.py). drafter_piece: (tokens, counts, starts) the drafter runs instead of
+        the target's, in the same call (rows whose target KV was partly copied: the drafter's window starts earlier)."""
         B, L = tokens.shape
         starts = torch.zeros_like(counts) if starts is None else starts
         need = (L if end is None else end) + 1
@@ -394,17 +395,19 @@ class DeviceSides:
                 self.root_logits = catch_up(self.target, slots.caches[0], roots, counts + 1, starts, lead=lead,
                                             last_logits=True)[:, None]  # (B, 1, V)
             runs = draft or not self.drafter.defers
+            piece = drafter_piece if drafter_piece is not None else (tokens, counts, starts)
             if runs:
-                self.drafter.prefill(slots.caches[1], tokens, counts, starts, slots.rows.drafter)
+                self.drafter.prefill(slots.caches[1], *piece, slots.rows.drafter)
             else:
-                self.drafter.record(tokens, counts, starts, slots.rows.drafter)
+                self.drafter.record(*piece, slots.rows.drafter)
         self.counters[0].forwards += int(target)
         self.counters[1].forwards += int(self.drafter.model is not None and runs)
 
-    def absorb(self, joining: Slots, row: RowOnHost, capacity: int, eos_width: int, host_rows=None) -> None:
-        """A prefilled request's row (its own 1-row slots, its state set; host_rows: its host drafter, where the sides
-        have one) joins as cache row `live`; the rows move first to a larger bucket, or to slots of a wider capacity or
-        EOS width, where it needs one."""
+    def absorb(self, joining: Slots, row: RowOnHost, capacity: int, eos_width: int, host_rows=None,
+               index: int = 0) -> None:
+        """A prefilled request's row (row `index` of its prefill's slots, its state set; host_rows: its host drafter,
+        where the sides have one) joins as cache row `live`; the rows move first to a larger bucket, or to slots of a
+        wider capacity or EOS width, where it needs one."""
         n = self.live
         if self.slots is None or n + 1 > self.bucket or capacity > self.capacity or eos_width > self.eos_width:
             self.changes["capacity"] += 0 < self.capacity < capacity
@@ -414,8 +417,8 @@ class DeviceSides:
             self.pool.drop_smaller(self.capacity)
         for mine, theirs in zip(self.slots.caches, joining.caches):
             if mine is not None:
-                mine.copy_rows(theirs, slice(0, 1), at=n, slots=row.prefix)
-        self.slots.rows.copy_rows(joining.rows, slice(0, 1), 1, at=n)
+                mine.copy_rows(theirs, slice(index, index + 1), at=n, slots=row.prefix)
+        self.slots.rows.copy_rows(joining.rows, slice(index, index + 1), 1, at=n)
         if host_rows is not None:
             self.proposer.absorb(host_rows)
         self.host[n] = row

@@ -3,8 +3,9 @@ joining request whose prompt starts with the same tokens (a chat client's system
 turn) copies that KV instead of recomputing it.
 
 The running batch on the device round (engine/continuous_device.py) keeps one. When a request's prefill ends, its
-1-row target slot cache (slot j holds position j's keys and values: a prompt's KV does not depend on what follows
-it) is kept here under the prompt's tokens before the batch copies its row in. A request joining later looks up the
+row of the target's slot cache (slot j holds position j's keys and values: a prompt's KV does not depend on what
+follows it; a 1-row copy where its prompt was prefilled beside others) is kept here under the prompt's tokens before
+the batch copies its row in. A request joining later looks up the
 longest stored prefix of its prompt, in whole blocks of BLOCK tokens (a handful of shared tokens is not worth a
 copy), copies those slots into its own cache and prefills the target from there; its drafter still runs the whole
 prompt (a draft's KV and state are its own; a drafter that reads the target's states, an EAGLE-3 head or MTP layers,
@@ -78,9 +79,11 @@ class PrefixStore:
         self.reused_tokens += length
         return PrefixHit(best, length)
 
-    def keep(self, tokens: list[int], cache) -> None:
+    def keep(self, tokens: list[int], cache, row: int | None = None) -> None:
         """Keep a prefilled prompt's target cache (a chain's cache, read by its length with recurrent states, is not
-        kept); stored prompts it extends go (it holds their KV too), then the least recently used past `positions`."""
+        kept); stored prompts it extends go (it holds their KV too), then the least recently used past `positions`.
+        row: the prompt's row where the cache holds several prompts prefilled together (a 1-row copy of it is kept,
+        so that what the store holds is what it counts); None: the cache is the prompt's alone."""
         if len(tokens) < self.block or cache.capacity > self.positions or cache.length is not None or not cache.buffers:
             return
         key = tuple(tokens)
@@ -88,6 +91,6 @@ class PrefixStore:
             del self.stored[other]
         if any(len(k) > len(key) and k[: len(key)] == key for k in self.stored):
             return  # a longer stored prompt holds this one's KV already
-        self.stored[key] = StoredPrefix(key, cache)
+        self.stored[key] = StoredPrefix(key, cache if row is None else cache.copy_of_row(row))
         while self.held > self.positions:
             self.stored.popitem(last=False)

@@ -229,6 +229,13 @@ class SlotCache(Cache):
             part = theirs.data[:, rows, :, :n]
             mine.data[:, at : at + part.shape[1], :, :n].copy_(part)
 
+    def copy_of_row(self, row: int) -> "SlotCache":
+        """A 1-row cache of this one's layers, rules and capacity holding a copy of row `row` (made after a forward)."""
+        copy = SlotCache(len(self.layers), self.capacity, self.architecture, self.attention)
+        copy.allocate(self, 1)
+        copy.copy_rows(self, slice(row, row + 1))
+        return copy
+
     def move_rows(self, source: torch.Tensor, destination: torch.Tensor, slots: int | None = None) -> None:
         """Rows source[i] become rows destination[i] (the first `slots` slots, default all), in place; the
         sources are read before any is written (a row may be both)."""
