@@ -176,3 +176,31 @@ def test_prefill_costs_fit_a_forwards_fixed_cost_in_tokens():
     untimed.observe(100, 1.0)
     assert untimed.samples == [] and untimed.fixed_tokens() == PREFILL_TOKENS
     assert list(itertools.chain(*untimed.groups([5, 200, 7]))) == [0, 1, 2]  # one forward for all three
+
+
+def test_a_group_failing_to_join_fails_its_requests_alone_and_the_engine_serves_on(monkeypatch):
+    """The running sides fail to take a prefilled group's row in (absorb raises): its requests' generate() calls raise
+    that error, the engine's thread lives on, and the next request is answered as target.generate's."""
+    pair = pair_of("llama", **DEVICE)
+    target = pair.target
+    target.generation_config.eos_token_id = None
+    absorb, failures = DeviceSides.absorb, [1]
+
+    def failing(self, *args, **kwargs):
+        if failures:
+            failures.pop()
+            raise RuntimeError("absorb failed on purpose")
+        return absorb(self, *args, **kwargs)
+
+    monkeypatch.setattr(DeviceSides, "absorb", failing)
+    prompts = random_prompts((9, 14), 5, 98)
+    calls = {f"r{i}": dict(input_ids=torch.tensor([p]), max_new_tokens=6, do_sample=False) for i, p in enumerate(prompts)}
+    engine = pair.continuous_engine()
+    try:
+        with pytest.raises(AssertionError, match="absorb failed on purpose"):  # (decode_together: every call's error)
+            decode_together(pair, engine, calls)
+        assert engine.thread.is_alive() and not engine.groups and not engine.joining
+        after = dict(input_ids=torch.tensor([prompts[0]]), max_new_tokens=6, do_sample=False)
+        assert pair.generate(swiftspec_engine=(engine, "after"), **after).tolist() == target.generate(**after).tolist()
+    finally:
+        engine.close()

@@ -372,7 +372,9 @@ class DeviceContinuousEngine(ContinuousEngine):
                 self.rows.live.append(member.row_id)
 
     def drop_group(self, group: PrefillGroup) -> None:
-        self.groups.remove(group)
+        """The group and its requests leave the joining (done, or failed: once either way)."""
+        if group in self.groups:
+            self.groups.remove(group)
         for joining in group.joining:
             if joining in self.joining:
                 self.joining.remove(joining)
