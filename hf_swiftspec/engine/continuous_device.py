@@ -7,7 +7,10 @@ device sides (engine/device_sides.py) under it, rows joining and leaving between
             the shorter ones against a forward's fixed cost, is `PrefillCosts`' (fitted from the forwards timed on a
             CPU; every prompt in one on CUDA). A row's device state is set in the same copy as its prompt. Once its
             group's last piece has run, the sides copy each row's KV and state into the next free row of the running
-            batch's slots (a device copy, no read: DeviceSides.absorb), before the next round
+            batch's slots (a device copy, no read: DeviceSides.absorb), before the next round. Where no row decodes, the
+            target's last piece runs each prompt's root too and keeps its logits: the batch the group starts runs a
+            plain first round with no forward (DeviceSides.starts_plain), so a request on an idle server streams its
+            first token with its prefill, as transformers' server does, not after a tree round
     round:  engine/rounds.py's one_round over every cache row of the bucket (the live rows, then dead padding rows
             with a budget of 0, which emit and commit nothing); the round's one host read is the verification's
     leave:  the rows that stay are moved down over the holes (keep_order: few moves, in place); the freed rows are
@@ -65,6 +68,7 @@ class Prefill:
         self.prefixes = None if sides.drafter.reads_target else prefixes
         self.hit: PrefixHit | None = None
         self.reused = 0  # the prompt's slots copied from `hit`, not prefilled by the target
+        self.root_logits: torch.Tensor | None = None  # (1, 1, V) its root's, where its group ran the roots
         self.slots: Slots | None = None
         self.index = 0
         self.grouped_with = 1  # the prompts prefilled in its group
@@ -114,24 +118,28 @@ class Prefill:
 class PrefillGroup:
     """Joining requests prefilled together, between two rounds: their rows of one set of slots (its prompts and states
     set in one copy), one forward of each model per piece for every row, each row its own tokens, count and start (the
-    shorter rows padded: their padding writes the scratch slot). `PrefillCosts.groups` says which prompts share one."""
+    shorter rows padded: their padding writes the scratch slot). `PrefillCosts.groups` says which prompts share one.
+    roots: the target runs each prompt's root too, in its last piece, and keeps its logits (`Prefill.root_logits`), so
+    that a batch these rows start runs a plain first round, no forward: their first tokens come out with the prefill
+    (DeviceSides.starts_plain; the engine asks for it where no row decodes)."""
 
-    def __init__(self, sides: DeviceSides, prefills: list[Prefill]):
-        self.sides, self.prefills = sides, prefills
+    def __init__(self, sides: DeviceSides, prefills: list[Prefill], roots: bool = False):
+        self.sides, self.prefills, self.roots = sides, prefills, roots
         width = max(p.width for p in prefills)
         eos_width = max(p.eos_width for p in prefills)
         (target_layers, *target_rules), (draft_layers, *draft_rules) = sides.layers()  # (window rules, attention)
         k = len(prefills)
-        self.slots = Slots((SlotCache(target_layers, width + 1, *target_rules),
-                            SlotCache(draft_layers, width + 1, *draft_rules) if draft_layers else None),
-                           RowsOnDevice.empty(k, eos_width, sides.drafter.state_fields(width + 1), sides.device))
-        prompts = [(p.sequence[:-1] or [0]) for p in prefills]
-        packed = to_device([ids + [0] * (width - len(ids)) + p.state(eos_width) for ids, p in zip(prompts, prefills)],
-                           sides.device)  # the prompts and the rows' state, one copy
-        self.ids, self.width = packed[:, :width], width
+        capacity = width + 2  # the prompt but its root, the root's slot, the scratch slot
+        self.slots = Slots((SlotCache(target_layers, capacity, *target_rules),
+                            SlotCache(draft_layers, capacity, *draft_rules) if draft_layers else None),
+                           RowsOnDevice.empty(k, eos_width, sides.drafter.state_fields(capacity), sides.device))
+        packed = to_device([p.sequence + [0] * (width + 1 - len(p.sequence)) + p.state(eos_width) for p in prefills],
+                           sides.device)  # the prompts (their roots too) and the rows' state, one copy
+        self.ids, self.width = packed[:, : width + 1], width
+        self.root_logits = None  # (k, 1, V) each row's root's logits, as its last piece makes them (roots)
         self.done = False  # its last piece has run (in_pieces)
         self.joining: list[Joining] = []  # the engine's, one per prefill (its members: the requests it answers)
-        set_rows(self.slots.rows, packed[:, width:], 0)
+        set_rows(self.slots.rows, packed[:, width + 1 :], 0)
         target = self.slots.caches[0]
         for b, p in enumerate(prefills):
             p.slots, p.index, p.grouped_with = self.slots, b, k
@@ -146,36 +154,53 @@ class PrefillGroup:
 
     def in_pieces(self, piece: int):
         """One forward of each model per `piece` prompt tokens of every row (a generator: the engine runs one piece
-        between two rounds); the target's rows start past their copied slots, a draft model's from the start."""
+        between two rounds); the target's rows start past their copied slots, a draft model's from the start. With
+        roots, the target's rows end past their roots, right-aligned in each piece (the last column's logits are the
+        roots' of the rows whose prompt ends in that piece)."""
         drafts = self.sides.drafter.model is not None
         starts = [list(p.windows(drafts)) for p in self.prefills]  # each row's next (target, drafter) slot
-        ends = [p.width for p in self.prefills]
         committed = [p.row.prefix for p in self.prefills]
-        while any(s < e for row, e in zip(starts, ends) for s in row):
+        ends = [(c + 1 if self.roots else p.width, p.width) for p, c in zip(self.prefills, committed)]
+        limits = [(c + self.roots, c) for c in committed]  # the real tokens each model runs of a row
+        while any(s < e for row, end in zip(starts, ends) for s, e in zip(row, end)):
             windows = []  # per model: each row's (start, end) this piece
             for m in (0, 1):
-                windows.append([(s[m], min(s[m] + piece, e)) for s, e in zip(starts, ends)])
+                windows.append([(s[m], min(s[m] + piece, e[m])) for s, e in zip(starts, ends)])
             runs = [any(a < b for a, b in w) for w in windows]
             L = [max(b - a for a, b in w) for w in windows]
-            values = [[a for a, _ in w] + [max(min(b, c) - a, 0) for (a, b), c in zip(w, committed)]
-                      for w in windows]
+            values = [[a for a, _ in w] + [max(min(b, c[m]) - a, 0) for (a, b), c in zip(w, limits)]
+                      for m, w in enumerate(windows)]
             packed = to_device(values, self.ids.device)  # both models' starts and counts, one copy
-            pieces = []
+            pieces, k = [], len(self.prefills)
             for m in (0, 1):
-                k = len(self.prefills)
                 at, count = packed[m, :k], packed[m, k:]
-                columns = (at[:, None] + torch.arange(max(L[m], 1), device=at.device)[None]).clamp(max=self.width - 1)
-                pieces.append((self.ids.gather(1, columns), count, at))
+                lead = max(L[m], 1) - count if m == 0 and self.roots else None  # the target's rows right-aligned
+                j = torch.arange(max(L[m], 1), device=at.device)[None]
+                columns = at[:, None] + (j if lead is None else j - lead[:, None])
+                pieces.append((self.ids.gather(1, columns.clamp(min=0, max=self.width)), count, at, lead))
             end = max(b for w in windows for _, b in w)
             if runs[0]:
-                same = windows[0] == windows[1]
-                self.sides.prefill(self.slots, *pieces[0], end=end,
-                                   drafter_piece=None if same or not runs[1] else pieces[1])
+                same = windows[0] == windows[1] and not self.roots
+                *target, lead = pieces[0]
+                logits = self.sides.prefill(self.slots, *target, end=end, lead=lead, drafter=runs[1],
+                                            drafter_piece=None if same or not runs[1] else pieces[1][:3])
+                if self.roots:
+                    self.keep_root_logits(logits, windows[0], ends)
             else:  # the drafter alone, over slots whose target KV was copied
-                self.sides.prefill(self.slots, *pieces[1], end=end, target=False)
+                self.sides.prefill(self.slots, *pieces[1][:3], end=end, target=False)
             starts = [[t, d] for (_, t), (_, d) in zip(*windows)]
-            self.done = not any(s < e for row, e in zip(starts, ends) for s in row)
+            self.done = not any(s < e for row, end in zip(starts, ends) for s, e in zip(row, end))
             yield
+
+    def keep_root_logits(self, logits: torch.Tensor, windows: list[tuple[int, int]], ends: list[tuple[int, int]]):
+        """The roots' logits (1, 1, V) of the rows whose target window ended at their root this piece, each kept as its
+        Prefill's root_logits (a device copy)."""
+        if self.root_logits is None:
+            self.root_logits = torch.zeros_like(logits)
+        for b, ((a, e), end) in enumerate(zip(windows, ends)):
+            if a < e == end[0]:
+                self.root_logits[b].copy_(logits[b])
+                self.prefills[b].root_logits = self.root_logits[b : b + 1]
 
 
 PREFILL_TOKENS = 4096  # prompt tokens (the padding included) one prefill forward runs at most, for every row of it
@@ -346,7 +371,9 @@ class DeviceContinuousEngine(ContinuousEngine):
             joinings = [new[i] for i in indices]
 
             def start(joinings=joinings) -> None:
-                group = PrefillGroup(self.sides, [j.sides for j in joinings])
+                # where no row decodes, the target runs the roots too: the batch they start runs a plain first round
+                roots = not self.rows.live and self.sides.starts_plain
+                group = PrefillGroup(self.sides, [j.sides for j in joinings], roots=roots)
                 group.joining = joinings
                 group.pieces = group.in_pieces(continuous.PREFILL_PIECE)
                 self.groups.append(group)
@@ -388,10 +415,10 @@ class DeviceContinuousEngine(ContinuousEngine):
             self.sides = self.new_sides()
         try:
             self.sides.absorb(prefill.slots, prefill.row, prefill.capacity, prefill.eos_width, prefill.host,
-                              prefill.index)
+                              prefill.index, prefill.root_logits)
             for _, copy in joining.copies:
                 self.sides.absorb(prefill.slots, copy.row, prefill.capacity, max(prefill.eos_width, copy.eos_width),
-                                  copy.host, prefill.index)
+                                  copy.host, prefill.index, prefill.root_logits)
                 set_rows(self.sides.slots.rows, copy.state, self.sides.live - 1)
         except Exception as error:
             raise BatchBroken(error) from error

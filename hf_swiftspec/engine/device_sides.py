@@ -270,6 +270,9 @@ class DeviceSides:
         self.eos_width = EOS_WIDTH
         self.first_plain = False  # round 1 is plain: the prefill ran the roots (root_logits)
         self.root_logits: torch.Tensor | None = None  # (B, 1, V) the roots' logits, where the prefill ran the roots
+        # a running batch's first rows, each (1, 1, V) its root's logits from its prefill (absorb), while every row so
+        # far brought them; the batch's first round is then plain (propose). None: some row did not, or it has run
+        self.joined_roots: list[torch.Tensor] | None = None
         self.changes = Counter() if changes is None else changes  # moves to other slots: bucket, capacity
 
     @property
@@ -316,6 +319,14 @@ class DeviceSides:
         self.suffix = (SuffixProposals(self.config.ngram_size if proposes else 0, self.suffix_nodes, self.limit,
                                        self.device, branching=not self.chain) if self.suffix_nodes else None)
 
+    @property
+    def starts_plain(self) -> bool:
+        """Whether a batch's first round is plain, its roots' logits made by the prefill (so it runs no forward and
+        the first tokens come out with the prefill): where the policy sizes the trees (with tree_budget alone every
+        round verifies a tree) and the drafter does not read the target's states at the roots (a head: round 1
+        verifies them)."""
+        return self.policy.tree_budget is None and not self.drafter.reads_target
+
     def room(self, row: RowOnHost) -> int:
         """Positions the models place below a row's root now (its root sits at position `prefix`; NO_ROOM: no limit)."""
         return self.limit - 1 - row.prefix if self.limit else NO_ROOM
@@ -353,7 +364,7 @@ class DeviceSides:
         # minus that round's root token, so deferring it never loses a token): the target's prefill runs the roots
         # too and keeps their logits (as generate's prefill does), so round 1 runs no forward. A drafter that reads
         # the target's states at the roots needs round 1 to verify them.
-        roots = self.first_plain = self.policy.tree_budget is None and not self.drafter.reads_target
+        roots = self.first_plain = self.starts_plain
         width = max(len(p) for p in prompts)
         pad = [[0] * (width - len(ids)) for ids in prompts]
         # each prompt left-aligned (its root a padding column), then, where the prefill runs the roots, right-aligned
@@ -365,50 +376,62 @@ class DeviceSides:
         set_rows(self.slots.rows, packed[:, taken:], 0)
         tokens = torch.cat([packed[:, :taken], packed.new_zeros(self.bucket - n, taken)])  # dead rows: nothing
         # (a chain's one row runs no padding column, the root's: a recurrent state would run it too)
-        self.prefill(self.slots, tokens[:, : width - bool(self.chain)], self.slots.rows.prefix_lens, end=width,
-                     roots=tokens[:, width:] if roots else None, draft=not deferred)
+        counts = self.slots.rows.prefix_lens
+        prompt = (tokens[:, : width - bool(self.chain)], counts, torch.zeros_like(counts))
+        if roots:  # the target runs each whole prompt right-aligned, the drafter the prompt but its root
+            self.root_logits = self.prefill(self.slots, tokens[:, width:], counts + 1, end=width,
+                                            lead=width - 1 - counts, drafter_piece=prompt, draft=not deferred)
+        else:
+            self.prefill(self.slots, *prompt, end=width, draft=not deferred)
         self.models = self.round_models()
         self.counters[0].busy_s += time.perf_counter() - start
 
     def prefill(self, slots: Slots, tokens: torch.Tensor, counts: torch.Tensor, starts: torch.Tensor | None = None,
-                end: int | None = None, roots: torch.Tensor | None = None, draft: bool = True,
-                target: bool = True, drafter_piece: tuple | None = None) -> None:
+                end: int | None = None, lead: torch.Tensor | None = None, draft: bool = True,
+                target: bool = True, drafter_piece: tuple | None = None, drafter: bool = True) -> torch.Tensor | None:
         """Both models over tokens (B, L) long (counts (B,) per row, token j of a row at slot starts + j: a prompt but
         its root, or a piece of it), each forward attending the live length (`end`: the furthest slot written).
-        roots (B, L) long: each row's whole prompt right-aligned (its root in the last column), which the target runs
-        instead, keeping the roots' logits for round 1 (`root_logits`). draft=False: a drafter that defers its
+        lead (B,) long: the target's tokens are right-aligned (each row's `counts` after `lead` padding columns), and
+        the target's logits at the last column (B, 1, V) float32 are returned: a row whose piece ends in its root, its
+        first token's (as generate's prefill keeps them); else None. draft=False: a drafter that defers its
         catch-up only records the tokens (its first growth runs them: the policy grows where the call can repay
         that, GoodputPolicy.repays_catch_up). target=False: the drafter alone (slots whose target KV was copied from
         a stored prefix: engine/prefix_store.py). drafter_piece: (tokens, counts, starts) the drafter runs instead of
-        the target's, in the same call (rows whose target KV was partly copied: the drafter's window starts earlier)."""
+        the target's, in the same call (rows whose target KV was partly copied: the drafter's window starts earlier;
+        the target's running the roots too). drafter=False: the target alone (a piece holding only roots)."""
         B, L = tokens.shape
         starts = torch.zeros_like(counts) if starts is None else starts
         need = (L if end is None else end) + 1
         for cache in slots.caches:
             if cache is not None:
                 cache.span = min(span_bucket(need) if self.runner is not None else need, cache.capacity)
+        logits = None
         with self.drafter.tapped():
-            if target and roots is None:
-                catch_up(self.target, slots.caches[0], tokens, counts, starts)
-            elif target:
-                lead = roots.shape[1] - 1 - counts  # each row's padding columns before its prompt
-                self.root_logits = catch_up(self.target, slots.caches[0], roots, counts + 1, starts, lead=lead,
-                                            last_logits=True)[:, None]  # (B, 1, V)
-            runs = draft or not self.drafter.defers
+            if target:
+                logits = catch_up(self.target, slots.caches[0], tokens, counts, starts, lead=lead,
+                                  last_logits=lead is not None)
+            runs = drafter and (draft or not self.drafter.defers)
             piece = drafter_piece if drafter_piece is not None else (tokens, counts, starts)
             if runs:
                 self.drafter.prefill(slots.caches[1], *piece, slots.rows.drafter)
-            else:
+            elif drafter:
                 self.drafter.record(*piece, slots.rows.drafter)
         self.counters[0].forwards += int(target)
         self.counters[1].forwards += int(self.drafter.model is not None and runs)
+        return logits[:, None] if logits is not None else None
 
     def absorb(self, joining: Slots, row: RowOnHost, capacity: int, eos_width: int, host_rows=None,
-               index: int = 0) -> None:
+               index: int = 0, root_logits: torch.Tensor | None = None) -> None:
         """A prefilled request's row (row `index` of its prefill's slots, its state set; host_rows: its host drafter,
         where the sides have one) joins as cache row `live`; the rows move first to a larger bucket, or to slots of a
-        wider capacity or EOS width, where it needs one."""
+        wider capacity or EOS width, where it needs one. root_logits (1, 1, V): its root's logits, where its prefill
+        ran the root (its KV then sits at the prefix's end, and is copied too): a batch whose first rows all bring
+        them starts with a plain round (`joined_roots`)."""
         n = self.live
+        if n == 0:
+            self.joined_roots = []
+        if self.joined_roots is not None:
+            self.joined_roots = self.joined_roots + [root_logits] if root_logits is not None else None
         if self.slots is None or n + 1 > self.bucket or capacity > self.capacity or eos_width > self.eos_width:
             self.changes["capacity"] += 0 < self.capacity < capacity
             self.capacity = max(self.capacity, capacity)
@@ -417,7 +440,7 @@ class DeviceSides:
             self.pool.drop_smaller(self.capacity)
         for mine, theirs in zip(self.slots.caches, joining.caches):
             if mine is not None:
-                mine.copy_rows(theirs, slice(index, index + 1), at=n, slots=row.prefix)
+                mine.copy_rows(theirs, slice(index, index + 1), at=n, slots=row.prefix + (root_logits is not None))
         self.slots.rows.copy_rows(joining.rows, slice(index, index + 1), 1, at=n)
         if host_rows is not None:
             self.proposer.absorb(host_rows)
@@ -543,6 +566,10 @@ class DeviceSides:
         """1. the policy sizes the round (policy/sizing.py); the drafter grows below every root, the suffix proposals
         join the tree and the best T nodes are selected, on the device."""
         policy = self.policy
+        roots, self.joined_roots = self.joined_roots, None
+        if roots and len(roots) == self.live:  # a running batch's first rows, their roots' logits from the prefill
+            self.root_logits = torch.cat([*roots, roots[0].new_zeros(self.bucket - self.live, *roots[0].shape[1:])])
+            self.first_plain = True
         plan = policy.plan_round(self.live, list(rows.live), guard=self.guard)
         proposed = DeviceProposed([], rows=list(rows.live))
         if self.first_plain or plan.quiet:  # round 1 (its roots' logits came with the prefill), or a quiet batch
