@@ -112,7 +112,9 @@ def swiftspec_generate(
             swiftspec_engine is not None and not device_batch, reasons)
     if device_batch:  # the engine's round: exact, or a ValueError saying why (never the target's loop instead)
         check_device_round(config, *gaps, vocabularies=swiftspec_vocabularies)
-    round_, why = choose_round(config, *gaps, vocabularies=swiftspec_vocabularies)  # not exact: the same ValueError
+    # (a lone call's forwards hold at most `slots` slots a row; a running batch's, the longest row's)
+    round_, why = choose_round(config, *gaps, vocabularies=swiftspec_vocabularies,  # not exact: the same ValueError
+                               slots=None if swiftspec_engine is not None else slots)
     if reasons:
         return decode_with_target_loop(
             model, input_ids, logits_processor, stopping_criteria, generation_config, swiftspec_streamer,

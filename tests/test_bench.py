@@ -450,7 +450,10 @@ def reallocate_after(commit):
     def reallocating_commit(cache, *args, **kwargs):
         commit(cache, *args, **kwargs)
         if cache.buffers:
-            cache.buffers = []
+            if hasattr(cache, "kv_buffers"):  # a slot cache: its keys' and values' buffers
+                cache.kv_buffers = []
+            else:
+                cache.buffers = []
             cache.pack()
 
     return reallocating_commit

@@ -493,7 +493,7 @@ def test_the_prefix_store_keeps_whole_blocks_of_recent_prompts_within_its_positi
 
     def cache(slots: int) -> SlotCache:
         made = SlotCache(1, slots)
-        made.buffers = [object()]  # it ran a forward
+        made.kv_buffers = [object()]  # it ran a forward
         return made
 
     store = PrefixStore(positions=100, block=16)

@@ -20,6 +20,7 @@ from transformers import GPTNeoConfig, GPTNeoForCausalLM
 from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.tools import sweep
 from hf_swiftspec.steps.probes import describe
+from hf_swiftspec.steps.slot_cache import SlotLayer
 from hf_swiftspec.tools.models import left_padded, random_prompts
 
 PROMPT = torch.randint(3, 98, (1, 7), generator=torch.Generator().manual_seed(0))  # 7 tokens, as the issue's
@@ -142,11 +143,53 @@ def test_an_indexer_past_its_top_k_decodes_with_the_targets_loop(setting):
     assert out.tolist() == target.generate(ids, attention_mask=mask, **GREEDY_40).tolist()
 
 
-def test_an_indexer_within_its_top_k_speculates_trees():
-    """Below index_topk every visible key is kept, ties or not: trees are exact there."""
-    model = sweep.tiny_of_type("deepseek_v32", index_topk=128, **sweep.head_overrides("deepseek_v32", "mha"))
-    pair = SwiftSpecForCausalLM.from_models(model, sweep.perturbed_copy(model), **SETTINGS["fixed"])
+def counting_indexer_writes(monkeypatch) -> list[int]:
+    """The queries of each indexer-key write into a slot cache (the device round's caches hold them)."""
+    seen, update = [], SlotLayer.update_indexer
+
+    def counted(self, states):
+        seen.append(states.shape[1])
+        return update(self, states)
+
+    monkeypatch.setattr(SlotLayer, "update_indexer", counted)
+    return seen
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_an_indexer_within_its_top_k_speculates_trees_on_the_device_round(model_type, setting, monkeypatch):
+    """Below index_topk every visible key is kept, ties or not: trees are exact there, on the round CUDA takes too
+    (round='auto'), its slot caches holding the indexer's keys beside keys and values (written at the tree's slots,
+    committed and moved with them); a lone prompt, and a left-padded batch whose rows stop at their own EOS (rows
+    leave: the kept rows move down, their indexer keys too)."""
+    writes = counting_indexer_writes(monkeypatch)
+    model = sweep.tiny_of_type(model_type, index_topk=128, **sweep.head_overrides(model_type, "mha"))
+    pair = SwiftSpecForCausalLM.from_models(model, sweep.perturbed_copy(model), **SETTINGS[setting])
     prompt = torch.tensor([random_prompts((9,), 4, 128)[0]])
     out = pair.generate(prompt, **GREEDY_40)
     assert out.tolist() == model.generate(prompt, **GREEDY_40).tolist()
-    assert pair.swiftspec_stats.engine == "serial" and pair.swiftspec_stats.tau > 1.0
+    stats = pair.swiftspec_stats
+    assert stats.engine == "device" and stats.round_choice == "round='auto': the device round" and stats.tau > 1.0
+    assert writes and max(writes) > 1  # the tree's queries wrote indexer keys into the slot caches
+    ids, mask = left_padded(random_prompts((3, 23, 9, 1, 7, 12), 0, 128))
+    free = model.generate(ids, attention_mask=mask, **GREEDY_40)
+    call = dict(GREEDY_40, min_new_tokens=0, eos_token_id=int(free[1, ids.shape[1] + 5]))  # row 1 stops early
+    out = pair.generate(ids, attention_mask=mask, **call)
+    assert out.tolist() == model.generate(ids, attention_mask=mask, **call).tolist()
+    assert pair.swiftspec_stats.engine == "device"
+
+
+@pytest.mark.parametrize("capture", [False, True])
+def test_doge_within_its_key_budget_runs_the_device_round(capture):
+    """Within keep_window_size a forward keeps every key: the device round decodes it (eagerly: rules by slot are
+    never replayed), and a call that reaches the budget on round='device' is refused by name (on 'auto': the target's
+    loop, test_doge_past_its_key_budget_decodes_with_the_targets_loop)."""
+    target = sweep.tiny_of_type("doge", keep_window_size=128)
+    pair = SwiftSpecForCausalLM.from_models(target, sweep.perturbed_copy(target), round="device", capture=capture)
+    prompt = torch.tensor([random_prompts((9,), 4, 128)[0]])
+    out = pair.generate(prompt, **GREEDY_40)
+    assert out.tolist() == target.generate(prompt, **GREEDY_40).tolist()
+    assert pair.swiftspec_stats.engine == "device" and "replayed" not in pair.swiftspec_stats.attention
+    long = dict(GREEDY_40, max_new_tokens=100, min_new_tokens=100)  # 9 + 100 + the largest tree: past 128
+    with pytest.raises(ValueError, match=r"round='device'.*keeps only its 128 best-scored keys.*reach 141 slots"):
+        pair.generate(prompt, **long)

@@ -45,7 +45,7 @@ from swiftspec_kernels.tree_mask import tree_mask
 from ..models.architectures import FULL, Architecture, LayerMask
 from ..models.compat import Cache, CacheLayerMixin, forward_cache_argument
 from .attention import KERNEL_BACKENDS, slot_step_kwargs
-from .cache import KV_DIM, SlotBuffer
+from .cache import INDEXER_DIM, KV_DIM, SlotBuffer
 from .acceptance import Walk
 from .capture import power_of_two
 from .device_round import DeviceSubtree
@@ -70,6 +70,7 @@ class SlotLayer(CacheLayerMixin):
     def __init__(self, owner: "SlotCache", is_sliding: bool = False):
         super().__init__()
         self.owner, self.is_sliding = owner, is_sliding  # (transformers' mask helpers ask; the 4D masks decide)
+        self.indexer_keys: torch.Tensor | None = None  # (B, C, D) a sparse-attention indexer's keys (the owner's)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H, _, _ = key_states.shape
@@ -89,6 +90,16 @@ class SlotLayer(CacheLayerMixin):
         self.values.scatter_(2, index.expand(B, H, Q, self.values.shape[-1]), value_states)
         end = self.owner.end(Q)
         return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
+        """A sparse-attention indexer's keys (B, Q, D), scattered at the planned slots like keys and values (every
+        layer's in one buffer of the cache, made at the first: SlotCache.indexer_buffer); returns the (B, span, D) live
+        part."""
+        if self.indexer_keys is None:
+            self.owner.make_indexer(indexer_key_states.shape[0], indexer_key_states)
+        B, Q, D = indexer_key_states.shape
+        self.indexer_keys.scatter_(1, self.owner.index[:, :, None].expand(B, Q, D), indexer_key_states)
+        return self.indexer_keys[:, : self.owner.end(Q)]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.owner.end(query_length), 0
@@ -135,7 +146,8 @@ class SlotCache(Cache):
         self.architecture = architecture
         self.attention = attention
         self.fallbacks: set[str] = set()
-        self.buffers: list[SlotBuffer] = []  # every layer's keys and values, stacked by shape (after the first forward)
+        self.kv_buffers: list[SlotBuffer] = []  # every layer's keys and values, stacked by shape (after the first forward)
+        self.indexer_buffer: SlotBuffer | None = None  # every layer's indexer keys (a sparse-attention model's), or None
         self.length: int | None = None  # a chain's row: its slots so far, host-known (None: 4D masks over the span)
         self.states: StateLog | None = None  # a chain's recurrent states, saved after every forward (None: none)
         self.replay: torch.Tensor | None = None  # (1, R) tokens a chain's states run again before its next nodes
@@ -164,6 +176,18 @@ class SlotCache(Cache):
     @property
     def scratch(self) -> int:
         return self.span - 1
+
+    @property
+    def buffers(self) -> list[SlotBuffer]:
+        """Every per-slot tensor of every layer, in shared buffers: keys and values by shape, then indexer keys."""
+        return self.kv_buffers + ([self.indexer_buffer] if self.indexer_buffer is not None else [])
+
+    def make_indexer(self, rows: int, like: torch.Tensor) -> None:
+        """The buffer of every layer's indexer keys, (layers, rows, C, D) in `like`'s width, dtype and device (made at
+        the first layer's first update_indexer, or by allocate): each layer's indexer_keys a view of it."""
+        part = like.new_zeros(rows, 0, like.shape[-1])
+        self.indexer_buffer = SlotBuffer([part] * len(self.kv_layers), INDEXER_DIM, self.capacity,
+                                         [(layer, "indexer_keys") for layer in self.kv_layers])
 
     @property
     def kv_layers(self) -> list[SlotLayer]:
@@ -199,7 +223,7 @@ class SlotCache(Cache):
         """Stack every layer's keys and values into shared buffers (once, when the first forward has made the last
         layer's): the layers' tensors become views of the buffers, whose addresses stay (a replayed phase bakes them
         in)."""
-        if self.buffers or not all(layer.is_initialized for layer in self.kv_layers):
+        if self.kv_buffers or not all(layer.is_initialized for layer in self.kv_layers):
             return
         groups: dict[tuple, list[tuple[SlotLayer, str]]] = {}
         for layer in self.kv_layers:
@@ -209,7 +233,7 @@ class SlotCache(Cache):
                 groups.setdefault((shape, part.dtype, part.device), []).append((layer, name))
         for members in groups.values():
             parts = [getattr(layer, name) for layer, name in members]
-            self.buffers.append(SlotBuffer(parts, KV_DIM, self.capacity, members))
+            self.kv_buffers.append(SlotBuffer(parts, KV_DIM, self.capacity, members))
 
     def allocate(self, like: "SlotCache", rows: int) -> None:
         """Make this cache's buffers for `rows` rows in `like`'s layout (its layers' heads, widths, dtypes), before any
@@ -220,14 +244,16 @@ class SlotCache(Cache):
                 setattr(mine, name, t.new_zeros(rows, t.shape[1], self.capacity, t.shape[3]))
             mine.is_initialized = True
         self.pack()
+        if like.indexer_buffer is not None:
+            self.make_indexer(rows, like.indexer_buffer.data[0])
 
     def copy_rows(self, source: "SlotCache", rows: torch.Tensor | slice, at: int = 0, slots: int | None = None) -> None:
         """Copy `source`'s cache rows `rows` (their first `slots` slots, default all both hold) into rows at, at + 1,
         ... of this cache, in place (a device copy: the buffers keep their addresses). One copy per buffer."""
         n = min(source.capacity, self.capacity) if slots is None else min(slots, source.capacity, self.capacity)
         for mine, theirs in zip(self.buffers, source.buffers):
-            part = theirs.data[:, rows, :, :n]
-            mine.data[:, at : at + part.shape[1], :, :n].copy_(part)
+            part = theirs.data[:, rows].narrow(theirs.dim, 0, n)
+            mine.data[:, at : at + part.shape[1]].narrow(mine.dim, 0, n).copy_(part)
 
     def copy_of_row(self, row: int) -> "SlotCache":
         """A 1-row cache of this one's layers, rules and capacity holding a copy of row `row` (made after a forward)."""
@@ -241,7 +267,8 @@ class SlotCache(Cache):
         sources are read before any is written (a row may be both)."""
         n = self.capacity if slots is None else slots
         for buffer in self.buffers:
-            buffer.data[:, destination, :, :n] = buffer.data[:, source, :, :n]
+            live = buffer.data.narrow(buffer.dim, 0, n)  # (a view: its rows written through)
+            live[:, destination] = live[:, source]
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
