@@ -110,11 +110,10 @@ def swiftspec_generate(
     device_batch = swiftspec_engine is not None and getattr(swiftspec_engine[0], "on_device", False)
     gaps = (model, swiftspec_draft, architectures, logits_processor, swiftspec_placement, swiftspec_groups,
             swiftspec_engine is not None and not device_batch, reasons)
+    # (a row's forwards hold at most `slots` slots; a running batch's, its longest row's, each checked so at its join)
     if device_batch:  # the engine's round: exact, or a ValueError saying why (never the target's loop instead)
-        check_device_round(config, *gaps, vocabularies=swiftspec_vocabularies)
-    # (a lone call's forwards hold at most `slots` slots a row; a running batch's, the longest row's)
-    round_, why = choose_round(config, *gaps, vocabularies=swiftspec_vocabularies,  # not exact: the same ValueError
-                               slots=None if swiftspec_engine is not None else slots)
+        check_device_round(config, *gaps, vocabularies=swiftspec_vocabularies, slots=slots)
+    round_, why = choose_round(config, *gaps, vocabularies=swiftspec_vocabularies, slots=slots)  # not exact: the same
     if reasons:
         return decode_with_target_loop(
             model, input_ids, logits_processor, stopping_criteria, generation_config, swiftspec_streamer,

@@ -193,3 +193,28 @@ def test_doge_within_its_key_budget_runs_the_device_round(capture):
     long = dict(GREEDY_40, max_new_tokens=100, min_new_tokens=100)  # 9 + 100 + the largest tree: past 128
     with pytest.raises(ValueError, match=r"round='device'.*keeps only its 128 best-scored keys.*reach 141 slots"):
         pair.generate(prompt, **long)
+
+
+def test_doge_within_its_key_budget_shares_the_device_rounds_running_batch():
+    """The server's running batch on the device round takes such a target too: each request is checked at its join
+    (one whose own slots reach the budget is refused by name), so a round's forwards, which hold the longest row's
+    slots over the live length (eagerly, whatever capture says), keep every key; requests joining and leaving it decode
+    as target.generate does."""
+    from hf_swiftspec.engine.continuous_device import DeviceContinuousEngine
+    from test_continuous import relay_calls
+
+    target = sweep.tiny_of_type("doge", keep_window_size=128)
+    target.generation_config.eos_token_id = None
+    pair = SwiftSpecForCausalLM.from_models(target, sweep.perturbed_copy(target), round="device", capture=True)
+    engine = pair.continuous_engine()
+    assert isinstance(engine, DeviceContinuousEngine) and engine.runner is None
+    calls = [dict(input_ids=torch.tensor([p]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+             for p, n in zip(random_prompts((9, 30, 4), 5, 128), (40, 20, 30))]
+    try:
+        out = relay_calls(pair, engine, calls, at=(2, 1, 1), wait_s=300)
+        with pytest.raises(ValueError, match=r"cannot join the server's speculating batch.*keeps only its 128 best"):
+            pair.generate(swiftspec_engine=(engine, "long"), **dict(calls[1], max_new_tokens=90))
+    finally:
+        engine.close()
+    for i, call in enumerate(calls):
+        assert out[i].tolist() == target.generate(**call).tolist(), i

@@ -105,11 +105,11 @@ def model_gaps(role: str, model, architecture, masks: tuple[str, ...], slots: in
     """Why the device round's slot caches cannot run a model exactly (empty: they can). Windowed layers they can: a
     window is a term of their masks (steps/slot_cache.py). Models whose steps must be chains (positions by cache slot,
     recurrent states rolled back) and rules by slot past which chains are exact run the chain strategy
-    (engine/device_chains.py). slots: the most slots any forward of the call holds (a lone call's: its prompt, its new
-    tokens and the largest tree; its forwards run eagerly, each over its live length, capture.capture_gap), within
-    which a rule that only one-token steps follow past its length (a key budget, an indexer's top-k) keeps every key:
-    exact; None (a running batch, whose forwards hold the longest row's slots): such a rule is refused. A draft's rules
-    are never refused: what it keeps changes what it proposes, never which tokens the target accepts."""
+    (engine/device_chains.py). slots: the most slots any forward of the call holds (a row's prompt, its new tokens and
+    the largest tree; such a model's forwards run eagerly, each over its live length, capture.capture_gap; a running
+    batch's, its longest row's, each checked at its join), within which a rule that only one-token steps follow past
+    its length (a key budget, an indexer's top-k) keeps every key: exact; None (not bounded): such a rule is refused. A
+    draft's rules are never refused: what it keeps changes what it proposes, never which tokens the target accepts."""
     gaps = []
     for limit in architecture.slot_limits if role == "target" else ():
         if limit.beyond != "chain" and (slots is None or slots > limit.length):

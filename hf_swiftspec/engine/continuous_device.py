@@ -36,7 +36,7 @@ import torch
 
 from ..drafters.device_drafters import device_drafter
 from ..drafters.device_host import HostProposals
-from ..steps.capture import capacity_bucket, capture_backend, power_of_two
+from ..steps.capture import capacity_bucket, capture_backend, capture_gap, power_of_two
 from ..steps.device_round import to_device
 from ..steps.slot_cache import SlotCache
 from ..steps.acceptance import split_criteria
@@ -44,7 +44,7 @@ from . import continuous
 from .continuous import BatchBroken, ContinuousEngine, Joining, Member, same_prefill
 from .prefix_store import PrefixHit, PrefixStore
 from .device_pool import RowsOnDevice, SlotPool, Slots, row_values, set_rows
-from .device_sides import EOS_WIDTH, DeviceSides, RowOnHost
+from .device_sides import EOS_WIDTH, DeviceSides, RowOnHost, models_described
 
 
 class Prefill:
@@ -289,10 +289,14 @@ class DeviceContinuousEngine(ContinuousEngine):
                  host: HostProposals | None = None):
         super().__init__(target, draft, policy, build=None, finish=finish, latency_guard=latency_guard)
         self.config = config
-        self.pool = SlotPool(capture_backend(config.capture, target.device, config.compile), config.compile)
-        self.runner = self.pool.runner
         self.host = host  # the draft's proposals from the host side (drafters/device_host.py), each batch its own
         self.drafter = device_drafter(None if host is not None else draft, target)  # a head's tap: the engine's
+        # phases replayed where capture says and the models allow (capture_gap: rules by slot run eagerly, each forward
+        # over the live length, which a rule of a key budget or an indexer's top-k needs: run_device's rule)
+        eager = any(a is not None and capture_gap(a) for a in models_described(target, self.drafter))
+        backend = None if eager else capture_backend(config.capture, target.device, config.compile)
+        self.pool = SlotPool(backend, config.compile)
+        self.runner = self.pool.runner
         self.prefixes = PrefixStore(PREFIX_POSITIONS)  # shared prompt prefixes' target KV (a server sets its own bound)
         self._capacity = 0  # the last batch's slot capacity
         self.changes = Counter()  # the batch's moves to other slots (bucket, capacity), over every batch it ran

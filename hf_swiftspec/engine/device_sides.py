@@ -147,9 +147,8 @@ def device_round_gaps(config, target, draft, architectures, logits_processor, pl
                       slots: int | None = None) -> list[str]:
     """Why round="device" cannot decode this call exactly (empty: it can). reasons: the call's batch and slot-limit
     reasons (generation.py's), which the device round would otherwise have to escape by the target's own loop.
-    vocabularies: a draft with another tokenizer's (it proposes from the host: drafters/device_host.py). slots: a lone
-    call's most slots a row's forwards hold (its prompt, new tokens and largest tree: model_gaps); None: a running
-    batch's rows, whose forwards hold the longest row's."""
+    vocabularies: a draft with another tokenizer's (it proposes from the host: drafters/device_host.py). slots: the
+    most slots a row's forwards hold (its prompt, new tokens and largest tree: model_gaps); None: not bounded."""
     gaps = list(reasons)
     gaps += model_gaps("target", target, architectures[0], TREE_MASK_ATTENTION, slots)
     if on_host(draft, target, vocabularies) is None:  # (a host drafter is the host round's: any draft it runs)

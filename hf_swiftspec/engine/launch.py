@@ -89,8 +89,10 @@ def continuous_engine(target, draft, config: SwiftSpecConfig, placement: Placeme
     reasons = batch_exactness_gaps(architectures, [], [])
     if reasons:
         raise ValueError(f"this pair cannot decode rows in one batch: {'; '.join(reasons)}")
+    # (its forwards hold at most the longest row's slots, and generation.py refuses a request whose own slots reach a
+    # rule by slot at its join: within the rule, so are the batch's)
     round_, _ = choose_round(config, target, draft, architectures, [], placement, groups, False, [],
-                             vocabularies=vocabularies)
+                             vocabularies=vocabularies, slots=0)
     if round_ == "device":  # the running batch on the device round, its rows in buckets (continuous_device.py)
         return DeviceContinuousEngine(target, draft, policy, config,
                                       lambda request, result: remember_outputs(history, config, request, result),
