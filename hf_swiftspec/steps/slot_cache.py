@@ -239,9 +239,9 @@ class SlotCache(Cache):
         """Make this cache's buffers for `rows` rows in `like`'s layout (its layers' heads, widths, dtypes), before any
         forward (a running batch's bucket: its phases are captured over these buffers)."""
         for mine, theirs in zip(self.kv_layers, like.kv_layers):
-            for name in ("keys", "values"):
+            for name in ("keys", "values"):  # (no slots yet: pack makes each buffer once, zeroed, the layers its views)
                 t = getattr(theirs, name)
-                setattr(mine, name, t.new_zeros(rows, t.shape[1], self.capacity, t.shape[3]))
+                setattr(mine, name, t.new_zeros(rows, t.shape[1], 0, t.shape[3]))
             mine.is_initialized = True
         self.pack()
         if like.indexer_buffer is not None:
@@ -251,8 +251,8 @@ class SlotCache(Cache):
         """Copy `source`'s cache rows `rows` (their first `slots` slots, default all both hold) into rows at, at + 1,
         ... of this cache, in place (a device copy: the buffers keep their addresses). One copy per buffer."""
         n = min(source.capacity, self.capacity) if slots is None else min(slots, source.capacity, self.capacity)
-        for mine, theirs in zip(self.buffers, source.buffers):
-            part = theirs.data[:, rows].narrow(theirs.dim, 0, n)
+        for mine, theirs in zip(self.buffers, source.buffers):  # (the slots first: indexing rows by a tensor copies)
+            part = theirs.data.narrow(theirs.dim, 0, n)[:, rows]
             mine.data[:, at : at + part.shape[1]].narrow(mine.dim, 0, n).copy_(part)
 
     def copy_of_row(self, row: int) -> "SlotCache":
