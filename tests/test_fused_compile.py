@@ -22,9 +22,10 @@ triton = pytest.importorskip("triton")
 import test_fused_kernels as kernels  # noqa: E402
 import test_fused_merge as merges  # noqa: E402
 import test_fused_select as selects  # noqa: E402
+import test_tree_reroot as reroots  # noqa: E402
 
 MODULES = ["tree_walk", "tree_mask", "advance_rows", "commit_slots", "record_walk", "tree_level", "tree_merge",
-           "tree_select"]
+           "tree_select", "tree_reroot"]
 POINTER = {torch.int64: "*i64", torch.int32: "*i32", torch.int8: "*i8", torch.bool: "*i1", torch.float32: "*fp32",
            torch.float64: "*fp64", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
 pytestmark = pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
@@ -81,6 +82,7 @@ def recorded_launches(monkeypatch) -> dict[str, list]:
     merges.test_the_merge_kernel_equals_its_reference("grown", (3, 2), 8, 3)
     selects.test_the_selection_kernel_equals_its_reference((4, 7, 3))
     selects.test_the_level_kernel_equals_its_reference(selects.LEVELS[3])
+    reroots.test_the_reroot_kernel_equals_its_reference(*reroots.SHAPES[2])
     return calls
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from swiftspec_kernels.tree_reroot import tree_reroot
 from swiftspec_kernels.tree_select import tree_select
 
 from .tree import TokenTree
@@ -143,6 +144,26 @@ def plain_subtree(roots: torch.Tensor) -> DeviceSubtree:
     return DeviceSubtree(zeros(), roots[:, None].clone(), zeros() - 1, torch.zeros(B, 1, device=device),
                          torch.ones(B, 1, dtype=torch.bool, device=device), zeros(),
                          torch.ones(B, 1, 1, dtype=torch.bool, device=device))
+
+
+def reroot_device(tree: DeviceTree, path: torch.Tensor, count: torch.Tensor,
+                  token: torch.Tensor) -> tuple[DeviceTree, torch.Tensor]:
+    """Every row's tree re-rooted on its verdict (SwiftSpec's re-root: the draft's tree lives across rounds): the
+    child of the path's last node that holds `token` becomes the root and the nodes below it are kept, compacted in
+    their order (a new tree of `token` alone where the draft never proposed it). One fused operator
+    (swiftspec_kernels.tree_reroot: a Triton kernel on a GPU, its torch reference elsewhere), no host read.
+
+    path:  (B, M) long the verified path's node ids in the tree, the root first (past count: ignored)
+    count: (B,) long   its nodes a row (at least 1: the root); 0: the path left the tree (a new tree)
+    token: (B,) long   the target's token after the path: the new root's
+    Returns the new tree and moved (B, N) long, each new node's old id (-1: none; reroot_cache's and any per-node
+    field's gather)."""
+    last = torch.where(count > 0, path.gather(1, (count - 1).clamp(min=0)[:, None])[:, 0], -1)
+    hashes = tree.hashes if tree.hashes is not None else path_hashes(tree)
+    tokens, parents, depths, scores, ancestors, hashes, size, moved = tree_reroot(
+        tree.tokens, tree.parents, tree.depths, tree.scores, tree.ancestors, hashes, tree.size, last, token,
+        HASH_MULTIPLIER)
+    return DeviceTree(tokens, parents, depths, scores, ancestors, size, hashes), moved
 
 
 def commit_plan(prefix_lens: torch.Tensor, path_slots: torch.Tensor, path_count: torch.Tensor,

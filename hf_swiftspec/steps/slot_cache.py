@@ -402,6 +402,27 @@ def commit_cache(cache: SlotCache, prefix_lens: torch.Tensor, slots: torch.Tenso
         commit_slots(buffer.data, buffer.dim, prefix_lens, slots, counts, cache.scratch)
 
 
+def reroot_cache(cache: SlotCache, prefix_lens: torch.Tensor, path: torch.Tensor, count: torch.Tensor,
+                 moved: torch.Tensor, size: torch.Tensor) -> torch.Tensor:
+    """The draft's cache after a re-root (device_round.reroot_device): each row's verified path (tree node path[j] at
+    region slot path[j], j < count) moves behind its prefix, then the kept subtree, new node i (old node moved[i], for
+    i < size) at the region slot i of the new prefix; a new tree's root (moved -1) holds no KV and moves nothing. Every
+    layer at once: one fused operator per shared buffer (commit_slots), no host read. Returns the new prefix_lens (B,).
+
+    path (B, M) long, count (B,) long, moved (B, N) long, size (B,) long."""
+    B, M = path.shape
+    N = moved.shape[1]
+    kept = torch.where(moved[:, 0] >= 0, size, 0)  # (B,)
+    j = torch.arange(M + N, device=path.device)[None]
+    m = count[:, None]
+    from_path = path.gather(1, j.clamp(max=M - 1).expand(B, -1))
+    from_kept = moved.gather(1, (j - m).clamp(0, N - 1).expand(B, -1))
+    slots = torch.where(j < m, from_path, from_kept).clamp(min=0)  # (B, M + N) region slots, in their new order
+    for buffer in cache.buffers:
+        commit_slots(buffer.data, buffer.dim, prefix_lens, slots, count + kept, cache.scratch)
+    return prefix_lens + count
+
+
 def accepted_nodes(walk: Walk, subtree: DeviceSubtree) -> torch.Tensor:
     """The draft tree's node ids (B, T) of each row's walked nodes, in order (past walk.count: 0, never read);
     commit_cache's slots for a cache that holds tree node i at slot i of its region."""
