@@ -1,0 +1,137 @@
+"""SwiftSpec's growth on the device: a draft tree that lives across rounds, expanded best leaves first (a building
+block of the asynchronous round: engine/device_async.py).
+
+SwiftSpec's Algorithm 1: each expansion runs the draft on the `width` most probable leaves (a node's score:
+the draft's log-probs summed from the root) and adds the best `width` of their children; the draft keeps expanding
+while the target verifies the subtree it was sent, and when the verdict comes the tree is re-rooted below the target's
+next token (steps/device_round.reroot_device, slot_cache.reroot_cache), the kept nodes and their KV compacted, so what
+was expanded meanwhile is not lost. The level growth of the serial round (device_growth.py) grows a fresh tree of
+fixed node ids each round; this tree is compact (node ids 0 .. size - 1 in topological order, dead nodes past `size`),
+so a re-rooted tree grows on where it left off.
+
+Every step is a fixed-shape device operation (B rows, N capacity, `width` leaves): no host read. A node's KV sits at
+region slot prefix_len + its id once it was expanded (the draft ran it); children join at the next free ids, none
+past the capacity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..steps.device_round import DeviceTree, path_hash, reroot_device
+from ..steps.slot_cache import SlotCache, reroot_cache, slot_forward, tree_attention
+
+
+@dataclass
+class DraftTree:
+    """B rows' draft trees across rounds, on the device.
+
+    tree:        DeviceTree (B, N), compact (its hashes always kept)
+    expanded:    (B, N) bool the nodes the draft ran (their KV at region slot prefix_lens + id, their children added)
+    prefix_lens: (B,) long   the committed slots of the draft's cache behind which the tree region starts
+    """
+
+    tree: DeviceTree
+    expanded: torch.Tensor
+    prefix_lens: torch.Tensor
+
+    @classmethod
+    def rooted(cls, roots: torch.Tensor, prefix_lens: torch.Tensor, capacity: int) -> "DraftTree":
+        """A tree of each row's root alone (roots (B,) long), nothing expanded, `capacity` nodes a row."""
+        B, N, device = roots.shape[0], capacity, roots.device
+        tokens = torch.zeros(B, N, dtype=torch.long, device=device)
+        tokens[:, 0] = roots
+        scores = torch.full((B, N), float("-inf"), device=device)
+        scores[:, 0] = 0.0
+        ancestors = torch.zeros(B, N, N, dtype=torch.bool, device=device)
+        ancestors[:, 0, 0] = True
+        tree = DeviceTree(tokens, torch.full((B, N), -1, dtype=torch.long, device=device),
+                          torch.zeros(B, N, dtype=torch.long, device=device), scores, ancestors,
+                          torch.ones(B, dtype=torch.long, device=device),
+                          torch.zeros(B, N, dtype=torch.long, device=device))
+        return cls(tree, torch.zeros(B, N, dtype=torch.bool, device=device), prefix_lens.clone())
+
+
+def best_leaves(draft: DraftTree, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `width` most probable leaves a row, ties to the lower id: (B, width) node ids and whether each is one (fewer
+    than `width` leaves: the rest are padding, id 0). A leaf is a live node with no child: one the draft never ran,
+    or one whose children all lost to better ones (run again, its KV rewritten the same, so that a tree re-rooted
+    there grows on)."""
+    tree = draft.tree
+    N = tree.tokens.shape[1]
+    live = torch.arange(N, device=tree.tokens.device)[None] < tree.size[:, None]
+    children = torch.zeros_like(tree.parents).scatter_add_(1, tree.parents.clamp(min=0),
+                                                           (live & (tree.parents >= 0)).long())
+    has_child = children > 0
+    leaf = live & ~has_child
+    ranked = torch.where(leaf, tree.scores, float("-inf"))
+    order = torch.sort(ranked, dim=1, descending=True, stable=True).indices[:, :width]  # (B, width)
+    real = leaf.gather(1, order)
+    return torch.where(real, order, 0), real
+
+
+def expand(model, cache: SlotCache, draft: DraftTree, width: int, vocab_limit: int | None = None) -> DraftTree:
+    """One expansion: the draft runs on each row's best `width` leaves (one forward of `width` queries, each at
+    position prefix_len + its depth and slot prefix_len + its id, seeing the prefix and its ancestors; padding queries
+    write the scratch slot), and the best `width` of their children by cumulative score join the tree at its next free
+    ids (none past the capacity; children drawn from ids below vocab_limit). Returns the grown tree."""
+    tree, prefix = draft.tree, draft.prefix_lens
+    B, N = tree.tokens.shape
+    device = tree.tokens.device
+    leaves, real = best_leaves(draft, width)
+    depths = tree.depths.gather(1, leaves)
+    positions = prefix[:, None] + depths
+    slots = torch.where(real, prefix[:, None] + leaves, cache.scratch)
+    seen = tree.ancestors.gather(1, leaves[:, :, None].expand(B, width, N)) & real[:, :, None]
+    attention = tree_attention(cache, prefix, seen, positions, tree.depths, model.dtype)
+    logits = slot_forward(model, cache, tree.tokens.gather(1, leaves), positions, slots, attention)
+    logprobs = torch.log_softmax(logits[..., :vocab_limit], dim=-1)  # (B, width, V')
+    V = logprobs.shape[-1]
+    cumulative = torch.where(real[:, :, None], tree.scores.gather(1, leaves)[:, :, None] + logprobs, float("-inf"))
+    best, flat = cumulative.reshape(B, -1).topk(width, dim=-1)  # (B, width), best first
+    parent = leaves.gather(1, flat // V)
+    token = flat % V
+    new_ids = tree.size[:, None] + torch.arange(width, device=device)[None]  # (B, width)
+    joins = (new_ids < N) & (best > float("-inf"))  # a prefix of each row's children
+    at = (new_ids[:, :, None] == torch.arange(N, device=device)[None, None]) & joins[:, :, None]  # (B, width, N)
+    hit = at.any(1)  # (B, N) the nodes written
+    k = at.long().argmax(1)  # (B, N) which child each is
+
+    def placed(values: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        return torch.where(hit, values.gather(1, k), old)
+
+    parent_rows = tree.ancestors.gather(1, parent[:, :, None].expand(B, width, N)) | at  # (B, width, N)
+    ancestors = torch.where(hit[:, :, None], parent_rows.gather(1, k[:, :, None].expand(B, N, N)), tree.ancestors)
+    grown = DeviceTree(
+        tokens=placed(token, tree.tokens),
+        parents=placed(parent, tree.parents),
+        depths=placed(tree.depths.gather(1, parent) + 1, tree.depths),
+        scores=placed(best, tree.scores),
+        ancestors=ancestors,
+        size=tree.size + joins.sum(1),
+        hashes=placed(path_hash(tree.hashes.gather(1, parent), token), tree.hashes),
+    )
+    expanded = draft.expanded | ((leaves[:, :, None] == torch.arange(N, device=device)[None, None])
+                                 & real[:, :, None]).any(1)
+    return DraftTree(grown, expanded, prefix)
+
+
+def reroot(cache: SlotCache, draft: DraftTree, path: torch.Tensor, count: torch.Tensor,
+           token: torch.Tensor) -> DraftTree:
+    """The tree and the draft's cache after a verdict: the verified path (node ids (B, M), the root first, `count` a
+    row) committed behind the prefix, the subtree below the child holding `token` kept (a new tree of `token` alone
+    where there is none), what was expanded of it still expanded. The path's last node may be a leaf the draft never
+    ran: its committed slot then holds no KV (`unrun` says which rows; the caller runs it before the next
+    expansion)."""
+    tree, moved = reroot_device(draft.tree, path, count, token)
+    prefix = reroot_cache(cache, draft.prefix_lens, path, count, moved, tree.size)
+    expanded = draft.expanded.gather(1, moved.clamp(min=0)) & (moved >= 0)
+    return DraftTree(tree, expanded, prefix)
+
+
+def unrun(draft: DraftTree, path: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """(B,) bool: rows whose verified path ends at a node the draft never ran (a leaf), checked before the re-root."""
+    last = path.gather(1, (count - 1).clamp(min=0)[:, None])[:, 0]
+    return (count > 0) & ~draft.expanded.gather(1, last[:, None])[:, 0]
