@@ -5,8 +5,8 @@ tree of Python lists); the expanded nodes' KV against those forwards' KV; no hos
 import pytest
 import torch
 
-from hf_swiftspec.drafters.device_expansion import DraftTree, expand, reroot, unrun
-from hf_swiftspec.steps.device_round import path_hashes
+from hf_swiftspec.drafters.device_expansion import DraftTree, expand, reroot, unexpanded, unrun
+from hf_swiftspec.steps.device_round import path_hashes, select_device
 from hf_swiftspec.steps.slot_cache import SlotCache, catch_up
 from hf_swiftspec.steps.tree import subtree_mask
 from hf_swiftspec.tools.models import tiny_model
@@ -40,20 +40,23 @@ class ReferenceTree:
             logits = self.model(input_ids=torch.tensor([self.committed + self.branch(i)])).logits[0, -1]
         return torch.log_softmax(logits.float(), dim=-1)
 
-    def expand(self, width: int) -> None:
-        leaves = sorted((i for i in range(len(self.tokens)) if i not in self.parents),  # (childless nodes)
-                        key=lambda i: (-self.scores[i], i))[:width]
-        rows = [self.scores[i] + self.logprobs(i) for i in leaves]
+    def expand(self, width: int, children: int, nodes: list[int] | None = None) -> None:
+        """The best `width` childless nodes (or `nodes`: those of them not run yet, in order), each given its best
+        `children` children, leaf by leaf, while there is room."""
+        if nodes is None:
+            leaves = sorted((i for i in range(len(self.tokens)) if i not in self.parents),
+                            key=lambda i: (-self.scores[i], i))[:width]
+        else:
+            leaves = [i for i in nodes if not self.expanded[i]]
         for i in leaves:
+            best, token = self.logprobs(i).topk(children)
             self.expanded[i] = True
-        best, flat = torch.stack(rows).reshape(-1).topk(min(width, len(rows) * rows[0].shape[0]))
-        V = rows[0].shape[0]
-        for score, index in zip(best.tolist(), flat.tolist()):
-            if len(self.tokens) < self.capacity:
-                self.tokens.append(index % V)
-                self.parents.append(leaves[index // V])
-                self.scores.append(score)
-                self.expanded.append(False)
+            for score, t in zip(best.tolist(), token.tolist()):
+                if len(self.tokens) < self.capacity:
+                    self.tokens.append(t)
+                    self.parents.append(i)
+                    self.scores.append(self.scores[i] + score)
+                    self.expanded.append(False)
 
     def reroot(self, path: list[int], token: int) -> None:
         """The verified path (node ids, the root first) committed; the child of its last node holding `token` the
@@ -106,12 +109,12 @@ def check(draft_model, cache: SlotCache, grown: DraftTree, refs: list[ReferenceT
                 torch.testing.assert_close(mine.values[b, :, slot], layer.values[0, :, -1], atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("width,capacity", [(2, 12), (3, 10), (1, 6)])
-def test_expansions_then_a_reroot_then_more_equal_fresh_causal_forwards(draft, width, capacity):
-    """Rows of different prompts expand 4 times, re-root on a verdict (row 0: the root and a child accepted, the
-    target's next token a drafted grandchild; row 1: the root alone, then a token the draft never proposed), expand
-    3 more times: every field, every ran node's KV and the committed prefix equal the reference's, with no host
-    read."""
+@pytest.mark.parametrize("width,children,capacity", [(2, 2, 24), (3, 2, 14), (1, 3, 9)])
+def test_expansions_then_a_reroot_then_more_equal_fresh_causal_forwards(draft, width, children, capacity):
+    """Rows of different prompts expand 3 times, then run the unexpanded nodes of a subtree the draft selected (the
+    graft), re-root on a verdict (row 0: the root and a child accepted, the target's next token a drafted grandchild;
+    row 1: the root alone, then a token the draft never proposed), expand 2 more times: every field, every ran node's
+    KV and the committed prefix equal the reference's, with no host read."""
     prompts, roots = [[5, 17, 33, 9, 60], [70, 12, 8]], [11, 40]
     prefix = torch.tensor([len(p) for p in prompts])
     cache = SlotCache(draft.config.num_hidden_layers, CAPACITY)
@@ -120,12 +123,15 @@ def test_expansions_then_a_reroot_then_more_equal_fresh_causal_forwards(draft, w
     grown = DraftTree.rooted(torch.tensor(roots), prefix, capacity)
     refs = [ReferenceTree(draft, p, r, capacity) for p, r in zip(prompts, roots)]
     with torch.no_grad(), SyncCounter() as reads:
-        for _ in range(4):
-            grown = expand(draft, cache, grown, width)
+        for _ in range(3):
+            grown = expand(draft, cache, grown, width, children)
+        sub = select_device(grown.tree, 5)
+        grown = expand(draft, cache, grown, width, children, leaves=unexpanded(grown, sub.node_ids, sub.valid))
     assert sum(reads.calls.values()) == 0, reads.calls
-    for ref in refs:
-        for _ in range(4):
-            ref.expand(width)
+    for b, ref in enumerate(refs):
+        for _ in range(3):
+            ref.expand(width, children)
+        ref.expand(width, children, nodes=[n for n, v in zip(sub.node_ids[b].tolist(), sub.valid[b].tolist()) if v])
     check(draft, cache, grown, refs)
     # row 0 keeps the subtree below a grandchild of an expanded child; row 1 takes a new tree
     parents = refs[0].parents
@@ -135,15 +141,16 @@ def test_expansions_then_a_reroot_then_more_equal_fresh_causal_forwards(draft, w
     token = torch.tensor([refs[0].tokens[grandchild], 97])
     assert not unrun(grown, path, count).any()
     with torch.no_grad(), SyncCounter() as reads:
-        grown = reroot(cache, grown, path, count, token)
-        for _ in range(3):
-            grown = expand(draft, cache, grown, width)
+        grown, found = reroot(cache, grown, path, count, token)
+        for _ in range(2):
+            grown = expand(draft, cache, grown, width, children)
     assert sum(reads.calls.values()) == 0, reads.calls
+    assert found.tolist() == [True, False]
     refs[0].reroot([0, child], int(token[0]))
     refs[1].reroot([0], 97)
     for ref in refs:
-        for _ in range(3):
-            ref.expand(width)
+        for _ in range(2):
+            ref.expand(width, children)
     assert len(refs[1].tokens) > 1 and refs[1].tokens[0] == 97
     check(draft, cache, grown, refs)
 
@@ -153,7 +160,7 @@ def test_a_path_ending_at_a_leaf_the_draft_never_ran_is_named(draft):
     prefix = torch.tensor([3])
     with torch.no_grad():
         catch_up(draft, cache, torch.tensor([[4, 5, 6]]), prefix)
-        grown = expand(draft, cache, DraftTree.rooted(torch.tensor([9]), prefix, 8), 2)
+        grown = expand(draft, cache, DraftTree.rooted(torch.tensor([9]), prefix, 8), 1, 2)
     # node 1 is a leaf (never expanded); node 0 was
     assert unrun(grown, torch.tensor([[0, 1]]), torch.tensor([2])).tolist() == [True]
     assert unrun(grown, torch.tensor([[0, 1]]), torch.tensor([1])).tolist() == [False]

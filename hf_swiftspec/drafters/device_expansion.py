@@ -2,7 +2,7 @@
 block of the asynchronous round: engine/device_async.py).
 
 SwiftSpec's Algorithm 1: each expansion runs the draft on the `width` most probable leaves (a node's score:
-the draft's log-probs summed from the root) and adds the best `width` of their children; the draft keeps expanding
+the draft's log-probs summed from the root) and adds each one's best children; the draft keeps expanding
 while the target verifies the subtree it was sent, and when the verdict comes the tree is re-rooted below the target's
 next token (steps/device_round.reroot_device, slot_cache.reroot_cache), the kept nodes and their KV compacted, so what
 was expanded meanwhile is not lost. The level growth of the serial round (device_growth.py) grows a fresh tree of
@@ -72,37 +72,51 @@ def best_leaves(draft: DraftTree, width: int) -> tuple[torch.Tensor, torch.Tenso
     return torch.where(real, order, 0), real
 
 
-def expand(model, cache: SlotCache, draft: DraftTree, width: int, vocab_limit: int | None = None) -> DraftTree:
-    """One expansion: the draft runs on each row's best `width` leaves (one forward of `width` queries, each at
-    position prefix_len + its depth and slot prefix_len + its id, seeing the prefix and its ancestors; padding queries
-    write the scratch slot), and the best `width` of their children by cumulative score join the tree at its next free
-    ids (none past the capacity; children drawn from ids below vocab_limit). Returns the grown tree."""
+def unexpanded(draft: DraftTree, node_ids: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Of each row's nodes `node_ids` (B, Q) (valid: (B, Q) bool, real ones), those the draft has not run, first and
+    in their order: (B, Q) node ids and whether each is one (the rest padding, id 0). What the first expansion while a
+    subtree is verified runs (SwiftSpec's graft): whichever path the target accepts then ends at a node whose
+    children are in the tree, so the re-root finds the target's next token among them unless the draft did not rank
+    it."""
+    waiting = valid & ~draft.expanded.gather(1, node_ids)
+    order = torch.sort((~waiting).to(torch.uint8), dim=1, stable=True).indices
+    real = waiting.gather(1, order)
+    return torch.where(real, node_ids.gather(1, order), 0), real
+
+
+def expand(model, cache: SlotCache, draft: DraftTree, width: int, children: int, vocab_limit: int | None = None,
+           leaves: tuple[torch.Tensor, torch.Tensor] | None = None) -> DraftTree:
+    """One expansion: the draft runs on each row's `leaves` ((B, Q) node ids and which are real; default its best
+    `width` leaves: best_leaves) in one forward, each at position prefix_len + its depth and slot prefix_len + its id,
+    seeing the prefix and its ancestors (padding queries write the scratch slot), and each leaf's best `children`
+    children (ids below vocab_limit) join the tree at its next free ids, leaf by leaf (none past the capacity).
+    Returns the grown tree."""
     tree, prefix = draft.tree, draft.prefix_lens
     B, N = tree.tokens.shape
     device = tree.tokens.device
-    leaves, real = best_leaves(draft, width)
+    leaves, real = best_leaves(draft, width) if leaves is None else leaves
+    Q = leaves.shape[1]
     depths = tree.depths.gather(1, leaves)
     positions = prefix[:, None] + depths
     slots = torch.where(real, prefix[:, None] + leaves, cache.scratch)
-    seen = tree.ancestors.gather(1, leaves[:, :, None].expand(B, width, N)) & real[:, :, None]
+    seen = tree.ancestors.gather(1, leaves[:, :, None].expand(B, Q, N)) & real[:, :, None]
     attention = tree_attention(cache, prefix, seen, positions, tree.depths, model.dtype)
     logits = slot_forward(model, cache, tree.tokens.gather(1, leaves), positions, slots, attention)
-    logprobs = torch.log_softmax(logits[..., :vocab_limit], dim=-1)  # (B, width, V')
-    V = logprobs.shape[-1]
-    cumulative = torch.where(real[:, :, None], tree.scores.gather(1, leaves)[:, :, None] + logprobs, float("-inf"))
-    best, flat = cumulative.reshape(B, -1).topk(width, dim=-1)  # (B, width), best first
-    parent = leaves.gather(1, flat // V)
-    token = flat % V
-    new_ids = tree.size[:, None] + torch.arange(width, device=device)[None]  # (B, width)
-    joins = (new_ids < N) & (best > float("-inf"))  # a prefix of each row's children
-    at = (new_ids[:, :, None] == torch.arange(N, device=device)[None, None]) & joins[:, :, None]  # (B, width, N)
+    logprobs = torch.log_softmax(logits[..., :vocab_limit], dim=-1)  # (B, Q, V')
+    best, token = logprobs.topk(children, dim=-1)  # (B, Q, k), each leaf's best first
+    best = (tree.scores.gather(1, leaves)[:, :, None] + best).masked_fill(~real[:, :, None], float("-inf"))
+    best, token = best.reshape(B, Q * children), token.reshape(B, Q * children)
+    parent = leaves[:, :, None].expand(B, Q, children).reshape(B, Q * children)
+    new_ids = tree.size[:, None] + torch.arange(Q * children, device=device)[None]  # (B, Q k): leaf by leaf
+    joins = (new_ids < N) & real[:, :, None].expand(B, Q, children).reshape(B, -1)  # a prefix of each row's
+    at = (new_ids[:, :, None] == torch.arange(N, device=device)[None, None]) & joins[:, :, None]  # (B, Q k, N)
     hit = at.any(1)  # (B, N) the nodes written
     k = at.long().argmax(1)  # (B, N) which child each is
 
     def placed(values: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
         return torch.where(hit, values.gather(1, k), old)
 
-    parent_rows = tree.ancestors.gather(1, parent[:, :, None].expand(B, width, N)) | at  # (B, width, N)
+    parent_rows = tree.ancestors.gather(1, parent[:, :, None].expand(B, Q * children, N)) | at
     ancestors = torch.where(hit[:, :, None], parent_rows.gather(1, k[:, :, None].expand(B, N, N)), tree.ancestors)
     grown = DeviceTree(
         tokens=placed(token, tree.tokens),
@@ -113,22 +127,21 @@ def expand(model, cache: SlotCache, draft: DraftTree, width: int, vocab_limit: i
         size=tree.size + joins.sum(1),
         hashes=placed(path_hash(tree.hashes.gather(1, parent), token), tree.hashes),
     )
-    expanded = draft.expanded | ((leaves[:, :, None] == torch.arange(N, device=device)[None, None])
-                                 & real[:, :, None]).any(1)
-    return DraftTree(grown, expanded, prefix)
+    ran = ((leaves[:, :, None] == torch.arange(N, device=device)[None, None]) & real[:, :, None]).any(1)
+    return DraftTree(grown, draft.expanded | ran, prefix)
 
 
 def reroot(cache: SlotCache, draft: DraftTree, path: torch.Tensor, count: torch.Tensor,
-           token: torch.Tensor) -> DraftTree:
+           token: torch.Tensor) -> tuple[DraftTree, torch.Tensor]:
     """The tree and the draft's cache after a verdict: the verified path (node ids (B, M), the root first, `count` a
     row) committed behind the prefix, the subtree below the child holding `token` kept (a new tree of `token` alone
     where there is none), what was expanded of it still expanded. The path's last node may be a leaf the draft never
     ran: its committed slot then holds no KV (`unrun` says which rows; the caller runs it before the next
-    expansion)."""
+    expansion). Returns the tree and, per row, whether the draft had drafted the new root (B,) bool."""
     tree, moved = reroot_device(draft.tree, path, count, token)
     prefix = reroot_cache(cache, draft.prefix_lens, path, count, moved, tree.size)
     expanded = draft.expanded.gather(1, moved.clamp(min=0)) & (moved >= 0)
-    return DraftTree(tree, expanded, prefix)
+    return DraftTree(tree, expanded, prefix), moved[:, 0] >= 0
 
 
 def unrun(draft: DraftTree, path: torch.Tensor, count: torch.Tensor) -> torch.Tensor:

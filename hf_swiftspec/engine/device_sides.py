@@ -159,10 +159,15 @@ def device_round_gaps(config, target, draft, architectures, logits_processor, pl
             gaps.append(f"the target's steps must be chains ({chained[0].chain_reason}), which the device round runs "
                         "with a draft model or the suffix proposals, not a draft head (it reads the target's states of "
                         "a tree); use round='host'")
-    if (placement is not None and placement.mode != "serial") or groups is not None or (
+    threads = placement is not None and placement.mode == "threads" and groups is None and (
+        draft is not None and draft.device == target.device)
+    if threads and config.round == "device":
+        pass  # the device round's asynchronous engine (engine/device_async.py: its own gaps, checked per call)
+    elif (placement is not None and placement.mode != "serial") or groups is not None or (
         draft is not None and draft.device != target.device
     ):
-        gaps.append("it runs both models on one device, serially; load the pair with placement='serial'")
+        gaps.append("it runs both models on one device, serially; load the pair with placement='serial' (or, with "
+                    "both threads on one device, round='device')")
     if joins_running_batch:
         gaps.append("this running batch runs the host round; a pair with round='device' makes a device one "
                     "(continuous_engine(): engine/continuous_device.py)")

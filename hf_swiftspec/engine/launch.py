@@ -27,6 +27,7 @@ from .adaptive import run_serial, setup_s
 from .asynchronous import run_threads
 from .continuous import ContinuousEngine
 from .continuous_device import DeviceContinuousEngine
+from .device_async import async_gaps, run_device_async
 from .device_sides import choose_round, run_device
 from .distributed import Groups, agree_engine, run_distributed, run_serial_distributed
 from .placement import Placement
@@ -53,6 +54,14 @@ def decode_adaptive(target, draft, request: DecodeRequest, config: SwiftSpecConf
     when the caller has them. captures: the pair's replayed forwards, kept across calls (None: every step eager).
     vocabularies: a draft with another tokenizer's (drafters/vocabulary.py), None for one of the target's.
     round_: "device" runs the device round (device_sides.choose_round chose it, and it cleared the call)."""
+    if round_ == "device" and placement is not None and placement.mode == "threads":
+        architectures = architectures or (describe(target, "target"), draft_architecture(draft))
+        gaps = async_gaps(target, draft, request, config, architectures)
+        if gaps:
+            raise ValueError(f"SwiftSpecConfig.round='device' with placement threads runs the device round's "
+                             f"asynchronous engine, which cannot decode this call: {'; '.join(gaps)}. Fix that, or "
+                             "use round='host' (the host round's asynchronous engine decodes it).")
+        return run_device_async(target, draft, request, config, architectures)
     if round_ == "device":
         return run_device(target, draft, request, config, captures, host_drafter(target, draft, config, vocabularies),
                           architectures)

@@ -1,0 +1,322 @@
+"""SwiftSpec's asynchronous round on the device pieces (Algorithm 1), for one sequence in two threads: the draft grows
+its tree while the target verifies the subtree it was sent, then re-roots on the verdict, on the device.
+
+    draft:  top the tree up -> select the best T nodes and send them -> run the ones it has not run, then expand
+            (best leaves first) while the verdict is due -> re-root below the target's next token (the kept subtree and its KV compacted on the
+            device, drafters/device_expansion.reroot; a new tree where the token was never drafted) -> ...
+    target: receive a subtree -> verify it (one forward over its slot cache), walk, commit -> one read -> send the
+            verdict -> emit the tokens
+
+The tree lives across rounds (drafters/device_expansion.DraftTree), so what the draft grew while the target verified
+is kept below the new root. Each side owns its slot cache (steps/slot_cache.py); a message is one type each way:
+the DeviceSubtree (draft to target) and a Verdict (target to draft), through engine/links.ThreadLink (a failed or
+stuck worker surfaces in generate() as SwiftSpecWorkerError within worker_timeout_s). The target's tokens are its
+own (greedy: its argmax; sampling: the Gumbel-max noise of the other rounds, by seed and position), whatever tree the
+draft sent, so the output is exactly target.generate's.
+
+What it decodes (`async_gaps` names the rest, which the host round's asynchronous engine, engine/asynchronous.py,
+decodes): one sequence, a draft model on the target's device, trees in both models (windowed layers a term of their
+masks; no chains, no rules by cache slot), logits processors that ignore the path, no suffix proposals.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..drafters.device_expansion import DraftTree, expand, reroot, unexpanded, unrun
+from ..stats import DraftCounters, SwiftSpecStats, TargetCounters
+from ..steps.acceptance import cut_at_criteria, greedy_choices, gumbel_noise, sampled_choices, walk_subtree
+from ..steps.device_round import DeviceSubtree, select_device, to_device
+from ..steps.slot_cache import SlotCache, catch_up, commit_cache, verify_forward
+from ..steps.verify import Verified
+from .device_phases import processed
+from .links import LinkClosed, SwiftSpecWorkerError, ThreadLink
+from .request import BatchRows, DecodeRequest, DecodeResult
+
+ENGINE = "async-threads-device"
+
+
+@dataclass(frozen=True)
+class AsyncShape:
+    """The asynchronous round's sizes: `budget` nodes verified a round (the root included), `width` leaves an
+    expansion runs and `children` each one gets, `nodes` the draft tree's capacity, at most `expansions` expansions
+    while a verification is in flight (the first runs the sent subtree's nodes the draft has not run)."""
+
+    budget: int
+    width: int
+    children: int
+    nodes: int
+    expansions: int
+
+    @classmethod
+    def of(cls, config) -> "AsyncShape":
+        budget = config.tree_budget or 8
+        width = max(1, min(config.draft_width, budget))
+        expansions = config.draft_depth or 4
+        return cls(budget, width, width, budget + max(budget, width) * width * (expansions + 1), expansions)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The target's answer to one subtree (target to draft): the verified path as the draft tree's node ids (1, M)
+    (the root first, `count` of them), the target's next token (the next root) and whether the sequence is done."""
+
+    path: torch.Tensor
+    count: int
+    token: int
+    finished: bool
+    verify_s: float = 0.0  # the verification's time on the target's side (what the draft paces its expansions by)
+
+
+def async_gaps(target, draft, request: DecodeRequest, config, architectures) -> list[str]:
+    """Why this call cannot run the device round's asynchronous engine (empty: it can)."""
+    gaps = []
+    if draft is None or not hasattr(draft, "config") or getattr(draft, "is_draft_head", False):
+        gaps.append("it grows a draft model's tree (draft-free and draft heads run the host round's engine)")
+    elif draft.device != target.device:
+        gaps.append("its two threads run on one device (the draft on another device runs the host round's engine)")
+    if request.batch_size != 1 or request.attention_mask is not None and not bool(request.attention_mask.all()):
+        gaps.append("it decodes one sequence without padding")
+    if not all(s.path_free for s in request.samplers):
+        gaps.append("its logits processors read the path")
+    if config.ngram_size:
+        gaps.append("it proposes no suffix nodes (ngram_size=0)")
+    for role, architecture in zip(("target", "draft"), architectures):
+        if architecture is not None and (architecture.shape == "chain" or architecture.slot_limits):
+            gaps.append(f"the {role}'s steps are trees (no chains, no rules by cache slot)")
+    for role, model in (("target", target), ("draft", draft)):
+        if model is not None and model.config._attn_implementation not in ("sdpa", "eager"):
+            gaps.append(f"the {role} attends with sdpa or eager (it takes the trees' additive masks)")
+    return gaps
+
+
+class DraftSide:
+    """The draft's thread: its slot cache, its tree across rounds and its counters."""
+
+    def __init__(self, model, prompt: torch.Tensor, shape: AsyncShape, capacity: int, vocab_limit: int,
+                 architecture=None):
+        self.model, self.shape, self.capacity, self.vocab_limit = model, shape, capacity, vocab_limit
+        self.cache = SlotCache(model.config.get_text_config().num_hidden_layers, capacity, architecture)
+        L = prompt.shape[1]
+        prefix = torch.full((1,), L - 1, dtype=torch.long, device=prompt.device)
+        self.cache.span = min(L + 1, capacity)
+        catch_up(model, self.cache, prompt[:, :-1], prefix)
+        self.tree = DraftTree.rooted(prompt[:, -1], prefix, shape.nodes)
+        self.prefix = L - 1  # host-known: the prefix moves by the verdict's count
+        self.counters = DraftCounters()
+        self.expand_s: float | None = None  # an expansion's time, a moving average
+        self.verify_s: float | None = None  # the target's verification time, from its verdicts
+
+    def in_flight(self) -> int:
+        """Expansions to run while a subtree is verified: as many as end before its verdict is due (SwiftSpec's
+        d = t_target / t_draft, measured), at most the shape's; every one allowed until both were timed. An
+        expansion still running when the verdict comes delays the next subtree; one not run costs nothing. At least
+        one: the sent subtree's nodes, without whose children every re-root would start a new tree."""
+        if self.expand_s is None or self.verify_s is None:
+            return self.shape.expansions
+        return max(1, min(self.shape.expansions, int(self.verify_s / self.expand_s)))
+
+    def set_span(self) -> None:
+        self.cache.span = min(self.prefix + self.shape.nodes + 1, self.capacity)
+
+    def expand(self, sent: DeviceSubtree | None = None) -> None:
+        """One expansion: the best leaves, or the nodes of the subtree just sent that the draft has not run."""
+        start = time.perf_counter()
+        self.set_span()
+        leaves = None if sent is None else unexpanded(self.tree, sent.node_ids, sent.valid)
+        self.tree = expand(self.model, self.cache, self.tree, self.shape.width, self.shape.children, self.vocab_limit,
+                           leaves)
+        self.counters.forwards += 1
+        self.counters.expansions += 1
+        took = time.perf_counter() - start
+        self.expand_s = took if self.expand_s is None else 0.8 * self.expand_s + 0.2 * took
+
+    def top_up(self) -> None:
+        """Before a subtree goes out: a tree of the root alone (a fresh one) is expanded once, so the round verifies
+        more than the root; a kept subtree goes as it is (the target would wait for any expansion here)."""
+        if int(self.tree.tree.size[0]) == 1:
+            self.expand()
+
+    def subtree(self) -> DeviceSubtree:
+        return select_device(self.tree.tree, self.shape.budget)
+
+    def follow(self, verdict: Verdict) -> None:
+        """Re-root on the verdict; where the path ended at a leaf the draft never ran, run it at its committed slot."""
+        count = torch.tensor([verdict.count], device=verdict.path.device)
+        token = torch.tensor([verdict.token], device=verdict.path.device)
+        missing = bool(unrun(self.tree, verdict.path, count)[0])
+        last = self.tree.tree.tokens.gather(1, verdict.path[:, verdict.count - 1 : verdict.count])  # (1, 1)
+        self.set_span()
+        self.tree, found = reroot(self.cache, self.tree, verdict.path, count, token)
+        self.prefix += verdict.count
+        hit = bool(found[0])
+        self.counters.reroot_hits += hit
+        self.counters.reroot_misses += not hit
+        if missing:  # the path's last token: its KV at its committed slot, before anything below it runs
+            self.cache.span = min(self.prefix + 2, self.capacity)
+            catch_up(self.model, self.cache, last, torch.ones_like(count), starts=self.tree.prefix_lens - 1)
+            self.counters.forwards += 1
+
+
+class TargetSide:
+    """The target's side (the calling thread): its slot cache, the row's state and its counters."""
+
+    def __init__(self, model, request: DecodeRequest, capacity: int, architecture=None):
+        self.model, self.request, self.capacity = model, request, capacity
+        prompt = request.prompt
+        L = prompt.shape[1]
+        self.cache = SlotCache(model.config.get_text_config().num_hidden_layers, capacity, architecture)
+        self.cache.span = min(L + 1, capacity)
+        self.prefix = torch.full((1,), L - 1, dtype=torch.long, device=prompt.device)
+        catch_up(model, self.cache, prompt[:, :-1], self.prefix)
+        self.length = L - 1  # host-known committed slots
+        self.sampler = request.samplers[0]
+        self.sequence = (request.contexts[0] if request.contexts else prompt).tolist()[0]
+        self.counters = TargetCounters(forwards=1)
+        self.vocab = model.config.get_text_config().vocab_size
+
+    def verify(self, sub: DeviceSubtree, rows: BatchRows) -> tuple[Verified, Verdict]:
+        """One verification: the forward, the target's choices, the walk, the commit, one read."""
+        T = sub.tokens.shape[1]
+        rule = rows.criteria()[0]
+        budget = rule.budget(rows.budgets()[0], len(self.sequence))
+        self.cache.span = min(self.length + T + 1, self.capacity)
+        logits = verify_forward(self.model, self.cache, self.prefix, sub)  # (1, T, V)
+        scores = processed(logits, (tuple(self.sampler.logits_processor),))
+        if self.sampler.do_sample:
+            # (the noise of generate()'s position for each depth: the sequence's length, contexts' padding included)
+            positions = to_device([list(range(len(self.sequence), len(self.sequence) + T))], logits.device)
+            noise = gumbel_noise(to_device([self.sampler.draw_seed()], logits.device),
+                                 to_device([self.sampler.row], logits.device), positions, scores.shape[-1])
+            choices = sampled_choices(scores, noise, sub.depths)
+        else:
+            choices = greedy_choices(scores)
+        eos = to_device([sorted(rule.eos)], logits.device) if rule.eos else None
+        walk = walk_subtree(choices, sub, to_device([budget], logits.device), eos)
+        commit_cache(self.cache, self.prefix, walk.path.clamp(min=0), walk.count)
+        read = torch.cat([walk.count[:, None], walk.finished.long()[:, None], walk.tokens, walk.path,
+                          sub.node_ids], dim=1)[0].tolist()  # the round's one read
+        count, finished = read[0], bool(read[1])
+        tokens, path = read[2 : 2 + count], read[2 + T : 2 + T + count]
+        node_ids = read[2 + 2 * T :]
+        self.prefix += count
+        self.length += count
+        outcome = Verified(tokens, path, finished=finished)
+        if rows.keeps_scores or rule.others:
+            outcome.scores = [scores[0, j : j + 1] for j in path]
+        if rows.keeps_logits:
+            outcome.logits = [logits[0, j : j + 1] for j in path]
+        cut = cut_at_criteria(outcome.tokens, self.sequence, rule, outcome.scores or None)
+        if cut:
+            keep = len(tokens) - cut
+            del outcome.tokens[keep:], outcome.path[keep:], outcome.scores[keep:], outcome.logits[keep:]
+        if cut is not None:
+            outcome.finished = True
+        if not rows.keeps_scores:
+            outcome.scores = []
+        self.sequence += outcome.tokens
+        ids = torch.tensor([[node_ids[j] for j in path]], device=logits.device)
+        self.counters.forwards += 1
+        self.counters.verify_steps += 1
+        return outcome, Verdict(ids, count, tokens[-1] if tokens else 0, outcome.finished)
+
+
+def run_draft(side: DraftSide, link: ThreadLink) -> None:
+    """The draft's loop (module docstring); returns when a verdict says the sequence is done."""
+    counters = side.counters
+    start = time.perf_counter()
+    side.top_up()
+    counters.start_s += time.perf_counter() - start
+    while True:
+        selecting = time.perf_counter()
+        sub = side.subtree()
+        link.send_subtree(sub)
+        counters.rounds += 1
+        counters.select_s += time.perf_counter() - selecting
+        growing = time.perf_counter()
+        ran = 0
+        allowed = side.in_flight()
+        while ran < allowed and not link.verdict_ready():
+            side.expand(sub if ran == 0 else None)
+            ran += 1
+        counters.in_flight_expansions += ran
+        counters.grown_rounds += ran > 0
+        counters.grow_s += time.perf_counter() - growing
+        waiting = time.perf_counter()
+        verdict = link.receive_verdict()
+        counters.wait_s += time.perf_counter() - waiting
+        if verdict.finished:
+            return
+        rerooting = time.perf_counter()
+        side.verify_s = verdict.verify_s if side.verify_s is None else 0.8 * side.verify_s + 0.2 * verdict.verify_s
+        side.follow(verdict)
+        side.top_up()
+        counters.reroot_s += time.perf_counter() - rerooting
+        counters.busy_s = time.perf_counter() - start - counters.wait_s
+
+
+def run_target(side: TargetSide, link: ThreadLink, rows: BatchRows, on_tokens) -> None:
+    while rows.live:
+        waiting = time.perf_counter()
+        sub = link.receive_subtree()
+        side.counters.idle_s += time.perf_counter() - waiting
+        if side.counters.verify_steps == 0:
+            side.counters.first_wait_s = time.perf_counter() - waiting
+        busy = time.perf_counter()
+        outcome, verdict = side.verify(sub, rows)
+        keep = rows.record([outcome], on_tokens)
+        done = not keep
+        took = time.perf_counter() - busy
+        link.send_verdict(Verdict(verdict.path, verdict.count, verdict.token, done or verdict.finished, took))
+        side.counters.busy_s += took
+        if done:
+            return
+        rows.keep(keep)
+
+
+def run_device_async(target, draft, request: DecodeRequest, config, architectures=(None, None)) -> DecodeResult:
+    """One sequence through the asynchronous round: the target in the calling thread, the draft in a worker thread.
+    architectures: the models' (probes.describe): their window rules, terms of their caches' masks."""
+    shape = AsyncShape.of(config)
+    capacity = request.prompt.shape[1] + request.max_new_tokens + shape.nodes + 2
+    rows = BatchRows.start(request)
+    timeout_s = config.worker_timeout_s
+    link = ThreadLink(timeout_s)
+    start = time.perf_counter()
+    sides: dict[str, DraftSide] = {}
+
+    def draft_main() -> None:
+        try:
+            with torch.no_grad():  # grad mode is per thread
+                sides["draft"] = DraftSide(draft, request.prompt, shape, capacity,
+                                           target.config.get_text_config().vocab_size, architectures[1])
+                run_draft(sides["draft"], link)
+        except LinkClosed:
+            pass
+        except BaseException as error:  # surfaces in generate() through the link
+            link.report_failure("draft", error)
+
+    thread = threading.Thread(target=draft_main, name="swiftspec-draft", daemon=True)
+    thread.start()
+    try:
+        target_side = TargetSide(target, request, capacity, architectures[0])
+        if request.max_new_tokens:
+            run_target(target_side, link, rows, request.on_tokens)
+    except SwiftSpecWorkerError:
+        raise
+    except Exception as error:
+        raise SwiftSpecWorkerError(f"the target worker failed: {error!r}") from error
+    finally:
+        link.close()
+        thread.join(timeout=timeout_s)
+    if thread.is_alive():
+        raise SwiftSpecWorkerError(f"the draft worker did not stop within {timeout_s:.0f}s after generation ended")
+    result = rows.result
+    draft_counters = sides["draft"].counters if "draft" in sides else DraftCounters()
+    result.stats = SwiftSpecStats.collect(ENGINE, result.new_tokens, time.perf_counter() - start,
+                                          target_side.counters, draft_counters, message_bytes=0)
+    return result

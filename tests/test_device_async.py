@@ -1,0 +1,171 @@
+"""The device round's asynchronous engine (engine/device_async.py: two threads, the draft's tree across rounds,
+re-rooted on the device): greedy output equal to target.generate's, sampling equal to the serial device round's for
+the same seed, its scores, stops and windowed layers; the draft grows while the target verifies and re-roots into
+what it grew; a failed or silent worker surfaces in generate(); calls it cannot decode are refused by name where it
+was asked for, and left to the host round's engine under round='auto'."""
+
+import threading
+
+import pytest
+import torch
+
+from hf_swiftspec import SwiftSpecForCausalLM
+from hf_swiftspec.engine import SwiftSpecWorkerError
+from hf_swiftspec.tools.models import tiny_model, truncated_draft
+
+THREADS = {"target": ["cpu"], "draft": ["cpu"]}
+ENGINE = "async-threads-device"
+
+
+def asynchronous(target, draft, **settings):
+    settings = dict(dict(tree_budget=6, draft_width=3, ngram_size=0), **settings)
+    return SwiftSpecForCausalLM.from_models(target, draft, placement=THREADS, round="device", **settings)
+
+
+def prompts(lengths=(1, 3, 8, 21, 40), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 98, (1, n), generator=g) for n in lengths]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("draft_kind", ["agreeing", "random"])
+def test_greedy_equals_target_generate(arch, draft_kind):
+    overrides = {"sliding_window": 4} if arch == "mistral" else {}  # (mistral: a window, a term of the masks)
+    target = tiny_model(arch, seed=2, **overrides)
+    draft = truncated_draft(target, 2) if draft_kind == "agreeing" else tiny_model(arch, seed=9, layers=1)
+    model = asynchronous(target, draft)
+    for p in prompts(seed=len(arch)):
+        expected = target.generate(p, do_sample=False, max_new_tokens=40)
+        assert model.generate(p, do_sample=False, max_new_tokens=40).tolist() == expected.tolist()
+        assert model.swiftspec_stats.engine == ENGINE
+
+
+def test_sampling_equals_the_serial_device_round_for_each_seed():
+    """The target's tokens come from the noise of generate()'s positions (the other rounds'), whatever tree the draft
+    sent: a seed gives the serial device round's tokens, draw by draw."""
+    target = tiny_model("llama", seed=2)
+    model = asynchronous(target, truncated_draft(target, 2))
+    serial = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), tree_budget=6, draft_width=3,
+                                              ngram_size=0, round="device")
+    for seed, p in enumerate(prompts((2, 9, 30))):
+        outs = []
+        for m in (model, serial):
+            torch.manual_seed(seed)
+            outs.append(m.generate(p, do_sample=True, temperature=0.9, top_k=30, max_new_tokens=30).tolist())
+        assert outs[0] == outs[1]
+    assert model.swiftspec_stats.engine == ENGINE
+
+
+def test_scores_and_an_early_eos_equal_target_generate():
+    target = tiny_model("llama", seed=2)
+    model = asynchronous(target, truncated_draft(target, 2))
+    p = prompts((12,))[0]
+    plain = target.generate(p, do_sample=False, max_new_tokens=30)
+    eos = int(plain[0, p.shape[1] + 6])  # a token the target emits 7th: generation stops there
+    kw = dict(do_sample=False, max_new_tokens=30, eos_token_id=eos, return_dict_in_generate=True, output_scores=True)
+    want, got = target.generate(p, **kw), model.generate(p, **kw)
+    assert got.sequences.tolist() == want.sequences.tolist() and got.sequences.shape[1] < plain.shape[1]
+    assert len(got.scores) == len(want.scores)
+    for a, b in zip(got.scores, want.scores):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture
+def verdicts_wait_for_the_draft(monkeypatch):
+    """Each verification starts once the draft, having sent its subtree, has grown what it grows in flight and waits
+    for the verdict (the order of events, not this machine's timing, decides that it grew; bounded so a broken
+    engine fails instead of hanging)."""
+    from hf_swiftspec.engine.links import ThreadLink
+
+    waiting = threading.Event()
+    send, receive, verdict = ThreadLink.send_subtree, ThreadLink.receive_subtree, ThreadLink.receive_verdict
+
+    def send_subtree(self, subtree):
+        waiting.clear()
+        return send(self, subtree)
+
+    def receive_subtree(self):
+        subtree = receive(self)
+        waiting.wait(timeout=60)
+        return subtree
+
+    def receive_verdict(self):
+        waiting.set()
+        return verdict(self)
+
+    monkeypatch.setattr(ThreadLink, "send_subtree", send_subtree)
+    monkeypatch.setattr(ThreadLink, "receive_subtree", receive_subtree)
+    monkeypatch.setattr(ThreadLink, "receive_verdict", receive_verdict)
+
+
+def test_the_draft_grows_while_the_target_verifies_and_reroots_into_it(verdicts_wait_for_the_draft):
+    """With the verification waiting for the draft's in-flight growth: the draft expanded while subtrees were
+    verified, and its re-roots found the target's next token among what it had grown (the subtree sent, run in
+    flight, holds its children), so rounds verify more than one token."""
+    target = tiny_model("llama", seed=2)
+    model = asynchronous(target, truncated_draft(target, 2), draft_depth=2)
+    p = prompts((8,))[0]
+    out = model.generate(p, do_sample=False, max_new_tokens=30)
+    assert out.tolist() == target.generate(p, do_sample=False, max_new_tokens=30).tolist()
+    stats = model.swiftspec_stats
+    assert stats.in_flight_expansions > 0 and stats.reroot_hits > 0
+    assert stats.reroot_hits + stats.reroot_misses == stats.verify_steps - 1
+    assert stats.new_tokens > stats.verify_steps
+
+
+class Boom(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("worker", ["draft", "target"])
+def test_a_worker_failure_surfaces_and_the_next_call_works(worker):
+    target = tiny_model("llama", seed=2)
+    draft = truncated_draft(target, 2)
+    model = asynchronous(target, draft, worker_timeout_s=20)
+    count = {"n": 0}
+
+    def hook(*args):
+        count["n"] += 1
+        if count["n"] > 3:
+            raise Boom("injected failure after 3 forwards")
+
+    handle = (target if worker == "target" else draft).register_forward_hook(hook)
+    p = prompts((5,))[0]
+    try:
+        with pytest.raises(SwiftSpecWorkerError, match=f"the {worker} worker failed: Boom"):
+            model.generate(p, do_sample=False, max_new_tokens=40)
+    finally:
+        handle.remove()
+    assert model.generate(p, do_sample=False, max_new_tokens=20).tolist() == target.generate(
+        p, do_sample=False, max_new_tokens=20).tolist()
+
+
+def test_a_silent_draft_times_out():
+    target = tiny_model("llama", seed=2)
+    draft = truncated_draft(target, 2)
+    model = asynchronous(target, draft, worker_timeout_s=1)
+    release = threading.Event()
+    handle = draft.register_forward_hook(lambda *args: release.wait(60))
+    try:
+        with pytest.raises(SwiftSpecWorkerError, match="draft worker sent nothing for 1s"):
+            model.generate(prompts((3,))[0], do_sample=False, max_new_tokens=5)
+    finally:
+        release.set()
+        handle.remove()
+        for thread in threading.enumerate():
+            if thread.name == "swiftspec-draft":
+                thread.join(timeout=10)
+
+
+def test_a_call_it_cannot_decode_is_refused_by_name_and_auto_takes_the_host_engine():
+    target = tiny_model("llama", seed=2)
+    model = asynchronous(target, truncated_draft(target, 2))
+    p = prompts((6,))[0]
+    with pytest.raises(ValueError, match="logits processors read the path.*round='host'"):
+        model.generate(p, do_sample=False, max_new_tokens=10, repetition_penalty=1.2)
+    with pytest.raises(ValueError, match="ngram_size=0"):
+        asynchronous(target, truncated_draft(target, 2), ngram_size=3).generate(p, do_sample=False, max_new_tokens=5)
+    auto = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), placement=THREADS, ngram_size=0)
+    expected = target.generate(p, do_sample=False, max_new_tokens=10, repetition_penalty=1.2)
+    assert auto.generate(p, do_sample=False, max_new_tokens=10, repetition_penalty=1.2).tolist() == expected.tolist()
+    assert auto.swiftspec_stats.engine == "async-threads"
