@@ -111,6 +111,10 @@ def test_the_draft_grows_while_the_target_verifies_and_reroots_into_it(verdicts_
     assert stats.in_flight_expansions > 0 and stats.reroot_hits > 0
     assert stats.reroot_hits + stats.reroot_misses == stats.verify_steps - 1
     assert stats.new_tokens > stats.verify_steps
+    rounds = stats.rounds  # a record a round: its tree, its expansions in flight, what it accepted
+    assert len(rounds) == stats.verify_steps and sum(r.expansions for r in rounds) == stats.in_flight_expansions
+    assert sum(r.accepted for r in rounds) + len(rounds) == stats.new_tokens
+    assert max(r.budget for r in rounds) > 1 and stats.mean_tree_budget > 1
 
 
 class Boom(RuntimeError):

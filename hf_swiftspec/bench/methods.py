@@ -51,6 +51,8 @@ def load_models(config: BenchConfig, notes: list[str]) -> BenchModels:
     location = config.pair
     if location is not None and location.startswith(SHAPE_PREFIX):
         return shaped_pair(location[len(SHAPE_PREFIX):], config, notes)
+    if location is not None and (location == AGREEING or location.startswith(AGREEING + ":")):
+        return agreeing_models(location, notes)
     if location is None:
         demo = bundled_pair(DEMO_PAIR_NAME)
         if demo is None:
@@ -76,6 +78,27 @@ def shaped_pair(shape: str, config: BenchConfig, notes: list[str]) -> BenchModel
         "neither the draft nor the n-gram chain predicts, so it measures what speculation costs when it cannot pay."
     )
     return BenchModels(target, draft, char_tokenizer(), f"{SHAPE_PREFIX}{shape} (random weights)")
+
+
+AGREEING = "agreeing"  # --pair agreeing[:LAYERS]: tools.models.agreeing_pair, its draft the target's first LAYERS
+
+
+def agreeing_models(location: str, notes: list[str]) -> BenchModels:
+    """`--pair agreeing[:LAYERS]`: the in-memory agreeing_pair (a 12-layer random Llama whose later layers are damped),
+    its draft the target's first LAYERS layers (default 1): a draft that agrees often and costs a share of a round
+    that grows with LAYERS."""
+    from ..tools.models import agreeing_pair, char_tokenizer, truncated_draft
+
+    layers = location.partition(":")[2] or "1"
+    if not layers.isdigit() or not 1 <= int(layers) <= 11:
+        raise ValueError(f"--pair {location!r}: agreeing:LAYERS takes 1 to 11 draft layers (of the target's 12)")
+    target, draft = agreeing_pair()
+    if int(layers) != 1:
+        draft = truncated_draft(target, keep_layers=int(layers))
+    notes.append(f"{location}: hf_swiftspec.tools.models.agreeing_pair() (random weights, later layers damped, "
+                 f"character tokenizer), its draft the target's first {layers} layer(s): the machinery's speed-ups on a "
+                 "draft that agrees often, not a real model's.")
+    return BenchModels(target, draft, char_tokenizer(), f"{location} (in-memory, random weights)")
 
 
 def fallback_pair(notes: list[str]) -> BenchModels:
@@ -302,30 +325,38 @@ def methods_at(batch_size: int, methods: list[Method], skipped: list[MethodResul
     return [m for m in methods if m.batched], unsupported
 
 
-def async_method(models: BenchModels, settings: dict, seed: int, notes: list[str]) -> Method | MethodResult:
-    """swiftspec_async, or a skipped result saying why the placement does not allow it."""
+def async_method(models: BenchModels, settings: dict, seed: int, notes: list[str],
+                 name: str = "swiftspec_async") -> Method | MethodResult:
+    """swiftspec_async (or swiftspec_async_device: the same placement with round="device"), or a skipped result
+    saying why the placement or the device round's asynchronous engine does not allow it."""
     if models.draft is None:
         note = "skipped: no draft (draft-free mode runs on the serial engine)"
-        notes.append(f"swiftspec_async {note}.")
-        return skipped_result("swiftspec_async", note)
+        notes.append(f"{name} {note}.")
+        return skipped_result(name, note)
     spec, note = async_placement(models.target)
     if spec is None:
-        notes.append(f"swiftspec_async {note}.")
-        return skipped_result("swiftspec_async", note)
+        notes.append(f"{name} {note}.")
+        return skipped_result(name, note)
+    if name == "swiftspec_async_device":
+        settings = {**settings, "round": "device"}
+        if settings.get("ngram_size", SwiftSpecConfig().ngram_size):
+            note = "skipped: the device round's asynchronous engine proposes no suffix nodes (run with --ngram-size 0)"
+            notes.append(f"{name} {note}.")
+            return skipped_result(name, note)
     draft = models.draft
     if torch.device(spec["draft"][0]) != draft.device:
         draft = copy.deepcopy(draft)  # the other methods keep the draft beside the target
     try:
         model = SwiftSpecForCausalLM.from_models(models.target, draft, placement=spec, **own_tokenizers(models), **settings)
     except ValueError as error:
-        notes.append(f"swiftspec_async skipped: {error}")
-        return skipped_result("swiftspec_async", f"skipped: {error}")
+        notes.append(f"{name} skipped: {error}")
+        return skipped_result(name, f"skipped: {error}")
     if models.target.device.type == "cpu":
         notes.append(
-            f"swiftspec_async: {note}, so it uses a second core while every other method computes on "
+            f"{name}: {note}, so it uses a second core while every other method computes on "
             f"{torch.get_num_threads()} torch thread(s)."
         )
-    method = swiftspec_method("swiftspec_async", model, seed)
+    method = swiftspec_method(name, model, seed)
     method.settings["note"] = note
     return method
 
@@ -349,6 +380,7 @@ def build_methods(models: BenchModels, config: BenchConfig, settings: dict, note
             config.seed,
         ),
         "swiftspec_async": lambda: async_method(models, settings, config.seed, notes),
+        "swiftspec_async_device": lambda: async_method(models, settings, config.seed, notes, "swiftspec_async_device"),
         "target_static": lambda: target_static_method(target),
         "assisted_static": lambda: assisted_static_method(target, draft, max(config.assistant_tokens))
         if draft is not None else no_draft("assisted_static", notes),

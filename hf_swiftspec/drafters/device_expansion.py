@@ -131,17 +131,46 @@ def expand(model, cache: SlotCache, draft: DraftTree, width: int, children: int,
     return DraftTree(grown, draft.expanded | ran, prefix)
 
 
+@dataclass
+class Rerooted:
+    """A re-rooted tree whose KV has not moved yet (reroot_tree): the new tree (its prefix_lens already the new
+    ones), what reroot_kv moves (each new node's old id, moved (B, N); the verified path and its count) and, per row,
+    whether the draft had drafted the new root (found (B,) bool). The tree may be selected from at once; the draft
+    runs nothing on it until reroot_kv has moved its cache."""
+
+    draft: DraftTree
+    moved: torch.Tensor
+    found: torch.Tensor
+    path: torch.Tensor
+    count: torch.Tensor
+    prefix_before: torch.Tensor
+
+
+def reroot_tree(draft: DraftTree, path: torch.Tensor, count: torch.Tensor, token: torch.Tensor) -> Rerooted:
+    """The tree after a verdict: the verified path (node ids (B, M), the root first, `count` a row) committed, the
+    subtree below the child holding `token` kept (a new tree of `token` alone where there is none), what was expanded
+    of it still expanded; its KV moved by reroot_kv."""
+    tree, moved = reroot_device(draft.tree, path, count, token)
+    expanded = draft.expanded.gather(1, moved.clamp(min=0)) & (moved >= 0)
+    return Rerooted(DraftTree(tree, expanded, draft.prefix_lens + count), moved, moved[:, 0] >= 0, path, count,
+                    draft.prefix_lens)
+
+
+def reroot_kv(cache: SlotCache, rerooted: Rerooted) -> DraftTree:
+    """The draft's cache after the re-root: the verified path's KV behind the old prefix, then the kept nodes' at their
+    new ids (slot_cache.reroot_cache). The path's last node may be a leaf the draft never ran: its committed slot then
+    holds no KV (`unrun` says which rows; the caller runs it before the next expansion). Returns the tree."""
+    reroot_cache(cache, rerooted.prefix_before, rerooted.path, rerooted.count, rerooted.moved,
+                 rerooted.draft.tree.size)
+    return rerooted.draft
+
+
 def reroot(cache: SlotCache, draft: DraftTree, path: torch.Tensor, count: torch.Tensor,
            token: torch.Tensor) -> tuple[DraftTree, torch.Tensor]:
-    """The tree and the draft's cache after a verdict: the verified path (node ids (B, M), the root first, `count` a
-    row) committed behind the prefix, the subtree below the child holding `token` kept (a new tree of `token` alone
-    where there is none), what was expanded of it still expanded. The path's last node may be a leaf the draft never
-    ran: its committed slot then holds no KV (`unrun` says which rows; the caller runs it before the next
-    expansion). Returns the tree and, per row, whether the draft had drafted the new root (B,) bool."""
-    tree, moved = reroot_device(draft.tree, path, count, token)
-    prefix = reroot_cache(cache, draft.prefix_lens, path, count, moved, tree.size)
-    expanded = draft.expanded.gather(1, moved.clamp(min=0)) & (moved >= 0)
-    return DraftTree(tree, expanded, prefix), moved[:, 0] >= 0
+    """reroot_tree then reroot_kv: the tree and its cache after a verdict, and whether each row's new root was
+    drafted (B,) bool."""
+    rerooted = reroot_tree(draft, path, count, token)
+    return reroot_kv(cache, rerooted), rerooted.found
 
 
 def unrun(draft: DraftTree, path: torch.Tensor, count: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """SwiftSpec's asynchronous round on the device pieces (Algorithm 1), for one sequence in two threads: the draft grows
 its tree while the target verifies the subtree it was sent, then re-roots on the verdict, on the device.
 
-    draft:  top the tree up -> select the best T nodes and send them -> run the ones it has not run, then expand
-            (best leaves first) while the verdict is due -> re-root below the target's next token (the kept subtree and its KV compacted on the
-            device, drafters/device_expansion.reroot; a new tree where the token was never drafted) -> ...
+    draft:  top the tree up -> select the best T nodes and send them -> move the last re-root's KV -> run the sent
+            nodes it has not run, then expand (best leaves first) while the verdict is due -> re-root the tree below
+            the target's next token (the kept subtree compacted on the device, drafters/device_expansion.reroot_tree;
+            a new tree where the token was never drafted; its KV moves once the next subtree has gone) -> ...
     target: receive a subtree -> verify it (one forward over its slot cache), walk, commit -> one read -> send the
             verdict -> emit the tokens
 
@@ -21,14 +22,15 @@ masks; no chains, no rules by cache slot), logits processors that ignore the pat
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass
 
 import torch
 
-from ..drafters.device_expansion import DraftTree, expand, reroot, unexpanded, unrun
-from ..stats import DraftCounters, SwiftSpecStats, TargetCounters
+from ..drafters.device_expansion import DraftTree, expand, reroot_kv, reroot_tree, unexpanded, unrun
+from ..stats import DraftCounters, RoundRecord, SwiftSpecStats, TargetCounters
 from ..steps.acceptance import cut_at_criteria, greedy_choices, gumbel_noise, sampled_choices, walk_subtree
 from ..steps.device_round import DeviceSubtree, select_device, to_device
 from ..steps.slot_cache import SlotCache, catch_up, commit_cache, verify_forward
@@ -108,6 +110,9 @@ class DraftSide:
         self.tree = DraftTree.rooted(prompt[:, -1], prefix, shape.nodes)
         self.prefix = L - 1  # host-known: the prefix moves by the verdict's count
         self.counters = DraftCounters()
+        self.pending = None  # a re-root whose KV has not moved yet (device_expansion.Rerooted), or None
+        self.in_flight_by_round: list[int] = []  # expansions run while each round's subtree was verified
+        self.missing: torch.Tensor | None = None  # (1, 1) the verified path's last token, where the draft never ran it
         self.expand_s: float | None = None  # an expansion's time, a moving average
         self.verify_s: float | None = None  # the target's verification time, from its verdicts
 
@@ -125,6 +130,7 @@ class DraftSide:
 
     def expand(self, sent: DeviceSubtree | None = None) -> None:
         """One expansion: the best leaves, or the nodes of the subtree just sent that the draft has not run."""
+        self.settle()
         start = time.perf_counter()
         self.set_span()
         leaves = None if sent is None else unexpanded(self.tree, sent.node_ids, sent.valid)
@@ -136,30 +142,43 @@ class DraftSide:
         self.expand_s = took if self.expand_s is None else 0.8 * self.expand_s + 0.2 * took
 
     def top_up(self) -> None:
-        """Before a subtree goes out: a tree of the root alone (a fresh one) is expanded once, so the round verifies
-        more than the root; a kept subtree goes as it is (the target would wait for any expansion here)."""
-        if int(self.tree.tree.size[0]) == 1:
+        """Before a subtree goes out, a tree of fewer than a budget's nodes (a fresh one, or a small kept subtree) is
+        expanded once (SwiftSpec tops the tree up to the budget): the target waits for that expansion, and verifies a
+        tree instead of a few nodes (on agreeing_pair with a 3-layer draft, fewer rounds by more than the wait)."""
+        if int(self.tree.tree.size[0]) < self.shape.budget:
             self.expand()
 
     def subtree(self) -> DeviceSubtree:
         return select_device(self.tree.tree, self.shape.budget)
 
     def follow(self, verdict: Verdict) -> None:
-        """Re-root on the verdict; where the path ended at a leaf the draft never ran, run it at its committed slot."""
+        """Re-root the tree on the verdict (its KV moves in settle, after the next subtree went out)."""
         count = torch.tensor([verdict.count], device=verdict.path.device)
         token = torch.tensor([verdict.token], device=verdict.path.device)
         missing = bool(unrun(self.tree, verdict.path, count)[0])
         last = self.tree.tree.tokens.gather(1, verdict.path[:, verdict.count - 1 : verdict.count])  # (1, 1)
-        self.set_span()
-        self.tree, found = reroot(self.cache, self.tree, verdict.path, count, token)
+        self.pending = reroot_tree(self.tree, verdict.path, count, token)
+        self.tree = self.pending.draft
+        self.missing = last if missing else None
         self.prefix += verdict.count
-        hit = bool(found[0])
+        hit = bool(self.pending.found[0])
         self.counters.reroot_hits += hit
         self.counters.reroot_misses += not hit
-        if missing:  # the path's last token: its KV at its committed slot, before anything below it runs
+
+    def settle(self) -> None:
+        """The last re-root's KV moves (off the target's path: the subtree has gone); where the verified path ended at
+        a leaf the draft never ran, that token runs at its committed slot, before anything below it runs."""
+        if self.pending is None:
+            return
+        self.cache.span = min(self.prefix - int(self.pending.count[0]) + self.shape.nodes + 1, self.capacity)
+        self.tree = reroot_kv(self.cache, self.pending)
+        self.pending = None
+        if self.missing is not None:
             self.cache.span = min(self.prefix + 2, self.capacity)
-            catch_up(self.model, self.cache, last, torch.ones_like(count), starts=self.tree.prefix_lens - 1)
+            catch_up(self.model, self.cache, self.missing, torch.ones(1, dtype=torch.long, device=self.missing.device),
+                     starts=self.tree.prefix_lens - 1)
             self.counters.forwards += 1
+            self.missing = None
 
 
 class TargetSide:
@@ -177,6 +196,7 @@ class TargetSide:
         self.sampler = request.samplers[0]
         self.sequence = (request.contexts[0] if request.contexts else prompt).tolist()[0]
         self.counters = TargetCounters(forwards=1)
+        self.records: list[RoundRecord] = []  # one a round (its expansions: the draft's, filled in at the end)
         self.vocab = model.config.get_text_config().vocab_size
 
     def verify(self, sub: DeviceSubtree, rows: BatchRows) -> tuple[Verified, Verdict]:
@@ -199,10 +219,11 @@ class TargetSide:
         walk = walk_subtree(choices, sub, to_device([budget], logits.device), eos)
         commit_cache(self.cache, self.prefix, walk.path.clamp(min=0), walk.count)
         read = torch.cat([walk.count[:, None], walk.finished.long()[:, None], walk.tokens, walk.path,
-                          sub.node_ids], dim=1)[0].tolist()  # the round's one read
+                          sub.node_ids, sub.valid.long().sum(1, keepdim=True)], dim=1)[0].tolist()  # the one read
         count, finished = read[0], bool(read[1])
         tokens, path = read[2 : 2 + count], read[2 + T : 2 + T + count]
-        node_ids = read[2 + 2 * T :]
+        node_ids = read[2 + 2 * T : 2 + 3 * T]
+        self.records.append(RoundRecord(budget=read[-1], expansions=0, accepted=max(count - 1, 0), ngram_accepted=0))
         self.prefix += count
         self.length += count
         outcome = Verified(tokens, path, finished=finished)
@@ -237,6 +258,9 @@ def run_draft(side: DraftSide, link: ThreadLink) -> None:
         link.send_subtree(sub)
         counters.rounds += 1
         counters.select_s += time.perf_counter() - selecting
+        settling = time.perf_counter()
+        side.settle()
+        counters.reroot_s += time.perf_counter() - settling
         growing = time.perf_counter()
         ran = 0
         allowed = side.in_flight()
@@ -244,6 +268,7 @@ def run_draft(side: DraftSide, link: ThreadLink) -> None:
             side.expand(sub if ran == 0 else None)
             ran += 1
         counters.in_flight_expansions += ran
+        side.in_flight_by_round.append(ran)
         counters.grown_rounds += ran > 0
         counters.grow_s += time.perf_counter() - growing
         waiting = time.perf_counter()
@@ -319,4 +344,7 @@ def run_device_async(target, draft, request: DecodeRequest, config, architecture
     draft_counters = sides["draft"].counters if "draft" in sides else DraftCounters()
     result.stats = SwiftSpecStats.collect(ENGINE, result.new_tokens, time.perf_counter() - start,
                                           target_side.counters, draft_counters, message_bytes=0)
+    ran = sides["draft"].in_flight_by_round if "draft" in sides else []
+    result.stats.add_rounds([dataclasses.replace(r, expansions=ran[i] if i < len(ran) else 0)
+                             for i, r in enumerate(target_side.records)])
     return result
