@@ -5,6 +5,7 @@ max_new_tokens and stop strings (rows that decode on after theirs); sampling dra
 (tests/gumbel_reference.py) (its rule: the target's distribution, test_sampling.py); and a call it cannot decode exactly is a
 ValueError naming why, never a silent fallback."""
 
+import dataclasses
 import pytest
 import torch
 from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
@@ -199,17 +200,29 @@ def test_calls_past_the_context_and_with_nothing_to_propose_decode_as_target_gen
 
 def test_every_documented_refusal_names_its_reason():
     """settings.md's list of what the device round refuses, each by its message (beside the test above's): a placement
-    other than serial (a slot rule past which only one-token steps are exact: the test above). (compile=True and
+    other than serial, but two threads on one device, which run its asynchronous engine (test_device_async.py refuses
+    what that cannot decode by name), (a slot rule past which only one-token steps are exact: the test above).
+    (compile=True and
     attention="kernel" it honours: test_device_attention.py; an attention that takes no 4D mask is refused by the pair
     itself, whatever the round: architectures.UnsupportedArchitecture. Recurrent models and those placing tokens by
     slot run chains: test_device_chains.py.) Logits processors that read the path left the list: no gap names them."""
     target = tiny_model("llama", seed=0)
     ids = torch.tensor([[5, 17, 33, 8]])
     threads = dict(placement={"target": ["cpu"], "draft": ["cpu"]})
-    message = refused(SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), **DEVICE, **threads), ids)
-    assert "placement='serial'" in message
-    from hf_swiftspec.engine.device_sides import device_round_gaps
+    pair = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), **DEVICE, **threads)
+    assert pair.generate(ids, max_new_tokens=8, do_sample=False).tolist() == target.generate(
+        ids, max_new_tokens=8, do_sample=False).tolist()
+    assert pair.swiftspec_stats.engine == "async-threads-device"
+    from hf_swiftspec.engine.device_sides import choose_round
+    from hf_swiftspec.engine.placement import resolve_placement
     from hf_swiftspec.steps.probes import describe
+
+    other = resolve_placement({"target": ["cpu"], "draft": ["cpu"]}, target.config, target.config)
+    other = dataclasses.replace(other, mode="distributed")  # (torchrun ranks: no second process here)
+    with pytest.raises(ValueError, match="placement='serial'"):
+        choose_round(SwiftSpecConfig(**DEVICE), target, truncated_draft(target, 2), (describe(target, "target"), None),
+                     [], other, None, False, [])
+    from hf_swiftspec.engine.device_sides import device_round_gaps
     from transformers import NoBadWordsLogitsProcessor, NoRepeatNGramLogitsProcessor
 
     path_readers = [RepetitionPenaltyLogitsProcessor(1.3), NoRepeatNGramLogitsProcessor(2),
@@ -380,6 +393,7 @@ def test_auto_takes_the_device_round_wherever_it_applies_and_says_why():
     asynchronous engine serves); each call's stats say which ran and why."""
     from hf_swiftspec.engine.device_sides import choose_round
     from hf_swiftspec.engine.placement import resolve_placement
+    from hf_swiftspec.steps.probes import describe
     from hf_swiftspec.steps.probes import describe
 
     target = tiny_model("llama", seed=0)
