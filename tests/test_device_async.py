@@ -4,6 +4,7 @@ the same seed, its scores, stops and windowed layers; the draft grows while the 
 what it grew; a failed or silent worker surfaces in generate(); calls it cannot decode are refused by name where it
 was asked for, and left to the host round's engine under round='auto'."""
 
+import copy
 import threading
 
 import pytest
@@ -68,6 +69,20 @@ def test_scores_and_an_early_eos_equal_target_generate():
     assert len(got.scores) == len(want.scores)
     for a, b in zip(got.scores, want.scores):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_a_call_reaching_the_models_context_places_no_node_past_it():
+    """A learned-position target (gpt2: no row past n_positions) decodes to its last position as target.generate
+    does: no tree node is placed past the context (a node there would index past the position table)."""
+    from hf_swiftspec.tools.models import tiny_gpt2
+
+    target = tiny_gpt2(n_positions=48)
+    target.generation_config.eos_token_id = None  # every call runs to the context's last position
+    model = asynchronous(target, copy.deepcopy(target))  # a draft that always agrees: its trees grow deep
+    p = prompts((20,))[0]
+    expected = target.generate(p, do_sample=False, max_new_tokens=28)
+    assert model.generate(p, do_sample=False, max_new_tokens=28).tolist() == expected.tolist()
+    assert model.swiftspec_stats.engine == ENGINE
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ tree of Python lists); the expanded nodes' KV against those forwards' KV; no hos
 import pytest
 import torch
 
-from hf_swiftspec.drafters.device_expansion import DraftTree, expand, reroot, unexpanded, unrun
+from hf_swiftspec.drafters.device_expansion import DraftTree, best_leaves, expand, reroot, unexpanded, unrun
 from hf_swiftspec.steps.device_round import path_hashes, select_device
 from hf_swiftspec.steps.slot_cache import SlotCache, catch_up
 from hf_swiftspec.steps.tree import subtree_mask
@@ -164,3 +164,21 @@ def test_a_path_ending_at_a_leaf_the_draft_never_ran_is_named(draft):
     # node 1 is a leaf (never expanded); node 0 was
     assert unrun(grown, torch.tensor([[0, 1]]), torch.tensor([2])).tolist() == [True]
     assert unrun(grown, torch.tensor([[0, 1]]), torch.tensor([1])).tolist() == [False]
+
+
+def test_no_leaf_grows_children_past_its_room(draft):
+    """room (B,): a row's leaves at that depth or deeper are not expanded (their children would sit past the models'
+    context), the graft's nodes alike; a row with more room grows deeper."""
+    cache = SlotCache(draft.config.num_hidden_layers, CAPACITY)
+    prefix = torch.tensor([3, 3])
+    room = torch.tensor([1, 8])
+    with torch.no_grad():
+        catch_up(draft, cache, torch.tensor([[4, 5, 6], [7, 8, 9]]), prefix)
+        grown = DraftTree.rooted(torch.tensor([9, 10]), prefix, 40)
+        for _ in range(5):
+            grown = expand(draft, cache, grown, 2, 2, leaves=best_leaves(grown, 2, room))
+        sub = select_device(grown.tree, 8)
+        again = expand(draft, cache, grown, 2, 2, leaves=unexpanded(grown, sub.node_ids, sub.valid, room))
+    depths = [grown.tree.depths[b, : int(grown.tree.size[b])] for b in range(2)]
+    assert int(depths[0].max()) == 1 and int(depths[1].max()) > 2
+    assert int(again.tree.size[0]) == int(grown.tree.size[0])  # row 0's graft ran nothing: every node at its room

@@ -54,11 +54,12 @@ class DraftTree:
         return cls(tree, torch.zeros(B, N, dtype=torch.bool, device=device), prefix_lens.clone())
 
 
-def best_leaves(draft: DraftTree, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+def best_leaves(draft: DraftTree, width: int, room: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The `width` most probable leaves a row, ties to the lower id: (B, width) node ids and whether each is one (fewer
     than `width` leaves: the rest are padding, id 0). A leaf is a live node with no child: one the draft never ran,
     or one whose children all lost to better ones (run again, its KV rewritten the same, so that a tree re-rooted
-    there grows on)."""
+    there grows on). room (B,) long: the depth below which a leaf's children still fit the models' context (None: no
+    limit)."""
     tree = draft.tree
     N = tree.tokens.shape[1]
     live = torch.arange(N, device=tree.tokens.device)[None] < tree.size[:, None]
@@ -66,19 +67,24 @@ def best_leaves(draft: DraftTree, width: int) -> tuple[torch.Tensor, torch.Tenso
                                                            (live & (tree.parents >= 0)).long())
     has_child = children > 0
     leaf = live & ~has_child
+    if room is not None:
+        leaf &= tree.depths < room[:, None]
     ranked = torch.where(leaf, tree.scores, float("-inf"))
     order = torch.sort(ranked, dim=1, descending=True, stable=True).indices[:, :width]  # (B, width)
     real = leaf.gather(1, order)
     return torch.where(real, order, 0), real
 
 
-def unexpanded(draft: DraftTree, node_ids: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def unexpanded(draft: DraftTree, node_ids: torch.Tensor, valid: torch.Tensor,
+               room: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Of each row's nodes `node_ids` (B, Q) (valid: (B, Q) bool, real ones), those the draft has not run, first and
     in their order: (B, Q) node ids and whether each is one (the rest padding, id 0). What the first expansion while a
     subtree is verified runs (SwiftSpec's graft): whichever path the target accepts then ends at a node whose
     children are in the tree, so the re-root finds the target's next token among them unless the draft did not rank
-    it."""
+    it. room: best_leaves'."""
     waiting = valid & ~draft.expanded.gather(1, node_ids)
+    if room is not None:
+        waiting &= draft.tree.depths.gather(1, node_ids) < room[:, None]
     order = torch.sort((~waiting).to(torch.uint8), dim=1, stable=True).indices
     real = waiting.gather(1, order)
     return torch.where(real, node_ids.gather(1, order), 0), real

@@ -29,7 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..drafters.device_expansion import DraftTree, expand, reroot_kv, reroot_tree, unexpanded, unrun
+from ..drafters.device_expansion import DraftTree, best_leaves, expand, reroot_kv, reroot_tree, unexpanded, unrun
+from ..drafters.eagle3 import DraftHead
+from ..models.architectures import context_limit
 from ..stats import DraftCounters, RoundRecord, SwiftSpecStats, TargetCounters
 from ..steps.acceptance import cut_at_criteria, greedy_choices, gumbel_noise, sampled_choices, walk_subtree
 from ..steps.device_round import DeviceSubtree, select_device, to_device
@@ -74,13 +76,17 @@ class Verdict:
     verify_s: float = 0.0  # the verification's time on the target's side (what the draft paces its expansions by)
 
 
-def async_gaps(target, draft, request: DecodeRequest, config, architectures) -> list[str]:
-    """Why this call cannot run the device round's asynchronous engine (empty: it can)."""
+def async_gaps(target, draft, request: DecodeRequest, config, architectures, vocabularies=None) -> list[str]:
+    """Why this call cannot run the device round's asynchronous engine (empty: it can). vocabularies: a draft with
+    another tokenizer's (drafters/vocabulary.py), None for one of the target's."""
     gaps = []
-    if draft is None or not hasattr(draft, "config") or getattr(draft, "is_draft_head", False):
+    if draft is None or isinstance(draft, DraftHead):
         gaps.append("it grows a draft model's tree (draft-free and draft heads run the host round's engine)")
-    elif draft.device != target.device:
+        return gaps
+    if draft.device != target.device:
         gaps.append("its two threads run on one device (the draft on another device runs the host round's engine)")
+    if vocabularies is not None:
+        gaps.append("its draft reads the target's tokens (a draft with another tokenizer runs the host round's engine)")
     if request.batch_size != 1 or request.attention_mask is not None and not bool(request.attention_mask.all()):
         gaps.append("it decodes one sequence without padding")
     if not all(s.path_free for s in request.samplers):
@@ -100,8 +106,9 @@ class DraftSide:
     """The draft's thread: its slot cache, its tree across rounds and its counters."""
 
     def __init__(self, model, prompt: torch.Tensor, shape: AsyncShape, capacity: int, vocab_limit: int,
-                 architecture=None):
+                 architecture=None, limit: int | None = None):
         self.model, self.shape, self.capacity, self.vocab_limit = model, shape, capacity, vocab_limit
+        self.limit = limit  # the most positions both models place a token at (None: no limit)
         self.cache = SlotCache(model.config.get_text_config().num_hidden_layers, capacity, architecture)
         L = prompt.shape[1]
         prefix = torch.full((1,), L - 1, dtype=torch.long, device=prompt.device)
@@ -133,7 +140,10 @@ class DraftSide:
         self.settle()
         start = time.perf_counter()
         self.set_span()
-        leaves = None if sent is None else unexpanded(self.tree, sent.node_ids, sent.valid)
+        # no node past the models' context: a leaf grows only where its children's positions fit
+        room = None if self.limit is None else self.limit - 1 - self.tree.prefix_lens
+        leaves = best_leaves(self.tree, self.shape.width, room) if sent is None else unexpanded(
+            self.tree, sent.node_ids, sent.valid, room)
         self.tree = expand(self.model, self.cache, self.tree, self.shape.width, self.shape.children, self.vocab_limit,
                            leaves)
         self.counters.forwards += 1
@@ -318,7 +328,8 @@ def run_device_async(target, draft, request: DecodeRequest, config, architecture
         try:
             with torch.no_grad():  # grad mode is per thread
                 sides["draft"] = DraftSide(draft, request.prompt, shape, capacity,
-                                           target.config.get_text_config().vocab_size, architectures[1])
+                                           target.config.get_text_config().vocab_size, architectures[1],
+                                           context_limit(target, draft))
                 run_draft(sides["draft"], link)
         except LinkClosed:
             pass

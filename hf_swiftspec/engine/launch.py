@@ -56,7 +56,7 @@ def decode_adaptive(target, draft, request: DecodeRequest, config: SwiftSpecConf
     round_: "device" runs the device round (device_sides.choose_round chose it, and it cleared the call)."""
     if round_ == "device" and placement is not None and placement.mode == "threads":
         architectures = architectures or (describe(target, "target"), draft_architecture(draft))
-        gaps = async_gaps(target, draft, request, config, architectures)
+        gaps = async_gaps(target, draft, request, config, architectures, vocabularies)
         if gaps:
             raise ValueError(f"SwiftSpecConfig.round='device' with placement threads runs the device round's "
                              f"asynchronous engine, which cannot decode this call: {'; '.join(gaps)}. Fix that, or "
