@@ -207,7 +207,6 @@ class TargetSide:
         self.sequence = (request.contexts[0] if request.contexts else prompt).tolist()[0]
         self.counters = TargetCounters(forwards=1)
         self.records: list[RoundRecord] = []  # one a round (its expansions: the draft's, filled in at the end)
-        self.vocab = model.config.get_text_config().vocab_size
 
     def verify(self, sub: DeviceSubtree, rows: BatchRows) -> tuple[Verified, Verdict]:
         """One verification: the forward, the target's choices, the walk, the commit, one read."""
@@ -238,9 +237,9 @@ class TargetSide:
         self.length += count
         outcome = Verified(tokens, path, finished=finished)
         if rows.keeps_scores or rule.others:
-            outcome.scores = [scores[0, j : j + 1] for j in path]
+            outcome.scores = [scores[0, j : j + 1].clone() for j in path]  # (a view would keep all T rows)
         if rows.keeps_logits:
-            outcome.logits = [logits[0, j : j + 1] for j in path]
+            outcome.logits = [logits[0, j : j + 1].clone() for j in path]
         cut = cut_at_criteria(outcome.tokens, self.sequence, rule, outcome.scores or None)
         if cut:
             keep = len(tokens) - cut
@@ -306,7 +305,7 @@ def run_target(side: TargetSide, link: ThreadLink, rows: BatchRows, on_tokens) -
         keep = rows.record([outcome], on_tokens)
         done = not keep
         took = time.perf_counter() - busy
-        link.send_verdict(Verdict(verdict.path, verdict.count, verdict.token, done or verdict.finished, took))
+        link.send_verdict(dataclasses.replace(verdict, finished=done or verdict.finished, verify_s=took))
         side.counters.busy_s += took
         if done:
             return
