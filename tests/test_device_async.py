@@ -13,6 +13,7 @@ import torch
 from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.engine import SwiftSpecWorkerError
 from hf_swiftspec.tools.models import tiny_model, truncated_draft
+from test_async import verdicts_wait_for_the_draft  # noqa: F401 (the host engine's tests' fixture, same link)
 
 THREADS = {"target": ["cpu"], "draft": ["cpu"]}
 ENGINE = "async-threads-device"
@@ -83,34 +84,6 @@ def test_a_call_reaching_the_models_context_places_no_node_past_it():
     expected = target.generate(p, do_sample=False, max_new_tokens=28)
     assert model.generate(p, do_sample=False, max_new_tokens=28).tolist() == expected.tolist()
     assert model.swiftspec_stats.engine == ENGINE
-
-
-@pytest.fixture
-def verdicts_wait_for_the_draft(monkeypatch):
-    """Each verification starts once the draft, having sent its subtree, has grown what it grows in flight and waits
-    for the verdict (the order of events, not this machine's timing, decides that it grew; bounded so a broken
-    engine fails instead of hanging)."""
-    from hf_swiftspec.engine.links import ThreadLink
-
-    waiting = threading.Event()
-    send, receive, verdict = ThreadLink.send_subtree, ThreadLink.receive_subtree, ThreadLink.receive_verdict
-
-    def send_subtree(self, subtree):
-        waiting.clear()
-        return send(self, subtree)
-
-    def receive_subtree(self):
-        subtree = receive(self)
-        waiting.wait(timeout=60)
-        return subtree
-
-    def receive_verdict(self):
-        waiting.set()
-        return verdict(self)
-
-    monkeypatch.setattr(ThreadLink, "send_subtree", send_subtree)
-    monkeypatch.setattr(ThreadLink, "receive_subtree", receive_subtree)
-    monkeypatch.setattr(ThreadLink, "receive_verdict", receive_verdict)
 
 
 def test_the_draft_grows_while_the_target_verifies_and_reroots_into_it(verdicts_wait_for_the_draft):

@@ -14,14 +14,13 @@ decode one sequence (a batch of prompts takes the serial engine, which batches e
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 
 import torch
 
 from ..config import FIRST_TREE
 from ..stats import SwiftSpecStats
-from .links import LinkClosed, SwiftSpecWorkerError, ThreadLink
+from .links import ThreadLink, run_two_threads
 from .request import BatchRows, DecodeRequest, DecodeResult, round_record
 from ..drafters.drafting import Drafters, offered_nothing
 from .workers import TargetWorker
@@ -132,31 +131,9 @@ def run_threads(target: TargetWorker, draft: Drafters, request: DecodeRequest, t
     rows = BatchRows.start(request)
     link = ThreadLink(timeout_s)
     records = []  # the draft's RoundRecords, read once its thread has stopped
-
-    def draft_main() -> None:
-        try:
-            # grad mode is per thread: generate()'s no_grad does not reach this one (its forwards built autograd graphs)
-            with torch.no_grad(), stream_for(draft.device):
-                run_draft(draft, request, link, records)
-        except LinkClosed:
-            pass
-        except BaseException as error:  # surfaces in generate() through the link
-            link.report_failure("draft", error)
-
-    thread = threading.Thread(target=draft_main, name="swiftspec-draft", daemon=True)
     start = time.perf_counter()
-    thread.start()
-    try:
-        run_target(target, request, link, rows)
-    except SwiftSpecWorkerError:
-        raise
-    except Exception as error:
-        raise SwiftSpecWorkerError(f"the target worker failed: {error!r}") from error
-    finally:
-        link.close()
-        thread.join(timeout=timeout_s)
-    if thread.is_alive():
-        raise SwiftSpecWorkerError(f"the draft worker did not stop within {timeout_s:.0f}s after generation ended")
+    run_two_threads(link, lambda: run_draft(draft, request, link, records),
+                    lambda: run_target(target, request, link, rows), timeout_s, lambda: stream_for(draft.device))
     result = rows.result
     result.stats = SwiftSpecStats.collect(
         "async-threads", result.new_tokens, time.perf_counter() - start, target.counters, draft.counters,

@@ -23,7 +23,6 @@ masks; no chains, no rules by cache slot), logits processors that ignore the pat
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 from dataclasses import dataclass
 
@@ -38,7 +37,7 @@ from ..steps.device_round import DeviceSubtree, select_device, to_device
 from ..steps.slot_cache import SlotCache, catch_up, commit_cache, verify_forward
 from ..steps.verify import Verified
 from .device_phases import processed
-from .links import LinkClosed, SwiftSpecWorkerError, ThreadLink
+from .links import ThreadLink, run_two_threads
 from .request import BatchRows, DecodeRequest, DecodeResult
 
 ENGINE = "async-threads-device"
@@ -66,12 +65,13 @@ class AsyncShape:
 
 @dataclass(frozen=True)
 class Verdict:
-    """The target's answer to one subtree (target to draft): the verified path as the draft tree's node ids (1, M)
-    (the root first, `count` of them), the target's next token (the next root) and whether the sequence is done."""
+    """The target's answer to one subtree (target to draft): the verified path as the draft tree's node ids (1, T)
+    on the device (the root first, `count` of them; the rest padding), the target's next token (the next root) and
+    whether the sequence is done. Its tensors are the verification's own, gathered on the device: no copy in."""
 
     path: torch.Tensor
     count: int
-    token: int
+    token: torch.Tensor  # (1,) long, on the device
     finished: bool
     verify_s: float = 0.0  # the verification's time on the target's side (what the draft paces its expansions by)
 
@@ -163,8 +163,8 @@ class DraftSide:
 
     def follow(self, verdict: Verdict) -> None:
         """Re-root the tree on the verdict (its KV moves in settle, after the next subtree went out)."""
-        count = torch.tensor([verdict.count], device=verdict.path.device)
-        token = torch.tensor([verdict.token], device=verdict.path.device)
+        count = torch.full((1,), verdict.count, dtype=torch.long, device=verdict.path.device)  # (made there)
+        token = verdict.token
         missing = bool(unrun(self.tree, verdict.path, count)[0])
         last = self.tree.tree.tokens.gather(1, verdict.path[:, verdict.count - 1 : verdict.count])  # (1, 1)
         self.pending = reroot_tree(self.tree, verdict.path, count, token)
@@ -216,22 +216,22 @@ class TargetSide:
         self.cache.span = min(self.length + T + 1, self.capacity)
         logits = verify_forward(self.model, self.cache, self.prefix, sub)  # (1, T, V)
         scores = processed(logits, (tuple(self.sampler.logits_processor),))
+        # the round's one copy in: [budget, seed, row, position, EOS ids...]
+        seed = self.sampler.draw_seed() if self.sampler.do_sample else 0
+        live = to_device([budget, seed, self.sampler.row, len(self.sequence), *sorted(rule.eos)], logits.device)
         if self.sampler.do_sample:
             # (the noise of generate()'s position for each depth: the sequence's length, contexts' padding included)
-            positions = to_device([list(range(len(self.sequence), len(self.sequence) + T))], logits.device)
-            noise = gumbel_noise(to_device([self.sampler.draw_seed()], logits.device),
-                                 to_device([self.sampler.row], logits.device), positions, scores.shape[-1])
+            positions = live[3] + torch.arange(T, device=logits.device)[None]
+            noise = gumbel_noise(live[1:2], live[2:3], positions, scores.shape[-1])
             choices = sampled_choices(scores, noise, sub.depths)
         else:
             choices = greedy_choices(scores)
-        eos = to_device([sorted(rule.eos)], logits.device) if rule.eos else None
-        walk = walk_subtree(choices, sub, to_device([budget], logits.device), eos)
+        walk = walk_subtree(choices, sub, live[0:1], live[None, 4:] if rule.eos else None)
         commit_cache(self.cache, self.prefix, walk.path.clamp(min=0), walk.count)
         read = torch.cat([walk.count[:, None], walk.finished.long()[:, None], walk.tokens, walk.path,
-                          sub.node_ids, sub.valid.long().sum(1, keepdim=True)], dim=1)[0].tolist()  # the one read
+                          sub.valid.long().sum(1, keepdim=True)], dim=1)[0].tolist()  # the round's one read
         count, finished = read[0], bool(read[1])
         tokens, path = read[2 : 2 + count], read[2 + T : 2 + T + count]
-        node_ids = read[2 + 2 * T : 2 + 3 * T]
         self.records.append(RoundRecord(budget=read[-1], expansions=0, accepted=max(count - 1, 0), ngram_accepted=0))
         self.prefix += count
         self.length += count
@@ -249,10 +249,11 @@ class TargetSide:
         if not rows.keeps_scores:
             outcome.scores = []
         self.sequence += outcome.tokens
-        ids = torch.tensor([[node_ids[j] for j in path]], device=logits.device)
+        ids = sub.node_ids.gather(1, walk.path.clamp(min=0))  # (1, T) the path's draft tree ids, on the device
+        token = walk.tokens.gather(1, (walk.count - 1).clamp(min=0)[:, None])[:, 0]
         self.counters.forwards += 1
         self.counters.verify_steps += 1
-        return outcome, Verdict(ids, count, tokens[-1] if tokens else 0, outcome.finished)
+        return outcome, Verdict(ids, count, token, outcome.finished)
 
 
 def run_draft(side: DraftSide, link: ThreadLink) -> None:
@@ -323,38 +324,24 @@ def run_device_async(target, draft, request: DecodeRequest, config, architecture
     start = time.perf_counter()
     sides: dict[str, DraftSide] = {}
 
-    def draft_main() -> None:
-        try:
-            with torch.no_grad():  # grad mode is per thread
-                sides["draft"] = DraftSide(draft, request.prompt, shape, capacity,
-                                           target.config.get_text_config().vocab_size, architectures[1],
-                                           context_limit(target, draft))
-                run_draft(sides["draft"], link)
-        except LinkClosed:
-            pass
-        except BaseException as error:  # surfaces in generate() through the link
-            link.report_failure("draft", error)
+    target_side: list[TargetSide] = []
 
-    thread = threading.Thread(target=draft_main, name="swiftspec-draft", daemon=True)
-    thread.start()
-    try:
-        target_side = TargetSide(target, request, capacity, architectures[0])
+    def draft_work() -> None:
+        sides["draft"] = DraftSide(draft, request.prompt, shape, capacity, target.config.get_text_config().vocab_size,
+                                   architectures[1], context_limit(target, draft))
+        run_draft(sides["draft"], link)
+
+    def target_work() -> None:
+        target_side.append(TargetSide(target, request, capacity, architectures[0]))
         if request.max_new_tokens:
-            run_target(target_side, link, rows, request.on_tokens)
-    except SwiftSpecWorkerError:
-        raise
-    except Exception as error:
-        raise SwiftSpecWorkerError(f"the target worker failed: {error!r}") from error
-    finally:
-        link.close()
-        thread.join(timeout=timeout_s)
-    if thread.is_alive():
-        raise SwiftSpecWorkerError(f"the draft worker did not stop within {timeout_s:.0f}s after generation ended")
+            run_target(target_side[0], link, rows, request.on_tokens)
+
+    run_two_threads(link, draft_work, target_work, timeout_s)
     result = rows.result
     draft_counters = sides["draft"].counters if "draft" in sides else DraftCounters()
     result.stats = SwiftSpecStats.collect(ENGINE, result.new_tokens, time.perf_counter() - start,
-                                          target_side.counters, draft_counters, message_bytes=0)
+                                          target_side[0].counters, draft_counters, message_bytes=0)
     ran = sides["draft"].in_flight_by_round if "draft" in sides else []
     result.stats.add_rounds([dataclasses.replace(r, expansions=ran[i] if i < len(ran) else 0)
-                             for i, r in enumerate(target_side.records)])
+                             for i, r in enumerate(target_side[0].records)])
     return result

@@ -8,10 +8,13 @@ Every wait has a timeout, so a dead or stuck worker becomes an exception, never 
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
 from dataclasses import dataclass
+
+import torch
 
 from ..steps.tree import Subtree
 from ..steps.verify import Verified, verify_tree
@@ -111,3 +114,33 @@ class ThreadLink:
             if isinstance(item, Failure):
                 raise PeerFailed(f"the {item.worker} worker failed: {item.error!r}") from item.error
             return item
+
+
+def run_two_threads(link: ThreadLink, draft_work, target_work, timeout_s: float, draft_context=None) -> None:
+    """The asynchronous engines' two threads: draft_work() in a worker thread (under no_grad, which is per thread, and
+    draft_context(), e.g. its own CUDA stream), target_work() in the calling one. A draft failure reaches the target
+    through the link; a target failure is raised as SwiftSpecWorkerError; either way the link closes and the draft
+    thread must stop within timeout_s."""
+
+    def draft_main() -> None:
+        try:
+            with torch.no_grad(), (draft_context() if draft_context is not None else contextlib.nullcontext()):
+                draft_work()
+        except LinkClosed:
+            pass
+        except BaseException as error:  # surfaces in generate() through the link
+            link.report_failure("draft", error)
+
+    thread = threading.Thread(target=draft_main, name="swiftspec-draft", daemon=True)
+    thread.start()
+    try:
+        target_work()
+    except SwiftSpecWorkerError:
+        raise
+    except Exception as error:
+        raise SwiftSpecWorkerError(f"the target worker failed: {error!r}") from error
+    finally:
+        link.close()
+        thread.join(timeout=timeout_s)
+    if thread.is_alive():
+        raise SwiftSpecWorkerError(f"the draft worker did not stop within {timeout_s:.0f}s after generation ended")
