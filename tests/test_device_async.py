@@ -161,3 +161,48 @@ def test_a_call_it_cannot_decode_is_refused_by_name_and_auto_takes_the_host_engi
     expected = target.generate(p, do_sample=False, max_new_tokens=10, repetition_penalty=1.2)
     assert auto.generate(p, do_sample=False, max_new_tokens=10, repetition_penalty=1.2).tolist() == expected.tolist()
     assert auto.swiftspec_stats.engine == "async-threads"
+
+
+class CostClock:
+    """A clock that moves only by the costs a test charges it (the engine choice's clock: which engine is faster is
+    the test's, not this machine's load)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("async_s, serial_s", [(1.0, 0.5), (0.5, 1.0)], ids=["serial-faster", "async-faster"])
+def test_serial_fallback_runs_the_faster_device_engine_exactly_and_says_so(monkeypatch, async_s, serial_s):
+    """With serial_fallback on the device round, calls run the asynchronous device engine and the serial device round
+    alternately, two calls each, then whichever was faster, the other one call in 8; every output target.generate's,
+    and the stats name the engine and why. Each call of an engine charges the choice's clock a fixed time."""
+    import hf_swiftspec.engine.launch as launch
+
+    target = tiny_model("llama", seed=2)
+    clock = CostClock()
+
+    def charged(run, seconds):
+        def run_and_charge(*args, **kwargs):
+            clock.now += seconds
+            return run(*args, **kwargs)
+        return run_and_charge
+
+    monkeypatch.setattr(launch, "run_device_async", charged(launch.run_device_async, async_s))
+    monkeypatch.setattr(launch, "run_device", charged(launch.run_device, serial_s))
+    model = asynchronous(target, truncated_draft(target, 2), serial_fallback=True)
+    model.policy().engines.clock = clock
+    engines = []
+    for p in prompts((3, 8, 12, 5, 9, 20, 7, 4, 10, 6), seed=5):
+        expected = target.generate(p, do_sample=False, max_new_tokens=20)
+        assert model.generate(p, do_sample=False, max_new_tokens=20).tolist() == expected.tolist()
+        stats = model.swiftspec_stats
+        engines.append(stats.engine)
+        assert stats.engine_choice.startswith(stats.engine) and "round='device'" in stats.round_choice
+    serial = next(e for e in engines if e != ENGINE)
+    faster, slower = (serial, ENGINE) if serial_s < async_s else (ENGINE, serial)
+    assert engines[:4] == [ENGINE, serial] * 2, engines
+    assert engines[4:] == [faster] * 3 + [slower] + [faster] * 2, engines
+    assert "measured" in model.swiftspec_stats.engine_choice

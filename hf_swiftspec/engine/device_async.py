@@ -17,7 +17,9 @@ draft sent, so the output is exactly target.generate's.
 
 What it decodes (`async_gaps` names the rest, which the host round's asynchronous engine, engine/asynchronous.py,
 decodes): one sequence, a draft model on the target's device, trees in both models (windowed layers a term of their
-masks; no chains, no rules by cache slot), logits processors that ignore the path, no suffix proposals.
+masks; no chains, no rules by cache slot), logits processors that ignore the path, no suffix proposals. With
+serial_fallback its calls and the serial device round's are timed against each other, and the faster runs
+(engine/launch.run_device_async_or_serial, policy/choice.py).
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ def decode_adaptive(target, draft, request: DecodeRequest, config: SwiftSpecConf
             raise ValueError(f"SwiftSpecConfig.round='device' with placement threads runs the device round's "
                              f"asynchronous engine, which cannot decode this call: {'; '.join(gaps)}. Fix that, or "
                              "use round='host' (the host round's asynchronous engine decodes it).")
-        return run_device_async(target, draft, request, config, architectures)
+        return run_device_async_or_serial(target, draft, request, config, placement, captures, architectures)
     if round_ == "device":
         return run_device(target, draft, request, config, captures, host_drafter(target, draft, config, vocabularies),
                           architectures)
@@ -81,6 +81,24 @@ def decode_adaptive(target, draft, request: DecodeRequest, config: SwiftSpecConf
             result = DecodeResult(rows=[RowResult() for _ in range(batch)])
     result.stats.attention = attention_summary(workers, chain_reasons)
     result.stats.capture_s = setup_s(*workers) - setup
+    return result
+
+
+def run_device_async_or_serial(target, draft, request: DecodeRequest, config: SwiftSpecConfig, placement: Placement,
+                               captures: Captures | None, architectures) -> DecodeResult:
+    """The device round's asynchronous engine (two threads on one device), or, with serial_fallback, the engine this
+    call's pick names (choice.py): the device round's serial engine on the same device where the serial round measured
+    more tokens per second on this pair; the call is timed for the next pick and its stats say why."""
+    engine = engine_for_call(placement, None, request, config)
+    if engine is None:
+        return run_device_async(target, draft, request, config, architectures)
+    clock = request.policy.engines.clock
+    start = clock()
+    if engine == SERIAL:
+        result = run_device(target, draft, request, config, captures, None, architectures)
+    else:
+        result = run_device_async(target, draft, request, config, architectures)
+    note_engine(request.policy.engines, engine, result, clock() - start, None)
     return result
 
 
