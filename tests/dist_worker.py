@@ -29,7 +29,11 @@ def prompts(n):
     return [torch.randint(3, 98, (1, L), generator=g) for L in [1, 4, 9, 23, 2, 15, 31, 6][:n]]
 
 
+ROUND = {}  # --round device: every pair on the device round (its asynchronous engine across ranks), ngram_size=0
+
+
 def pair(placement, draft_kind="agreeing", **settings):
+    settings = {**ROUND, **settings}
     target = tiny_model("llama", seed=0)
     reference = copy.deepcopy(target)  # the target gets sharded in place
     draft = truncated_draft(target, 2) if draft_kind == "agreeing" else tiny_model("llama", seed=5, layers=1)
@@ -152,6 +156,29 @@ def eagle3(placement, args):
                received=len(received), message_bytes=s.overlap and s.overlap.message_bytes, draft_forwards=s.draft_forwards)
 
 
+def device(placement, args):
+    """round='device' across two ranks (engine/device_distributed.py): greedy equal to target.generate's for an agreeing
+    and a random draft, and sampling equal, draw by draw, to the serial device round's for the same seed (the target's
+    tokens come from generate()'s noise by seed and position, whatever tree crossed); every rank returns them."""
+    for kind in ("agreeing", "random"):
+        model, reference = pair(placement, kind, worker_timeout_s=60, tree_budget=6, draft_width=3)
+        for p in prompts(args.prompts):
+            out = model.generate(p, do_sample=False, max_new_tokens=30)
+            expected = reference.generate(p, do_sample=False, max_new_tokens=30)
+            s = model.swiftspec_stats
+            report(case="device", kind=kind, same=out.tolist() == expected.tolist(), engine=s.engine, tau=s.tau,
+                   verify_steps=s.verify_steps, in_flight=s.in_flight_expansions, new_tokens=s.new_tokens,
+                   rounds=len(s.rounds), message_bytes=s.overlap and s.overlap.message_bytes, choice=s.engine_choice)
+    model, reference = pair(placement, "agreeing", worker_timeout_s=60, tree_budget=6, draft_width=3)
+    serial = SwiftSpecForCausalLM.from_models(reference, truncated_draft(reference, 2), round="device", ngram_size=0,
+                                              tree_budget=6, draft_width=3)
+    for seed, p in enumerate(prompts(3)):
+        kw = dict(do_sample=True, temperature=0.9, top_k=30, max_new_tokens=24)
+        out = model.generate(p, generator=torch.Generator().manual_seed(seed), **kw)
+        want = serial.generate(p, generator=torch.Generator().manual_seed(seed), **kw)
+        report(case="device-sample", same=out.tolist() == want.tolist(), engine=model.swiftspec_stats.engine)
+
+
 def fault(placement, args):
     serial = args.case.endswith("-serial")  # the failure in a serial call (serial_fallback), the draft ranks following
     model, _ = pair(placement, worker_timeout_s=args.timeout, serial_fallback=serial or None)
@@ -161,7 +188,7 @@ def fault(placement, args):
         choice.calls, choice.rates = {"async": 2, "serial": 2}, {"async": 1.0, "serial": 2.0}
     import hf_swiftspec.engine.launch as launch
 
-    for name in ("run_distributed", "run_serial_distributed"):
+    for name in ("run_distributed", "run_serial_distributed", "run_device_async_distributed"):
         def recorded(*a, _real=getattr(launch, name), _name=name, **k):
             engines.append(_name)
             return _real(*a, **k)
@@ -202,11 +229,14 @@ def main():
     parser.add_argument("--draws", type=int, default=1500)
     parser.add_argument("--capture", action="store_true", help="capture=True: each rank replays its steps")
     parser.add_argument("--fallback", action="store_true", help="serial_fallback=True (the eagle3 case)")
+    parser.add_argument("--round", default=None, help="device: every pair on round='device' with ngram_size=0")
     args = parser.parse_args()
+    if args.round:
+        ROUND.update(round=args.round, ngram_size=0)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     placement = {"target": [int(r) for r in args.target.split(",")], "draft": [int(r) for r in args.draft.split(",")]}
-    {"greedy": greedy, "sample": sample, "eagle3": eagle3, "fallback": fallback}.get(args.case, fault)(placement, args)
+    {"greedy": greedy, "sample": sample, "eagle3": eagle3, "fallback": fallback, "device": device}.get(args.case, fault)(placement, args)
     sys.stdout.flush()
     os._exit(0)  # skip process-group teardown: after a fault a peer may be gone
 

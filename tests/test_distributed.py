@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 
@@ -161,3 +162,46 @@ def test_sampling_across_processes_follows_the_target_distribution():
     assert codes == [0, 0], outputs
     pvalue = next(r["pvalue"] for r in results if r["rank"] == 0)
     assert pvalue > 1e-3, f"p={pvalue:.2e}: samples do not follow the target's distribution"
+
+
+def test_the_device_round_across_two_ranks_equals_target_and_the_serial_device_round():
+    """round='device' under torchrun, one target rank and one draft rank (engine/device_distributed.py: the device
+    engine's two loops, one message type each way): greedy equals target.generate's for an agreeing and a random
+    draft, sampling equals the serial device round's draw by draw for each seed, and both ranks return the tokens."""
+    results, codes, outputs = launch(2, "--case", "device", "--target", "0", "--draft", "1", "--prompts", "4",
+                                     "--round", "device")
+    assert codes == [0, 0], outputs
+    assert len(results) == 2 * (8 + 3) and all(r["same"] for r in results), [r for r in results if not r["same"]]
+    assert all(r["engine"] == "async-distributed-device" for r in results)
+    mine = [r for r in results if r["rank"] == 0 and r["case"] == "device"]
+    # one round crosses a subtree and a verdict of 2 + 6T + T^2 int32 each (T = tree_budget = 6)
+    assert all(r["message_bytes"] == 2 * (2 + 6 * 6 + 36) * 4 and r["rounds"] == r["verify_steps"] for r in mine), mine
+    agreeing = [r["tau"] for r in mine if r["kind"] == "agreeing"]
+    assert sum(agreeing) / len(agreeing) > 1.0, agreeing  # the draft's tokens were accepted across processes
+    assert sum(r["in_flight"] for r in mine) > 0  # and it grew its tree while the target verified
+
+
+@pytest.mark.parametrize("case", ["fault-draft", "fault-target", "kill-draft"])
+def test_device_round_worker_failures_surface_on_every_live_rank(case):
+    results, codes, outputs = launch(2, "--case", case, "--target", "0", "--draft", "1", "--timeout", "5",
+                                     "--round", "device")
+    live = [0] if case == "kill-draft" else [0, 1]
+    first = {r["rank"]: r for r in results if r["case"] == case}
+    again = {r["rank"]: r for r in results if r["case"] == case + "-again"}
+    for rank in live:
+        assert first[rank]["raised"] and first[rank]["engines"] == ["run_device_async_distributed"], (
+            rank, outputs[rank][-2000:])
+        assert "restart the torchrun job" in (again[rank]["raised"] or "").lower(), again
+    assert ("draft" if case.endswith("draft") else "target") in first[0]["raised"]
+
+
+def test_the_device_round_across_ranks_refuses_tensor_parallel_groups_by_name():
+    """What the torchrun device engine cannot run is named (on every rank alike: the reasons read only the placement
+    and the call), with round='host' as the fix."""
+    from hf_swiftspec.engine.device_distributed import distributed_gaps
+    from hf_swiftspec.engine.distributed import Groups
+
+    cpu = torch.device("cpu")
+    assert distributed_gaps(Groups(0, [0], [1], cpu)) == []
+    (gap,) = distributed_gaps(Groups(0, [0, 1], [2], cpu))
+    assert "one target rank and one draft rank" in gap and "has 2 and 1" in gap and "round='host'" in gap

@@ -76,16 +76,19 @@ class Verdict:
     token: torch.Tensor  # (1,) long, on the device
     finished: bool
     verify_s: float = 0.0  # the verification's time on the target's side (what the draft paces its expansions by)
+    tokens: tuple[int, ...] = ()  # the tokens the round emitted (host-known: what a draft rank returns, torchrun)
 
 
-def async_gaps(target, draft, request: DecodeRequest, config, architectures, vocabularies=None) -> list[str]:
+def async_gaps(target, draft, request: DecodeRequest, config, architectures, vocabularies=None,
+               distributed: bool = False) -> list[str]:
     """Why this call cannot run the device round's asynchronous engine (empty: it can). vocabularies: a draft with
-    another tokenizer's (drafters/vocabulary.py), None for one of the target's."""
+    another tokenizer's (drafters/vocabulary.py), None for one of the target's. distributed: each model on its own
+    torchrun rank (engine/device_distributed.py), not two threads of one device."""
     gaps = []
     if draft is None or isinstance(draft, DraftHead):
         gaps.append("it grows a draft model's tree (draft-free and draft heads run the host round's engine)")
         return gaps
-    if draft.device != target.device:
+    if not distributed and draft.device != target.device:
         gaps.append("its two threads run on one device (the draft on another device runs the host round's engine)")
     if vocabularies is not None:
         gaps.append("its draft reads the target's tokens (a draft with another tokenizer runs the host round's engine)")
@@ -255,7 +258,7 @@ class TargetSide:
         token = walk.tokens.gather(1, (walk.count - 1).clamp(min=0)[:, None])[:, 0]
         self.counters.forwards += 1
         self.counters.verify_steps += 1
-        return outcome, Verdict(ids, count, token, outcome.finished)
+        return outcome, Verdict(ids, count, token, outcome.finished, tokens=tuple(outcome.tokens))
 
 
 def run_draft(side: DraftSide, link: ThreadLink) -> None:

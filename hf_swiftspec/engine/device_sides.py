@@ -161,8 +161,8 @@ def device_round_gaps(config, target, draft, architectures, logits_processor, pl
                         "a tree); use round='host'")
     threads = placement is not None and placement.mode == "threads" and groups is None and (
         draft is not None and draft.device == target.device)
-    if threads and config.round == "device":
-        pass  # the device round's asynchronous engine (engine/device_async.py: its own gaps, checked per call)
+    if (threads or groups is not None) and config.round == "device":
+        pass  # the device round's asynchronous engine (engine/device_async.py, device_distributed.py: its own gaps)
     elif (placement is not None and placement.mode != "serial") or groups is not None or (
         draft is not None and draft.device != target.device
     ):

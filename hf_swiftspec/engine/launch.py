@@ -28,6 +28,7 @@ from .asynchronous import run_threads
 from .continuous import ContinuousEngine
 from .continuous_device import DeviceContinuousEngine
 from .device_async import async_gaps, run_device_async
+from .device_distributed import distributed_gaps, run_device_async_distributed
 from .device_sides import choose_round, run_device
 from .distributed import Groups, agree_engine, run_distributed, run_serial_distributed
 from .placement import Placement
@@ -54,6 +55,8 @@ def decode_adaptive(target, draft, request: DecodeRequest, config: SwiftSpecConf
     when the caller has them. captures: the pair's replayed forwards, kept across calls (None: every step eager).
     vocabularies: a draft with another tokenizer's (drafters/vocabulary.py), None for one of the target's.
     round_: "device" runs the device round (device_sides.choose_round chose it, and it cleared the call)."""
+    if round_ == "device" and groups is not None:
+        return run_device_async_across_ranks(target, draft, request, config, placement, groups, architectures)
     if round_ == "device" and placement is not None and placement.mode == "threads":
         architectures = architectures or (describe(target, "target"), draft_architecture(draft))
         gaps = async_gaps(target, draft, request, config, architectures, vocabularies)
@@ -81,6 +84,25 @@ def decode_adaptive(target, draft, request: DecodeRequest, config: SwiftSpecConf
             result = DecodeResult(rows=[RowResult() for _ in range(batch)])
     result.stats.attention = attention_summary(workers, chain_reasons)
     result.stats.capture_s = setup_s(*workers) - setup
+    return result
+
+
+def run_device_async_across_ranks(target, draft, request: DecodeRequest, config: SwiftSpecConfig, placement: Placement,
+                                  groups: Groups, architectures) -> DecodeResult:
+    """round='device' under torchrun: the device round's asynchronous engine, one target rank and one draft rank
+    (engine/device_distributed.py), or a ValueError (on every rank alike) naming what it cannot decode."""
+    architectures = architectures or (describe(target, "target"), draft_architecture(draft))
+    gaps = distributed_gaps(groups) + async_gaps(target, draft, request, config, architectures, distributed=True)
+    if config.serial_fallback:
+        gaps.append("it times no serial round across ranks (serial_fallback=True: use round='host')")
+    if gaps:
+        raise ValueError(f"SwiftSpecConfig.round='device' under torchrun runs the device round's asynchronous engine, "
+                         f"which cannot decode this call: {'; '.join(gaps)}. Fix that, or use round='host' (the host "
+                         "round's engine across ranks decodes it).")
+    result = run_device_async_distributed(groups, target, draft, request, config, architectures)
+    if placement.auto:
+        result.stats.engine_choice = (f"{result.stats.engine}: round='device' under torchrun runs the asynchronous "
+                                      "engine on every call (serial_fallback's choice is the host round's)")
     return result
 
 
