@@ -206,3 +206,99 @@ def test_serial_fallback_runs_the_faster_device_engine_exactly_and_says_so(monke
     assert engines[:4] == [ENGINE, serial] * 2, engines
     assert engines[4:] == [faster] * 3 + [slower] + [faster] * 2, engines
     assert "measured" in model.swiftspec_stats.engine_choice
+
+
+def test_drafting_choice_times_both_modes_then_runs_the_faster_and_probes_less_often():
+    """Trees first; plain rounds once trees were timed; then the faster mode, the other for a few rounds after every
+    probe_every, twice as far apart after each probe that lost. Rounds are given (tokens, seconds): no clock."""
+    from hf_swiftspec.policy.choice import (MODE_PROBE_EVERY, MODE_PROBE_ROUNDS, PLAIN, TREE, DraftingChoice)
+
+    choice = DraftingChoice()
+    cost = {TREE: (1, 0.2), PLAIN: (1, 0.1)}  # trees yield 1 token in twice a plain round's time: plain wins
+    modes, previous = [], None
+    for _ in range(16 * MODE_PROBE_EVERY):
+        mode = choice.next_mode()
+        choice.observe(mode, *cost[mode], switched=previous is None or previous != mode)  # (as the engine)
+        modes.append(mode)
+        previous = mode
+    first_plain = modes.index(PLAIN)
+    assert modes[:first_plain] == [TREE] * (MODE_PROBE_ROUNDS + 1)  # (the first was a switch: not timed)
+    assert choice.best() == PLAIN and choice.rates[PLAIN] == pytest.approx(10.0) and choice.rates[TREE] == 5.0
+    # the tree probes: MODE_PROBE_ROUNDS rounds each, further apart each time they lose
+    runs, mode, length = [], modes[first_plain], 0
+    for m in modes[first_plain:]:
+        if m == mode:
+            length += 1
+        else:
+            runs.append((mode, length))
+            mode, length = m, 1
+    probes = [n for m, n in runs if m == TREE]
+    gaps = [n for m, n in runs if m == PLAIN]  # (the first began as the plain rounds' own probe, which won)
+    assert probes and all(n == MODE_PROBE_ROUNDS for n in probes)
+    assert gaps[:4] == [MODE_PROBE_EVERY, 2 * MODE_PROBE_EVERY, 4 * MODE_PROBE_EVERY, 8 * MODE_PROBE_EVERY], runs
+    cost[TREE] = (4, 0.2)  # the text became predictable: the next probe wins and trees run again
+    for _ in range(16 * MODE_PROBE_EVERY + 2 * MODE_PROBE_ROUNDS):
+        mode = choice.next_mode()
+        choice.observe(mode, *cost[mode], switched=previous != mode)
+        previous = mode
+    assert choice.best() == TREE and choice.mode == TREE and "tree rounds" in choice.describe()
+
+
+@pytest.mark.parametrize("root_ran", [False, True], ids=["fresh-root", "root-ran"])
+def test_after_plain_rounds_the_draft_expands_from_the_whole_committed_text(root_ran):
+    """Plain rounds run nothing on the draft (the prompt too waits): when trees come back, the tokens behind run first,
+    and the new root's children are what a fresh causal forward of the draft over the whole text ranks best."""
+    from hf_swiftspec.engine.device_async import AsyncShape, DraftSide, Verdict
+
+    draft = tiny_model("llama", seed=3).requires_grad_(False)
+    prompt = torch.tensor([[5, 17, 33, 8, 40]])
+    shape = AsyncShape(budget=6, width=3, children=3, nodes=64, expansions=2)
+    side = DraftSide(draft, prompt, shape, capacity=128, vocab_limit=draft.config.vocab_size)
+    if root_ran:
+        side.expand()  # a tree round ran the prompt and the root
+    side.go_plain()
+    assert side.root_ran == root_ran
+    plain = [61, 7, 23, 90]  # the target's next tokens, one a plain round
+    for token in plain:
+        side.follow_plain(Verdict(torch.zeros(1, 1, dtype=torch.long), 1, torch.tensor([token]), False,
+                                  tokens=(token,)))
+    side.leave_plain()
+    side.expand()
+    with torch.no_grad():
+        logits = draft(input_ids=torch.cat([prompt, torch.tensor([plain])], dim=1)).logits[0, -1]
+    best, tokens = torch.log_softmax(logits.float(), -1).topk(3)
+    tree = side.tree.tree
+    assert tree.tokens[0, 0] == plain[-1] and int(tree.size[0]) == 4
+    assert tree.tokens[0, 1:4].tolist() == tokens.tolist()
+    torch.testing.assert_close(tree.scores[0, 1:4], best, atol=1e-4, rtol=1e-4)
+
+
+def test_rounds_follow_the_drafting_choice_and_stay_exact_across_switches():
+    """The engine runs each round in the mode its choice names (here a fixed schedule: rates given, never moved by a
+    clock), plain rounds and tree rounds alternating often; every output is target.generate's, and the tree rounds
+    after plain ones still get the agreeing draft's tokens accepted (its cache caught up right)."""
+    from hf_swiftspec.policy.choice import PLAIN, TREE, DraftingChoice
+
+    class Scheduled(DraftingChoice):
+        """Plain rounds measured faster, a tree probe of a few rounds after every 3 plain ones."""
+
+        def observe(self, mode, tokens, seconds, switched):  # the rates stay as given
+            self.streak += 1
+
+        def next_mode(self):
+            mode = super().next_mode()
+            self.probe_every = 3  # (never backed off)
+            return mode
+
+    target = tiny_model("llama", seed=2)
+    model = asynchronous(target, truncated_draft(target, 3))
+    model.policy().drafting = Scheduled(rates={TREE: 1.0, PLAIN: 2.0}, timed={TREE: 9, PLAIN: 9}, mode=PLAIN)
+    for p in prompts((4, 11, 30), seed=7):
+        expected = target.generate(p, do_sample=False, max_new_tokens=40)
+        assert model.generate(p, do_sample=False, max_new_tokens=40).tolist() == expected.tolist()
+        rounds = model.swiftspec_stats.rounds
+        trees = [r for r in rounds if r.budget > 1]
+        plains = [r for r in rounds if r.budget == 1]
+        assert trees and plains, rounds
+        assert sum(r.accepted for r in trees) / len(trees) > 0.5, trees
+        assert all(r.accepted == 0 for r in plains)

@@ -32,10 +32,11 @@ import torch
 
 from ..drafters.device_expansion import DraftTree, best_leaves, expand, reroot_kv, reroot_tree, unexpanded, unrun
 from ..drafters.eagle3 import DraftHead
+from ..policy.choice import PLAIN, TREE, DraftingChoice
 from ..models.architectures import context_limit
 from ..stats import DraftCounters, RoundRecord, SwiftSpecStats, TargetCounters
 from ..steps.acceptance import cut_at_criteria, greedy_choices, gumbel_noise, sampled_choices, walk_subtree
-from ..steps.device_round import DeviceSubtree, select_device, to_device
+from ..steps.device_round import DeviceSubtree, plain_subtree, select_device, to_device
 from ..steps.slot_cache import SlotCache, catch_up, commit_cache, verify_forward
 from ..steps.verify import Verified
 from .device_phases import processed
@@ -76,6 +77,7 @@ class Verdict:
     token: torch.Tensor  # (1,) long, on the device
     finished: bool
     verify_s: float = 0.0  # the verification's time on the target's side (what the draft paces its expansions by)
+    wait_s: float = 0.0  # the target's wait for this round's subtree (with verify_s: the round, as the target saw it)
     tokens: tuple[int, ...] = ()  # the tokens the round emitted (host-known: what a draft rank returns, torchrun)
 
 
@@ -117,14 +119,16 @@ class DraftSide:
         self.cache = SlotCache(model.config.get_text_config().num_hidden_layers, capacity, architecture)
         L = prompt.shape[1]
         prefix = torch.full((1,), L - 1, dtype=torch.long, device=prompt.device)
-        self.cache.span = min(L + 1, capacity)
-        catch_up(model, self.cache, prompt[:, :-1], prefix)
         self.tree = DraftTree.rooted(prompt[:, -1], prefix, shape.nodes)
         self.prefix = L - 1  # host-known: the prefix moves by the verdict's count
         self.counters = DraftCounters()
         self.pending = None  # a re-root whose KV has not moved yet (device_expansion.Rerooted), or None
         self.in_flight_by_round: list[int] = []  # expansions run while each round's subtree was verified
-        self.missing: torch.Tensor | None = None  # (1, 1) the verified path's last token, where the draft never ran it
+        # (1, k) committed tokens the draft has not run (the last slots), in order: the prompt first (a call whose
+        # rounds are all plain never prefills the draft)
+        self.behind: list[torch.Tensor] = [prompt[:, :-1]] if L > 1 else []
+        self.plain_root: torch.Tensor | None = None  # (1,) in plain rounds, the root (the tree is not kept meanwhile)
+        self.root_ran = False  # whether the draft ran plain_root (the tree's root when the plain rounds began)
         self.expand_s: float | None = None  # an expansion's time, a moving average
         self.verify_s: float | None = None  # the target's verification time, from its verdicts
 
@@ -143,6 +147,7 @@ class DraftSide:
     def expand(self, sent: DeviceSubtree | None = None) -> None:
         """One expansion: the best leaves, or the nodes of the subtree just sent that the draft has not run."""
         self.settle()
+        self.run_behind()
         start = time.perf_counter()
         self.set_span()
         # no node past the models' context: a leaf grows only where its children's positions fit
@@ -163,8 +168,35 @@ class DraftSide:
         if int(self.tree.tree.size[0]) < self.shape.budget:
             self.expand()
 
-    def subtree(self) -> DeviceSubtree:
+    def subtree(self, mode: str = TREE) -> DeviceSubtree:
+        """The best budget nodes (a tree round), or the root alone (a plain round: the target's plain step)."""
+        if mode == PLAIN:
+            return plain_subtree(self.plain_root)
         return select_device(self.tree.tree, self.shape.budget)
+
+    def go_plain(self) -> None:
+        """Plain rounds begin: the tree's root is their first root, and the tree is not kept while they last (their
+        verdicts move host counts alone: follow_plain)."""
+        self.settle()
+        self.plain_root = self.tree.tree.tokens[:, 0]
+        self.root_ran = bool(self.tree.expanded[0, 0])
+
+    def follow_plain(self, verdict: Verdict) -> None:
+        """A plain round's verdict (its path: the root alone): the root is committed (run later, with the others
+        behind), the target's next token the next root."""
+        if not self.root_ran:
+            self.behind.append(self.plain_root[:, None])
+        self.root_ran = False
+        self.plain_root = verdict.token
+        self.prefix += verdict.count
+
+    def leave_plain(self) -> None:
+        """Tree rounds again: a fresh tree at the plain rounds' root (their tokens run before its first expansion)."""
+        if self.plain_root is None:
+            return
+        prefix = torch.full((1,), self.prefix, dtype=torch.long, device=self.plain_root.device)
+        self.tree = DraftTree.rooted(self.plain_root, prefix, self.shape.nodes)
+        self.plain_root = None
 
     def follow(self, verdict: Verdict) -> None:
         """Re-root the tree on the verdict (its KV moves in settle, after the next subtree went out)."""
@@ -174,26 +206,33 @@ class DraftSide:
         last = self.tree.tree.tokens.gather(1, verdict.path[:, verdict.count - 1 : verdict.count])  # (1, 1)
         self.pending = reroot_tree(self.tree, verdict.path, count, token)
         self.tree = self.pending.draft
-        self.missing = last if missing else None
+        if missing:  # (run before the next expansion: plain rounds run none, so their roots wait for it together)
+            self.behind.append(last)
         self.prefix += verdict.count
         hit = bool(self.pending.found[0])
         self.counters.reroot_hits += hit
         self.counters.reroot_misses += not hit
 
     def settle(self) -> None:
-        """The last re-root's KV moves (off the target's path: the subtree has gone); where the verified path ended at
-        a leaf the draft never ran, that token runs at its committed slot, before anything below it runs."""
+        """The last re-root's KV moves (off the target's path: the subtree has gone)."""
         if self.pending is None:
             return
         self.cache.span = min(self.prefix - int(self.pending.count[0]) + self.shape.nodes + 1, self.capacity)
         self.tree = reroot_kv(self.cache, self.pending)
         self.pending = None
-        if self.missing is not None:
-            self.cache.span = min(self.prefix + 2, self.capacity)
-            catch_up(self.model, self.cache, self.missing, torch.ones(1, dtype=torch.long, device=self.missing.device),
-                     starts=self.tree.prefix_lens - 1)
-            self.counters.forwards += 1
-            self.missing = None
+
+    def run_behind(self) -> None:
+        """Where verified paths ended at nodes the draft never ran (a leaf of a tree round, every plain round's root),
+        those tokens, the last committed ones, run at their slots in one forward, before anything below them runs."""
+        if not self.behind:
+            return
+        tokens = torch.cat(self.behind, dim=1)  # (1, k)
+        k = tokens.shape[1]
+        self.cache.span = min(self.prefix + 2, self.capacity)
+        catch_up(self.model, self.cache, tokens, torch.full((1,), k, dtype=torch.long, device=tokens.device),
+                 starts=self.tree.prefix_lens - k)
+        self.counters.forwards += 1
+        self.behind = []
 
 
 class TargetSide:
@@ -261,15 +300,35 @@ class TargetSide:
         return outcome, Verdict(ids, count, token, outcome.finished, tokens=tuple(outcome.tokens))
 
 
-def run_draft(side: DraftSide, link: ThreadLink) -> None:
-    """The draft's loop (module docstring); returns when a verdict says the sequence is done."""
+def drafting_choice(request: DecodeRequest, config) -> DraftingChoice | None:
+    """The pair's DraftingChoice (kept on its policy across calls), or None where every round drafts: a draft_depth the
+    user set (their choice, as the host round's engine takes it)."""
+    return None if config.draft_depth is not None else request.policy.drafting
+
+
+def run_draft(side: DraftSide, link: ThreadLink, choice: DraftingChoice | None = None) -> None:
+    """The draft's loop (module docstring); returns when a verdict says the sequence is done. choice: the pair's
+    DraftingChoice (policy/choice.py), which decides each round whether the draft's tree goes out or the root alone
+    (a plain round: no top-up, no growth while it is verified, no re-root: the draft keeps the tokens to run when trees
+    come back), by the tokens per second each mode's rounds made on the target's side (None: every round a tree)."""
     counters = side.counters
+    next_mode = choice.next_mode if choice is not None else lambda: TREE
+    mode, previous = next_mode(), None
+    if mode == PLAIN:
+        side.go_plain()
     start = time.perf_counter()
-    side.top_up()
-    counters.start_s += time.perf_counter() - start
     while True:
         selecting = time.perf_counter()
-        sub = side.subtree()
+        if mode == TREE:
+            side.leave_plain()
+            side.top_up()
+            took = time.perf_counter() - selecting
+            if previous is None:
+                counters.start_s += took  # the prompt and the first tree, while the target prefills
+            else:
+                counters.reroot_s += took
+            selecting = time.perf_counter()
+        sub = side.subtree(mode)
         link.send_subtree(sub)
         counters.rounds += 1
         counters.select_s += time.perf_counter() - selecting
@@ -278,7 +337,7 @@ def run_draft(side: DraftSide, link: ThreadLink) -> None:
         counters.reroot_s += time.perf_counter() - settling
         growing = time.perf_counter()
         ran = 0
-        allowed = side.in_flight()
+        allowed = side.in_flight() if mode == TREE else 0
         while ran < allowed and not link.verdict_ready():
             side.expand(sub if ran == 0 else None)
             ran += 1
@@ -292,18 +351,31 @@ def run_draft(side: DraftSide, link: ThreadLink) -> None:
         if verdict.finished:
             return
         rerooting = time.perf_counter()
-        side.verify_s = verdict.verify_s if side.verify_s is None else 0.8 * side.verify_s + 0.2 * verdict.verify_s
-        side.follow(verdict)
-        side.top_up()
-        counters.reroot_s += time.perf_counter() - rerooting
-        counters.busy_s = time.perf_counter() - start - counters.wait_s
+        if mode == TREE:
+            side.verify_s = verdict.verify_s if side.verify_s is None else 0.8 * side.verify_s + 0.2 * verdict.verify_s
+        # the round as the target saw it: its wait for the subtree and its verification; the first of a call (the
+        # target's prefill) and the first after a switch (the catch-up it pays for) are not timed
+        if choice is not None:
+            choice.observe(mode, verdict.count, verdict.wait_s + verdict.verify_s,
+                           switched=previous is None or previous != mode)
+        previous, mode = mode, next_mode()
+        if previous == PLAIN:
+            side.follow_plain(verdict)
+        else:
+            side.follow(verdict)
+            if mode == PLAIN:
+                side.go_plain()
+        now = time.perf_counter()
+        counters.reroot_s += now - rerooting
+        counters.busy_s = now - start - counters.wait_s
 
 
 def run_target(side: TargetSide, link: ThreadLink, rows: BatchRows, on_tokens) -> None:
     while rows.live:
         waiting = time.perf_counter()
         sub = link.receive_subtree()
-        side.counters.idle_s += time.perf_counter() - waiting
+        waited = time.perf_counter() - waiting
+        side.counters.idle_s += waited
         if side.counters.verify_steps == 0:
             side.counters.first_wait_s = time.perf_counter() - waiting
         busy = time.perf_counter()
@@ -311,7 +383,7 @@ def run_target(side: TargetSide, link: ThreadLink, rows: BatchRows, on_tokens) -
         keep = rows.record([outcome], on_tokens)
         done = not keep
         took = time.perf_counter() - busy
-        link.send_verdict(dataclasses.replace(verdict, finished=done or verdict.finished, verify_s=took))
+        link.send_verdict(dataclasses.replace(verdict, finished=done or verdict.finished, verify_s=took, wait_s=waited))
         side.counters.busy_s += took
         if done:
             return
@@ -334,7 +406,7 @@ def run_device_async(target, draft, request: DecodeRequest, config, architecture
     def draft_work() -> None:
         sides["draft"] = DraftSide(draft, request.prompt, shape, capacity, target.config.get_text_config().vocab_size,
                                    architectures[1], context_limit(target, draft))
-        run_draft(sides["draft"], link)
+        run_draft(sides["draft"], link, drafting_choice(request, config))
 
     def target_work() -> None:
         target_side.append(TargetSide(target, request, capacity, architectures[0]))
@@ -346,6 +418,8 @@ def run_device_async(target, draft, request: DecodeRequest, config, architecture
     draft_counters = sides["draft"].counters if "draft" in sides else DraftCounters()
     result.stats = SwiftSpecStats.collect(ENGINE, result.new_tokens, time.perf_counter() - start,
                                           target_side[0].counters, draft_counters, message_bytes=0)
+    choice = drafting_choice(request, config)
+    result.stats.engine_choice = f"{ENGINE}: {choice.describe()}" if choice is not None else None
     ran = sides["draft"].in_flight_by_round if "draft" in sides else []
     result.stats.add_rounds([dataclasses.replace(r, expansions=ran[i] if i < len(ran) else 0)
                              for i, r in enumerate(target_side[0].records)])

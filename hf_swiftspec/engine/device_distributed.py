@@ -2,9 +2,9 @@
 draft rank, the target's on the target rank, the same two loops the threads transport runs, over one message type
 each way (gloo on CPU processes, NCCL on GPUs).
 
-    subtree message   [status, T, node_ids, tokens, parents, scores (float32 bits), valid, depths (T each),
-                       mask (T x T)]                                              draft rank -> target rank
-    verdict message   [status, count, n, token, verify_us, path (T), tokens (T), padding]
+    subtree message   [status, T, node_ids, tokens, parents, scores (float32 bits), valid, depths (budget each,
+                       the first T real), mask (T x T)]                           draft rank -> target rank
+    verdict message   [status, count, n, token, verify_us, wait_us, path (T), tokens (T), padding]
                                                                                   target rank -> draft rank
     status: 0 go on, 1 finished, -1 the sender failed (a UTF-8 error text of ERROR_BYTES follows)
 
@@ -28,12 +28,12 @@ import torch.distributed as dist
 from ..models.architectures import context_limit
 from ..stats import SwiftSpecStats, TargetCounters
 from ..steps.device_round import DeviceSubtree
-from .device_async import ENGINE, AsyncShape, DraftSide, TargetSide, Verdict, run_draft, run_target
+from .device_async import AsyncShape, DraftSide, TargetSide, Verdict, drafting_choice, run_draft, run_target
 from .distributed import FAILED, FINISHED, GO, Arrival, DistLink, Groups, check_usable, failures_told, post
 from .request import BatchRows, DecodeRequest, DecodeResult
 
 DISTRIBUTED_ENGINE = "async-distributed-device"
-VERDICT_HEAD = 5  # status, count, n (tokens emitted), token (the next root), verify_us
+VERDICT_HEAD = 6  # status, count, n (tokens emitted), token (the next root), verify_us, wait_us
 
 
 @dataclass
@@ -59,14 +59,18 @@ class DeviceDistLink(DistLink):
         self._verdict_work = Arrival(work, self.timeout_s, what)
 
     def encode_subtree(self, sub: DeviceSubtree) -> torch.Tensor:
-        """(size,) int32 on the link's device, from the subtree's (1, T) tensors (no host read)."""
-        T = self.budget
-        if sub.tokens.shape != (1, T):
-            raise ValueError(f"a subtree of shape {tuple(sub.tokens.shape)} on a link of budget {T}")
-        head = torch.tensor([GO, T], dtype=torch.int32, device=sub.tokens.device)
-        parts = [head, sub.node_ids[0], sub.tokens[0], sub.parents[0], sub.scores[0].float().view(torch.int32),
-                 sub.valid[0], sub.depths[0], sub.mask[0].flatten()]
-        return torch.cat([p.to(torch.int32) for p in parts]).to(self.groups.device)
+        """(size,) int32 on the link's device, from the subtree's (1, T) tensors (T <= budget: each field padded to the
+        budget; a plain round's T is 1), without a host read."""
+        B, T = self.budget, sub.tokens.shape[1]
+        if sub.tokens.shape[0] != 1 or T > B:
+            raise ValueError(f"a subtree of shape {tuple(sub.tokens.shape)} on a link of budget {B}")
+        msg = torch.zeros(self.size, dtype=torch.int32, device=sub.tokens.device)
+        msg[0], msg[1] = GO, T
+        fields = (sub.node_ids, sub.tokens, sub.parents, sub.scores.float().view(torch.int32), sub.valid, sub.depths)
+        for i, values in enumerate(fields):
+            msg[2 + i * B : 2 + i * B + T] = values[0].to(torch.int32)
+        msg[2 + 6 * B : 2 + 6 * B + T * T] = sub.mask[0].flatten().to(torch.int32)
+        return msg.to(self.groups.device)
 
     def verdict_ready(self) -> bool:
         return self._verdict_work.done.is_set()
@@ -78,36 +82,35 @@ class DeviceDistLink(DistLink):
         self._raise_if_failed(msg, self.groups.peer_leader, "target")
         T = self.budget
         values = msg[: VERDICT_HEAD + 2 * T].tolist()
-        status, count, n, token, verify_us = values[:VERDICT_HEAD]
+        status, count, n, token, verify_us, wait_us = values[:VERDICT_HEAD]
         path = values[VERDICT_HEAD : VERDICT_HEAD + T]
         tokens = values[VERDICT_HEAD + T : VERDICT_HEAD + T + n]
         self.tokens += tokens
         device = self.groups.device if self.device is None else self.device
         return Verdict(torch.tensor([path], dtype=torch.long, device=device), count,
                        torch.tensor([token], dtype=torch.long, device=device), status == FINISHED,
-                       verify_s=verify_us / 1e6, tokens=tuple(tokens))
+                       verify_s=verify_us / 1e6, wait_s=wait_us / 1e6, tokens=tuple(tokens))
 
     # ---- target side ------------------------------------------------------------------------
     def receive_subtree(self) -> DeviceSubtree:
-        """The subtree's tensors on the target's device (its status read: a failure notice raises here)."""
+        """The subtree's tensors on the target's device (its status and T read: a failure notice raises here)."""
         msg = self._recv(self.size, self.groups.peer_leader, "subtree from the draft rank")
         self._raise_if_failed(msg, self.groups.peer_leader, "draft")
-        T = self.budget
+        B, T = self.budget, int(msg[1])
         msg = msg.to(self.device or msg.device)
-        field = [msg[2 + i * T : 2 + (i + 1) * T][None] for i in range(6)]
-        node_ids, tokens, parents, scores, valid, depths = field
-        mask = msg[2 + 6 * T :].view(1, T, T)
+        node_ids, tokens, parents, scores, valid, depths = (msg[2 + i * B : 2 + i * B + T][None] for i in range(6))
+        mask = msg[2 + 6 * B : 2 + 6 * B + T * T].view(1, T, T)
         return DeviceSubtree(node_ids.long(), tokens.long(), parents.long(), scores.contiguous().view(torch.float32),
                              valid.bool(), depths.long(), mask.bool())
 
     def send_verdict(self, verdict: Verdict) -> None:
         T = self.budget
         status = FINISHED if verdict.finished else GO
-        head = [status, verdict.count, len(verdict.tokens), 0, round(verdict.verify_s * 1e6)]
+        head = [status, verdict.count, len(verdict.tokens), 0, round(verdict.verify_s * 1e6), round(verdict.wait_s * 1e6)]
         msg = self._tensor(self.size)
         msg[:VERDICT_HEAD] = torch.tensor(head, dtype=torch.int32)
         msg[3:4] = verdict.token.to(msg.device, torch.int32)
-        msg[VERDICT_HEAD : VERDICT_HEAD + T] = verdict.path[0].to(msg.device, torch.int32)
+        msg[VERDICT_HEAD : VERDICT_HEAD + verdict.path.shape[1]] = verdict.path[0].to(msg.device, torch.int32)
         msg[VERDICT_HEAD + T : VERDICT_HEAD + T + len(verdict.tokens)] = torch.tensor(verdict.tokens, dtype=torch.int32)
         self.tokens += list(verdict.tokens)
         self._send_to_peer(msg, "verdict")
@@ -154,7 +157,7 @@ def run_device_async_distributed(groups: Groups, target, draft, request: DecodeR
             side = DraftSide(draft, request.prompt, shape, capacity, target.config.get_text_config().vocab_size,
                              architectures[1], context_limit(target, draft))
             if request.max_new_tokens:
-                run_draft(side, link)
+                run_draft(side, link, drafting_choice(request, config))
             link.send_counters(side.counters)
             link.send_rounds_ran(side.in_flight_by_round)
             rows.result.rows[0].tokens = list(link.tokens)
@@ -164,6 +167,10 @@ def run_device_async_distributed(groups: Groups, target, draft, request: DecodeR
     result.stats = SwiftSpecStats.collect(DISTRIBUTED_ENGINE, result.new_tokens, time.perf_counter() - start,
                                           target_counters or TargetCounters(), draft_counters,
                                           message_bytes=2 * link.size * 4)
+    choice = drafting_choice(request, config)
+    if choice is not None:  # (the draft rank's: it decides)
+        result.stats.engine_choice = (f"{DISTRIBUTED_ENGINE}: {choice.describe()}" if groups.role == "draft" else
+                                      f"{DISTRIBUTED_ENGINE}: the draft rank chooses whether each round drafts")
     if groups.role == "target":
         result.stats.add_rounds([dataclasses.replace(r, expansions=ran[i] if i < len(ran) else 0)
                                  for i, r in enumerate(side.records)])

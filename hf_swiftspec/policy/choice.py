@@ -73,3 +73,73 @@ class EngineChoice:
         if engine == best:
             return f"{name}: {measured}"
         return f"{name}: retried one call in {RETRY_EVERY}; {measured}"
+
+
+TREE, PLAIN = "tree", "plain"  # an asynchronous round's two modes: a drafted subtree, or the root alone (a plain step)
+MODE_PROBE_EVERY = 16  # rounds of the chosen mode before the other runs again (a probe) while probes win
+MODE_MAX_PROBE_EVERY = 256  # ... twice as many after each probe that did not win, up to this many
+MODE_PROBE_ROUNDS = 3  # rounds a probe runs; its first, which pays for the switch (a catch-up), is not timed
+MODE_SMOOTHING = 0.3  # weight of a timed round in its mode's running average
+
+
+@dataclass
+class DraftingChoice:
+    """Whether the device round's asynchronous engine (engine/device_async.py) drafts its next round or sends the root
+    alone, by each mode's measured tokens per second (a round as the target saw it: its wait for the subtree and its
+    verification). The draft's growth runs beside the verification, so it pays only where its trees' tokens beat a
+    plain step's, which on a shared CPU also runs faster without the draft beside it (a shape:smollm2-135m pair, whose
+    draft never agrees, ran 0.41x target.generate with every round drafting). Trees first; a few plain rounds to time
+    them; then the faster mode, the other for MODE_PROBE_ROUNDS rounds after every `probe_every` (twice as far apart
+    after each probe that did not win, as the goodput policy's probes). Kept on the pair's policy, so later calls
+    start from what earlier ones measured.
+
+    rates: mode -> running tokens per second; timed: mode -> rounds timed; mode: the current one; streak: its rounds
+    in a row; probing: the current mode is a probe.
+    """
+
+    rates: dict[str, float] = field(default_factory=dict)
+    timed: dict[str, int] = field(default_factory=dict)
+    mode: str = TREE
+    streak: int = 0
+    probing: bool = False
+    probe_every: int = MODE_PROBE_EVERY
+
+    def best(self) -> str:
+        """The mode with the higher measured rate (ties and the unmeasured: trees)."""
+        return PLAIN if self.rates.get(PLAIN, 0.0) > self.rates.get(TREE, 0.0) else TREE
+
+    def next_mode(self) -> str:
+        """The mode of the next round (after observe() of the last one), kept as `mode`."""
+        if self.probing and self.streak < MODE_PROBE_ROUNDS:
+            return self.mode
+        if self.probing:  # a probe just ended: probe again soon if it won, else twice as late
+            won = self.best() == self.mode
+            self.probe_every = MODE_PROBE_EVERY if won else min(2 * self.probe_every, MODE_MAX_PROBE_EVERY)
+            self.probing = False
+        if PLAIN not in self.rates:  # trees until they were timed, then plain rounds to time them
+            choice = TREE if self.timed.get(TREE, 0) < MODE_PROBE_ROUNDS else PLAIN
+            probing = choice == PLAIN
+        else:
+            best = self.best()
+            probing = self.mode == best and self.streak >= self.probe_every
+            choice = (PLAIN if best == TREE else TREE) if probing else best
+        if choice != self.mode:
+            self.streak = 0
+        self.mode, self.probing = choice, probing
+        return choice
+
+    def observe(self, mode: str, tokens: int, seconds: float, switched: bool) -> None:
+        """One round of `mode` made `tokens` in `seconds`; switched: its mode differs from the round before's (it paid
+        for the switch, or it was the call's first: not timed)."""
+        self.streak += 1
+        if switched or tokens <= 0 or seconds <= 0:
+            return
+        rate = tokens / seconds
+        old = self.rates.get(mode)
+        self.rates[mode] = rate if old is None else (1 - MODE_SMOOTHING) * old + MODE_SMOOTHING * rate
+        self.timed[mode] = self.timed.get(mode, 0) + 1
+
+    def describe(self) -> str:
+        """The modes' measured rates (SwiftSpecStats.engine_choice of a device asynchronous call)."""
+        parts = [f"{mode} rounds {self.rates[mode]:.1f} tokens/s" for mode in (TREE, PLAIN) if mode in self.rates]
+        return "drafting by measurement: " + (", ".join(parts) or "nothing timed yet")

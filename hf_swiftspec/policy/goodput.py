@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 
 from ..config import MAX_BUDGET
 from .costs import CostModel
-from .choice import EngineChoice
+from .choice import DraftingChoice, EngineChoice
 from .calibration import (BUCKET, BUCKETS, Calibration, SuffixWatch, score_bucket, suffix_bucket,
                           suffix_priors)
 from .guard import LatencyGuarding, latency_cap
@@ -185,6 +185,7 @@ class GoodputPolicy(LatencyGuarding):
     last_budget: int = 1
     catch_up_token_s: float | None = None  # seconds per token the draft runs to catch up (the prompt, plain rounds)
     engines: EngineChoice = field(default_factory=EngineChoice)  # a two-device placement's engine per call (choice.py)
+    drafting: DraftingChoice = field(default_factory=DraftingChoice)  # the device asynchronous engine's mode (choice.py)
     # ---- one call, one round
     call: CallState = field(default_factory=CallState)
     plan: RoundPlan = field(default_factory=RoundPlan)
