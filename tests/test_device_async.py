@@ -236,6 +236,10 @@ def test_drafting_choice_times_both_modes_then_runs_the_faster_and_probes_less_o
     gaps = [n for m, n in runs if m == PLAIN]  # (the first began as the plain rounds' own probe, which won)
     assert probes and all(n == MODE_PROBE_ROUNDS for n in probes)
     assert gaps[:4] == [MODE_PROBE_EVERY, 2 * MODE_PROBE_EVERY, 4 * MODE_PROBE_EVERY, 8 * MODE_PROBE_EVERY], runs
+    # a plain run asks the target for the steps up to the next probe, within a quarter of the timeout at its rate
+    choice.mode, choice.streak, choice.probing = PLAIN, 10, False
+    assert choice.plain_steps(timeout_s=60.0) == min(choice.probe_every - 10, 64)
+    assert choice.plain_steps(timeout_s=2.0) == 5  # 0.25 x 2 s x 10 tokens/s
     cost[TREE] = (4, 0.2)  # the text became predictable: the next probe wins and trees run again
     for _ in range(16 * MODE_PROBE_EVERY + 2 * MODE_PROBE_ROUNDS):
         mode = choice.next_mode()
@@ -273,7 +277,7 @@ def test_after_plain_rounds_the_draft_expands_from_the_whole_committed_text(root
     torch.testing.assert_close(tree.scores[0, 1:4], best, atol=1e-4, rtol=1e-4)
 
 
-def test_rounds_follow_the_drafting_choice_and_stay_exact_across_switches():
+def test_rounds_follow_the_drafting_choice_and_stay_exact_across_switches(monkeypatch):
     """The engine runs each round in the mode its choice names (here a fixed schedule: rates given, never moved by a
     clock), plain rounds and tree rounds alternating often; every output is target.generate's, and the tree rounds
     after plain ones still get the agreeing draft's tokens accepted (its cache caught up right)."""
@@ -282,20 +286,28 @@ def test_rounds_follow_the_drafting_choice_and_stay_exact_across_switches():
     class Scheduled(DraftingChoice):
         """Plain rounds measured faster, a tree probe of a few rounds after every 3 plain ones."""
 
-        def observe(self, mode, tokens, seconds, switched):  # the rates stay as given
-            self.streak += 1
+        def observe(self, mode, tokens, seconds, switched, rounds=1):  # the rates stay as given
+            self.streak += rounds
 
         def next_mode(self):
             mode = super().next_mode()
             self.probe_every = 3  # (never backed off)
             return mode
 
+    from hf_swiftspec.engine.links import ThreadLink
+
+    sent = []  # what each message asked: a plain run's steps run on the target with no message between
+    send = ThreadLink.send_subtree
+    monkeypatch.setattr(ThreadLink, "send_subtree", lambda self, message: (sent.append(message.steps),
+                                                                           send(self, message))[1])
     target = tiny_model("llama", seed=2)
     model = asynchronous(target, truncated_draft(target, 3))
     model.policy().drafting = Scheduled(rates={TREE: 1.0, PLAIN: 2.0}, timed={TREE: 9, PLAIN: 9}, mode=PLAIN)
     for p in prompts((4, 11, 30), seed=7):
+        sent.clear()
         expected = target.generate(p, do_sample=False, max_new_tokens=40)
         assert model.generate(p, do_sample=False, max_new_tokens=40).tolist() == expected.tolist()
+        assert max(sent) > 1 and len(sent) < model.swiftspec_stats.verify_steps, sent
         rounds = model.swiftspec_stats.rounds
         trees = [r for r in rounds if r.budget > 1]
         plains = [r for r in rounds if r.budget == 1]

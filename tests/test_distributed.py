@@ -174,8 +174,8 @@ def test_the_device_round_across_two_ranks_equals_target_and_the_serial_device_r
     assert len(results) == 2 * (8 + 3) and all(r["same"] for r in results), [r for r in results if not r["same"]]
     assert all(r["engine"] == "async-distributed-device" for r in results)
     mine = [r for r in results if r["rank"] == 0 and r["case"] == "device"]
-    # one round crosses a subtree and a verdict of 2 + 6T + T^2 int32 each (T = tree_budget = 6)
-    assert all(r["message_bytes"] == 2 * (2 + 6 * 6 + 36) * 4 and r["rounds"] == r["verify_steps"] for r in mine), mine
+    # one round crosses a subtree and a verdict of one size: 3 + 6T + T^2 int32, or a run of up to 64 plain steps
+    assert all(r["message_bytes"] == 2 * max(3 + 6 * 6 + 36, 6 + 6 + 64) * 4 and r["rounds"] == r["verify_steps"] for r in mine), mine
     agreeing = [r["tau"] for r in mine if r["kind"] == "agreeing"]
     assert sum(agreeing) / len(agreeing) > 1.0, agreeing  # the draft's tokens were accepted across processes
     assert sum(r["in_flight"] for r in mine) > 0  # and it grew its tree while the target verified

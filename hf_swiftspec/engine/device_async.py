@@ -67,10 +67,21 @@ class AsyncShape:
 
 
 @dataclass(frozen=True)
+class Sent:
+    """What the draft sends a round (draft to target): the subtree to verify, and how many steps the target runs from it
+    on its own (1 for a tree; a run of plain rounds: the root alone, then a plain step from each token the target
+    emits, `steps` in all, with no message between them)."""
+
+    subtree: DeviceSubtree
+    steps: int = 1
+
+
+@dataclass(frozen=True)
 class Verdict:
     """The target's answer to one subtree (target to draft): the verified path as the draft tree's node ids (1, T)
     on the device (the root first, `count` of them; the rest padding), the target's next token (the next root) and
-    whether the sequence is done. Its tensors are the verification's own, gathered on the device: no copy in."""
+    whether the sequence is done. Its tensors are the verification's own, gathered on the device: no copy in. After a
+    run of plain steps: `count` is the run's committed tokens (the root, then each step's token but the last)."""
 
     path: torch.Tensor
     count: int
@@ -186,6 +197,8 @@ class DraftSide:
         behind), the target's next token the next root."""
         if not self.root_ran:
             self.behind.append(self.plain_root[:, None])
+        if verdict.count > 1:  # a run of steps: each one's token but the last was committed too
+            self.behind.append(torch.tensor([verdict.tokens[: verdict.count - 1]], device=self.plain_root.device))
         self.root_ran = False
         self.plain_root = verdict.token
         self.prefix += verdict.count
@@ -329,7 +342,8 @@ def run_draft(side: DraftSide, link: ThreadLink, choice: DraftingChoice | None =
                 counters.reroot_s += took
             selecting = time.perf_counter()
         sub = side.subtree(mode)
-        link.send_subtree(sub)
+        steps = choice.plain_steps(link.timeout_s) if choice is not None and mode == PLAIN else 1
+        link.send_subtree(Sent(sub, steps))
         counters.rounds += 1
         counters.select_s += time.perf_counter() - selecting
         settling = time.perf_counter()
@@ -342,7 +356,7 @@ def run_draft(side: DraftSide, link: ThreadLink, choice: DraftingChoice | None =
             side.expand(sub if ran == 0 else None)
             ran += 1
         counters.in_flight_expansions += ran
-        side.in_flight_by_round.append(ran)
+        side.in_flight_by_round += [ran] + [0] * (steps - 1)  # (one a verification)
         counters.grown_rounds += ran > 0
         counters.grow_s += time.perf_counter() - growing
         waiting = time.perf_counter()
@@ -356,8 +370,8 @@ def run_draft(side: DraftSide, link: ThreadLink, choice: DraftingChoice | None =
         # the round as the target saw it: its wait for the subtree and its verification; the first of a call (the
         # target's prefill) and the first after a switch (the catch-up it pays for) are not timed
         if choice is not None:
-            choice.observe(mode, verdict.count, verdict.wait_s + verdict.verify_s,
-                           switched=previous is None or previous != mode)
+            choice.observe(mode, len(verdict.tokens), verdict.wait_s + verdict.verify_s,
+                           switched=previous is None or previous != mode, rounds=steps)
         previous, mode = mode, next_mode()
         if previous == PLAIN:
             side.follow_plain(verdict)
@@ -371,23 +385,33 @@ def run_draft(side: DraftSide, link: ThreadLink, choice: DraftingChoice | None =
 
 
 def run_target(side: TargetSide, link: ThreadLink, rows: BatchRows, on_tokens) -> None:
+    """The target's loop: receive what the draft sent, verify it (a run of plain steps: each from the last one's token,
+    no message between), send the verdict, emit the tokens; returns when the row is done."""
     while rows.live:
         waiting = time.perf_counter()
-        sub = link.receive_subtree()
+        sent = link.receive_subtree()
         waited = time.perf_counter() - waiting
         side.counters.idle_s += waited
         if side.counters.verify_steps == 0:
             side.counters.first_wait_s = time.perf_counter() - waiting
         busy = time.perf_counter()
-        outcome, verdict = side.verify(sub, rows)
-        keep = rows.record([outcome], on_tokens)
-        done = not keep
+        sub, count, tokens = sent.subtree, 0, []
+        for step in range(sent.steps):
+            outcome, verdict = side.verify(sub, rows)
+            keep = rows.record([outcome], on_tokens)
+            done = not keep or verdict.finished
+            count, tokens = count + verdict.count, tokens + list(verdict.tokens)
+            if done:
+                break
+            rows.keep(keep)
+            if step + 1 < sent.steps:
+                sub = plain_subtree(verdict.token)
         took = time.perf_counter() - busy
-        link.send_verdict(dataclasses.replace(verdict, finished=done or verdict.finished, verify_s=took, wait_s=waited))
+        link.send_verdict(dataclasses.replace(verdict, count=count, tokens=tuple(tokens), finished=done,
+                                              verify_s=took, wait_s=waited))
         side.counters.busy_s += took
         if done:
             return
-        rows.keep(keep)
 
 
 def run_device_async(target, draft, request: DecodeRequest, config, architectures=(None, None)) -> DecodeResult:

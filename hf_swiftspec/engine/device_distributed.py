@@ -2,9 +2,10 @@
 draft rank, the target's on the target rank, the same two loops the threads transport runs, over one message type
 each way (gloo on CPU processes, NCCL on GPUs).
 
-    subtree message   [status, T, node_ids, tokens, parents, scores (float32 bits), valid, depths (budget each,
-                       the first T real), mask (T x T)]                           draft rank -> target rank
-    verdict message   [status, count, n, token, verify_us, wait_us, path (T), tokens (T), padding]
+    subtree message   [status, T, steps, node_ids, tokens, parents, scores (float32 bits), valid, depths (budget
+                       each, the first T real), mask (T x T)]                     draft rank -> target rank
+    verdict message   [status, count, n, token, verify_us, wait_us, path (T), tokens (n: up to T, or a run of plain
+                       steps' up to MAX_PLAIN_STEPS), padding]
                                                                                   target rank -> draft rank
     status: 0 go on, 1 finished, -1 the sender failed (a UTF-8 error text of ERROR_BYTES follows)
 
@@ -26,13 +27,15 @@ import torch
 import torch.distributed as dist
 
 from ..models.architectures import context_limit
+from ..policy.choice import MAX_PLAIN_STEPS
 from ..stats import SwiftSpecStats, TargetCounters
 from ..steps.device_round import DeviceSubtree
-from .device_async import AsyncShape, DraftSide, TargetSide, Verdict, drafting_choice, run_draft, run_target
+from .device_async import AsyncShape, DraftSide, Sent, TargetSide, Verdict, drafting_choice, run_draft, run_target
 from .distributed import FAILED, FINISHED, GO, Arrival, DistLink, Groups, check_usable, failures_told, post
 from .request import BatchRows, DecodeRequest, DecodeResult
 
 DISTRIBUTED_ENGINE = "async-distributed-device"
+SUBTREE_HEAD = 3  # status, T, steps (engine/device_async.Sent)
 VERDICT_HEAD = 6  # status, count, n (tokens emitted), token (the next root), verify_us, wait_us
 
 
@@ -47,29 +50,30 @@ class DeviceDistLink(DistLink):
 
     @property
     def size(self) -> int:
-        T = self.budget
-        return 2 + 6 * T + T * T
+        T = self.budget  # (a verdict after a run of plain steps carries up to MAX_PLAIN_STEPS tokens)
+        return max(SUBTREE_HEAD + 6 * T + T * T, VERDICT_HEAD + T + MAX_PLAIN_STEPS)
 
     # ---- draft side -------------------------------------------------------------------------
-    def send_subtree(self, sub: DeviceSubtree) -> None:
-        self._send_to_peer(self.encode_subtree(sub), "subtree")
+    def send_subtree(self, sent: Sent) -> None:
+        self._send_to_peer(self.encode_subtree(sent.subtree, sent.steps), "subtree")
         self._verdict_buf = self._tensor(self.size)
         what = "verdict from the target rank"
         work = post(lambda: dist.irecv(self._verdict_buf, self.groups.peer_leader), self.timeout_s, what)
         self._verdict_work = Arrival(work, self.timeout_s, what)
 
-    def encode_subtree(self, sub: DeviceSubtree) -> torch.Tensor:
+    def encode_subtree(self, sub: DeviceSubtree, steps: int = 1) -> torch.Tensor:
         """(size,) int32 on the link's device, from the subtree's (1, T) tensors (T <= budget: each field padded to the
         budget; a plain round's T is 1), without a host read."""
         B, T = self.budget, sub.tokens.shape[1]
         if sub.tokens.shape[0] != 1 or T > B:
             raise ValueError(f"a subtree of shape {tuple(sub.tokens.shape)} on a link of budget {B}")
         msg = torch.zeros(self.size, dtype=torch.int32, device=sub.tokens.device)
-        msg[0], msg[1] = GO, T
+        msg[0], msg[1], msg[2] = GO, T, steps
         fields = (sub.node_ids, sub.tokens, sub.parents, sub.scores.float().view(torch.int32), sub.valid, sub.depths)
+        at = SUBTREE_HEAD
         for i, values in enumerate(fields):
-            msg[2 + i * B : 2 + i * B + T] = values[0].to(torch.int32)
-        msg[2 + 6 * B : 2 + 6 * B + T * T] = sub.mask[0].flatten().to(torch.int32)
+            msg[at + i * B : at + i * B + T] = values[0].to(torch.int32)
+        msg[at + 6 * B : at + 6 * B + T * T] = sub.mask[0].flatten().to(torch.int32)
         return msg.to(self.groups.device)
 
     def verdict_ready(self) -> bool:
@@ -81,7 +85,7 @@ class DeviceDistLink(DistLink):
         msg = self._verdict_buf
         self._raise_if_failed(msg, self.groups.peer_leader, "target")
         T = self.budget
-        values = msg[: VERDICT_HEAD + 2 * T].tolist()
+        values = msg.tolist()
         status, count, n, token, verify_us, wait_us = values[:VERDICT_HEAD]
         path = values[VERDICT_HEAD : VERDICT_HEAD + T]
         tokens = values[VERDICT_HEAD + T : VERDICT_HEAD + T + n]
@@ -92,16 +96,16 @@ class DeviceDistLink(DistLink):
                        verify_s=verify_us / 1e6, wait_s=wait_us / 1e6, tokens=tuple(tokens))
 
     # ---- target side ------------------------------------------------------------------------
-    def receive_subtree(self) -> DeviceSubtree:
-        """The subtree's tensors on the target's device (its status and T read: a failure notice raises here)."""
+    def receive_subtree(self) -> Sent:
+        """The subtree's tensors on the target's device (its header read: a failure notice raises here)."""
         msg = self._recv(self.size, self.groups.peer_leader, "subtree from the draft rank")
         self._raise_if_failed(msg, self.groups.peer_leader, "draft")
-        B, T = self.budget, int(msg[1])
+        B, (T, steps), at = self.budget, msg[1:3].tolist(), SUBTREE_HEAD
         msg = msg.to(self.device or msg.device)
-        node_ids, tokens, parents, scores, valid, depths = (msg[2 + i * B : 2 + i * B + T][None] for i in range(6))
-        mask = msg[2 + 6 * B : 2 + 6 * B + T * T].view(1, T, T)
-        return DeviceSubtree(node_ids.long(), tokens.long(), parents.long(), scores.contiguous().view(torch.float32),
-                             valid.bool(), depths.long(), mask.bool())
+        node_ids, tokens, parents, scores, valid, depths = (msg[at + i * B : at + i * B + T][None] for i in range(6))
+        mask = msg[at + 6 * B : at + 6 * B + T * T].view(1, T, T)
+        return Sent(DeviceSubtree(node_ids.long(), tokens.long(), parents.long(), scores.contiguous().view(torch.float32),
+                                  valid.bool(), depths.long(), mask.bool()), steps)
 
     def send_verdict(self, verdict: Verdict) -> None:
         T = self.budget

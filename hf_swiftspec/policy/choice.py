@@ -80,6 +80,8 @@ MODE_PROBE_EVERY = 16  # rounds of the chosen mode before the other runs again (
 MODE_MAX_PROBE_EVERY = 256  # ... twice as many after each probe that did not win, up to this many
 MODE_PROBE_ROUNDS = 3  # rounds a probe runs; its first, which pays for the switch (a catch-up), is not timed
 MODE_SMOOTHING = 0.3  # weight of a timed round in its mode's running average
+MAX_PLAIN_STEPS = 64  # plain steps the target runs on its own from one message, at most (and within a quarter of the
+# engine's worker_timeout_s at the plain rounds' measured rate, so a long run is never taken for a dead worker)
 
 
 @dataclass
@@ -128,10 +130,19 @@ class DraftingChoice:
         self.mode, self.probing = choice, probing
         return choice
 
-    def observe(self, mode: str, tokens: int, seconds: float, switched: bool) -> None:
-        """One round of `mode` made `tokens` in `seconds`; switched: its mode differs from the round before's (it paid
-        for the switch, or it was the call's first: not timed)."""
-        self.streak += 1
+    def plain_steps(self, timeout_s: float) -> int:
+        """Plain steps the next message asks of the target, run on its own with no message between (the plain round
+        of a probe: one; else up to the next probe)."""
+        if self.probing or PLAIN not in self.rates:
+            return 1
+        steps = min(self.probe_every - self.streak, MAX_PLAIN_STEPS, int(0.25 * timeout_s * self.rates[PLAIN]))
+        return max(1, steps)
+
+    def observe(self, mode: str, tokens: int, seconds: float, switched: bool, rounds: int = 1) -> None:
+        """One round of `mode` made `tokens` in `seconds` (`rounds` target steps: a run of plain ones counts as that
+        many); switched: its mode differs from the round before's (it paid for the switch, or it was the call's first:
+        not timed)."""
+        self.streak += rounds
         if switched or tokens <= 0 or seconds <= 0:
             return
         rate = tokens / seconds
