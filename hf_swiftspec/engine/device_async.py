@@ -127,6 +127,7 @@ class DraftSide:
                  architecture=None, limit: int | None = None):
         self.model, self.shape, self.capacity, self.vocab_limit = model, shape, capacity, vocab_limit
         self.limit = limit  # the most positions both models place a token at (None: no limit)
+        self.new_tokens: int | None = None  # the call's max_new_tokens (its last rounds' trees are cut short)
         self.cache = SlotCache(model.config.get_text_config().num_hidden_layers, capacity, architecture)
         L = prompt.shape[1]
         prefix = torch.full((1,), L - 1, dtype=torch.long, device=prompt.device)
@@ -326,7 +327,7 @@ def run_draft(side: DraftSide, link: ThreadLink, choice: DraftingChoice | None =
     come back), by the tokens per second each mode's rounds made on the target's side (None: every round a tree)."""
     counters = side.counters
     next_mode = choice.next_mode if choice is not None else lambda: TREE
-    mode, previous = next_mode(), None
+    mode, previous, emitted = next_mode(), None, 0
     if mode == PLAIN:
         side.go_plain()
     start = time.perf_counter()
@@ -369,9 +370,11 @@ def run_draft(side: DraftSide, link: ThreadLink, choice: DraftingChoice | None =
             side.verify_s = verdict.verify_s if side.verify_s is None else 0.8 * side.verify_s + 0.2 * verdict.verify_s
         # the round as the target saw it: its wait for the subtree and its verification; the first of a call (the
         # target's prefill) and the first after a switch (the catch-up it pays for) are not timed
-        if choice is not None:
+        emitted += len(verdict.tokens)
+        if choice is not None:  # (nor one whose tree the call's last tokens cut short: it says nothing of the text)
+            cut = side.new_tokens is not None and side.new_tokens - emitted + len(verdict.tokens) < side.shape.budget
             choice.observe(mode, len(verdict.tokens), verdict.wait_s + verdict.verify_s,
-                           switched=previous is None or previous != mode, rounds=steps)
+                           switched=previous is None or previous != mode or cut, rounds=steps)
         previous, mode = mode, next_mode()
         if previous == PLAIN:
             side.follow_plain(verdict)
@@ -430,6 +433,7 @@ def run_device_async(target, draft, request: DecodeRequest, config, architecture
     def draft_work() -> None:
         sides["draft"] = DraftSide(draft, request.prompt, shape, capacity, target.config.get_text_config().vocab_size,
                                    architectures[1], context_limit(target, draft))
+        sides["draft"].new_tokens = request.max_new_tokens
         run_draft(sides["draft"], link, drafting_choice(request, config))
 
     def target_work() -> None:

@@ -160,6 +160,7 @@ def run_device_async_distributed(groups: Groups, target, draft, request: DecodeR
         else:
             side = DraftSide(draft, request.prompt, shape, capacity, target.config.get_text_config().vocab_size,
                              architectures[1], context_limit(target, draft))
+            side.new_tokens = request.max_new_tokens
             if request.max_new_tokens:
                 run_draft(side, link, drafting_choice(request, config))
             link.send_counters(side.counters)

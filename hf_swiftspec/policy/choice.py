@@ -79,7 +79,8 @@ TREE, PLAIN = "tree", "plain"  # an asynchronous round's two modes: a drafted su
 MODE_PROBE_EVERY = 16  # rounds of the chosen mode before the other runs again (a probe) while probes win
 MODE_MAX_PROBE_EVERY = 256  # ... twice as many after each probe that did not win, up to this many
 MODE_PROBE_ROUNDS = 3  # rounds a probe runs; its first, which pays for the switch (a catch-up), is not timed
-MODE_SMOOTHING = 0.3  # weight of a timed round in its mode's running average
+MODE_DECAY = 0.8  # per timed round, the weight a mode's earlier tokens and seconds keep in its rate
+MODE_MARGIN = 1.1  # the other mode takes over only where it measured this much faster (rounds' times are noisy)
 MAX_PLAIN_STEPS = 64  # plain steps the target runs on its own from one message, at most (and within a quarter of the
 # engine's worker_timeout_s at the plain rounds' measured rate, so a long run is never taken for a dead worker)
 
@@ -95,11 +96,13 @@ class DraftingChoice:
     after each probe that did not win, as the goodput policy's probes). Kept on the pair's policy, so later calls
     start from what earlier ones measured.
 
-    rates: mode -> running tokens per second; timed: mode -> rounds timed; mode: the current one; streak: its rounds
-    in a row; probing: the current mode is a probe.
+    rates: mode -> tokens per second (decayed sums of its timed rounds' tokens over their seconds: a ratio of sums, so
+    a round of few tokens weighs by its time, not as much as a long one); timed: mode -> rounds timed; mode: the
+    current one; streak: its rounds in a row; probing: the current mode is a probe.
     """
 
     rates: dict[str, float] = field(default_factory=dict)
+    sums: dict[str, tuple[float, float]] = field(default_factory=dict)  # mode -> decayed (tokens, seconds)
     timed: dict[str, int] = field(default_factory=dict)
     mode: str = TREE
     streak: int = 0
@@ -107,17 +110,28 @@ class DraftingChoice:
     probe_every: int = MODE_PROBE_EVERY
 
     def best(self) -> str:
-        """The mode with the higher measured rate (ties and the unmeasured: trees)."""
-        return PLAIN if self.rates.get(PLAIN, 0.0) > self.rates.get(TREE, 0.0) else TREE
+        """The mode to run: the current one unless the other measured MODE_MARGIN times faster (before both were
+        measured: trees)."""
+        if TREE not in self.rates or PLAIN not in self.rates:
+            return TREE
+        other = PLAIN if self.mode == TREE else TREE
+        if self.probing:  # (a probe's mode is the other one: the one it interrupted is the incumbent)
+            other = self.mode
+        incumbent = TREE if other == PLAIN else PLAIN
+        return other if self.rates[other] > MODE_MARGIN * self.rates[incumbent] else incumbent
 
     def next_mode(self) -> str:
         """The mode of the next round (after observe() of the last one), kept as `mode`."""
         if self.probing and self.streak < MODE_PROBE_ROUNDS:
             return self.mode
-        if self.probing:  # a probe just ended: probe again soon if it won, else twice as late
+        if self.probing:  # a probe just ended: its mode stays if it won (probe again soon), else back (twice as late)
             won = self.best() == self.mode
             self.probe_every = MODE_PROBE_EVERY if won else min(2 * self.probe_every, MODE_MAX_PROBE_EVERY)
             self.probing = False
+            choice = self.mode if won else (PLAIN if self.mode == TREE else TREE)
+            if choice != self.mode:
+                self.mode, self.streak = choice, 0
+            return choice
         if PLAIN not in self.rates:  # trees until they were timed, then plain rounds to time them
             choice = TREE if self.timed.get(TREE, 0) < MODE_PROBE_ROUNDS else PLAIN
             probing = choice == PLAIN
@@ -145,9 +159,10 @@ class DraftingChoice:
         self.streak += rounds
         if switched or tokens <= 0 or seconds <= 0:
             return
-        rate = tokens / seconds
-        old = self.rates.get(mode)
-        self.rates[mode] = rate if old is None else (1 - MODE_SMOOTHING) * old + MODE_SMOOTHING * rate
+        made, took = self.sums.get(mode, (0.0, 0.0))
+        decay = MODE_DECAY ** rounds
+        made, took = decay * made + tokens, decay * took + seconds
+        self.sums[mode], self.rates[mode] = (made, took), made / took
         self.timed[mode] = self.timed.get(mode, 0) + 1
 
     def describe(self) -> str:
