@@ -13,7 +13,7 @@ import torch
 from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.engine import SwiftSpecWorkerError
 from hf_swiftspec.tools.models import tiny_model, truncated_draft
-from test_async import verdicts_wait_for_the_draft  # noqa: F401 (the host engine's tests' fixture, same link)
+from test_async import CostClock, verdicts_wait_for_the_draft  # noqa: F401 (the host engine's tests' fixture, same link)
 
 THREADS = {"target": ["cpu"], "draft": ["cpu"]}
 ENGINE = "async-threads-device"
@@ -161,17 +161,6 @@ def test_a_call_it_cannot_decode_is_refused_by_name_and_auto_takes_the_host_engi
     expected = target.generate(p, do_sample=False, max_new_tokens=10, repetition_penalty=1.2)
     assert auto.generate(p, do_sample=False, max_new_tokens=10, repetition_penalty=1.2).tolist() == expected.tolist()
     assert auto.swiftspec_stats.engine == "async-threads"
-
-
-class CostClock:
-    """A clock that moves only by the costs a test charges it (the engine choice's clock: which engine is faster is
-    the test's, not this machine's load)."""
-
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.mark.parametrize("async_s, serial_s", [(1.0, 0.5), (0.5, 1.0)], ids=["serial-faster", "async-faster"])

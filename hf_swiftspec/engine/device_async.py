@@ -124,10 +124,10 @@ class DraftSide:
     """The draft's thread: its slot cache, its tree across rounds and its counters."""
 
     def __init__(self, model, prompt: torch.Tensor, shape: AsyncShape, capacity: int, vocab_limit: int,
-                 architecture=None, limit: int | None = None):
+                 architecture=None, limit: int | None = None, new_tokens: int | None = None):
         self.model, self.shape, self.capacity, self.vocab_limit = model, shape, capacity, vocab_limit
         self.limit = limit  # the most positions both models place a token at (None: no limit)
-        self.new_tokens: int | None = None  # the call's max_new_tokens (its last rounds' trees are cut short)
+        self.new_tokens = new_tokens  # the call's max_new_tokens (its last rounds' trees are cut short)
         self.cache = SlotCache(model.config.get_text_config().num_hidden_layers, capacity, architecture)
         L = prompt.shape[1]
         prefix = torch.full((1,), L - 1, dtype=torch.long, device=prompt.device)
@@ -370,11 +370,11 @@ def run_draft(side: DraftSide, link: ThreadLink, choice: DraftingChoice | None =
             side.verify_s = verdict.verify_s if side.verify_s is None else 0.8 * side.verify_s + 0.2 * verdict.verify_s
         # the round as the target saw it: its wait for the subtree and its verification; the first of a call (the
         # target's prefill) and the first after a switch (the catch-up it pays for) are not timed
-        emitted += len(verdict.tokens)
         if choice is not None:  # (nor one whose tree the call's last tokens cut short: it says nothing of the text)
-            cut = side.new_tokens is not None and side.new_tokens - emitted + len(verdict.tokens) < side.shape.budget
+            cut = side.new_tokens is not None and side.new_tokens - emitted < side.shape.budget
             choice.observe(mode, len(verdict.tokens), verdict.wait_s + verdict.verify_s,
                            switched=previous is None or previous != mode or cut, rounds=steps)
+        emitted += len(verdict.tokens)
         previous, mode = mode, next_mode()
         if previous == PLAIN:
             side.follow_plain(verdict)
@@ -417,38 +417,55 @@ def run_target(side: TargetSide, link: ThreadLink, rows: BatchRows, on_tokens) -
             return
 
 
+def call_sides(target, draft, request: DecodeRequest, config, architectures, role: str | None = None):
+    """This call's shape and sides: (shape, the draft's DraftSide or None, the target's TargetSide or None); role: the
+    one side a torchrun rank holds (None: both, two threads build theirs in their own threads: see run_device_async)."""
+    shape = AsyncShape.of(config)
+    capacity = request.prompt.shape[1] + request.max_new_tokens + shape.nodes + 2
+    draft_side = None if role == "target" else lambda: DraftSide(
+        draft, request.prompt, shape, capacity, target.config.get_text_config().vocab_size, architectures[1],
+        context_limit(target, draft), request.max_new_tokens)
+    target_side = None if role == "draft" else lambda: TargetSide(target, request, capacity, architectures[0])
+    return shape, draft_side, target_side
+
+
+def call_stats(engine: str, result: DecodeResult, seconds: float, target: TargetSide | None, draft: DraftCounters,
+               ran: list[int], message_bytes: int, choice: DraftingChoice | None) -> SwiftSpecStats:
+    """The call's stats: both sides' counters, a record a verification with the draft's expansions in flight then
+    (ran: one a verification), and the drafting choice's rates (what its engine_choice says)."""
+    stats = SwiftSpecStats.collect(engine, result.new_tokens, seconds, target.counters if target else TargetCounters(),
+                                   draft, message_bytes=message_bytes)
+    stats.engine_choice = f"{engine}: {choice.describe()}" if choice is not None else None
+    if target is not None:
+        stats.add_rounds([dataclasses.replace(r, expansions=ran[i] if i < len(ran) else 0)
+                          for i, r in enumerate(target.records)])
+    return stats
+
+
 def run_device_async(target, draft, request: DecodeRequest, config, architectures=(None, None)) -> DecodeResult:
     """One sequence through the asynchronous round: the target in the calling thread, the draft in a worker thread.
     architectures: the models' (probes.describe): their window rules, terms of their caches' masks."""
-    shape = AsyncShape.of(config)
-    capacity = request.prompt.shape[1] + request.max_new_tokens + shape.nodes + 2
+    _, draft_side, target_side = call_sides(target, draft, request, config, architectures)
     rows = BatchRows.start(request)
     timeout_s = config.worker_timeout_s
     link = ThreadLink(timeout_s)
+    choice = drafting_choice(request, config)
     start = time.perf_counter()
-    sides: dict[str, DraftSide] = {}
-
-    target_side: list[TargetSide] = []
+    sides: dict = {}  # each side as its thread built it
 
     def draft_work() -> None:
-        sides["draft"] = DraftSide(draft, request.prompt, shape, capacity, target.config.get_text_config().vocab_size,
-                                   architectures[1], context_limit(target, draft))
-        sides["draft"].new_tokens = request.max_new_tokens
-        run_draft(sides["draft"], link, drafting_choice(request, config))
+        sides["draft"] = draft_side()
+        run_draft(sides["draft"], link, choice)
 
     def target_work() -> None:
-        target_side.append(TargetSide(target, request, capacity, architectures[0]))
+        sides["target"] = target_side()
         if request.max_new_tokens:
-            run_target(target_side[0], link, rows, request.on_tokens)
+            run_target(sides["target"], link, rows, request.on_tokens)
 
     run_two_threads(link, draft_work, target_work, timeout_s)
     result = rows.result
-    draft_counters = sides["draft"].counters if "draft" in sides else DraftCounters()
-    result.stats = SwiftSpecStats.collect(ENGINE, result.new_tokens, time.perf_counter() - start,
-                                          target_side[0].counters, draft_counters, message_bytes=0)
-    choice = drafting_choice(request, config)
-    result.stats.engine_choice = f"{ENGINE}: {choice.describe()}" if choice is not None else None
-    ran = sides["draft"].in_flight_by_round if "draft" in sides else []
-    result.stats.add_rounds([dataclasses.replace(r, expansions=ran[i] if i < len(ran) else 0)
-                             for i, r in enumerate(target_side[0].records)])
+    drafted = sides.get("draft")
+    result.stats = call_stats(ENGINE, result, time.perf_counter() - start, sides["target"],
+                              drafted.counters if drafted else DraftCounters(),
+                              drafted.in_flight_by_round if drafted else [], 0, choice)
     return result

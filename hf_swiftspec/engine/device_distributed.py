@@ -19,19 +19,16 @@ round's engine, engine/distributed.py); every rank returns the target's tokens.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from ..models.architectures import context_limit
 from ..policy.choice import MAX_PLAIN_STEPS
-from ..stats import SwiftSpecStats, TargetCounters
 from ..steps.device_round import DeviceSubtree
-from .device_async import AsyncShape, DraftSide, Sent, TargetSide, Verdict, drafting_choice, run_draft, run_target
-from .distributed import FAILED, FINISHED, GO, Arrival, DistLink, Groups, check_usable, failures_told, post
+from .device_async import Sent, Verdict, call_sides, call_stats, drafting_choice, run_draft, run_target
+from .distributed import FINISHED, GO, Arrival, DistLink, Groups, check_usable, failures_told, post
 from .request import BatchRows, DecodeRequest, DecodeResult
 
 DISTRIBUTED_ENGINE = "async-distributed-device"
@@ -143,40 +140,31 @@ def run_device_async_distributed(groups: Groups, target, draft, request: DecodeR
     """This rank's side of one sequence: the target rank verifies, the draft rank grows and re-roots; both return the
     target's tokens. The target rank's stats hold both sides' counters (the draft's come over at the end)."""
     check_usable(groups)
-    shape = AsyncShape.of(config)
-    capacity = request.prompt.shape[1] + request.max_new_tokens + shape.nodes + 2
+    shape, draft_side, target_side = call_sides(target, draft, request, config, architectures, groups.role)
     rows = BatchRows.start(request)
     model = target if groups.role == "target" else draft
     link = DeviceDistLink(groups, shape.budget, config.worker_timeout_s, device=model.device)
+    choice = drafting_choice(request, config)
     start = time.perf_counter()
-    ran: list[int] = []
     with failures_told(groups, link), torch.no_grad():
         if groups.role == "target":
-            side = TargetSide(target, request, capacity, architectures[0])
+            side = target_side()
             if request.max_new_tokens:
                 run_target(side, link, rows, request.on_tokens)
-            target_counters, draft_counters = side.counters, link.receive_counters()
-            ran = link.receive_rounds_ran()
+            draft_counters, ran = link.receive_counters(), link.receive_rounds_ran()
         else:
-            side = DraftSide(draft, request.prompt, shape, capacity, target.config.get_text_config().vocab_size,
-                             architectures[1], context_limit(target, draft))
-            side.new_tokens = request.max_new_tokens
+            side = draft_side()
             if request.max_new_tokens:
-                run_draft(side, link, drafting_choice(request, config))
+                run_draft(side, link, choice)
             link.send_counters(side.counters)
             link.send_rounds_ran(side.in_flight_by_round)
             rows.result.rows[0].tokens = list(link.tokens)
             rows.result.end = len(link.tokens)
-            target_counters, draft_counters = None, side.counters
+            draft_counters, ran = side.counters, []
     result = rows.result
-    result.stats = SwiftSpecStats.collect(DISTRIBUTED_ENGINE, result.new_tokens, time.perf_counter() - start,
-                                          target_counters or TargetCounters(), draft_counters,
-                                          message_bytes=2 * link.size * 4)
-    choice = drafting_choice(request, config)
-    if choice is not None:  # (the draft rank's: it decides)
-        result.stats.engine_choice = (f"{DISTRIBUTED_ENGINE}: {choice.describe()}" if groups.role == "draft" else
-                                      f"{DISTRIBUTED_ENGINE}: the draft rank chooses whether each round drafts")
-    if groups.role == "target":
-        result.stats.add_rounds([dataclasses.replace(r, expansions=ran[i] if i < len(ran) else 0)
-                                 for i, r in enumerate(side.records)])
+    result.stats = call_stats(DISTRIBUTED_ENGINE, result, time.perf_counter() - start,
+                              side if groups.role == "target" else None, draft_counters, ran, 2 * link.size * 4,
+                              choice if groups.role == "draft" else None)  # (the draft rank decides)
+    if choice is not None and groups.role == "target":
+        result.stats.engine_choice = f"{DISTRIBUTED_ENGINE}: the draft rank chooses whether each round drafts"
     return result

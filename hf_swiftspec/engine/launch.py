@@ -112,16 +112,10 @@ def run_device_async_or_serial(target, draft, request: DecodeRequest, config: Sw
     call's pick names (choice.py): the device round's serial engine on the same device where the serial round measured
     more tokens per second on this pair; the call is timed for the next pick and its stats say why."""
     engine = engine_for_call(placement, None, request, config)
-    if engine is None:
-        return run_device_async(target, draft, request, config, architectures)
-    clock = request.policy.engines.clock
-    start = clock()
     if engine == SERIAL:
-        result = run_device(target, draft, request, config, captures, None, architectures)
-    else:
-        result = run_device_async(target, draft, request, config, architectures)
-    note_engine(request.policy.engines, engine, result, clock() - start, None)
-    return result
+        return run_timed(request, engine, None, lambda: run_device(target, draft, request, config, captures, None,
+                                                                   architectures))
+    return run_timed(request, engine, None, lambda: run_device_async(target, draft, request, config, architectures))
 
 
 def continuous_engine(target, draft, config: SwiftSpecConfig, placement: Placement | None, groups: Groups | None,
@@ -309,16 +303,25 @@ def run_engine(placement, groups, target, draft, request: DecodeRequest, config,
     (`engine`: engine_for_call's), the engine chosen for this call, timed for the next choice (choice.py)."""
     if placement is None or placement.mode == "serial":
         return run_serial(target, draft, request)
+    timeout_s = config.worker_timeout_s
+
+    def run() -> DecodeResult:
+        if engine == SERIAL:
+            return run_serial(target, draft, request) if groups is None else run_serial_distributed(
+                groups, target, draft, request, timeout_s)
+        if placement.mode == "threads":
+            return run_threads(target, draft, request, timeout_s=timeout_s)
+        return run_distributed(groups, target, draft, request, timeout_s=timeout_s)
+
+    return run_timed(request, engine, groups, run)
+
+
+def run_timed(request: DecodeRequest, engine: str | None, groups: Groups | None, run) -> DecodeResult:
+    """run() for this call, timed on the engine choice's clock for its next pick where serial_fallback picked
+    `engine` (None: nothing to time), its stats saying why it ran that engine."""
     clock = request.policy.engines.clock
     start = clock()
-    timeout_s = config.worker_timeout_s
-    if engine == SERIAL:
-        result = run_serial(target, draft, request) if groups is None else run_serial_distributed(
-            groups, target, draft, request, timeout_s)
-    elif placement.mode == "threads":
-        result = run_threads(target, draft, request, timeout_s=timeout_s)
-    else:
-        result = run_distributed(groups, target, draft, request, timeout_s=timeout_s)
+    result = run()
     if engine is not None:
         note_engine(request.policy.engines, engine, result, clock() - start, groups)
     return result
