@@ -31,6 +31,7 @@ from transformers import GenerationMixin
 from .compat import (
     CACHE_ARGUMENTS,
     MODEL_FOR_CAUSAL_LM_MAPPING,
+    outside_state,
     attn_implementation,
     get_layer_types_and_kwargs,
     prepare_inputs,
@@ -354,9 +355,10 @@ def describe_class(config, model_class, attn: str, role: str) -> Architecture:
             "decoding loop that swiftspec=True replaces (e.g. a delay pattern across codebooks). Use "
             "swiftspec=False for this model."
         )
-    if getattr(model_class, "_is_stateful", False) and not any(layer_states):
+    outside = outside_state(model_class, parameters) if model_class is not None else None
+    if outside and not any(layer_states):
         raise UnsupportedArchitecture(
-            f"{who} keeps a recurrent state outside its cache's layers (its model class sets _is_stateful, and no "
+            f"{who} keeps a recurrent state outside its cache's layers ({outside}, and no "
             "layer type is one of transformers' state layers), so it cannot be rolled back to the accepted path. "
             "Use swiftspec=False for this model.",
             recurrent=True,

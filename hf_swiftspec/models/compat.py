@@ -20,6 +20,16 @@ What changed from 5.23 to 5.24 and where it is handled here:
   accepted by the tree cache's layers, which read dtypes off their tensors).
 - `masking_utils` builders take `cache` (hf_swiftspec only registers `sdpa_mask` / `eager_mask`,
   whose signatures did not change).
+
+What 5.25 changes (not supported yet: pyproject caps below it; CI's canary runs the floor smoke set on it):
+- model classes no longer set `_is_stateful`: `outside_state` also knows a model by its own cache
+  (`_supports_default_dynamic_cache`), so rwkv / xlstm are refused for the same reason on both.
+- `LinearAttentionLayer.get_seq_length` counts the tokens its state has seen: the hybrid layers of the tree and slot
+  caches (recurrent.TreeStateLayer, slot_cache.SlotStateLayer) answer with their keys' length instead.
+- `AutoModelForCausalLM.from_pretrained` passes `_from_auto` in its hub kwargs as well: pair/loading.py does not
+  forward it to the members (it raised "multiple values for keyword argument").
+- what blocks it: `transformers serve` runs each model in a process of its own (EngineClient, ModelLoader) and
+  `Serve` lost `non_blocking`; `swiftspec serve` (serving/server.py) builds on 5.24's in-process ModelManager.
 """
 
 from __future__ import annotations
@@ -151,6 +161,20 @@ def apply_tensor_parallelism(model, mesh, plan) -> None:
 # What a forward calls its Cache, newest name first: "cache" (5.24+), "past_key_values" (5.23 and
 # earlier), "cache_params" (Mamba-style forwards up to 5.23).
 CACHE_ARGUMENTS = ("cache", "past_key_values", "cache_params")
+
+
+def outside_state(model_class, parameters) -> str | None:
+    """Why transformers takes `model_class` to keep a recurrent state outside its cache's layers, or None. Up to 5.24
+    its class sets `_is_stateful` (mamba, rwkv, xlstm, ...; those whose state sits in transformers' state layers are
+    told apart by their layer types); 5.25 dropped the flag: a model whose generate starts from a cache of its own
+    (`_supports_default_dynamic_cache`, rwkv / xlstm) and whose forward takes a state or a cache."""
+    if hasattr(model_class, "_is_stateful"):
+        return "its model class sets _is_stateful" if model_class._is_stateful else None
+    own_cache = getattr(model_class, "_supports_default_dynamic_cache", None)
+    takes = parameters is not None and any(name in parameters for name in ("state", *CACHE_ARGUMENTS))
+    return "its generate starts from a cache of its own" if own_cache is not None and not own_cache() and takes else None
+
+
 # The names generate() takes a user's cache under (5.24 renamed past_key_values / cache_params to cache).
 GENERATE_CACHE_ARGUMENTS = CACHE_ARGUMENTS
 # Model kwargs generate() itself prepares for the loop under a cache name (any release).

@@ -19,8 +19,9 @@ from ..engine.placement import resolve_placement
 from .locate import HubOptions, PairMember, not_safetensors
 from .repo import pair_settings, pop_pair_settings
 
-# Arguments the Auto classes and pipeline() add that mean something for the pair repo itself, or nothing here.
-PAIR_ONLY_KWARGS = ("config", "proxies", "adapter_kwargs", "_commit_hash", "code_revision")
+# Arguments the Auto classes and pipeline() add that mean something for the pair repo itself, or nothing here
+# (`_from_auto`: the members load through AutoModelForCausalLM, which sets its own; 5.25 passes it twice if forwarded).
+PAIR_ONLY_KWARGS = ("config", "proxies", "adapter_kwargs", "_commit_hash", "code_revision", "_from_auto")
 # device_map strings that let accelerate choose: they land on the CPU only when there is no accelerator.
 AUTOMATIC_DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 

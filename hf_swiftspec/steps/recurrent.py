@@ -67,6 +67,9 @@ class TreeStateLayer(LinearAttentionLayer, TreeCacheLayer):
     def get_max_length(self) -> int:
         return TreeCacheLayer.get_max_length(self)
 
+    def get_seq_length(self) -> int:  # the tree cache's (5.25's LinearAttentionLayer counts its state's tokens instead)
+        return TreeCacheLayer.get_seq_length(self)
+
 
 def add_state_layers(cache: TreeCache, layer_types: tuple[str, ...], layer_states: tuple[int, ...]) -> TreeCache:
     """`cache` with a state layer at every layer whose type keeps a state (`layer_states[i]` > 0 states)."""

@@ -129,6 +129,9 @@ class SlotStateLayer(LinearAttentionLayer, SlotLayer):
     def get_max_length(self) -> int:
         return SlotLayer.get_max_length(self)
 
+    def get_seq_length(self) -> int:  # the chain's length (5.25's LinearAttentionLayer counts its state's tokens instead)
+        return SlotLayer.get_seq_length(self)
+
 
 class SlotCache(Cache):
     """A model's fixed-shape KV cache for B rows of C slots each; a forward writes its (B, Q) queries at `index`
