@@ -109,9 +109,46 @@ def test_generate_restores_the_users_attention_implementation(own):
     assert target.config._attn_implementation == own
 
 
+class KeyHeads(torch.overrides.TorchFunctionMode):
+    """The (query heads, key heads) of every scaled_dot_product_attention call of more than one query."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.scaled_dot_product_attention and args[0].shape[2] > 1:
+            self.calls.append((args[0].shape[1], args[1].shape[1]))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_grouped_heads_attend_in_place_and_bitwise_as_repeated(arch):
+    """sdpa-grouped (a CPU model whose query heads share key / value heads): a tree forward's logits are bitwise those of
+    transformers' sdpa, which repeats each shared head per query head first, while its attention reads the 2 shared
+    heads themselves; the user's attn_implementation is back afterwards."""
+    dense_model = tiny_model(arch, seed=1)
+    grouped_model = copy.deepcopy(dense_model)
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(3, 98, (37,), generator=g).tolist()
+    tokens = torch.randint(3, 98, (11,), generator=g).tolist()
+    parents = [-1, 0, 0, 1, 1, 2, 5, 6, 3, 0, 9]
+    with KeyHeads() as dense:
+        expected = tree_logits(dense_model, "sdpa", prefix, tokens, parents)
+    with routed_attention(grouped_model, "sdpa-grouped"), KeyHeads() as grouped:
+        got = tree_logits(grouped_model, "sdpa-grouped", prefix, tokens, parents)
+    assert torch.equal(got, expected)
+    layers = dense_model.config.num_hidden_layers
+    assert dense.calls[-layers:] == [(4, 4)] * layers  # the tree's: repeat_kv, every query head a copy of its own
+    assert grouped.calls[-layers:] == [(4, 2)] * layers and set(grouped.calls) == {(4, 2)}  # heads in place
+    assert grouped_model.config._attn_implementation == "sdpa"
+
+
 def test_attention_choice_resolution():
-    model = tiny_model("llama")
-    assert resolve_attention("auto", model) == "sdpa"  # CPU: the model's own attention with a dense mask
+    model = tiny_model("llama")  # 4 query heads sharing 2 key / value heads
+    assert resolve_attention("auto", model) == "sdpa-grouped"  # CPU: its own sdpa with a dense mask, heads in place
+    assert resolve_attention("auto", tiny_model("llama", num_key_value_heads=4)) == "sdpa"  # no heads shared
+    assert resolve_attention("auto", tiny_model("llama", attn="eager")) == "eager"
     assert resolve_attention("model", model) == "sdpa"
     assert resolve_attention("kernel", model) in ("triton", "torch-reference")
     with pytest.raises(ValueError, match="attention='flash'"):

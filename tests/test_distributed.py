@@ -79,8 +79,8 @@ def test_replayed_steps_in_each_process_equal_target():
     assert codes == [0, 0], outputs
     assert len(results) == 12 and all(r["same"] for r in results), results
     mine = {r["rank"]: r for r in results}
-    assert "target=sdpa (replayed, emulate" in mine[0]["attention"] and mine[0]["replays"] > 5, mine[0]
-    assert "draft=sdpa (replayed, emulate" in mine[1]["attention"] and mine[1]["replays"] > 5, mine[1]
+    assert "target=sdpa-grouped (replayed, emulate" in mine[0]["attention"] and mine[0]["replays"] > 5, mine[0]
+    assert "draft=sdpa-grouped (replayed, emulate" in mine[1]["attention"] and mine[1]["replays"] > 5, mine[1]
 
 
 def test_an_eagle3_head_drafts_in_its_own_process():

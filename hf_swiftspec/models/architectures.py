@@ -57,7 +57,7 @@ WINDOWED_MASK_BUILDERS = {
     "chunked": ("create_chunked_causal_mask", "create_masks_for_generate"),
 }
 NO_CACHE_LAYER_TYPES = ("dummy",)  # layers without KV of their own (MLP-only, or reusing another layer's)
-TREE_MASK_ATTENTION = ("sdpa", "eager", "swiftspec", "swiftspec_eager")  # implementations that take a 4D mask
+TREE_MASK_ATTENTION = ("sdpa", "eager", "swiftspec", "swiftspec_eager", "swiftspec_grouped")  # implementations that take a 4D mask
 
 
 class UnsupportedArchitecture(ValueError):
