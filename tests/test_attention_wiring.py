@@ -30,15 +30,20 @@ def tree_logits(model, backend, prefix, tokens, parents, fallbacks=None):
     return logits
 
 
+def tree_case() -> tuple[list[int], list[int], list[int]]:
+    """A 37-token prefix and an 11-node tree over it (tokens, parents)."""
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(3, 98, (37,), generator=g).tolist()
+    tokens = torch.randint(3, 98, (11,), generator=g).tolist()
+    return prefix, tokens, [-1, 0, 0, 1, 1, 2, 5, 6, 3, 0, 9]
+
+
 @pytest.mark.parametrize("backend", [pytest.param("triton", marks=needs_triton), "torch-reference"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_forward_with_tree_kernel_equals_sdpa_with_dense_mask(backend, arch):
     dense_model = tiny_model(arch, seed=1)
     kernel_model = copy.deepcopy(dense_model)
-    g = torch.Generator().manual_seed(0)
-    prefix = torch.randint(3, 98, (37,), generator=g).tolist()
-    tokens = torch.randint(3, 98, (11,), generator=g).tolist()
-    parents = [-1, 0, 0, 1, 1, 2, 5, 6, 3, 0, 9]
+    prefix, tokens, parents = tree_case()
     expected = tree_logits(dense_model, "sdpa", prefix, tokens, parents)
     with routed_attention(kernel_model, backend):
         got = tree_logits(kernel_model, backend, prefix, tokens, parents)
@@ -126,22 +131,19 @@ class KeyHeads(torch.overrides.TorchFunctionMode):
 def test_grouped_heads_attend_in_place_and_bitwise_as_repeated(arch):
     """sdpa-grouped (a CPU model whose query heads share key / value heads): a tree forward's logits are bitwise those of
     transformers' sdpa, which repeats each shared head per query head first, while its attention reads the 2 shared
-    heads themselves; the user's attn_implementation is back afterwards."""
-    dense_model = tiny_model(arch, seed=1)
-    grouped_model = copy.deepcopy(dense_model)
-    g = torch.Generator().manual_seed(0)
-    prefix = torch.randint(3, 98, (37,), generator=g).tolist()
-    tokens = torch.randint(3, 98, (11,), generator=g).tolist()
-    parents = [-1, 0, 0, 1, 1, 2, 5, 6, 3, 0, 9]
+    heads themselves; the user's attn_implementation is back afterwards. One model runs both (a copy of its weights at
+    other addresses may round its matrix products differently)."""
+    model = tiny_model(arch, seed=1)
+    prefix, tokens, parents = tree_case()
     with KeyHeads() as dense:
-        expected = tree_logits(dense_model, "sdpa", prefix, tokens, parents)
-    with routed_attention(grouped_model, "sdpa-grouped"), KeyHeads() as grouped:
-        got = tree_logits(grouped_model, "sdpa-grouped", prefix, tokens, parents)
+        expected = tree_logits(model, "sdpa", prefix, tokens, parents)
+    with routed_attention(model, "sdpa-grouped"), KeyHeads() as grouped:
+        got = tree_logits(model, "sdpa-grouped", prefix, tokens, parents)
     assert torch.equal(got, expected)
-    layers = dense_model.config.num_hidden_layers
+    layers = model.config.num_hidden_layers
     assert dense.calls[-layers:] == [(4, 4)] * layers  # the tree's: repeat_kv, every query head a copy of its own
     assert grouped.calls[-layers:] == [(4, 2)] * layers and set(grouped.calls) == {(4, 2)}  # heads in place
-    assert grouped_model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == "sdpa"
 
 
 def test_attention_choice_resolution():

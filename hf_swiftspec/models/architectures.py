@@ -31,9 +31,9 @@ from transformers import GenerationMixin
 from .compat import (
     CACHE_ARGUMENTS,
     MODEL_FOR_CAUSAL_LM_MAPPING,
-    outside_state,
     attn_implementation,
     get_layer_types_and_kwargs,
+    outside_state,
     prepare_inputs,
 )
 
@@ -57,7 +57,8 @@ WINDOWED_MASK_BUILDERS = {
     "chunked": ("create_chunked_causal_mask", "create_masks_for_generate"),
 }
 NO_CACHE_LAYER_TYPES = ("dummy",)  # layers without KV of their own (MLP-only, or reusing another layer's)
-TREE_MASK_ATTENTION = ("sdpa", "eager", "swiftspec", "swiftspec_eager", "swiftspec_grouped")  # implementations that take a 4D mask
+# implementations that take a 4D mask (the model's own, and steps/attention.py's routed names)
+TREE_MASK_ATTENTION = ("sdpa", "eager", "swiftspec", "swiftspec_eager", "swiftspec_grouped")
 
 
 class UnsupportedArchitecture(ValueError):

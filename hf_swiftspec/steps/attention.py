@@ -52,7 +52,8 @@ ATTENTION_CHOICES = ("auto", "kernel", "model")
 KERNEL_BACKENDS = ("triton", "torch-reference")
 GROUPED = "sdpa-grouped"  # the model's own sdpa, grouped-query heads attended in place (sdpa_grouped)
 ROUTED_BACKENDS = (*KERNEL_BACKENDS, GROUPED)  # the backends a model is routed for (routed_attention)
-NAMES = {"sdpa": "swiftspec", "eager": "swiftspec_eager", GROUPED: "swiftspec_grouped"}  # routed name by own attention
+NAMES = {"sdpa": "swiftspec", "eager": "swiftspec_eager", GROUPED: "swiftspec_grouped"}  # routed name by backend
+OWN_OF_ROUTED = {"swiftspec": "sdpa", "swiftspec_eager": "eager", "swiftspec_grouped": "sdpa"}  # a routed model's own
 
 
 @dataclass
@@ -160,9 +161,9 @@ def sdpa_grouped(module, query, key, value, attention_mask, dropout: float = 0.0
     takes GQA only without a mask (use_gqa_in_sdpa: CUDA's kernels need none), so a forward of several queries with a
     mask (a tree's, a prefill's) repeats every key and value head once per query head sharing it (repeat_kv); torch's
     CPU kernel takes the mask with enable_gqa, bitwise the same (tests/test_attention_wiring.py): a forward of 3-8 tree
-    nodes of a 9-query / 3-key-head 135M model ran 1.02-1.12x faster at 300-800 keys (examples/results/cpu-grouped-attention). A single query
-    (transformers packs its heads), a layer with attention sinks or a position bias, keys and values of other widths
-    and training run transformers' function unchanged. q (B, H, Q, D), k / v (B, Hkv, KV, D) -> ((B, Q, H, D), None)."""
+    nodes of a 9-query / 3-key-head 135M model ran 1.02-1.12x faster at 300-800 keys
+    (examples/results/cpu-grouped-attention). A single query (transformers packs its heads), a layer with attention
+    sinks or a position bias, keys and values of other widths and training run transformers' function unchanged. q (B, H, Q, D), k / v (B, Hkv, KV, D) -> ((B, Q, H, D), None)."""
     plain = (query.shape[2] == 1 or attention_mask is None or key.shape[1] == query.shape[1] or module.training
              or key.shape[-1] != value.shape[-1] or kwargs.get("s_aux") is not None
              or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None)
@@ -198,7 +199,8 @@ def own_attention_of(module, own: str):
 
 
 def register_tree_attention() -> None:
-    """Make attn_implementation="swiftspec" / "swiftspec_eager" known to transformers (idempotent)."""
+    """Make attn_implementation="swiftspec" / "swiftspec_eager" / "swiftspec_grouped" known to transformers
+    (idempotent)."""
     for own, name in NAMES.items():
         AttentionInterface.register(name, functools.partial(swiftspec_attention, own=own))
         AttentionMaskInterface.register(name, eager_mask if own == "eager" else sdpa_mask)
@@ -223,7 +225,7 @@ def resolve_attention(choice: str, model, architecture: Architecture | None = No
 
 def own_implementation(model) -> str:
     own = attn_implementation(model.config) or "sdpa"
-    return {name: ("sdpa" if own == GROUPED else own) for own, name in NAMES.items()}.get(own, own)  # a routed model's
+    return OWN_OF_ROUTED.get(own, own)
 
 
 @contextlib.contextmanager
@@ -235,8 +237,8 @@ def routed_attention(model, backend: str):
         return
     own = attn_implementation(model.config) or "sdpa"
     register_tree_attention()
-    model.set_attn_implementation(NAMES[GROUPED] if backend == GROUPED else NAMES.get(own_implementation(model),
-                                                                                      NAMES["sdpa"]))
+    routed = NAMES[GROUPED] if backend == GROUPED else NAMES.get(own_implementation(model), NAMES["sdpa"])
+    model.set_attn_implementation(routed)
     try:
         yield
     finally:
