@@ -62,6 +62,11 @@ class SwiftSpecConfig(PreTrainedConfig):
             suffix proposals (ngram_size > 0) merged into its tree, or alone in draft-free mode; only where that is
             exact: attention by position (full, sliding-window or chunked layers), path-free processors;
             elsewhere generate() raises a ValueError saying why).
+        target_loop: with round="auto", let a greedy call on one device run transformers' own loop (exactly
+            target.generate's tokens) once one of this pair's calls decoded nearly all its rounds plainly (nothing
+            worth verifying) and the loop measured faster than the round (policy/choice.py's LoopChoice; a call that
+            speculates again brings the round back). True (default) or False: the round on every call (to measure or
+            test the round itself). `swiftspec_stats.engine_choice` says which ran and why.
     """
 
     model_type = "swiftspec"
@@ -86,6 +91,7 @@ class SwiftSpecConfig(PreTrainedConfig):
         capture: str | bool = "auto",
         serial_fallback: bool | None = None,
         round: str = "auto",
+        target_loop: bool = True,
         **kwargs,
     ):
         self.target = target
@@ -106,6 +112,7 @@ class SwiftSpecConfig(PreTrainedConfig):
         self.capture = capture
         self.serial_fallback = serial_fallback
         self.round = round
+        self.target_loop = target_loop
         super().__init__(**kwargs)
         self.validate_tree_settings()
 
@@ -151,6 +158,8 @@ class SwiftSpecConfig(PreTrainedConfig):
                 f"SwiftSpecConfig.round={self.round!r}; use 'auto' (the default: the device round where it "
                 "applies), 'host' (every pair and call) or 'device' (one host read a round, pairs attending by position)."
             )
+        if not isinstance(self.target_loop, bool):
+            raise ValueError(f"SwiftSpecConfig.target_loop must be True or False, got {self.target_loop!r}.")
         if not isinstance(self.compile, bool):
             raise ValueError(f"SwiftSpecConfig.compile must be True or False, got {self.compile!r}.")
         if self.capture not in ("auto", True, False):

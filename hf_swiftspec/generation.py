@@ -38,6 +38,7 @@ from .engine.launch import batch_exactness_gaps, decode_adaptive, draft_architec
 from .steps.capture import Captures
 from .engine.placement import Placement
 from .config import MAX_BUDGET
+from .policy.choice import ROUND, TARGET_LOOP, LoopChoice
 from .policy.goodput import GoodputPolicy
 from .stats import SwiftSpecStats
 from .drafters.suffix import OutputHistory
@@ -119,6 +120,11 @@ def swiftspec_generate(
             model, input_ids, logits_processor, stopping_criteria, generation_config, swiftspec_streamer,
             reasons, model_kwargs,
         )
+    loop = loop_choice(config, swiftspec_policy, swiftspec_engine, swiftspec_placement, swiftspec_groups,
+                       generation_config, batch)
+    if loop is not None and loop.pick() == TARGET_LOOP:
+        return measured_target_loop(loop, model, input_ids, logits_processor, stopping_criteria, generation_config,
+                                    swiftspec_streamer, model_kwargs, swiftspec_history, config)
     chain_reasons = [f"the target {limit.reason}, and this call's steps reach {slots} slots" for limit in reached]
     prompt, attention_mask = split_left_padding(input_ids, model_kwargs.get("attention_mask"))
     check_padding_keeps_positions(model, input_ids.shape[1] - prompt.shape[1])
@@ -149,10 +155,17 @@ def swiftspec_generate(
     else:
         request.policy.start_generation(request.max_new_tokens)
         captures = swiftspec_captures or Captures()
+        started = loop.engines.clock() if loop is not None else 0.0
         with captures.claimed() as ours:  # a concurrent call on the same pair captures graphs (and buffers) of its own
             result = decode_adaptive(model, swiftspec_draft, request, config, swiftspec_placement, swiftspec_groups,
                                      chain_reasons, architectures, captures if ours else Captures(),
                                      swiftspec_vocabularies, round_)
+        if loop is not None:
+            rounds = result.stats.rounds or result.rounds
+            loop.observe(ROUND, result.new_tokens, loop.engines.clock() - started, len(rounds),
+                         sum(r.budget == 1 for r in rounds))
+            if loop.candidate:
+                result.stats.engine_choice = loop.describe(ROUND, result.stats.engine)
         remember_outputs(swiftspec_history, config, request, result)
     result.stats.draft_model = swiftspec_draft is not None
     result.stats.round_choice = "the running batch's" if swiftspec_engine is not None else why
@@ -242,15 +255,73 @@ def decode_with_target_loop(model, input_ids, logits_processor, stopping_criteri
         UserWarning,
         stacklevel=3,
     )
+    engine = f"target ({'batch: ' if rows > 1 else ''}" + "; ".join(reasons) + ")"
+    return target_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
+                       model_kwargs, engine)
+
+
+def target_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
+                model_kwargs: dict, engine: str):
+    """(transformers' own loop's output, its stats naming `engine`)."""
     start = time.perf_counter()
     output = sample_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs)
     sequences = output if isinstance(output, torch.Tensor) else output.sequences
     stats = SwiftSpecStats(
-        engine=f"target ({'batch: ' if rows > 1 else ''}" + "; ".join(reasons) + ")",
+        engine=engine,
         new_tokens=int(sequences.shape[0] * (sequences.shape[1] - input_ids.shape[1])),
         wall_time_s=time.perf_counter() - start,
     )
     return output, stats
+
+
+def loop_choice(config: SwiftSpecConfig, policy, engine, placement: Placement | None, groups: Groups | None,
+                generation_config: GenerationConfig, batch: int) -> LoopChoice | None:
+    """The pair's LoopChoice for this batch size (policy/choice.py: the round, or transformers' own loop where the
+    round decoded plainly and the loop measured faster), for a greedy call of its own on one device with round='auto';
+    None elsewhere: a round named (round='device' or 'host'), target_loop=False, a running batch's request, two
+    devices or ranks (their engines choose by serial_fallback), sampling (a seed's draws are the round's, by position; the loop's come from
+    torch's generator, so one seed would give other text by the engine that ran)."""
+    if config.round != "auto" or not config.target_loop or engine is not None or groups is not None:
+        return None
+    if not isinstance(policy, GoodputPolicy) or generation_config.do_sample:
+        return None
+    if placement is not None and placement.mode != "serial":
+        return None
+    return policy.loops.setdefault(batch, LoopChoice())
+
+
+def measured_target_loop(loop: LoopChoice, model, input_ids, logits_processor, stopping_criteria, generation_config,
+                         streamer, model_kwargs: dict, history: OutputHistory | None, config: SwiftSpecConfig):
+    """This call on transformers' own loop (its tokens are target.generate's), timed for the loop choice's next pick;
+    its output joins the history later suffix proposals copy from, as a round's does (remember_outputs)."""
+    started = loop.engines.clock()
+    output, stats = target_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
+                                model_kwargs, "target loop")
+    loop.observe(TARGET_LOOP, stats.new_tokens, loop.engines.clock() - started)
+    stats.engine_choice = loop.describe(TARGET_LOOP, stats.engine)
+    stats.round_choice = ("round='auto': transformers' own loop, the same tokens (this pair's round decoded its calls "
+                          "plainly, and the loop measured faster)")
+    stats.draft_model = False
+    if history is not None:
+        sequences = output if isinstance(output, torch.Tensor) else output.sequences
+        lead_in = config.ngram_size if config.ngram_size > 0 else 0
+        mask = model_kwargs.get("attention_mask")
+        masks = mask.tolist() if mask is not None else [[1] * input_ids.shape[1]] * input_ids.shape[0]
+        eos = set(eos_ids(generation_config))
+        for prompt, kept, new in zip(input_ids.tolist(), masks, sequences[:, input_ids.shape[1]:].tolist()):
+            ids = [t for t, m in zip(prompt, kept) if m]
+            end = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))  # (after an EOS: padding)
+            if end:
+                history.add((ids[-lead_in:] if lead_in else []) + new[:end])
+    return output, stats
+
+
+def eos_ids(generation_config: GenerationConfig) -> list[int]:
+    """The EOS ids generate() stops at (none: an empty list)."""
+    eos = generation_config.eos_token_id
+    if eos is None:
+        return []
+    return [int(e) for e in (eos.tolist() if isinstance(eos, torch.Tensor) else eos if isinstance(eos, list) else [eos])]
 
 
 def check_inputs(inputs, kwargs: dict, generation_config: GenerationConfig | None, default: GenerationConfig) -> None:

@@ -11,6 +11,10 @@ alternate (asynchronous first), and later calls run the engine that measured mor
 other one call in RETRY_EVERY so a change (longer prompts, another kind of text) is noticed. A call's
 tokens per second depends on how predictable its text is, so one call of each decides badly: on the demo
 pair a single slow serial call kept the asynchronous engine (0.80x the serial round there) for five calls.
+
+The same rule chooses between the round and transformers' own loop (`LoopChoice`): where the policy decoded a
+call's rounds plainly (nothing it could propose paid), the round is the target's step plus its bookkeeping, and
+target.generate's loop, which emits the same tokens, may be faster; measured on this pair, the faster of the two runs.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 ASYNC, SERIAL = "async", "serial"  # the two engines a call may run (their stats name the asynchronous one more precisely)
+ROUND, TARGET_LOOP = "round", "target loop"  # a serial call's: the round, or transformers' own loop (LoopChoice)
 RETRY_EVERY = 8  # calls: the engine not chosen runs one call in this many
 MEASURED_CALLS = 2  # calls of each engine, alternating, before the rates choose
 SMOOTHING = 0.5  # weight of a call's tokens per second in its engine's running average
@@ -32,26 +37,30 @@ class EngineChoice:
     rates: engine -> running average of new tokens per second of its calls; calls: engine -> calls run.
     clock: what a call is timed with (seconds), and the serial round's phases (stats.PhaseClock); a test gives one
         that advances by fixed costs per engine, or by a tick a reading (tests/test_breakdown.py).
+    engines: the two engines, the one asked for first (it runs first, and wins ties).
     """
 
     rates: dict[str, float] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
     picks: int = 0
     clock: Callable[[], float] = time.perf_counter
+    engines: tuple[str, str] = (ASYNC, SERIAL)
 
     def pick(self) -> str:
-        """The engine of the next call: the two alternately (asynchronous first) until each ran MEASURED_CALLS calls,
-        then the faster, the other every RETRY_EVERY calls."""
+        """The engine of the next call: the two alternately (the first engine first) until each ran MEASURED_CALLS
+        calls, then the faster, the other every RETRY_EVERY calls."""
         self.picks += 1
-        runs = {engine: self.calls.get(engine, 0) for engine in (ASYNC, SERIAL)}
+        first, second = self.engines
+        runs = {engine: self.calls.get(engine, 0) for engine in self.engines}
         if min(runs.values()) < MEASURED_CALLS:
-            return ASYNC if runs[ASYNC] <= runs[SERIAL] else SERIAL
+            return first if runs[first] <= runs[second] else second
         best, other = self.ranked()
         return other if self.picks % RETRY_EVERY == 0 else best
 
     def ranked(self) -> tuple[str, str]:
-        """(faster, slower) by the rates measured; ties go to the asynchronous engine the placement asked for."""
-        return (ASYNC, SERIAL) if self.rates[ASYNC] >= self.rates[SERIAL] else (SERIAL, ASYNC)
+        """(faster, slower) by the rates measured; ties go to the first engine (the one asked for)."""
+        first, second = self.engines
+        return (first, second) if self.rates[first] >= self.rates[second] else (second, first)
 
     def observe(self, engine: str, tokens: int, seconds: float) -> None:
         if tokens <= 0 or seconds <= 0:
@@ -64,15 +73,57 @@ class EngineChoice:
     def describe(self, engine: str, name: str | None = None) -> str:
         """Why this call ran `engine` (SwiftSpecStats.engine_choice), which its stats call `name`."""
         name = name or engine
-        if min(self.calls.get(e, 0) for e in (ASYNC, SERIAL)) < MEASURED_CALLS:
+        first, second = self.engines
+        if min(self.calls.get(e, 0) for e in self.engines) < MEASURED_CALLS:
             return f"{name}: measuring both engines, {MEASURED_CALLS} calls each, alternately"
         best, _ = self.ranked()
-        ratio = self.rates[ASYNC] / self.rates[SERIAL]
-        measured = (f"the asynchronous engine measured {ratio:.2f}x the serial round's tokens per second on this pair "
-                    f"(over {self.calls[ASYNC]} and {self.calls[SERIAL]} calls)")
+        ratio = self.rates[first] / self.rates[second]
+        names = {ASYNC: "the asynchronous engine", SERIAL: "the serial round", ROUND: "the round",
+                 TARGET_LOOP: "transformers' own loop"}
+        measured = (f"{names[first]} measured {ratio:.2f}x {names[second]}'s tokens per second on this pair "
+                    f"(over {self.calls[first]} and {self.calls[second]} calls)")
         if engine == best:
             return f"{name}: {measured}"
         return f"{name}: retried one call in {RETRY_EVERY}; {measured}"
+
+
+PLAIN_SHARE = 0.9  # a round's call with at least this share of plain rounds makes transformers' own loop a candidate
+PLAIN_CALL_ROUNDS = 8  # ... if it ran at least this many rounds (a shorter call says little of the text)
+
+
+@dataclass
+class LoopChoice:
+    """Whether a serial greedy call runs the round or transformers' own loop (exactly target.generate's tokens), for
+    one batch size of one pair. The round runs until one of its calls decodes nearly every round plainly (PLAIN_SHARE
+    of at least PLAIN_CALL_ROUNDS rounds: the policy found nothing worth verifying, so the round is the target's step
+    plus its bookkeeping); then both run, EngineChoice's rule picking the faster by tokens per second, the other one
+    call in RETRY_EVERY. A round's call that speculated (fewer plain rounds) ends it: the round alone runs again, and
+    what was measured is forgotten. On the demo pair with suffix proposals off (ngram_size=0: every round plain) the
+    device round ran 0.93x target.generate on a 2-core CPU, its bookkeeping costing more than the target's loop
+    (examples/results/cpu-rounds-side-by-side-demo-no-suffix-7436336).
+
+    candidate: the loop may run (a round's call was nearly all plain); engines: their rates (EngineChoice), round first.
+    """
+
+    candidate: bool = False
+    engines: EngineChoice = field(default_factory=lambda: EngineChoice(engines=(ROUND, TARGET_LOOP)))
+
+    def pick(self) -> str:
+        """The next call's: ROUND, or TARGET_LOOP where that is a candidate and measured faster (or being measured)."""
+        return self.engines.pick() if self.candidate else ROUND
+
+    def observe(self, engine: str, tokens: int, seconds: float, rounds: int = 0, plain_rounds: int = 0) -> None:
+        """A call of `engine` made `tokens` in `seconds`; a round's also says how many of its `rounds` were plain."""
+        if engine == ROUND and rounds >= PLAIN_CALL_ROUNDS:
+            plain = plain_rounds >= PLAIN_SHARE * rounds
+            if not plain:  # it speculated: the round alone, the loop's measurements forgotten
+                self.engines = EngineChoice(clock=self.engines.clock, engines=self.engines.engines)
+            self.candidate = plain
+        self.engines.observe(engine, tokens, seconds)
+
+    def describe(self, engine: str, name: str) -> str:
+        """Why this call ran `engine` (SwiftSpecStats.engine_choice), which its stats call `name`."""
+        return self.engines.describe(engine, name)
 
 
 TREE, PLAIN = "tree", "plain"  # an asynchronous round's two modes: a drafted subtree, or the root alone (a plain step)

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 
 from ..config import MAX_BUDGET
 from .costs import CostModel
-from .choice import DraftingChoice, EngineChoice
+from .choice import DraftingChoice, EngineChoice, LoopChoice
 from .calibration import (BUCKET, BUCKETS, Calibration, SuffixWatch, score_bucket, suffix_bucket,
                           suffix_priors)
 from .guard import LatencyGuarding, latency_cap
@@ -186,6 +186,7 @@ class GoodputPolicy(LatencyGuarding):
     catch_up_token_s: float | None = None  # seconds per token the draft runs to catch up (the prompt, plain rounds)
     engines: EngineChoice = field(default_factory=EngineChoice)  # a two-device placement's engine per call (choice.py)
     drafting: DraftingChoice = field(default_factory=DraftingChoice)  # the device asynchronous engine's mode (choice.py)
+    loops: dict[int, LoopChoice] = field(default_factory=dict)  # batch size -> round or transformers' loop (choice.py)
     # ---- one call, one round
     call: CallState = field(default_factory=CallState)
     plan: RoundPlan = field(default_factory=RoundPlan)
