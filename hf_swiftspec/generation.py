@@ -266,9 +266,12 @@ def target_loop(model, input_ids, logits_processor, stopping_criteria, generatio
     start = time.perf_counter()
     output = sample_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs)
     sequences = output if isinstance(output, torch.Tensor) else output.sequences
+    steps = sequences.shape[1] - input_ids.shape[1]  # one target forward each (the prefill's gives the first token)
     stats = SwiftSpecStats(
         engine=engine,
-        new_tokens=int(sequences.shape[0] * (sequences.shape[1] - input_ids.shape[1])),
+        new_tokens=int(sequences.shape[0] * steps),
+        target_forwards=steps,
+        verify_steps=steps,  # each a plain step, as a round's T = 1 verification is counted: tau = rows
         wall_time_s=time.perf_counter() - start,
     )
     return output, stats

@@ -100,6 +100,7 @@ def test_a_plain_pair_runs_the_faster_of_the_round_and_the_loop_exactly(monkeypa
         assert stats.new_tokens == NEW and stats.engine_choice.startswith(stats.engine)
         if stats.engine == "target loop":
             assert "transformers' own loop" in stats.round_choice and "engine choice" in stats.summary()
+            assert stats.target_forwards == stats.verify_steps == NEW and stats.tau == 1.0
         else:
             assert stats.plain_rounds == len(stats.rounds) == NEW
     faster, slower = ("loop", "device") if loop_s < round_s else ("device", "loop")
