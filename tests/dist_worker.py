@@ -182,6 +182,21 @@ def device(placement, args):
         report(case="device-sample", same=out.tolist() == want.tolist(), engine=model.swiftspec_stats.engine)
 
 
+def device_suffix(placement, args):
+    """round='device' across two ranks with suffix proposals (the draft rank's index, extended by the verdicts'
+    tokens): the target's own continuation as the corpus makes them right, so a random draft's rounds verify several
+    tokens; greedy equal to target.generate's on every rank."""
+    for kind in ("agreeing", "random"):
+        model, reference = pair(placement, kind, worker_timeout_s=60, tree_budget=6, draft_width=3, draft_depth=2,
+                                ngram_size=3)
+        for p in prompts(args.prompts):
+            expected = reference.generate(p, do_sample=False, max_new_tokens=30)
+            out = model.generate(p, do_sample=False, max_new_tokens=30, ngram_corpus=[expected[0].tolist()])
+            s = model.swiftspec_stats
+            report(case="device-suffix", kind=kind, same=out.tolist() == expected.tolist(), engine=s.engine,
+                   tau=s.tau, misses=s.reroot_misses, ngram_share=s.ngram_share)
+
+
 def fault(placement, args):
     serial = args.case.endswith("-serial")  # the failure in a serial call (serial_fallback), the draft ranks following
     model, _ = pair(placement, worker_timeout_s=args.timeout, serial_fallback=serial or None)
@@ -239,7 +254,8 @@ def main():
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     placement = {"target": [int(r) for r in args.target.split(",")], "draft": [int(r) for r in args.draft.split(",")]}
-    {"greedy": greedy, "sample": sample, "eagle3": eagle3, "fallback": fallback, "device": device}.get(args.case, fault)(placement, args)
+    {"greedy": greedy, "sample": sample, "eagle3": eagle3, "fallback": fallback, "device": device,
+     "device-suffix": device_suffix}.get(args.case, fault)(placement, args)
     sys.stdout.flush()
     os._exit(0)  # skip process-group teardown: after a fault a peer may be gone
 

@@ -637,19 +637,15 @@ def test_the_device_and_host_rounds_are_timed_by_name_or_skipped_with_the_reason
     assert "slot-limited layers" in skipped.note  # (a target that keeps its best-scored keys past a slot budget)
 
 
-def test_the_async_device_method_runs_exactly_or_is_skipped_with_its_reason(tiny_models):
-    """swiftspec_async_device: the threads placement on the device round's asynchronous engine; with suffix proposals
-    on (the pair's ngram_size) it is skipped naming --ngram-size 0; with them off it runs, its tokens target.generate's
-    (run_bench fails a method whose tokens differ)."""
-    report = run_bench(BenchConfig(models=tiny_models, methods=("target", "swiftspec_async_device"),
-                                   prompts=("spec_bench",), output_dir=None, **{**FAST, "growth_check_tokens": 0}))
-    skipped = report.sets[0].at(1)[1]
-    assert skipped.status == "skipped" and "--ngram-size 0" in skipped.note
-    report = run_bench(BenchConfig(models=tiny_models, methods=("target", "swiftspec_async_device"),
-                                   prompts=("spec_bench",), output_dir=None, swiftspec={"ngram_size": 0},
-                                   **{**FAST, "growth_check_tokens": 0}))
-    ran = report.sets[0].at(1)[1]
-    assert ran.status == "ok" and ran.runs and ran.engines == ["async-threads-device"]
+def test_the_async_device_method_runs_exactly_with_and_without_suffix_proposals(tiny_models):
+    """swiftspec_async_device: the threads placement on the device round's asynchronous engine, with the pair's suffix
+    proposals on and off; its tokens target.generate's (run_bench fails a method whose tokens differ)."""
+    for swiftspec in ({}, {"ngram_size": 0}):
+        report = run_bench(BenchConfig(models=tiny_models, methods=("target", "swiftspec_async_device"),
+                                       prompts=("spec_bench",), output_dir=None, swiftspec=swiftspec,
+                                       **{**FAST, "growth_check_tokens": 0}))
+        ran = report.sets[0].at(1)[1]
+        assert ran.status == "ok" and ran.runs and ran.engines == ["async-threads-device"], (swiftspec, ran.note)
 
 
 def test_the_agreeing_pair_takes_its_draft_s_layers_and_refuses_a_bad_count():

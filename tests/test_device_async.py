@@ -1,6 +1,6 @@
 """The device round's asynchronous engine (engine/device_async.py: two threads, the draft's tree across rounds,
 re-rooted on the device): greedy output equal to target.generate's, sampling equal to the serial device round's for
-the same seed, its scores, stops and windowed layers; the draft grows while the target verifies and re-roots into
+the same seed, its scores, stops, windowed layers and suffix proposals; the draft grows while the target verifies and re-roots into
 what it grew; a failed or silent worker surfaces in generate(); calls it cannot decode are refused by name where it
 was asked for, and left to the host round's engine under round='auto'."""
 
@@ -42,11 +42,12 @@ def test_greedy_equals_target_generate(arch, draft_kind):
         assert model.swiftspec_stats.engine == ENGINE
 
 
-def test_sampling_equals_the_serial_device_round_for_each_seed():
+@pytest.mark.parametrize("ngram_size", [0, 3])
+def test_sampling_equals_the_serial_device_round_for_each_seed(ngram_size):
     """The target's tokens come from the noise of generate()'s positions (the other rounds'), whatever tree the draft
-    sent: a seed gives the serial device round's tokens, draw by draw."""
+    sent (its suffix nodes too): a seed gives the serial device round's tokens, draw by draw."""
     target = tiny_model("llama", seed=2)
-    model = asynchronous(target, truncated_draft(target, 2))
+    model = asynchronous(target, truncated_draft(target, 2), ngram_size=ngram_size)
     serial = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), tree_budget=6, draft_width=3,
                                               ngram_size=0, round="device")
     for seed, p in enumerate(prompts((2, 9, 30))):
@@ -70,6 +71,32 @@ def test_scores_and_an_early_eos_equal_target_generate():
     assert len(got.scores) == len(want.scores)
     for a, b in zip(got.scores, want.scores):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("draft_depth", [2, None], ids=["every-round-a-tree", "drafting-chosen"])
+@pytest.mark.parametrize("draft_kind", ["agreeing", "random"])
+def test_suffix_proposals_join_the_drafts_tree_and_a_path_through_them_restarts_it(draft_kind, draft_depth):
+    """With the target's own continuation as the corpus (ngram_corpus), the draft side's suffix proposals, merged into
+    its tree before the selection, are right: rounds verify several tokens though a random draft's never are (the
+    records count them as the suffix nodes'), and where every round is a tree, a path through suffix nodes the draft
+    never grew starts its tree afresh (a re-root miss; plain rounds send the proposal alone); every output is
+    target.generate's, and the same pair decodes a call without a corpus exactly after it."""
+    target = tiny_model("llama", seed=2)
+    draft = truncated_draft(target, 2) if draft_kind == "agreeing" else tiny_model("llama", seed=9, layers=1)
+    model = asynchronous(target, draft, ngram_size=3, draft_depth=draft_depth)
+    for p in prompts((3, 12), seed=4):
+        expected = target.generate(p, do_sample=False, max_new_tokens=40)
+        out = model.generate(p, do_sample=False, max_new_tokens=40, ngram_corpus=[expected[0].tolist()])
+        assert out.tolist() == expected.tolist()
+        stats = model.swiftspec_stats
+        assert stats.engine == ENGINE and stats.tau > 2.0, stats.summary()
+        if draft_depth is not None:  # every round a tree: paths through the suffix nodes restarted it
+            assert stats.reroot_misses > 0
+        if draft_kind == "random":  # its tokens are the suffix nodes' (each round's record counts them)
+            assert stats.ngram_share > 0.8, stats.summary()
+    for p in prompts((5, 9), seed=6):  # no corpus: the index holds the prompt and the earlier outputs
+        assert model.generate(p, do_sample=False, max_new_tokens=30).tolist() == target.generate(
+            p, do_sample=False, max_new_tokens=30).tolist()
 
 
 def test_a_call_reaching_the_models_context_places_no_node_past_it():
@@ -155,8 +182,6 @@ def test_a_call_it_cannot_decode_is_refused_by_name_and_auto_takes_the_host_engi
     p = prompts((6,))[0]
     with pytest.raises(ValueError, match="logits processors read the path.*round='host'"):
         model.generate(p, do_sample=False, max_new_tokens=10, repetition_penalty=1.2)
-    with pytest.raises(ValueError, match="ngram_size=0"):
-        asynchronous(target, truncated_draft(target, 2), ngram_size=3).generate(p, do_sample=False, max_new_tokens=5)
     auto = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), placement=THREADS, ngram_size=0)
     expected = target.generate(p, do_sample=False, max_new_tokens=10, repetition_penalty=1.2)
     assert auto.generate(p, do_sample=False, max_new_tokens=10, repetition_penalty=1.2).tolist() == expected.tolist()

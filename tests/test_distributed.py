@@ -181,6 +181,20 @@ def test_the_device_round_across_two_ranks_equals_target_and_the_serial_device_r
     assert sum(r["in_flight"] for r in mine) > 0  # and it grew its tree while the target verified
 
 
+def test_suffix_proposals_cross_ranks_on_the_device_round():
+    """The draft rank's suffix proposals (its index extended by each verdict's tokens) merged into its tree: with the
+    target's continuation as the corpus even a random draft's rounds verify several tokens, and every rank returns
+    target.generate's tokens."""
+    results, codes, outputs = launch(2, "--case", "device-suffix", "--target", "0", "--draft", "1", "--prompts", "2",
+                                     "--round", "device")
+    assert codes == [0, 0], outputs
+    assert len(results) == 2 * 4 and all(r["same"] for r in results), [r for r in results if not r["same"]]
+    assert all(r["engine"] == "async-distributed-device" for r in results)
+    mine = [r for r in results if r["rank"] == 0]
+    assert all(r["tau"] > 2.0 for r in mine), mine
+    assert all(r["ngram_share"] > 0.8 for r in mine if r["kind"] == "random"), mine  # (the draft rank's counts)
+
+
 @pytest.mark.parametrize("case", ["fault-draft", "fault-target", "kill-draft"])
 def test_device_round_worker_failures_surface_on_every_live_rank(case):
     results, codes, outputs = launch(2, "--case", case, "--target", "0", "--draft", "1", "--timeout", "5",

@@ -339,10 +339,6 @@ def async_method(models: BenchModels, settings: dict, seed: int, notes: list[str
         return skipped_result(name, note)
     if name == "swiftspec_async_device":
         settings = {**settings, "round": "device"}
-        if settings.get("ngram_size", SwiftSpecConfig().ngram_size):
-            note = "skipped: the device round's asynchronous engine proposes no suffix nodes (run with --ngram-size 0)"
-            notes.append(f"{name} {note}.")
-            return skipped_result(name, note)
     draft = models.draft
     if torch.device(spec["draft"][0]) != draft.device:
         draft = copy.deepcopy(draft)  # the other methods keep the draft beside the target

@@ -15,9 +15,17 @@ stuck worker surfaces in generate() as SwiftSpecWorkerError within worker_timeou
 own (greedy: its argmax; sampling: the Gumbel-max noise of the other rounds, by seed and position), whatever tree the
 draft sent, so the output is exactly target.generate's.
 
+Suffix proposals (ngram_size > 0) are the draft side's: it keeps the row's suffix index (host data: the prompt, a
+corpus, earlier outputs, and every verdict's tokens) and merges each round's proposal into its tree before the
+selection (drafters/device_suffix.merge_suffix, the serial device round's fused merge), so the T nodes sent are the
+best of both; in a plain round the proposal alone goes out with the root (or the root alone, where nothing matches).
+A suffix node the draft never grew has an id past the tree's size when it was sent: a verified path through one
+leaves the draft's tree, which then starts afresh at the next root, the committed tokens it has not run caught up in
+one forward before its next expansion.
+
 What it decodes (`async_gaps` names the rest, which the host round's asynchronous engine, engine/asynchronous.py,
 decodes): one sequence, a draft model on the target's device, trees in both models (windowed layers a term of their
-masks; no chains, no rules by cache slot), logits processors that ignore the path, no suffix proposals. With
+masks; no chains, no rules by cache slot), logits processors that ignore the path. With
 serial_fallback its calls and the serial device round's are timed against each other, and the faster runs
 (engine/launch.run_device_async_or_serial, policy/choice.py).
 """
@@ -31,8 +39,10 @@ from dataclasses import dataclass
 import torch
 
 from ..drafters.device_expansion import DraftTree, best_leaves, expand, reroot_kv, reroot_tree, unexpanded, unrun
+from ..drafters.device_suffix import SuffixProposals, chosen_subtree, merge_suffix
 from ..drafters.eagle3 import DraftHead
 from ..policy.choice import PLAIN, TREE, DraftingChoice
+from ..policy.sizing import Offer
 from ..models.architectures import context_limit
 from ..stats import DraftCounters, RoundRecord, SwiftSpecStats, TargetCounters
 from ..steps.acceptance import cut_at_criteria, greedy_choices, gumbel_noise, sampled_choices, walk_subtree
@@ -109,8 +119,6 @@ def async_gaps(target, draft, request: DecodeRequest, config, architectures, voc
         gaps.append("it decodes one sequence without padding")
     if not all(s.path_free for s in request.samplers):
         gaps.append("its logits processors read the path")
-    if config.ngram_size:
-        gaps.append("it proposes no suffix nodes (ngram_size=0)")
     for role, architecture in zip(("target", "draft"), architectures):
         if architecture is not None and (architecture.shape == "chain" or architecture.slot_limits):
             gaps.append(f"the {role}'s steps are trees (no chains, no rules by cache slot)")
@@ -120,12 +128,42 @@ def async_gaps(target, draft, request: DecodeRequest, config, architectures, voc
     return gaps
 
 
+@dataclass
+class DraftSuffix:
+    """The draft side's suffix proposals: the row's suffix index (on the host, extended by every verdict's tokens),
+    how a proposal is built and copied in (SuffixProposals: S = the budget less the root), and the policy whose
+    calibration prices its nodes (the pair's, read by the draft's thread alone)."""
+
+    proposals: SuffixProposals
+    index: object  # drafters/suffix.SuffixIndex
+    policy: object  # policy/goodput.GoodputPolicy
+
+    @classmethod
+    def of(cls, request: DecodeRequest, config, budget: int, limit: int | None) -> "DraftSuffix | None":
+        """The call's (None: ngram_size 0, or a budget with no room beside the root)."""
+        if not config.ngram_size or budget < 2:
+            return None
+        proposals = SuffixProposals(config.ngram_size, budget - 1, limit, request.prompt.device)
+        return cls(proposals, proposals.index_for(request, request.prompt[0].tolist()), request.policy)
+
+    def offer(self) -> Offer | None:
+        """This round's proposal below the root (the index's last token), priced; None where nothing matches."""
+        tree = self.proposals.propose(self.index)
+        return Offer.of(tree, self.policy) if tree.tokens else None
+
+
 class DraftSide:
-    """The draft's thread: its slot cache, its tree across rounds and its counters."""
+    """The draft's thread: its slot cache, its tree across rounds, its suffix proposals and its counters."""
 
     def __init__(self, model, prompt: torch.Tensor, shape: AsyncShape, capacity: int, vocab_limit: int,
-                 architecture=None, limit: int | None = None, new_tokens: int | None = None):
+                 architecture=None, limit: int | None = None, new_tokens: int | None = None,
+                 suffix: DraftSuffix | None = None):
         self.model, self.shape, self.capacity, self.vocab_limit = model, shape, capacity, vocab_limit
+        self.suffix = suffix
+        self.sent_size: torch.Tensor | None = None  # (1,) the tree's size when a subtree with suffix nodes went out
+        self.sent_chosen = False  # the plain round's subtree was the suffix proposal's alone (chosen_subtree)
+        self.left_tree = False  # the last verdict's path went through a suffix node the draft never grew
+        self.suffix_by_round: list[int] = []  # tokens each verification accepted from suffix nodes alone
         self.limit = limit  # the most positions both models place a token at (None: no limit)
         self.new_tokens = new_tokens  # the call's max_new_tokens (its last rounds' trees are cut short)
         self.cache = SlotCache(model.config.get_text_config().num_hidden_layers, capacity, architecture)
@@ -164,8 +202,11 @@ class DraftSide:
         self.set_span()
         # no node past the models' context: a leaf grows only where its children's positions fit
         room = None if self.limit is None else self.limit - 1 - self.tree.prefix_lens
-        leaves = best_leaves(self.tree, self.shape.width, room) if sent is None else unexpanded(
-            self.tree, sent.node_ids, sent.valid, room)
+        if sent is None:
+            leaves = best_leaves(self.tree, self.shape.width, room)
+        else:  # (its suffix nodes the draft never grew, ids past the size it had, are not the tree's)
+            ids, valid = self.own_nodes(sent)
+            leaves = unexpanded(self.tree, ids, valid, room)
         self.tree = expand(self.model, self.cache, self.tree, self.shape.width, self.shape.children, self.vocab_limit,
                            leaves)
         self.counters.forwards += 1
@@ -181,10 +222,43 @@ class DraftSide:
             self.expand()
 
     def subtree(self, mode: str = TREE) -> DeviceSubtree:
-        """The best budget nodes (a tree round), or the root alone (a plain round: the target's plain step)."""
+        """The best budget nodes of the tree and this round's suffix proposal merged (a tree round), or the root with
+        the proposal's best nodes alone (a plain round: the root alone, the target's plain step, where none)."""
+        offer = self.suffix.offer() if self.suffix is not None else None
+        self.sent_size, self.sent_chosen = None, False
         if mode == PLAIN:
-            return plain_subtree(self.plain_root)
-        return select_device(self.tree.tree, self.shape.budget)
+            if offer is None:
+                return plain_subtree(self.plain_root)
+            self.sent_chosen = True
+            budget = min(self.shape.budget, 1 + len(offer.tree.tokens))
+            return chosen_subtree(self.suffix.proposals.pack_chosen([offer], budget), self.plain_root)
+        if offer is None:
+            return select_device(self.tree.tree, self.shape.budget)
+        self.sent_size = self.tree.tree.size.clone()
+        merged = merge_suffix(self.tree.tree, self.suffix.proposals.pack([offer]))
+        return select_device(merged, self.shape.budget)
+
+    def own_nodes(self, sent: DeviceSubtree) -> tuple[torch.Tensor, torch.Tensor]:
+        """(node ids, valid) of the sent subtree's nodes that are the draft tree's: a suffix node it never grew has an
+        id past the tree's size at the send (made valid False, its id a real node's)."""
+        if self.sent_size is None:
+            return sent.node_ids, sent.valid
+        own = sent.node_ids < self.sent_size[:, None]
+        return torch.where(own, sent.node_ids, 0), sent.valid & own
+
+    def learn(self, verdict: Verdict, steps: int = 1) -> None:
+        """The suffix index takes the round's tokens (the committed path and the next root); the round's tokens from
+        suffix nodes alone are counted (a tree round's: its path's nodes past the tree's size at the send, one read;
+        a plain round's: its path past the root), and whether its path left the draft's tree (follow restarts it)."""
+        if self.suffix is not None:
+            self.suffix.index.extend(list(verdict.tokens))
+        suffix_only = 0
+        if self.sent_size is not None:
+            suffix_only = int((verdict.path[:, 1 : verdict.count] >= self.sent_size[:, None]).sum())
+        elif self.sent_chosen:
+            suffix_only = verdict.count - 1
+        self.left_tree = self.sent_size is not None and suffix_only > 0
+        self.suffix_by_round += [suffix_only] + [0] * (steps - 1)  # (one a verification)
 
     def go_plain(self) -> None:
         """Plain rounds begin: the tree's root is their first root, and the tree is not kept while they last (their
@@ -213,7 +287,11 @@ class DraftSide:
         self.plain_root = None
 
     def follow(self, verdict: Verdict) -> None:
-        """Re-root the tree on the verdict (its KV moves in settle, after the next subtree went out)."""
+        """Re-root the tree on the verdict (its KV moves in settle, after the next subtree went out); a path through a
+        suffix node the draft never grew starts a fresh tree (restart)."""
+        if self.left_tree:
+            self.restart(verdict)
+            return
         count = torch.full((1,), verdict.count, dtype=torch.long, device=verdict.path.device)  # (made there)
         token = verdict.token
         missing = bool(unrun(self.tree, verdict.path, count)[0])
@@ -226,6 +304,19 @@ class DraftSide:
         hit = bool(self.pending.found[0])
         self.counters.reroot_hits += hit
         self.counters.reroot_misses += not hit
+
+    def restart(self, verdict: Verdict) -> None:
+        """The verified path left the draft's tree (a suffix node it never grew): a fresh tree at the target's next
+        token; the committed tokens the draft has not run at their slots (its root, unless it ran, and the path past it,
+        whose draft nodes' KV sits in the tree region) run before its next expansion (run_behind)."""
+        if not bool(self.tree.expanded[0, 0]):
+            self.behind.append(self.tree.tree.tokens[:, :1])
+        if verdict.count > 1:
+            self.behind.append(torch.tensor([verdict.tokens[: verdict.count - 1]], device=verdict.token.device))
+        self.prefix += verdict.count
+        prefix = torch.full((1,), self.prefix, dtype=torch.long, device=verdict.token.device)
+        self.tree = DraftTree.rooted(verdict.token, prefix, self.shape.nodes)
+        self.counters.reroot_misses += 1
 
     def settle(self) -> None:
         """The last re-root's KV moves (off the target's path: the subtree has gone)."""
@@ -343,7 +434,9 @@ def run_draft(side: DraftSide, link: ThreadLink, choice: DraftingChoice | None =
                 counters.reroot_s += took
             selecting = time.perf_counter()
         sub = side.subtree(mode)
-        steps = choice.plain_steps(link.timeout_s) if choice is not None and mode == PLAIN else 1
+        # (a run of plain steps sends no message between them: with suffix proposals each plain round sends its own)
+        run = choice is not None and mode == PLAIN and side.suffix is None
+        steps = choice.plain_steps(link.timeout_s) if run else 1
         link.send_subtree(Sent(sub, steps))
         counters.rounds += 1
         counters.select_s += time.perf_counter() - selecting
@@ -363,6 +456,7 @@ def run_draft(side: DraftSide, link: ThreadLink, choice: DraftingChoice | None =
         waiting = time.perf_counter()
         verdict = link.receive_verdict()
         counters.wait_s += time.perf_counter() - waiting
+        side.learn(verdict, steps)
         if verdict.finished:
             return
         rerooting = time.perf_counter()
@@ -422,22 +516,26 @@ def call_sides(target, draft, request: DecodeRequest, config, architectures, rol
     one side a torchrun rank holds (None: both, two threads build theirs in their own threads: see run_device_async)."""
     shape = AsyncShape.of(config)
     capacity = request.prompt.shape[1] + request.max_new_tokens + shape.nodes + 2
+    limit = context_limit(target, draft)
     draft_side = None if role == "target" else lambda: DraftSide(
         draft, request.prompt, shape, capacity, target.config.get_text_config().vocab_size, architectures[1],
-        context_limit(target, draft), request.max_new_tokens)
+        limit, request.max_new_tokens, DraftSuffix.of(request, config, shape.budget, limit))
     target_side = None if role == "draft" else lambda: TargetSide(target, request, capacity, architectures[0])
     return shape, draft_side, target_side
 
 
 def call_stats(engine: str, result: DecodeResult, seconds: float, target: TargetSide | None, draft: DraftCounters,
-               ran: list[int], message_bytes: int, choice: DraftingChoice | None) -> SwiftSpecStats:
+               ran: list[int], message_bytes: int, choice: DraftingChoice | None,
+               suffix: list[int] = ()) -> SwiftSpecStats:
     """The call's stats: both sides' counters, a record a verification with the draft's expansions in flight then
-    (ran: one a verification), and the drafting choice's rates (what its engine_choice says)."""
+    and the tokens it accepted from suffix nodes alone (ran, suffix: one a verification), and the drafting choice's
+    rates (what its engine_choice says)."""
     stats = SwiftSpecStats.collect(engine, result.new_tokens, seconds, target.counters if target else TargetCounters(),
                                    draft, message_bytes=message_bytes)
     stats.engine_choice = f"{engine}: {choice.describe()}" if choice is not None else None
     if target is not None:
-        stats.add_rounds([dataclasses.replace(r, expansions=ran[i] if i < len(ran) else 0)
+        stats.add_rounds([dataclasses.replace(r, expansions=ran[i] if i < len(ran) else 0,
+                                              ngram_accepted=suffix[i] if i < len(suffix) else 0)
                           for i, r in enumerate(target.records)])
     return stats
 
@@ -467,5 +565,6 @@ def run_device_async(target, draft, request: DecodeRequest, config, architecture
     drafted = sides.get("draft")
     result.stats = call_stats(ENGINE, result, time.perf_counter() - start, sides["target"],
                               drafted.counters if drafted else DraftCounters(),
-                              drafted.in_flight_by_round if drafted else [], 0, choice)
+                              drafted.in_flight_by_round if drafted else [], 0, choice,
+                              drafted.suffix_by_round if drafted else [])
     return result

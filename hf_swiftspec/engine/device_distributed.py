@@ -117,14 +117,19 @@ class DeviceDistLink(DistLink):
         self._send_to_peer(msg, "verdict")
 
     # ---- at the end: the draft's expansions a round, for the target rank's stats --------------
-    def send_rounds_ran(self, ran: list[int]) -> None:
+    def send_rounds_ran(self, ran: list[int], suffix: list[int]) -> None:
+        """Each verification's expansions in flight and its tokens from suffix nodes alone (as many of each)."""
         self._send_to_peer(torch.tensor([len(ran)], dtype=torch.int32, device=self.groups.device), "round count")
         if ran:
-            self._send_to_peer(torch.tensor(ran, dtype=torch.int32, device=self.groups.device), "expansions a round")
+            self._send_to_peer(torch.tensor(ran + suffix, dtype=torch.int32, device=self.groups.device),
+                               "expansions and suffix tokens a round")
 
-    def receive_rounds_ran(self) -> list[int]:
+    def receive_rounds_ran(self) -> tuple[list[int], list[int]]:
         n = int(self._recv(1, self.groups.peer_leader, "round count from the draft rank")[0])
-        return self._recv(n, self.groups.peer_leader, "expansions a round from the draft rank").tolist() if n else []
+        if not n:
+            return [], []
+        values = self._recv(2 * n, self.groups.peer_leader, "expansions and suffix tokens a round from the draft rank")
+        return values[:n].tolist(), values[n:].tolist()
 
 
 def distributed_gaps(groups: Groups) -> list[str]:
@@ -151,20 +156,20 @@ def run_device_async_distributed(groups: Groups, target, draft, request: DecodeR
             side = target_side()
             if request.max_new_tokens:
                 run_target(side, link, rows, request.on_tokens)
-            draft_counters, ran = link.receive_counters(), link.receive_rounds_ran()
+            draft_counters, (ran, suffix) = link.receive_counters(), link.receive_rounds_ran()
         else:
             side = draft_side()
             if request.max_new_tokens:
                 run_draft(side, link, choice)
             link.send_counters(side.counters)
-            link.send_rounds_ran(side.in_flight_by_round)
+            link.send_rounds_ran(side.in_flight_by_round, side.suffix_by_round)
             rows.result.rows[0].tokens = list(link.tokens)
             rows.result.end = len(link.tokens)
-            draft_counters, ran = side.counters, []
+            draft_counters, ran, suffix = side.counters, [], []
     result = rows.result
     result.stats = call_stats(DISTRIBUTED_ENGINE, result, time.perf_counter() - start,
                               side if groups.role == "target" else None, draft_counters, ran, 2 * link.size * 4,
-                              choice if groups.role == "draft" else None)  # (the draft rank decides)
+                              choice if groups.role == "draft" else None, suffix)  # (the draft rank decides)
     if choice is not None and groups.role == "target":
         result.stats.engine_choice = f"{DISTRIBUTED_ENGINE}: the draft rank chooses whether each round drafts"
     return result
