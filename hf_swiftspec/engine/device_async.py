@@ -214,17 +214,24 @@ class DraftSide:
         took = time.perf_counter() - start
         self.expand_s = took if self.expand_s is None else 0.8 * self.expand_s + 0.2 * took
 
-    def top_up(self) -> None:
+    def top_up(self, offer: Offer | None = None) -> None:
         """Before a subtree goes out, a tree of fewer than a budget's nodes (a fresh one, or a small kept subtree) is
         expanded once (SwiftSpec tops the tree up to the budget): the target waits for that expansion, and verifies a
-        tree instead of a few nodes (on agreeing_pair with a 3-layer draft, fewer rounds by more than the wait)."""
-        if int(self.tree.tree.size[0]) < self.shape.budget:
+        tree instead of a few nodes (on agreeing_pair with a 3-layer draft, fewer rounds by more than the wait). The
+        round's suffix proposal counts towards the budget: a fresh tree after a path through suffix nodes (restart)
+        goes out with the proposal rather than keeping the target waiting for a catch-up and an expansion."""
+        offered = len(offer.tree.tokens) if offer is not None else 0
+        if int(self.tree.tree.size[0]) + offered < self.shape.budget:
             self.expand()
 
-    def subtree(self, mode: str = TREE) -> DeviceSubtree:
-        """The best budget nodes of the tree and this round's suffix proposal merged (a tree round), or the root with
-        the proposal's best nodes alone (a plain round: the root alone, the target's plain step, where none)."""
-        offer = self.suffix.offer() if self.suffix is not None else None
+    def offer(self) -> Offer | None:
+        """This round's suffix proposal below the root (None: no suffix proposals, or nothing matches)."""
+        return self.suffix.offer() if self.suffix is not None else None
+
+    def subtree(self, mode: str = TREE, offer: Offer | None = None) -> DeviceSubtree:
+        """The best budget nodes of the tree and this round's suffix proposal `offer` merged (a tree round), or the
+        root with the proposal's best nodes alone (a plain round: the root alone, the target's plain step, where
+        none)."""
         self.sent_size, self.sent_chosen = None, False
         if mode == PLAIN:
             if offer is None:
@@ -424,16 +431,17 @@ def run_draft(side: DraftSide, link: ThreadLink, choice: DraftingChoice | None =
     start = time.perf_counter()
     while True:
         selecting = time.perf_counter()
+        offer = side.offer()
         if mode == TREE:
             side.leave_plain()
-            side.top_up()
+            side.top_up(offer)
             took = time.perf_counter() - selecting
             if previous is None:
                 counters.start_s += took  # the prompt and the first tree, while the target prefills
             else:
                 counters.reroot_s += took
             selecting = time.perf_counter()
-        sub = side.subtree(mode)
+        sub = side.subtree(mode, offer)
         # (a run of plain steps sends no message between them: with suffix proposals each plain round sends its own)
         run = choice is not None and mode == PLAIN and side.suffix is None
         steps = choice.plain_steps(link.timeout_s) if run else 1
