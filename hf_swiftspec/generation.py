@@ -168,7 +168,8 @@ def swiftspec_generate(
                 result.stats.engine_choice = loop.describe(ROUND, result.stats.engine)
         remember_outputs(swiftspec_history, config, request, result)
     result.stats.draft_model = swiftspec_draft is not None
-    result.stats.round_choice = "the running batch's" if swiftspec_engine is not None else why
+    result.stats.round_choice = "the running batch's" if swiftspec_engine is not None else (
+        result.stats.round_choice or why)  # (an engine that chose again says so: two threads under round='auto')
     result.stats.history_tokens = copyable
     if batch > 1:
         result.stats.row_tau = [row.tau for row in result.rows]

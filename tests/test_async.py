@@ -1,4 +1,5 @@
-"""The asynchronous engine (threads in one process): lossless, really overlapped, fails loudly."""
+"""The host round's asynchronous engine (threads in one process, round='host'; round='auto' gives it the calls the
+device round's engine cannot decode: tests/test_device_async.py): lossless, really overlapped, fails loudly."""
 
 import threading
 
@@ -25,7 +26,7 @@ def prompts(n, seed=0):
 def test_async_threads_greedy_equals_target(arch, draft_kind):
     target = tiny_model(arch, seed=2)
     draft = truncated_draft(target, 2) if draft_kind == "agreeing" else tiny_model(arch, seed=9, layers=1)
-    model = SwiftSpecForCausalLM.from_models(target, draft, placement=CPU_THREADS, tree_budget=6, draft_width=4)
+    model = SwiftSpecForCausalLM.from_models(target, draft, placement=CPU_THREADS, round="host", tree_budget=6, draft_width=4)
     for p in prompts(8, seed=len(arch)):
         expected = target.generate(p, do_sample=False, max_new_tokens=40, repetition_penalty=1.1)
         out = model.generate(p, do_sample=False, max_new_tokens=40, repetition_penalty=1.1)
@@ -64,7 +65,7 @@ def verdicts_wait_for_the_draft(monkeypatch):
 
 def test_draft_expands_while_the_target_verifies(llama_pair, verdicts_wait_for_the_draft):
     target, draft, _ = llama_pair
-    model = SwiftSpecForCausalLM.from_models(target, draft, placement=CPU_THREADS)
+    model = SwiftSpecForCausalLM.from_models(target, draft, placement=CPU_THREADS, round="host")
     p = prompts(4)[3]
     out = model.generate(p, do_sample=False, max_new_tokens=30)
     assert out.tolist() == target.generate(p, do_sample=False, max_new_tokens=30).tolist()
@@ -99,7 +100,7 @@ def test_the_verdict_leaves_before_the_target_commits(llama_pair, monkeypatch):
 
     monkeypatch.setattr(TreeCache, "commit_rows", commit_rows)
     monkeypatch.setattr(ThreadLink, "send_verdict", send_verdict)
-    model = SwiftSpecForCausalLM.from_models(target, draft, placement=CPU_THREADS)
+    model = SwiftSpecForCausalLM.from_models(target, draft, placement=CPU_THREADS, round="host")
     p = prompts(4)[3]
     out = model.generate(p, do_sample=False, max_new_tokens=30)
     assert out.tolist() == target.generate(p, do_sample=False, max_new_tokens=30).tolist()
@@ -126,7 +127,7 @@ def fail_after(model, calls):
 def test_worker_failure_surfaces_and_the_next_call_works(llama_pair, worker):
     target, draft, _ = llama_pair
     # draft_depth: the draft expands every round, whether it pays or not (draft_pays), so its 4th forward comes
-    model = SwiftSpecForCausalLM.from_models(target, draft, placement=CPU_THREADS, worker_timeout_s=20, draft_depth=2)
+    model = SwiftSpecForCausalLM.from_models(target, draft, placement=CPU_THREADS, round="host", worker_timeout_s=20, draft_depth=2)
     p = prompts(5)[4]
     hook = fail_after(target if worker == "target" else draft, 3)
     try:  # (the peer is told at once, not after worker_timeout_s: the Failure message; no clock needed to see it)
@@ -142,7 +143,7 @@ def test_worker_failure_surfaces_and_the_next_call_works(llama_pair, worker):
 
 def test_silent_draft_times_out(llama_pair):
     target, draft, _ = llama_pair
-    model = SwiftSpecForCausalLM.from_models(target, draft, placement=CPU_THREADS, worker_timeout_s=1)
+    model = SwiftSpecForCausalLM.from_models(target, draft, placement=CPU_THREADS, round="host", worker_timeout_s=1)
     release = threading.Event()
     hook = draft.register_forward_hook(lambda *args: release.wait(60))  # no subtree comes until the test is over
     try:
@@ -218,7 +219,7 @@ def test_the_breakdown_is_the_calls_counters(llama_pair, verdicts_wait_for_the_d
     """On a real call, the breakdown is what the workers counted: its rounds are the verifications, its verify and idle
     the target's busy and idle time, its share of grown rounds the rounds whose records say they expanded in flight."""
     target, draft, _ = llama_pair
-    model = SwiftSpecForCausalLM.from_models(target, draft, placement=CPU_THREADS, tree_budget=6)
+    model = SwiftSpecForCausalLM.from_models(target, draft, placement=CPU_THREADS, round="host", tree_budget=6)
     p = prompts(4)[3]
     out = model.generate(p, do_sample=False, max_new_tokens=24)
     assert out.tolist() == target.generate(p, do_sample=False, max_new_tokens=24).tolist()
@@ -237,7 +238,7 @@ def test_replayed_steps_on_both_threads_equal_target_generate(llama_pair, verdic
     """capture=True with the draft in its own thread: each worker replays its own steps (this CPU's stand-in for
     CUDA graphs) while the other runs, and the tokens are the target's own."""
     target, draft, _ = llama_pair
-    model = SwiftSpecForCausalLM.from_models(target, draft, placement=CPU_THREADS, capture=True, tree_budget=6,
+    model = SwiftSpecForCausalLM.from_models(target, draft, placement=CPU_THREADS, round="host", capture=True, tree_budget=6,
                                              draft_width=4)
     for p in prompts(4):
         expected = target.generate(p, do_sample=False, max_new_tokens=30)
@@ -263,7 +264,7 @@ def test_a_draft_that_does_not_pay_sends_the_root_alone_and_grows_one_round_in_e
 
     target, _, _ = llama_pair
     random_draft = tiny_model("llama", seed=9, layers=1)
-    model = SwiftSpecForCausalLM.from_models(target, random_draft, placement=CPU_THREADS, ngram_size=0)
+    model = SwiftSpecForCausalLM.from_models(target, random_draft, placement=CPU_THREADS, round="host", ngram_size=0)
     given_costs(model, expand_s=1.0, verify_s={1: 10.0, 2: 10.0})
     top_ups, top_up = [], Drafters.top_up
 
@@ -349,7 +350,7 @@ def test_serial_fallback_runs_the_faster_engine_exactly_and_says_so(llama_pair, 
 
     monkeypatch.setattr(launch, "run_threads", charged(launch.run_threads, async_s))
     monkeypatch.setattr(launch, "run_serial", charged(launch.run_serial, serial_s))
-    model = SwiftSpecForCausalLM.from_models(target, draft, placement=CPU_THREADS, serial_fallback=True)
+    model = SwiftSpecForCausalLM.from_models(target, draft, placement=CPU_THREADS, round="host", serial_fallback=True)
     model.policy().engines.clock = clock
     engines = []
     for p in prompts(8, seed=3) + prompts(2, seed=4):

@@ -637,15 +637,18 @@ def test_the_device_and_host_rounds_are_timed_by_name_or_skipped_with_the_reason
     assert "slot-limited layers" in skipped.note  # (a target that keeps its best-scored keys past a slot budget)
 
 
-def test_the_async_device_method_runs_exactly_with_and_without_suffix_proposals(tiny_models):
-    """swiftspec_async_device: the threads placement on the device round's asynchronous engine, with the pair's suffix
-    proposals on and off; its tokens target.generate's (run_bench fails a method whose tokens differ)."""
+def test_the_async_methods_run_exactly_on_the_engine_each_names(tiny_models):
+    """The threads placement: swiftspec_async under round='auto' and swiftspec_async_device on the device round's
+    asynchronous engine, with the pair's suffix proposals on and off, swiftspec_async_host on the host round's; their
+    tokens target.generate's (run_bench fails a method whose tokens differ)."""
+    engines = {"swiftspec_async": "async-threads-device", "swiftspec_async_device": "async-threads-device",
+               "swiftspec_async_host": "async-threads"}
     for swiftspec in ({}, {"ngram_size": 0}):
-        report = run_bench(BenchConfig(models=tiny_models, methods=("target", "swiftspec_async_device"),
-                                       prompts=("spec_bench",), output_dir=None, swiftspec=swiftspec,
-                                       **{**FAST, "growth_check_tokens": 0}))
-        ran = report.sets[0].at(1)[1]
-        assert ran.status == "ok" and ran.runs and ran.engines == ["async-threads-device"], (swiftspec, ran.note)
+        report = run_bench(BenchConfig(models=tiny_models, methods=("target", *engines), prompts=("spec_bench",),
+                                       output_dir=None, swiftspec=swiftspec, **{**FAST, "growth_check_tokens": 0}))
+        for result in report.sets[0].at(1)[1:]:
+            assert result.status == "ok" and result.runs, (swiftspec, result.name, result.note)
+            assert result.engines == [engines[result.name]], (swiftspec, result.name, result.engines)
 
 
 def test_the_agreeing_pair_takes_its_draft_s_layers_and_refuses_a_bad_count():

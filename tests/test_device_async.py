@@ -2,7 +2,7 @@
 re-rooted on the device): greedy output equal to target.generate's, sampling equal to the serial device round's for
 the same seed, its scores, stops, windowed layers and suffix proposals; the draft grows while the target verifies and re-roots into
 what it grew; a failed or silent worker surfaces in generate(); calls it cannot decode are refused by name where it
-was asked for, and left to the host round's engine under round='auto'."""
+was asked for, and left to the host round's engine under round='auto' (which runs it for the calls it decodes)."""
 
 import copy
 import threading
@@ -176,16 +176,22 @@ def test_a_silent_draft_times_out():
                 thread.join(timeout=10)
 
 
-def test_a_call_it_cannot_decode_is_refused_by_name_and_auto_takes_the_host_engine():
+def test_a_call_it_cannot_decode_is_refused_by_name_and_auto_takes_the_host_engine_for_it():
     target = tiny_model("llama", seed=2)
     model = asynchronous(target, truncated_draft(target, 2))
     p = prompts((6,))[0]
     with pytest.raises(ValueError, match="logits processors read the path.*round='host'"):
         model.generate(p, do_sample=False, max_new_tokens=10, repetition_penalty=1.2)
-    auto = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), placement=THREADS, ngram_size=0)
+    auto = SwiftSpecForCausalLM.from_models(target, truncated_draft(target, 2), placement=THREADS)
     expected = target.generate(p, do_sample=False, max_new_tokens=10, repetition_penalty=1.2)
     assert auto.generate(p, do_sample=False, max_new_tokens=10, repetition_penalty=1.2).tolist() == expected.tolist()
     assert auto.swiftspec_stats.engine == "async-threads"
+    assert "asynchronous engine cannot decode this call (its logits processors read the path)" in (
+        auto.swiftspec_stats.round_choice)
+    # a call it decodes: round='auto' runs it on the device round's engine, saying so
+    assert auto.generate(p, do_sample=False, max_new_tokens=10).tolist() == target.generate(
+        p, do_sample=False, max_new_tokens=10).tolist()
+    assert auto.swiftspec_stats.engine == ENGINE and "asynchronous engine" in auto.swiftspec_stats.round_choice
 
 
 @pytest.mark.parametrize("async_s, serial_s", [(1.0, 0.5), (0.5, 1.0)], ids=["serial-faster", "async-faster"])

@@ -88,8 +88,12 @@ def pooled_chisquare(counts, expected):
         # rejects at the root, which every other case does too: both run with the slow set (~50 s each)
         pytest.param(dict(temperature=1.3, top_p=0.8), marks=pytest.mark.slow),
         pytest.param(dict(temperature=0.7, top_k=0, top_p=1.0, draft="random"), marks=pytest.mark.slow),
-        # the slowest case (a thread per draw): fewer draws, still enough for a lossy walk to fail
-        dict(temperature=0.9, top_k=6, placement={"target": ["cpu"], "draft": ["cpu"]}, draws=1200),
+        # the slowest cases (a thread per draw): fewer draws, still enough for a lossy walk to fail; two threads
+        # under round='auto' run the device round's asynchronous engine, under round='host' the host round's
+        dict(temperature=0.9, top_k=6, placement={"target": ["cpu"], "draft": ["cpu"]}, draws=1200,
+             engine="async-threads-device"),
+        pytest.param(dict(temperature=0.9, top_k=6, placement={"target": ["cpu"], "draft": ["cpu"]}, draws=1200,
+                          round="host", engine="async-threads"), marks=pytest.mark.slow),
         # a fixed tree, so the n-gram chain is verified in every draw: the adaptive policy learns (exactly,
         # from the tokens the target emits) that a copied token is rarely sampled here, and stops verifying it
         dict(temperature=0.8, prompt=[3, 7, 5, 9, 3, 7, 5], draws=1500),
@@ -100,7 +104,8 @@ def pooled_chisquare(counts, expected):
             marks=pytest.mark.slow,
         ),
     ],
-    ids=["t1", "t0.7-topk5", "t1.3-topp0.8", "random-draft", "async-threads", "ngram", "adaptive-ngram-random"],
+    ids=["t1", "t0.7-topk5", "t1.3-topp0.8", "random-draft", "async-threads-device", "async-threads-host", "ngram",
+         "adaptive-ngram-random"],
 )
 def test_first_tokens_follow_target_distribution(kwargs):
     kwargs = dict(kwargs)
@@ -109,6 +114,7 @@ def test_first_tokens_follow_target_distribution(kwargs):
     budget = kwargs.pop("tree_budget", 6)
     draws = kwargs.pop("draws", DRAWS)
     skip = kwargs.pop("skip", 0)  # new tokens before the two counted
+    round_, engine = kwargs.pop("round", "auto"), kwargs.pop("engine", None)
     prompt = torch.tensor([kwargs.pop("prompt", [3, 7, 5, 9])])  # a repeat gives the n-gram chain a match
     target = tiny_model("llama", seed=3, vocab_size=VOCAB)
     target.generation_config.eos_token_id = None  # every draw has two tokens
@@ -116,7 +122,8 @@ def test_first_tokens_follow_target_distribution(kwargs):
     # A fixed tree (tree_budget and draft_depth set) makes every draw verify draft nodes: on models this
     # small the adaptive policy rightly finds that speculation does not pay and decodes plainly.
     model = SwiftSpecForCausalLM.from_models(
-        target, draft, tree_budget=budget, draft_depth=1 if budget else None, draft_width=3, placement=placement
+        target, draft, tree_budget=budget, draft_depth=1 if budget else None, draft_width=3, placement=placement,
+        round=round_,
     )
     expected = exact_joint(
         target, prompt, warpers(kwargs.get("temperature", 1.0), kwargs.get("top_k"), kwargs.get("top_p")), skip
@@ -131,6 +138,7 @@ def test_first_tokens_follow_target_distribution(kwargs):
         counts[t1 * VOCAB + t2] += 1
         accepted += model.swiftspec_stats.verify_steps == 1  # both tokens from one verification
         from_chain += sum(r.ngram_accepted for r in model.swiftspec_stats.rounds)
+        assert engine is None or model.swiftspec_stats.engine == engine
     if draft_kind == "agreeing":
         assert accepted > draws // 4  # the tree path (a sampled token matching a draft child) was exercised
     if prompt.shape[1] > 4:

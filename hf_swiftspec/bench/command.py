@@ -359,7 +359,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-lookup-tokens", type=int, default=d.prompt_lookup_tokens, help="(default: %(default)s)")
     add_tree_options(parser)
     parser.add_argument("--ngram-size", type=int, default=None,
-                        help="override the pair's ngram_size (0: no suffix proposals; what swiftspec_async_device needs)")
+                        help="override the pair's ngram_size (0: no suffix proposals)")
     parser.add_argument("--seed", type=int, default=d.seed, help="(default: %(default)s)")
     parser.add_argument(
         "--warmup", type=int, default=d.warmup, help="untimed calls per method before each set (default: %(default)s)"

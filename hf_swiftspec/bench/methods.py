@@ -327,8 +327,8 @@ def methods_at(batch_size: int, methods: list[Method], skipped: list[MethodResul
 
 def async_method(models: BenchModels, settings: dict, seed: int, notes: list[str],
                  name: str = "swiftspec_async") -> Method | MethodResult:
-    """swiftspec_async (or swiftspec_async_device: the same placement with round="device"), or a skipped result
-    saying why the placement or the device round's asynchronous engine does not allow it."""
+    """swiftspec_async (or swiftspec_async_device / swiftspec_async_host: the same placement with round="device" /
+    "host"), or a skipped result saying why the placement or the device round's asynchronous engine does not allow it."""
     if models.draft is None:
         note = "skipped: no draft (draft-free mode runs on the serial engine)"
         notes.append(f"{name} {note}.")
@@ -337,8 +337,8 @@ def async_method(models: BenchModels, settings: dict, seed: int, notes: list[str
     if spec is None:
         notes.append(f"{name} {note}.")
         return skipped_result(name, note)
-    if name == "swiftspec_async_device":
-        settings = {**settings, "round": "device"}
+    if name in ("swiftspec_async_device", "swiftspec_async_host"):
+        settings = {**settings, "round": "device" if name == "swiftspec_async_device" else "host"}
     draft = models.draft
     if torch.device(spec["draft"][0]) != draft.device:
         draft = copy.deepcopy(draft)  # the other methods keep the draft beside the target
@@ -377,6 +377,7 @@ def build_methods(models: BenchModels, config: BenchConfig, settings: dict, note
         ),
         "swiftspec_async": lambda: async_method(models, settings, config.seed, notes),
         "swiftspec_async_device": lambda: async_method(models, settings, config.seed, notes, "swiftspec_async_device"),
+        "swiftspec_async_host": lambda: async_method(models, settings, config.seed, notes, "swiftspec_async_host"),
         "target_static": lambda: target_static_method(target),
         "assisted_static": lambda: assisted_static_method(target, draft, max(config.assistant_tokens))
         if draft is not None else no_draft("assisted_static", notes),

@@ -26,11 +26,13 @@ DEFAULT_METHODS = ("target", "assisted", "prompt_lookup", "swiftspec_serial", "s
 # swiftspec_eager: swiftspec_serial with capture=False; swiftspec_device: the same pair and settings on the device
 # round asked for (SwiftSpecConfig round="device"), skipped with the device round's reason where it cannot decode the
 # pair exactly; swiftspec_host: on the host round (round="host"), while the asynchronous engine still drives it;
-# swiftspec_async_device: swiftspec_async's placement on the device round's asynchronous engine (round="device":
-# engine/device_async.py), skipped with its reason where it cannot decode the pair's calls.
+# swiftspec_async: the draft in a thread (or device) of its own, round="auto" (the device round's asynchronous engine
+# where it decodes the call, else the host round's); swiftspec_async_device: that placement on the device round's
+# asynchronous engine asked for (round="device": engine/device_async.py), skipped with its reason where it cannot
+# decode the pair's calls; swiftspec_async_host: that placement on the host round's engine (round="host").
 METHOD_NAMES = DEFAULT_METHODS + ("swiftspec_compiled", "swiftspec_suffix", "swiftspec_eagle3", "target_static",
                                   "swiftspec_eager", "assisted_static", "swiftspec_device", "swiftspec_host",
-                                  "swiftspec_async_device")
+                                  "swiftspec_async_device", "swiftspec_async_host")
 METHOD_LABELS = {
     "target": "target.generate",
     "assisted": "assisted generation",
@@ -46,6 +48,7 @@ METHOD_LABELS = {
     "swiftspec_device": "swiftspec, device round",
     "swiftspec_host": "swiftspec, host round",
     "swiftspec_async_device": "swiftspec async, device round",
+    "swiftspec_async_host": "swiftspec async, host round",
 }
 
 

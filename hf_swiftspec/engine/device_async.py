@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from ..drafters.device_expansion import DraftTree, best_leaves, expand, reroot_kv, reroot_tree, unexpanded, unrun
+from ..drafters.device_host import on_host
 from ..drafters.device_suffix import SuffixProposals, chosen_subtree, merge_suffix
 from ..drafters.eagle3 import DraftHead
 from ..policy.choice import PLAIN, TREE, DraftingChoice
@@ -113,8 +114,10 @@ def async_gaps(target, draft, request: DecodeRequest, config, architectures, voc
         return gaps
     if not distributed and draft.device != target.device:
         gaps.append("its two threads run on one device (the draft on another device runs the host round's engine)")
-    if vocabularies is not None:
-        gaps.append("its draft reads the target's tokens (a draft with another tokenizer runs the host round's engine)")
+    hosted = on_host(draft, target, vocabularies)
+    if hosted is not None:
+        gaps.append(f"its draft grows on the device (a draft proposing from the host, {hosted}, runs the host "
+                    "round's engine)")
     if request.batch_size != 1 or request.attention_mask is not None and not bool(request.attention_mask.all()):
         gaps.append("it decodes one sequence without padding")
     if not all(s.path_free for s in request.samplers):

@@ -161,7 +161,7 @@ def device_round_gaps(config, target, draft, architectures, logits_processor, pl
                         "a tree); use round='host'")
     threads = placement is not None and placement.mode == "threads" and groups is None and (
         draft is not None and draft.device == target.device)
-    if (threads or groups is not None) and config.round == "device":
+    if threads or (groups is not None and config.round == "device"):
         pass  # the device round's asynchronous engine (engine/device_async.py, device_distributed.py: its own gaps)
     elif (placement is not None and placement.mode != "serial") or groups is not None or (
         draft is not None and draft.device != target.device
@@ -193,7 +193,7 @@ def choose_round(config, target, *args, **kwargs) -> tuple[str, str]:
     gaps = device_round_gaps(config, target, *args, **kwargs)
     if gaps:
         return "host", f"round='auto', host round: the device round cannot decode this call exactly ({gaps[0]})"
-    return "device", "round='auto': the device round"
+    return "device", "round='auto': the device round"  # (two threads on one device: its asynchronous engine)
 
 
 def check_device_round(*args, **kwargs) -> None:

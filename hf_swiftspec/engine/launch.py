@@ -60,11 +60,20 @@ def decode_adaptive(target, draft, request: DecodeRequest, config: SwiftSpecConf
     if round_ == "device" and placement is not None and placement.mode == "threads":
         architectures = architectures or (describe(target, "target"), draft_architecture(draft))
         gaps = async_gaps(target, draft, request, config, architectures, vocabularies)
-        if gaps:
+        if gaps and config.round == "device":
             raise ValueError(f"SwiftSpecConfig.round='device' with placement threads runs the device round's "
                              f"asynchronous engine, which cannot decode this call: {'; '.join(gaps)}. Fix that, or "
                              "use round='host' (the host round's asynchronous engine decodes it).")
-        return run_device_async_or_serial(target, draft, request, config, placement, captures, architectures)
+        if gaps:  # round='auto': the host round's asynchronous engine decodes it
+            result = decode_adaptive(target, draft, request, config, placement, groups, chain_reasons, architectures,
+                                     captures, vocabularies, "host")
+            result.stats.round_choice = ("round='auto', host round: the device round's asynchronous engine cannot "
+                                         f"decode this call ({gaps[0]})")
+            return result
+        result = run_device_async_or_serial(target, draft, request, config, placement, captures, architectures)
+        if config.round == "auto":
+            result.stats.round_choice = "round='auto': the device round's asynchronous engine (two threads, one device)"
+        return result
     if round_ == "device":
         return run_device(target, draft, request, config, captures, host_drafter(target, draft, config, vocabularies),
                           architectures)
