@@ -34,7 +34,8 @@ from .config import SwiftSpecConfig
 from .engine import DecodeRequest, DecodeResult
 from .engine.distributed import Groups
 from .engine.device_sides import check_device_round, choose_round
-from .engine.launch import batch_exactness_gaps, decode_adaptive, draft_architecture, remember_outputs
+from .engine.launch import (batch_exactness_gaps, decode_adaptive, draft_architecture, remember_outputs,
+                            remember_tokens)
 from .steps.capture import Captures
 from .engine.placement import Placement
 from .config import MAX_BUDGET
@@ -42,6 +43,7 @@ from .policy.choice import ROUND, TARGET_LOOP, LoopChoice
 from .policy.goodput import GoodputPolicy
 from .stats import SwiftSpecStats
 from .drafters.suffix import OutputHistory
+from .steps.acceptance import split_criteria
 from .steps.verify import Sampler
 
 UNSUPPORTED_OPTIONS = {
@@ -283,8 +285,8 @@ def loop_choice(config: SwiftSpecConfig, policy, engine, placement: Placement | 
     """The pair's LoopChoice for this batch size (policy/choice.py: the round, or transformers' own loop where the
     round decoded plainly and the loop measured faster), for a greedy call of its own on one device with round='auto';
     None elsewhere: a round named (round='device' or 'host'), target_loop=False, a running batch's request, two
-    devices or ranks (their engines choose by serial_fallback), sampling (a seed's draws are the round's, by position; the loop's come from
-    torch's generator, so one seed would give other text by the engine that ran)."""
+    devices or ranks (their engines choose by serial_fallback), sampling (a seed's draws are the round's, by
+    position; the loop's come from torch's generator, so one seed would give other text by the engine that ran)."""
     if config.round != "auto" or not config.target_loop or engine is not None or groups is not None:
         return None
     if not isinstance(policy, GoodputPolicy) or generation_config.do_sample:
@@ -308,24 +310,15 @@ def measured_target_loop(loop: LoopChoice, model, input_ids, logits_processor, s
     stats.draft_model = False
     if history is not None:
         sequences = output if isinstance(output, torch.Tensor) else output.sequences
-        lead_in = config.ngram_size if config.ngram_size > 0 else 0
         mask = model_kwargs.get("attention_mask")
         masks = mask.tolist() if mask is not None else [[1] * input_ids.shape[1]] * input_ids.shape[0]
-        eos = set(eos_ids(generation_config))
+        eos = split_criteria(stopping_criteria).eos  # (the rows' EOS ids: after one, padding)
+        outputs = []
         for prompt, kept, new in zip(input_ids.tolist(), masks, sequences[:, input_ids.shape[1]:].tolist()):
-            ids = [t for t, m in zip(prompt, kept) if m]
-            end = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))  # (after an EOS: padding)
-            if end:
-                history.add((ids[-lead_in:] if lead_in else []) + new[:end])
+            end = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
+            outputs.append(([t for t, m in zip(prompt, kept) if m], new[:end]))
+        remember_tokens(history, config, outputs)
     return output, stats
-
-
-def eos_ids(generation_config: GenerationConfig) -> list[int]:
-    """The EOS ids generate() stops at (none: an empty list)."""
-    eos = generation_config.eos_token_id
-    if eos is None:
-        return []
-    return [int(e) for e in (eos.tolist() if isinstance(eos, torch.Tensor) else eos if isinstance(eos, list) else [eos])]
 
 
 def check_inputs(inputs, kwargs: dict, generation_config: GenerationConfig | None, default: GenerationConfig) -> None:

@@ -19,6 +19,8 @@ from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.engine import SwiftSpecWorkerError
 from hf_swiftspec.tools.models import tiny_model, truncated_draft
 
+from fixed_costs import CostClock  # (this script's folder is on its path)
+
 
 def report(**fields):
     print("RESULT " + json.dumps({"rank": dist.get_rank(), **fields}), flush=True)
@@ -60,32 +62,15 @@ def greedy(placement, args):
                    replays=sum(b.replays for g in model.captures.runners.values() for b in g.buckets.values()))
 
 
-class CostClock:
-    """A clock that moves only by the costs charged to it (the engine choice's, on the target's rank)."""
-
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def fallback(placement, args):
     """serial_fallback=True across processes: the calls alternate engines (two each), then run the faster, here the
     serial round on the target's rank (the engine choice's clock is charged 1 s an asynchronous call and 0.5 s a
     serial one there: given costs, not this machine's); every rank returns the target's own tokens whichever ran."""
     import hf_swiftspec.engine.launch as launch
 
-    clock = CostClock()
-
-    def charged(run, seconds):
-        def run_and_charge(groups, *rest, **kwargs):
-            clock.now += seconds
-            return run(groups, *rest, **kwargs)
-        return run_and_charge
-
-    launch.run_distributed = charged(launch.run_distributed, 1.0)
-    launch.run_serial_distributed = charged(launch.run_serial_distributed, 0.5)
+    clock = CostClock()  # (the engine choice's, on the target's rank)
+    launch.run_distributed = clock.charging(launch.run_distributed, 1.0)
+    launch.run_serial_distributed = clock.charging(launch.run_serial_distributed, 0.5)
     model, reference = pair(placement, serial_fallback=True, worker_timeout_s=60)
     model.policy().engines.clock = clock
     for p in prompts(args.prompts):

@@ -11,7 +11,7 @@ from hf_swiftspec.engine import SwiftSpecWorkerError
 from hf_swiftspec.engine.placement import resolve_placement
 from hf_swiftspec.tools.models import tiny_model, truncated_draft
 
-from fixed_costs import given_costs
+from fixed_costs import CostClock, given_costs
 
 CPU_THREADS = {"target": ["cpu"], "draft": ["cpu"]}
 
@@ -321,16 +321,6 @@ def test_engine_choice_measures_both_then_runs_the_faster_and_retries_the_other(
     assert choice.calls[SERIAL] == 2
 
 
-class CostClock:
-    """A clock that moves only by the costs a test charges it: calls timed by it last what the test says they do."""
-
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.mark.parametrize("async_s, serial_s", [(1.0, 0.5), (0.5, 1.0)], ids=["serial-faster", "async-faster"])
 def test_serial_fallback_runs_the_faster_engine_exactly_and_says_so(llama_pair, monkeypatch, async_s, serial_s):
     """With serial_fallback, a placement's calls run the asynchronous engine and the serial round alternately, two
@@ -341,15 +331,8 @@ def test_serial_fallback_runs_the_faster_engine_exactly_and_says_so(llama_pair, 
 
     target, draft, _ = llama_pair
     clock = CostClock()
-
-    def charged(run, seconds):
-        def run_and_charge(*args, **kwargs):
-            clock.now += seconds
-            return run(*args, **kwargs)
-        return run_and_charge
-
-    monkeypatch.setattr(launch, "run_threads", charged(launch.run_threads, async_s))
-    monkeypatch.setattr(launch, "run_serial", charged(launch.run_serial, serial_s))
+    monkeypatch.setattr(launch, "run_threads", clock.charging(launch.run_threads, async_s))
+    monkeypatch.setattr(launch, "run_serial", clock.charging(launch.run_serial, serial_s))
     model = SwiftSpecForCausalLM.from_models(target, draft, placement=CPU_THREADS, round="host", serial_fallback=True)
     model.policy().engines.clock = clock
     engines = []

@@ -13,7 +13,8 @@ import torch
 from hf_swiftspec import SwiftSpecForCausalLM
 from hf_swiftspec.engine import SwiftSpecWorkerError
 from hf_swiftspec.tools.models import tiny_model, truncated_draft
-from test_async import CostClock, verdicts_wait_for_the_draft  # noqa: F401 (the host engine's tests' fixture, same link)
+from fixed_costs import CostClock
+from test_async import verdicts_wait_for_the_draft  # noqa: F401 (the host engine's tests' fixture, same link)
 
 THREADS = {"target": ["cpu"], "draft": ["cpu"]}
 ENGINE = "async-threads-device"
@@ -203,15 +204,8 @@ def test_serial_fallback_runs_the_faster_device_engine_exactly_and_says_so(monke
 
     target = tiny_model("llama", seed=2)
     clock = CostClock()
-
-    def charged(run, seconds):
-        def run_and_charge(*args, **kwargs):
-            clock.now += seconds
-            return run(*args, **kwargs)
-        return run_and_charge
-
-    monkeypatch.setattr(launch, "run_device_async", charged(launch.run_device_async, async_s))
-    monkeypatch.setattr(launch, "run_device", charged(launch.run_device, serial_s))
+    monkeypatch.setattr(launch, "run_device_async", clock.charging(launch.run_device_async, async_s))
+    monkeypatch.setattr(launch, "run_device", clock.charging(launch.run_device, serial_s))
     model = asynchronous(target, truncated_draft(target, 2), serial_fallback=True)
     model.policy().engines.clock = clock
     engines = []

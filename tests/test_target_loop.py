@@ -16,6 +16,8 @@ from hf_swiftspec.policy.choice import (
 )
 from hf_swiftspec.tools.models import tiny_model
 
+from fixed_costs import CostClock
+
 NEW = 24  # new tokens a call: at least PLAIN_CALL_ROUNDS plain rounds
 
 
@@ -24,28 +26,11 @@ def prompts(n, seed=3):
     return [torch.randint(3, 98, (1, 4 + 3 * i), generator=g) for i in range(n)]
 
 
-class CostClock:
-    """A clock that moves only by the costs a test charges it."""
-
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def charged_clock(monkeypatch, round_s: float, loop_s: float) -> CostClock:
     """A CostClock charged round_s by each round's call and loop_s by each call of transformers' own loop."""
     clock = CostClock()
-
-    def charging(run, seconds):
-        def run_and_charge(*args, **kwargs):
-            clock.now += seconds
-            return run(*args, **kwargs)
-        return run_and_charge
-
-    monkeypatch.setattr(generation, "decode_adaptive", charging(generation.decode_adaptive, round_s))
-    monkeypatch.setattr(generation, "target_loop", charging(generation.target_loop, loop_s))
+    monkeypatch.setattr(generation, "decode_adaptive", clock.charging(generation.decode_adaptive, round_s))
+    monkeypatch.setattr(generation, "target_loop", clock.charging(generation.target_loop, loop_s))
     return clock
 
 

@@ -278,12 +278,12 @@ class DraftSide:
         self.root_ran = bool(self.tree.expanded[0, 0])
 
     def follow_plain(self, verdict: Verdict) -> None:
-        """A plain round's verdict (its path: the root alone): the root is committed (run later, with the others
-        behind), the target's next token the next root."""
+        """A plain round's verdict (its path: the root, and the suffix nodes it sent that were accepted): the path is
+        committed (run later, with the others behind), the target's next token the next root."""
         if not self.root_ran:
             self.behind.append(self.plain_root[:, None])
-        if verdict.count > 1:  # a run of steps: each one's token but the last was committed too
-            self.behind.append(torch.tensor([verdict.tokens[: verdict.count - 1]], device=self.plain_root.device))
+        if verdict.count > 1:  # a path past the root, or a run of steps: each one's token but the last
+            self.behind.append(to_device([verdict.tokens[: verdict.count - 1]], self.plain_root.device))
         self.root_ran = False
         self.plain_root = verdict.token
         self.prefix += verdict.count
@@ -316,16 +316,12 @@ class DraftSide:
         self.counters.reroot_misses += not hit
 
     def restart(self, verdict: Verdict) -> None:
-        """The verified path left the draft's tree (a suffix node it never grew): a fresh tree at the target's next
-        token; the committed tokens the draft has not run at their slots (its root, unless it ran, and the path past it,
-        whose draft nodes' KV sits in the tree region) run before its next expansion (run_behind)."""
-        if not bool(self.tree.expanded[0, 0]):
-            self.behind.append(self.tree.tree.tokens[:, :1])
-        if verdict.count > 1:
-            self.behind.append(torch.tensor([verdict.tokens[: verdict.count - 1]], device=verdict.token.device))
-        self.prefix += verdict.count
-        prefix = torch.full((1,), self.prefix, dtype=torch.long, device=verdict.token.device)
-        self.tree = DraftTree.rooted(verdict.token, prefix, self.shape.nodes)
+        """The verified path left the draft's tree (a suffix node it never grew): followed as a plain round's (its root,
+        unless the draft ran it, and the path past it, whose draft nodes' KV sits in the tree region, run before the
+        next expansion), then a fresh tree at the target's next token."""
+        self.go_plain()
+        self.follow_plain(verdict)
+        self.leave_plain()
         self.counters.reroot_misses += 1
 
     def settle(self) -> None:

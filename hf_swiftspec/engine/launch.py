@@ -39,12 +39,20 @@ from .workers import TargetWorker, attend_the_tree
 def remember_outputs(history: OutputHistory | None, config: SwiftSpecConfig, request: DecodeRequest,
                      result: DecodeResult) -> None:
     """Keep the rows' outputs (and their lead-ins) in the history later requests' suffix proposals copy from."""
+    remember_tokens(history, config, [(ids, row.tokens[: result.end]) for ids, row in zip(request.prompt_ids(),
+                                                                                          result.rows)])
+
+
+def remember_tokens(history: OutputHistory | None, config: SwiftSpecConfig,
+                    outputs: list[tuple[list[int], list[int]]]) -> None:
+    """Keep each (prompt ids, output tokens) pair's output, after its prompt's last ngram_size tokens (its lead-in),
+    in the history; an empty output keeps nothing."""
     if history is None:
         return
     lead_in = config.ngram_size if config.ngram_size > 0 else 0
-    for ids, row in zip(request.prompt_ids(), result.rows):
-        if row.tokens:
-            history.add((ids[-lead_in:] if lead_in else []) + row.tokens[: result.end])
+    for ids, tokens in outputs:
+        if tokens:
+            history.add((ids[-lead_in:] if lead_in else []) + tokens)
 
 
 def decode_adaptive(target, draft, request: DecodeRequest, config: SwiftSpecConfig, placement, groups,
